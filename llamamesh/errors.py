@@ -1,0 +1,129 @@
+"""One domain error tree. Imports neither grpc nor redis.
+
+Each class has a stable ``code`` so that a failure can cross Redis as data
+(``Failed{code, message, retryable, field}``) and be rebuilt on the other side
+with :func:`from_code`. ``services/status.py`` maps the tree to gRPC once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FieldViolation:
+    field: str
+    description: str
+
+
+class LlamameshError(Exception):
+    """Base of every error llamamesh raises on purpose."""
+
+    code = "internal"
+    retryable = False
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+# --- client errors: the request is at fault; retrying the same request fails again.
+class ClientError(LlamameshError):
+    code = "client_error"
+
+
+class InvalidRequest(ClientError):
+    """One or more request fields are invalid; ``violations`` names each field."""
+
+    code = "invalid_argument"
+
+    def __init__(self, violations: list[FieldViolation] | FieldViolation) -> None:
+        if isinstance(violations, FieldViolation):
+            violations = [violations]
+        self.violations = list(violations)
+        super().__init__("; ".join(f"{v.field}: {v.description}" for v in self.violations))
+
+    @classmethod
+    def field(cls, field: str, description: str) -> InvalidRequest:
+        return cls(FieldViolation(field, description))
+
+
+class PromptTooLong(InvalidRequest):
+    code = "prompt_too_long"
+
+
+class NotFound(ClientError):
+    code = "not_found"
+
+
+# --- capacity: try again later.
+class CapacityError(LlamameshError):
+    code = "capacity"
+    retryable = True
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class QueueFull(CapacityError):
+    code = "queue_full"
+
+
+class RateLimited(CapacityError):
+    code = "rate_limited"
+
+
+# --- unavailable: a dependency is down; another attempt may succeed.
+class Unavailable(LlamameshError):
+    code = "unavailable"
+    retryable = True
+
+
+class NoWorkers(Unavailable):
+    code = "no_workers"
+
+
+class QueueUnavailable(Unavailable):
+    code = "queue_unavailable"
+
+
+class EngineDead(Unavailable):
+    code = "engine_dead"
+
+
+class WorkerLost(Unavailable):
+    code = "worker_lost"
+
+
+class DeadlineExceeded(LlamameshError):
+    code = "deadline_exceeded"
+
+
+class InternalError(LlamameshError):
+    code = "internal"
+
+
+def _all_subclasses(cls: type[LlamameshError]) -> list[type[LlamameshError]]:
+    out = [cls]
+    for sub in cls.__subclasses__():
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+_BY_CODE: dict[str, type[LlamameshError]] = {c.code: c for c in _all_subclasses(LlamameshError)}
+
+
+def from_code(code: str, message: str, field: str = "") -> LlamameshError:
+    """Rebuild a domain error from its wire form; unknown codes become InternalError."""
+    cls = _BY_CODE.get(code, InternalError)
+    if issubclass(cls, InvalidRequest):
+        return cls(FieldViolation(field or "request", message))
+    return cls(message)
+
+
+def field_of(exc: LlamameshError) -> str:
+    """The request field at fault, or "" when the error is not about one field."""
+    if isinstance(exc, InvalidRequest) and exc.violations:
+        return exc.violations[0].field
+    return ""

@@ -1,0 +1,47 @@
+"""structlog, configured once per process: JSON when stderr is not a terminal.
+
+Third-party stdlib loggers (grpc, redis, transformers) go through the same
+renderer. Request-scoped fields (``request_id``, ``worker``) are bound with
+``structlog.contextvars``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+from llamamesh.settings import LogSettings
+
+
+def configure(settings: LogSettings, process: str) -> None:
+    """Configure structlog and the stdlib root logger for this process."""
+    use_json = settings.format == "json" or (settings.format == "auto" and not sys.stderr.isatty())
+    named = logging.getLevelName(settings.level.upper())  # an int for known names (3.10 has no mapping API)
+    level = named if isinstance(named, int) else logging.INFO
+    shared: list[structlog.types.Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    renderer: structlog.types.Processor = (
+        structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    structlog.configure(
+        processors=[*shared, structlog.processors.format_exc_info, renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[*shared, structlog.stdlib.ExtraAdder()],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(max(level, logging.INFO))
+    structlog.contextvars.bind_contextvars(process=process)

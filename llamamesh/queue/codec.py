@@ -1,0 +1,150 @@
+"""Domain types <-> the internal protobuf messages that travel through Redis."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import MappingProxyType
+
+from llamamesh.errors import InvalidRequest
+from llamamesh.internal.v1 import job_pb2 as pb
+from llamamesh.types import (
+    ChatMessage,
+    Failure,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    JobEvent,
+    JobKind,
+    SamplingParams,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+
+_KIND_TO_PB = {JobKind.GENERATE: pb.JOB_KIND_GENERATE, JobKind.TOKENIZE: pb.JOB_KIND_TOKENIZE}
+_KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
+_REPEATED = {"stop", "stop_token_ids"}
+
+
+def encode_job(req: GenerationRequest) -> bytes:
+    job = pb.Job(
+        kind=_KIND_TO_PB[req.kind],
+        request_id=req.request_id,
+        model=req.model,
+        priority=req.priority,
+        metadata=dict(req.metadata),
+        accepted_unix_ns=req.accepted_unix_ns,
+    )
+    if req.prompt is not None:
+        job.prompt = req.prompt
+    elif req.messages is not None:
+        job.messages.messages.extend(pb.Message(role=m.role, content=m.content) for m in req.messages)
+    for f in dataclasses.fields(SamplingParams):
+        value = getattr(req.sampling, f.name)
+        if f.name in _REPEATED:
+            getattr(job.sampling, f.name).extend(value)
+        elif value is not None:
+            setattr(job.sampling, f.name, value)
+    return job.SerializeToString()
+
+
+def decode_job(data: bytes) -> GenerationRequest:
+    """Decode a work-stream entry; an undecodable one raises InvalidRequest."""
+    job = pb.Job()
+    try:
+        job.ParseFromString(data)
+    except Exception as exc:  # protobuf raises its own DecodeError
+        raise InvalidRequest.field("job", "undecodable job entry") from exc
+    values: dict[str, object] = {}
+    for f in dataclasses.fields(SamplingParams):
+        if f.name in _REPEATED:
+            values[f.name] = tuple(getattr(job.sampling, f.name))
+        elif job.sampling.HasField(f.name):
+            values[f.name] = getattr(job.sampling, f.name)
+    which = job.WhichOneof("input")
+    return GenerationRequest(
+        request_id=job.request_id,
+        model=job.model,
+        prompt=job.prompt if which == "prompt" else None,
+        messages=(
+            tuple(ChatMessage(m.role, m.content) for m in job.messages.messages)
+            if which == "messages"
+            else None
+        ),
+        sampling=SamplingParams(**values),  # type: ignore[arg-type]  # fields come from the dataclass itself
+        priority=job.priority,
+        metadata=MappingProxyType(dict(job.metadata)),
+        kind=_KIND_FROM_PB.get(job.kind, JobKind.GENERATE),
+        accepted_unix_ns=job.accepted_unix_ns,
+    )
+
+
+def _logprobs_to_pb(items: tuple[TokenLogprob, ...]) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top=[pb.TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top],
+        )
+        for lp in items
+    ]
+
+
+def encode_event(ev: JobEvent) -> bytes:
+    msg = pb.JobEvent(
+        text=ev.text,
+        token_ids=ev.token_ids,
+        index=ev.index,
+        logprobs=_logprobs_to_pb(ev.logprobs),
+        tokenized=ev.tokenized,
+        worker=ev.worker,
+    )
+    if ev.finished is not None:
+        f = ev.finished
+        msg.finished.CopyFrom(
+            pb.Finished(
+                finish_reason=f.finish_reason.value,
+                prompt_tokens=f.usage.prompt_tokens,
+                completion_tokens=f.usage.completion_tokens,
+                started_unix_ns=f.started_unix_ns,
+                first_token_unix_ns=f.first_token_unix_ns,
+            )
+        )
+    if ev.failed is not None:
+        x = ev.failed
+        msg.failed.CopyFrom(pb.Failed(code=x.code, message=x.message, retryable=x.retryable, field=x.field))
+    return msg.SerializeToString()
+
+
+def decode_event(data: bytes) -> JobEvent:
+    msg = pb.JobEvent()
+    msg.ParseFromString(data)
+    finished = failed = None
+    if msg.HasField("finished"):
+        f = msg.finished
+        finished = Finished(
+            finish_reason=FinishReason(f.finish_reason),
+            usage=Usage(prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens),
+            started_unix_ns=f.started_unix_ns,
+            first_token_unix_ns=f.first_token_unix_ns,
+        )
+    if msg.HasField("failed"):
+        x = msg.failed
+        failed = Failure(code=x.code, message=x.message, retryable=x.retryable, field=x.field)
+    return JobEvent(
+        text=msg.text,
+        token_ids=tuple(msg.token_ids),
+        index=msg.index,
+        logprobs=tuple(
+            TokenLogprob(
+                token_id=lp.token_id,
+                logprob=lp.logprob,
+                top=tuple(TopLogprob(t.token_id, t.logprob) for t in lp.top),
+            )
+            for lp in msg.logprobs
+        ),
+        finished=finished,
+        failed=failed,
+        tokenized=msg.tokenized,
+        worker=msg.worker,
+    )

@@ -1,0 +1,34 @@
+"""Every Redis key, stream, group and field name llamamesh uses, under one versioned prefix.
+
+Per-request keys share a hash tag (``{<request_id>}``) so that a request's
+event stream and cancel flag live in one Redis Cluster slot; each pool's work
+stream is its own slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Consumer group every worker of a pool joins on the pool's work stream.
+WORKER_GROUP = "workers"
+# Field of a work-stream entry holding the encoded Job.
+JOB_FIELD = "j"
+# Field of an event-stream entry holding the encoded JobEvent.
+EVENT_FIELD = "e"
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str = "llamamesh:v1"
+
+    def jobs(self, pool: str) -> str:
+        """The work stream of one pool."""
+        return f"{self.prefix}:pool:{{{pool}}}:jobs"
+
+    def events(self, request_id: str) -> str:
+        """The event stream of one request, written by its worker, read by its gateway."""
+        return f"{self.prefix}:req:{{{request_id}}}:events"
+
+    def cancel(self, request_id: str) -> str:
+        """Present while a request is cancelled."""
+        return f"{self.prefix}:req:{{{request_id}}}:cancel"

@@ -1,0 +1,161 @@
+"""The queue on Redis Streams.
+
+- Work: one stream per pool (``keys.jobs``), read by the pool's workers through
+  one consumer group; a job is acked and deleted after its terminal event.
+- Events: one stream per request (``keys.events``), written by the worker (one
+  entry per engine step, all requests of a step in one pipeline) and read by
+  the gateway with blocking XREAD from its last id. It expires
+  ``event_ttl_s`` after the terminal event.
+- Cancel: a flag key per request, checked when a job is leased and on every
+  publish of the worker that runs it.
+
+Redis errors become ``QueueUnavailable`` here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import RedisError, ResponseError
+
+from llamamesh.errors import InvalidRequest, QueueUnavailable
+from llamamesh.queue import codec
+from llamamesh.queue.keys import EVENT_FIELD, JOB_FIELD, WORKER_GROUP, Keys
+from llamamesh.queue.protocol import Lease
+from llamamesh.settings import RedisSettings
+from llamamesh.types import GenerationRequest, JobEvent
+
+log = structlog.get_logger(__name__)
+
+
+class RedisQueue:
+    """Both faces of the queue (JobQueue and WorkQueue) on one Redis connection pool."""
+
+    def __init__(self, client: aioredis.Redis, settings: RedisSettings) -> None:
+        self._r = client
+        self._s = settings
+        self.keys = Keys(settings.prefix)
+
+    @classmethod
+    def from_settings(cls, settings: RedisSettings) -> RedisQueue:
+        if not settings.url:
+            raise ValueError("RedisSettings.url is empty: start the embedded server first")
+        # Blocking reads hold a connection each; the socket timeout must outlast them.
+        client = aioredis.Redis.from_url(
+            settings.url,
+            socket_timeout=settings.block_ms / 1000 + 10,
+            socket_connect_timeout=5,
+            health_check_interval=30,
+        )
+        return cls(client, settings)
+
+    # ---- gateway side -------------------------------------------------------
+    async def submit(self, pool: str, request: GenerationRequest) -> None:
+        try:
+            await self._r.xadd(self.keys.jobs(pool), {JOB_FIELD: codec.encode_job(request)})
+        except RedisError as exc:
+            raise QueueUnavailable("the queue is unreachable") from exc
+
+    async def events(self, request_id: str, after: str = "0-0") -> AsyncIterator[tuple[str, JobEvent]]:
+        key = self.keys.events(request_id)
+        last = after
+        while True:
+            try:
+                reply = await self._r.xread({key: last}, count=256, block=self._s.block_ms)
+            except RedisError as exc:
+                raise QueueUnavailable("the queue is unreachable") from exc
+            for _stream, entries in reply or ():
+                for entry_id, fields in entries:
+                    last = entry_id.decode()
+                    event = codec.decode_event(fields[EVENT_FIELD.encode()])
+                    yield last, event
+                    if event.terminal:
+                        return
+
+    async def cancel(self, request_id: str) -> None:
+        try:
+            await self._r.set(self.keys.cancel(request_id), b"1", ex=self._s.event_idle_ttl_s)
+        except RedisError as exc:
+            raise QueueUnavailable("the queue is unreachable") from exc
+
+    async def ping(self) -> None:
+        try:
+            await self._r.ping()
+        except RedisError as exc:
+            raise QueueUnavailable("the queue is unreachable") from exc
+
+    async def close(self) -> None:
+        await self._r.aclose()
+
+    # ---- worker side --------------------------------------------------------
+    async def join(self, pool: str) -> None:
+        try:
+            await self._r.xgroup_create(self.keys.jobs(pool), WORKER_GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise QueueUnavailable(f"cannot create the consumer group: {exc}") from exc
+        except RedisError as exc:
+            raise QueueUnavailable("the queue is unreachable") from exc
+
+    async def lease(self, pool: str, consumer: str, count: int, block_ms: int) -> list[Lease]:
+        stream = self.keys.jobs(pool)
+        try:
+            reply = await self._r.xreadgroup(WORKER_GROUP, consumer, {stream: ">"}, count=count, block=block_ms)
+        except ResponseError as exc:
+            if "NOGROUP" in str(exc):
+                # The stream or group vanished (a Redis that came back empty): recreate and retry.
+                log.warning("consumer_group_missing", pool=pool)
+                await self.join(pool)
+                return []
+            raise QueueUnavailable(f"cannot read the work stream: {exc}") from exc
+        except RedisError as exc:
+            raise QueueUnavailable("the queue is unreachable") from exc
+        entries = [e for _s, es in reply or () for e in es]
+        if not entries:
+            return []
+        leased: list[tuple[str, GenerationRequest]] = []
+        bad: list[str] = []
+        for entry_id, fields in entries:
+            eid = entry_id.decode()
+            try:
+                leased.append((eid, codec.decode_job(fields[JOB_FIELD.encode()])))
+            except (InvalidRequest, KeyError):
+                log.error("job_undecodable", pool=pool, entry_id=eid)
+                bad.append(eid)
+        try:
+            async with self._r.pipeline(transaction=False) as pipe:
+                for _eid, req in leased:
+                    pipe.exists(self.keys.cancel(req.request_id))
+                if bad:
+                    pipe.xack(stream, WORKER_GROUP, *bad)
+                    pipe.xdel(stream, *bad)
+                flags = await pipe.execute()
+        except RedisError as exc:
+            raise QueueUnavailable("the queue is unreachable") from exc
+        return [
+            Lease(pool=pool, entry_id=eid, request=req, cancelled=bool(flag))
+            for (eid, req), flag in zip(leased, flags, strict=False)
+        ]
+
+    async def publish(self, events: Sequence[tuple[Lease, JobEvent]], watch: Sequence[str]) -> set[str]:
+        try:
+            async with self._r.pipeline(transaction=False) as pipe:
+                for lease, event in events:
+                    key = self.keys.events(lease.request.request_id)
+                    pipe.xadd(key, {EVENT_FIELD: codec.encode_event(event)})
+                    if event.terminal:
+                        pipe.expire(key, self._s.event_ttl_s)
+                        stream = self.keys.jobs(lease.pool)
+                        pipe.xack(stream, WORKER_GROUP, lease.entry_id)
+                        pipe.xdel(stream, lease.entry_id)
+                    else:
+                        pipe.expire(key, self._s.event_idle_ttl_s)
+                for request_id in watch:
+                    pipe.exists(self.keys.cancel(request_id))
+                replies = await pipe.execute()
+        except RedisError as exc:
+            raise QueueUnavailable("the queue is unreachable") from exc
+        flags = replies[len(replies) - len(watch) :] if watch else []
+        return {rid for rid, flag in zip(watch, flags, strict=True) if flag}

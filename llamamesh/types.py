@@ -1,0 +1,146 @@
+"""Plain domain types shared by the gateway, the queue layer and the workers."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    STOP_SEQUENCE = "stop_sequence"
+    CANCELLED = "cancelled"
+
+
+class JobKind(str, enum.Enum):
+    GENERATE = "generate"
+    TOKENIZE = "tokenize"
+
+
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling parameters; ``None`` means "the engine's default"."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One validated unit of work: a generation, or a tokenization (``kind``)."""
+
+    request_id: str
+    model: str
+    prompt: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0
+    metadata: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    kind: JobKind = JobKind.GENERATE
+    # Wall clock (Unix ns) when the gateway accepted it.
+    accepted_unix_ns: int = 0
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """What an engine yields: the text and tokens of one step for one request.
+
+    The last delta of a stream has ``finish_reason`` set and ``prompt_tokens``
+    filled in. ``text`` never ends inside a multi-byte character.
+    """
+
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: FinishReason
+    usage: Usage
+    started_unix_ns: int = 0
+    first_token_unix_ns: int = 0
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A failure as data: what crosses Redis instead of an exception."""
+
+    code: str
+    message: str
+    retryable: bool = False
+    field: str = ""
+
+
+@dataclass(frozen=True)
+class JobEvent:
+    """One entry of a request's event stream (token deltas of one engine step).
+
+    At most one of ``finished`` / ``failed`` is set, on the last event only.
+    ``tokenized`` marks the last event of a tokenize job.
+    """
+
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    index: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finished: Finished | None = None
+    failed: Failure | None = None
+    tokenized: bool = False
+    worker: str = ""
+
+    @property
+    def terminal(self) -> bool:
+        return self.finished is not None or self.failed is not None or self.tokenized
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    id: str
+    pool: str
+    default: bool = False

@@ -1,0 +1,3 @@
+from services.server import main
+
+main()

@@ -1,0 +1,245 @@
+"""Public protobuf <-> domain types, and the validation of what a caller sends.
+
+Pure functions: no I/O, no grpc. Every rejected field is named in an
+``InvalidRequest`` (all violations at once, not just the first).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from types import MappingProxyType
+
+from google.protobuf.duration_pb2 import Duration
+
+from llamamesh.errors import FieldViolation, InvalidRequest, NotFound
+from llamamesh.settings import GatewaySettings
+from llamamesh.types import (
+    CHAT_ROLES,
+    ChatMessage,
+    FinishReason,
+    GenerationRequest,
+    JobEvent,
+    JobKind,
+    ModelInfo,
+    SamplingParams,
+    TokenLogprob,
+)
+from llamamesh.v1 import generation_pb2 as pb
+
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+MAX_LOGPROBS = 20
+MAX_METADATA = 64
+
+_FINISH_TO_PB = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE,
+    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
+}
+
+
+def resolve_model(name: str, models: Sequence[ModelInfo]) -> ModelInfo:
+    """The model a request names (empty: the default). Unknown -> NotFound."""
+    if not name:
+        return next(m for m in models if m.default)
+    for m in models:
+        if m.id == name:
+            return m
+    raise NotFound(f"model {name!r} is not served here; ListModels lists the models")
+
+
+def _input(
+    prompt: str | None, messages: Sequence[pb.ChatMessage], bad: list[FieldViolation]
+) -> tuple[str | None, tuple[ChatMessage, ...] | None]:
+    if prompt is not None and messages:
+        bad.append(FieldViolation("prompt", "set exactly one of prompt or messages, not both"))
+        return None, None
+    if prompt is None and not messages:
+        bad.append(FieldViolation("prompt", "set exactly one of prompt or messages"))
+        return None, None
+    if prompt is not None:
+        if not prompt:
+            bad.append(FieldViolation("prompt", "must not be empty"))
+        return prompt, None
+    for i, m in enumerate(messages):
+        if m.role not in CHAT_ROLES:
+            bad.append(
+                FieldViolation(f"messages[{i}].role", f"unknown role {m.role!r}; use one of {sorted(CHAT_ROLES)}")
+            )
+    return None, tuple(ChatMessage(m.role, m.content) for m in messages)
+
+
+def _finite(v: float) -> bool:
+    return not (math.isnan(v) or math.isinf(v))
+
+
+def _sampling(r: pb.GenerateRequest, s: GatewaySettings, bad: list[FieldViolation]) -> SamplingParams:
+    def opt(name: str) -> object | None:
+        return getattr(r, name) if r.HasField(name) else None
+
+    def check(name: str, ok: bool, why: str) -> None:
+        if r.HasField(name) and not ok:
+            bad.append(FieldViolation(name, f"{why}, got {getattr(r, name)!r}"))
+
+    check("max_tokens", 0 < r.max_tokens <= s.max_tokens_cap, f"must be in [1, {s.max_tokens_cap}]")
+    check("temperature", _finite(r.temperature) and r.temperature >= 0, "must be >= 0")
+    check("top_p", _finite(r.top_p) and 0 < r.top_p <= 1, "must be in (0, 1]")
+    check("top_k", r.top_k >= -1, "must be -1 (off), 0 (off) or positive")
+    check("min_p", _finite(r.min_p) and 0 <= r.min_p <= 1, "must be in [0, 1]")
+    check("presence_penalty", _finite(r.presence_penalty) and -2 <= r.presence_penalty <= 2, "must be in [-2, 2]")
+    check(
+        "frequency_penalty", _finite(r.frequency_penalty) and -2 <= r.frequency_penalty <= 2, "must be in [-2, 2]"
+    )
+    check(
+        "repetition_penalty",
+        _finite(r.repetition_penalty) and 0 < r.repetition_penalty <= 10,
+        "must be in (0, 10]",
+    )
+    check("logprobs", 0 <= r.logprobs <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]")
+    max_tokens = r.max_tokens if r.HasField("max_tokens") else min(s.default_max_tokens, s.max_tokens_cap)
+    check("min_tokens", 0 <= r.min_tokens <= max_tokens, f"must be in [0, max_tokens={max_tokens}]")
+    if len(r.stop) > MAX_STOP_STRINGS:
+        bad.append(FieldViolation("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(r.stop)}"))
+    for i, x in enumerate(r.stop):
+        if not x:
+            bad.append(FieldViolation(f"stop[{i}]", "stop strings must not be empty"))
+        elif len(x) > MAX_STOP_LENGTH:
+            bad.append(FieldViolation(f"stop[{i}]", f"at most {MAX_STOP_LENGTH} characters"))
+    for i, t in enumerate(r.stop_token_ids):
+        if t < 0:
+            bad.append(FieldViolation(f"stop_token_ids[{i}]", f"token ids are >= 0, got {t}"))
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=opt("temperature"),  # type: ignore[arg-type]
+        top_p=opt("top_p"),  # type: ignore[arg-type]
+        top_k=opt("top_k"),  # type: ignore[arg-type]
+        min_p=opt("min_p"),  # type: ignore[arg-type]
+        presence_penalty=opt("presence_penalty"),  # type: ignore[arg-type]
+        frequency_penalty=opt("frequency_penalty"),  # type: ignore[arg-type]
+        repetition_penalty=opt("repetition_penalty"),  # type: ignore[arg-type]
+        stop=tuple(r.stop),
+        stop_token_ids=tuple(r.stop_token_ids),
+        seed=opt("seed"),  # type: ignore[arg-type]
+        ignore_eos=opt("ignore_eos"),  # type: ignore[arg-type]
+        min_tokens=opt("min_tokens"),  # type: ignore[arg-type]
+        logprobs=opt("logprobs"),  # type: ignore[arg-type]
+    )
+
+
+def _request_id(given: str, bad: list[FieldViolation]) -> str:
+    if not given:
+        return uuid.uuid4().hex
+    if not REQUEST_ID.match(given):
+        bad.append(FieldViolation("request_id", "1-128 characters of A-Z a-z 0-9 . _ : -"))
+    return given
+
+
+def _metadata(items: Iterable[tuple[str, str]], bad: list[FieldViolation]) -> MappingProxyType[str, str]:
+    meta = dict(items)
+    if len(meta) > MAX_METADATA:
+        bad.append(FieldViolation("metadata", f"at most {MAX_METADATA} entries"))
+    return MappingProxyType(meta)
+
+
+def generate_request(
+    r: pb.GenerateRequest, s: GatewaySettings, models: Sequence[ModelInfo]
+) -> tuple[GenerationRequest, ModelInfo]:
+    """Validate a GenerateRequest. Raises InvalidRequest (every bad field) or NotFound (model)."""
+    bad: list[FieldViolation] = []
+    rid = _request_id(r.request_id, bad)
+    prompt, messages = _input(r.prompt if r.HasField("prompt") else None, r.messages, bad)
+    sampling = _sampling(r, s, bad)
+    meta = _metadata(r.metadata.items(), bad)
+    if bad:
+        raise InvalidRequest(bad)
+    model = resolve_model(r.model, models)
+    req = GenerationRequest(
+        request_id=rid,
+        model=model.id,
+        prompt=prompt,
+        messages=messages,
+        sampling=sampling,
+        priority=r.priority,
+        metadata=meta,
+        accepted_unix_ns=time.time_ns(),
+    )
+    return req, model
+
+
+def tokenize_request(r: pb.TokenizeRequest, models: Sequence[ModelInfo]) -> tuple[GenerationRequest, ModelInfo]:
+    """Validate a TokenizeRequest. Raises InvalidRequest or NotFound."""
+    bad: list[FieldViolation] = []
+    prompt, messages = _input(r.prompt if r.HasField("prompt") else None, r.messages, bad)
+    if bad:
+        raise InvalidRequest(bad)
+    model = resolve_model(r.model, models)
+    req = GenerationRequest(
+        request_id=uuid.uuid4().hex,
+        model=model.id,
+        prompt=prompt,
+        messages=messages,
+        kind=JobKind.TOKENIZE,
+        accepted_unix_ns=time.time_ns(),
+    )
+    return req, model
+
+
+def _duration(ns: int) -> Duration:
+    d = Duration()
+    d.FromNanoseconds(max(ns, 0))
+    return d
+
+
+def _logprobs(items: Sequence[TokenLogprob]) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(
+            token_id=x.token_id,
+            logprob=x.logprob,
+            top=[pb.TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in x.top],
+        )
+        for x in items
+    ]
+
+
+def generate_response(req: GenerationRequest, ev: JobEvent, now_ns: int | None = None) -> pb.GenerateResponse:
+    """One response message from one event; the terminal one carries finish, usage, timings."""
+    msg = pb.GenerateResponse(
+        request_id=req.request_id,
+        text=ev.text,
+        token_ids=ev.token_ids,
+        index=ev.index,
+        logprobs=_logprobs(ev.logprobs),
+        model=req.model,
+    )
+    f = ev.finished
+    if f is not None:
+        now = time.time_ns() if now_ns is None else now_ns
+        msg.finish_reason = _FINISH_TO_PB[f.finish_reason]
+        msg.usage.CopyFrom(pb.Usage(prompt_tokens=f.usage.prompt_tokens, completion_tokens=f.usage.completion_tokens))
+        t0 = req.accepted_unix_ns
+        msg.timings.CopyFrom(
+            pb.Timings(
+                queue_wait=_duration(f.started_unix_ns - t0) if f.started_unix_ns else None,
+                time_to_first_token=_duration(f.first_token_unix_ns - t0) if f.first_token_unix_ns else None,
+                total=_duration(now - t0),
+            )
+        )
+    return msg
+
+
+def cancelled_response(req: GenerationRequest) -> pb.GenerateResponse:
+    return pb.GenerateResponse(request_id=req.request_id, model=req.model, finish_reason=pb.FINISH_REASON_CANCELLED)
+
+
+def model_list(models: Sequence[ModelInfo]) -> pb.ListModelsResponse:
+    return pb.ListModelsResponse(models=[pb.Model(id=m.id, pool=m.pool, default=m.default) for m in models])
+
+
+def tokenize_response(req: GenerationRequest, ev: JobEvent) -> pb.TokenizeResponse:
+    return pb.TokenizeResponse(token_ids=ev.token_ids, count=len(ev.token_ids), model=req.model)

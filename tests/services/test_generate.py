@@ -1,0 +1,152 @@
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from llamamesh.v1 import generation_pb2 as pb
+from tests.services.conftest import Stack
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def collect(stack: Stack, req: pb.GenerateRequest) -> list[pb.GenerateResponse]:
+    return [m async for m in stack.stub.Generate(req)]
+
+
+async def test_generate_streams_to_the_finish(stack: Stack) -> None:
+    msgs = await collect(stack, pb.GenerateRequest(request_id="r-1", prompt="hello world", max_tokens=5))
+    assert all(m.request_id == "r-1" for m in msgs)
+    ids = [t for m in msgs for t in m.token_ids]
+    assert len(ids) == 5
+    assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert msgs[-1].usage.completion_tokens == 5
+    assert msgs[-1].usage.prompt_tokens == 2
+    assert msgs[-1].timings.total.ToNanoseconds() > 0
+    # indexes are contiguous
+    idx = 0
+    for m in msgs:
+        if m.token_ids:
+            assert m.index == idx
+            idx += len(m.token_ids)
+    assert "".join(m.text for m in msgs) == "".join(f" w{t}" for t in ids)
+    assert stack.queue.pending("cpu") == {}
+
+
+async def test_server_makes_a_request_id_and_sends_it_in_headers(stack: Stack) -> None:
+    call = stack.stub.Generate(pb.GenerateRequest(prompt="x", max_tokens=2))
+    md = dict(await call.initial_metadata())
+    msgs = [m async for m in call]
+    assert md["x-request-id"] == msgs[0].request_id
+    assert len(msgs[0].request_id) >= 16
+
+
+async def test_chat_messages_and_stop_sequence(stack: Stack) -> None:
+    first = await collect(stack, pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="hi")],
+                                                    max_tokens=6, seed=7))
+    text = "".join(m.text for m in first)
+    stop = text.split()[2]
+    second = await collect(stack, pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="hi")],
+                                                     max_tokens=6, seed=7, stop=[stop]))
+    assert second[-1].finish_reason == pb.FINISH_REASON_STOP_SEQUENCE
+    assert stop not in "".join(m.text for m in second)
+    assert text.startswith("".join(m.text for m in second))
+
+
+def violations(err: grpc.aio.AioRpcError) -> list[str]:
+    st = rpc_status.from_call(err)
+    assert st is not None
+    out = []
+    for d in st.details:
+        br = error_details_pb2.BadRequest()
+        if d.Unpack(br):
+            out += [v.field for v in br.field_violations]
+    return out
+
+
+BAD = [
+    (dict(prompt="x", temperature=-0.1), "temperature"),
+    (dict(prompt="x", top_p=0.0), "top_p"),
+    (dict(prompt="x", top_p=1.5), "top_p"),
+    (dict(prompt="x", top_k=-2), "top_k"),
+    (dict(prompt="x", max_tokens=0), "max_tokens"),
+    (dict(prompt="x", max_tokens=-3), "max_tokens"),
+    (dict(prompt="x", max_tokens=513), "max_tokens"),
+    (dict(prompt="x", messages=[pb.ChatMessage(role="user", content="y")]), "prompt"),
+    (dict(), "prompt"),
+    (dict(prompt=""), "prompt"),
+    (dict(prompt="x", stop=["ok", ""]), "stop[1]"),
+    (dict(messages=[pb.ChatMessage(role="wizard", content="y")]), "messages[0].role"),
+    (dict(prompt="x", min_p=1.5), "min_p"),
+    (dict(prompt="x", presence_penalty=3), "presence_penalty"),
+    (dict(prompt="x", frequency_penalty=-2.5), "frequency_penalty"),
+    (dict(prompt="x", repetition_penalty=0), "repetition_penalty"),
+    (dict(prompt="x", logprobs=21), "logprobs"),
+    (dict(prompt="x", min_tokens=100, max_tokens=10), "min_tokens"),
+    (dict(prompt="x", stop_token_ids=[-1]), "stop_token_ids[0]"),
+    (dict(prompt="x", request_id="has space"), "request_id"),
+    (dict(prompt="x", temperature=float("nan")), "temperature"),
+]
+
+
+@pytest.mark.parametrize(("fields", "field"), BAD)
+async def test_bad_input_is_invalid_argument_naming_the_field(stack: Stack, fields: dict, field: str) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await collect(stack, pb.GenerateRequest(**fields))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in violations(ei.value)
+    assert field in (ei.value.details() or "")
+    assert stack.queue.waiting("cpu") == [] and stack.queue.pending("cpu") == {}
+
+
+async def test_unknown_model_is_not_found(stack: Stack) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await collect(stack, pb.GenerateRequest(prompt="x", model="nope"))
+    assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "nope" in (ei.value.details() or "")
+
+
+async def test_engine_rejection_crosses_redis_as_invalid_argument(stack: Stack) -> None:
+    words = " ".join(["w"] * 3000)  # the fake engine's context is 2048 "tokens"
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await collect(stack, pb.GenerateRequest(prompt=words, max_tokens=4))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert violations(ei.value) == ["prompt"]
+
+
+@pytest.mark.fake_step_s(0.05)
+async def test_client_cancel_aborts_the_job_in_the_engine(stack: Stack) -> None:
+    call = stack.stub.Generate(pb.GenerateRequest(request_id="c-1", prompt="long one", max_tokens=500))
+    got = 0
+    async for m in call:
+        got += len(m.token_ids)
+        if got >= 3:
+            break
+    call.cancel()
+    # bounded wait for the abort to reach the engine and the job to be acked
+    for _ in range(200):
+        if "c-1" in stack.engine.aborted and stack.queue.pending("cpu") == {}:
+            break
+        await asyncio.sleep(0.02)
+    assert "c-1" in stack.engine.aborted
+    assert stack.queue.pending("cpu") == {}
+    assert stack.worker.inflight == 0
+    last = stack.queue.events_of("c-1")[-1]
+    assert last.finished is not None and last.finished.finish_reason.value == "cancelled"
+
+
+async def test_list_models_and_tokenize(stack: Stack) -> None:
+    models = await stack.stub.ListModels(pb.ListModelsRequest())
+    assert [(m.id, m.pool, m.default) for m in models.models] == [("tiny", "cpu", True), ("other", "gpu", False)]
+    tok = await stack.stub.Tokenize(pb.TokenizeRequest(prompt="a b c"))
+    assert tok.count == 3 and len(tok.token_ids) == 3
+
+
+async def test_queue_down_is_unavailable(stack: Stack) -> None:
+    stack.queue.down = True
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await collect(stack, pb.GenerateRequest(prompt="x"))
+    assert ei.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -1,0 +1,1 @@
+"""Engines: one module per inference library, imported lazily through registry.py."""

@@ -1,0 +1,56 @@
+"""The seam between a worker and an inference engine.
+
+An engine adapter translates the library's errors into ``llamamesh.errors``
+(bad sampling input -> ``InvalidRequest`` naming the field; a dead engine ->
+``EngineDead``) and never imports redis or grpc.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from llamamesh.types import GenerationRequest, TokenDelta
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    # Fraction of the KV cache in use, 0..1.
+    kv_cache_usage: float = 0.0
+
+
+class Engine(Protocol):
+    """One loaded model, serving many requests at once."""
+
+    @property
+    def model_name(self) -> str: ...
+
+    async def start(self) -> None:
+        """Load the model. Raises EngineDead if it cannot."""
+
+    def stream(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        """Generate for one request, one delta per engine step.
+
+        The last delta has ``finish_reason`` and ``prompt_tokens`` set. Invalid
+        sampling input raises InvalidRequest before any delta. Cancelling the
+        consuming task aborts the request in the engine.
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a running request; its stream ends with finish_reason CANCELLED."""
+
+    async def tokenize(self, request: GenerationRequest) -> list[int]:
+        """The token ids the engine would feed the model for this request's input."""
+        ...
+
+    async def check_health(self) -> None:
+        """Raise EngineDead if the engine can no longer serve."""
+
+    def stats(self) -> EngineStats: ...
+
+    async def shutdown(self) -> None:
+        """Release the model; pending streams end."""

@@ -1,0 +1,132 @@
+"""Running one leased job: engine deltas -> events, ending with exactly one terminal event."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+
+from llamamesh.errors import EngineDead, InternalError, LlamameshError, field_of
+from llamamesh.queue.protocol import Lease
+from llamamesh.types import (
+    Failure,
+    Finished,
+    FinishReason,
+    JobEvent,
+    JobKind,
+    Usage,
+)
+from workers.engines.base import Engine
+from workers.outbox import Outbox
+
+log = structlog.get_logger(__name__)
+
+
+def failure_of(exc: LlamameshError) -> Failure:
+    return Failure(code=exc.code, message=exc.message, retryable=exc.retryable, field=field_of(exc))
+
+
+def cancelled_event(lease: Lease, worker: str) -> JobEvent:
+    now = time.time_ns()
+    return JobEvent(
+        worker=worker,
+        finished=Finished(FinishReason.CANCELLED, Usage(0, 0), started_unix_ns=now),
+    )
+
+
+async def run_job(lease: Lease, engine: Engine, outbox: Outbox, worker: str) -> None:
+    """Drive the engine for one job and publish its events.
+
+    The terminal event (finished or failed) is published under ``shield``, so a
+    cancelled job task still leaves one terminal event and an acked job. Raises
+    EngineDead after publishing, so the worker can stop.
+    """
+    req = lease.request
+    started = time.time_ns()
+    first_token = 0
+    index = 0
+    terminal: JobEvent | None = None
+    dead: EngineDead | None = None
+    structlog.contextvars.bind_contextvars(request_id=req.request_id)
+    try:
+        if req.kind is JobKind.TOKENIZE:
+            ids = await engine.tokenize(req)
+            terminal = JobEvent(token_ids=tuple(ids), tokenized=True, worker=worker)
+            return
+        outbox.watch(lease)
+        async for delta in engine.stream(req):
+            if delta.token_ids and not first_token:
+                first_token = time.time_ns()
+            if delta.finish_reason is None:
+                if delta.token_ids or delta.text:
+                    outbox.add(
+                        lease,
+                        JobEvent(delta.text, delta.token_ids, index, delta.logprobs, worker=worker),
+                    )
+                index += len(delta.token_ids)
+                continue
+            index += len(delta.token_ids)
+            terminal = JobEvent(
+                text=delta.text,
+                token_ids=delta.token_ids,
+                index=index - len(delta.token_ids),
+                logprobs=delta.logprobs,
+                worker=worker,
+                finished=Finished(
+                    finish_reason=delta.finish_reason,
+                    usage=Usage(prompt_tokens=delta.prompt_tokens or 0, completion_tokens=index),
+                    started_unix_ns=started,
+                    first_token_unix_ns=first_token,
+                ),
+            )
+            return
+        terminal = JobEvent(worker=worker, failed=failure_of(InternalError("the engine ended without finishing")))
+    except asyncio.CancelledError:
+        terminal = JobEvent(
+            worker=worker,
+            finished=Finished(FinishReason.CANCELLED, Usage(0, index), started, first_token),
+        )
+        raise
+    except EngineDead as exc:
+        log.error("engine_dead", error=str(exc))
+        dead = exc
+        terminal = JobEvent(worker=worker, failed=failure_of(exc))
+    except LlamameshError as exc:
+        terminal = JobEvent(worker=worker, failed=failure_of(exc))
+    except Exception:
+        log.exception("job_crashed")
+        terminal = JobEvent(worker=worker, failed=failure_of(InternalError("internal error")))
+    finally:
+        if terminal is not None:
+            await asyncio.shield(outbox.finish(lease, terminal))
+            _log_finished(lease, terminal, started, first_token)
+        structlog.contextvars.unbind_contextvars("request_id")
+    if dead is not None:
+        raise dead
+
+
+def _log_finished(lease: Lease, event: JobEvent, started: int, first_token: int) -> None:
+    req = lease.request
+    fields: dict[str, object] = {
+        "kind": req.kind.value,
+        "model": req.model,
+        "queue_wait_ms": round((started - req.accepted_unix_ns) / 1e6, 2) if req.accepted_unix_ns else None,
+        "duration_ms": round((time.time_ns() - started) / 1e6, 2),
+    }
+    if event.finished is not None:
+        f = event.finished
+        fields.update(
+            status="ok",
+            finish_reason=f.finish_reason.value,
+            prompt_tokens=f.usage.prompt_tokens,
+            completion_tokens=f.usage.completion_tokens,
+            ttft_ms=round((first_token - req.accepted_unix_ns) / 1e6, 2)
+            if first_token and req.accepted_unix_ns
+            else None,
+        )
+    elif event.failed is not None:
+        fields.update(status=event.failed.code, error=event.failed.message)
+    else:
+        fields.update(status="ok")
+    log.info("job_finished", **fields)

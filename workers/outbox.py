@@ -1,0 +1,148 @@
+"""The worker's event writer: coalesces token deltas per engine step into one publish.
+
+Job tasks ``add`` events; one flusher task drains everything pending in one
+``WorkQueue.publish`` call (one Redis round trip for all in-flight requests),
+merging consecutive non-terminal events of the same request. The same call
+reports which in-flight requests were cancelled; the outbox hands those to
+``on_cancel``. Nothing is dropped when Redis is down: the batch is retried with
+backoff, in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+
+import structlog
+
+from llamamesh.errors import QueueUnavailable
+from llamamesh.queue.protocol import Lease, WorkQueue
+from llamamesh.types import JobEvent
+
+log = structlog.get_logger(__name__)
+
+
+class Outbox:
+    def __init__(
+        self,
+        queue: WorkQueue,
+        on_cancel: Callable[[str], Awaitable[None]],
+        watch_interval_s: float = 0.1,
+    ) -> None:
+        self._queue = queue
+        self._on_cancel = on_cancel
+        self._watch_interval_s = watch_interval_s
+        # request id -> (lease, event not yet published), published in arrival order
+        self._pending: dict[str, tuple[Lease, JobEvent]] = {}
+        self._order: list[str] = []
+        self._terminal_done: dict[str, asyncio.Future[None]] = {}
+        self._watch: dict[str, Lease] = {}
+        self._cancel_seen: set[str] = set()
+        self._wake = asyncio.Event()
+        self._lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+        self.publishes = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="outbox")
+
+    async def close(self) -> None:
+        """Flush what is pending, then stop the flusher."""
+        if self._task is None:
+            return
+        await self._flush_once()
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._task = None
+
+    def watch(self, lease: Lease) -> None:
+        """Check this in-flight request for cancellation on every publish."""
+        self._watch[lease.request.request_id] = lease
+
+    def add(self, lease: Lease, event: JobEvent) -> None:
+        """Queue a non-terminal event, merged with one not yet published for the same request."""
+        rid = lease.request.request_id
+        prev = self._pending.get(rid)
+        if prev is None:
+            self._pending[rid] = (lease, event)
+            self._order.append(rid)
+        else:
+            p = prev[1]
+            self._pending[rid] = (
+                lease,
+                replace(
+                    p,
+                    text=p.text + event.text,
+                    token_ids=p.token_ids + event.token_ids,
+                    logprobs=p.logprobs + event.logprobs,
+                ),
+            )
+        self._wake.set()
+
+    async def finish(self, lease: Lease, event: JobEvent) -> None:
+        """Queue the terminal event (merged with any unpublished delta) and wait until it is
+        written and the job acked. Cancelling the waiter does not withdraw the event."""
+        rid = lease.request.request_id
+        prev = self._pending.get(rid)
+        if prev is None:
+            self._order.append(rid)
+        else:
+            p = prev[1]
+            event = replace(
+                event,
+                text=p.text + event.text,
+                token_ids=p.token_ids + event.token_ids,
+                logprobs=p.logprobs + event.logprobs,
+                index=p.index,
+            )
+        self._pending[rid] = (lease, event)
+        done = self._terminal_done[rid] = asyncio.get_running_loop().create_future()
+        self._wake.set()
+        await asyncio.shield(done)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), self._watch_interval_s if self._watch else None)
+            except asyncio.TimeoutError:
+                pass
+            # Let every job task that is ready this iteration add its delta first.
+            await asyncio.sleep(0)
+            await self._flush_once()
+
+    async def _flush_once(self) -> None:
+        async with self._lock:
+            await self._flush_locked()
+
+    async def _flush_locked(self) -> None:
+        self._wake.clear()
+        order, self._order = self._order, []
+        batch = [self._pending.pop(rid) for rid in order]
+        watch = [rid for rid in self._watch if rid not in self._cancel_seen]
+        if not batch and not watch:
+            return
+        delay = 0.05
+        while True:
+            try:
+                cancelled = await self._queue.publish(batch, watch)
+                break
+            except QueueUnavailable:
+                log.warning("events_publish_failed", pending=len(batch), retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        self.publishes += 1
+        for lease, event in batch:
+            rid = lease.request.request_id
+            if event.terminal:
+                self._watch.pop(rid, None)
+                self._cancel_seen.discard(rid)
+                fut = self._terminal_done.pop(rid, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(None)
+        for rid in cancelled:
+            if rid in self._watch and rid not in self._cancel_seen:
+                self._cancel_seen.add(rid)
+                await self._on_cancel(rid)

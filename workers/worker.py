@@ -1,0 +1,160 @@
+"""The worker process: leases jobs of one pool, runs them on one engine, publishes events.
+
+Ownership: the worker owns its job tasks (a set it cancels and awaits on
+shutdown) and the outbox's flusher task. It admits from the stream by free
+slots (``max_inflight`` minus jobs in flight), so the engine always has work
+when there is work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+
+import structlog
+
+from llamamesh import logs
+from llamamesh.errors import EngineDead, QueueUnavailable
+from llamamesh.queue.protocol import Lease, WorkQueue
+from llamamesh.queue.streams import RedisQueue
+from llamamesh.settings import Settings, WorkerSettings
+from workers.engines import registry
+from workers.engines.base import Engine
+from workers.job import cancelled_event, run_job
+from workers.outbox import Outbox
+
+log = structlog.get_logger(__name__)
+
+
+class Worker:
+    def __init__(self, settings: WorkerSettings, queue: WorkQueue, engine: Engine, block_ms: int = 2000) -> None:
+        self._s = settings
+        self._queue = queue
+        self._engine = engine
+        self._block_ms = block_ms
+        self.name = settings.consumer_name()
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._slot_free = asyncio.Event()
+        self._outbox = Outbox(queue, on_cancel=self._cancel)
+        self.engine_died: EngineDead | None = None
+        self.ready = asyncio.Event()
+
+    @property
+    def inflight(self) -> int:
+        return len(self._tasks)
+
+    async def _cancel(self, request_id: str) -> None:
+        log.info("job_cancel_requested", request_id=request_id)
+        await self._engine.abort(request_id)
+
+    def _start(self, lease: Lease) -> None:
+        rid = lease.request.request_id
+        task = asyncio.create_task(run_job(lease, self._engine, self._outbox, self.name), name=f"job-{rid}")
+        self._tasks[rid] = task
+        task.add_done_callback(lambda t, rid=rid: self._done(rid, t))  # type: ignore[misc]
+
+    def _done(self, rid: str, task: asyncio.Task[None]) -> None:
+        self._tasks.pop(rid, None)
+        self._slot_free.set()
+        if not task.cancelled() and isinstance(task.exception(), EngineDead):
+            self.engine_died = task.exception()  # type: ignore[assignment]
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Lease and run jobs until ``stop`` is set or the engine dies, then drain.
+
+        Raises EngineDead (after draining) if the engine died, so the process exits non-zero.
+        """
+        await self._queue.join(self._s.pool)
+        self._outbox.start()
+        self.ready.set()
+        log.info("worker_started", pool=self._s.pool, worker=self.name, max_inflight=self._s.max_inflight)
+        backoff = 0.1
+        try:
+            while not stop.is_set() and self.engine_died is None:
+                free = self._s.max_inflight - len(self._tasks)
+                if free <= 0:
+                    self._slot_free.clear()
+                    await _wait_any(self._slot_free, stop)
+                    continue
+                try:
+                    leases = await self._queue.lease(self._s.pool, self.name, free, self._block_ms)
+                    backoff = 0.1
+                except QueueUnavailable:
+                    log.warning("lease_failed", retry_in_s=backoff)
+                    await _wait_any(stop, timeout=backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    continue
+                for lease in leases:
+                    if lease.cancelled:
+                        await self._outbox.finish(lease, cancelled_event(lease, self.name))
+                        log.info("job_skipped_cancelled", request_id=lease.request.request_id)
+                    else:
+                        self._start(lease)
+        finally:
+            await self._drain()
+        if self.engine_died is not None:
+            raise self.engine_died
+
+    async def _drain(self) -> None:
+        """Stop leasing; give in-flight jobs ``grace_s`` to finish, abort the rest."""
+        if self._tasks:
+            log.info("worker_draining", inflight=len(self._tasks), grace_s=self._s.grace_s)
+            _done, pending = await asyncio.wait(list(self._tasks.values()), timeout=self._s.grace_s)
+            for rid in list(self._tasks):
+                await self._engine.abort(rid)
+            if pending:
+                _done, still = await asyncio.wait(pending, timeout=5)
+                for t in still:
+                    t.cancel()
+                await asyncio.gather(*still, return_exceptions=True)
+        await self._outbox.close()
+
+
+async def _wait_any(*events: asyncio.Event, timeout: float | None = None) -> None:
+    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+
+
+async def serve(settings: Settings) -> int:
+    """Run one worker process until SIGTERM/SIGINT; returns the exit code."""
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    structlog.contextvars.bind_contextvars(worker=settings.worker.consumer_name(), pool=settings.worker.pool)
+    engine = registry.create(settings.worker)
+    queue = RedisQueue.from_settings(settings.redis)
+    code = 0
+    try:
+        log.info("engine_starting", engine=settings.worker.engine, model=settings.worker.model)
+        await engine.start()
+        log.info("engine_started", engine=settings.worker.engine)
+        worker = Worker(settings.worker, queue, engine, block_ms=settings.redis.block_ms)
+        await worker.run(stop)
+    except EngineDead as exc:
+        log.error("worker_exiting_engine_dead", error=str(exc))
+        code = 1
+    finally:
+        with contextlib.suppress(Exception):
+            await engine.shutdown()
+        await queue.close()
+    log.info("worker_stopped", exit_code=code)
+    return code
+
+
+def main() -> None:
+    settings = Settings.from_env()
+    logs.configure(settings.log, "worker")
+    sys.exit(asyncio.run(serve(settings)))
+
+
+if __name__ == "__main__":
+    main()
