@@ -51,3 +51,4 @@ async def stack(request: pytest.FixtureRequest) -> AsyncIterator[Stack]:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(task, 10)
         await gateway.stop(0)
+        await engine.shutdown()

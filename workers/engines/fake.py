@@ -2,7 +2,8 @@
 
 Token ``i`` of a request is ``(seed + i) % 1000`` where ``seed`` is derived from the
 prompt (or the request's seed), and its text is ``" w<id>"``. Each step takes
-``settings.fake_step_s`` seconds. Aborts are recorded in ``aborted``.
+``settings.fake_step_s`` seconds, and like a real engine every running request
+advances on the same step (one shared clock). Aborts are recorded in ``aborted``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class FakeEngine:
     def __init__(self, settings: WorkerSettings) -> None:
         self._settings = settings
         self._running: dict[str, asyncio.Event] = {}
-        self._started = False
+        self._ticker: asyncio.Task[None] | None = None
+        self._tick: asyncio.Future[None] | None = None
         self.dead = False
         self.aborted: list[str] = []
         self.served: list[str] = []
@@ -40,7 +42,23 @@ class FakeEngine:
         return self._settings.model
 
     async def start(self) -> None:
-        self._started = True
+        if self._settings.fake_step_s:
+            self._tick = asyncio.get_running_loop().create_future()
+            self._ticker = asyncio.create_task(self._run_clock(), name="fake-engine-clock")
+
+    async def _run_clock(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self._settings.fake_step_s)
+            tick, self._tick = self._tick, loop.create_future()
+            if tick is not None:
+                tick.set_result(None)
+
+    async def _next_step(self) -> None:
+        if self._tick is None:
+            await asyncio.sleep(0)
+        else:
+            await asyncio.shield(self._tick)
 
     async def tokenize(self, request: GenerationRequest) -> list[int]:
         return [zlib.crc32(w.encode()) % VOCAB for w in _input_text(request).split()]
@@ -68,13 +86,7 @@ class FakeEngine:
         text = ""
         try:
             for i in range(max_tokens):
-                if self._settings.fake_step_s:
-                    try:
-                        await asyncio.wait_for(abort.wait(), self._settings.fake_step_s)
-                    except asyncio.TimeoutError:
-                        pass
-                else:
-                    await asyncio.sleep(0)
+                await self._next_step()
                 if abort.is_set():
                     yield TokenDelta(finish_reason=FinishReason.CANCELLED, prompt_tokens=n_prompt)
                     return
@@ -128,3 +140,7 @@ class FakeEngine:
     async def shutdown(self) -> None:
         for ev in self._running.values():
             ev.set()
+        if self._ticker is not None:
+            self._ticker.cancel()
+            await asyncio.gather(self._ticker, return_exceptions=True)
+            self._ticker = None

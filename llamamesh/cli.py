@@ -1,0 +1,226 @@
+"""The ``llamamesh`` command.
+
+  llamamesh serve                 a whole node: embedded Valkey (unless LLAMAMESH_REDIS_URL), gateway, CPU worker
+  llamamesh gateway | worker      one process of a node (what Kubernetes runs)
+  llamamesh generate "..."        stream an answer to the terminal
+  llamamesh demo "..."            start a node, stream one answer, stop
+  llamamesh models | tokenize     the models served; a prompt's token ids
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from llamamesh import logs
+from llamamesh.client import DEFAULT_ADDRESS, Client, field_violations
+from llamamesh.node import Node
+from llamamesh.settings import Settings
+
+
+def _node_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", help="gateway listen address (LLAMAMESH_GATEWAY_HOST)")
+    p.add_argument("--port", type=int, help="gateway port (LLAMAMESH_GATEWAY_PORT)")
+    p.add_argument("--redis-url", help="use this Redis instead of the embedded Valkey (LLAMAMESH_REDIS_URL)")
+    p.add_argument("--engine", help="worker engine: transformers (default) or fake (LLAMAMESH_WORKER_ENGINE)")
+    p.add_argument("--threads", type=int, help="CPU engine torch threads (LLAMAMESH_WORKER_THREADS)")
+    p.add_argument("--max-inflight", type=int, help="requests per worker (LLAMAMESH_WORKER_MAX_INFLIGHT)")
+    p.add_argument("--model-path", help="model folder or .gguf (LLAMAMESH_WORKER_MODEL_PATH)")
+    p.add_argument("--workers", type=int, default=1, help="worker processes on this node")
+
+
+def _gen_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="what to ask")
+    p.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
+    p.add_argument("--system", help="a system message before the prompt")
+    p.add_argument("--model", default="", help="model name (default: the gateway's default)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", help="a stop string (repeatable)")
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    s = Settings.from_env()
+    return s.with_overrides(
+        redis={"url": getattr(args, "redis_url", None)},
+        gateway={"host": getattr(args, "host", None), "port": getattr(args, "port", None)},
+        worker={
+            "engine": getattr(args, "engine", None),
+            "threads": getattr(args, "threads", None),
+            "max_inflight": getattr(args, "max_inflight", None),
+            "model_path": getattr(args, "model_path", None),
+        },
+    )
+
+
+async def _generate(address: str, args: argparse.Namespace, wait_s: float, out: Any = sys.stdout) -> int:
+    messages = None
+    prompt = None
+    if args.raw:
+        prompt = args.prompt
+    else:
+        messages = ([("system", args.system)] if args.system else []) + [("user", args.prompt)]
+    async with Client(address) as client:
+        if wait_s:
+            await client.wait_ready(wait_s)
+        try:
+            last = None
+            async for msg in client.generate(
+                prompt,
+                messages,
+                model=args.model or None,
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                seed=args.seed,
+                stop=args.stop,
+            ):
+                out.write(msg.text)
+                out.flush()
+                last = msg
+        except grpc.aio.AioRpcError as err:
+            fields = field_violations(err)
+            print(f"\nerror: {err.code().name}: {err.details()}" + (f" (fields: {fields})" if fields else ""),
+                  file=sys.stderr)
+            return 1
+    if last is not None:
+        t = last.timings
+        print(
+            f"\n[{last.usage.completion_tokens} tokens, finish={last.finish_reason and _finish(last.finish_reason)}, "
+            f"ttft={t.time_to_first_token.ToMilliseconds()} ms, total={t.total.ToMilliseconds()} ms]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _finish(value: int) -> str:
+    from llamamesh.v1 import generation_pb2 as pb
+
+    return pb.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    logs.configure(settings.log, "node")
+    node = Node(settings, workers=args.workers)
+    node.start()
+    print(f"llamamesh serving on {node.address} (Ctrl-C stops)", file=sys.stderr)
+    try:
+        return node.wait()
+    finally:
+        node.stop()
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    if args.port is None:  # a free port, so a demo never collides with a running node
+        settings = settings.with_overrides(gateway={"port": _free_port()})
+    logs.configure(replace(settings.log, level="warning", format="console"), "demo")
+    log_file = Path(tempfile.gettempdir()) / "llamamesh-demo.log"
+    node = Node(settings, workers=1, log_file=log_file)
+    t0 = time.monotonic()
+    print(f"starting a node on {settings.gateway.host}:{settings.gateway.port} (logs: {log_file}) ...",
+          file=sys.stderr)
+    node.start()
+    try:
+        print(f"> {args.prompt}\n", file=sys.stderr)
+        code = asyncio.run(_generate(node.address, args, wait_s=180))
+        print(f"[demo done in {time.monotonic() - t0:.1f} s]", file=sys.stderr)
+        return code
+    finally:
+        node.stop()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    return asyncio.run(_generate(args.address, args, wait_s=args.wait))
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    async def run() -> None:
+        async with Client(args.address) as c:
+            for m in await c.list_models():
+                print(f"{m.id}\tpool={m.pool}" + ("\tdefault" if m.default else ""))
+
+    asyncio.run(run())
+    return 0
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    async def run() -> None:
+        async with Client(args.address) as c:
+            ids = await c.tokenize(args.text, model=args.model)
+            print(" ".join(map(str, ids)))
+            print(f"[{len(ids)} tokens]", file=sys.stderr)
+
+    asyncio.run(run())
+    return 0
+
+
+def _exec_module(module: str, args: argparse.Namespace) -> int:
+    env = {**os.environ, **_settings(args).to_env()}
+    os.execvpe(sys.executable, [sys.executable, "-m", module], env)
+    return 1  # not reached
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="llamamesh", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run a whole node")
+    _node_flags(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("demo", help="start a node, stream one answer, stop")
+    _node_flags(p)
+    _gen_flags(p)
+    p.set_defaults(func=cmd_demo)
+
+    for name, module in (("gateway", "services"), ("worker", "workers")):
+        p = sub.add_parser(name, help=f"run only the {name} process")
+        _node_flags(p)
+        p.set_defaults(func=lambda a, m=module: _exec_module(m, a))
+
+    p = sub.add_parser("generate", help="stream an answer from a running gateway")
+    _gen_flags(p)
+    p.add_argument("--address", default=DEFAULT_ADDRESS)
+    p.add_argument("--wait", type=float, default=0.0, help="wait up to this many seconds for the gateway")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("models", help="list the models a gateway serves")
+    p.add_argument("--address", default=DEFAULT_ADDRESS)
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("tokenize", help="token ids of a text")
+    p.add_argument("text")
+    p.add_argument("--model", default="")
+    p.add_argument("--address", default=DEFAULT_ADDRESS)
+    p.set_defaults(func=cmd_tokenize)
+
+    args = parser.parse_args(argv)
+    try:
+        sys.exit(args.func(args))
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Real processes: redis-server started by the tests, the gateway and a worker as child processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.redisproc import RedisProcess, free_port
+
+
+class ProcessNode:
+    def __init__(self, workdir: Path, redis: RedisProcess, engine: str, extra_env: dict[str, str]) -> None:
+        self.dir = workdir
+        self.redis = redis
+        self.port = free_port()
+        self.prefix = f"e2e:{uuid.uuid4().hex[:8]}"
+        self.env = {
+            **os.environ,
+            "LLAMAMESH_REDIS_URL": redis.url,
+            "LLAMAMESH_REDIS_PREFIX": self.prefix,
+            "LLAMAMESH_GATEWAY_PORT": str(self.port),
+            "LLAMAMESH_WORKER_ENGINE": engine,
+            "LLAMAMESH_WORKER_CONSUMER": "e2e-worker",
+            "LLAMAMESH_LOG_FORMAT": "json",
+            **extra_env,
+        }
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def log_path(self, name: str) -> Path:
+        return self.dir / f"{name}.log"
+
+    def log(self, name: str) -> str:
+        return self.log_path(name).read_text(errors="replace")
+
+    def spawn(self, name: str, module: str) -> None:
+        out = self.log_path(name).open("ab")
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", module], env=self.env, stdout=out, stderr=out)
+
+    def start(self, timeout_s: float = 240.0) -> None:
+        self.spawn("gateway", "services")
+        self.spawn("worker", "workers")
+        deadline = time.monotonic() + timeout_s
+        self._wait(lambda: self._serving(), deadline, "the gateway to be SERVING")
+        self._wait(lambda: '"worker_started"' in self.log("worker"), deadline, "the worker to start")
+
+    def _serving(self) -> bool:
+        with grpc.insecure_channel(self.address) as ch:
+            try:
+                resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+            except grpc.RpcError:
+                return False
+
+    def _wait(self, ok, deadline: float, what: str) -> None:
+        while not ok():
+            for name, p in self.procs.items():
+                if p.poll() is not None:
+                    raise RuntimeError(f"{name} exited ({p.returncode}):\n{self.log(name)[-3000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out waiting for {what}:\n{self.log('worker')[-3000:]}")
+            time.sleep(0.1)  # polling child processes, bounded by the deadline
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture(scope="session")
+def e2e_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
+    server = RedisProcess("redis", tmp_path_factory.mktemp("e2e-redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def cpu_node(e2e_redis: RedisProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessNode]:
+    """Gateway + one worker running the real SmolLM2-135M-Instruct on the CPU."""
+    node = ProcessNode(
+        tmp_path_factory.mktemp("cpu-node"),
+        e2e_redis,
+        engine="transformers",
+        extra_env={"LLAMAMESH_WORKER_THREADS": "1", "LLAMAMESH_WORKER_MAX_INFLIGHT": "8"},
+    )
+    try:
+        node.start()
+        yield node
+    finally:
+        node.stop()

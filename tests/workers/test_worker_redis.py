@@ -1,0 +1,144 @@
+"""The worker against a real Redis, with the fake engine: admission, coalescing, cancel, ack."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from llamamesh.errors import EngineDead
+from llamamesh.queue.keys import WORKER_GROUP, Keys
+from llamamesh.queue.streams import RedisQueue
+from llamamesh.settings import RedisSettings, WorkerSettings
+from llamamesh.types import GenerationRequest, JobEvent, SamplingParams
+from workers.engines.fake import FakeEngine
+from workers.worker import Worker
+
+pytestmark = [pytest.mark.redis, pytest.mark.timeout(30)]
+
+
+class Running:
+    def __init__(self, worker: Worker, engine: FakeEngine, queue: RedisQueue, settings: RedisSettings) -> None:
+        self.worker, self.engine, self.queue, self.settings = worker, engine, queue, settings
+
+
+@pytest.fixture
+async def running(request: pytest.FixtureRequest, redis_settings: RedisSettings) -> AsyncIterator[Running]:
+    step, inflight = getattr(request, "param", (0.0, 4))
+    ws = WorkerSettings(pool="cpu", engine="fake", max_inflight=inflight, fake_step_s=step, consumer="w-test")
+    queue = RedisQueue.from_settings(redis_settings)
+    engine = FakeEngine(ws)
+    worker = Worker(ws, queue, engine, block_ms=100)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    await asyncio.wait_for(worker.ready.wait(), 5)
+    try:
+        yield Running(worker, engine, queue, redis_settings)
+    finally:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 10)
+        await engine.shutdown()
+        await queue.close()
+
+
+def req(rid: str, n: int = 8) -> GenerationRequest:
+    return GenerationRequest(request_id=rid, model="m", prompt=f"prompt {rid}", sampling=SamplingParams(max_tokens=n))
+
+
+async def events(q: RedisQueue, rid: str) -> list[JobEvent]:
+    return [e async for _i, e in q.events(rid)]
+
+
+async def pending(settings: RedisSettings) -> int:
+    r = aioredis.Redis.from_url(settings.url)
+    try:
+        return int((await r.xpending(Keys(settings.prefix).jobs("cpu"), WORKER_GROUP))["pending"])
+    finally:
+        await r.aclose()
+
+
+async def test_many_requests_in_flight_and_acked(running: Running) -> None:
+    q = running.queue
+    for i in range(12):
+        await q.submit("cpu", req(f"r{i}"))
+    results = await asyncio.gather(*(events(q, f"r{i}") for i in range(12)))
+    for evs in results:
+        assert sum(len(e.token_ids) for e in evs) == 8
+        assert evs[-1].finished is not None
+    assert await pending(running.settings) == 0
+    assert running.worker.inflight == 0
+
+
+@pytest.mark.parametrize("running", [(0.02, 8)], indirect=True)
+async def test_deltas_are_coalesced_per_step(running: Running) -> None:
+    """8 concurrent requests x 10 tokens: far fewer publishes than tokens."""
+    q = running.queue
+    for i in range(8):
+        await q.submit("cpu", req(f"k{i}", n=10))
+    before = running.worker._outbox.publishes
+    await asyncio.gather(*(events(q, f"k{i}") for i in range(8)))
+    publishes = running.worker._outbox.publishes - before
+    assert publishes <= 30, publishes  # 80 tokens; ~11 steps (+ periodic cancel checks)
+
+
+@pytest.mark.parametrize("running", [(0.05, 4)], indirect=True)
+async def test_cancel_mid_stream_aborts_and_acks(running: Running) -> None:
+    q = running.queue
+    await q.submit("cpu", req("x", n=400))
+    seen = 0
+    async for _i, ev in q.events("x"):
+        seen += len(ev.token_ids)
+        if seen >= 2:
+            break
+    await q.cancel("x")
+    evs = await asyncio.wait_for(events(q, "x"), 5)
+    assert evs[-1].finished is not None
+    assert evs[-1].finished.finish_reason.value == "cancelled"
+    assert "x" in running.engine.aborted
+    assert await pending(running.settings) == 0
+
+
+async def test_job_cancelled_before_lease_is_skipped(redis_settings: RedisSettings) -> None:
+    ws = WorkerSettings(pool="cpu", engine="fake", max_inflight=2, consumer="w-skip")
+    queue = RedisQueue.from_settings(redis_settings)
+    engine = FakeEngine(ws)
+    await queue.join("cpu")
+    await queue.submit("cpu", req("early"))
+    await queue.cancel("early")
+    worker = Worker(ws, queue, engine, block_ms=100)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        evs = await asyncio.wait_for(events(queue, "early"), 5)
+        assert evs[-1].finished is not None and evs[-1].finished.finish_reason.value == "cancelled"
+        assert engine.served == []
+        assert await pending(redis_settings) == 0
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        await queue.close()
+
+
+async def test_engine_death_fails_the_job_and_stops_the_worker(redis_settings: RedisSettings) -> None:
+    ws = WorkerSettings(pool="cpu", engine="fake", max_inflight=2, consumer="w-dead", fake_step_s=0.02)
+    queue = RedisQueue.from_settings(redis_settings)
+    engine = FakeEngine(ws)
+    worker = Worker(ws, queue, engine, block_ms=100)
+    task = asyncio.create_task(worker.run(asyncio.Event()))
+    try:
+        await asyncio.wait_for(worker.ready.wait(), 5)
+        await queue.submit("cpu", req("d", n=100))
+        async for _i, _ev in queue.events("d"):
+            engine.dead = True
+            break
+        evs = await asyncio.wait_for(events(queue, "d"), 5)
+        assert evs[-1].failed is not None and evs[-1].failed.code == "engine_dead"
+        with pytest.raises(EngineDead):
+            await asyncio.wait_for(task, 10)
+        assert await pending(redis_settings) == 0
+    finally:
+        await queue.close()

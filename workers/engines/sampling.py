@@ -1,0 +1,288 @@
+"""Sampling for the CPU engine: ``SamplingParams`` validation and per-sequence logits processing.
+
+Pure torch on small tensors, no model: the processors take ``[n, vocab]`` float logits and
+return processed logits; :class:`SequenceSampler` holds one sequence's state (its generator,
+token counts for the penalties, the tokens ``min_tokens`` bans) and :func:`sample_batch`
+picks one token per row of a batch, with one ``argmax`` for all plain greedy rows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from llamamesh.errors import InvalidRequest
+from llamamesh.types import SamplingParams, TokenLogprob, TopLogprob
+
+DEFAULT_MAX_TOKENS = 256
+MAX_LOGPROBS = 20
+_U64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class ResolvedSampling:
+    """SamplingParams with every default filled in and every value checked."""
+
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # 0: off.
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    # None: no logprobs; N >= 0: the sampled token's logprob and N alternatives.
+    logprobs: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def _finite(name: str, value: float) -> float:
+    if not math.isfinite(value):
+        raise InvalidRequest.field(name, "must be a finite number")
+    return float(value)
+
+
+def resolve_sampling(params: SamplingParams, vocab_size: int) -> ResolvedSampling:
+    """Fill in the defaults; a value the engine cannot honour raises InvalidRequest naming its field."""
+    max_tokens = DEFAULT_MAX_TOKENS if params.max_tokens is None else params.max_tokens
+    if max_tokens < 1:
+        raise InvalidRequest.field("max_tokens", "must be at least 1")
+    temperature = 1.0 if params.temperature is None else _finite("temperature", params.temperature)
+    if temperature < 0:
+        raise InvalidRequest.field("temperature", "must be >= 0")
+    top_p = 1.0 if params.top_p is None else _finite("top_p", params.top_p)
+    if not 0.0 < top_p <= 1.0:
+        raise InvalidRequest.field("top_p", "must be in (0, 1]")
+    top_k = 0 if params.top_k is None or params.top_k in (-1, 0) else params.top_k
+    if top_k < 0:
+        raise InvalidRequest.field("top_k", "must be -1 or 0 (off) or a positive number of tokens")
+    min_p = 0.0 if params.min_p is None else _finite("min_p", params.min_p)
+    if not 0.0 <= min_p <= 1.0:
+        raise InvalidRequest.field("min_p", "must be in [0, 1]")
+    penalties = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        raw = getattr(params, name)
+        value = 0.0 if raw is None else _finite(name, raw)
+        if not -2.0 <= value <= 2.0:
+            raise InvalidRequest.field(name, "must be in [-2, 2]")
+        penalties[name] = value
+    repetition = 1.0 if params.repetition_penalty is None else _finite(
+        "repetition_penalty", params.repetition_penalty
+    )
+    if repetition <= 0:
+        raise InvalidRequest.field("repetition_penalty", "must be > 0")
+    if any(not s for s in params.stop):
+        raise InvalidRequest.field("stop", "stop strings must not be empty")
+    if any(not 0 <= t < vocab_size for t in params.stop_token_ids):
+        raise InvalidRequest.field("stop_token_ids", f"token ids must be in [0, {vocab_size})")
+    min_tokens = params.min_tokens or 0
+    if min_tokens < 0:
+        raise InvalidRequest.field("min_tokens", "must be >= 0")
+    if min_tokens > max_tokens:
+        raise InvalidRequest.field("min_tokens", f"must not exceed max_tokens ({max_tokens})")
+    if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
+        raise InvalidRequest.field("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+    return ResolvedSampling(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        presence_penalty=penalties["presence_penalty"],
+        frequency_penalty=penalties["frequency_penalty"],
+        repetition_penalty=repetition,
+        stop=tuple(params.stop),
+        stop_token_ids=tuple(params.stop_token_ids),
+        seed=params.seed,
+        ignore_eos=bool(params.ignore_eos),
+        min_tokens=min_tokens,
+        logprobs=params.logprobs,
+    )
+
+
+# --- processors: [n, vocab] float logits in, processed logits out.
+
+
+def ban_tokens(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Make ``token_ids`` impossible (used by min_tokens for EOS and the stop tokens)."""
+    return logits.index_fill(-1, token_ids, -math.inf)
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """HF-style: logits of tokens already seen (prompt or output) are divided by ``penalty`` when
+    positive and multiplied by it when negative."""
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def apply_presence_frequency(
+    logits: torch.Tensor, counts: torch.Tensor, presence: float, frequency: float
+) -> torch.Tensor:
+    """OpenAI-style, over generated tokens: ``logit -= frequency * count + presence * (count > 0)``."""
+    return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
+
+
+def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return logits / temperature
+
+
+def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the ``k`` highest logits (ties with the k-th are kept too)."""
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, -math.inf)
+
+
+def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches ``p`` (at least one)."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    # A token is dropped when the more likely tokens before it already reach p.
+    drop_sorted = (probs.cumsum(dim=-1) - probs) >= p
+    drop_sorted[..., 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, -math.inf)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p`` times the most likely token's."""
+    if min_p <= 0.0:
+        return logits
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p
+    return logits.masked_fill(probs < threshold, -math.inf)
+
+
+def sample_from(logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row from ``softmax(logits)``; ``[n]`` long."""
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+class SequenceSampler:
+    """One sequence's sampling state; used from the engine's torch thread only."""
+
+    def __init__(
+        self,
+        params: ResolvedSampling,
+        vocab_size: int,
+        prompt_ids: Sequence[int],
+        eos_ids: Collection[int],
+    ) -> None:
+        self.params = params
+        self.generated = 0
+        self.generator: torch.Generator | None = None
+        if params.seed is not None and not params.greedy:
+            self.generator = torch.Generator().manual_seed(params.seed & _U64)
+        self.counts: torch.Tensor | None = None
+        if params.presence_penalty or params.frequency_penalty:
+            self.counts = torch.zeros(vocab_size)
+        self.seen: torch.Tensor | None = None
+        if params.repetition_penalty != 1.0:
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool)
+            if prompt_ids:
+                self.seen[torch.tensor(list(prompt_ids), dtype=torch.long)] = True
+        banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+        banned = {t for t in banned if 0 <= t < vocab_size}
+        self.banned: torch.Tensor | None = None
+        if params.min_tokens and banned:
+            self.banned = torch.tensor(sorted(banned), dtype=torch.long)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """True when the next token is simply the argmax of the raw logits."""
+        return self.params.greedy and not self.params.penalised and not self._banning
+
+    @property
+    def _banning(self) -> bool:
+        return self.banned is not None and self.generated < self.params.min_tokens
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """Apply min_tokens, the penalties, temperature, top-k, top-p and min-p to ``[1, vocab]`` logits."""
+        p = self.params
+        if self._banning:
+            assert self.banned is not None
+            logits = ban_tokens(logits, self.banned)
+        if self.seen is not None:
+            logits = apply_repetition_penalty(logits, self.seen, p.repetition_penalty)
+        if self.counts is not None:
+            logits = apply_presence_frequency(logits, self.counts, p.presence_penalty, p.frequency_penalty)
+        if p.greedy:
+            return logits
+        if p.temperature != 1.0:
+            logits = apply_temperature(logits, p.temperature)
+        logits = apply_top_k(logits, p.top_k)
+        logits = apply_top_p(logits, p.top_p)
+        return apply_min_p(logits, p.min_p)
+
+    def choose(self, logits: torch.Tensor) -> int:
+        """The next token for ``[1, vocab]`` raw logits."""
+        processed = self.process(logits)
+        if self.params.greedy:
+            return int(processed.argmax(dim=-1)[0])
+        return int(sample_from(processed, self.generator)[0])
+
+    def observe(self, token_id: int) -> None:
+        """Record a generated token (for the penalties and min_tokens)."""
+        self.generated += 1
+        if self.counts is not None:
+            self.counts[token_id] += 1
+        if self.seen is not None:
+            self.seen[token_id] = True
+
+
+def sample_batch(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) -> list[int]:
+    """One token per row of ``[n, vocab]`` float logits; plain greedy rows share one argmax."""
+    plain = [i for i, s in enumerate(samplers) if s.plain_greedy]
+    out = [0] * len(samplers)
+    if len(plain) == len(samplers):
+        return logits.argmax(dim=-1).tolist()
+    if plain:
+        index = torch.tensor(plain, dtype=torch.long)
+        for i, token in zip(plain, logits.index_select(0, index).argmax(dim=-1).tolist()):
+            out[i] = token
+    for i, sampler in enumerate(samplers):
+        if not sampler.plain_greedy:
+            out[i] = sampler.choose(logits[i : i + 1])
+    return out
+
+
+def token_logprobs(
+    logits: torch.Tensor, rows: Sequence[int], chosen: Sequence[int], top: Sequence[int]
+) -> list[TokenLogprob]:
+    """Logprobs of ``chosen[j]`` in row ``rows[j]`` of the raw ``[n, vocab]`` logits, with ``top[j]``
+    alternatives each (log_softmax before any processing, like vLLM's raw logprobs)."""
+    if not rows:
+        return []
+    logprobs = logits.index_select(0, torch.tensor(list(rows), dtype=torch.long)).log_softmax(dim=-1)
+    picked = logprobs.gather(-1, torch.tensor(list(chosen), dtype=torch.long)[:, None]).squeeze(-1).tolist()
+    n_top = max(top)
+    top_values: list[list[float]] = []
+    top_ids: list[list[int]] = []
+    if n_top:
+        values, ids = torch.topk(logprobs, n_top, dim=-1)
+        top_values, top_ids = values.tolist(), ids.tolist()
+    out = []
+    for j, (token, lp, n) in enumerate(zip(chosen, picked, top)):
+        alternatives = tuple(TopLogprob(top_ids[j][k], top_values[j][k]) for k in range(n))
+        out.append(TokenLogprob(token_id=token, logprob=lp, top=alternatives))
+    return out
