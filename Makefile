@@ -32,6 +32,7 @@ serve: install
 test: install-dev
 	@command -v redis-server >/dev/null || { command -v apt-get >/dev/null && \
 	  (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null); }
+	$(MAKE) lint
 	$(PY) -m pytest tests
 
 proto: $(PY)

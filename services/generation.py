@@ -32,7 +32,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self._s = settings
         self._models = tuple(models)
 
-    async def Generate(  # noqa: N802  (gRPC method name)
+    async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Stream one generation. A client disconnect (CancelledError) cancels the job
@@ -88,12 +88,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         except errors.QueueUnavailable:
             log.warning("cancel_failed", request_id=request_id)
 
-    async def ListModels(  # noqa: N802
+    async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
         return convert.model_list(self._models)
 
-    async def Tokenize(  # noqa: N802
+    async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
         """Tokenize on a worker of the model's pool (the engine owns the tokenizer)."""

@@ -105,10 +105,8 @@ class Outbox:
 
     async def _run(self) -> None:
         while True:
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self._watch_interval_s if self._watch else None)
-            except asyncio.TimeoutError:
-                pass
             # Let every job task that is ready this iteration add its delta first.
             await asyncio.sleep(0)
             await self._flush_once()

@@ -15,6 +15,7 @@ Redis errors become ``QueueUnavailable`` here and nowhere else.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
+from typing import Any  # redis-py types stream replies loosely
 
 import redis.asyncio as aioredis
 import structlog
@@ -63,7 +64,7 @@ class RedisQueue:
         last = after
         while True:
             try:
-                reply = await self._r.xread({key: last}, count=256, block=self._s.block_ms)
+                reply: Any = await self._r.xread({key: last}, count=256, block=self._s.block_ms)
             except RedisError as exc:
                 raise QueueUnavailable("the queue is unreachable") from exc
             for _stream, entries in reply or ():
@@ -102,7 +103,7 @@ class RedisQueue:
     async def lease(self, pool: str, consumer: str, count: int, block_ms: int) -> list[Lease]:
         stream = self.keys.jobs(pool)
         try:
-            reply = await self._r.xreadgroup(WORKER_GROUP, consumer, {stream: ">"}, count=count, block=block_ms)
+            reply: Any = await self._r.xreadgroup(WORKER_GROUP, consumer, {stream: ">"}, count=count, block=block_ms)
         except ResponseError as exc:
             if "NOGROUP" in str(exc):
                 # The stream or group vanished (a Redis that came back empty): recreate and retry.

@@ -46,8 +46,8 @@ class ProcessNode:
         return self.log_path(name).read_text(errors="replace")
 
     def spawn(self, name: str, module: str) -> None:
-        out = self.log_path(name).open("ab")
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", module], env=self.env, stdout=out, stderr=out)
+        with self.log_path(name).open("ab") as out:  # the child keeps its own descriptor
+            self.procs[name] = subprocess.Popen([sys.executable, "-m", module], env=self.env, stdout=out, stderr=out)
 
     def start(self, timeout_s: float = 240.0) -> None:
         self.spawn("gateway", "services")

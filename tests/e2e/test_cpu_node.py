@@ -3,6 +3,7 @@ the real SmolLM2-135M-Instruct on the CPU -> back. Driven through the Python cli
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
@@ -16,7 +17,9 @@ import redis
 
 from llamamesh.client import Client, field_violations
 from llamamesh.queue.keys import WORKER_GROUP, Keys
-from llamamesh.queue import codec
+from llamamesh.queue.streams import RedisQueue
+from llamamesh.settings import RedisSettings
+from llamamesh.types import JobEvent
 from llamamesh.v1 import generation_pb2 as pb
 from tests.e2e.conftest import ProcessNode
 
@@ -58,23 +61,19 @@ async def test_cancel_mid_stream_stops_the_worker(cpu_node: ProcessNode) -> None
             if got >= 3:
                 break
         call.cancel()
-    r = redis.Redis.from_url(cpu_node.redis.url)
-    keys = Keys(cpu_node.prefix)
+    queue = RedisQueue.from_settings(RedisSettings(url=cpu_node.redis.url, prefix=cpu_node.prefix))
     try:
-        deadline = time.monotonic() + 30
-        terminal = None
-        while terminal is None and time.monotonic() < deadline:
-            for _id, fields in r.xrange(keys.events(rid)):
-                ev = codec.decode_event(fields[b"e"])
-                if ev.terminal:
-                    terminal = ev
-            if terminal is None:
-                time.sleep(0.05)  # bounded poll of the event stream
-        assert terminal is not None and terminal.finished is not None
-        assert terminal.finished.finish_reason.value == "cancelled"
-        streamed = sum(len(codec.decode_event(f[b"e"]).token_ids) for _i, f in r.xrange(keys.events(rid)))
-        assert streamed < max_tokens
-        assert r.xpending(keys.jobs("cpu"), WORKER_GROUP)["pending"] == 0
+        # the worker's whole event stream, read with blocking XREAD up to its terminal event
+        evs = await asyncio.wait_for(_events(queue, rid), 30)
+    finally:
+        await queue.close()
+    terminal = evs[-1]
+    assert terminal.finished is not None
+    assert terminal.finished.finish_reason.value == "cancelled"
+    assert sum(len(e.token_ids) for e in evs) < max_tokens
+    r = redis.Redis.from_url(cpu_node.redis.url)
+    try:
+        assert r.xpending(Keys(cpu_node.prefix).jobs("cpu"), WORKER_GROUP)["pending"] == 0
     finally:
         r.close()
     log = cpu_node.log("worker")
@@ -82,6 +81,10 @@ async def test_cancel_mid_stream_stops_the_worker(cpu_node: ProcessNode) -> None
     events = {x["event"] for x in cancel_lines}
     assert "job_cancel_requested" in events
     assert "engine_aborted" in events, events
+
+
+async def _events(queue: RedisQueue, rid: str) -> list[JobEvent]:
+    return [e async for _i, e in queue.events(rid)]
 
 
 MALFORMED: list[tuple[dict, str]] = [
@@ -176,7 +179,7 @@ def test_grpcurl_reflection_lists_describes_and_streams(cpu_node: ProcessNode) -
     msgs = _json_objects(out.stdout)
     assert len(msgs) > 1
     assert "Paris" in "".join(m.get("text", "") for m in msgs)
-    assert msgs[-1]["finishReason"] in ("FINISH_REASON_STOP", "FINISH_REASON_LENGTH")
+    assert msgs[-1]["finish_reason"] in ("FINISH_REASON_STOP", "FINISH_REASON_LENGTH")
 
     bad = run_grpcurl("-d", json.dumps({"prompt": "x", "top_p": 3}), cpu_node.address,
                       "llamamesh.v1.GenerationService/Generate")

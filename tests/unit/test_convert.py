@@ -4,7 +4,7 @@ import pytest
 
 from llamamesh.errors import InvalidRequest, NotFound
 from llamamesh.settings import GatewaySettings
-from llamamesh.types import FinishReason, Finished, GenerationRequest, JobEvent, Usage
+from llamamesh.types import Finished, FinishReason, GenerationRequest, JobEvent, Usage
 from llamamesh.v1 import generation_pb2 as pb
 from services import convert
 

@@ -82,9 +82,7 @@ def resolve_sampling(params: SamplingParams, vocab_size: int) -> ResolvedSamplin
         if not -2.0 <= value <= 2.0:
             raise InvalidRequest.field(name, "must be in [-2, 2]")
         penalties[name] = value
-    repetition = 1.0 if params.repetition_penalty is None else _finite(
-        "repetition_penalty", params.repetition_penalty
-    )
+    repetition = 1.0 if params.repetition_penalty is None else _finite("repetition_penalty", params.repetition_penalty)
     if repetition <= 0:
         raise InvalidRequest.field("repetition_penalty", "must be > 0")
     if any(not s for s in params.stop):
@@ -258,7 +256,7 @@ def sample_batch(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) -> l
         return logits.argmax(dim=-1).tolist()
     if plain:
         index = torch.tensor(plain, dtype=torch.long)
-        for i, token in zip(plain, logits.index_select(0, index).argmax(dim=-1).tolist()):
+        for i, token in zip(plain, logits.index_select(0, index).argmax(dim=-1).tolist(), strict=True):
             out[i] = token
     for i, sampler in enumerate(samplers):
         if not sampler.plain_greedy:
@@ -282,7 +280,7 @@ def token_logprobs(
         values, ids = torch.topk(logprobs, n_top, dim=-1)
         top_values, top_ids = values.tolist(), ids.tolist()
     out = []
-    for j, (token, lp, n) in enumerate(zip(chosen, picked, top)):
+    for j, (token, lp, n) in enumerate(zip(chosen, picked, top, strict=True)):
         alternatives = tuple(TopLogprob(top_ids[j][k], top_values[j][k]) for k in range(n))
         out.append(TokenLogprob(token_id=token, logprob=lp, top=alternatives))
     return out

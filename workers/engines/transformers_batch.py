@@ -1,0 +1,283 @@
+"""The running batch of the CPU engine: every sequence in flight, advanced one token per step.
+
+Only the engine's torch thread touches a :class:`Batch`. Each :meth:`Batch.step` drops aborted
+sequences, prefills the admitted ones (one by one, unpadded, into a fresh transformers cache that
+then joins the batch's :class:`~workers.engines.transformers_kv.RaggedKV` along the batch dim),
+runs one decode step for every running sequence (``input_ids [B, 1]``, explicit position ids and a
+4-D mask), samples per sequence, and drops the finished sequences from the cache.
+
+A sequence decodes to the same bits alone or batched (see transformers_kv.py), so greedy text does
+not depend on the other requests, in bfloat16 too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from llamamesh.errors import InvalidRequest, LlamameshError, PromptTooLong
+from llamamesh.types import FinishReason, GenerationRequest, TokenLogprob
+from workers.engines.detokenizer import IncrementalDetokenizer, StopStrings
+from workers.engines.sampling import ResolvedSampling, SequenceSampler, sample_batch, token_logprobs
+from workers.engines.transformers_kv import RaggedKV, check_supported, use_aligned_attention
+
+
+@dataclass(frozen=True)
+class Admission:
+    request: GenerationRequest
+    params: ResolvedSampling
+
+
+@dataclass
+class SeqOutput:
+    """What one sequence produced in one step."""
+
+    request_id: str
+    prompt_tokens: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class StepResult:
+    outputs: list[SeqOutput]
+    # Admissions refused before prefill (prompt too long, no input, ...).
+    rejected: list[tuple[str, LlamameshError]]
+    # Request ids still running after the step.
+    running: list[str]
+    # Real (unpadded) tokens held in the KV cache.
+    cached_tokens: int
+    # Sequences in this step's decode forward.
+    decode_batch: int
+
+
+class _Sequence:
+    def __init__(self, admission: Admission, prompt_ids: list[int], sampler: SequenceSampler, tokenizer: Any) -> None:
+        self.request_id = admission.request.request_id
+        self.params = admission.params
+        self.prompt_ids = prompt_ids
+        self.sampler = sampler
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stops = StopStrings(admission.params.stop)
+        self.stop_ids = frozenset(admission.params.stop_token_ids)
+        self.generated = 0
+        self.pending = -1
+        self.finished: FinishReason | None = None
+        self.out: SeqOutput | None = None
+
+
+class Batch:
+    """The sequences in flight and their KV cache; not thread-safe (one torch thread drives it)."""
+
+    def __init__(self, model: Any, tokenizer: Any, max_model_len: int) -> None:
+        """ValueError if the model's attention or cache cannot be batched this way."""
+        check_supported(model.config)
+        use_aligned_attention(model)
+        self.model = model
+        self.tokenizer = tokenizer
+        config = model.config
+        self.max_model_len = min(max_model_len, getattr(config, "max_position_embeddings", max_model_len))
+        self.vocab_size: int = config.vocab_size
+        eos: set[int] = set()
+        for source in (model.generation_config.eos_token_id, tokenizer.eos_token_id):
+            if isinstance(source, int):
+                eos.add(source)
+            elif source is not None:
+                eos.update(source)
+        self.eos_ids = frozenset(eos)
+        self._seqs: list[_Sequence] = []
+        self._kv: RaggedKV | None = None
+        # [B]: tokens in the cache per row, which is also the position of each pending token.
+        self._lengths = torch.zeros(0, dtype=torch.long)
+        self._touched: list[_Sequence] = []
+
+    @property
+    def running(self) -> int:
+        return len(self._seqs)
+
+    @property
+    def cached_tokens(self) -> int:
+        return int(self._lengths.sum())
+
+    # --- input
+
+    def encode(self, request: GenerationRequest) -> list[int]:
+        """Token ids for the request's prompt (as is) or messages (chat template); InvalidRequest if neither."""
+        if request.prompt is not None and request.messages is not None:
+            raise InvalidRequest.field("messages", "set prompt or messages, not both")
+        if request.messages is not None:
+            if not request.messages:
+                raise InvalidRequest.field("messages", "at least one message is required")
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise InvalidRequest.field("messages", "this model has no chat template; send a prompt")
+            chat = [{"role": m.role, "content": m.content} for m in request.messages]
+            try:
+                text = self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            except Exception as exc:  # jinja raises whatever the template author chose
+                raise InvalidRequest.field("messages", f"the chat template rejected them: {exc}") from exc
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        if request.prompt is None:
+            raise InvalidRequest.field("prompt", "either prompt or messages is required")
+        return list(self.tokenizer.encode(request.prompt))
+
+    def _admit(self, admission: Admission) -> _Sequence:
+        request = admission.request
+        ids = self.encode(request)
+        input_field = "messages" if request.messages is not None else "prompt"
+        if not ids:
+            raise InvalidRequest.field(input_field, "the prompt has no tokens")
+        if len(ids) >= self.max_model_len:
+            limit = self.max_model_len - 1
+            raise PromptTooLong.field(
+                input_field, f"{len(ids)} tokens, limit {limit} (max_model_len {self.max_model_len} counts the output)"
+            )
+        sampler = SequenceSampler(admission.params, self.vocab_size, ids, self.eos_ids)
+        return _Sequence(admission, ids, sampler, self.tokenizer)
+
+    # --- the step
+
+    def step(self, admit: Sequence[Admission], aborts: frozenset[str] | set[str]) -> StepResult:
+        """Drop ``aborts``, prefill ``admit``, decode one token for every sequence."""
+        with torch.inference_mode():
+            return self._step(admit, aborts)
+
+    def _step(self, admit: Sequence[Admission], aborts: frozenset[str] | set[str]) -> StepResult:
+        self._touched = []
+        outputs: list[SeqOutput] = []
+        if aborts:
+            keep = []
+            for i, seq in enumerate(self._seqs):
+                if seq.request_id in aborts:
+                    out = SeqOutput(seq.request_id, len(seq.prompt_ids), finish_reason=FinishReason.CANCELLED)
+                    outputs.append(out)
+                else:
+                    keep.append(i)
+            self._select(keep)
+        rejected: list[tuple[str, LlamameshError]] = []
+        joining: list[tuple[_Sequence, RaggedKV]] = []
+        for admission in admit:
+            try:
+                seq = self._admit(admission)
+            except LlamameshError as exc:
+                rejected.append((admission.request.request_id, exc))
+                continue
+            kv = self._prefill(seq)
+            if seq.finished is None:
+                joining.append((seq, kv))
+        if joining:
+            self._join(joining)
+        decode_batch = len(self._seqs)
+        if self._seqs:
+            self._decode()
+        outputs += [s.out for s in self._touched if s.out is not None]
+        for seq in self._touched:
+            seq.out = None
+        self._touched = []
+        return StepResult(
+            outputs=outputs,
+            rejected=rejected,
+            running=[s.request_id for s in self._seqs],
+            cached_tokens=self.cached_tokens,
+            decode_batch=decode_batch,
+        )
+
+    def _prefill(self, seq: _Sequence) -> RaggedKV:
+        """Run the prompt alone (no padding: the same numbers as ``model.generate``); sample its first token."""
+        n = len(seq.prompt_ids)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(
+            input_ids=torch.tensor([seq.prompt_ids], dtype=torch.long),
+            attention_mask=torch.ones((1, n), dtype=torch.long),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self._sample([seq], out.logits[:, -1, :].float())
+        return RaggedKV.from_prefill(cache, n)
+
+    def _join(self, joining: list[tuple[_Sequence, RaggedKV]]) -> None:
+        parts = ([self._kv] if self._kv is not None else []) + [kv for _, kv in joining]
+        self._kv = parts[0] if len(parts) == 1 else RaggedKV.concat(parts)
+        lengths = torch.tensor([len(s.prompt_ids) for s, _ in joining], dtype=torch.long)
+        self._lengths = torch.cat([self._lengths, lengths])
+        self._seqs = self._seqs + [s for s, _ in joining]
+
+    def _decode(self) -> None:
+        assert self._kv is not None
+        seqs = self._seqs
+        mask = self._kv.prepare_decode(self._lengths)
+        out = self.model(
+            input_ids=torch.tensor([[s.pending] for s in seqs], dtype=torch.long),
+            attention_mask=mask,
+            position_ids=self._lengths[:, None],
+            cache=self._kv,
+            use_cache=True,
+        )
+        self._lengths = self._lengths + 1
+        self._sample(seqs, out.logits[:, -1, :].float())
+        self._select([i for i, s in enumerate(seqs) if s.finished is None])
+
+    def _select(self, keep: list[int]) -> None:
+        """Keep only rows ``keep`` of the batch."""
+        if len(keep) == len(self._seqs):
+            return
+        if not keep:
+            self._seqs, self._kv = [], None
+            self._lengths = torch.zeros(0, dtype=torch.long)
+            return
+        assert self._kv is not None
+        rows = torch.tensor(keep, dtype=torch.long)
+        self._lengths = self._lengths.index_select(0, rows)
+        self._kv.select(rows, int(self._lengths.max()))
+        self._seqs = [self._seqs[i] for i in keep]
+
+    # --- sampling and stopping
+
+    def _sample(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
+        tokens = sample_batch(logits, [s.sampler for s in seqs])
+        rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        logprobs: dict[int, TokenLogprob] = {}
+        if rows:
+            top = [seqs[i].params.logprobs or 0 for i in rows]
+            picked = token_logprobs(logits, rows, [tokens[i] for i in rows], top)
+            logprobs = dict(zip(rows, picked, strict=True))
+        for i, seq in enumerate(seqs):
+            self._accept(seq, tokens[i], logprobs.get(i))
+
+    def _accept(self, seq: _Sequence, token: int, logprob: TokenLogprob | None) -> None:
+        out = seq.out
+        if out is None:
+            out = seq.out = SeqOutput(seq.request_id, len(seq.prompt_ids))
+            self._touched.append(seq)
+        seq.sampler.observe(token)
+        seq.generated += 1
+        out.token_ids.append(token)
+        if logprob is not None:
+            out.logprobs.append(logprob)
+        n = seq.generated
+        reason: FinishReason | None = None
+        if token in seq.stop_ids or (token in self.eos_ids and not seq.params.ignore_eos):
+            # The stop token's own text is not part of the output.
+            reason = FinishReason.STOP
+            text = seq.detok.flush()
+        else:
+            text = seq.detok.push(token)
+            if n >= seq.params.max_tokens or len(seq.prompt_ids) + n >= self.max_model_len:
+                reason = FinishReason.LENGTH
+                text += seq.detok.flush()
+        emit, stopped = seq.stops.feed(text, check=n >= seq.params.min_tokens)
+        out.text += emit
+        if stopped:
+            reason = FinishReason.STOP_SEQUENCE
+        elif reason is not None:
+            out.text += seq.stops.flush()
+        if reason is None:
+            seq.pending = token
+        else:
+            seq.finished = out.finish_reason = reason
