@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import pytest_asyncio
@@ -81,9 +81,12 @@ async def collect(stream: AsyncIterator[TokenDelta], into: list[TokenDelta]) -> 
 
 async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
     """Bounded polling (the engine's state changes in its own thread's steps)."""
-    async with asyncio.timeout(timeout):
+
+    async def poll() -> None:
         while not condition():  # noqa: ASYNC110 - the state changes in the engine thread: bounded polling
             await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(poll(), timeout)  # asyncio.timeout is 3.11+; the code supports 3.10
 
 
 QUESTIONS = [
@@ -382,3 +385,25 @@ async def test_a_missing_model_path_raises_engine_dead() -> None:
     with pytest.raises(EngineDead):
         await eng.start()
     await eng.shutdown()
+
+
+async def test_waiting_requests_are_admitted_by_priority(spare: TransformersEngine) -> None:
+    blocker = chat(QUESTIONS[2], temperature=0, max_tokens=200, ignore_eos=True)
+    first = spare.stream(blocker)
+    await anext(first)
+    finished: list[str] = []
+
+    async def finish(req: GenerationRequest) -> None:
+        await run(spare, req)
+        finished.append(req.request_id)
+
+    low = replace(chat(QUESTIONS[0], temperature=0, max_tokens=2), priority=0)
+    high = replace(chat(QUESTIONS[1], temperature=0, max_tokens=2), priority=5)
+    tasks = [asyncio.ensure_future(finish(low))]
+    await until(lambda: spare.stats().waiting == 1)
+    tasks.append(asyncio.ensure_future(finish(high)))
+    await until(lambda: spare.stats().waiting == 2)
+    await spare.abort(blocker.request_id)
+    [d async for d in first]
+    await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    assert finished == [high.request_id, low.request_id]

@@ -159,7 +159,7 @@ class TransformersEngine:
             raise InvalidRequest.field("request_id", f"request {rid!r} is already in flight")
         entry = _Request(request, params)
         self._requests[rid] = entry
-        self._waiting.append(entry)
+        self._enqueue(entry)
         self._wakeup.set()
         finished = False
         try:
@@ -176,6 +176,12 @@ class TransformersEngine:
         finally:
             if not finished:
                 self._abort_now(rid)
+
+    def _enqueue(self, entry: _Request) -> None:
+        """Waiting requests are admitted by priority (higher first), first come first served within one."""
+        prio = entry.request.priority
+        at = next((i for i, w in enumerate(self._waiting) if w.request.priority < prio), len(self._waiting))
+        self._waiting.insert(at, entry)
 
     async def abort(self, request_id: str) -> None:
         """Stop a waiting or running request; its stream ends with finish_reason CANCELLED.
