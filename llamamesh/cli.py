@@ -137,8 +137,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     log_file = Path(tempfile.gettempdir()) / "llamamesh-demo.log"
     node = Node(settings, workers=1, log_file=log_file)
     t0 = time.monotonic()
-    print(f"starting a node on {settings.gateway.host}:{settings.gateway.port} (logs: {log_file}) ...",
-          file=sys.stderr)
+    print(f"starting a node on {settings.gateway.host}:{settings.gateway.port} (logs: {log_file}); "
+          "the first start converts the model once (~30 s on two cores) ...", file=sys.stderr)
     node.start()
     try:
         print(f"> {args.prompt}\n", file=sys.stderr)

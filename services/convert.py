@@ -16,6 +16,7 @@ from types import MappingProxyType
 from google.protobuf.duration_pb2 import Duration
 
 from llamamesh.errors import FieldViolation, InvalidRequest, NotFound
+from llamamesh.queue import codec
 from llamamesh.settings import GatewaySettings
 from llamamesh.types import (
     CHAT_ROLES,
@@ -26,7 +27,6 @@ from llamamesh.types import (
     JobKind,
     ModelInfo,
     SamplingParams,
-    TokenLogprob,
 )
 from llamamesh.v1 import generation_pb2 as pb
 
@@ -196,17 +196,6 @@ def _duration(ns: int) -> Duration:
     return d
 
 
-def _logprobs(items: Sequence[TokenLogprob]) -> list[pb.TokenLogprob]:
-    return [
-        pb.TokenLogprob(
-            token_id=x.token_id,
-            logprob=x.logprob,
-            top=[pb.TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in x.top],
-        )
-        for x in items
-    ]
-
-
 def generate_response(req: GenerationRequest, ev: JobEvent, now_ns: int | None = None) -> pb.GenerateResponse:
     """One response message from one event; the terminal one carries finish, usage, timings."""
     msg = pb.GenerateResponse(
@@ -214,7 +203,7 @@ def generate_response(req: GenerationRequest, ev: JobEvent, now_ns: int | None =
         text=ev.text,
         token_ids=ev.token_ids,
         index=ev.index,
-        logprobs=_logprobs(ev.logprobs),
+        logprobs=codec.logprobs_to_pb(ev.logprobs, pb.TokenLogprob, pb.TopLogprob),
         model=req.model,
     )
     f = ev.finished

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from types import MappingProxyType
+from typing import Any, TypeVar
 
 from llamamesh.errors import InvalidRequest
 from llamamesh.internal.v1 import job_pb2 as pb
@@ -21,6 +23,7 @@ from llamamesh.types import (
     Usage,
 )
 
+_M = TypeVar("_M")
 _KIND_TO_PB = {JobKind.GENERATE: pb.JOB_KIND_GENERATE, JobKind.TOKENIZE: pb.JOB_KIND_TOKENIZE}
 _KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
 _REPEATED = {"stop", "stop_token_ids"}
@@ -79,12 +82,15 @@ def decode_job(data: bytes) -> GenerationRequest:
     )
 
 
-def _logprobs_to_pb(items: tuple[TokenLogprob, ...]) -> list[pb.TokenLogprob]:
+def logprobs_to_pb(
+    items: Sequence[TokenLogprob], token_cls: Callable[..., _M], top_cls: Callable[..., Any]
+) -> list[_M]:
+    """Logprobs as protobuf messages of the given classes (the internal ones or the public ones)."""
     return [
-        pb.TokenLogprob(
+        token_cls(
             token_id=lp.token_id,
             logprob=lp.logprob,
-            top=[pb.TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top],
+            top=[top_cls(token_id=t.token_id, logprob=t.logprob) for t in lp.top],
         )
         for lp in items
     ]
@@ -95,7 +101,7 @@ def encode_event(ev: JobEvent) -> bytes:
         text=ev.text,
         token_ids=ev.token_ids,
         index=ev.index,
-        logprobs=_logprobs_to_pb(ev.logprobs),
+        logprobs=logprobs_to_pb(ev.logprobs, pb.TokenLogprob, pb.TopLogprob),
         tokenized=ev.tokenized,
         worker=ev.worker,
     )

@@ -4,9 +4,8 @@ import asyncio
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
+from llamamesh.client import field_violations
 from llamamesh.v1 import generation_pb2 as pb
 from tests.services.conftest import Stack
 
@@ -56,17 +55,6 @@ async def test_chat_messages_and_stop_sequence(stack: Stack) -> None:
     assert text.startswith("".join(m.text for m in second))
 
 
-def violations(err: grpc.aio.AioRpcError) -> list[str]:
-    st = rpc_status.from_call(err)
-    assert st is not None
-    out = []
-    for d in st.details:
-        br = error_details_pb2.BadRequest()
-        if d.Unpack(br):
-            out += [v.field for v in br.field_violations]
-    return out
-
-
 BAD = [
     (dict(prompt="x", temperature=-0.1), "temperature"),
     (dict(prompt="x", top_p=0.0), "top_p"),
@@ -97,7 +85,7 @@ async def test_bad_input_is_invalid_argument_naming_the_field(stack: Stack, fiel
     with pytest.raises(grpc.aio.AioRpcError) as ei:
         await collect(stack, pb.GenerateRequest(**fields))
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert field in violations(ei.value)
+    assert field in field_violations(ei.value)
     assert field in (ei.value.details() or "")
     assert stack.queue.waiting("cpu") == [] and stack.queue.pending("cpu") == {}
 
@@ -114,7 +102,7 @@ async def test_engine_rejection_crosses_redis_as_invalid_argument(stack: Stack) 
     with pytest.raises(grpc.aio.AioRpcError) as ei:
         await collect(stack, pb.GenerateRequest(prompt=words, max_tokens=4))
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert violations(ei.value) == ["prompt"]
+    assert field_violations(ei.value) == ["prompt"]
 
 
 @pytest.mark.fake_step_s(0.05)
