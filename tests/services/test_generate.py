@@ -12,6 +12,16 @@ from tests.services.conftest import Stack
 pytestmark = pytest.mark.timeout(30)
 
 
+async def aborted_and_acked(stack: Stack, rid: str, timeout_s: float = 5.0) -> None:
+    """Bounded wait (polling the in-process fakes) for the engine's abort and the job's ack."""
+
+    async def poll() -> None:
+        while not (rid in stack.engine.aborted and stack.queue.pending("cpu") == {}):  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(poll(), timeout_s)
+
+
 async def collect(stack: Stack, req: pb.GenerateRequest) -> list[pb.GenerateResponse]:
     return [m async for m in stack.stub.Generate(req)]
 
@@ -114,11 +124,7 @@ async def test_client_cancel_aborts_the_job_in_the_engine(stack: Stack) -> None:
         if got >= 3:
             break
     call.cancel()
-    # bounded wait for the abort to reach the engine and the job to be acked
-    for _ in range(200):
-        if "c-1" in stack.engine.aborted and stack.queue.pending("cpu") == {}:
-            break
-        await asyncio.sleep(0.02)
+    await aborted_and_acked(stack, "c-1")
     assert "c-1" in stack.engine.aborted
     assert stack.queue.pending("cpu") == {}
     assert stack.worker.inflight == 0
@@ -138,3 +144,14 @@ async def test_queue_down_is_unavailable(stack: Stack) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as ei:
         await collect(stack, pb.GenerateRequest(prompt="x"))
     assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.fake_step_s(0.05)
+async def test_deadline_ends_the_call_and_aborts_the_job(stack: Stack) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        [m async for m in stack.stub.Generate(pb.GenerateRequest(request_id="d-1", prompt="x", max_tokens=500),
+                                              timeout=0.5)]
+    assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await aborted_and_acked(stack, "d-1")
+    assert "d-1" in stack.engine.aborted
+    assert stack.queue.pending("cpu") == {}
