@@ -15,6 +15,8 @@ WORKER_GROUP = "workers"
 JOB_FIELD = "j"
 # Field of an event-stream entry holding the encoded JobEvent.
 EVENT_FIELD = "e"
+# Field of a wake-stream entry (the value is unused).
+WAKE_FIELD = "w"
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,10 @@ class Keys:
     def events(self, request_id: str) -> str:
         """The event stream of one request, written by its worker, read by its gateway."""
         return f"{self.prefix}:req:{{{request_id}}}:events"
+
+    def wake(self, follower_id: str) -> str:
+        """A gateway event follower's private stream: an entry returns its blocked XREAD."""
+        return f"{self.prefix}:follower:{{{follower_id}}}:wake"
 
     def cancel(self, request_id: str) -> str:
         """Present while a request is cancelled."""

@@ -4,7 +4,8 @@
   one consumer group; a job is acked and deleted after its terminal event.
 - Events: one stream per request (``keys.events``), written by the worker (one
   entry per engine step, all requests of a step in one pipeline) and read by
-  the gateway with blocking XREAD from its last id. It expires
+  the gateway with blocking XREAD from its last id, one XREAD for all the
+  requests a gateway follows (``follow.EventFollower``). It expires
   ``event_ttl_s`` after the terminal event.
 - Cancel: a flag key per request, checked when a job is leased and on every
   publish of the worker that runs it.
@@ -23,6 +24,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from llamamesh.errors import InvalidRequest, QueueUnavailable
 from llamamesh.queue import codec
+from llamamesh.queue.follow import EventFollower
 from llamamesh.queue.keys import EVENT_FIELD, JOB_FIELD, WORKER_GROUP, Keys
 from llamamesh.queue.protocol import Lease
 from llamamesh.settings import RedisSettings
@@ -38,6 +40,7 @@ class RedisQueue:
         self._r = client
         self._s = settings
         self.keys = Keys(settings.prefix)
+        self._follower: EventFollower | None = None
 
     @classmethod
     def from_settings(cls, settings: RedisSettings) -> RedisQueue:
@@ -60,20 +63,21 @@ class RedisQueue:
             raise QueueUnavailable("the queue is unreachable") from exc
 
     async def events(self, request_id: str, after: str = "0-0") -> AsyncIterator[tuple[str, JobEvent]]:
-        key = self.keys.events(request_id)
-        last = after
-        while True:
-            try:
-                reply: Any = await self._r.xread({key: last}, count=256, block=self._s.block_ms)
-            except RedisError as exc:
-                raise QueueUnavailable("the queue is unreachable") from exc
-            for _stream, entries in reply or ():
-                for entry_id, fields in entries:
-                    last = entry_id.decode()
-                    event = codec.decode_event(fields[EVENT_FIELD.encode()])
-                    yield last, event
-                    if event.terminal:
-                        return
+        if self._follower is None:
+            self._follower = EventFollower(self._r, self.keys, self._s.block_ms, self._s.event_idle_ttl_s)
+        sub = await self._follower.follow(self.keys.events(request_id), after)
+        try:
+            while True:
+                item = await sub.queue.get()
+                if isinstance(item, BaseException):
+                    raise QueueUnavailable("the queue is unreachable") from item
+                entry_id, fields = item
+                event = codec.decode_event(fields[EVENT_FIELD.encode()])
+                yield entry_id, event
+                if event.terminal:
+                    return
+        finally:
+            self._follower.unfollow(sub)
 
     async def cancel(self, request_id: str) -> None:
         try:
@@ -88,6 +92,9 @@ class RedisQueue:
             raise QueueUnavailable("the queue is unreachable") from exc
 
     async def close(self) -> None:
+        if self._follower is not None:
+            await self._follower.close()
+            self._follower = None
         await self._r.aclose()
 
     # ---- worker side --------------------------------------------------------

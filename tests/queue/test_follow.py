@@ -1,0 +1,101 @@
+"""The gateway's event follower: one blocking XREAD for every followed request, against real servers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import redis.asyncio as aioredis
+
+from llamamesh.errors import QueueUnavailable
+from llamamesh.queue.follow import EventFollower
+from llamamesh.queue.keys import Keys
+from llamamesh.settings import RedisSettings
+
+pytestmark = [pytest.mark.redis, pytest.mark.timeout(30)]
+
+
+@pytest.fixture
+async def client(redis_settings: RedisSettings):
+    r = aioredis.Redis.from_url(redis_settings.url, socket_timeout=30)
+    yield r
+    await r.aclose()
+
+
+async def test_a_late_follower_does_not_wait_for_the_blocked_read(redis_settings, client) -> None:
+    keys = Keys(redis_settings.prefix)
+    f = EventFollower(client, keys, block_ms=10_000)
+    try:
+        first = await f.follow(keys.events("a"))
+        await asyncio.sleep(0.05)  # let the loop block in XREAD (10 s) on stream "a" only
+        late = await f.follow(keys.events("b"))
+        t0 = time.monotonic()
+        await client.xadd(keys.events("b"), {"e": b"x"})
+        _entry_id, fields = await asyncio.wait_for(late.queue.get(), 5)
+        assert fields == {b"e": b"x"}
+        assert time.monotonic() - t0 < 1.0  # not the 10 s block
+        assert first.queue.empty()
+    finally:
+        await f.close()
+
+
+async def test_many_followers_share_few_reads(redis_settings, client) -> None:
+    keys = Keys(redis_settings.prefix)
+    f = EventFollower(client, keys, block_ms=2000)
+    try:
+        subs = [await f.follow(keys.events(f"r{i}")) for i in range(100)]
+        await asyncio.sleep(0.05)
+        reads_before = f.reads
+        async with client.pipeline(transaction=True) as pipe:  # one "engine step" for 100 requests
+            for i in range(100):
+                pipe.xadd(keys.events(f"r{i}"), {"e": str(i).encode()})
+            await pipe.execute()
+        got = [await asyncio.wait_for(s.queue.get(), 5) for s in subs]
+        assert [fields[b"e"] for _i, fields in got] == [str(i).encode() for i in range(100)]
+        assert f.reads - reads_before <= 3
+    finally:
+        await f.close()
+
+
+async def test_two_followers_of_one_stream_each_get_what_follows_their_id(redis_settings, client) -> None:
+    keys = Keys(redis_settings.prefix)
+    key = keys.events("same")
+    first_id = (await client.xadd(key, {"e": b"1"})).decode()
+    await client.xadd(key, {"e": b"2"})
+    f = EventFollower(client, keys, block_ms=500)
+    try:
+        from_start = await f.follow(key)
+        from_first = await f.follow(key, after=first_id)
+        a = [(await asyncio.wait_for(from_start.queue.get(), 5))[1][b"e"] for _ in range(2)]
+        b = [(await asyncio.wait_for(from_first.queue.get(), 5))[1][b"e"]]
+        assert a == [b"1", b"2"] and b == [b"2"]
+        assert from_first.queue.empty()
+    finally:
+        await f.close()
+
+
+async def test_a_dead_server_reaches_followers_as_an_error() -> None:
+    from tests.redisproc import free_port
+
+    r = aioredis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=1)
+    f = EventFollower(r, Keys("t"), block_ms=200)
+    try:
+        sub = await f.follow("t:x")
+        item = await asyncio.wait_for(sub.queue.get(), 5)
+        assert isinstance(item, Exception)
+        with pytest.raises(QueueUnavailable):
+            await f.follow("t:y")  # the loop is reading: the wake-up write fails
+    finally:
+        await f.close()
+        await r.aclose()
+
+
+async def test_close_returns_while_the_read_is_blocked(redis_settings, client) -> None:
+    keys = Keys(redis_settings.prefix)
+    f = EventFollower(client, keys, block_ms=10_000)
+    sub = await f.follow(keys.events("z"))
+    await client.xadd(keys.events("z"), {"e": b"1"})
+    await asyncio.wait_for(sub.queue.get(), 5)
+    f.unfollow(sub)  # the loop is back in a 10 s XREAD on a stream nobody follows
+    await asyncio.wait_for(f.close(), 5)
