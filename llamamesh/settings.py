@@ -97,6 +97,50 @@ class WorkerSettings:
 
 
 @dataclass(frozen=True)
+class VllmSettings:
+    """The vllm engine's knobs, forwarded verbatim to vLLM's ``AsyncEngineArgs`` by
+    ``workers/engines/vllm.py`` (nothing else reads them). The model is ``LLAMAMESH_WORKER_MODEL_PATH``
+    (a folder or a Hugging Face id). Zero / empty means "vLLM's own default".
+
+    Keep vLLM saturated: with this engine set ``LLAMAMESH_WORKER_MAX_INFLIGHT`` at least as high as
+    ``max_num_seqs`` (vLLM's default under ``vllm serve`` is 1024 on an H100/H200, 256 on smaller GPUs),
+    e.g. 512 and 512; the engine logs ``vllm_underfed`` at start when it is lower.
+    """
+
+    # Tokenizer folder or id. Empty: the model's.
+    tokenizer: str = ""
+    # auto, bfloat16, float16, float32. Empty: auto.
+    dtype: str = ""
+    # GPUs to shard the model over. 0: every GPU visible to the worker.
+    tensor_parallel_size: int = 0
+    # Longest sequence (prompt + completion) in tokens. 0: the model's own.
+    max_model_len: int = 0
+    # Fraction of each GPU's memory vLLM may use, in (0, 1]. 0: vLLM's default (0.92).
+    gpu_memory_utilization: float = 0.0
+    # Tokens per KV-cache block. 0: vLLM's choice.
+    block_size: int = 0
+    # "true", "false", or empty for vLLM's default (on).
+    enable_prefix_caching: str = ""
+    # awq, gptq, fp8, ... Empty: what the model's config says (or none).
+    quantization: str = ""
+    # auto, safetensors, pt, dummy (random weights), ... Empty: auto.
+    load_format: str = ""
+    # Run without CUDA graphs / torch.compile (faster start, slower steps).
+    enforce_eager: bool = False
+    # Sequences in one engine step. 0: vLLM's default for the GPU.
+    max_num_seqs: int = 0
+    # Tokens in one engine step. 0: vLLM's default for the GPU.
+    max_num_batched_tokens: int = 0
+    # GiB of CPU swap per GPU. vLLM 0.26 has no such argument (the V1 engine recomputes
+    # preempted requests); any non-zero value is refused at start.
+    swap_space: float = 0.0
+    # Engine seed. 0: vLLM's default (which is 0).
+    seed: int = 0
+    # JSON object of any other AsyncEngineArgs fields, e.g. '{"kv_cache_dtype": "fp8"}'.
+    extra_args: str = ""
+
+
+@dataclass(frozen=True)
 class LogSettings:
     level: str = "info"
     # "auto": JSON unless stderr is a terminal; "json"; "console".
@@ -108,6 +152,7 @@ class Settings:
     redis: RedisSettings = field(default_factory=RedisSettings)
     gateway: GatewaySettings = field(default_factory=GatewaySettings)
     worker: WorkerSettings = field(default_factory=WorkerSettings)
+    vllm: VllmSettings = field(default_factory=VllmSettings)
     log: LogSettings = field(default_factory=LogSettings)
 
     @classmethod

@@ -130,7 +130,7 @@ async def serve(settings: Settings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     structlog.contextvars.bind_contextvars(worker=settings.worker.consumer_name(), pool=settings.worker.pool)
-    engine = registry.create(settings.worker)
+    engine = registry.create(settings)
     queue = RedisQueue.from_settings(settings.redis)
     code = 0
     try:

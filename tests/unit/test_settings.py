@@ -36,3 +36,39 @@ def test_bad_values_name_the_variable() -> None:
 def test_threads_default_leaves_a_core_free() -> None:
     assert Settings.from_env({}).worker.torch_threads() >= 1
     assert Settings.from_env({"LLAMAMESH_WORKER_THREADS": "4"}).worker.torch_threads() == 4
+
+
+def test_vllm_section_reads_its_env_vars() -> None:
+    s = Settings.from_env({
+        "LLAMAMESH_VLLM_TOKENIZER": "/tok",
+        "LLAMAMESH_VLLM_DTYPE": "bfloat16",
+        "LLAMAMESH_VLLM_TENSOR_PARALLEL_SIZE": "2",
+        "LLAMAMESH_VLLM_MAX_MODEL_LEN": "8192",
+        "LLAMAMESH_VLLM_GPU_MEMORY_UTILIZATION": "0.85",
+        "LLAMAMESH_VLLM_BLOCK_SIZE": "32",
+        "LLAMAMESH_VLLM_ENABLE_PREFIX_CACHING": "false",
+        "LLAMAMESH_VLLM_QUANTIZATION": "fp8",
+        "LLAMAMESH_VLLM_LOAD_FORMAT": "dummy",
+        "LLAMAMESH_VLLM_ENFORCE_EAGER": "true",
+        "LLAMAMESH_VLLM_MAX_NUM_SEQS": "512",
+        "LLAMAMESH_VLLM_MAX_NUM_BATCHED_TOKENS": "16384",
+        "LLAMAMESH_VLLM_SWAP_SPACE": "4",
+        "LLAMAMESH_VLLM_SEED": "7",
+        "LLAMAMESH_VLLM_EXTRA_ARGS": '{"kv_cache_dtype": "fp8"}',
+    })
+    v = s.vllm
+    assert (v.tokenizer, v.dtype, v.tensor_parallel_size, v.max_model_len) == ("/tok", "bfloat16", 2, 8192)
+    assert (v.gpu_memory_utilization, v.block_size, v.enable_prefix_caching) == (0.85, 32, "false")
+    assert (v.quantization, v.load_format, v.enforce_eager) == ("fp8", "dummy", True)
+    assert (v.max_num_seqs, v.max_num_batched_tokens, v.swap_space, v.seed) == (512, 16384, 4.0, 7)
+    assert v.extra_args == '{"kv_cache_dtype": "fp8"}'
+    assert Settings.from_env(s.to_env()) == s
+
+
+def test_vllm_defaults_mean_vllms_own() -> None:
+    v = Settings.from_env({}).vllm
+    assert (v.tensor_parallel_size, v.max_model_len, v.gpu_memory_utilization, v.max_num_seqs) == (0, 0, 0.0, 0)
+    assert (v.tokenizer, v.dtype, v.enable_prefix_caching, v.extra_args) == ("", "", "", "")
+    assert v.enforce_eager is False
+    with pytest.raises(ValueError, match="LLAMAMESH_VLLM_MAX_NUM_SEQS"):
+        Settings.from_env({"LLAMAMESH_VLLM_MAX_NUM_SEQS": "lots"})

@@ -3,28 +3,46 @@ worker image without vLLM or TensorRT-LLM (or without torch) still starts the ot
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 from llamamesh.errors import InvalidRequest
-from llamamesh.settings import WorkerSettings
+from llamamesh.settings import Settings
 from workers.engines.base import Engine
 
-# name -> "module:factory"; the factory takes WorkerSettings.
-ENGINES: dict[str, str] = {
-    "fake": "workers.engines.fake:FakeEngine",
-    "transformers": "workers.engines.transformers:TransformersEngine",
+
+def _fake(settings: Settings) -> Engine:
+    from workers.engines.fake import FakeEngine
+
+    return FakeEngine(settings.worker)
+
+
+def _transformers(settings: Settings) -> Engine:
+    from workers.engines.transformers import TransformersEngine
+
+    return TransformersEngine(settings.worker)
+
+
+def _vllm(settings: Settings) -> Engine:
+    from workers.engines.vllm import VllmEngine
+
+    return VllmEngine(settings.worker, settings.vllm)
+
+
+# name -> factory; each takes the whole Settings and picks the sections its engine reads.
+ENGINES: dict[str, Callable[[Settings], Engine]] = {
+    "fake": _fake,
+    "transformers": _transformers,
+    "vllm": _vllm,
 }
 
 
-def create(settings: WorkerSettings) -> Engine:
-    """Import the engine module named by ``settings.engine`` and build the engine (not started)."""
+def create(settings: Settings) -> Engine:
+    """Import the engine module named by ``settings.worker.engine`` and build the engine (not started)."""
+    name = settings.worker.engine
     try:
-        target = ENGINES[settings.engine]
+        factory = ENGINES[name]
     except KeyError:
         raise InvalidRequest.field(
-            "worker.engine", f"unknown engine {settings.engine!r}; known: {', '.join(sorted(ENGINES))}"
+            "worker.engine", f"unknown engine {name!r}; known: {', '.join(sorted(ENGINES))}"
         ) from None
-    module_name, _, attr = target.partition(":")
-    factory: Callable[[WorkerSettings], Engine] = getattr(importlib.import_module(module_name), attr)
     return factory(settings)

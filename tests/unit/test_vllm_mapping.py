@@ -1,0 +1,725 @@
+"""The vllm engine without vLLM: the pure mappings (settings -> AsyncEngineArgs kwargs, SamplingParams ->
+vLLM kwargs, vLLM outputs -> TokenDelta, vLLM errors -> ours), and the adapter's stream/abort control flow
+driven by a fake AsyncLLM that follows vLLM 0.26's generate()/abort() (v1/engine/async_llm.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import sys
+import threading
+from collections.abc import AsyncIterator, Callable, Iterable
+from types import SimpleNamespace
+from typing import Any, NamedTuple
+
+import pytest
+from structlog.testing import capture_logs
+
+from llamamesh.errors import EngineDead, InternalError, InvalidRequest, PromptTooLong
+from llamamesh.settings import Settings, VllmSettings, WorkerSettings
+from llamamesh.types import ChatMessage, FinishReason, GenerationRequest, JobKind, SamplingParams, TokenDelta
+from workers.engines import registry
+from workers.engines.base import EngineStats
+from workers.engines.vllm import (
+    DEFAULT_MAX_TOKENS,
+    SWAP_SPACE_GONE,
+    SchedulerSnapshot,
+    VllmEngine,
+    check_engine_fields,
+    check_prompt_len,
+    delta_of,
+    engine_error_field,
+    engine_kwargs,
+    finish_reason_of,
+    invalid_from_vllm,
+    render_prompt_ids,
+    sampling_kwargs,
+    token_logprobs,
+)
+
+pytestmark = pytest.mark.timeout(10)
+
+WORKER = WorkerSettings(model="llama-8b", model_path="/models/llama")
+
+
+def field_of(exc: pytest.ExceptionInfo[InvalidRequest]) -> str:
+    return exc.value.violations[0].field
+
+
+# --- engine arguments
+
+
+def test_minimal_engine_args_pass_only_the_model_and_the_gpus() -> None:
+    assert engine_kwargs(WORKER, VllmSettings(), device_count=1) == {
+        "model": "/models/llama",
+        "served_model_name": "llama-8b",
+        "tensor_parallel_size": 1,
+    }
+
+
+@pytest.mark.parametrize(("setting", "devices", "expected"), [(0, 4, 4), (0, 0, 1), (2, 8, 2), (1, 4, 1)])
+def test_tensor_parallel_size_defaults_to_every_visible_gpu(setting: int, devices: int, expected: int) -> None:
+    kwargs = engine_kwargs(WORKER, VllmSettings(tensor_parallel_size=setting), device_count=devices)
+    assert kwargs["tensor_parallel_size"] == expected
+
+
+def test_every_engine_setting_is_forwarded_verbatim() -> None:
+    settings = VllmSettings(
+        tokenizer="/tok",
+        dtype="bfloat16",
+        tensor_parallel_size=2,
+        max_model_len=8192,
+        gpu_memory_utilization=0.85,
+        block_size=32,
+        enable_prefix_caching="false",
+        quantization="fp8",
+        load_format="dummy",
+        enforce_eager=True,
+        max_num_seqs=512,
+        max_num_batched_tokens=16384,
+        swap_space=4.0,
+        seed=7,
+        extra_args='{"kv_cache_dtype": "fp8", "compilation_config": {"level": 3}}',
+    )
+    assert engine_kwargs(WORKER, settings, device_count=8) == {
+        "model": "/models/llama",
+        "served_model_name": "llama-8b",
+        "tokenizer": "/tok",
+        "dtype": "bfloat16",
+        "tensor_parallel_size": 2,
+        "max_model_len": 8192,
+        "gpu_memory_utilization": 0.85,
+        "block_size": 32,
+        "enable_prefix_caching": False,
+        "quantization": "fp8",
+        "load_format": "dummy",
+        "enforce_eager": True,
+        "max_num_seqs": 512,
+        "max_num_batched_tokens": 16384,
+        "swap_space": 4.0,
+        "seed": 7,
+        "kv_cache_dtype": "fp8",
+        "compilation_config": {"level": 3},
+    }
+    # Every VllmSettings field is covered: each maps to a kwarg of its own name (extra_args merges).
+    names = {f.name for f in dataclasses.fields(VllmSettings)} - {"extra_args"}
+    assert names <= set(engine_kwargs(WORKER, settings, device_count=8))
+
+
+def test_unset_sentinels_keep_vllms_defaults() -> None:
+    kwargs = engine_kwargs(WORKER, VllmSettings(enforce_eager=False, seed=0, gpu_memory_utilization=0.0), 1)
+    for name in ("tokenizer", "dtype", "max_model_len", "gpu_memory_utilization", "block_size", "quantization",
+                 "load_format", "enforce_eager", "max_num_seqs", "max_num_batched_tokens", "swap_space", "seed",
+                 "enable_prefix_caching"):  # fmt: skip
+        assert name not in kwargs
+
+
+@pytest.mark.parametrize(("raw", "expected"), [("true", True), ("TRUE", True), (" false ", False), ("", None)])
+def test_enable_prefix_caching_is_tri_state(raw: str, expected: bool | None) -> None:
+    kwargs = engine_kwargs(WORKER, VllmSettings(enable_prefix_caching=raw), 1)
+    assert kwargs.get("enable_prefix_caching") is expected
+
+
+def test_bad_engine_settings_name_their_setting() -> None:
+    with pytest.raises(InvalidRequest) as exc:
+        engine_kwargs(WORKER, VllmSettings(enable_prefix_caching="maybe"), 1)
+    assert field_of(exc) == "vllm.enable_prefix_caching"
+    with pytest.raises(InvalidRequest) as exc:
+        engine_kwargs(WORKER, VllmSettings(tensor_parallel_size=-1), 1)
+    assert field_of(exc) == "vllm.tensor_parallel_size"
+    with pytest.raises(InvalidRequest) as exc:
+        engine_kwargs(WorkerSettings(model_path=""), VllmSettings(), 1)
+    assert field_of(exc) == "worker.model_path"
+
+
+@pytest.mark.parametrize("raw", ["{not json", "[1, 2]", '"fp8"', "3"])
+def test_bad_extra_args_name_vllm_extra_args(raw: str) -> None:
+    with pytest.raises(InvalidRequest) as exc:
+        engine_kwargs(WORKER, VllmSettings(extra_args=raw), 1)
+    assert field_of(exc) == "vllm.extra_args"
+
+
+@pytest.mark.parametrize(
+    ("key", "env"),
+    [
+        ("dtype", "LLAMAMESH_VLLM_DTYPE"),
+        ("tensor_parallel_size", "LLAMAMESH_VLLM_TENSOR_PARALLEL_SIZE"),
+        ("model", "LLAMAMESH_WORKER_MODEL_PATH"),
+        ("served_model_name", "LLAMAMESH_WORKER_MODEL"),
+    ],
+)
+def test_extra_args_may_not_shadow_a_setting(key: str, env: str) -> None:
+    with pytest.raises(InvalidRequest) as exc:
+        engine_kwargs(WORKER, VllmSettings(extra_args=json.dumps({key: "x"})), 1)
+    assert field_of(exc) == "vllm.extra_args"
+    assert env in exc.value.message
+
+
+def test_fields_asyncengineargs_lacks_are_refused_with_their_setting() -> None:
+    known = {"model", "served_model_name", "tensor_parallel_size", "kv_cache_dtype"}
+    check_engine_fields({"model": "m", "kv_cache_dtype": "fp8"}, known, {"kv_cache_dtype"})
+    with pytest.raises(InvalidRequest) as exc:
+        check_engine_fields({"model": "m", "swap_space": 4.0}, known, set())
+    assert field_of(exc) == "vllm.swap_space"
+    assert exc.value.violations[0].description == SWAP_SPACE_GONE
+    with pytest.raises(InvalidRequest) as exc:
+        check_engine_fields({"model": "m", "no_such_arg": 1}, known, {"no_such_arg"})
+    assert field_of(exc) == "vllm.extra_args"
+    assert "no_such_arg" in exc.value.message
+
+
+def test_vllm_config_errors_are_pinned_to_a_setting() -> None:
+    keys = {"model", "served_model_name", "tensor_parallel_size", "gpu_memory_utilization", "max_model_len", "foo"}
+    # A pydantic location wins.
+    assert engine_error_field("anything", ["gpu_memory_utilization"], keys, set()) == "vllm.gpu_memory_utilization"
+    # Else the key the message names first (whole words only: not inside max_model_len).
+    msg = "1 validation error for CacheConfig\ngpu_memory_utilization\n  Input should be <= 1; see max_model_len"
+    assert engine_error_field(msg, [], keys, set()) == "vllm.gpu_memory_utilization"
+    assert engine_error_field("Total heads must divide tensor_parallel_size", [], keys, set()) == (
+        "vllm.tensor_parallel_size"
+    )
+    assert engine_error_field("bad foo value", [], keys, {"foo"}) == "vllm.extra_args"
+    # "model" is everywhere in vLLM's messages, so only a location names it.
+    assert engine_error_field("the model is broken", [], keys, set()) == "vllm"
+    assert engine_error_field("x", ["model"], keys, set()) == "worker.model_path"
+
+
+# --- sampling
+
+
+def test_unset_sampling_keeps_vllms_defaults_except_ours() -> None:
+    assert sampling_kwargs(SamplingParams()) == {"max_tokens": DEFAULT_MAX_TOKENS, "temperature": 1.0}
+    assert DEFAULT_MAX_TOKENS == 256
+
+
+def test_every_sampling_field_is_mapped() -> None:
+    params = SamplingParams(
+        max_tokens=12,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.05,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.1,
+        stop=("###", "\n\n"),
+        stop_token_ids=(2, 7),
+        seed=0,
+        ignore_eos=False,
+        min_tokens=3,
+        logprobs=5,
+    )
+    kwargs = sampling_kwargs(params, vocab_size=100)
+    assert kwargs == {
+        "max_tokens": 12,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 40,
+        "min_p": 0.05,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "repetition_penalty": 1.1,
+        "stop": ["###", "\n\n"],
+        "stop_token_ids": [2, 7],
+        "seed": 0,
+        "ignore_eos": False,
+        "min_tokens": 3,
+        "logprobs": 5,
+    }
+    # Same names on both sides, and none forgotten if a field is added to SamplingParams.
+    assert set(kwargs) == {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+@pytest.mark.parametrize(("top_k", "expected"), [(-1, 0), (0, 0), (1, 1), (50, 50)])
+def test_top_k_off_is_vllms_zero(top_k: int, expected: int) -> None:
+    assert sampling_kwargs(SamplingParams(top_k=top_k))["top_k"] == expected
+
+
+def test_greedy_and_zero_values_are_kept_not_defaulted() -> None:
+    kwargs = sampling_kwargs(SamplingParams(temperature=0.0, min_tokens=0, logprobs=0, presence_penalty=0.0))
+    assert kwargs["temperature"] == 0.0
+    assert kwargs["min_tokens"] == 0 and kwargs["logprobs"] == 0 and kwargs["presence_penalty"] == 0.0
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused() -> None:
+    with pytest.raises(InvalidRequest) as exc:
+        sampling_kwargs(SamplingParams(stop_token_ids=(5, 100)), vocab_size=100)
+    assert field_of(exc) == "stop_token_ids"
+    assert sampling_kwargs(SamplingParams(stop_token_ids=(100,)))["stop_token_ids"] == [100]
+
+
+@pytest.mark.parametrize(
+    ("message", "parameter", "field", "too_long"),
+    [
+        ("temperature must be in [0, 2], got 3.0.", "temperature", "temperature", False),
+        ("Requested sample logprobs of 25, which is greater than max allowed: 20", "logprobs", "logprobs", False),
+        ("min_p must be in [0, 1], got 2.0.", None, "min_p", False),
+        ("min_tokens must be less than or equal to max_tokens=4, got 5.", None, "min_tokens", False),
+        ("top_k must be 0 (disable), or at least 1, got -5.", None, "top_k", False),
+        ("stop cannot contain an empty string.", None, "stop", False),
+        ("presence_penalty must be in [-2, 2], got 3.", None, "presence_penalty", False),
+        ("The decoder prompt (length 5000) is longer than the maximum model length of 4096. Make sure", None,
+         "messages", True),
+        ("The decoder prompt (length 4096) plus the number of requested output tokens (at least 1) is longer "
+         "than the maximum model length of 4096.", None, "messages", True),
+        ("The decoder prompt cannot be empty", None, "messages", False),
+        ("Token id 99999 is out of vocabulary", None, "messages", False),
+        ("This model does not support generation", None, "request", False),
+    ],
+)  # fmt: skip
+def test_vllm_validation_errors_name_our_field(message: str, parameter: str | None, field: str, too_long: bool) -> None:
+    err = invalid_from_vllm(message, parameter, "messages")
+    assert err.violations[0].field == field
+    assert isinstance(err, PromptTooLong) is too_long
+    assert err.violations[0].description == message
+
+
+# --- prompts
+
+
+class StubTokenizer:
+    """A tokenizer with the HF surface the engine uses: one id per word, BOS=1 with special tokens."""
+
+    def __init__(self, chat_template: str | None = "{{ messages }}", fail: bool = False) -> None:
+        self.chat_template = chat_template
+        self.fail = fail
+        self.calls: list[tuple[str, Any]] = []
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.calls.append(("encode", add_special_tokens))
+        return ([1] if add_special_tokens else []) + [100 + len(w) for w in text.split()]
+
+    def apply_chat_template(self, chat: list[dict[str, str]], tokenize: bool, add_generation_prompt: bool) -> str:
+        self.calls.append(("template", (tokenize, add_generation_prompt)))
+        if self.fail:
+            raise ValueError("roles must alternate")
+        return "<s> " + " ".join(f"<{m['role']}> {m['content']}" for m in chat) + " <assistant>"
+
+
+def request(**kw: Any) -> GenerationRequest:
+    return GenerationRequest(request_id=kw.pop("request_id", "r1"), model="llama-8b", **kw)
+
+
+def test_prompts_keep_special_tokens_and_messages_go_through_the_template() -> None:
+    tok = StubTokenizer()
+    assert render_prompt_ids(request(prompt="hi there"), tok) == [1, 102, 105]
+    assert tok.calls == [("encode", True)]
+    tok = StubTokenizer()
+    ids = render_prompt_ids(request(messages=(ChatMessage("user", "hi"),)), tok)
+    # The template's own "<s>" is the only BOS: no special tokens are added on top.
+    assert ids == [103, 106, 102, 111]
+    assert tok.calls == [("template", (False, True)), ("encode", False)]
+
+
+@pytest.mark.parametrize(
+    ("kw", "tok", "field"),
+    [
+        (dict(prompt="a", messages=(ChatMessage("user", "b"),)), StubTokenizer(), "messages"),
+        (dict(messages=()), StubTokenizer(), "messages"),
+        (dict(messages=(ChatMessage("user", "b"),)), StubTokenizer(chat_template=None), "messages"),
+        (dict(messages=(ChatMessage("user", "b"),)), StubTokenizer(fail=True), "messages"),
+        (dict(), StubTokenizer(), "prompt"),
+    ],
+)
+def test_unusable_input_names_its_field(kw: dict[str, Any], tok: StubTokenizer, field: str) -> None:
+    with pytest.raises(InvalidRequest) as exc:
+        render_prompt_ids(request(**kw), tok)
+    assert field_of(exc) == field
+
+
+def test_prompt_length_leaves_room_for_one_output_token() -> None:
+    check_prompt_len(4095, 4096, "prompt")
+    with pytest.raises(PromptTooLong) as exc:
+        check_prompt_len(4096, 4096, "messages")
+    assert exc.value.violations[0].field == "messages"
+    with pytest.raises(InvalidRequest) as empty:
+        check_prompt_len(0, 4096, "prompt")
+    assert not isinstance(empty.value, PromptTooLong)
+
+
+# --- outputs
+
+
+class Lp(NamedTuple):
+    """vllm.logprobs.Logprob's fields."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str | None = None
+
+
+@pytest.mark.parametrize(
+    ("reason", "stop_reason", "expected"),
+    [
+        (None, None, None),
+        ("stop", None, FinishReason.STOP),  # EOS
+        ("stop", 128009, FinishReason.STOP),  # a stop token id
+        ("stop", "###", FinishReason.STOP_SEQUENCE),  # a stop string
+        ("length", None, FinishReason.LENGTH),
+        ("abort", None, FinishReason.CANCELLED),
+        ("repetition", "repetition_detected", FinishReason.STOP),
+    ],
+)
+def test_finish_reasons(reason: str | None, stop_reason: int | str | None, expected: FinishReason | None) -> None:
+    assert finish_reason_of(reason, stop_reason) is expected
+
+
+@pytest.mark.parametrize("reason", ["error", "something-new"])
+def test_engine_side_request_failures_are_internal_errors(reason: str) -> None:
+    with pytest.raises(InternalError):
+        finish_reason_of(reason, None)
+
+
+def test_logprobs_keep_the_sampled_token_and_the_top_n_by_rank() -> None:
+    positions = [
+        # Sampled token 7 ranked 3rd; dict order is not rank order.
+        {7: Lp(-2.0, 3), 4: Lp(-1.5, 2), 9: Lp(-0.1, 1)},
+        # Sampled token 5 is outside the top 2 (rank 40): it is not an alternative.
+        {5: Lp(-6.0, 40), 3: Lp(-0.2, 1), 8: Lp(-1.9, 2)},
+    ]
+    out = token_logprobs([7, 5], positions, n=2)
+    assert [(t.token_id, t.logprob) for t in out] == [(7, -2.0), (5, -6.0)]
+    assert [(a.token_id, a.logprob) for a in out[0].top] == [(9, -0.1), (4, -1.5)]
+    assert [(a.token_id, a.logprob) for a in out[1].top] == [(3, -0.2), (8, -1.9)]
+    # n = 3 includes the sampled token at its rank.
+    assert [a.token_id for a in token_logprobs([7], positions[:1], n=3)[0].top] == [9, 4, 7]
+
+
+def test_logprobs_zero_alternatives_and_not_requested() -> None:
+    only = token_logprobs([7], [{7: Lp(-0.3, 1)}], n=0)
+    assert len(only) == 1 and only[0].logprob == -0.3 and only[0].top == ()
+    assert token_logprobs([7], [{7: Lp(-0.3, 1)}], n=None) == ()
+    assert token_logprobs([7], None, n=2) == ()
+
+
+def output(
+    text: str = "",
+    ids: Iterable[int] = (),
+    finish: str | None = None,
+    stop_reason: int | str | None = None,
+    logprobs: list[dict[int, Lp]] | None = None,
+    prompt_ids: Iterable[int] = (1, 2, 3),
+) -> SimpleNamespace:
+    """A vllm.outputs.RequestOutput of one completion (the fields the engine reads)."""
+    completion = SimpleNamespace(
+        text=text, token_ids=list(ids), logprobs=logprobs, finish_reason=finish, stop_reason=stop_reason
+    )
+    return SimpleNamespace(prompt_token_ids=list(prompt_ids), outputs=[completion], finished=finish is not None)
+
+
+def test_deltas_carry_prompt_tokens_on_the_final_one_only() -> None:
+    assert delta_of(output(" hi", [5]), None) == TokenDelta(text=" hi", token_ids=(5,))
+    final = delta_of(output("", [2], finish="stop", stop_reason="###", prompt_ids=range(7)), None)
+    assert final == TokenDelta(token_ids=(2,), finish_reason=FinishReason.STOP_SEQUENCE, prompt_tokens=7)
+    with_lp = delta_of(output(" a b", [5, 6], logprobs=[{5: Lp(-0.1, 1)}, {6: Lp(-0.2, 1)}]), 0)
+    assert [lp.token_id for lp in with_lp.logprobs] == [5, 6]
+
+
+def test_scheduler_snapshot_sums_engines() -> None:
+    snap = SchedulerSnapshot()
+    assert snap.stats() == EngineStats()
+    snap.record(0, running=10, waiting=2, kv_cache_usage=0.5)
+    snap.record(1, running=4, waiting=0, kv_cache_usage=0.25)
+    snap.record(0, running=12, waiting=1, kv_cache_usage=0.75)
+    assert snap.stats() == EngineStats(running=16, waiting=1, kv_cache_usage=0.5)
+
+
+# --- the registry builds it without vLLM
+
+
+def test_registry_builds_the_vllm_engine_without_importing_vllm() -> None:
+    settings = Settings.from_env({}).with_overrides(worker={"engine": "vllm", "model_path": "/m", "max_inflight": 32},
+                                                    vllm={"max_num_seqs": 512})  # fmt: skip
+    with capture_logs() as logs:
+        engine = registry.create(settings)
+    assert isinstance(engine, VllmEngine) and engine.model_name == settings.worker.model
+    assert "vllm" not in sys.modules
+    assert [e for e in logs if e["event"] == "vllm_underfed"] == [
+        {"event": "vllm_underfed", "log_level": "warning", "max_inflight": 32, "max_num_seqs": 512,
+         "hint": "set LLAMAMESH_WORKER_MAX_INFLIGHT >= max_num_seqs so the worker keeps vLLM's batch full"}
+    ]  # fmt: skip
+    with capture_logs() as logs:
+        registry.create(settings.with_overrides(worker={"max_inflight": 512}))
+    assert not [e for e in logs if e["event"] == "vllm_underfed"]
+    fake = registry.create(settings.with_overrides(worker={"engine": "fake"}))
+    assert type(fake).__name__ == "FakeEngine"
+    with pytest.raises(InvalidRequest) as exc:
+        registry.create(settings.with_overrides(worker={"engine": "nope"}))
+    assert field_of(exc) == "worker.engine"
+
+
+# --- the adapter's control flow, with a fake AsyncLLM
+
+
+class FakeEngineDeadError(Exception):
+    pass
+
+
+class FakeEngineGenerateError(Exception):
+    pass
+
+
+class FakeAsyncLLM:
+    """AsyncLLM 0.26's request path, reduced: generate() registers the request on its first step, yields
+    outputs until a finished one, and on CancelledError/GeneratorExit aborts the request itself
+    (async_llm.py:591-597); abort(external id) ends a known request with a final "abort" output
+    (output_processor.abort_requests) and ignores unknown ones."""
+
+    def __init__(self) -> None:
+        self.queues: dict[str, asyncio.Queue[Any]] = {}
+        self.seen: dict[str, tuple[Any, dict[str, Any], int]] = {}
+        self.internal_aborts: list[str] = []
+        self.abort_calls: list[list[str]] = []
+        self.fail_with: BaseException | None = None
+        self.errored = False
+        self.shut_down = False
+
+    async def generate(
+        self, prompt: Any, params: dict[str, Any], request_id: str, *, priority: int = 0
+    ) -> AsyncIterator[Any]:
+        if self.fail_with is not None:
+            raise self.fail_with
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.queues[request_id] = queue
+        self.seen[request_id] = (prompt, params, priority)
+        try:
+            finished = False
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        except (asyncio.CancelledError, GeneratorExit):
+            # vLLM calls abort(internal=True) here even for a request that already finished.
+            self.queues.pop(request_id, None)
+            self.internal_aborts.append(request_id)
+            raise
+
+    def emit(self, rid: str, out: SimpleNamespace) -> None:
+        queue = self.queues[rid] if not out.finished else self.queues.pop(rid)
+        queue.put_nowait(out)
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self.abort_calls.append(ids)
+        for rid in ids:
+            queue = self.queues.pop(rid, None)
+            if queue is not None:
+                queue.put_nowait(output(finish="abort", prompt_ids=self.seen[rid][0]["prompt_token_ids"]))
+
+    async def check_health(self) -> None:
+        if self.errored:
+            raise FakeEngineDeadError("EngineCore encountered an issue.")
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+
+def fake_sampling_params(**kw: Any) -> dict[str, Any]:
+    if kw.get("temperature", 1.0) > 2.0:
+        raise ValueError(f"temperature must be in [0, 2], got {kw['temperature']}.")
+    return kw
+
+
+def started(llm: FakeAsyncLLM, tokenizer: Any = None, max_model_len: int = 4096) -> VllmEngine:
+    """A VllmEngine whose start() ran against ``llm`` (its vLLM names replaced by fakes)."""
+    engine = VllmEngine(WorkerSettings(model="llama-8b", model_path="/m", max_inflight=4), VllmSettings(), 1)
+    engine._llm = llm
+    engine._api = SimpleNamespace(  # type: ignore[assignment]
+        tokens_input=lambda ids: {"type": "token", "prompt_token_ids": ids},
+        SamplingParams=fake_sampling_params,
+        DELTA="delta",
+        EngineDeadError=FakeEngineDeadError,
+        EngineGenerateError=FakeEngineGenerateError,
+    )
+    engine._tokenizer = tokenizer or StubTokenizer()
+    engine._max_model_len = max_model_len
+    engine._vocab_size = 1000
+    return engine
+
+
+async def until(predicate: Callable[[], bool]) -> None:
+    for _ in range(500):
+        if predicate():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("condition not reached")
+
+
+async def collect(engine: VllmEngine, req: GenerationRequest, into: list[TokenDelta]) -> None:
+    async for delta in engine.stream(req):
+        into.append(delta)
+
+
+async def test_a_stream_maps_outputs_and_lets_generate_finish_by_itself() -> None:
+    llm = FakeAsyncLLM()
+    engine = started(llm)
+    got: list[TokenDelta] = []
+    req = request(prompt="one two", sampling=SamplingParams(stop=("###",), logprobs=1), priority=3)
+    task = asyncio.create_task(collect(engine, req, got))
+    await until(lambda: "r1" in llm.queues)
+    prompt, params, priority = llm.seen["r1"]
+    assert prompt == {"type": "token", "prompt_token_ids": [1, 103, 103]}
+    assert params == {"max_tokens": 256, "temperature": 1.0, "stop": ["###"], "logprobs": 1, "output_kind": "delta"}
+    assert priority == -3  # ours: higher first; vLLM's: lower first
+    llm.emit("r1", output(" a", [5], logprobs=[{5: Lp(-0.1, 1), 6: Lp(-2.0, 2)}], prompt_ids=[1, 103, 103]))
+    llm.emit("r1", output("", [], prompt_ids=[1, 103, 103]))  # nothing new: skipped
+    llm.emit("r1", output(" b", [8], finish="stop", stop_reason="###", logprobs=[{8: Lp(-0.5, 1)}],
+                          prompt_ids=[1, 103, 103]))  # fmt: skip
+    await asyncio.wait_for(task, 5)
+    assert [(d.text, d.token_ids, d.finish_reason, d.prompt_tokens) for d in got] == [
+        (" a", (5,), None, None),
+        (" b", (8,), FinishReason.STOP_SEQUENCE, 3),
+    ]
+    assert [a.token_id for a in got[0].logprobs[0].top] == [5]
+    assert llm.internal_aborts == [] and engine.aborted == [] and not engine._streams
+    await engine.abort("r1")  # finished: nothing to abort
+    assert engine.aborted == [] and llm.abort_calls == []
+    await engine.shutdown()
+
+
+async def test_abort_ends_the_stream_with_one_cancelled_delta() -> None:
+    llm = FakeAsyncLLM()
+    engine = started(llm)
+    got: list[TokenDelta] = []
+    task = asyncio.create_task(collect(engine, request(prompt="x"), got))
+    await until(lambda: "r1" in llm.queues)
+    llm.emit("r1", output(" a", [5], prompt_ids=[1, 101]))
+    await until(lambda: len(got) == 1)
+    await engine.abort("r1")
+    await engine.abort("r1")  # twice: once recorded
+    await asyncio.wait_for(task, 5)
+    assert [d.finish_reason for d in got] == [None, FinishReason.CANCELLED]
+    assert got[-1].prompt_tokens == 2
+    assert engine.aborted == ["r1"] and llm.abort_calls == [["r1"]] and llm.internal_aborts == []
+    await engine.abort("unknown")
+    assert engine.aborted == ["r1"]
+    await engine.shutdown()
+
+
+async def test_abort_before_vllm_knows_the_request_still_cancels_it() -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    class SlowTokenizer(StubTokenizer):
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            entered.set()
+            release.wait(5)
+            return super().encode(text, add_special_tokens)
+
+    llm = FakeAsyncLLM()
+    engine = started(llm, SlowTokenizer())
+    got: list[TokenDelta] = []
+    task = asyncio.create_task(collect(engine, request(prompt="x y"), got))
+    await until(entered.is_set)
+    await engine.abort("r1")
+    release.set()
+    await asyncio.wait_for(task, 5)
+    assert got == [TokenDelta(finish_reason=FinishReason.CANCELLED, prompt_tokens=3)]
+    assert "r1" not in llm.seen  # never reached vLLM
+    assert engine.aborted == ["r1"]
+    await engine.shutdown()
+
+
+async def test_a_cancelled_consumer_lets_vllm_abort_and_propagates() -> None:
+    llm = FakeAsyncLLM()
+    engine = started(llm)
+    got: list[TokenDelta] = []
+    task = asyncio.create_task(collect(engine, request(prompt="x"), got))
+    await until(lambda: "r1" in llm.queues)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert llm.internal_aborts == ["r1"]  # generate()'s own CancelledError handler
+    assert llm.abort_calls == []  # not aborted twice
+    assert engine.aborted == ["r1"] and not engine._streams
+    await engine.shutdown()
+
+
+async def test_a_consumer_that_stops_iterating_closes_generate() -> None:
+    llm = FakeAsyncLLM()
+    engine = started(llm)
+    stream = engine.stream(request(prompt="x"))
+    first = asyncio.ensure_future(stream.__anext__())
+    await until(lambda: "r1" in llm.queues)
+    llm.emit("r1", output(" a", [5]))
+    assert (await first).token_ids == (5,)
+    await stream.aclose()  # type: ignore[attr-defined]
+    assert llm.internal_aborts == ["r1"]  # GeneratorExit reached generate()
+    assert engine.aborted == ["r1"] and not engine._streams
+    await engine.shutdown()
+
+
+async def test_vllm_errors_become_ours_before_any_delta() -> None:
+    llm = FakeAsyncLLM()
+    engine = started(llm)
+    with pytest.raises(InvalidRequest) as exc:
+        await anext_of(engine.stream(request(prompt="x", sampling=SamplingParams(temperature=3.0))))
+    assert field_of(exc) == "temperature"
+    llm.fail_with = ValueError("The decoder prompt (length 3) is longer than the maximum model length of 2.")
+    with pytest.raises(PromptTooLong) as too_long:
+        await anext_of(engine.stream(request(messages=(ChatMessage("user", "hi"),))))
+    assert too_long.value.violations[0].field == "messages"
+    llm.fail_with = FakeEngineDeadError("EngineCore encountered an issue.")
+    with pytest.raises(EngineDead):
+        await anext_of(engine.stream(request(prompt="x")))
+    llm.fail_with = FakeEngineGenerateError()
+    with pytest.raises(InternalError):
+        await anext_of(engine.stream(request(prompt="x")))
+    llm.errored = True
+    with pytest.raises(EngineDead):
+        await anext_of(engine.stream(request(prompt="x")))
+    with pytest.raises(EngineDead):
+        await engine.check_health()
+    llm.fail_with = None
+    short = started(llm, max_model_len=2)
+    with pytest.raises(PromptTooLong):  # our own check, before vLLM
+        await anext_of(short.stream(request(prompt="a b")))
+    await short.shutdown()
+    with pytest.raises(InvalidRequest) as kind:
+        await anext_of(engine.stream(request(prompt="x", kind=JobKind.TOKENIZE)))
+    assert field_of(kind) == "kind"
+    assert not engine._streams
+    await engine.shutdown()
+
+
+async def anext_of(stream: AsyncIterator[TokenDelta]) -> TokenDelta:
+    return await stream.__anext__()
+
+
+async def test_tokenize_matches_what_stream_sends() -> None:
+    llm = FakeAsyncLLM()
+    engine = started(llm)
+    req = request(messages=(ChatMessage("system", "be brief"), ChatMessage("user", "hi")))
+    ids = await engine.tokenize(req)
+    task = asyncio.create_task(collect(engine, req, []))
+    await until(lambda: "r1" in llm.queues)
+    assert llm.seen["r1"][0]["prompt_token_ids"] == ids
+    await engine.abort("r1")
+    await asyncio.wait_for(task, 5)
+    await engine.shutdown()
+
+
+async def test_shutdown_ends_pending_streams_with_engine_dead() -> None:
+    llm = FakeAsyncLLM()
+    engine = started(llm)
+    got: list[TokenDelta] = []
+    task = asyncio.create_task(collect(engine, request(prompt="x"), got))
+    await until(lambda: "r1" in llm.queues)
+    await engine.shutdown()
+    with pytest.raises(EngineDead):
+        await asyncio.wait_for(task, 5)
+    assert llm.shut_down and llm.abort_calls == [["r1"]] and got == []
+    with pytest.raises(EngineDead):
+        await engine.check_health()
+    with pytest.raises(EngineDead):
+        await engine.tokenize(request(prompt="x"))
+
+
+async def test_an_unstarted_engine_is_dead_and_shuts_down_cleanly() -> None:
+    engine = VllmEngine(WORKER, VllmSettings(), device_count=1)
+    with pytest.raises(EngineDead):
+        await engine.check_health()
+    assert engine.stats() == EngineStats()
+    await engine.shutdown()

@@ -1,0 +1,615 @@
+"""The GPU engine: vLLM 0.26's ``AsyncLLM`` in this process, streaming DELTA outputs.
+
+The mapping between llamamesh and vLLM is pure functions over plain data (:func:`engine_kwargs`,
+:func:`sampling_kwargs`, :func:`delta_of`, :func:`finish_reason_of`, :func:`token_logprobs`,
+:func:`render_prompt_ids`, the error classifiers), testable without vLLM; :class:`VllmEngine` is the
+thin layer that builds vLLM objects from them. ``vllm`` is imported only inside :meth:`VllmEngine.start`
+(this module itself is imported only when the registry picks the engine).
+
+vLLM 0.26.0 APIs used, and nothing else:
+
+- ``vllm.engine.arg_utils.AsyncEngineArgs`` (its dataclass fields, ``create_engine_config``,
+  ``disable_log_stats``, ``enable_log_requests``)
+- ``vllm.usage.usage_lib.UsageContext.OPENAI_API_SERVER`` (the scheduler defaults of ``vllm serve``)
+- ``vllm.v1.engine.async_llm.AsyncLLM``: ``from_vllm_config(stat_loggers=...)``, ``generate``,
+  ``abort``, ``check_health``, ``errored``, ``get_tokenizer``, ``do_log_stats``, ``shutdown``,
+  ``model_config.max_model_len``, ``model_config.get_vocab_size()``,
+  ``vllm_config.scheduler_config.max_num_seqs``
+- ``vllm.sampling_params.SamplingParams`` and ``RequestOutputKind.DELTA``
+- ``vllm.inputs.tokens_input`` (an already-tokenized prompt; vLLM does no tokenization of its own)
+- ``vllm.outputs.RequestOutput`` / ``CompletionOutput`` fields: ``finished``, ``prompt_token_ids``,
+  ``outputs[0]`` ``.text`` / ``.token_ids`` / ``.logprobs`` (``{token_id: Logprob(logprob, rank, ...)}``
+  per token) / ``.finish_reason`` / ``.stop_reason``
+- ``vllm.v1.engine.exceptions.EngineDeadError`` and ``EngineGenerateError``; ``ValueError`` (and its
+  subclass ``vllm.exceptions.VLLMValidationError``, read through its ``parameter`` attribute)
+- ``vllm.v1.metrics.loggers.StatLoggerBase`` (``record(scheduler_stats, ...)`` with ``SchedulerStats``
+  ``num_running_reqs``, ``num_waiting_reqs``, ``num_skipped_waiting_reqs``, ``kv_cache_usage``)
+- ``vllm.envs.VLLM_LOG_STATS_INTERVAL``
+
+(and ``torch.cuda.device_count()`` for the default tensor parallel size). The tokenizer vLLM returns is
+used through its Hugging Face surface: ``chat_template``, ``apply_chat_template``, ``encode``.
+
+``start()`` builds the engine on the event loop thread, as ``vllm serve`` does: it blocks the loop
+until the model is loaded (the worker does not lease before that).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import json
+import re
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from typing import Any
+
+import structlog
+
+from llamamesh.errors import EngineDead, InternalError, InvalidRequest, PromptTooLong
+from llamamesh.settings import VllmSettings, WorkerSettings, env_name
+from llamamesh.types import (
+    FinishReason,
+    GenerationRequest,
+    JobKind,
+    SamplingParams,
+    TokenDelta,
+    TokenLogprob,
+    TopLogprob,
+)
+from workers.engines.base import EngineStats
+
+log = structlog.get_logger(__name__)
+
+# Where our defaults differ from vLLM's (max_tokens 16), they follow the CPU engine.
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_TEMPERATURE = 1.0
+
+# Our SamplingParams fields passed to vLLM only when set (same names on both sides).
+_OPTIONAL_SAMPLING = (
+    "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "seed", "ignore_eos", "min_tokens", "logprobs",
+)  # fmt: skip
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+# VllmSettings fields forwarded when non-empty / non-zero / true.
+_ENGINE_FIELDS = (
+    "tokenizer", "dtype", "max_model_len", "gpu_memory_utilization", "block_size", "quantization",
+    "load_format", "enforce_eager", "max_num_seqs", "max_num_batched_tokens", "swap_space", "seed",
+)  # fmt: skip
+# AsyncEngineArgs fields that come from WorkerSettings.
+_FROM_WORKER = {"model": "model_path", "served_model_name": "model"}
+SWAP_SPACE_GONE = (
+    "vLLM 0.26's AsyncEngineArgs has no swap_space: the V1 engine recomputes preempted requests "
+    "instead of swapping them to CPU; leave it 0 (for CPU KV offloading see kv_offloading_size, "
+    "through LLAMAMESH_VLLM_EXTRA_ARGS)"
+)
+_PROMPT_TOO_LONG = re.compile(r"prompt.*longer than the maximum model length", re.S)
+
+
+# --- engine arguments
+
+
+def setting_of(key: str, extra_keys: Collection[str] = ()) -> str:
+    """The settings field (``section.field``) an AsyncEngineArgs key came from."""
+    if key in _FROM_WORKER:
+        return f"worker.{_FROM_WORKER[key]}"
+    if key in extra_keys:
+        return "vllm.extra_args"
+    return f"vllm.{key}"
+
+
+def parse_extra_args(raw: str) -> dict[str, Any]:
+    """``LLAMAMESH_VLLM_EXTRA_ARGS``: a JSON object, or empty."""
+    if not raw.strip():
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest.field("vllm.extra_args", f"not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise InvalidRequest.field("vllm.extra_args", f"must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def engine_kwargs(worker: WorkerSettings, settings: VllmSettings, device_count: int) -> dict[str, Any]:
+    """The AsyncEngineArgs keyword arguments for these settings: only the set ones, plus extra_args.
+
+    ``device_count`` (the GPUs visible to the worker) is the tensor parallel size when the setting is 0.
+    Raises InvalidRequest naming the settings field for what can be checked without vLLM.
+    """
+    if not worker.model_path:
+        raise InvalidRequest.field("worker.model_path", "the vllm engine needs a model folder or Hugging Face id")
+    if settings.tensor_parallel_size < 0:
+        raise InvalidRequest.field("vllm.tensor_parallel_size", "must be >= 1, or 0 for every visible GPU")
+    kwargs: dict[str, Any] = {
+        "model": worker.model_path,
+        "served_model_name": worker.model,
+        "tensor_parallel_size": settings.tensor_parallel_size or max(1, device_count),
+    }
+    for name in _ENGINE_FIELDS:
+        value = getattr(settings, name)
+        if value:
+            kwargs[name] = value
+    prefix_caching = settings.enable_prefix_caching.strip().lower()
+    if prefix_caching in ("true", "false"):
+        kwargs["enable_prefix_caching"] = prefix_caching == "true"
+    elif prefix_caching:
+        raise InvalidRequest.field("vllm.enable_prefix_caching", "must be true, false, or empty for vLLM's default")
+    extra = parse_extra_args(settings.extra_args)
+    owned = {f.name for f in dataclasses.fields(VllmSettings)} | set(_FROM_WORKER)
+    for key in sorted(set(extra) & owned):
+        section, _, field = setting_of(key).partition(".")
+        raise InvalidRequest.field("vllm.extra_args", f"{key!r} has its own setting, {env_name(section, field)}")
+    kwargs.update(extra)
+    return kwargs
+
+
+def check_engine_fields(kwargs: Mapping[str, Any], known: Collection[str], extra_keys: Collection[str]) -> None:
+    """Refuse keys AsyncEngineArgs does not have (known: its field names), naming the setting."""
+    for key in kwargs:
+        if key in known:
+            continue
+        if key == "swap_space":
+            raise InvalidRequest.field("vllm.swap_space", SWAP_SPACE_GONE)
+        raise InvalidRequest.field(setting_of(key, extra_keys), f"vLLM's AsyncEngineArgs has no field {key!r}")
+
+
+def engine_error_field(message: str, locs: Sequence[str], keys: Collection[str], extra_keys: Collection[str]) -> str:
+    """The setting a vLLM config error is about: a pydantic error location first, then the key the
+    message names first; "vllm" when neither names one."""
+    for loc in locs:
+        if loc in keys:
+            return setting_of(loc, extra_keys)
+    named = [
+        (m.start(), key)
+        for key in keys
+        if key not in _FROM_WORKER and (m := re.search(rf"(?<![\w.]){re.escape(key)}(?!\w)", message))
+    ]
+    return setting_of(min(named)[1], extra_keys) if named else "vllm"
+
+
+# --- requests
+
+
+def sampling_kwargs(params: SamplingParams, vocab_size: int | None = None) -> dict[str, Any]:
+    """vLLM SamplingParams keyword arguments (without ``output_kind``): max_tokens and temperature
+    always (our defaults), every other field only when set; top_k -1 or 0 becomes vLLM's 0 (off)."""
+    kwargs: dict[str, Any] = {
+        "max_tokens": DEFAULT_MAX_TOKENS if params.max_tokens is None else params.max_tokens,
+        "temperature": DEFAULT_TEMPERATURE if params.temperature is None else params.temperature,
+    }
+    for name in _OPTIONAL_SAMPLING:
+        value = getattr(params, name)
+        if value is not None:
+            kwargs[name] = value
+    if params.top_k is not None:
+        kwargs["top_k"] = 0 if params.top_k in (-1, 0) else params.top_k
+    if params.stop:
+        kwargs["stop"] = list(params.stop)
+    if params.stop_token_ids:
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in params.stop_token_ids):
+            raise InvalidRequest.field("stop_token_ids", f"token ids must be in [0, {vocab_size})")
+        kwargs["stop_token_ids"] = list(params.stop_token_ids)
+    return kwargs
+
+
+def invalid_from_vllm(message: str, parameter: str | None, input_field: str) -> InvalidRequest:
+    """A vLLM validation error (SamplingParams or generate) as our error, naming our field."""
+    if _PROMPT_TOO_LONG.search(message):
+        return PromptTooLong.field(input_field, message)
+    if parameter in SAMPLING_FIELDS:
+        return InvalidRequest.field(parameter, message)
+    first = re.match(r"\W*(\w+)", message)
+    if first is not None and first.group(1) in SAMPLING_FIELDS:
+        return InvalidRequest.field(first.group(1), message)
+    if "prompt" in message or "Token id" in message:
+        return InvalidRequest.field(input_field, message)
+    return InvalidRequest.field("request", message)
+
+
+def render_prompt_ids(request: GenerationRequest, tokenizer: Any) -> list[int]:
+    """The token ids for ``request``: the prompt as is (with the tokenizer's special tokens, as vLLM's
+    completions path), or the messages through the chat template (no extra special tokens, as its chat
+    path). InvalidRequest if neither or both are set, or the template fails."""
+    if request.prompt is not None and request.messages is not None:
+        raise InvalidRequest.field("messages", "set prompt or messages, not both")
+    if request.messages is not None:
+        if not request.messages:
+            raise InvalidRequest.field("messages", "at least one message is required")
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidRequest.field("messages", "this model has no chat template; send a prompt")
+        chat = [{"role": m.role, "content": m.content} for m in request.messages]
+        try:
+            text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # jinja raises whatever the template author chose
+            raise InvalidRequest.field("messages", f"the chat template rejected them: {exc}") from exc
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    if request.prompt is None:
+        raise InvalidRequest.field("prompt", "either prompt or messages is required")
+    return list(tokenizer.encode(request.prompt))
+
+
+def check_prompt_len(n_tokens: int, max_model_len: int, input_field: str) -> None:
+    """vLLM needs at least one token of room for the output (it checks too; this names our field)."""
+    if n_tokens == 0:
+        raise InvalidRequest.field(input_field, "the prompt has no tokens")
+    if n_tokens >= max_model_len:
+        limit = max_model_len - 1
+        raise PromptTooLong.field(
+            input_field, f"{n_tokens} tokens, limit {limit} (max_model_len {max_model_len} counts the output)"
+        )
+
+
+# --- outputs
+
+
+def finish_reason_of(reason: str | None, stop_reason: int | str | None) -> FinishReason | None:
+    """vLLM's finish_reason/stop_reason as ours: a stop string (str stop_reason) is STOP_SEQUENCE; EOS or
+    a stop token id is STOP. vLLM's "error" (a request-level engine failure) raises InternalError."""
+    if reason is None:
+        return None
+    if reason == "stop":
+        return FinishReason.STOP_SEQUENCE if isinstance(stop_reason, str) else FinishReason.STOP
+    if reason == "length":
+        return FinishReason.LENGTH
+    if reason == "abort":
+        return FinishReason.CANCELLED
+    if reason == "repetition":  # only with repetition_detection, which we never set
+        return FinishReason.STOP
+    raise InternalError(f"vLLM ended the request with finish_reason {reason!r}")
+
+
+def token_logprobs(
+    token_ids: Sequence[int], positions: Sequence[Mapping[int, Any] | None] | None, n: int | None
+) -> tuple[TokenLogprob, ...]:
+    """vLLM's per-token ``{token_id: Logprob}`` (the sampled token plus the top ``n``) as TokenLogprobs:
+    the sampled token's logprob, and at most ``n`` alternatives by rank (the sampled one among them
+    when it ranks in the top ``n``)."""
+    if n is None or not positions:
+        return ()
+    keep = max(n, 0)
+    out = []
+    for token, position in zip(token_ids, positions, strict=False):
+        entries = position or {}
+        chosen = entries.get(token)
+        ranked = sorted(
+            entries.items(),
+            key=lambda kv: (kv[1].rank if kv[1].rank is not None else float("inf"), -kv[1].logprob),
+        )
+        top = tuple(TopLogprob(int(t), float(lp.logprob)) for t, lp in ranked[:keep])
+        out.append(TokenLogprob(int(token), float(chosen.logprob) if chosen is not None else float("nan"), top))
+    return tuple(out)
+
+
+def delta_of(output: Any, n_logprobs: int | None) -> TokenDelta:
+    """One vLLM RequestOutput (DELTA kind, one completion) as a TokenDelta; the final one carries
+    prompt_tokens = len(prompt_token_ids)."""
+    if not output.outputs:
+        return TokenDelta()
+    completion = output.outputs[0]
+    reason = finish_reason_of(completion.finish_reason, completion.stop_reason)
+    ids = tuple(completion.token_ids)
+    return TokenDelta(
+        text=completion.text,
+        token_ids=ids,
+        logprobs=token_logprobs(ids, completion.logprobs, n_logprobs),
+        finish_reason=reason,
+        prompt_tokens=len(output.prompt_token_ids or ()) if reason is not None else None,
+    )
+
+
+class SchedulerSnapshot:
+    """The latest scheduler figures of each vLLM engine core (fed by a vLLM stat logger)."""
+
+    def __init__(self) -> None:
+        self._by_engine: dict[int, tuple[int, int, float]] = {}
+
+    def record(self, engine_idx: int, running: int, waiting: int, kv_cache_usage: float) -> None:
+        self._by_engine[engine_idx] = (running, waiting, kv_cache_usage)
+
+    def stats(self) -> EngineStats:
+        if not self._by_engine:
+            return EngineStats()
+        rows = self._by_engine.values()
+        return EngineStats(
+            running=sum(r[0] for r in rows),
+            waiting=sum(r[1] for r in rows),
+            kv_cache_usage=sum(r[2] for r in rows) / len(rows),
+        )
+
+
+def _stat_logger_factory(snapshot: SchedulerSnapshot) -> Any:
+    """A per-engine vLLM stat logger factory keeping ``snapshot`` up to date (vLLM's own loggers stay)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class SnapshotStatLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+
+        def record(
+            self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
+        ) -> None:
+            if scheduler_stats is not None:
+                snapshot.record(
+                    engine_idx,
+                    scheduler_stats.num_running_reqs,
+                    scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs,
+                    scheduler_stats.kv_cache_usage,
+                )
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return lambda vllm_config, engine_index: SnapshotStatLogger(vllm_config, engine_index)
+
+
+# --- the engine
+
+
+@dataclasses.dataclass
+class _Stream:
+    aborted: bool = False
+
+
+class _Vllm:
+    """The vLLM names the engine uses, imported once by :meth:`VllmEngine.start`."""
+
+    def __init__(self) -> None:
+        import vllm.envs
+        from vllm.inputs import tokens_input
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+        self.tokens_input = tokens_input
+        self.SamplingParams = SamplingParams
+        self.DELTA = RequestOutputKind.DELTA
+        self.EngineDeadError: type[BaseException] = EngineDeadError
+        self.EngineGenerateError: type[BaseException] = EngineGenerateError
+        self.log_stats_interval_s = float(vllm.envs.VLLM_LOG_STATS_INTERVAL)
+
+
+class VllmEngine:
+    """Serves one model with vLLM's AsyncLLM. Attributes tests can assert: ``aborted`` (request ids
+    aborted, by :meth:`abort` or by a consumer that went away)."""
+
+    def __init__(self, settings: WorkerSettings, vllm: VllmSettings, device_count: int | None = None) -> None:
+        self._settings = settings
+        self._vllm_settings = vllm
+        self._device_count = device_count
+        self._llm: Any = None
+        self._api: _Vllm | None = None
+        self._tokenizer: Any = None
+        self._max_model_len = 0
+        self._vocab_size: int | None = None
+        self._snapshot = SchedulerSnapshot()
+        self._streams: dict[str, _Stream] = {}
+        self._log_task: asyncio.Task[None] | None = None
+        # Chat templates and tokenization run here, off the event loop (one thread: HF tokenizers).
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamamesh-tok")
+        self._dead: str | None = None
+        self.aborted: list[str] = []
+        if vllm.max_num_seqs:
+            self._warn_if_underfed(vllm.max_num_seqs)
+
+    @property
+    def model_name(self) -> str:
+        return self._settings.model
+
+    def _started(self) -> tuple[Any, _Vllm]:
+        if self._dead is not None:
+            raise EngineDead(self._dead)
+        if self._llm is None or self._api is None:
+            raise EngineDead("the engine is not started")
+        return self._llm, self._api
+
+    # --- lifecycle
+
+    def _engine_args(self) -> tuple[Any, dict[str, Any], set[str]]:
+        """AsyncEngineArgs from the settings; InvalidRequest naming the setting at fault."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        device_count = self._device_count
+        if device_count is None:
+            import torch
+
+            device_count = torch.cuda.device_count()
+        kwargs = engine_kwargs(self._settings, self._vllm_settings, device_count)
+        extra = set(parse_extra_args(self._vllm_settings.extra_args))
+        check_engine_fields(kwargs, {f.name for f in dataclasses.fields(AsyncEngineArgs)}, extra)
+        try:
+            return AsyncEngineArgs(**kwargs), kwargs, extra
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest.field(engine_error_field(str(exc), [], kwargs, extra), str(exc)) from exc
+
+    async def start(self) -> None:
+        """Build vLLM's config and engine (loads the model, blocking the loop meanwhile, as ``vllm serve``).
+
+        A bad engine argument raises InvalidRequest naming the setting (``vllm.<field>``); any other
+        failure to load raises EngineDead."""
+        if self._llm is not None:
+            return
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        api = _Vllm()
+        engine_args, kwargs, extra = self._engine_args()
+        try:
+            config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+        except (TypeError, ValueError) as exc:
+            errors = getattr(exc, "errors", None)
+            locs = [str(e["loc"][-1]) for e in errors() if e.get("loc")] if callable(errors) else []
+            raise InvalidRequest.field(engine_error_field(str(exc), locs, kwargs, extra), str(exc)) from exc
+        except Exception as exc:
+            self._dead = f"cannot configure vLLM for {self._settings.model_path}: {type(exc).__name__}: {exc}"
+            raise EngineDead(self._dead) from exc
+        if not self._vllm_settings.max_num_seqs:  # else __init__ warned already
+            self._warn_if_underfed(config.scheduler_config.max_num_seqs)
+        try:
+            llm = AsyncLLM.from_vllm_config(
+                config,
+                usage_context=UsageContext.OPENAI_API_SERVER,
+                stat_loggers=[_stat_logger_factory(self._snapshot)],
+                enable_log_requests=engine_args.enable_log_requests,
+                disable_log_stats=engine_args.disable_log_stats,
+            )
+            tokenizer = llm.get_tokenizer()
+        except Exception as exc:
+            self._dead = f"cannot start vLLM with {self._settings.model_path}: {type(exc).__name__}: {exc}"
+            raise EngineDead(self._dead) from exc
+        self._llm, self._api, self._tokenizer = llm, api, tokenizer
+        self._max_model_len = int(llm.model_config.max_model_len)
+        self._vocab_size = int(llm.model_config.get_vocab_size())
+        if not engine_args.disable_log_stats:
+            # vLLM's periodic throughput line, as `vllm serve` prints it.
+            self._log_task = asyncio.create_task(self._log_stats(api.log_stats_interval_s), name="vllm-log-stats")
+        log.info("vllm_started", model=self._settings.model_path, max_model_len=self._max_model_len,
+                 max_num_seqs=config.scheduler_config.max_num_seqs,
+                 tensor_parallel_size=config.parallel_config.tensor_parallel_size)  # fmt: skip
+
+    def _warn_if_underfed(self, max_num_seqs: int) -> None:
+        if self._settings.max_inflight < max_num_seqs:
+            log.warning(
+                "vllm_underfed",
+                max_inflight=self._settings.max_inflight,
+                max_num_seqs=max_num_seqs,
+                hint="set LLAMAMESH_WORKER_MAX_INFLIGHT >= max_num_seqs so the worker keeps vLLM's batch full",
+            )
+
+    async def _log_stats(self, interval_s: float) -> None:
+        """Owned by the engine: started by start(), cancelled and awaited by shutdown()."""
+        while True:
+            await asyncio.sleep(interval_s)
+            if self._llm is None:
+                continue
+            try:
+                await self._llm.do_log_stats()
+            except Exception as exc:  # a stats line is not worth the worker
+                log.warning("vllm_log_stats_failed", error=f"{type(exc).__name__}: {exc}")
+
+    async def shutdown(self) -> None:
+        """Shut vLLM down; streams still pending end with EngineDead. Safe if never started."""
+        if self._dead is None:
+            self._dead = "the engine was shut down"
+        if self._log_task is not None:
+            self._log_task.cancel()
+            await asyncio.gather(self._log_task, return_exceptions=True)
+            self._log_task = None
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            if self._streams:
+                # Their streams get vLLM's "abort" ending, which _dead turns into EngineDead.
+                await llm.abort(list(self._streams))
+            llm.shutdown()
+        await asyncio.to_thread(self._executor.shutdown, True)
+
+    async def check_health(self) -> None:
+        """Raise EngineDead if vLLM's engine core or output handler died, or the engine is not running."""
+        llm, _ = self._started()
+        try:
+            await llm.check_health()
+        except Exception as exc:
+            raise EngineDead(f"vLLM is dead: {type(exc).__name__}: {exc}") from exc
+
+    def stats(self) -> EngineStats:
+        return self._snapshot.stats()
+
+    # --- requests
+
+    async def tokenize(self, request: GenerationRequest) -> list[int]:
+        """The ids :meth:`stream` would prefill for ``request``; InvalidRequest if it has no usable input."""
+        self._started()
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, render_prompt_ids, request, self._tokenizer
+        )
+
+    def _invalid(self, exc: BaseException, input_field: str) -> InvalidRequest:
+        message = exc.args[0] if exc.args and isinstance(exc.args[0], str) else str(exc)
+        return invalid_from_vllm(message, getattr(exc, "parameter", None), input_field)
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        """Generate for ``request`` with ``AsyncLLM.generate``, one delta per vLLM output.
+
+        Invalid input (ours or vLLM's validation) raises InvalidRequest (PromptTooLong for a long
+        prompt) before any delta; a dead engine raises EngineDead. :meth:`abort` ends the stream with
+        one CANCELLED delta. If the consumer stops iterating or its task is cancelled, vLLM's generate()
+        aborts the request itself (on CancelledError / GeneratorExit) and the cancellation propagates.
+        """
+        llm, api = self._started()
+        if request.kind is JobKind.TOKENIZE:
+            raise InvalidRequest.field("kind", "tokenize jobs go through tokenize(), not stream()")
+        rid = request.request_id
+        if rid in self._streams:
+            raise InvalidRequest.field("request_id", f"request {rid!r} is already in flight")
+        input_field = "messages" if request.messages is not None else "prompt"
+        n_logprobs = request.sampling.logprobs
+        try:
+            params = api.SamplingParams(**sampling_kwargs(request.sampling, self._vocab_size), output_kind=api.DELTA)
+        except (TypeError, ValueError) as exc:
+            raise self._invalid(exc, input_field) from exc
+        state = self._streams[rid] = _Stream()
+        finished = False
+        try:
+            loop = asyncio.get_running_loop()
+            ids = await loop.run_in_executor(self._executor, render_prompt_ids, request, self._tokenizer)
+            if self._dead is not None:  # shut down while tokenizing
+                raise EngineDead(self._dead)
+            if not state.aborted:
+                check_prompt_len(len(ids), self._max_model_len, input_field)
+            outputs = llm.generate(api.tokens_input(ids), params, rid, priority=-request.priority)
+            try:
+                while not state.aborted:
+                    try:
+                        output = await outputs.__anext__()
+                    except StopAsyncIteration:
+                        break
+                    except api.EngineDeadError as exc:
+                        raise EngineDead(f"vLLM died: {exc}") from exc
+                    except ValueError as exc:
+                        raise self._invalid(exc, input_field) from exc
+                    except api.EngineGenerateError as exc:
+                        cause = exc.__cause__ or exc
+                        if llm.errored:
+                            raise EngineDead(f"vLLM died: {type(cause).__name__}: {cause}") from exc
+                        raise InternalError(f"vLLM failed the request: {type(cause).__name__}: {cause}") from exc
+                    delta = delta_of(output, n_logprobs)
+                    if delta.finish_reason is None:
+                        if delta.token_ids or delta.text:
+                            yield delta
+                        continue
+                    if output.finished:  # let generate() end by itself (closing it would abort)
+                        async for _ in outputs:
+                            pass
+                    if delta.finish_reason is FinishReason.CANCELLED and not state.aborted and self._dead:
+                        raise EngineDead(self._dead)
+                    finished = True
+                    del self._streams[rid]  # from here on, abort(rid) is a no-op
+                    yield delta
+                    return
+            finally:
+                # Closing generate() before it finished aborts the request in vLLM (its GeneratorExit
+                # handler): abort() came before vLLM knew the request, or the consumer went away.
+                await outputs.aclose()
+            if not state.aborted:
+                raise InternalError("vLLM ended the stream without a finish_reason")
+            finished = True
+            del self._streams[rid]
+            yield TokenDelta(finish_reason=FinishReason.CANCELLED, prompt_tokens=len(ids))
+        except (asyncio.CancelledError, GeneratorExit):
+            if not finished and not state.aborted:
+                self.aborted.append(rid)
+                log.info("engine_aborted", request_id=rid, reason="consumer_gone")
+            raise
+        finally:
+            self._streams.pop(rid, None)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a running request; its stream ends with one CANCELLED delta. Unknown or finished ids are
+        ignored."""
+        state = self._streams.get(request_id)
+        if state is None or state.aborted:
+            return
+        state.aborted = True
+        self.aborted.append(request_id)
+        log.info("engine_aborted", request_id=request_id, reason="abort")
+        if self._llm is not None:
+            await self._llm.abort(request_id)
