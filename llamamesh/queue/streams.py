@@ -158,7 +158,8 @@ class RedisQueue:
                         stream = self.keys.jobs(lease.pool)
                         pipe.xack(stream, WORKER_GROUP, lease.entry_id)
                         pipe.xdel(stream, lease.entry_id)
-                    else:
+                    elif event.index == 0:
+                        # The first event creates the stream: bound its life in case no terminal follows.
                         pipe.expire(key, self._s.event_idle_ttl_s)
                 for request_id in watch:
                     pipe.exists(self.keys.cancel(request_id))

@@ -133,8 +133,12 @@ async def test_publish_sends_one_pipeline_of_known_size(redis_settings: RedisSet
         await q.publish([(lease, JobEvent(text="z", token_ids=(1,))) for lease in leases],
                         [x.request.request_id for x in leases])
         after = (await r.info("stats"))["total_commands_processed"]
-        # 20 XADD + 20 EXPIRE + 20 EXISTS (+1 for the INFO call itself)
+        # 20 XADD + 20 EXPIRE (first events) + 20 EXISTS (+1 for the INFO call itself)
         assert after - before == 61
+        before = (await r.info("stats"))["total_commands_processed"]
+        await q.publish([(lease, JobEvent(text="y", token_ids=(2,), index=1)) for lease in leases], [])
+        after = (await r.info("stats"))["total_commands_processed"]
+        assert after - before == 21  # later events: XADD only
         assert (await r.info("clients"))["connected_clients"] == info_before
     finally:
         await r.aclose()

@@ -31,6 +31,7 @@ async def running(request: pytest.FixtureRequest, redis_settings: RedisSettings)
     ws = WorkerSettings(pool="cpu", engine="fake", max_inflight=inflight, fake_step_s=step, consumer="w-test")
     queue = RedisQueue.from_settings(redis_settings)
     engine = FakeEngine(ws)
+    await engine.start()
     worker = Worker(ws, queue, engine, block_ms=100)
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
@@ -127,6 +128,7 @@ async def test_engine_death_fails_the_job_and_stops_the_worker(redis_settings: R
     ws = WorkerSettings(pool="cpu", engine="fake", max_inflight=2, consumer="w-dead", fake_step_s=0.02)
     queue = RedisQueue.from_settings(redis_settings)
     engine = FakeEngine(ws)
+    await engine.start()
     worker = Worker(ws, queue, engine, block_ms=100)
     task = asyncio.create_task(worker.run(asyncio.Event()))
     try:
@@ -141,4 +143,5 @@ async def test_engine_death_fails_the_job_and_stops_the_worker(redis_settings: R
             await asyncio.wait_for(task, 10)
         assert await pending(redis_settings) == 0
     finally:
+        await engine.shutdown()
         await queue.close()
