@@ -40,6 +40,7 @@ class Worker:
         self._outbox = Outbox(queue, on_cancel=self._cancel)
         self.engine_died: EngineDead | None = None
         self.ready = asyncio.Event()
+        self.join_failures = 0
 
     @property
     def inflight(self) -> int:
@@ -66,7 +67,18 @@ class Worker:
 
         Raises EngineDead (after draining) if the engine died, so the process exits non-zero.
         """
-        await self._queue.join(self._s.pool)
+        backoff = 0.1
+        while True:  # Redis may come up after the worker: wait for it rather than exit
+            try:
+                await self._queue.join(self._s.pool)
+                break
+            except QueueUnavailable:
+                self.join_failures += 1
+                log.warning("join_failed", pool=self._s.pool, retry_in_s=backoff)
+                await _wait_any(stop, timeout=backoff)
+                if stop.is_set():
+                    return
+                backoff = min(backoff * 2, 5.0)
         self._outbox.start()
         self.ready.set()
         log.info("worker_started", pool=self._s.pool, worker=self.name, max_inflight=self._s.max_inflight)

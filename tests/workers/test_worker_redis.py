@@ -145,3 +145,25 @@ async def test_engine_death_fails_the_job_and_stops_the_worker(redis_settings: R
     finally:
         await engine.shutdown()
         await queue.close()
+
+
+async def test_worker_waits_for_redis_instead_of_exiting() -> None:
+    from tests.redisproc import free_port
+
+    ws = WorkerSettings(pool="cpu", engine="fake", consumer="w-wait")
+    queue = RedisQueue.from_settings(RedisSettings(url=f"redis://127.0.0.1:{free_port()}/0"))
+    worker = Worker(ws, queue, FakeEngine(ws), block_ms=100)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    try:
+
+        async def failed_twice() -> None:
+            while worker.join_failures < 2:  # noqa: ASYNC110 - bounded by wait_for
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(failed_twice(), 10)
+        assert not task.done() and not worker.ready.is_set()
+        stop.set()
+        await asyncio.wait_for(task, 5)
+    finally:
+        await queue.close()
