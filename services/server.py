@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import signal
+import sys
 from dataclasses import dataclass
+from multiprocessing import connection
 
 import grpc
 import structlog
@@ -36,9 +39,12 @@ class Gateway:
         await self.server.stop(grace_s)
 
 
-async def start_gateway(queue: JobQueue, settings: GatewaySettings, port: int | None = None) -> Gateway:
-    """Build and start the server on ``settings.host``; port 0 picks a free port."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+async def start_gateway(
+    queue: JobQueue, settings: GatewaySettings, port: int | None = None, share_port: bool = False
+) -> Gateway:
+    """Build and start the server on ``settings.host``; port 0 picks a free port. ``share_port``: one
+    of several gateway processes on the same port (SO_REUSEPORT); otherwise a taken port fails."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 1 if share_port else 0)])
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(
         GenerationServicer(queue, settings, settings.model_table()), server
     )
@@ -57,16 +63,14 @@ async def start_gateway(queue: JobQueue, settings: GatewaySettings, port: int | 
     return Gateway(server=server, health=reporter, port=bound)
 
 
-async def serve(settings: Settings) -> None:
+async def serve(settings: Settings, share_port: bool = False) -> None:
     """Run the gateway until SIGTERM/SIGINT, then drain."""
-
-
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     queue = RedisQueue.from_settings(settings.redis)
-    gateway = await start_gateway(queue, settings.gateway)
+    gateway = await start_gateway(queue, settings.gateway, share_port=share_port)
     try:
         await stop.wait()
     finally:
@@ -76,9 +80,51 @@ async def serve(settings: Settings) -> None:
         log.info("gateway_stopped")
 
 
+def _one_of_many(settings: Settings, index: int) -> None:
+    logs.configure(settings.log, f"gateway-{index}")
+    asyncio.run(serve(settings, share_port=True))
+
+
+def supervise(settings: Settings) -> int:
+    """Run ``gateway.processes`` gateway processes on one port until SIGTERM/SIGINT (forwarded: each
+    drains) or until one dies (the others are stopped). Returns the exit code: 0, or 1 if one died."""
+    n = settings.gateway.processes
+    if settings.gateway.port == 0:
+        raise ValueError("LLAMAMESH_GATEWAY_PROCESSES > 1 needs a fixed LLAMAMESH_GATEWAY_PORT")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_one_of_many, args=(settings, i), name=f"gateway-{i}") for i in range(n)]
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    for p in procs:
+        p.start()
+    log.info("gateways_started", processes=n, port=settings.gateway.port, pids=[p.pid for p in procs])
+    code = 0
+    running = {p.sentinel: p for p in procs}
+    while running:
+        for sentinel in connection.wait(list(running)):
+            p = running.pop(sentinel)  # type: ignore[call-overload,arg-type]
+            p.join()  # the sentinel fires at exit; the exit code is known once reaped
+            if p.exitcode and not stopping:
+                log.error("gateway_process_died", process=p.name, exit_code=p.exitcode)
+                code = 1
+                on_signal(signal.SIGTERM, None)
+    return code
+
+
 def main() -> None:
     settings = Settings.from_env()
     logs.configure(settings.log, "gateway")
+    if settings.gateway.processes > 1:
+        sys.exit(supervise(settings))
     asyncio.run(serve(settings))
 
 

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 
 import structlog
 
@@ -72,16 +71,7 @@ class Outbox:
             self._pending[rid] = (lease, event)
             self._order.append(rid)
         else:
-            p = prev[1]
-            self._pending[rid] = (
-                lease,
-                replace(
-                    p,
-                    text=p.text + event.text,
-                    token_ids=p.token_ids + event.token_ids,
-                    logprobs=p.logprobs + event.logprobs,
-                ),
-            )
+            self._pending[rid] = (lease, prev[1].then(event))
         self._wake.set()
 
     async def finish(self, lease: Lease, event: JobEvent) -> None:
@@ -92,14 +82,7 @@ class Outbox:
         if prev is None:
             self._order.append(rid)
         else:
-            p = prev[1]
-            event = replace(
-                event,
-                text=p.text + event.text,
-                token_ids=p.token_ids + event.token_ids,
-                logprobs=p.logprobs + event.logprobs,
-                index=p.index,
-            )
+            event = prev[1].then(event)
         self._pending[rid] = (lease, event)
         done = self._terminal_done[rid] = asyncio.get_running_loop().create_future()
         self._wake.set()

@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import signal
 import sys
+from collections.abc import Coroutine
+from typing import Any
 
 import structlog
 
@@ -134,15 +136,16 @@ async def _wait_any(*events: asyncio.Event, timeout: float | None = None) -> Non
         await asyncio.gather(*waiters, return_exceptions=True)
 
 
-async def serve(settings: Settings) -> int:
-    """Run one worker process until SIGTERM/SIGINT; returns the exit code."""
+async def serve(settings: Settings, engine: Engine | None = None) -> int:
+    """Run one worker process until SIGTERM/SIGINT; returns the exit code. ``engine``: the registry's
+    engine for ``settings.worker.engine`` when not given."""
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     structlog.contextvars.bind_contextvars(worker=settings.worker.consumer_name(), pool=settings.worker.pool)
-    engine = registry.create(settings)
+    engine = engine or registry.create(settings)
     queue = RedisQueue.from_settings(settings.redis)
     code = 0
     try:
@@ -162,10 +165,24 @@ async def serve(settings: Settings) -> int:
     return code
 
 
+def run(coro: Coroutine[Any, Any, int]) -> int:
+    """Run the worker's loop on uvloop where it is installed (the per-step work of hundreds of job
+    tasks is loop-bound), else on asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
 def main() -> None:
     settings = Settings.from_env()
     logs.configure(settings.log, "worker")
-    sys.exit(asyncio.run(serve(settings)))
+    if settings.worker.engine == "vllm" and settings.vllm.frontends > 1:
+        from workers.frontends import run_frontends
+
+        sys.exit(run_frontends(settings))
+    sys.exit(run(serve(settings)))
 
 
 if __name__ == "__main__":

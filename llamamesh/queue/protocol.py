@@ -32,6 +32,8 @@ class JobQueue(Protocol):
 
     def events(self, request_id: str, after: str = "0-0") -> AsyncIterator[tuple[str, JobEvent]]:
         """Yield (event id, event) after ``after`` as they arrive, ending after the terminal event.
+        Events that queued up unread may come merged into one (``JobEvent.then``; never a failure),
+        under the id of the last of them.
 
         Blocks between events; cancelling the iterating task stops it. Raises QueueUnavailable.
         """

@@ -24,7 +24,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from llamamesh.errors import InvalidRequest, QueueUnavailable
 from llamamesh.queue import codec
-from llamamesh.queue.follow import EventFollower
+from llamamesh.queue.follow import EventFollower, Item
 from llamamesh.queue.keys import EVENT_FIELD, JOB_FIELD, WORKER_GROUP, Keys
 from llamamesh.queue.protocol import Lease
 from llamamesh.settings import RedisSettings
@@ -66,18 +66,36 @@ class RedisQueue:
         if self._follower is None:
             self._follower = EventFollower(self._r, self.keys, self._s.block_ms, self._s.event_idle_ttl_s)
         sub = await self._follower.follow(self.keys.events(request_id), after)
+        held: Item | None = None
         try:
             while True:
-                item = await sub.queue.get()
-                if isinstance(item, BaseException):
-                    raise QueueUnavailable("the queue is unreachable") from item
-                entry_id, fields = item
-                event = codec.decode_event(fields[EVENT_FIELD.encode()])
+                item, held = (held, None) if held is not None else (await sub.queue.get(), None)
+                entry_id, event = self._decoded(item)
+                # A reader that fell behind gets what queued up meanwhile as one event (as vLLM's
+                # output collector merges deltas), so it catches up instead of lagging further.
+                # A failure is never merged: the tokens before it are delivered first.
+                while not event.terminal and not sub.queue.empty():
+                    item = sub.queue.get_nowait()
+                    if isinstance(item, BaseException):
+                        held = item
+                        break
+                    next_id, later = self._decoded(item)
+                    if later.failed is not None:
+                        held = item
+                        break
+                    entry_id, event = next_id, event.then(later)
                 yield entry_id, event
                 if event.terminal:
                     return
         finally:
             self._follower.unfollow(sub)
+
+    @staticmethod
+    def _decoded(item: Item) -> tuple[str, JobEvent]:
+        if isinstance(item, BaseException):
+            raise QueueUnavailable("the queue is unreachable") from item
+        entry_id, fields = item
+        return entry_id, codec.decode_event(fields[EVENT_FIELD.encode()])
 
     async def cancel(self, request_id: str) -> None:
         try:

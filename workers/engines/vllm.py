@@ -119,6 +119,8 @@ def engine_kwargs(worker: WorkerSettings, settings: VllmSettings, device_count: 
     """
     if not worker.model_path:
         raise InvalidRequest.field("worker.model_path", "the vllm engine needs a model folder or Hugging Face id")
+    if settings.frontends < 1:
+        raise InvalidRequest.field("vllm.frontends", "must be >= 1")
     if settings.tensor_parallel_size < 0:
         raise InvalidRequest.field("vllm.tensor_parallel_size", "must be >= 1, or 0 for every visible GPU")
     kwargs: dict[str, Any] = {
@@ -346,6 +348,16 @@ def _stat_logger_factory(snapshot: SchedulerSnapshot) -> Any:
 # --- the engine
 
 
+@dataclasses.dataclass(frozen=True)
+class CoreClient:
+    """How one of several frontend processes reaches an engine core that another process started
+    (see workers/engines/vllm_frontends.py): vLLM's ``client_config`` without count and index."""
+
+    addresses: Mapping[str, Any]
+    count: int
+    index: int
+
+
 @dataclasses.dataclass
 class _Stream:
     aborted: bool = False
@@ -372,10 +384,17 @@ class VllmEngine:
     """Serves one model with vLLM's AsyncLLM. Attributes tests can assert: ``aborted`` (request ids
     aborted, by :meth:`abort` or by a consumer that went away)."""
 
-    def __init__(self, settings: WorkerSettings, vllm: VllmSettings, device_count: int | None = None) -> None:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        vllm: VllmSettings,
+        device_count: int | None = None,
+        core: CoreClient | None = None,
+    ) -> None:
         self._settings = settings
         self._vllm_settings = vllm
         self._device_count = device_count
+        self._core = core
         self._llm: Any = None
         self._api: _Vllm | None = None
         self._tokenizer: Any = None
@@ -417,22 +436,26 @@ class VllmEngine:
         extra = set(parse_extra_args(self._vllm_settings.extra_args))
         check_engine_fields(kwargs, {f.name for f in dataclasses.fields(AsyncEngineArgs)}, extra)
         try:
-            return AsyncEngineArgs(**kwargs), kwargs, extra
+            args = AsyncEngineArgs(**kwargs)
         except (TypeError, ValueError) as exc:
             raise InvalidRequest.field(engine_error_field(str(exc), [], kwargs, extra), str(exc)) from exc
+        if self._core is not None:  # as vllm serve's API server processes do
+            args._api_process_count = self._core.count
+            args._api_process_rank = self._core.index
+        return args, kwargs, extra
 
-    async def start(self) -> None:
-        """Build vLLM's config and engine (loads the model, blocking the loop meanwhile, as ``vllm serve``).
+    def engine_config(self, api_processes: int = 1) -> tuple[Any, Any]:
+        """(AsyncEngineArgs, VllmConfig) for these settings; ``api_processes`` > 1 when the caller starts
+        the engine core for that many frontends (as ``vllm serve --api-server-count``).
 
         A bad engine argument raises InvalidRequest naming the setting (``vllm.<field>``); any other
-        failure to load raises EngineDead."""
-        if self._llm is not None:
-            return
+        failure raises EngineDead."""
         from vllm.usage.usage_lib import UsageContext
-        from vllm.v1.engine.async_llm import AsyncLLM
 
-        api = _Vllm()
         engine_args, kwargs, extra = self._engine_args()
+        if api_processes > 1:
+            engine_args._api_process_count = api_processes
+            engine_args._api_process_rank = -1
         try:
             config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
         except (TypeError, ValueError) as exc:
@@ -442,15 +465,34 @@ class VllmEngine:
         except Exception as exc:
             self._dead = f"cannot configure vLLM for {self._settings.model_path}: {type(exc).__name__}: {exc}"
             raise EngineDead(self._dead) from exc
+        return engine_args, config
+
+    async def start(self) -> None:
+        """Build vLLM's config and engine (loads the model, blocking the loop meanwhile, as ``vllm serve``;
+        with a ``core`` it connects to an engine core another process started).
+
+        A bad engine argument raises InvalidRequest naming the setting (``vllm.<field>``); any other
+        failure to load raises EngineDead."""
+        if self._llm is not None:
+            return
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        api = _Vllm()
+        engine_args, config = self.engine_config()
         if not self._vllm_settings.max_num_seqs:  # else __init__ warned already
             self._warn_if_underfed(config.scheduler_config.max_num_seqs)
         try:
+            core = self._core
             llm = AsyncLLM.from_vllm_config(
                 config,
                 usage_context=UsageContext.OPENAI_API_SERVER,
                 stat_loggers=[_stat_logger_factory(self._snapshot)],
                 enable_log_requests=engine_args.enable_log_requests,
                 disable_log_stats=engine_args.disable_log_stats,
+                client_addresses=dict(core.addresses) if core is not None else None,
+                client_count=core.count if core is not None else 1,
+                client_index=core.index if core is not None else 0,
             )
             tokenizer = llm.get_tokenizer()
         except Exception as exc:
@@ -467,10 +509,13 @@ class VllmEngine:
                  tensor_parallel_size=config.parallel_config.tensor_parallel_size)  # fmt: skip
 
     def _warn_if_underfed(self, max_num_seqs: int) -> None:
-        if self._settings.max_inflight < max_num_seqs:
+        if self._core is not None and self._core.index > 0:
+            return  # frontend 0 speaks for all
+        total = self._settings.max_inflight * (self._core.count if self._core is not None else 1)
+        if total < max_num_seqs:
             log.warning(
                 "vllm_underfed",
-                max_inflight=self._settings.max_inflight,
+                max_inflight=total,
                 max_num_seqs=max_num_seqs,
                 hint="set LLAMAMESH_WORKER_MAX_INFLIGHT >= max_num_seqs so the worker keeps vLLM's batch full",
             )

@@ -1,5 +1,6 @@
-"""The whole path with real parts: gRPC -> gateway process -> redis-server -> worker process running
-the real SmolLM2-135M-Instruct on the CPU -> back. Driven through the Python client and grpcurl."""
+"""The whole path with real parts: gRPC -> gateway process -> redis-server -> worker process(es) running
+the real SmolLM2-135M-Instruct -> back, driven through the Python client and grpcurl. Every test runs
+against the CPU node (transformers) and, where CUDA and vLLM are present, the vLLM node (marker gpu)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 QUESTION = [("user", "What is the capital of France? Answer in one sentence.")]
 
 
-async def test_chat_stream_is_coherent_and_greedy_is_repeatable(cpu_node: ProcessNode) -> None:
-    async with Client(cpu_node.address) as c:
+async def test_chat_stream_is_coherent_and_greedy_is_repeatable(node: ProcessNode) -> None:
+    async with Client(node.address) as c:
         runs = []
         for _ in range(2):
             msgs = [m async for m in c.generate(messages=QUESTION, max_tokens=24, temperature=0)]
@@ -47,10 +48,10 @@ async def test_chat_stream_is_coherent_and_greedy_is_repeatable(cpu_node: Proces
     assert 0 < last.timings.time_to_first_token.ToNanoseconds() <= last.timings.total.ToNanoseconds()
 
 
-async def test_cancel_mid_stream_stops_the_worker(cpu_node: ProcessNode) -> None:
+async def test_cancel_mid_stream_stops_the_worker(node: ProcessNode) -> None:
     rid = f"cancel-{time.time_ns()}"
     max_tokens = 400
-    async with Client(cpu_node.address) as c:
+    async with Client(node.address) as c:
         call = c.stub.Generate(
             pb.GenerateRequest(request_id=rid, prompt="Once upon a time", max_tokens=max_tokens,
                                ignore_eos=True, temperature=0)
@@ -61,7 +62,7 @@ async def test_cancel_mid_stream_stops_the_worker(cpu_node: ProcessNode) -> None
             if got >= 3:
                 break
         call.cancel()
-    queue = RedisQueue.from_settings(RedisSettings(url=cpu_node.redis.url, prefix=cpu_node.prefix))
+    queue = RedisQueue.from_settings(RedisSettings(url=node.redis.url, prefix=node.prefix))
     try:
         # the worker's whole event stream, read with blocking XREAD up to its terminal event
         evs = await asyncio.wait_for(_events(queue, rid), 30)
@@ -71,12 +72,12 @@ async def test_cancel_mid_stream_stops_the_worker(cpu_node: ProcessNode) -> None
     assert terminal.finished is not None
     assert terminal.finished.finish_reason.value == "cancelled"
     assert sum(len(e.token_ids) for e in evs) < max_tokens
-    r = redis.Redis.from_url(cpu_node.redis.url)
+    r = redis.Redis.from_url(node.redis.url)
     try:
-        assert r.xpending(Keys(cpu_node.prefix).jobs("cpu"), WORKER_GROUP)["pending"] == 0
+        assert r.xpending(Keys(node.prefix).jobs(node.pool), WORKER_GROUP)["pending"] == 0
     finally:
         r.close()
-    log = cpu_node.log("worker")
+    log = node.log("worker")
     cancel_lines = [json.loads(x) for x in log.splitlines() if rid in x and x.startswith("{")]
     events = {x["event"] for x in cancel_lines}
     assert "job_cancel_requested" in events
@@ -122,9 +123,9 @@ MALFORMED: list[tuple[dict, str]] = [
 ]
 
 
-async def test_thirty_malformed_requests_are_invalid_argument_and_serving_continues(cpu_node: ProcessNode) -> None:
+async def test_thirty_malformed_requests_are_invalid_argument_and_serving_continues(node: ProcessNode) -> None:
     assert len(MALFORMED) == 30
-    async with Client(cpu_node.address) as c:
+    async with Client(node.address) as c:
         for fields, field in MALFORMED:
             with pytest.raises(grpc.aio.AioRpcError) as ei:
                 [m async for m in c.stub.Generate(pb.GenerateRequest(**fields))]
@@ -135,12 +136,12 @@ async def test_thirty_malformed_requests_are_invalid_argument_and_serving_contin
         assert ei.value.code() == grpc.StatusCode.NOT_FOUND
         text = await c.complete(messages=QUESTION, max_tokens=8, temperature=0)
         assert text.strip()
-    for p in cpu_node.procs.values():
+    for p in node.procs.values():
         assert p.poll() is None
 
 
-async def test_health_and_models(cpu_node: ProcessNode) -> None:
-    async with Client(cpu_node.address) as c:
+async def test_health_and_models(node: ProcessNode) -> None:
+    async with Client(node.address) as c:
         assert await c.health() == 1  # SERVING
         assert await c.health("llamamesh.v1.GenerationService") == 1
         models = await c.list_models()
@@ -159,29 +160,29 @@ def run_grpcurl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess
     return subprocess.run([grpcurl(), "-plaintext", *args], capture_output=True, text=True, timeout=timeout)
 
 
-def test_grpcurl_reflection_lists_describes_and_streams(cpu_node: ProcessNode) -> None:
-    listed = run_grpcurl(cpu_node.address, "list")
+def test_grpcurl_reflection_lists_describes_and_streams(node: ProcessNode) -> None:
+    listed = run_grpcurl(node.address, "list")
     assert listed.returncode == 0, listed.stderr
     services = listed.stdout.split()
     assert "llamamesh.v1.GenerationService" in services
     assert "grpc.health.v1.Health" in services
 
-    described = run_grpcurl(cpu_node.address, "describe", "llamamesh.v1.GenerateRequest")
+    described = run_grpcurl(node.address, "describe", "llamamesh.v1.GenerateRequest")
     assert "max_tokens" in described.stdout and "optional" in described.stdout
 
-    health = run_grpcurl(cpu_node.address, "grpc.health.v1.Health/Check")
+    health = run_grpcurl(node.address, "grpc.health.v1.Health/Check")
     assert json.loads(health.stdout)["status"] == "SERVING"
 
     body = json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"}],
                        "max_tokens": 16, "temperature": 0})
-    out = run_grpcurl("-d", body, cpu_node.address, "llamamesh.v1.GenerationService/Generate")
+    out = run_grpcurl("-d", body, node.address, "llamamesh.v1.GenerationService/Generate")
     assert out.returncode == 0, out.stderr
     msgs = _json_objects(out.stdout)
     assert len(msgs) > 1
     assert "Paris" in "".join(m.get("text", "") for m in msgs)
     assert msgs[-1]["finish_reason"] in ("FINISH_REASON_STOP", "FINISH_REASON_LENGTH")
 
-    bad = run_grpcurl("-d", json.dumps({"prompt": "x", "top_p": 3}), cpu_node.address,
+    bad = run_grpcurl("-d", json.dumps({"prompt": "x", "top_p": 3}), node.address,
                       "llamamesh.v1.GenerationService/Generate")
     assert bad.returncode != 0
     assert "InvalidArgument" in bad.stderr and "top_p" in bad.stderr

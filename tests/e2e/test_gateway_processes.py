@@ -1,0 +1,96 @@
+"""Several gateway processes on one port (LLAMAMESH_GATEWAY_PROCESSES): real processes, real Redis,
+the fake engine (what is under test is the gateway's process supervision, not a model)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from llamamesh.v1 import generation_pb2 as pb
+from llamamesh.v1 import generation_pb2_grpc
+from tests.e2e.conftest import ProcessNode
+from tests.redisproc import RedisProcess
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+
+def children(pid: int) -> list[int]:
+    """The gateway processes a supervisor spawned (not multiprocessing's resource tracker)."""
+    out = subprocess.run(["pgrep", "-P", str(pid), "-f", "spawn_main"], capture_output=True, text=True)
+    return [int(x) for x in out.stdout.split()]
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # a zombie still answers kill(0): it is gone once its status says so
+    return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+
+
+def wait_until(ok, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.05)  # polling other processes, bounded by the deadline
+
+
+@pytest.fixture
+def node(e2e_redis: RedisProcess, tmp_path: Path) -> Iterator[ProcessNode]:
+    n = ProcessNode(
+        tmp_path,
+        e2e_redis,
+        engine="fake",
+        extra_env={"LLAMAMESH_GATEWAY_PROCESSES": "3", "LLAMAMESH_WORKER_MAX_INFLIGHT": "64"},
+    )
+    try:
+        n.start(timeout_s=60)
+        yield n
+    finally:
+        n.stop()
+
+
+async def test_three_gateways_share_the_port_serve_and_stop_cleanly(node: ProcessNode) -> None:
+    supervisor = node.procs["gateway"]
+    wait_until(lambda: len(children(supervisor.pid)) == 3, 30, "three gateway processes")
+    wait_until(lambda: node.log("gateway").count('"gateway_started"') == 3, 30, "every gateway listening")
+
+    # The kernel spreads connections over the processes: channels with connections of their own (not
+    # the process-wide subchannel pool, which would share one) reach several of them.
+    async def one(i: int) -> str:
+        async with grpc.aio.insecure_channel(node.address, options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
+            stub = generation_pb2_grpc.GenerationServiceStub(ch)
+            msgs = [m async for m in stub.Generate(pb.GenerateRequest(prompt=f"hello {i}", max_tokens=4))]
+            return "".join(m.text for m in msgs)
+
+    texts = await asyncio.gather(*(one(i) for i in range(24)))
+    assert all(texts)
+    served = {line.split('"process": "')[1].split('"')[0] for line in node.log("gateway").splitlines()
+              if '"rpc_finished"' in line}
+    assert len(served) >= 2, served
+
+    kids = children(supervisor.pid)
+    supervisor.send_signal(signal.SIGTERM)
+    assert supervisor.wait(30) == 0
+    wait_until(lambda: all(gone(k) for k in kids), 10, "the gateway processes to exit")
+    assert node.log("gateway").count('"gateway_stopped"') == 3
+
+
+def test_a_dead_gateway_process_stops_the_rest_and_fails(node: ProcessNode) -> None:
+    supervisor = node.procs["gateway"]
+    wait_until(lambda: len(children(supervisor.pid)) == 3, 30, "three gateway processes")
+    kids = children(supervisor.pid)
+    os.kill(kids[0], signal.SIGKILL)
+    assert supervisor.wait(30) == 1  # a supervisor restarts the whole gateway
+    wait_until(lambda: all(gone(k) for k in kids), 10, "the other gateway processes to exit")
+    assert '"gateway_process_died"' in node.log("gateway")
