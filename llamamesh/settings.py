@@ -54,6 +54,18 @@ class GatewaySettings:
     # them), as `vllm serve --api-server-count`. One Python process relays about 5k streamed
     # messages a second before its latency grows; 1: this process serves.
     processes: int = 1
+    # "pool=fallback,...": where a pool's requests go while its breaker is open or it has no live
+    # worker, e.g. "trtllm=vllm,vllm=trtllm". Empty: no fallback.
+    fallback: str = ""
+
+    def fallback_table(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for item in (x.strip() for x in self.fallback.split(",") if x.strip()):
+            pool, sep, other = (part.strip() for part in item.partition("="))
+            if not sep or not pool or not other or pool == other:
+                raise ValueError(f"LLAMAMESH_GATEWAY_FALLBACK: expected pool=other_pool, got {item!r}")
+            out[pool] = other
+        return out
 
     def model_table(self) -> tuple[ModelInfo, ...]:
         out: list[ModelInfo] = []
@@ -92,6 +104,9 @@ class WorkerSettings:
     grace_s: float = 10.0
     # Fake engine only: seconds per step (lets tests hold a request in flight).
     fake_step_s: float = 0.0
+    # Seconds between heartbeats, and how long one keeps the worker alive in the gateways' eyes.
+    heartbeat_s: float = 1.0
+    heartbeat_ttl_s: float = 3.0
 
     def consumer_name(self) -> str:
         return self.consumer or f"{socket.gethostname()}-{os.getpid()}"
@@ -149,6 +164,27 @@ class VllmSettings:
 
 
 @dataclass(frozen=True)
+class BreakerSettings:
+    """The gateway's circuit breaker per backend pool, and the probes that feed it."""
+
+    # Seconds between inference probes of each pool (a one-token generation).
+    probe_interval_s: float = 1.0
+    # Seconds a probe may take before it counts as failed.
+    probe_timeout_s: float = 5.0
+    # Consecutive failed probes that open the breaker.
+    probe_failures: int = 3
+    # Or: this failure rate over the last `window` real requests (at least `min_requests` of them).
+    error_rate: float = 0.5
+    window: int = 20
+    min_requests: int = 10
+    # Seconds an open breaker stays open before letting a few requests through (half-open).
+    open_s: float = 5.0
+    # Half-open: at most this many requests or probes at a time; this many successes close it.
+    half_open_max: int = 2
+    half_open_successes: int = 2
+
+
+@dataclass(frozen=True)
 class LogSettings:
     level: str = "info"
     # "auto": JSON unless stderr is a terminal; "json"; "console".
@@ -161,6 +197,7 @@ class Settings:
     gateway: GatewaySettings = field(default_factory=GatewaySettings)
     worker: WorkerSettings = field(default_factory=WorkerSettings)
     vllm: VllmSettings = field(default_factory=VllmSettings)
+    breaker: BreakerSettings = field(default_factory=BreakerSettings)
     log: LogSettings = field(default_factory=LogSettings)
 
     @classmethod

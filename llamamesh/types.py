@@ -155,3 +155,19 @@ class ModelInfo:
     id: str
     pool: str
     default: bool = False
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """What a worker's heartbeat says about it (kept in Redis for a TTL; gone means dead)."""
+
+    worker: str
+    pool: str
+    model: str = ""
+    engine: str = ""
+    inflight: int = 0
+    max_inflight: int = 0
+    # The engine's own figures (vLLM's scheduler; our CPU engine's batch).
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 
 import grpc
 import structlog
@@ -16,6 +17,7 @@ from llamamesh.types import GenerationRequest, JobEvent, ModelInfo
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc
 from services import convert, status
+from services.backends import Backends
 
 log = structlog.get_logger(__name__)
 
@@ -27,10 +29,46 @@ def _raise_failure(ev: JobEvent) -> None:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, queue: JobQueue, settings: GatewaySettings, models: Sequence[ModelInfo]) -> None:
+    def __init__(
+        self, queue: JobQueue, settings: GatewaySettings, models: Sequence[ModelInfo], backends: Backends | None = None
+    ) -> None:
         self._queue = queue
         self._s = settings
         self._models = tuple(models)
+        self._backends = backends
+
+    async def _watched(self, pool: str, attempt: GenerationRequest) -> AsyncIterator[JobEvent]:
+        """The attempt's events; every probe interval without one, check that its worker is still alive
+        (or, before any worker took it, that its pool can still serve it better than the fallback).
+        Otherwise raise WorkerLost, after which the caller may send the request elsewhere if no
+        token was sent yet."""
+        backends = self._backends
+        events = self._queue.events(attempt.request_id)
+        nxt: asyncio.Future[tuple[str, JobEvent]] = asyncio.ensure_future(anext(events))
+        worker = ""
+        try:
+            while True:
+                timeout = backends.check_interval_s if backends is not None else None
+                done, _ = await asyncio.wait({nxt}, timeout=timeout)
+                if not done and backends is not None:
+                    if worker and not backends.worker_alive(pool, worker):
+                        raise errors.WorkerLost(f"worker {worker!r} of pool {pool!r} stopped answering")
+                    if not worker and backends.stranded(pool):
+                        raise errors.WorkerLost(f"pool {pool!r} cannot serve; its fallback can")
+                    continue
+                try:
+                    _eid, ev = nxt.result()
+                except StopAsyncIteration:
+                    raise errors.WorkerLost("the event stream ended without a terminal event") from None
+                worker = ev.worker or worker
+                yield ev
+                if ev.terminal:
+                    return
+                nxt = asyncio.ensure_future(anext(events))
+        finally:
+            nxt.cancel()
+            await asyncio.gather(nxt, return_exceptions=True)
+            await events.aclose()
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -44,37 +82,60 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         tokens = 0
         ttft_ms: float | None = None
         submitted = finished = False
+        pool = ""
+        attempt: GenerationRequest | None = None
+        failure: BaseException | None = None
         try:
             req, model = convert.generate_request(request, self._s, self._models)
             structlog.contextvars.bind_contextvars(request_id=req.request_id)
             await context.send_initial_metadata((("x-request-id", req.request_id),))
-            await self._queue.submit(model.pool, req)
-            submitted = True
-            async for _eid, ev in self._queue.events(req.request_id):
-                finished = ev.terminal
-                _raise_failure(ev)
-                if ev.token_ids and ttft_ms is None:
-                    ttft_ms = round((time.perf_counter() - t0) * 1000, 2)
-                tokens += len(ev.token_ids)
-                if ev.finished is not None:
-                    finish = ev.finished.finish_reason.value
-                yield convert.generate_response(req, ev)
-                if finished:
-                    return
+            attempts = 0
+            while True:
+                pool = self._backends.route(model.pool) if self._backends else model.pool
+                attempt = req if attempts == 0 else replace(req, request_id=f"{req.request_id}.{attempts}")
+                await self._queue.submit(pool, attempt)
+                submitted, finished = True, False
+                try:
+                    async for ev in self._watched(pool, attempt):
+                        finished = ev.terminal
+                        _raise_failure(ev)
+                        if ev.token_ids and ttft_ms is None:
+                            ttft_ms = round((time.perf_counter() - t0) * 1000, 2)
+                        tokens += len(ev.token_ids)
+                        if ev.finished is not None:
+                            finish = ev.finished.finish_reason.value
+                        yield convert.generate_response(req, ev)
+                        if finished:
+                            return
+                except errors.WorkerLost as exc:
+                    # Nothing sent yet: the request moves on, to the pool or its fallback (the lost
+                    # attempt is cancelled, so a worker that comes back skips it).
+                    if tokens or self._backends is None or attempts >= 2:
+                        raise
+                    await self._backends.record(pool, exc)
+                    await asyncio.shield(self._cancel(attempt.request_id))
+                    log.warning("request_resubmitted", pool=pool, error=str(exc), attempt=attempts + 1)
+                    attempts += 1
+                    submitted = False
         except errors.LlamameshError as exc:
+            failure = exc
             outcome = status.code_for(exc).name
             await status.abort(context, exc)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
+            failure = exc
             outcome = "CANCELLED"
             raise
         finally:
-            if submitted and not finished and req is not None:
+            if submitted and not finished and attempt is not None:
                 # Disconnect, deadline or a failed read: the worker must stop generating.
-                await asyncio.shield(self._cancel(req.request_id))
+                await asyncio.shield(self._cancel(attempt.request_id))
+            if self._backends is not None and pool and (submitted or failure is not None):
+                await asyncio.shield(self._backends.record(pool, failure))
             log.info(
                 "rpc_finished",
                 method="Generate",
                 status=outcome,
+                pool=pool or None,
                 finish_reason=finish or None,
                 completion_tokens=tokens,
                 ttft_ms=ttft_ms,

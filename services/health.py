@@ -18,11 +18,17 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+LIVENESS = "llamamesh.liveness"
+
+
 class HealthReporter:
     """Owns the health servicer and the task that pings the queue every ``interval_s``.
 
-    The server ("") and each service in ``services`` are SERVING while the queue
-    answers, NOT_SERVING otherwise and after ``shutdown()``.
+    - ``llamamesh.liveness``: SERVING while the process runs (liveness: restart me if not).
+    - The server ("") and each service in ``services``: readiness, SERVING while the queue answers,
+      NOT_SERVING otherwise and after ``shutdown()``.
+    - ``llamamesh.backend.<pool>`` for each backend pool: SERVING while the queue answers and the
+      pool has a live worker and its breaker is not open (``set_backend``, fed by services/backends.py).
     """
 
     def __init__(self, queue: JobQueue, services: Sequence[str], interval_s: float = 2.0) -> None:
@@ -32,6 +38,7 @@ class HealthReporter:
         self._interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
         self._serving: bool | None = None
+        self._backends: dict[str, bool] = {}
 
     async def _set(self, serving: bool) -> None:
         if serving == self._serving:
@@ -39,7 +46,13 @@ class HealthReporter:
         self._serving = serving
         for name in self._names:
             await self.servicer.set(name, SERVING if serving else NOT_SERVING)
+        for name, up in self._backends.items():
+            await self.servicer.set(name, SERVING if serving and up else NOT_SERVING)
         log.info("health_changed", serving=serving)
+
+    async def set_backend(self, service: str, serving: bool) -> None:
+        self._backends[service] = serving
+        await self.servicer.set(service, SERVING if serving and self._serving else NOT_SERVING)
 
     async def check_now(self) -> None:
         try:
@@ -49,6 +62,7 @@ class HealthReporter:
             await self._set(False)
 
     async def start(self) -> None:
+        await self.servicer.set(LIVENESS, SERVING)
         await self.check_now()
         self._task = asyncio.create_task(self._loop(), name="health")
 

@@ -17,8 +17,9 @@ from grpc_reflection.v1alpha import reflection
 from llamamesh import logs
 from llamamesh.queue.protocol import JobQueue
 from llamamesh.queue.streams import RedisQueue
-from llamamesh.settings import GatewaySettings, Settings
+from llamamesh.settings import BreakerSettings, GatewaySettings, Settings
 from llamamesh.v1 import generation_pb2, generation_pb2_grpc
+from services.backends import Backends, backend_service
 from services.generation import GenerationServicer
 from services.health import HealthReporter
 
@@ -31,24 +32,38 @@ GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationServi
 class Gateway:
     server: grpc.aio.Server
     health: HealthReporter
+    backends: Backends
     port: int
 
     async def stop(self, grace_s: float) -> None:
         """Health NOT_SERVING, stop accepting, give open streams ``grace_s``, then close."""
         await self.health.shutdown()
         await self.server.stop(grace_s)
+        await self.backends.stop()
 
 
 async def start_gateway(
-    queue: JobQueue, settings: GatewaySettings, port: int | None = None, share_port: bool = False
+    queue: JobQueue,
+    settings: GatewaySettings,
+    port: int | None = None,
+    share_port: bool = False,
+    breaker: BreakerSettings | None = None,
 ) -> Gateway:
     """Build and start the server on ``settings.host``; port 0 picks a free port. ``share_port``: one
     of several gateway processes on the same port (SO_REUSEPORT); otherwise a taken port fails."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 1 if share_port else 0)])
-    generation_pb2_grpc.add_GenerationServiceServicer_to_server(
-        GenerationServicer(queue, settings, settings.model_table()), server
-    )
+    models = settings.model_table()
     reporter = HealthReporter(queue, [GENERATION_SERVICE])
+    backends = Backends(
+        queue,
+        [m.pool for m in models],
+        settings.fallback_table(),
+        breaker or BreakerSettings(),
+        on_health=lambda pool, up: reporter.set_backend(backend_service(pool), up),
+    )
+    generation_pb2_grpc.add_GenerationServiceServicer_to_server(
+        GenerationServicer(queue, settings, models, backends), server
+    )
     health_pb2_grpc.add_HealthServicer_to_server(reporter.servicer, server)
     reflection.enable_server_reflection(
         (GENERATION_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
@@ -59,8 +74,9 @@ async def start_gateway(
         raise OSError(f"cannot listen on {settings.host}:{settings.port}")
     await server.start()
     await reporter.start()
+    await backends.start()
     log.info("gateway_started", host=settings.host, port=bound)
-    return Gateway(server=server, health=reporter, port=bound)
+    return Gateway(server=server, health=reporter, backends=backends, port=bound)
 
 
 async def serve(settings: Settings, share_port: bool = False) -> None:
@@ -70,7 +86,7 @@ async def serve(settings: Settings, share_port: bool = False) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     queue = RedisQueue.from_settings(settings.redis)
-    gateway = await start_gateway(queue, settings.gateway, share_port=share_port)
+    gateway = await start_gateway(queue, settings.gateway, share_port=share_port, breaker=settings.breaker)
     try:
         await stop.wait()
     finally:

@@ -22,6 +22,7 @@ from llamamesh.errors import EngineDead, QueueUnavailable
 from llamamesh.queue.protocol import Lease, WorkQueue
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import Settings, WorkerSettings
+from llamamesh.types import WorkerStatus
 from workers.engines import registry
 from workers.engines.base import Engine
 from workers.job import cancelled_event, run_job
@@ -82,6 +83,7 @@ class Worker:
                     return
                 backoff = min(backoff * 2, 5.0)
         self._outbox.start()
+        beat = asyncio.create_task(self._heartbeat(stop), name="heartbeat")
         self.ready.set()
         log.info("worker_started", pool=self._s.pool, worker=self.name, max_inflight=self._s.max_inflight)
         backoff = 0.1
@@ -107,9 +109,36 @@ class Worker:
                     else:
                         self._start(lease)
         finally:
+            beat.cancel()
+            await asyncio.gather(beat, return_exceptions=True)
+            with contextlib.suppress(QueueUnavailable):
+                await self._queue.leave(self._s.pool, self.name)  # draining: take no new work
             await self._drain()
         if self.engine_died is not None:
             raise self.engine_died
+
+    def status(self) -> WorkerStatus:
+        stats = self._engine.stats()
+        return WorkerStatus(
+            worker=self.name,
+            pool=self._s.pool,
+            model=self._s.model,
+            engine=self._s.engine,
+            inflight=len(self._tasks),
+            max_inflight=self._s.max_inflight,
+            running=stats.running,
+            waiting=stats.waiting,
+            kv_cache_usage=stats.kv_cache_usage,
+        )
+
+    async def _heartbeat(self, stop: asyncio.Event) -> None:
+        """Owned by run(): every heartbeat_s, say this worker is alive, until stop or engine death."""
+        while not stop.is_set() and self.engine_died is None:
+            try:
+                await self._queue.heartbeat(self.status(), self._s.heartbeat_ttl_s)
+            except QueueUnavailable:
+                log.warning("heartbeat_failed")
+            await _wait_any(stop, timeout=self._s.heartbeat_s)
 
     async def _drain(self) -> None:
         """Stop leasing; give in-flight jobs ``grace_s`` to finish, abort the rest."""

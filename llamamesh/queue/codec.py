@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Sequence
 from types import MappingProxyType
 from typing import Any, TypeVar
@@ -21,6 +22,7 @@ from llamamesh.types import (
     TokenLogprob,
     TopLogprob,
     Usage,
+    WorkerStatus,
 )
 
 _M = TypeVar("_M")
@@ -154,3 +156,14 @@ def decode_event(data: bytes) -> JobEvent:
         tokenized=msg.tokenized,
         worker=msg.worker,
     )
+
+
+def encode_status(status: WorkerStatus) -> bytes:
+    return json.dumps(dataclasses.asdict(status), separators=(",", ":")).encode()
+
+
+def decode_status(raw: bytes) -> WorkerStatus:
+    """A heartbeat's WorkerStatus; fields this version does not know are ignored."""
+    data = json.loads(raw)
+    known = {f.name for f in dataclasses.fields(WorkerStatus)}
+    return WorkerStatus(**{k: v for k, v in data.items() if k in known})

@@ -38,3 +38,11 @@ class Keys:
     def cancel(self, request_id: str) -> str:
         """Present while a request is cancelled."""
         return f"{self.prefix}:req:{{{request_id}}}:cancel"
+
+    def workers(self, pool: str) -> str:
+        """The names of the workers that heartbeat in a pool (a set; stale names are pruned by readers)."""
+        return f"{self.prefix}:pool:{{{pool}}}:workers"
+
+    def worker(self, pool: str, name: str) -> str:
+        """One worker's heartbeat: its WorkerStatus, expiring after the heartbeat TTL."""
+        return f"{self.prefix}:pool:{{{pool}}}:worker:{name}"

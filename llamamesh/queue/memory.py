@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
 from llamamesh.errors import QueueUnavailable
 from llamamesh.queue.protocol import Lease
-from llamamesh.types import GenerationRequest, JobEvent
+from llamamesh.types import GenerationRequest, JobEvent, WorkerStatus
 
 
 @dataclass
@@ -31,6 +32,8 @@ class MemoryQueue:
         self._cancelled: set[str] = set()
         self._changed = asyncio.Condition()
         self._ids = itertools.count(1)
+        # pool -> worker -> (monotonic expiry, status)
+        self._beats: dict[str, dict[str, tuple[float, WorkerStatus]]] = {}
         self.down = False
 
     def _check(self) -> None:
@@ -63,7 +66,7 @@ class MemoryQueue:
         self._pool(pool).waiting.append((f"{next(self._ids)}-0", request))
         await self._notify()
 
-    async def events(self, request_id: str, after: str = "0-0") -> AsyncIterator[tuple[str, JobEvent]]:
+    async def events(self, request_id: str, after: str = "0-0") -> AsyncGenerator[tuple[str, JobEvent], None]:
         seen = _seq(after)
         while True:
             self._check()
@@ -84,6 +87,14 @@ class MemoryQueue:
 
     async def ping(self) -> None:
         self._check()
+
+    async def workers(self, pool: str) -> list[WorkerStatus]:
+        self._check()
+        now = time.monotonic()
+        beats = self._beats.get(pool, {})
+        for name in [n for n, (until, _s) in beats.items() if until <= now]:
+            del beats[name]
+        return [s for _n, (_u, s) in sorted(beats.items())]
 
     async def close(self) -> None:
         return None
@@ -109,6 +120,14 @@ class MemoryQueue:
             Lease(pool=pool, entry_id=i, request=r, cancelled=r.request_id in self._cancelled)
             for i, r in taken
         ]
+
+    async def heartbeat(self, status: WorkerStatus, ttl_s: float) -> None:
+        self._check()
+        self._beats.setdefault(status.pool, {})[status.worker] = (time.monotonic() + ttl_s, status)
+
+    async def leave(self, pool: str, worker: str) -> None:
+        self._check()
+        self._beats.get(pool, {}).pop(worker, None)
 
     async def publish(self, events: Sequence[tuple[Lease, JobEvent]], watch: Sequence[str]) -> set[str]:
         self._check()

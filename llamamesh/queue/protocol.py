@@ -6,11 +6,11 @@ is the in-memory fake with the same contract, for tests of one layer.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from llamamesh.types import GenerationRequest, JobEvent
+from llamamesh.types import GenerationRequest, JobEvent, WorkerStatus
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class JobQueue(Protocol):
     async def submit(self, pool: str, request: GenerationRequest) -> None:
         """Append the job to the pool's work stream. Raises QueueUnavailable."""
 
-    def events(self, request_id: str, after: str = "0-0") -> AsyncIterator[tuple[str, JobEvent]]:
+    def events(self, request_id: str, after: str = "0-0") -> AsyncGenerator[tuple[str, JobEvent], None]:
         """Yield (event id, event) after ``after`` as they arrive, ending after the terminal event.
         Events that queued up unread may come merged into one (``JobEvent.then``; never a failure),
         under the id of the last of them.
@@ -45,6 +45,10 @@ class JobQueue(Protocol):
     async def ping(self) -> None:
         """Raise QueueUnavailable unless the queue answers."""
 
+    async def workers(self, pool: str) -> list[WorkerStatus]:
+        """The live workers of a pool: those whose last heartbeat has not expired."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -57,6 +61,12 @@ class WorkQueue(Protocol):
     async def lease(self, pool: str, consumer: str, count: int, block_ms: int) -> list[Lease]:
         """Take up to ``count`` new jobs, waiting at most ``block_ms`` for the first."""
         ...
+
+    async def heartbeat(self, status: WorkerStatus, ttl_s: float) -> None:
+        """Say this worker is alive (with its figures) for the next ``ttl_s`` seconds."""
+
+    async def leave(self, pool: str, worker: str) -> None:
+        """Withdraw this worker's heartbeat (a clean stop)."""
 
     async def publish(self, events: Sequence[tuple[Lease, JobEvent]], watch: Sequence[str]) -> set[str]:
         """Write events in one round trip, in order.

@@ -15,7 +15,7 @@ Redis errors become ``QueueUnavailable`` here and nowhere else.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any  # redis-py types stream replies loosely
 
 import redis.asyncio as aioredis
@@ -28,7 +28,7 @@ from llamamesh.queue.follow import EventFollower, Item
 from llamamesh.queue.keys import EVENT_FIELD, JOB_FIELD, WORKER_GROUP, Keys
 from llamamesh.queue.protocol import Lease
 from llamamesh.settings import RedisSettings
-from llamamesh.types import GenerationRequest, JobEvent
+from llamamesh.types import GenerationRequest, JobEvent, WorkerStatus
 
 log = structlog.get_logger(__name__)
 
@@ -62,7 +62,7 @@ class RedisQueue:
         except RedisError as exc:
             raise QueueUnavailable("the queue is unreachable") from exc
 
-    async def events(self, request_id: str, after: str = "0-0") -> AsyncIterator[tuple[str, JobEvent]]:
+    async def events(self, request_id: str, after: str = "0-0") -> AsyncGenerator[tuple[str, JobEvent], None]:
         if self._follower is None:
             self._follower = EventFollower(self._r, self.keys, self._s.block_ms, self._s.event_idle_ttl_s)
         sub = await self._follower.follow(self.keys.events(request_id), after)
@@ -108,6 +108,21 @@ class RedisQueue:
             await self._r.ping()
         except RedisError as exc:
             raise QueueUnavailable("the queue is unreachable") from exc
+
+    async def workers(self, pool: str) -> list[WorkerStatus]:
+        names_key = self.keys.workers(pool)
+        try:
+            members: Any = await self._r.smembers(names_key)
+            names = sorted(n.decode() for n in members)
+            if not names:
+                return []
+            raw: Any = await self._r.mget([self.keys.worker(pool, n) for n in names])
+            gone = [n for n, v in zip(names, raw, strict=True) if v is None]
+            if gone:  # their heartbeats expired: forget the names too
+                await self._r.srem(names_key, *gone)
+        except RedisError as exc:
+            raise QueueUnavailable("the queue is unreachable") from exc
+        return [codec.decode_status(v) for v in raw if v is not None]
 
     async def close(self) -> None:
         if self._follower is not None:
@@ -164,6 +179,25 @@ class RedisQueue:
             Lease(pool=pool, entry_id=eid, request=req, cancelled=bool(flag))
             for (eid, req), flag in zip(leased, flags, strict=False)
         ]
+
+    async def heartbeat(self, status: WorkerStatus, ttl_s: float) -> None:
+        try:
+            async with self._r.pipeline(transaction=False) as pipe:
+                key = self.keys.worker(status.pool, status.worker)
+                pipe.set(key, codec.encode_status(status), px=int(ttl_s * 1000))
+                pipe.sadd(self.keys.workers(status.pool), status.worker)
+                await pipe.execute()
+        except RedisError as exc:
+            raise QueueUnavailable("the queue is unreachable") from exc
+
+    async def leave(self, pool: str, worker: str) -> None:
+        try:
+            async with self._r.pipeline(transaction=False) as pipe:
+                pipe.delete(self.keys.worker(pool, worker))
+                pipe.srem(self.keys.workers(pool), worker)
+                await pipe.execute()
+        except RedisError as exc:
+            raise QueueUnavailable("the queue is unreachable") from exc
 
     async def publish(self, events: Sequence[tuple[Lease, JobEvent]], watch: Sequence[str]) -> set[str]:
         try:

@@ -52,9 +52,11 @@ class ProcessNode:
     def log(self, name: str) -> str:
         return self.log_path(name).read_text(errors="replace")
 
-    def spawn(self, name: str, module: str) -> None:
+    def spawn(self, name: str, module: str, **env: str) -> None:
         with self.log_path(name).open("ab") as out:  # the child keeps its own descriptor
-            self.procs[name] = subprocess.Popen([sys.executable, "-m", module], env=self.env, stdout=out, stderr=out)
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", module], env={**self.env, **env}, stdout=out, stderr=out
+            )
 
     def start(self, timeout_s: float = 240.0) -> None:
         self.spawn("gateway", "services")

@@ -1,0 +1,225 @@
+"""What the gateway knows about each backend pool: live workers (from their heartbeats), a circuit
+breaker fed by inference probes and real requests, the pool's health, and where a request goes.
+
+One ``Backends`` per gateway process owns one probe task per pool. Every ``probe_interval_s`` it
+reads the pool's heartbeats; with no live worker the probe fails at once (no job is queued for
+nobody), otherwise it sends a one-token greedy generation through the queue, like any request,
+and waits ``probe_timeout_s`` for its end. The result feeds the pool's breaker; the breaker's state
+and the live-worker count make the pool's health (``llamamesh.backend.<pool>``).
+
+Routing: a request goes to its model's pool unless that pool is unusable (breaker open, or no live
+worker), then to the pool's configured fallback (``LLAMAMESH_GATEWAY_FALLBACK``, e.g.
+``trtllm=vllm,vllm=trtllm``) if that one is usable, before any token is sent. Outcomes of real
+requests are recorded: failures of the backend count (lost worker, engine failure, internal
+error, timeout); client errors (bad input, unknown model, cancellation) never do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from llamamesh import errors
+from llamamesh.queue.protocol import JobQueue
+from llamamesh.settings import BreakerSettings
+from llamamesh.types import GenerationRequest, SamplingParams, WorkerStatus
+from services.breaker import Breaker, State
+
+log = structlog.get_logger(__name__)
+
+PROBE_PROMPT = "ping"
+
+
+def backend_service(pool: str) -> str:
+    """The grpc.health.v1 service name of a pool."""
+    return f"llamamesh.backend.{pool}"
+
+
+def counts_against_backend(exc: BaseException | None) -> bool | None:
+    """True: a failure of the backend; False: a success; None: neither (the caller's doing)."""
+    if exc is None:
+        return False
+    if isinstance(exc, errors.ClientError | errors.CapacityError | asyncio.CancelledError):
+        return None
+    return True
+
+
+@dataclass
+class Pool:
+    name: str
+    breaker: Breaker
+    workers: tuple[WorkerStatus, ...] = ()
+    probes: int = 0
+    last_probe_error: str = ""
+
+    @property
+    def live(self) -> bool:
+        return bool(self.workers)
+
+    def usable(self) -> bool:
+        return self.live and self.breaker.available()
+
+    def serving(self) -> bool:
+        return self.live and self.breaker.state is not State.OPEN
+
+
+class Backends:
+    def __init__(
+        self,
+        queue: JobQueue,
+        pools: Sequence[str],
+        fallback: Mapping[str, str],
+        settings: BreakerSettings,
+        on_health: Callable[[str, bool], Awaitable[None]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._queue = queue
+        self._s = settings
+        self.fallback = dict(fallback)
+        names = list(dict.fromkeys([*pools, *self.fallback, *self.fallback.values()]))
+        self.pools = {p: Pool(p, Breaker(p, settings, clock=clock)) for p in names}
+        self._on_health = on_health
+        self._serving: dict[str, bool] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # --- lifecycle
+
+    async def start(self) -> None:
+        """Read every pool once (so the first requests route on facts), then probe in the background."""
+        await asyncio.gather(*(self.refresh(p) for p in self.pools.values()))
+        self._tasks = [asyncio.create_task(self._probe_loop(p), name=f"probe-{p.name}") for p in self.pools.values()]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    @property
+    def check_interval_s(self) -> float:
+        """How often a waiting request re-checks its worker's liveness (the heartbeats' refresh)."""
+        return self._s.probe_interval_s
+
+    # --- routing
+
+    def route(self, pool: str) -> str:
+        """The pool a new request of ``pool``'s model goes to, its breaker slot taken.
+
+        The pool itself if it is usable, else its fallback if that is; else the pool anyway while
+        its breaker lets requests through (no live worker yet: the job waits in the stream for
+        one, as during a rolling restart). Raises NoWorkers when the pool's breaker is open and
+        the fallback cannot take it either."""
+        fallback = self.fallback.get(pool)
+        for candidate in (pool, fallback):
+            if candidate is None:
+                continue
+            p = self.pools[candidate]
+            if p.live and p.breaker.allow():
+                if candidate != pool:
+                    log.info("request_fallback", pool=pool, to=candidate, state=self.pools[pool].breaker.state.value,
+                             live_workers=len(self.pools[pool].workers))  # fmt: skip
+                return candidate
+        if self.pools[pool].breaker.allow():
+            return pool
+        raise errors.NoWorkers(f"the backend pool {pool!r} is failing (circuit open)" + (
+            f" and its fallback {fallback!r} cannot take requests" if fallback else ""))  # fmt: skip
+
+    def stranded(self, pool: str) -> bool:
+        """A request still waiting for ``pool`` (no worker has it) would be better off elsewhere:
+        the pool has no live worker or an open breaker, and its fallback is usable."""
+        p = self.pools[pool]
+        fallback = self.fallback.get(pool)
+        return (not p.live or p.breaker.state is State.OPEN) and fallback is not None and self.pools[fallback].usable()
+
+    async def record(self, pool: str, exc: BaseException | None) -> None:
+        """The outcome of a real request ``route`` sent to ``pool``."""
+        p = self.pools.get(pool)
+        if p is None:
+            return
+        failed = counts_against_backend(exc)
+        if failed is None:
+            if p.breaker.state is State.HALF_OPEN:  # give the slot back, learn nothing
+                p.breaker.release()
+            return
+        p.breaker.record(not failed, probe=False, reason=type(exc).__name__ if exc else "")
+        await self._publish(p)
+
+    def worker_alive(self, pool: str, worker: str) -> bool:
+        p = self.pools.get(pool)
+        return p is not None and any(w.worker == worker for w in p.workers)
+
+    # --- probes
+
+    async def refresh(self, p: Pool) -> None:
+        try:
+            p.workers = tuple(await self._queue.workers(p.name))
+        except errors.QueueUnavailable:
+            p.workers = ()
+        await self._publish(p)
+
+    async def _probe_loop(self, p: Pool) -> None:
+        while True:
+            await asyncio.sleep(self._s.probe_interval_s)
+            try:
+                await self.probe(p)
+            except Exception as exc:  # a probe must never take the gateway down
+                log.exception("probe_crashed", pool=p.name, error=str(exc))
+
+    async def probe(self, p: Pool) -> None:
+        """One probe of one pool: heartbeats, then (if anyone is alive and the breaker lets it) a
+        one-token generation."""
+        await self.refresh(p)
+        if not p.live:
+            await self._probe_result(p, "no live worker")
+            return
+        if not p.breaker.allow():
+            return
+        p.probes += 1
+        request = GenerationRequest(
+            request_id=f"probe-{p.name}-{uuid.uuid4().hex[:12]}",
+            model="",
+            prompt=PROBE_PROMPT,
+            sampling=SamplingParams(max_tokens=1, temperature=0.0),
+            accepted_unix_ns=time.time_ns(),
+        )
+        try:
+            error = await asyncio.wait_for(self._one_probe(p.name, request), self._s.probe_timeout_s)
+        except asyncio.TimeoutError:
+            error = f"no answer in {self._s.probe_timeout_s:g} s"
+            with contextlib.suppress(errors.QueueUnavailable):
+                await self._queue.cancel(request.request_id)
+        except errors.QueueUnavailable as exc:
+            error = str(exc)
+        await self._probe_result(p, error)
+
+    async def _one_probe(self, pool: str, request: GenerationRequest) -> str:
+        """Submit the probe and follow it to its end: "" or what went wrong."""
+        await self._queue.submit(pool, request)
+        async for _id, ev in self._queue.events(request.request_id):
+            if ev.failed is not None:
+                return f"{ev.failed.code}: {ev.failed.message}"
+            if ev.terminal:
+                return ""
+        return "the probe's events ended without a terminal one"
+
+    async def _probe_result(self, p: Pool, error: str) -> None:
+        p.last_probe_error = error
+        if error and p.breaker.state is not State.OPEN:
+            log.warning("probe_failed", pool=p.name, error=error)
+        p.breaker.record(not error, probe=True, reason=error)
+        await self._publish(p)
+
+    async def _publish(self, p: Pool) -> None:
+        serving = p.serving()
+        if self._serving.get(p.name) != serving:
+            self._serving[p.name] = serving
+            log.info("backend_health_changed", pool=p.name, serving=serving, state=p.breaker.state.value,
+                     live_workers=len(p.workers))  # fmt: skip
+            if self._on_health is not None:
+                await self._on_health(p.name, serving)
