@@ -124,7 +124,8 @@ async def test_kill_primary_falls_back_without_errors_then_recovers(node: Proces
 
         # the primary comes back: open -> half-open -> closed, and it serves again
         node.spawn("worker2", "workers")
-        await wait_for(lambda: _true(("primary", "half_open", "closed") in transitions(node)), 20, "the breaker to close")
+        closed = ("primary", "half_open", "closed")
+        await wait_for(lambda: _true(closed in transitions(node)), 20, "the breaker to close")
         assert ("primary", "open", "half_open") in transitions(node)
         assert await c.health(PRIMARY) == SERVING
         await generate_ok(c, 999)
