@@ -18,7 +18,8 @@ from llamamesh import logs
 from llamamesh.queue.protocol import JobQueue
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import BreakerSettings, GatewaySettings, Settings
-from llamamesh.v1 import generation_pb2, generation_pb2_grpc
+from llamamesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
+from services.admin import AdminServicer
 from services.backends import Backends, backend_service
 from services.generation import GenerationServicer
 from services.health import HealthReporter
@@ -26,6 +27,7 @@ from services.health import HealthReporter
 log = structlog.get_logger(__name__)
 
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
 
 
 @dataclass
@@ -53,7 +55,7 @@ async def start_gateway(
     of several gateway processes on the same port (SO_REUSEPORT); otherwise a taken port fails."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 1 if share_port else 0)])
     models = settings.model_table()
-    reporter = HealthReporter(queue, [GENERATION_SERVICE])
+    reporter = HealthReporter(queue, [GENERATION_SERVICE, ADMIN_SERVICE])
     backends = Backends(
         queue,
         [m.pool for m in models],
@@ -64,9 +66,15 @@ async def start_gateway(
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(
         GenerationServicer(queue, settings, models, backends), server
     )
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(backends), server)
     health_pb2_grpc.add_HealthServicer_to_server(reporter.servicer, server)
     reflection.enable_server_reflection(
-        (GENERATION_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        (
+            GENERATION_SERVICE,
+            ADMIN_SERVICE,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
         server,
     )
     bound = server.add_insecure_port(f"{settings.host}:{settings.port if port is None else port}")

@@ -154,7 +154,13 @@ async def test_a_flood_of_invalid_requests_never_opens_a_breaker(node: ProcessNo
     assert transitions(node) == []
 
 
-def test_grpcurl_shows_each_pools_health(node: ProcessNode) -> None:
+def list_backends(node: ProcessNode) -> dict[str, dict]:
+    out = run_grpcurl(node.address, "llamamesh.v1.AdminService/ListBackends")
+    assert out.returncode == 0, out.stderr
+    return {b["pool"]: b for b in json.loads(out.stdout)["backends"]}
+
+
+def test_grpcurl_shows_each_pools_health_and_breaker(node: ProcessNode) -> None:
     deadline = time.monotonic() + 20
     while True:
         out = run_grpcurl("-d", json.dumps({"service": BACKUP}), node.address, "grpc.health.v1.Health/Check")
@@ -171,6 +177,16 @@ def test_grpcurl_shows_each_pools_health(node: ProcessNode) -> None:
                                  "grpc.health.v1.Health/Check").stdout)["status"] != "NOT_SERVING":  # fmt: skip
         assert time.monotonic() < deadline
         time.sleep(0.1)  # polling the gateway, bounded by the deadline
+    # the admin RPC shows why: the breaker's state and transition, and who is alive where
+    while (backends := list_backends(node))["primary"]["breaker_state"] != "open":
+        assert time.monotonic() < deadline, backends
+        time.sleep(0.1)  # polling the gateway, bounded by the deadline
+    primary, backup = backends["primary"], backends["backup"]
+    assert primary["fallback"] == "backup" and not primary.get("workers") and not primary.get("serving")
+    (t,) = primary["transitions"]
+    assert (t["from_state"], t["to_state"]) == ("closed", "open") and "no live worker" in t["reason"]
+    assert backup["breaker_state"] == "closed" and backup["serving"]
+    assert [w["name"] for w in backup["workers"]] == ["backup-worker"]
 
 
 async def _is(c: Client, service: str, state: int) -> bool:

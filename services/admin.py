@@ -1,0 +1,44 @@
+"""AdminService: what this gateway knows about its backend pools (breakers, live workers)."""
+
+from __future__ import annotations
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from llamamesh.v1 import admin_pb2 as pb
+from llamamesh.v1 import admin_pb2_grpc
+from services.backends import Backends, Pool
+
+
+def backend_pb(pool: Pool, fallback: str) -> pb.Backend:
+    out = pb.Backend(
+        pool=pool.name,
+        breaker_state=pool.breaker.state.value,
+        serving=pool.serving(),
+        fallback=fallback,
+        probes=pool.probes,
+        last_probe_error=pool.last_probe_error,
+    )
+    for w in pool.workers:
+        out.workers.add(
+            name=w.worker, model=w.model, engine=w.engine, inflight=w.inflight, max_inflight=w.max_inflight,
+            running=w.running, waiting=w.waiting, kv_cache_usage=w.kv_cache_usage,
+        )  # fmt: skip
+    for t in pool.breaker.transitions:
+        at = Timestamp()
+        at.FromNanoseconds(int(t.at_unix_s * 1e9))
+        out.transitions.add(at=at, from_state=t.old.value, to_state=t.new.value, reason=t.reason)
+    return out
+
+
+class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
+    def __init__(self, backends: Backends) -> None:
+        self._backends = backends
+
+    async def ListBackends(
+        self, request: pb.ListBackendsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListBackendsResponse:
+        b = self._backends
+        return pb.ListBackendsResponse(
+            backends=[backend_pb(p, b.fallback.get(name, "")) for name, p in sorted(b.pools.items())]
+        )
