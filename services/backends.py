@@ -157,10 +157,13 @@ class Backends:
     # --- probes
 
     async def refresh(self, p: Pool) -> None:
+        was_live = p.live
         try:
             p.workers = tuple(await self._queue.workers(p.name))
         except errors.QueueUnavailable:
             p.workers = ()
+        if p.live and not was_live:
+            p.breaker.revive(f"{len(p.workers)} live worker(s) again")
         await self._publish(p)
 
     async def _probe_loop(self, p: Pool) -> None:

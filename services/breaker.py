@@ -9,7 +9,8 @@ requests. Client errors (bad input, unknown model, cancellation) are never recor
   pool with no live worker, which the caller records as a failed probe), or when, over the last
   ``window`` real requests (at least ``min_requests`` of them), the failure rate reaches
   ``error_rate``.
-- open: nothing passes for ``open_s``; then the next ``allow`` turns it half-open.
+- open: nothing passes for ``open_s``; then the next ``allow`` turns it half-open (at once, through
+  ``revive``, when a worker appears in a pool that had none).
 - half-open: at most ``half_open_max`` requests or probes are let through at a time; after
   ``half_open_successes`` successes in a row it closes, and one failure opens it again.
 """
@@ -89,6 +90,12 @@ class Breaker:
         if self.state is State.HALF_OPEN:
             return self._in_flight < self.settings.half_open_max
         return True
+
+    def revive(self, reason: str) -> None:
+        """What opened it is gone (a worker appeared in a pool that had none): try it now, half-open,
+        instead of waiting out ``open_s``."""
+        if self.state is State.OPEN:
+            self._move(State.HALF_OPEN, reason)
 
     def release(self) -> None:
         """Give back a half-open slot whose outcome says nothing about the backend."""

@@ -64,11 +64,13 @@ class ProcessNode:
         deadline = time.monotonic() + timeout_s
         self._wait(lambda: self._serving(), deadline, "the gateway to be SERVING")
         self._wait(lambda: '"worker_started"' in self.log("worker"), deadline, "the worker to start")
+        # the gateway has seen the worker's heartbeat and its breaker lets requests through
+        self._wait(lambda: self._serving(f"llamamesh.backend.{self.pool}"), deadline, f"pool {self.pool} to be SERVING")
 
-    def _serving(self) -> bool:
+    def _serving(self, service: str = "") -> bool:
         with grpc.insecure_channel(self.address) as ch:
             try:
-                resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
                 return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
             except grpc.RpcError:
                 return False

@@ -137,3 +137,13 @@ def test_stragglers_recorded_while_open_change_nothing() -> None:
 )
 def test_only_the_backends_failures_count(exc: BaseException | None, verdict: bool | None) -> None:
     assert counts_against_backend(exc) is verdict
+
+
+def test_a_worker_appearing_revives_an_open_breaker_at_once() -> None:
+    b, _ = breaker()
+    for _ in range(3):
+        b.record(False, probe=True, reason="no live worker")
+    b.revive("1 live worker(s) again")
+    assert b.state is State.HALF_OPEN and b.allow()
+    b.revive("again")  # only an open breaker is revived
+    assert [t.new for t in b.transitions] == [State.OPEN, State.HALF_OPEN]
