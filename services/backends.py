@@ -125,9 +125,11 @@ class Backends:
                     log.info("request_fallback", pool=pool, to=candidate, state=self.pools[pool].breaker.state.value,
                              live_workers=len(self.pools[pool].workers))  # fmt: skip
                 return candidate
-        if self.pools[pool].breaker.allow():
+        p = self.pools[pool]
+        if p.breaker.allow():
             return pool
-        raise errors.NoWorkers(f"the backend pool {pool!r} is failing (circuit open)" + (
+        why = "is failing (circuit open)" if p.live else "has no live worker (circuit open)"
+        raise errors.NoWorkers(f"the backend pool {pool!r} {why}" + (
             f" and its fallback {fallback!r} cannot take requests" if fallback else ""))  # fmt: skip
 
     def stranded(self, pool: str) -> bool:

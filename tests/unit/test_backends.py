@@ -1,0 +1,81 @@
+"""Routing and fallback decisions of services/backends.py over the in-memory queue (no probes run:
+``start`` is not called; ``refresh`` and ``record`` are driven by hand)."""
+
+from __future__ import annotations
+
+import pytest
+
+from llamamesh import errors
+from llamamesh.queue.memory import MemoryQueue
+from llamamesh.settings import BreakerSettings
+from llamamesh.types import WorkerStatus
+from services.backends import Backends, backend_service
+from services.breaker import State
+
+S = BreakerSettings(probe_failures=3, error_rate=0.5, window=4, min_requests=2, open_s=60)
+
+
+async def backends(*live: str) -> tuple[Backends, MemoryQueue, list[tuple[str, bool]]]:
+    q = MemoryQueue()
+    for pool in live:
+        await q.heartbeat(WorkerStatus(worker=f"w-{pool}", pool=pool), ttl_s=60)
+    health: list[tuple[str, bool]] = []
+
+    async def on_health(pool: str, up: bool) -> None:
+        health.append((pool, up))
+
+    b = Backends(q, ["trtllm"], {"trtllm": "vllm", "vllm": "trtllm"}, S, on_health=on_health)
+    for p in b.pools.values():
+        await b.refresh(p)
+    return b, q, health
+
+
+async def test_a_live_pool_takes_its_own_requests() -> None:
+    b, _q, health = await backends("trtllm", "vllm")
+    assert b.route("trtllm") == "trtllm"
+    assert sorted(health) == [("trtllm", True), ("vllm", True)]
+    assert backend_service("trtllm") == "llamamesh.backend.trtllm"
+
+
+async def test_no_live_worker_goes_to_the_fallback() -> None:
+    b, _q, health = await backends("vllm")
+    assert ("trtllm", False) in health
+    assert b.route("trtllm") == "vllm"
+    assert b.stranded("trtllm") and not b.stranded("vllm")
+
+
+async def test_neither_live_queues_on_the_pool_until_its_breaker_opens() -> None:
+    b, _q, _h = await backends()
+    assert b.route("trtllm") == "trtllm"  # waits in the stream for a worker (a restart)
+    for _ in range(3):
+        await b._probe_result(b.pools["trtllm"], "no live worker")
+    with pytest.raises(errors.NoWorkers, match="has no live worker"):
+        b.route("trtllm")
+
+
+async def test_backend_failures_open_the_breaker_and_client_errors_do_not() -> None:
+    b, _q, health = await backends("trtllm", "vllm")
+    for _ in range(10):
+        await b.record("trtllm", errors.InvalidRequest.field("top_p", "bad"))
+        await b.record("trtllm", errors.NotFound("model"))
+    assert b.pools["trtllm"].breaker.state is State.CLOSED
+    await b.record("trtllm", errors.EngineDead("boom"))
+    await b.record("trtllm", errors.WorkerLost("gone"))
+    assert b.pools["trtllm"].breaker.state is State.OPEN
+    assert health[-1] == ("trtllm", False)
+    assert b.route("trtllm") == "vllm"  # open: the fallback takes it
+
+
+async def test_a_worker_coming_back_revives_the_pool() -> None:
+    b, q, _h = await backends("vllm")
+    trt = b.pools["trtllm"]
+    for _ in range(3):
+        await b._probe_result(trt, "no live worker")
+    assert trt.breaker.state is State.OPEN
+    await q.heartbeat(WorkerStatus(worker="w-trtllm", pool="trtllm"), ttl_s=60)
+    await b.refresh(trt)
+    assert trt.breaker.state is State.HALF_OPEN
+    assert b.worker_alive("trtllm", "w-trtllm") and not b.worker_alive("trtllm", "w-other")
+    await q.leave("trtllm", "w-trtllm")
+    await b.refresh(trt)
+    assert not trt.live
