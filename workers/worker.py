@@ -83,7 +83,8 @@ class Worker:
                     return
                 backoff = min(backoff * 2, 5.0)
         self._outbox.start()
-        beat = asyncio.create_task(self._heartbeat(stop), name="heartbeat")
+        beat_stop = asyncio.Event()
+        beat = asyncio.create_task(self._heartbeat(beat_stop), name="heartbeat")
         self.ready.set()
         log.info("worker_started", pool=self._s.pool, worker=self.name, max_inflight=self._s.max_inflight)
         backoff = 0.1
@@ -109,11 +110,12 @@ class Worker:
                     else:
                         self._start(lease)
         finally:
-            beat.cancel()
+            # Heartbeats go on while draining: the gateways must not take its streams for lost.
+            await self._drain()
+            beat_stop.set()
             await asyncio.gather(beat, return_exceptions=True)
             with contextlib.suppress(QueueUnavailable):
-                await self._queue.leave(self._s.pool, self.name)  # draining: take no new work
-            await self._drain()
+                await self._queue.leave(self._s.pool, self.name)
         if self.engine_died is not None:
             raise self.engine_died
 
@@ -132,7 +134,8 @@ class Worker:
         )
 
     async def _heartbeat(self, stop: asyncio.Event) -> None:
-        """Owned by run(): every heartbeat_s, say this worker is alive, until stop or engine death."""
+        """Owned by run(): every heartbeat_s, say this worker is alive, until ``stop`` (set by run()
+        once it has drained) or engine death."""
         while not stop.is_set() and self.engine_died is None:
             try:
                 await self._queue.heartbeat(self.status(), self._s.heartbeat_ttl_s)

@@ -167,3 +167,37 @@ async def test_worker_waits_for_redis_instead_of_exiting() -> None:
         await asyncio.wait_for(task, 5)
     finally:
         await queue.close()
+
+
+async def test_heartbeat_lasts_through_the_drain_and_is_withdrawn_after(redis_settings: RedisSettings) -> None:
+    ws = WorkerSettings(pool="cpu", engine="fake", max_inflight=4, fake_step_s=0.02, consumer="w-beat",
+                        heartbeat_s=0.05, heartbeat_ttl_s=0.3, grace_s=10)  # fmt: skip
+    queue = RedisQueue.from_settings(redis_settings)
+    engine = FakeEngine(ws)
+    await engine.start()
+    worker = Worker(ws, queue, engine, block_ms=100)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        await asyncio.wait_for(worker.ready.wait(), 5)
+        await queue.submit("cpu", req("beat", n=40))  # 40 steps of 20 ms: still running at the stop
+        reader = queue.events("beat")
+        _id, first = await anext(reader)
+        await reader.aclose()
+        assert first.worker == "w-beat"
+        status = await queue.workers("cpu")
+        assert [s.worker for s in status] == ["w-beat"] and status[0].max_inflight == 4
+        stop.set()
+        # draining: the job finishes, and the heartbeat (TTL 0.3 s) is kept fresh meanwhile
+        while not task.done():
+            assert [s.worker for s in await queue.workers("cpu")] == ["w-beat"]
+            await asyncio.wait({task}, timeout=0.1)
+        await task
+        evs = await events(queue, "beat")
+        assert evs[-1].finished is not None and evs[-1].finished.finish_reason.value == "length"
+        assert await queue.workers("cpu") == []  # withdrawn once drained
+    finally:
+        stop.set()
+        await asyncio.gather(task, return_exceptions=True)
+        await engine.shutdown()
+        await queue.close()
