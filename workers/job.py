@@ -47,6 +47,7 @@ async def run_job(lease: Lease, engine: Engine, outbox: Outbox, worker: str) -> 
     first_token = 0
     index = 0
     terminal: JobEvent | None = None
+    engine_timings: tuple[tuple[str, float], ...] = ()
     dead: EngineDead | None = None
     structlog.contextvars.bind_contextvars(request_id=req.request_id)
     try:
@@ -67,6 +68,7 @@ async def run_job(lease: Lease, engine: Engine, outbox: Outbox, worker: str) -> 
                 index += len(delta.token_ids)
                 continue
             index += len(delta.token_ids)
+            engine_timings = delta.engine_timings_ms
             terminal = JobEvent(
                 text=delta.text,
                 token_ids=delta.token_ids,
@@ -100,13 +102,15 @@ async def run_job(lease: Lease, engine: Engine, outbox: Outbox, worker: str) -> 
     finally:
         if terminal is not None:
             await asyncio.shield(outbox.finish(lease, terminal))
-            _log_finished(lease, terminal, started, first_token)
+            _log_finished(lease, terminal, started, first_token, engine_timings)
         structlog.contextvars.unbind_contextvars("request_id")
     if dead is not None:
         raise dead
 
 
-def _log_finished(lease: Lease, event: JobEvent, started: int, first_token: int) -> None:
+def _log_finished(
+    lease: Lease, event: JobEvent, started: int, first_token: int, engine_timings: tuple[tuple[str, float], ...]
+) -> None:
     req = lease.request
     fields: dict[str, object] = {
         "kind": req.kind.value,
@@ -124,6 +128,7 @@ def _log_finished(lease: Lease, event: JobEvent, started: int, first_token: int)
             ttft_ms=round((first_token - req.accepted_unix_ns) / 1e6, 2)
             if first_token and req.accepted_unix_ns
             else None,
+            **{f"{name}_ms": ms for name, ms in engine_timings},
         )
     elif event.failed is not None:
         fields.update(status=event.failed.code, error=event.failed.message)

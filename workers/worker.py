@@ -96,7 +96,9 @@ class Worker:
                     await _wait_any(self._slot_free, stop)
                     continue
                 try:
-                    leases = await self._queue.lease(self._s.pool, self.name, free, self._block_ms)
+                    leases = await self._queue.lease(
+                        self._s.pool, self.name, min(free, max(1, self._s.lease_batch)), self._block_ms
+                    )
                     backoff = 0.1
                 except QueueUnavailable:
                     log.warning("lease_failed", retry_in_s=backoff)

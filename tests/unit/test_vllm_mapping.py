@@ -31,6 +31,7 @@ from workers.engines.vllm import (
     delta_of,
     engine_error_field,
     engine_kwargs,
+    engine_timings,
     finish_reason_of,
     invalid_from_vllm,
     render_prompt_ids,
@@ -415,6 +416,16 @@ def test_deltas_carry_prompt_tokens_on_the_final_one_only() -> None:
     assert final == TokenDelta(token_ids=(2,), finish_reason=FinishReason.STOP_SEQUENCE, prompt_tokens=7)
     with_lp = delta_of(output(" a b", [5, 6], logprobs=[{5: Lp(-0.1, 1)}, {6: Lp(-0.2, 1)}]), 0)
     assert [lp.token_id for lp in with_lp.logprobs] == [5, 6]
+
+
+def test_engine_timings_split_vllms_time_to_first_token() -> None:
+    stats = SimpleNamespace(first_token_latency=0.5, queued_ts=10.0, scheduled_ts=10.3, first_token_ts=10.45)
+    timed = dict(engine_timings(SimpleNamespace(metrics=stats), 1.234))
+    assert timed == {"tokenize": 1.23, "vllm_ttft": 500.0, "vllm_queue": 300.0, "vllm_prefill": 150.0}
+    # Stats off (metrics None), or a request that never produced a token: our part only.
+    assert engine_timings(SimpleNamespace(metrics=None), 2.0) == (("tokenize", 2.0),)
+    unscheduled = SimpleNamespace(first_token_latency=0.0, queued_ts=1.0, scheduled_ts=0.0, first_token_ts=0.0)
+    assert engine_timings(SimpleNamespace(metrics=unscheduled), 2.0) == (("tokenize", 2.0),)
 
 
 def test_scheduler_snapshot_sums_engines() -> None:

@@ -201,3 +201,36 @@ async def test_heartbeat_lasts_through_the_drain_and_is_withdrawn_after(redis_se
         await asyncio.gather(task, return_exceptions=True)
         await engine.shutdown()
         await queue.close()
+
+
+async def test_leases_at_most_lease_batch_jobs_per_read(redis_settings: RedisSettings) -> None:
+    """A burst is read in slices of lease_batch, so other workers of the pool get their share of it."""
+    counts: list[int] = []
+
+    class Counting(RedisQueue):
+        async def lease(self, pool: str, consumer: str, count: int, block_ms: int):  # type: ignore[no-untyped-def]
+            got = await super().lease(pool, consumer, count, block_ms)
+            if got:
+                counts.append(count)
+                assert len(got) <= count
+            return got
+
+    ws = WorkerSettings(pool="cpu", engine="fake", max_inflight=8, lease_batch=3, consumer="w-batch")
+    queue = Counting.from_settings(redis_settings)
+    for i in range(8):
+        await queue.submit("cpu", req(f"b{i}", n=4))
+    engine = FakeEngine(ws)
+    await engine.start()
+    worker = Worker(ws, queue, engine, block_ms=100)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        results = await asyncio.gather(*(events(queue, f"b{i}") for i in range(8)))
+        assert all(evs[-1].finished is not None for evs in results)
+        assert counts and max(counts) == 3, counts
+        assert len(counts) >= 3  # 8 jobs in slices of at most 3
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        await engine.shutdown()
+        await queue.close()

@@ -40,6 +40,7 @@ import concurrent.futures
 import dataclasses
 import json
 import re
+import time
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from typing import Any
 
@@ -298,6 +299,21 @@ def delta_of(output: Any, n_logprobs: int | None) -> TokenDelta:
         finish_reason=reason,
         prompt_tokens=len(output.prompt_token_ids or ()) if reason is not None else None,
     )
+
+
+def engine_timings(output: Any, tokenize_ms: float) -> tuple[tuple[str, float], ...]:
+    """Where a finished request's time to first token went: our tokenisation, then vLLM's own view
+    (``RequestOutput.metrics``, a ``RequestStateStats`` when stats are on): arrival in vLLM → first
+    token, waiting in the scheduler's queue, and prefill (first scheduled → first token)."""
+    out = [("tokenize", round(tokenize_ms, 2))]
+    m = getattr(output, "metrics", None)
+    if m is not None and getattr(m, "first_token_ts", None):
+        out += [
+            ("vllm_ttft", round(m.first_token_latency * 1e3, 2)),
+            ("vllm_queue", round((m.scheduled_ts - m.queued_ts) * 1e3, 2)),
+            ("vllm_prefill", round((m.first_token_ts - m.scheduled_ts) * 1e3, 2)),
+        ]
+    return tuple(out)
 
 
 class SchedulerSnapshot:
@@ -593,9 +609,11 @@ class VllmEngine:
             raise self._invalid(exc, input_field) from exc
         state = self._streams[rid] = _Stream()
         finished = False
+        entered = time.perf_counter()
         try:
             loop = asyncio.get_running_loop()
             ids = await loop.run_in_executor(self._executor, render_prompt_ids, request, self._tokenizer)
+            tokenize_ms = (time.perf_counter() - entered) * 1e3
             if self._dead is not None:  # shut down while tokenizing
                 raise EngineDead(self._dead)
             if not state.aborted:
@@ -628,7 +646,7 @@ class VllmEngine:
                         raise EngineDead(self._dead)
                     finished = True
                     del self._streams[rid]  # from here on, abort(rid) is a no-op
-                    yield delta
+                    yield dataclasses.replace(delta, engine_timings_ms=engine_timings(output, tokenize_ms))
                     return
             finally:
                 # Closing generate() before it finished aborts the request in vLLM (its GeneratorExit
