@@ -4,7 +4,8 @@
       llamamesh: the worker's ``job_finished`` lines (JSON logs, info level) of jobs that finished in
       [T0, T1] (epoch seconds): gateway accept -> first token (``ttft_ms``), the gateway-to-worker
       queue wait, our tokenisation, and vLLM's own split of the rest (arrival -> first token, waiting
-      in the scheduler's queue, prefill).
+      in the scheduler's queue, prefill). The gateways' health probes are left out; the load's
+      warm-ups are in.
   python bench/ttft_split.py prom METRICS_FILE --label L
       `vllm serve`: lines "EPOCH metric{labels} value" polled from its /metrics; cut into load
       phases where the finished-request count stops moving, and for each phase the means of vLLM's
@@ -43,7 +44,7 @@ def worker_split(path: str, since: float, until: float) -> dict:
             except ValueError:
                 continue
             t = datetime.fromisoformat(ev["timestamp"].replace("Z", "+00:00")).timestamp()
-            if not since <= t <= until or ev.get("status") != "ok":
+            if not since <= t <= until or ev.get("status") != "ok" or ev.get("request_id", "").startswith("probe-"):
                 continue
             for f_ in FIELDS:
                 if isinstance(ev.get(f_), int | float):
