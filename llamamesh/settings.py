@@ -57,6 +57,14 @@ class GatewaySettings:
     # "pool=fallback,...": where a pool's requests go while its breaker is open or it has no live
     # worker, e.g. "trtllm=vllm,vllm=trtllm". Empty: no fallback.
     fallback: str = ""
+    # How many times a request moves on when its worker is lost or its engine dies: to another
+    # worker of its pool or to the fallback; after tokens were sent it resumes from them.
+    failover_attempts: int = 2
+    # Routing rules, "cond & cond -> pool; ...", first match wins, else the model's pool (syntax and
+    # the shipped example: services/routing.py). Empty: every request goes to its model's pool.
+    routes: str = ""
+    # A tokenizer.json the routing rules count prompt tokens with. Empty: estimated (UTF-8 bytes / 4).
+    tokenizer: str = ""
 
     def fallback_table(self) -> dict[str, str]:
         out: dict[str, str] = {}
@@ -167,6 +175,38 @@ class VllmSettings:
 
 
 @dataclass(frozen=True)
+class TrtllmSettings:
+    """The trtllm engine's knobs, forwarded verbatim to TensorRT-LLM's ``LLM(...)`` (its ``TorchLlmArgs``,
+    or ``TrtLlmArgs`` for an engine directory) by ``workers/engines/trtllm.py`` (nothing else reads them).
+    The model is ``LLAMAMESH_WORKER_MODEL_PATH``. Zero / empty means "TensorRT-LLM's own default".
+    """
+
+    # pytorch: a Hugging Face checkpoint folder or id (TensorRT-LLM's default LLM); tensorrt: a
+    # directory of TensorRT engines built by trtllm-build.
+    backend: str = "pytorch"
+    # Tokenizer folder or id. Empty: the model's (an engine directory may need one).
+    tokenizer: str = ""
+    # auto, bfloat16, float16, float32. Empty: auto.
+    dtype: str = ""
+    # GPUs to shard the model over. 0: every GPU visible to the worker (pytorch), the engine's own (tensorrt).
+    tensor_parallel_size: int = 0
+    # Longest sequence (prompt + completion) in tokens. 0: the model's (or the engine's) own.
+    max_seq_len: int = 0
+    # Requests in one engine step. 0: TensorRT-LLM's default (2048).
+    max_batch_size: int = 0
+    # Tokens in one engine step. 0: TensorRT-LLM's default (8192).
+    max_num_tokens: int = 0
+    # KvCacheConfig: fraction of free GPU memory (after the weights) for the KV cache, in (0, 1].
+    # 0: TensorRT-LLM's default (0.9).
+    free_gpu_memory_fraction: float = 0.0
+    # KvCacheConfig: reuse KV blocks across requests (prefix caching): "true", "false", or empty for
+    # TensorRT-LLM's default (on).
+    enable_block_reuse: str = ""
+    # Run the model's own code from its Hugging Face folder.
+    trust_remote_code: bool = False
+
+
+@dataclass(frozen=True)
 class BreakerSettings:
     """The gateway's circuit breaker per backend pool, and the probes that feed it."""
 
@@ -200,6 +240,7 @@ class Settings:
     gateway: GatewaySettings = field(default_factory=GatewaySettings)
     worker: WorkerSettings = field(default_factory=WorkerSettings)
     vllm: VllmSettings = field(default_factory=VllmSettings)
+    trtllm: TrtllmSettings = field(default_factory=TrtllmSettings)
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
     log: LogSettings = field(default_factory=LogSettings)
 

@@ -63,6 +63,10 @@ class GenerationRequest:
     kind: JobKind = JobKind.GENERATE
     # Wall clock (Unix ns) when the gateway accepted it.
     accepted_unix_ns: int = 0
+    # Mid-stream failover: tokens an earlier attempt already generated and the caller already has.
+    # The engine feeds the input followed by these and generates what follows (its max_tokens and
+    # min_tokens already count only the rest); it reports prompt_tokens without them.
+    resume_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,48 @@ import structlog
 from llamamesh import errors
 from llamamesh.queue.protocol import JobQueue
 from llamamesh.settings import GatewaySettings
-from llamamesh.types import GenerationRequest, JobEvent, ModelInfo
+from llamamesh.types import Finished, FinishReason, GenerationRequest, JobEvent, ModelInfo, Usage
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc
 from services import convert, status
 from services.backends import Backends
+from services.routing import RoutingPolicy
 
 log = structlog.get_logger(__name__)
+
+
+def resumed(req: GenerationRequest, n: int, sent: Sequence[int]) -> GenerationRequest:
+    """Attempt ``n`` of ``req`` after ``sent`` tokens reached the caller: it feeds them after the
+    input and generates only the rest of the budget."""
+    if not sent:
+        return replace(req, request_id=f"{req.request_id}.{n}")
+    s = req.sampling
+    return replace(
+        req,
+        request_id=f"{req.request_id}.{n}",
+        resume_token_ids=tuple(sent),
+        sampling=replace(
+            s,
+            max_tokens=None if s.max_tokens is None else s.max_tokens - len(sent),
+            min_tokens=None if s.min_tokens is None else max(0, s.min_tokens - len(sent)),
+        ),
+    )
+
+
+def _shifted(ev: JobEvent, base: int, first_token_ns: int) -> JobEvent:
+    """An event of a resumed attempt as the caller's stream numbers it: ``base`` tokens came before."""
+    f = ev.finished
+    if f is not None:
+        f = replace(
+            f,
+            usage=Usage(f.usage.prompt_tokens, f.usage.completion_tokens + base),
+            first_token_unix_ns=first_token_ns or f.first_token_unix_ns,
+        )
+    return replace(ev, index=ev.index + base, finished=f)
+
+
+def _length_reached(n_tokens: int) -> JobEvent:
+    return JobEvent(finished=Finished(FinishReason.LENGTH, Usage(0, n_tokens)))
 
 
 def _raise_failure(ev: JobEvent) -> None:
@@ -30,12 +65,18 @@ def _raise_failure(ev: JobEvent) -> None:
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def __init__(
-        self, queue: JobQueue, settings: GatewaySettings, models: Sequence[ModelInfo], backends: Backends | None = None
+        self,
+        queue: JobQueue,
+        settings: GatewaySettings,
+        models: Sequence[ModelInfo],
+        backends: Backends | None = None,
+        policy: RoutingPolicy | None = None,
     ) -> None:
         self._queue = queue
         self._s = settings
         self._models = tuple(models)
         self._backends = backends
+        self._policy = policy or RoutingPolicy(())
 
     async def _watched(self, pool: str, attempt: GenerationRequest) -> AsyncIterator[JobEvent]:
         """The attempt's events; every probe interval without one, check that its worker is still alive
@@ -74,25 +115,41 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Stream one generation. A client disconnect (CancelledError) cancels the job
-        downstream under ``shield`` and re-raises; failures end the RPC with a status."""
+        downstream under ``shield`` and re-raises; failures end the RPC with a status.
+
+        Failover: when the worker is lost or its engine dies, the request goes on elsewhere (its
+        pool or the fallback, as routed then), at most ``failover_attempts`` times. Before any token
+        it simply starts again; after tokens it resumes from what the caller already has (prompt
+        plus the tokens sent, with the rest of the budget), so the caller sees one unbroken stream.
+        """
         t0 = time.perf_counter()
         req: GenerationRequest | None = None
         outcome = "ok"
         finish = ""
-        tokens = 0
         ttft_ms: float | None = None
+        first_token_ns = 0
         submitted = finished = False
-        pool = ""
+        pool = target = ""
+        rule: str | None = None
         attempt: GenerationRequest | None = None
         failure: BaseException | None = None
+        sent: list[int] = []  # token ids the caller has
+        attempts = 0
         try:
             req, model = convert.generate_request(request, self._s, self._models)
             structlog.contextvars.bind_contextvars(request_id=req.request_id)
             await context.send_initial_metadata((("x-request-id", req.request_id),))
-            attempts = 0
+            target, chosen = self._policy.choose(req, model.pool)
+            rule = chosen.text if chosen is not None else None
             while True:
-                pool = self._backends.route(model.pool) if self._backends else model.pool
-                attempt = req if attempts == 0 else replace(req, request_id=f"{req.request_id}.{attempts}")
+                pool = self._backends.route(target) if self._backends else target
+                attempt = req if attempts == 0 else resumed(req, attempts, sent)
+                base = len(sent)
+                if attempt.sampling.max_tokens is not None and attempt.sampling.max_tokens <= 0:
+                    # Every token was sent before the worker was lost, only the end was missing.
+                    yield convert.generate_response(req, _length_reached(base))
+                    finish, finished = FinishReason.LENGTH.value, True
+                    return
                 await self._queue.submit(pool, attempt)
                 submitted, finished = True, False
                 try:
@@ -101,20 +158,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         _raise_failure(ev)
                         if ev.token_ids and ttft_ms is None:
                             ttft_ms = round((time.perf_counter() - t0) * 1000, 2)
-                        tokens += len(ev.token_ids)
+                            first_token_ns = time.time_ns()
+                        if base:
+                            ev = _shifted(ev, base, first_token_ns)
+                        sent.extend(ev.token_ids)
                         if ev.finished is not None:
                             finish = ev.finished.finish_reason.value
                         yield convert.generate_response(req, ev)
                         if finished:
                             return
-                except errors.WorkerLost as exc:
-                    # Nothing sent yet: the request moves on, to the pool or its fallback (the lost
-                    # attempt is cancelled, so a worker that comes back skips it).
-                    if tokens or self._backends is None or attempts >= 2:
+                except (errors.WorkerLost, errors.EngineDead) as exc:
+                    if self._backends is None or attempts >= self._s.failover_attempts:
                         raise
                     await self._backends.record(pool, exc)
                     await asyncio.shield(self._cancel(attempt.request_id))
-                    log.warning("request_resubmitted", pool=pool, error=str(exc), attempt=attempts + 1)
+                    # A worker that comes back skips the lost attempt (it is cancelled).
+                    log.warning("request_failed_over", pool=pool, error=str(exc), attempt=attempts + 1,
+                                resumed_tokens=len(sent))  # fmt: skip
                     attempts += 1
                     submitted = False
         except errors.LlamameshError as exc:
@@ -136,8 +196,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 method="Generate",
                 status=outcome,
                 pool=pool or None,
+                route=rule,
+                failovers=attempts or None,
                 finish_reason=finish or None,
-                completion_tokens=tokens,
+                completion_tokens=len(sent),
                 ttft_ms=ttft_ms,
                 duration_ms=round((time.perf_counter() - t0) * 1000, 2),
             )

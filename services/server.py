@@ -23,6 +23,7 @@ from services.admin import AdminServicer
 from services.backends import Backends, backend_service
 from services.generation import GenerationServicer
 from services.health import HealthReporter
+from services.routing import RoutingPolicy, tokenizer_counter
 
 log = structlog.get_logger(__name__)
 
@@ -53,18 +54,19 @@ async def start_gateway(
 ) -> Gateway:
     """Build and start the server on ``settings.host``; port 0 picks a free port. ``share_port``: one
     of several gateway processes on the same port (SO_REUSEPORT); otherwise a taken port fails."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 1 if share_port else 0)])
     models = settings.model_table()
+    policy = RoutingPolicy.parse(settings.routes, tokenizer_counter(settings.tokenizer) if settings.tokenizer else None)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 1 if share_port else 0)])
     reporter = HealthReporter(queue, [GENERATION_SERVICE, ADMIN_SERVICE])
     backends = Backends(
         queue,
-        [m.pool for m in models],
+        [*(m.pool for m in models), *policy.pools],
         settings.fallback_table(),
         breaker or BreakerSettings(),
         on_health=lambda pool, up: reporter.set_backend(backend_service(pool), up),
     )
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(
-        GenerationServicer(queue, settings, models, backends), server
+        GenerationServicer(queue, settings, models, backends, policy), server
     )
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(backends), server)
     health_pb2_grpc.add_HealthServicer_to_server(reporter.servicer, server)

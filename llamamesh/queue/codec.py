@@ -39,6 +39,7 @@ def encode_job(req: GenerationRequest) -> bytes:
         priority=req.priority,
         metadata=dict(req.metadata),
         accepted_unix_ns=req.accepted_unix_ns,
+        resume_token_ids=req.resume_token_ids,
     )
     if req.prompt is not None:
         job.prompt = req.prompt
@@ -81,6 +82,7 @@ def decode_job(data: bytes) -> GenerationRequest:
         metadata=MappingProxyType(dict(job.metadata)),
         kind=_KIND_FROM_PB.get(job.kind, JobKind.GENERATE),
         accepted_unix_ns=job.accepted_unix_ns,
+        resume_token_ids=tuple(job.resume_token_ids),
     )
 
 

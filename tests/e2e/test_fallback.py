@@ -112,11 +112,8 @@ async def test_kill_primary_falls_back_without_errors_then_recovers(node: Proces
         # Every request that started after the kill was served (by the fallback), none failed.
         after = [e for t, e in served if t > t_kill]
         assert len(after) >= 10 and all(e is None for e in after), after
-        # The one in flight at the kill, tokens already sent, ends with UNAVAILABLE instead of
-        # hanging (moving it to another worker mid-stream is not built yet), or it had finished.
-        during = [e for t, e in served if t <= t_kill and e is not None]
-        assert all(e.code() == grpc.StatusCode.UNAVAILABLE and "stopped answering" in e.details() for e in during)
-        assert len(during) <= 1
+        # The one in flight at the kill (tokens already sent, or not) moved on to the fallback too.
+        assert [e for _t, e in served if e is not None] == []
         # heartbeat TTL (0.8 s) + three probe intervals (0.9 s) + scheduling slack
         assert opened_after < 4.0, opened_after
         fallback_lines = [x for x in node.log("gateway").splitlines() if '"request_fallback"' in x]

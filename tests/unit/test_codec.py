@@ -34,6 +34,7 @@ def test_job_round_trip_keeps_unset_distinct_from_zero() -> None:
         metadata=MappingProxyType({"team": "a"}),
         kind=JobKind.GENERATE,
         accepted_unix_ns=123,
+        resume_token_ids=(5, 0, 7),
     )
     back = codec.decode_job(codec.encode_job(req))
     assert back == req

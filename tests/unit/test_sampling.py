@@ -9,9 +9,8 @@ import torch
 
 from llamamesh.errors import InvalidRequest
 from llamamesh.types import SamplingParams
+from workers.engines.params import DEFAULT_MAX_TOKENS, ResolvedSampling, resolve_sampling
 from workers.engines.sampling import (
-    DEFAULT_MAX_TOKENS,
-    ResolvedSampling,
     SequenceSampler,
     apply_min_p,
     apply_presence_frequency,
@@ -20,7 +19,6 @@ from workers.engines.sampling import (
     apply_top_k,
     apply_top_p,
     ban_tokens,
-    resolve_sampling,
     sample_batch,
     token_logprobs,
 )

@@ -72,3 +72,21 @@ def test_vllm_defaults_mean_vllms_own() -> None:
     assert v.enforce_eager is False
     with pytest.raises(ValueError, match="LLAMAMESH_VLLM_MAX_NUM_SEQS"):
         Settings.from_env({"LLAMAMESH_VLLM_MAX_NUM_SEQS": "lots"})
+
+
+def test_trtllm_section_reads_its_env_vars() -> None:
+    s = Settings.from_env({
+        "LLAMAMESH_TRTLLM_BACKEND": "tensorrt",
+        "LLAMAMESH_TRTLLM_MAX_NUM_TOKENS": "4096",
+        "LLAMAMESH_TRTLLM_FREE_GPU_MEMORY_FRACTION": "0.85",
+        "LLAMAMESH_TRTLLM_ENABLE_BLOCK_REUSE": "false",
+        "LLAMAMESH_TRTLLM_TRUST_REMOTE_CODE": "true",
+    })
+    t = s.trtllm
+    assert (t.backend, t.max_num_tokens, t.free_gpu_memory_fraction) == ("tensorrt", 4096, 0.85)
+    assert (t.enable_block_reuse, t.trust_remote_code) == ("false", True)
+    assert Settings.from_env(s.to_env()) == s
+    d = Settings.from_env({}).trtllm
+    assert (d.backend, d.tensor_parallel_size, d.max_seq_len, d.free_gpu_memory_fraction) == ("pytorch", 0, 0, 0.0)
+    with pytest.raises(ValueError, match="LLAMAMESH_TRTLLM_MAX_BATCH_SIZE"):
+        Settings.from_env({"LLAMAMESH_TRTLLM_MAX_BATCH_SIZE": "lots"})

@@ -592,6 +592,24 @@ async def test_a_stream_maps_outputs_and_lets_generate_finish_by_itself() -> Non
     await engine.shutdown()
 
 
+async def test_a_resumed_request_feeds_the_sent_tokens_after_the_prompt() -> None:
+    llm = FakeAsyncLLM()
+    engine = started(llm, max_model_len=6)
+    got: list[TokenDelta] = []
+    req = dataclasses.replace(request(prompt="one two"), resume_token_ids=(7, 8))
+    task = asyncio.create_task(collect(engine, req, got))
+    await until(lambda: "r1" in llm.queues)
+    assert llm.seen["r1"][0] == {"type": "token", "prompt_token_ids": [1, 103, 103, 7, 8]}
+    llm.emit("r1", output(" c", [9], finish="length", prompt_ids=[1, 103, 103, 7, 8]))
+    await asyncio.wait_for(task, 5)
+    assert [(d.token_ids, d.prompt_tokens) for d in got] == [((9,), 3)]  # the prompt alone
+    # prompt + resumed tokens must leave room in the model's length
+    too_long = dataclasses.replace(request(prompt="one two"), request_id="r2", resume_token_ids=(7, 8, 9))
+    with pytest.raises(PromptTooLong):
+        await collect(engine, too_long, [])
+    await engine.shutdown()
+
+
 async def test_abort_ends_the_stream_with_one_cancelled_delta() -> None:
     llm = FakeAsyncLLM()
     engine = started(llm)

@@ -407,3 +407,29 @@ async def test_waiting_requests_are_admitted_by_priority(spare: TransformersEngi
     [d async for d in first]
     await asyncio.wait_for(asyncio.gather(*tasks), 30)
     assert finished == [high.request_id, low.request_id]
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def f32() -> AsyncIterator[TransformersEngine]:
+    """float32: a resumed run prefills the sent tokens in one pass where the whole run decoded them
+    one by one; in bf16 the two round differently and can part at a near-tie."""
+    eng = TransformersEngine(WorkerSettings(max_inflight=4, max_model_len=MAX_MODEL_LEN, dtype="float32"))
+    await eng.start()
+    yield eng
+    await eng.shutdown()
+
+
+async def test_a_resumed_request_goes_on_exactly_where_it_stopped(f32: TransformersEngine) -> None:
+    """Mid-stream failover: prompt + the tokens already sent, the rest of the budget."""
+    whole = await run(f32, chat(QUESTIONS[1], temperature=0, max_tokens=24, ignore_eos=True))
+    assert len(whole.tokens) == 24
+    ends = [sum(len(d.token_ids) for d in whole.deltas[: i + 1]) for i in range(len(whole.deltas))]
+    for cut in (0, next(i for i, n in enumerate(ends) if n >= 9)):  # after one delta, and after ~9 tokens
+        k = ends[cut]
+        sent = whole.tokens[:k]
+        request = chat(QUESTIONS[1], temperature=0, max_tokens=24 - k, ignore_eos=True)
+        rest = await run(f32, replace(request, resume_token_ids=tuple(sent)))
+        assert rest.tokens == whole.tokens[k:]
+        # its text picks up where the text sent with those tokens ended: no repeat, no gap
+        assert "".join(d.text for d in whole.deltas[: cut + 1]) + rest.text == whole.text
+        assert rest.last.prompt_tokens == whole.last.prompt_tokens  # the resumed tokens are not prompt

@@ -40,6 +40,14 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 
+    def seed(self, token_ids: Sequence[int]) -> None:
+        """Take ``token_ids`` as already emitted (a resumed sequence): they give the next tokens their
+        context but their text is not emitted again."""
+        self._ids.extend(token_ids)
+        self._read_offset = len(self._ids)
+        self._prefix_offset = max(0, self._read_offset - 6)
+        self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+
     def push(self, token_ids: int | Sequence[int]) -> str:
         """Add tokens; return the text they complete ("" while a character is still incomplete)."""
         if isinstance(token_ids, int):

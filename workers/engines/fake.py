@@ -1,7 +1,8 @@
 """A deterministic engine for tests: no model, same contract as the real ones.
 
 Token ``i`` of a request is ``(seed + i) % 1000`` where ``seed`` is derived from the
-prompt (or the request's seed), and its text is ``" w<id>"``. Each step takes
+prompt (or the request's seed), and its text is ``" w<id>"``; a resumed request
+(``resume_token_ids``) goes on from position ``len(resume_token_ids)``. Each step takes
 ``settings.fake_step_s`` seconds, and like a real engine every running request
 advances on the same step (one shared clock). Aborts are recorded in ``aborted``.
 """
@@ -11,11 +12,14 @@ from __future__ import annotations
 import asyncio
 import zlib
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
-from llamamesh.errors import EngineDead, InvalidRequest, PromptTooLong
+from llamamesh.errors import EngineDead, PromptTooLong
 from llamamesh.settings import WorkerSettings
 from llamamesh.types import FinishReason, GenerationRequest, TokenDelta, TokenLogprob
 from workers.engines.base import EngineStats
+from workers.engines.detokenizer import StopStrings
+from workers.engines.params import ResolvedSampling, resolve_sampling
 
 VOCAB = 1000
 EOS_ID = 0
@@ -63,27 +67,26 @@ class FakeEngine:
     async def tokenize(self, request: GenerationRequest) -> list[int]:
         return [zlib.crc32(w.encode()) % VOCAB for w in _input_text(request).split()]
 
-    def _validate(self, request: GenerationRequest) -> int:
+    def _validate(self, request: GenerationRequest) -> tuple[int, ResolvedSampling]:
+        """The prompt's length and the checked sampling parameters (the CPU engine's rules)."""
         s = request.sampling
-        if s.logprobs is not None and s.logprobs > 20:
-            raise InvalidRequest.field("logprobs", "at most 20 alternatives per token")
-        if any(t < 0 or t >= VOCAB for t in s.stop_token_ids):
-            raise InvalidRequest.field("stop_token_ids", f"token ids must be in [0, {VOCAB})")
+        params = resolve_sampling(replace(s, max_tokens=16) if s.max_tokens is None else s, VOCAB)
         n_prompt = len(_input_text(request).split())
-        if n_prompt >= self._settings.max_model_len:
+        if n_prompt + len(request.resume_token_ids) >= self._settings.max_model_len:
             raise PromptTooLong.field("prompt", f"{n_prompt} tokens, limit {self._settings.max_model_len}")
-        return n_prompt
+        return n_prompt, params
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         if self.dead:
             raise EngineDead("the fake engine is dead")
-        n_prompt = self._validate(request)
-        s = request.sampling
+        n_prompt, s = self._validate(request)
         base = s.seed if s.seed is not None else zlib.crc32(_input_text(request).encode())
-        max_tokens = s.max_tokens or 16
+        base += len(request.resume_token_ids)  # token i depends on its position only: a resume continues
+        # Like the real engines: the budget ends where the model's length does.
+        max_tokens = min(s.max_tokens, self._settings.max_model_len - n_prompt - len(request.resume_token_ids))
+        stops = StopStrings(s.stop)
         abort = self._running[request.request_id] = asyncio.Event()
         self.served.append(request.request_id)
-        text = ""
         try:
             for i in range(max_tokens):
                 await self._next_step()
@@ -93,31 +96,19 @@ class FakeEngine:
                 if self.dead:
                     raise EngineDead("the fake engine died mid-stream")
                 tok = (base + i + 1) % VOCAB or 1
-                piece = f" w{tok}"
-                text += piece
                 lps = (TokenLogprob(tok, -0.5),) if s.logprobs is not None else ()
-                hit = next((x for x in s.stop if x in text), None)
-                if hit is not None:
-                    yield TokenDelta(
-                        text=piece[: len(piece) - (len(text) - text.index(hit))],
-                        token_ids=(tok,),
-                        logprobs=lps,
-                        finish_reason=FinishReason.STOP_SEQUENCE,
-                        prompt_tokens=n_prompt,
-                    )
+                if tok in s.stop_token_ids and i + 1 >= s.min_tokens:  # a stop token's own text is left out
+                    yield TokenDelta(stops.flush(), (tok,), lps, FinishReason.STOP, prompt_tokens=n_prompt)
                     return
-                if tok in s.stop_token_ids:
-                    yield TokenDelta(token_ids=(tok,), logprobs=lps, finish_reason=FinishReason.STOP,
-                                     prompt_tokens=n_prompt)
+                text, hit = stops.feed(f" w{tok}", check=i + 1 >= s.min_tokens)
+                if hit:
+                    yield TokenDelta(text, (tok,), lps, FinishReason.STOP_SEQUENCE, prompt_tokens=n_prompt)
                     return
-                last = i == max_tokens - 1
-                yield TokenDelta(
-                    text=piece,
-                    token_ids=(tok,),
-                    logprobs=lps,
-                    finish_reason=FinishReason.LENGTH if last else None,
-                    prompt_tokens=n_prompt if last else None,
-                )
+                if i == max_tokens - 1:
+                    text += stops.flush()
+                    yield TokenDelta(text, (tok,), lps, FinishReason.LENGTH, prompt_tokens=n_prompt)
+                    return
+                yield TokenDelta(text, (tok,), lps)
         except (asyncio.CancelledError, GeneratorExit):
             self.aborted.append(request.request_id)
             raise

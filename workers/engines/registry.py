@@ -28,11 +28,18 @@ def _vllm(settings: Settings) -> Engine:
     return VllmEngine(settings.worker, settings.vllm)
 
 
+def _trtllm(settings: Settings) -> Engine:
+    from workers.engines.trtllm import TrtllmEngine
+
+    return TrtllmEngine(settings.worker, settings.trtllm)
+
+
 # name -> factory; each takes the whole Settings and picks the sections its engine reads.
 ENGINES: dict[str, Callable[[Settings], Engine]] = {
     "fake": _fake,
     "transformers": _transformers,
     "vllm": _vllm,
+    "trtllm": _trtllm,
 }
 
 

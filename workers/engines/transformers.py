@@ -23,7 +23,7 @@ from llamamesh.errors import EngineDead, InvalidRequest
 from llamamesh.settings import WorkerSettings
 from llamamesh.types import FinishReason, GenerationRequest, JobKind, TokenDelta
 from workers.engines.base import EngineStats
-from workers.engines.sampling import ResolvedSampling, resolve_sampling
+from workers.engines.params import ResolvedSampling, resolve_sampling
 from workers.engines.transformers_batch import Admission, Batch, SeqOutput, StepResult
 from workers.engines.transformers_model import load
 

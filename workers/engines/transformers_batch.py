@@ -58,10 +58,14 @@ class StepResult:
 
 
 class _Sequence:
-    def __init__(self, admission: Admission, prompt_ids: list[int], sampler: SequenceSampler, tokenizer: Any) -> None:
+    def __init__(
+        self, admission: Admission, prompt_ids: list[int], sampler: SequenceSampler, tokenizer: Any, n_prompt: int
+    ) -> None:
         self.request_id = admission.request.request_id
         self.params = admission.params
+        # What is prefilled: the prompt, then any resumed tokens; n_prompt counts the prompt alone.
         self.prompt_ids = prompt_ids
+        self.n_prompt = n_prompt
         self.sampler = sampler
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stops = StopStrings(admission.params.stop)
@@ -129,16 +133,20 @@ class Batch:
     def _admit(self, admission: Admission) -> _Sequence:
         request = admission.request
         ids = self.encode(request)
+        n_prompt = len(ids)
         input_field = "messages" if request.messages is not None else "prompt"
         if not ids:
             raise InvalidRequest.field(input_field, "the prompt has no tokens")
+        ids += request.resume_token_ids  # a resumed request: prefill what an earlier attempt generated
         if len(ids) >= self.max_model_len:
             limit = self.max_model_len - 1
             raise PromptTooLong.field(
                 input_field, f"{len(ids)} tokens, limit {limit} (max_model_len {self.max_model_len} counts the output)"
             )
         sampler = SequenceSampler(admission.params, self.vocab_size, ids, self.eos_ids)
-        return _Sequence(admission, ids, sampler, self.tokenizer)
+        seq = _Sequence(admission, ids, sampler, self.tokenizer, n_prompt)
+        seq.detok.seed(request.resume_token_ids)
+        return seq
 
     # --- the step
 
@@ -154,7 +162,7 @@ class Batch:
             keep = []
             for i, seq in enumerate(self._seqs):
                 if seq.request_id in aborts:
-                    out = SeqOutput(seq.request_id, len(seq.prompt_ids), finish_reason=FinishReason.CANCELLED)
+                    out = SeqOutput(seq.request_id, seq.n_prompt, finish_reason=FinishReason.CANCELLED)
                     outputs.append(out)
                 else:
                     keep.append(i)
@@ -253,7 +261,7 @@ class Batch:
     def _accept(self, seq: _Sequence, token: int, logprob: TokenLogprob | None) -> None:
         out = seq.out
         if out is None:
-            out = seq.out = SeqOutput(seq.request_id, len(seq.prompt_ids))
+            out = seq.out = SeqOutput(seq.request_id, seq.n_prompt)
             self._touched.append(seq)
         seq.sampler.observe(token)
         seq.generated += 1

