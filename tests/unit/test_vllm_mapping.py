@@ -21,8 +21,8 @@ from llamamesh.settings import Settings, VllmSettings, WorkerSettings
 from llamamesh.types import ChatMessage, FinishReason, GenerationRequest, JobKind, SamplingParams, TokenDelta
 from workers.engines import registry
 from workers.engines.base import EngineStats
+from workers.engines.params import DEFAULT_MAX_TOKENS
 from workers.engines.vllm import (
-    DEFAULT_MAX_TOKENS,
     SWAP_SPACE_GONE,
     SchedulerSnapshot,
     VllmEngine,

@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from llamamesh.errors import InvalidRequest
 from llamamesh.types import SamplingParams
 
 DEFAULT_MAX_TOKENS = 256
+DEFAULT_TEMPERATURE = 1.0
 MAX_LOGPROBS = 20
 
 
@@ -103,3 +106,24 @@ def resolve_sampling(params: SamplingParams, vocab_size: int) -> ResolvedSamplin
         min_tokens=min_tokens,
         logprobs=params.logprobs,
     )
+
+
+def library_sampling_kwargs(params: SamplingParams, optional: Sequence[str]) -> dict[str, Any]:
+    """The keyword arguments vLLM's and TensorRT-LLM's ``SamplingParams`` take alike: max_tokens and
+    temperature always (our defaults), each of ``optional`` (same name on both sides) only when set,
+    top_k -1 or 0 as 0 (off), stop strings and stop token ids as lists. Each adapter adds the rest."""
+    kwargs: dict[str, Any] = {
+        "max_tokens": DEFAULT_MAX_TOKENS if params.max_tokens is None else params.max_tokens,
+        "temperature": DEFAULT_TEMPERATURE if params.temperature is None else params.temperature,
+    }
+    for name in optional:
+        value = getattr(params, name)
+        if value is not None:
+            kwargs[name] = value
+    if params.top_k is not None:
+        kwargs["top_k"] = 0 if params.top_k in (-1, 0) else params.top_k
+    if params.stop:
+        kwargs["stop"] = list(params.stop)
+    if params.stop_token_ids:
+        kwargs["stop_token_ids"] = list(params.stop_token_ids)
+    return kwargs

@@ -88,7 +88,8 @@ from workers.engines.base import EngineStats
 
 # vllm.py imports vllm lazily, so this import pulls in no GPU library: the two engines share the
 # defaults and the prompt rendering (the same prompt gives the same ids on both).
-from workers.engines.vllm import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, render_prompt_ids
+from workers.engines.params import library_sampling_kwargs
+from workers.engines.vllm import render_prompt_ids
 
 log = structlog.get_logger(__name__)
 
@@ -177,23 +178,10 @@ def sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
     """TensorRT-LLM SamplingParams keyword arguments: max_tokens and temperature always (our defaults;
     TensorRT-LLM samples greedily when temperature, top_p and top_k are all unset, and stops at 32
     tokens), every other field only when set; top_k -1 or 0 becomes TensorRT-LLM's 0 (all logits)."""
-    kwargs: dict[str, Any] = {
-        "max_tokens": DEFAULT_MAX_TOKENS if params.max_tokens is None else params.max_tokens,
-        "temperature": DEFAULT_TEMPERATURE if params.temperature is None else params.temperature,
-    }
     # min_p: SamplingParams documents it ("None means using C++ runtime default 0.0"); whether the
     # PyTorch backend's sampler applies it is not stated in what we read. A release whose SamplingParams
     # lacks a field refuses it with TypeError, which stream() reports naming the field.
-    for name in _OPTIONAL_SAMPLING:
-        value = getattr(params, name)
-        if value is not None:
-            kwargs[name] = value
-    if params.top_k is not None:
-        kwargs["top_k"] = 0 if params.top_k in (-1, 0) else params.top_k
-    if params.stop:
-        kwargs["stop"] = list(params.stop)
-    if params.stop_token_ids:
-        kwargs["stop_token_ids"] = list(params.stop_token_ids)
+    kwargs = library_sampling_kwargs(params, _OPTIONAL_SAMPLING)
     if params.logprobs is not None:
         # Ours: the sampled token's logprob plus the top n (0: none). TensorRT-LLM's: n per token, and
         # 0 means no logprobs at all; so ask for at least 1 and keep n alternatives (token_logprobs).

@@ -58,13 +58,11 @@ from llamamesh.types import (
     TopLogprob,
 )
 from workers.engines.base import EngineStats
+from workers.engines.params import library_sampling_kwargs
 
 log = structlog.get_logger(__name__)
 
 # Where our defaults differ from vLLM's (max_tokens 16), they follow the CPU engine.
-DEFAULT_MAX_TOKENS = 256
-DEFAULT_TEMPERATURE = 1.0
-
 # Our SamplingParams fields passed to vLLM only when set (same names on both sides).
 _OPTIONAL_SAMPLING = (
     "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
@@ -177,23 +175,9 @@ def engine_error_field(message: str, locs: Sequence[str], keys: Collection[str],
 def sampling_kwargs(params: SamplingParams, vocab_size: int | None = None) -> dict[str, Any]:
     """vLLM SamplingParams keyword arguments (without ``output_kind``): max_tokens and temperature
     always (our defaults), every other field only when set; top_k -1 or 0 becomes vLLM's 0 (off)."""
-    kwargs: dict[str, Any] = {
-        "max_tokens": DEFAULT_MAX_TOKENS if params.max_tokens is None else params.max_tokens,
-        "temperature": DEFAULT_TEMPERATURE if params.temperature is None else params.temperature,
-    }
-    for name in _OPTIONAL_SAMPLING:
-        value = getattr(params, name)
-        if value is not None:
-            kwargs[name] = value
-    if params.top_k is not None:
-        kwargs["top_k"] = 0 if params.top_k in (-1, 0) else params.top_k
-    if params.stop:
-        kwargs["stop"] = list(params.stop)
-    if params.stop_token_ids:
-        if vocab_size is not None and any(not 0 <= t < vocab_size for t in params.stop_token_ids):
-            raise InvalidRequest.field("stop_token_ids", f"token ids must be in [0, {vocab_size})")
-        kwargs["stop_token_ids"] = list(params.stop_token_ids)
-    return kwargs
+    if vocab_size is not None and any(not 0 <= t < vocab_size for t in params.stop_token_ids):
+        raise InvalidRequest.field("stop_token_ids", f"token ids must be in [0, {vocab_size})")
+    return library_sampling_kwargs(params, _OPTIONAL_SAMPLING)
 
 
 def invalid_from_vllm(message: str, parameter: str | None, input_field: str) -> InvalidRequest:
