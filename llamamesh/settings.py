@@ -207,6 +207,26 @@ class TrtllmSettings:
 
 
 @dataclass(frozen=True)
+class BatchSettings:
+    """Durable batches (BatchService): limits, lifetimes, and their share of the workers."""
+
+    # Seconds after submission in which items must start (a request may ask for less or more).
+    completion_window_s: int = 86400
+    # Seconds results (and the batch's record) are kept after the batch ends.
+    retention_s: int = 7 * 86400
+    # Most items in one batch, and most bytes of one BatchGenerate request.
+    max_items: int = 50_000
+    max_bytes: int = 64 * 1024 * 1024
+    # Fraction of a worker's max_inflight that batch items may hold at most (the rest stays free for
+    # interactive requests), and at least (batch items get it even while interactive work queues).
+    max_share: float = 0.5
+    min_share: float = 0.1
+    # Seconds a leased item may go untouched (its worker died) before another worker takes it over;
+    # running items are touched every heartbeat.
+    claim_idle_s: float = 30.0
+
+
+@dataclass(frozen=True)
 class BreakerSettings:
     """The gateway's circuit breaker per backend pool, and the probes that feed it."""
 
@@ -242,6 +262,7 @@ class Settings:
     vllm: VllmSettings = field(default_factory=VllmSettings)
     trtllm: TrtllmSettings = field(default_factory=TrtllmSettings)
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
+    batch: BatchSettings = field(default_factory=BatchSettings)
     log: LogSettings = field(default_factory=LogSettings)
 
     @classmethod

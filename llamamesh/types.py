@@ -67,6 +67,9 @@ class GenerationRequest:
     # The engine feeds the input followed by these and generates what follows (its max_tokens and
     # min_tokens already count only the rest); it reports prompt_tokens without them.
     resume_token_ids: tuple[int, ...] = ()
+    # A batch item: its batch and its custom_id (empty for interactive requests).
+    batch_id: str = ""
+    custom_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -177,3 +180,64 @@ class WorkerStatus:
     running: int = 0
     waiting: int = 0
     kv_cache_usage: float = 0.0
+
+
+class BatchState(str, enum.Enum):
+    VALIDATING = "validating"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+    @property
+    def ended(self) -> bool:
+        return self in (BatchState.COMPLETED, BatchState.FAILED, BatchState.EXPIRED, BatchState.CANCELLED)
+
+
+class ItemStatus(str, enum.Enum):
+    SUCCEEDED = "succeeded"
+    ERRORED = "errored"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    """One batch item's outcome: exactly one per custom_id."""
+
+    custom_id: str
+    status: ItemStatus
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    usage: Usage = Usage(0, 0)
+    error_code: str = ""
+    error_message: str = ""
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """A batch as stored: its state, counts (processing = total - the rest) and the Unix time
+    (seconds) it entered each state (``times``, keyed by BatchState value)."""
+
+    batch_id: str
+    state: BatchState
+    owner: str
+    model: str
+    total: int
+    completion_window_s: int
+    created_at: float
+    expires_at: float
+    succeeded: int = 0
+    errored: int = 0
+    cancelled: int = 0
+    expired: int = 0
+    times: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    results_expire_at: float = 0.0
+    metadata: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def processing(self) -> int:
+        return self.total - self.succeeded - self.errored - self.cancelled - self.expired

@@ -36,7 +36,7 @@ MAX_STOP_LENGTH = 256
 MAX_LOGPROBS = 20
 MAX_METADATA = 64
 
-_FINISH_TO_PB = {
+FINISH_TO_PB = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE,
@@ -209,7 +209,7 @@ def generate_response(req: GenerationRequest, ev: JobEvent, now_ns: int | None =
     f = ev.finished
     if f is not None:
         now = time.time_ns() if now_ns is None else now_ns
-        msg.finish_reason = _FINISH_TO_PB[f.finish_reason]
+        msg.finish_reason = FINISH_TO_PB[f.finish_reason]
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=f.usage.prompt_tokens, completion_tokens=f.usage.completion_tokens))
         t0 = req.accepted_unix_ns
         msg.timings.CopyFrom(

@@ -15,12 +15,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from llamamesh import logs
+from llamamesh.queue.batches import RedisBatches
 from llamamesh.queue.protocol import JobQueue
 from llamamesh.queue.streams import RedisQueue
-from llamamesh.settings import BreakerSettings, GatewaySettings, Settings
-from llamamesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
+from llamamesh.settings import BatchSettings, BreakerSettings, GatewaySettings, Settings
+from llamamesh.v1 import admin_pb2, admin_pb2_grpc, batch_pb2, batch_pb2_grpc, generation_pb2, generation_pb2_grpc
 from services.admin import AdminServicer
 from services.backends import Backends, backend_service
+from services.batch import BatchServicer
 from services.generation import GenerationServicer
 from services.health import HealthReporter
 from services.routing import RoutingPolicy, tokenizer_counter
@@ -29,6 +31,7 @@ log = structlog.get_logger(__name__)
 
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
+BATCH_SERVICE = batch_pb2.DESCRIPTOR.services_by_name["BatchService"].full_name
 
 
 @dataclass
@@ -51,13 +54,18 @@ async def start_gateway(
     port: int | None = None,
     share_port: bool = False,
     breaker: BreakerSettings | None = None,
+    batches: RedisBatches | None = None,
+    batch: BatchSettings | None = None,
 ) -> Gateway:
     """Build and start the server on ``settings.host``; port 0 picks a free port. ``share_port``: one
     of several gateway processes on the same port (SO_REUSEPORT); otherwise a taken port fails."""
     models = settings.model_table()
     policy = RoutingPolicy.parse(settings.routes, tokenizer_counter(settings.tokenizer) if settings.tokenizer else None)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 1 if share_port else 0)])
-    reporter = HealthReporter(queue, [GENERATION_SERVICE, ADMIN_SERVICE])
+    max_bytes = (batch or BatchSettings()).max_bytes + 1024 * 1024  # past it: INVALID_ARGUMENT from BatchGenerate
+    server = grpc.aio.server(
+        options=[("grpc.so_reuseport", 1 if share_port else 0), ("grpc.max_receive_message_length", max_bytes)]
+    )
+    reporter = HealthReporter(queue, [GENERATION_SERVICE, ADMIN_SERVICE, *([BATCH_SERVICE] if batches else [])])
     backends = Backends(
         queue,
         [*(m.pool for m in models), *policy.pools],
@@ -69,11 +77,16 @@ async def start_gateway(
         GenerationServicer(queue, settings, models, backends, policy), server
     )
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(backends), server)
+    services = [GENERATION_SERVICE, ADMIN_SERVICE]
+    if batches is not None:  # the batch store needs Redis (the in-memory queue of unit tests has none)
+        batch_pb2_grpc.add_BatchServiceServicer_to_server(
+            BatchServicer(batches, settings, batch or BatchSettings(), models, policy), server
+        )
+        services.append(BATCH_SERVICE)
     health_pb2_grpc.add_HealthServicer_to_server(reporter.servicer, server)
     reflection.enable_server_reflection(
         (
-            GENERATION_SERVICE,
-            ADMIN_SERVICE,
+            *services,
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
             reflection.SERVICE_NAME,
         ),
@@ -96,7 +109,10 @@ async def serve(settings: Settings, share_port: bool = False) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     queue = RedisQueue.from_settings(settings.redis)
-    gateway = await start_gateway(queue, settings.gateway, share_port=share_port, breaker=settings.breaker)
+    batches = RedisBatches(queue.client, queue.keys, settings.batch.retention_s)
+    gateway = await start_gateway(
+        queue, settings.gateway, share_port=share_port, breaker=settings.breaker, batches=batches, batch=settings.batch
+    )
     try:
         await stop.wait()
     finally:

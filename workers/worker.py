@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import signal
 import sys
+import time
 from collections.abc import Coroutine
 from typing import Any
 
@@ -19,10 +21,12 @@ import structlog
 
 from llamamesh import logs
 from llamamesh.errors import EngineDead, QueueUnavailable
+from llamamesh.queue.batches import RedisBatches
 from llamamesh.queue.protocol import Lease, WorkQueue
 from llamamesh.queue.streams import RedisQueue
-from llamamesh.settings import Settings, WorkerSettings
+from llamamesh.settings import BatchSettings, Settings, WorkerSettings
 from llamamesh.types import WorkerStatus
+from workers.batch import record, run_batch_item, skipped_result
 from workers.engines import registry
 from workers.engines.base import Engine
 from workers.job import cancelled_event, run_job
@@ -32,11 +36,25 @@ log = structlog.get_logger(__name__)
 
 
 class Worker:
-    def __init__(self, settings: WorkerSettings, queue: WorkQueue, engine: Engine, block_ms: int = 2000) -> None:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        queue: WorkQueue,
+        engine: Engine,
+        block_ms: int = 2000,
+        batches: RedisBatches | None = None,
+        batch: BatchSettings | None = None,
+    ) -> None:
         self._s = settings
         self._queue = queue
         self._engine = engine
         self._block_ms = block_ms
+        self._batches = batches
+        self._b = batch or BatchSettings()
+        # Batch items running here (request id -> lease): touched every heartbeat so that nobody
+        # takes them over while this worker lives.
+        self._batch_running: dict[str, Lease] = {}
+        self._last_reclaim = 0.0
         self.name = settings.consumer_name()
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._slot_free = asyncio.Event()
@@ -55,12 +73,18 @@ class Worker:
 
     def _start(self, lease: Lease) -> None:
         rid = lease.request.request_id
-        task = asyncio.create_task(run_job(lease, self._engine, self._outbox, self.name), name=f"job-{rid}")
+        if lease.request.batch_id and self._batches is not None:
+            job: Coroutine[Any, Any, None] = run_batch_item(lease, self._engine, self._batches)
+            self._batch_running[rid] = lease
+        else:
+            job = run_job(lease, self._engine, self._outbox, self.name)
+        task = asyncio.create_task(job, name=f"job-{rid}")
         self._tasks[rid] = task
         task.add_done_callback(lambda t, rid=rid: self._done(rid, t))  # type: ignore[misc]
 
     def _done(self, rid: str, task: asyncio.Task[None]) -> None:
         self._tasks.pop(rid, None)
+        self._batch_running.pop(rid, None)
         self._slot_free.set()
         if not task.cancelled() and isinstance(task.exception(), EngineDead):
             self.engine_died = task.exception()  # type: ignore[assignment]
@@ -74,6 +98,8 @@ class Worker:
         while True:  # Redis may come up after the worker: wait for it rather than exit
             try:
                 await self._queue.join(self._s.pool)
+                if self._batches is not None:
+                    await self._batches.join(self._s.pool)
                 break
             except QueueUnavailable:
                 self.join_failures += 1
@@ -96,9 +122,7 @@ class Worker:
                     await _wait_any(self._slot_free, stop)
                     continue
                 try:
-                    leases = await self._queue.lease(
-                        self._s.pool, self.name, min(free, max(1, self._s.lease_batch)), self._block_ms
-                    )
+                    leases = await self._lease(free)
                     backoff = 0.1
                 except QueueUnavailable:
                     log.warning("lease_failed", retry_in_s=backoff)
@@ -106,11 +130,7 @@ class Worker:
                     backoff = min(backoff * 2, 5.0)
                     continue
                 for lease in leases:
-                    if lease.cancelled:
-                        await self._outbox.finish(lease, cancelled_event(lease, self.name))
-                        log.info("job_skipped_cancelled", request_id=lease.request.request_id)
-                    else:
-                        self._start(lease)
+                    await self._admit(lease)
         finally:
             # Heartbeats go on while draining: the gateways must not take its streams for lost.
             await self._drain()
@@ -120,6 +140,50 @@ class Worker:
                 await self._queue.leave(self._s.pool, self.name)
         if self.engine_died is not None:
             raise self.engine_died
+
+    async def _admit(self, lease: Lease) -> None:
+        rid = lease.request.request_id
+        if lease.request.batch_id and self._batches is not None:
+            if lease.cancelled or lease.expired:
+                await record(self._batches, lease, skipped_result(lease))
+            elif rid in self._tasks:  # the same item queued twice (a resubmitted batch): run it once
+                await self._batches.discard(lease)
+            else:
+                self._start(lease)
+        elif lease.cancelled:
+            await self._outbox.finish(lease, cancelled_event(lease, self.name))
+            log.info("job_skipped_cancelled", request_id=rid)
+        else:
+            self._start(lease)
+
+    async def _lease(self, free: int) -> list[Lease]:
+        """Up to ``free`` jobs: interactive ones first; batch items fill what is left up to
+        ``max_share`` of the slots, and get ``min_share`` even while interactive work queues."""
+        pool, name, step = self._s.pool, self.name, max(1, self._s.lease_batch)
+        if self._batches is None:
+            return await self._queue.lease(pool, name, min(free, step), self._block_ms)
+        slots = self._s.max_inflight
+        cap = max(1, int(slots * self._b.max_share))
+        floor = min(cap, math.ceil(slots * self._b.min_share))
+        out: list[Lease] = []
+        now = time.monotonic()
+        if now - self._last_reclaim >= self._b.claim_idle_s / 2:  # items of workers that died
+            self._last_reclaim = now
+            room = min(free, cap - len(self._batch_running))
+            if room > 0:
+                out += await self._batches.reclaim(pool, name, int(self._b.claim_idle_s * 1000), room)
+        reserve = min(free - len(out), floor - len(self._batch_running) - len(out))
+        if reserve > 0:
+            out += await self._batches.lease_items(pool, name, reserve, 1)
+        batch_room = min(free - len(out), cap - len(self._batch_running) - len(out))
+        # Block on the interactive stream only when batch items cannot come meanwhile.
+        block = self._block_ms if batch_room <= 0 and not out else min(self._block_ms, 100)
+        inter = await self._queue.lease(pool, name, min(free - len(out), step), block) if free > len(out) else []
+        out += inter
+        batch_room = min(free - len(out), cap - len(self._batch_running) - len(out), step)
+        if batch_room > 0:
+            out += await self._batches.lease_items(pool, name, batch_room, 1)
+        return out
 
     def status(self) -> WorkerStatus:
         stats = self._engine.stats()
@@ -141,6 +205,9 @@ class Worker:
         while not stop.is_set() and self.engine_died is None:
             try:
                 await self._queue.heartbeat(self.status(), self._s.heartbeat_ttl_s)
+                if self._batches is not None and self._batch_running:
+                    running = [x.entry_id for x in self._batch_running.values()]
+                    await self._batches.touch(self._s.pool, self.name, running)
             except QueueUnavailable:
                 log.warning("heartbeat_failed")
             await _wait_any(stop, timeout=self._s.heartbeat_s)
@@ -181,12 +248,13 @@ async def serve(settings: Settings, engine: Engine | None = None) -> int:
     structlog.contextvars.bind_contextvars(worker=settings.worker.consumer_name(), pool=settings.worker.pool)
     engine = engine or registry.create(settings)
     queue = RedisQueue.from_settings(settings.redis)
+    batches = RedisBatches(queue.client, queue.keys, settings.batch.retention_s)
     code = 0
     try:
         log.info("engine_starting", engine=settings.worker.engine, model=settings.worker.model)
         await engine.start()
         log.info("engine_started", engine=settings.worker.engine)
-        worker = Worker(settings.worker, queue, engine, block_ms=settings.redis.block_ms)
+        worker = Worker(settings.worker, queue, engine, settings.redis.block_ms, batches, settings.batch)
         await worker.run(stop)
     except EngineDead as exc:
         log.error("worker_exiting_engine_dead", error=str(exc))

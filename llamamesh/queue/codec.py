@@ -16,6 +16,8 @@ from llamamesh.types import (
     Finished,
     FinishReason,
     GenerationRequest,
+    ItemResult,
+    ItemStatus,
     JobEvent,
     JobKind,
     SamplingParams,
@@ -40,6 +42,8 @@ def encode_job(req: GenerationRequest) -> bytes:
         metadata=dict(req.metadata),
         accepted_unix_ns=req.accepted_unix_ns,
         resume_token_ids=req.resume_token_ids,
+        batch_id=req.batch_id,
+        custom_id=req.custom_id,
     )
     if req.prompt is not None:
         job.prompt = req.prompt
@@ -83,6 +87,8 @@ def decode_job(data: bytes) -> GenerationRequest:
         kind=_KIND_FROM_PB.get(job.kind, JobKind.GENERATE),
         accepted_unix_ns=job.accepted_unix_ns,
         resume_token_ids=tuple(job.resume_token_ids),
+        batch_id=job.batch_id,
+        custom_id=job.custom_id,
     )
 
 
@@ -169,3 +175,30 @@ def decode_status(raw: bytes) -> WorkerStatus:
     data = json.loads(raw)
     known = {f.name for f in dataclasses.fields(WorkerStatus)}
     return WorkerStatus(**{k: v for k, v in data.items() if k in known})
+
+
+def encode_result(r: ItemResult) -> bytes:
+    return pb.ItemResult(
+        custom_id=r.custom_id,
+        status=r.status.value,
+        text=r.text,
+        finish_reason=r.finish_reason.value if r.finish_reason is not None else "",
+        prompt_tokens=r.usage.prompt_tokens,
+        completion_tokens=r.usage.completion_tokens,
+        error_code=r.error_code,
+        error_message=r.error_message,
+    ).SerializeToString()
+
+
+def decode_result(data: bytes) -> ItemResult:
+    m = pb.ItemResult()
+    m.ParseFromString(data)
+    return ItemResult(
+        custom_id=m.custom_id,
+        status=ItemStatus(m.status),
+        text=m.text,
+        finish_reason=FinishReason(m.finish_reason) if m.finish_reason else None,
+        usage=Usage(m.prompt_tokens, m.completion_tokens),
+        error_code=m.error_code,
+        error_message=m.error_message,
+    )

@@ -17,6 +17,8 @@ JOB_FIELD = "j"
 EVENT_FIELD = "e"
 # Field of a wake-stream entry (the value is unused).
 WAKE_FIELD = "w"
+# Field of a batch results-stream entry holding the encoded ItemResult.
+RESULT_FIELD = "r"
 
 
 @dataclass(frozen=True)
@@ -46,3 +48,25 @@ class Keys:
     def worker(self, pool: str, name: str) -> str:
         """One worker's heartbeat: its WorkerStatus, expiring after the heartbeat TTL."""
         return f"{self.prefix}:pool:{{{pool}}}:worker:{name}"
+
+    # --- batches: one hash tag per batch ({b:<id>}), so its keys share a Redis Cluster slot
+
+    def batch_items(self, pool: str) -> str:
+        """The batch work stream of one pool (batch items, read below the interactive stream)."""
+        return f"{self.prefix}:pool:{{{pool}}}:batch"
+
+    def batch(self, batch_id: str) -> str:
+        """A batch's record: state, counts, times (a hash)."""
+        return f"{self.prefix}:batch:{{b:{batch_id}}}:meta"
+
+    def batch_done(self, batch_id: str) -> str:
+        """custom_id -> status of every item with a result (a hash): one result per custom_id."""
+        return f"{self.prefix}:batch:{{b:{batch_id}}}:done"
+
+    def batch_results(self, batch_id: str) -> str:
+        """The batch's results, in the order items finished (a stream)."""
+        return f"{self.prefix}:batch:{{b:{batch_id}}}:results"
+
+    def batches(self, owner: str) -> str:
+        """An owner's batches by creation time (a sorted set)."""
+        return f"{self.prefix}:owner:{{{owner}}}:batches"

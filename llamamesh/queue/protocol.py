@@ -20,8 +20,10 @@ class Lease:
     pool: str
     entry_id: str
     request: GenerationRequest
-    # True when the caller cancelled before the worker leased it.
+    # True when the caller cancelled before the worker leased it (for a batch item: its batch).
     cancelled: bool = False
+    # A batch item leased after its batch's deadline: it ends expired, unrun.
+    expired: bool = False
 
 
 class JobQueue(Protocol):

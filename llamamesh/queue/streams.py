@@ -42,6 +42,11 @@ class RedisQueue:
         self.keys = Keys(settings.prefix)
         self._follower: EventFollower | None = None
 
+    @property
+    def client(self) -> aioredis.Redis:
+        """The connection pool, for the batch store (llamamesh/queue/batches.py) to share."""
+        return self._r
+
     @classmethod
     def from_settings(cls, settings: RedisSettings) -> RedisQueue:
         if not settings.url:

@@ -1,0 +1,286 @@
+"""BatchService: durable batch jobs (validate everything, store, queue the items; then read back).
+
+A batch is validated whole before anything is written: a bad item, a duplicate custom_id, an
+empty, too large or oversized batch is INVALID_ARGUMENT naming the field, with nothing queued.
+Items go to their pool's batch stream (workers take them below interactive work); results come
+back through the store (llamamesh/queue/batches.py). The owner of a batch is the caller's tenant
+(``x-llamamesh-tenant`` metadata, else "default"): Get, List, Cancel and results are scoped by it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
+from types import MappingProxyType
+
+import grpc
+import structlog
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from llamamesh import errors
+from llamamesh.errors import FieldViolation, InvalidRequest
+from llamamesh.queue.batches import RedisBatches
+from llamamesh.settings import BatchSettings, GatewaySettings
+from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, ModelInfo
+from llamamesh.v1 import batch_pb2 as bpb
+from llamamesh.v1 import batch_pb2_grpc
+from llamamesh.v1 import generation_pb2 as pb
+from services import convert, status
+from services.routing import RoutingPolicy
+
+log = structlog.get_logger(__name__)
+
+TENANT_HEADER = "x-llamamesh-tenant"
+DEFAULT_TEMPLATE = "Summarise the following document in a few sentences.\n\n{document}"
+MAX_CUSTOM_ID = 128
+MIN_WINDOW_S = 10
+
+_STATE_TO_PB = {s: getattr(bpb, f"BATCH_STATE_{s.name}") for s in BatchState}
+_STATUS_TO_PB = {
+    "succeeded": bpb.BATCH_ITEM_STATUS_SUCCEEDED,
+    "errored": bpb.BATCH_ITEM_STATUS_ERRORED,
+    "cancelled": bpb.BATCH_ITEM_STATUS_CANCELLED,
+    "expired": bpb.BATCH_ITEM_STATUS_EXPIRED,
+}
+
+
+def owner_of(context: grpc.aio.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == TENANT_HEADER and value:
+            return str(value)
+    return "default"
+
+
+def _requests_of(r: bpb.BatchGenerateRequest, bad: list[FieldViolation]) -> list[tuple[str, str, pb.GenerateRequest]]:
+    """(field path, custom_id, GenerateRequest) per item, from inline items or a summarisation."""
+    if len(r.items) and r.HasField("summarise"):
+        bad.append(FieldViolation("items", "set items or summarise, not both"))
+        return []
+    if r.HasField("summarise"):
+        s = r.summarise
+        template = s.template or DEFAULT_TEMPLATE
+        if "{document}" not in template:
+            bad.append(FieldViolation("summarise.template", "must contain {document}"))
+        if s.params.HasField("prompt") or len(s.params.messages):
+            bad.append(FieldViolation("summarise.params", "prompt and messages come from the template"))
+        out = []
+        for i, d in enumerate(s.documents):
+            if not d.text.strip():
+                bad.append(FieldViolation(f"summarise.documents[{i}].text", "must not be empty"))
+            req = pb.GenerateRequest()
+            req.CopyFrom(s.params)
+            req.messages.append(pb.ChatMessage(role="user", content=template.replace("{document}", d.text)))
+            out.append((f"summarise.documents[{i}]", d.custom_id, req))
+        return out
+    return [(f"items[{i}]", item.custom_id, item.request) for i, item in enumerate(r.items)]
+
+
+def batch_requests(
+    r: bpb.BatchGenerateRequest, gw: GatewaySettings, b: BatchSettings, models: Sequence[ModelInfo]
+) -> tuple[str, int, list[tuple[ModelInfo, GenerationRequest]]]:
+    """Validate a whole BatchGenerateRequest: (batch id, completion window, items). Raises
+    InvalidRequest naming every bad field (or NotFound for an unknown model); nothing is written."""
+    bad: list[FieldViolation] = []
+    batch_id = r.batch_id or uuid.uuid4().hex
+    if not convert.REQUEST_ID.match(batch_id):
+        bad.append(FieldViolation("batch_id", "1-128 characters of A-Z a-z 0-9 . _ : -"))
+    window = r.completion_window_s if r.HasField("completion_window_s") else b.completion_window_s
+    if window < MIN_WINDOW_S:
+        bad.append(FieldViolation("completion_window_s", f"at least {MIN_WINDOW_S} seconds"))
+    size = r.ByteSize()
+    if size > b.max_bytes:
+        bad.append(FieldViolation("items", f"the batch is {size} bytes; at most {b.max_bytes}"))
+    raw = _requests_of(r, bad)
+    if not raw and not bad:
+        bad.append(FieldViolation("items", "a batch needs at least one item (items or summarise.documents)"))
+    if len(raw) > b.max_items:
+        bad.append(FieldViolation("items", f"{len(raw)} items; at most {b.max_items}"))
+    seen: dict[str, str] = {}
+    out: list[tuple[ModelInfo, GenerationRequest]] = []
+    for n, (path, custom_id, request) in enumerate(raw):
+        if not custom_id or len(custom_id) > MAX_CUSTOM_ID:
+            bad.append(FieldViolation(f"{path}.custom_id", f"1-{MAX_CUSTOM_ID} characters"))
+        elif custom_id in seen:
+            bad.append(FieldViolation(f"{path}.custom_id", f"duplicate of {seen[custom_id]}.custom_id"))
+        else:
+            seen[custom_id] = path
+        if len(bad) > 20:  # enough to act on
+            break
+        try:
+            req, model = convert.generate_request(request, gw, models)
+        except InvalidRequest as exc:
+            prefix = path if path.startswith("summarise") else f"{path}.request"
+            bad.extend(FieldViolation(f"{prefix}.{v.field}", v.description) for v in exc.violations)
+            continue
+        if out and model.id != out[0][0].id:
+            bad.append(FieldViolation(f"{path}.request.model", f"every item must use one model ({out[0][0].id})"))
+            continue
+        out.append((model, replace(req, request_id=f"b:{batch_id}:{n}", batch_id=batch_id, custom_id=custom_id)))
+    if bad:
+        raise InvalidRequest(bad)
+    return batch_id, window, out
+
+
+def _ts(seconds: float) -> Timestamp | None:
+    if not seconds:
+        return None
+    t = Timestamp()
+    t.FromNanoseconds(int(seconds * 1e9))
+    return t
+
+
+def batch_pb(info: BatchInfo) -> bpb.Batch:
+    msg = bpb.Batch(
+        batch_id=info.batch_id,
+        state=_STATE_TO_PB[info.state],
+        counts=bpb.BatchCounts(
+            total=info.total,
+            processing=info.processing,
+            succeeded=info.succeeded,
+            errored=info.errored,
+            cancelled=info.cancelled,
+            expired=info.expired,
+        ),
+        owner=info.owner,
+        model=info.model,
+        metadata=dict(info.metadata),
+        completion_window_s=info.completion_window_s,
+    )
+    for state, when in info.times.items():
+        ts = _ts(when)
+        if ts is not None and hasattr(msg, f"{state}_at"):
+            getattr(msg, f"{state}_at").CopyFrom(ts)
+    for name, when in (("created_at", info.created_at), ("expires_at", info.expires_at),
+                       ("results_expire_at", info.results_expire_at)):  # fmt: skip
+        ts = _ts(when)
+        if ts is not None:
+            getattr(msg, name).CopyFrom(ts)
+    return msg
+
+
+def result_pb(batch_id: str, cursor: str, r: ItemResult) -> bpb.BatchResult:
+    msg = bpb.BatchResult(
+        batch_id=batch_id,
+        custom_id=r.custom_id,
+        status=_STATUS_TO_PB[r.status.value],
+        text=r.text,
+        error_code=r.error_code,
+        error_message=r.error_message,
+        cursor=cursor,
+    )
+    if r.finish_reason is not None:
+        msg.finish_reason = convert.FINISH_TO_PB[r.finish_reason]
+        msg.usage.CopyFrom(pb.Usage(prompt_tokens=r.usage.prompt_tokens, completion_tokens=r.usage.completion_tokens))
+    return msg
+
+
+class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
+    def __init__(
+        self,
+        store: RedisBatches,
+        gateway: GatewaySettings,
+        settings: BatchSettings,
+        models: Sequence[ModelInfo],
+        policy: RoutingPolicy | None = None,
+        block_ms: int = 2000,
+    ) -> None:
+        self._store = store
+        self._gw = gateway
+        self._s = settings
+        self._models = tuple(models)
+        self._policy = policy or RoutingPolicy(())
+        self._block_ms = block_ms
+
+    async def _mine(self, batch_id: str, context: grpc.aio.ServicerContext) -> BatchInfo:
+        if not batch_id:
+            raise InvalidRequest.field("batch_id", "required")
+        info = await self._store.get(batch_id)
+        if info is None or info.owner != owner_of(context):
+            raise errors.NotFound(f"no batch {batch_id!r}")
+        return info
+
+    async def BatchGenerate(self, request: bpb.BatchGenerateRequest, context: grpc.aio.ServicerContext) -> bpb.Batch:
+        try:
+            batch_id, window, items = batch_requests(request, self._gw, self._s, self._models)
+            now = time.time()
+            info = BatchInfo(
+                batch_id=batch_id, state=BatchState.VALIDATING, owner=owner_of(context), model=items[0][0].id,
+                total=len(items), completion_window_s=window, created_at=now, expires_at=now + window,
+                metadata=MappingProxyType(dict(request.metadata)),
+            )  # fmt: skip
+            fingerprint = hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest()
+            queued = [(self._policy.choose(req, model.pool)[0], req) for model, req in items]
+            stored, new = await self._store.create(info, fingerprint, queued)
+            log.info("batch_submitted", batch_id=batch_id, items=len(items), new=new, owner=info.owner)
+            return batch_pb(stored)
+        except errors.LlamameshError as exc:
+            await status.abort(context, exc)
+            raise  # unreachable: abort raises
+
+    async def GetBatch(self, request: bpb.GetBatchRequest, context: grpc.aio.ServicerContext) -> bpb.Batch:
+        try:
+            return batch_pb(await self._mine(request.batch_id, context))
+        except errors.LlamameshError as exc:
+            await status.abort(context, exc)
+            raise
+
+    async def ListBatches(
+        self, request: bpb.ListBatchesRequest, context: grpc.aio.ServicerContext
+    ) -> bpb.ListBatchesResponse:
+        try:
+            size = request.page_size or 20
+            if not 1 <= size <= 100:
+                raise InvalidRequest.field("page_size", "1-100")
+            before: float | None = None
+            if request.page_token:
+                try:
+                    before = float(request.page_token)
+                except ValueError:
+                    raise InvalidRequest.field("page_token", "not a token from ListBatches") from None
+            got = await self._store.owned(owner_of(context), size + 1, before)
+            more = len(got) > size
+            page = got[:size]
+            return bpb.ListBatchesResponse(
+                batches=[batch_pb(b) for b in page], next_page_token=repr(page[-1].created_at) if more else ""
+            )
+        except errors.LlamameshError as exc:
+            await status.abort(context, exc)
+            raise
+
+    async def CancelBatch(self, request: bpb.CancelBatchRequest, context: grpc.aio.ServicerContext) -> bpb.Batch:
+        try:
+            await self._mine(request.batch_id, context)
+            info = await self._store.cancel(request.batch_id)
+            if info is None:
+                raise errors.NotFound(f"no batch {request.batch_id!r}")
+            log.info("batch_cancel_requested", batch_id=request.batch_id, state=info.state.value)
+            return batch_pb(info)
+        except errors.LlamameshError as exc:
+            await status.abort(context, exc)
+            raise
+
+    async def StreamBatchResults(
+        self, request: bpb.StreamBatchResultsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bpb.BatchResult]:
+        """Results after the cursor as they come; with follow (default), until the batch ended and
+        every result was sent."""
+        try:
+            info = await self._mine(request.batch_id, context)
+            follow = request.follow if request.HasField("follow") else True
+            cursor = request.cursor or "0-0"
+            while True:
+                ended = info.state.ended
+                got = await self._store.results(info.batch_id, cursor, self._block_ms if follow and not ended else None)
+                for cursor, result in got:
+                    yield result_pb(info.batch_id, cursor, result)
+                if not got and (ended or not follow):
+                    return
+                if not got:
+                    info = await self._mine(info.batch_id, context)
+                    await asyncio.sleep(0)
+        except errors.LlamameshError as exc:
+            await status.abort(context, exc)

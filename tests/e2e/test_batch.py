@@ -1,0 +1,224 @@
+"""Durable batches with real processes: redis-server, the gateway, worker processes running the real
+SmolLM2-135M-Instruct on the CPU; faults are kill -9 of a worker and a Redis restart (AOF)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from llamamesh.client import field_violations
+from llamamesh.v1 import batch_pb2 as bpb
+from llamamesh.v1 import batch_pb2_grpc
+from llamamesh.v1 import generation_pb2 as pb
+from tests.e2e.conftest import ProcessNode
+from tests.redisproc import RedisProcess
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+ENV = {
+    "LLAMAMESH_WORKER_THREADS": "1",
+    "LLAMAMESH_WORKER_MAX_INFLIGHT": "8",
+    "LLAMAMESH_WORKER_HEARTBEAT_S": "0.5",
+    "LLAMAMESH_BATCH_CLAIM_IDLE_S": "3",
+}
+DOCS = [
+    f"Document {i}: the harbour town of Port {chr(65 + i)} grew around its fish market, and in year {1900 + i} "
+    f"it built a lighthouse that still guides {i + 3} boats home every night."
+    for i in range(20)
+]
+
+
+def summarise(batch_id: str, n: int = 20, max_tokens: int = 12, **kw: object) -> bpb.BatchGenerateRequest:
+    return bpb.BatchGenerateRequest(
+        batch_id=batch_id,
+        summarise=bpb.Summarise(
+            documents=[bpb.Document(custom_id=f"doc-{i}", text=DOCS[i % len(DOCS)]) for i in range(n)],
+            params=pb.GenerateRequest(max_tokens=max_tokens, temperature=0.0),
+        ),
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def make_node(redis: RedisProcess, tmp_path: Path) -> ProcessNode:
+    return ProcessNode(tmp_path, redis, engine="transformers", extra_env=ENV)
+
+
+@pytest.fixture
+def node(e2e_redis: RedisProcess, tmp_path: Path) -> Iterator[ProcessNode]:
+    n = make_node(e2e_redis, tmp_path)
+    try:
+        n.start()
+        yield n
+    finally:
+        n.stop()
+
+
+@pytest_asyncio.fixture
+async def stub(node: ProcessNode) -> AsyncIterator[batch_pb2_grpc.BatchServiceStub]:
+    async with grpc.aio.insecure_channel(node.address) as ch:
+        yield batch_pb2_grpc.BatchServiceStub(ch)
+
+
+async def until_ended(stub: batch_pb2_grpc.BatchServiceStub, batch_id: str, timeout_s: float) -> bpb.Batch:
+    ended = (bpb.BATCH_STATE_COMPLETED, bpb.BATCH_STATE_CANCELLED, bpb.BATCH_STATE_EXPIRED, bpb.BATCH_STATE_FAILED)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        b = await stub.GetBatch(bpb.GetBatchRequest(batch_id=batch_id))
+        if b.state in ended:
+            return b
+        assert time.monotonic() < deadline, b
+        await asyncio.sleep(0.2)  # polling another process's progress, bounded by timeout_s
+
+
+def assert_counts(b: bpb.Batch) -> None:
+    c = b.counts
+    assert c.processing + c.succeeded + c.errored + c.cancelled + c.expired == c.total, c
+
+
+async def results(stub: batch_pb2_grpc.BatchServiceStub, batch_id: str, cursor: str = "") -> list[bpb.BatchResult]:
+    return [r async for r in stub.StreamBatchResults(bpb.StreamBatchResultsRequest(batch_id=batch_id, cursor=cursor))]
+
+
+def one_each(got: list[bpb.BatchResult], n: int) -> None:
+    ids = [r.custom_id for r in got]
+    assert sorted(ids) == sorted(f"doc-{i}" for i in range(n)), ids  # none missing, none twice
+
+
+async def test_twenty_documents_summarised_one_result_each(stub: batch_pb2_grpc.BatchServiceStub) -> None:
+    submitted = await stub.BatchGenerate(summarise("twenty"))
+    assert submitted.state == bpb.BATCH_STATE_IN_PROGRESS and submitted.counts.total == 20
+    again = await stub.BatchGenerate(summarise("twenty"))  # idempotent on batch_id
+    assert again.batch_id == "twenty" and again.created_at == submitted.created_at
+    got = await asyncio.wait_for(results(stub, "twenty"), 180)  # streamed as items finish, until the end
+    one_each(got, 20)
+    assert all(r.status == bpb.BATCH_ITEM_STATUS_SUCCEEDED and r.text.strip() for r in got)
+    assert all(r.usage.completion_tokens == 12 and r.usage.prompt_tokens > 30 for r in got)
+    b = await stub.GetBatch(bpb.GetBatchRequest(batch_id="twenty"))
+    assert b.state == bpb.BATCH_STATE_COMPLETED and b.counts.succeeded == 20
+    assert_counts(b)
+    assert b.in_progress_at.seconds and b.completed_at.ToNanoseconds() >= b.in_progress_at.ToNanoseconds()
+    # resumable: from the 10th result's cursor, the other ten
+    rest = await results(stub, "twenty", cursor=got[9].cursor)
+    assert [r.custom_id for r in rest] == [r.custom_id for r in got[10:]]
+    listed = await stub.ListBatches(bpb.ListBatchesRequest(page_size=10))
+    assert "twenty" in [x.batch_id for x in listed.batches]
+    # another tenant sees none of it
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await stub.GetBatch(bpb.GetBatchRequest(batch_id="twenty"), metadata=(("x-llamamesh-tenant", "other"),))
+    assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_bad_batches_are_rejected_with_nothing_queued(stub: batch_pb2_grpc.BatchServiceStub) -> None:
+    dup = summarise("dup", n=3)
+    dup.summarise.documents[2].custom_id = "doc-0"
+    cases = [
+        (dup, "summarise.documents[2].custom_id"),
+        (bpb.BatchGenerateRequest(batch_id="empty"), "items"),
+        (summarise("window", n=2, completion_window_s=1), "completion_window_s"),
+        (bpb.BatchGenerateRequest(batch_id="bad-item", items=[
+            bpb.BatchItem(custom_id="a", request=pb.GenerateRequest(prompt="hi", max_tokens=2)),
+            bpb.BatchItem(custom_id="b", request=pb.GenerateRequest(prompt="hi", temperature=-1)),
+        ]), "items[1].request.temperature"),
+    ]  # fmt: skip
+    for request, field in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await stub.BatchGenerate(request)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, exc.value
+        assert field in field_violations(exc.value), exc.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as missing:
+            await stub.GetBatch(bpb.GetBatchRequest(batch_id=request.batch_id))
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND  # nothing was stored
+
+
+async def test_cancel_mid_batch(stub: batch_pb2_grpc.BatchServiceStub) -> None:
+    await stub.BatchGenerate(summarise("cancel-me", n=20, max_tokens=24))
+    stream = aiter(stub.StreamBatchResults(bpb.StreamBatchResultsRequest(batch_id="cancel-me")))
+    first = await asyncio.wait_for(anext(stream), 120)
+    cancelling = await stub.CancelBatch(bpb.CancelBatchRequest(batch_id="cancel-me"))
+    assert cancelling.state in (bpb.BATCH_STATE_CANCELLING, bpb.BATCH_STATE_CANCELLED)
+    got = [first] + [r async for r in stream]
+    b = await until_ended(stub, "cancel-me", 120)
+    assert b.state == bpb.BATCH_STATE_CANCELLED
+    assert_counts(b)
+    assert b.counts.processing == 0 and b.counts.succeeded >= 1 and b.counts.cancelled >= 1
+    assert b.counts.succeeded + b.counts.cancelled == 20
+    one_each(got, 20)
+    # the in-flight ones finished (succeeded), the queued ones were cancelled unrun
+    assert {r.status for r in got} == {bpb.BATCH_ITEM_STATUS_SUCCEEDED, bpb.BATCH_ITEM_STATUS_CANCELLED}
+
+
+async def test_kill_minus_nine_of_a_worker_mid_batch(node: ProcessNode, stub: batch_pb2_grpc.BatchServiceStub) -> None:
+    node.spawn("worker2", "workers", LLAMAMESH_WORKER_CONSUMER="e2e-worker-2")
+    await stub.BatchGenerate(summarise("killed", n=20, max_tokens=24))
+    stream = aiter(stub.StreamBatchResults(bpb.StreamBatchResultsRequest(batch_id="killed")))
+    got = [await asyncio.wait_for(anext(stream), 120)]
+    node.procs["worker"].send_signal(signal.SIGKILL)  # its running items stay leased to it
+    node.procs["worker"].wait(10)
+    got += [r async for r in stream]
+    b = await until_ended(stub, "killed", 180)
+    assert b.state == bpb.BATCH_STATE_COMPLETED and b.counts.succeeded == 20
+    assert_counts(b)
+    one_each(got, 20)
+    assert '"batch_item_finished"' in node.log("worker2")
+
+
+async def test_redis_restart_with_aof_loses_nothing(tmp_path: Path) -> None:
+    redis = RedisProcess("redis" if shutil.which("redis-server") else "valkey", tmp_path / "redis", appendonly=True)
+    redis.start()
+    (tmp_path / "node").mkdir()
+    node = make_node(redis, tmp_path / "node")
+    try:
+        node.start()
+        async with grpc.aio.insecure_channel(node.address) as ch:
+            stub = batch_pb2_grpc.BatchServiceStub(ch)
+            await stub.BatchGenerate(summarise("aof", n=12, max_tokens=24))
+            first = await asyncio.wait_for(
+                stub.StreamBatchResults(bpb.StreamBatchResultsRequest(batch_id="aof")).read(), 120
+            )
+            assert first.custom_id
+            redis.stop()
+            redis.start()  # same port, same AOF file
+            b = await asyncio.wait_for(_until_ended_retrying(stub, "aof"), 180)
+            assert b.state == bpb.BATCH_STATE_COMPLETED and b.counts.succeeded == 12, b
+            assert_counts(b)
+            one_each(await results(stub, "aof"), 12)
+    finally:
+        node.stop()
+        redis.stop()
+
+
+async def _until_ended_retrying(stub: batch_pb2_grpc.BatchServiceStub, batch_id: str) -> bpb.Batch:
+    """Like until_ended, riding out UNAVAILABLE while Redis comes back."""
+    while True:
+        try:
+            return await until_ended(stub, batch_id, 170)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            await asyncio.sleep(0.2)  # Redis restarting: bounded by the caller's wait_for
+
+
+@pytest.mark.timeout(200)
+async def test_a_sixty_second_window_expires_unstarted_items(node: ProcessNode) -> None:
+    node.procs["worker"].send_signal(signal.SIGKILL)  # nobody runs the items: they stay unstarted
+    node.procs["worker"].wait(10)
+    async with grpc.aio.insecure_channel(node.address) as ch:
+        stub = batch_pb2_grpc.BatchServiceStub(ch)
+        b = await stub.BatchGenerate(summarise("window", n=6, completion_window_s=60))
+        assert b.expires_at.seconds - b.created_at.seconds == 60
+        await asyncio.sleep(61)  # the window itself is what is under test
+        node.spawn("worker3", "workers", LLAMAMESH_WORKER_CONSUMER="e2e-worker-3")
+        b = await until_ended(stub, "window", 120)
+        assert b.state == bpb.BATCH_STATE_EXPIRED and b.counts.expired == 6
+        assert_counts(b)
+        got = await results(stub, "window")
+        assert {r.status for r in got} == {bpb.BATCH_ITEM_STATUS_EXPIRED}
+        one_each(got, 6)

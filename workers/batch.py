@@ -1,0 +1,72 @@
+"""Running one batch item: the whole completion, then exactly one recorded result.
+
+A batch item streams nothing to anyone: its deltas are gathered and the result is recorded once
+(``RedisBatches.record``: written only if the item has none yet, then acked). An item that
+cannot finish here (the engine died, or the worker is stopping and aborted it) records nothing:
+it stays leased, and another worker claims it once this one stops touching it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+
+from llamamesh.errors import EngineDead, LlamameshError, QueueUnavailable
+from llamamesh.queue.batches import RedisBatches
+from llamamesh.queue.protocol import Lease
+from llamamesh.types import FinishReason, ItemResult, ItemStatus, Usage
+from workers.engines.base import Engine
+
+log = structlog.get_logger(__name__)
+
+
+def skipped_result(lease: Lease) -> ItemResult:
+    """The result of an item that does not run: its batch was cancelled, or its deadline passed."""
+    if lease.cancelled:
+        return ItemResult(lease.request.custom_id, ItemStatus.CANCELLED, error_code="cancelled",
+                          error_message="the batch was cancelled before this item started")  # fmt: skip
+    return ItemResult(lease.request.custom_id, ItemStatus.EXPIRED, error_code="expired",
+                      error_message="the batch's completion window ended before this item started")  # fmt: skip
+
+
+async def record(batches: RedisBatches, lease: Lease, result: ItemResult) -> None:
+    """Record ``result``, retrying while Redis is unreachable (a result is never dropped here)."""
+    delay = 0.05
+    while True:
+        try:
+            fresh = await batches.record(lease, result)
+            break
+        except QueueUnavailable:
+            log.warning("batch_record_failed", retry_in_s=delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+    log.info("batch_item_finished", batch_id=lease.request.batch_id, custom_id=result.custom_id,
+             status=result.status.value, duplicate=not fresh)  # fmt: skip
+
+
+async def run_batch_item(lease: Lease, engine: Engine, batches: RedisBatches) -> None:
+    """Generate the item and record its result (under ``shield``). Raises EngineDead without
+    recording, so the worker stops and the item goes to another worker."""
+    req = lease.request
+    text: list[str] = []
+    n_tokens = 0
+    result: ItemResult | None = None
+    try:
+        async for delta in engine.stream(req):
+            text.append(delta.text)
+            n_tokens += len(delta.token_ids)
+            if delta.finish_reason is FinishReason.CANCELLED:
+                return  # aborted by this worker's drain: another worker redoes it
+            if delta.finish_reason is not None:
+                result = ItemResult(req.custom_id, ItemStatus.SUCCEEDED, "".join(text), delta.finish_reason,
+                                    Usage(delta.prompt_tokens or 0, n_tokens))  # fmt: skip
+    except EngineDead:
+        raise
+    except LlamameshError as exc:
+        result = ItemResult(req.custom_id, ItemStatus.ERRORED, error_code=exc.code, error_message=exc.message)
+    except Exception:
+        log.exception("batch_item_crashed", batch_id=req.batch_id, custom_id=req.custom_id)
+        result = ItemResult(req.custom_id, ItemStatus.ERRORED, error_code="internal", error_message="internal error")
+    if result is not None:
+        await asyncio.shield(record(batches, lease, result))
