@@ -5,6 +5,8 @@
   llamamesh generate "..."        stream an answer to the terminal
   llamamesh demo "..."            start a node, stream one answer, stop
   llamamesh models | tokenize     the models served; a prompt's token ids
+  llamamesh batch submit FILE.jsonl [--summarise]   submit a durable batch, show its progress
+  llamamesh batch status | results | cancel | list  follow it (JSONL formats: llamamesh/batchfile.py)
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from typing import Any
 
 import grpc
 
-from llamamesh import logs
+from llamamesh import batchfile, logs
 from llamamesh.client import DEFAULT_ADDRESS, Client, field_violations
 from llamamesh.node import Node
 from llamamesh.settings import Settings
+from llamamesh.v1 import batch_pb2 as bpb
+from llamamesh.v1 import generation_pb2 as pb
 
 
 def _node_flags(p: argparse.ArgumentParser) -> None:
@@ -174,6 +178,125 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- batches
+
+
+def _meta(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    return (("x-llamamesh-tenant", args.tenant),) if args.tenant else ()
+
+
+ENDED = (bpb.BATCH_STATE_COMPLETED, bpb.BATCH_STATE_FAILED, bpb.BATCH_STATE_EXPIRED, bpb.BATCH_STATE_CANCELLED)
+
+
+def _progress(b: bpb.Batch, out: Any) -> None:
+    c = b.counts
+    done = c.total - c.processing
+    width = 30
+    bar = "#" * (width * done // max(c.total, 1))
+    state = bpb.BatchState.Name(b.state).removeprefix("BATCH_STATE_").lower()
+    out.write(f"\r[{bar:<{width}}] {done}/{c.total} {state}: {c.succeeded} ok, {c.errored} errored, "
+              f"{c.cancelled} cancelled, {c.expired} expired ")  # fmt: skip
+    out.flush()
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    """Files are read and opened here, outside the event loop."""
+    try:
+        lines: list[str] = []
+        if args.action == "submit":
+            with open(args.file, encoding="utf-8") as f:
+                lines = f.readlines()
+        out = open(args.output, "a", encoding="utf-8") if getattr(args, "output", None) else sys.stdout  # noqa: SIM115
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_batch(args, lines, out))
+    finally:
+        if out is not sys.stdout:
+            out.close()
+
+
+async def _batch(args: argparse.Namespace, lines: list[str], out: Any) -> int:
+    async with Client(args.address) as c:
+        stub, meta = c.batches, _meta(args)
+        try:
+            if args.action == "submit":
+                req = bpb.BatchGenerateRequest(batch_id=args.batch_id or "")
+                if args.window:
+                    req.completion_window_s = args.window
+                if args.summarise:
+                    params = pb.GenerateRequest(model=args.model, max_tokens=args.max_tokens,
+                                                temperature=args.temperature)  # fmt: skip
+                    req.summarise.CopyFrom(batchfile.summarise_request(lines, params, args.template or ""))
+                else:
+                    req.items.extend(batchfile.items(lines))
+                b = await stub.BatchGenerate(req, metadata=meta)
+                print(b.batch_id)
+                while not args.no_wait and b.state not in ENDED:
+                    _progress(b, sys.stderr)
+                    await asyncio.sleep(0.5)  # the progress bar's refresh
+                    b = await stub.GetBatch(bpb.GetBatchRequest(batch_id=b.batch_id), metadata=meta)
+                if not args.no_wait:
+                    _progress(b, sys.stderr)
+                    print(file=sys.stderr)
+            elif args.action == "status":
+                print(batchfile.batch_json(await stub.GetBatch(bpb.GetBatchRequest(batch_id=args.id), metadata=meta)))
+            elif args.action == "cancel":
+                b = await stub.CancelBatch(bpb.CancelBatchRequest(batch_id=args.id), metadata=meta)
+                print(batchfile.batch_json(b))
+            elif args.action == "list":
+                page = await stub.ListBatches(bpb.ListBatchesRequest(page_size=args.limit), metadata=meta)
+                for b in page.batches:
+                    state = bpb.BatchState.Name(b.state).removeprefix("BATCH_STATE_").lower()
+                    print(f"{b.batch_id}\t{state}\t{b.counts.total - b.counts.processing}/{b.counts.total}")
+            elif args.action == "results":
+                request = bpb.StreamBatchResultsRequest(batch_id=args.id, cursor=args.cursor or "", follow=args.follow)
+                n = 0
+                async for r in stub.StreamBatchResults(request, metadata=meta):
+                    out.write(batchfile.result_line(r) + "\n")
+                    n += 1
+                print(f"[{n} results]", file=sys.stderr)
+        except grpc.aio.AioRpcError as exc:
+            fields = field_violations(exc)
+            print(f"error: {exc.code().name}: {exc.details()}" + (f" (fields: {', '.join(fields)})" if fields else ""),
+                  file=sys.stderr)  # fmt: skip
+            return 1
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    return 0
+
+
+def _batch_flags(sub: Any) -> None:
+    p = sub.add_parser("batch", help="durable batch jobs: submit, status, results, cancel, list")
+    acts = p.add_subparsers(dest="action", required=True)
+    for name in ("submit", "status", "results", "cancel", "list"):
+        a = acts.add_parser(name)
+        a.add_argument("--address", default=DEFAULT_ADDRESS)
+        a.add_argument("--tenant", default="", help="the owner the batch is recorded under (x-llamamesh-tenant)")
+        if name == "submit":
+            a.add_argument("file", help="JSONL: {custom_id, text} with --summarise, else {custom_id, request}")
+            a.add_argument("--summarise", action="store_true", help="each line is a document to summarise")
+            a.add_argument("--template", help="the summarisation prompt; {document} is replaced")
+            a.add_argument("--model", default="")
+            a.add_argument("--max-tokens", type=int, default=128)
+            a.add_argument("--temperature", type=float, default=0.0)
+            a.add_argument("--batch-id", help="your id for it (submitting it again is harmless)")
+            a.add_argument("--window", type=int, help="seconds in which items must start (default 24 h)")
+            a.add_argument("--no-wait", action="store_true", help="print the id and return")
+        elif name == "list":
+            a.add_argument("--limit", type=int, default=20)
+        else:
+            a.add_argument("id", help="the batch id")
+        if name == "results":
+            a.add_argument("-o", "--output", help="append the results to this JSONL file (default: stdout)")
+            a.add_argument("--cursor", help="resume after this result's cursor")
+            a.add_argument("--follow", action=argparse.BooleanOptionalAction, default=True,
+                           help="wait until the batch ends (default)")  # fmt: skip
+        a.set_defaults(func=cmd_batch)
+
+
 def _exec_module(module: str, args: argparse.Namespace) -> int:
     env = {**os.environ, **_settings(args).to_env()}
     os.execvpe(sys.executable, [sys.executable, "-m", module], env)
@@ -208,6 +331,8 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("models", help="list the models a gateway serves")
     p.add_argument("--address", default=DEFAULT_ADDRESS)
     p.set_defaults(func=cmd_models)
+
+    _batch_flags(sub)
 
     p = sub.add_parser("tokenize", help="token ids of a text")
     p.add_argument("text")

@@ -4,8 +4,11 @@ SmolLM2-135M-Instruct on the CPU; faults are kill -9 of a worker and a Redis res
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -222,3 +225,24 @@ async def test_a_sixty_second_window_expires_unstarted_items(node: ProcessNode) 
         got = await results(stub, "window")
         assert {r.status for r in got} == {bpb.BATCH_ITEM_STATUS_EXPIRED}
         one_each(got, 6)
+
+
+def test_the_cli_submits_waits_and_writes_results(node: ProcessNode, tmp_path: Path) -> None:
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"custom_id": f"doc-{i}", "text": DOCS[i]}) + "\n" for i in range(5)))
+    cli = [sys.executable, "-m", "llamamesh.cli", "batch"]
+    addr = ["--address", node.address]
+    sub = subprocess.run([*cli, "submit", str(docs), "--summarise", "--max-tokens", "8", "--batch-id", "cli", *addr],
+                         capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert sub.returncode == 0, sub.stderr
+    assert sub.stdout.strip() == "cli" and "5/5 completed: 5 ok" in sub.stderr  # the progress bar's last state
+    out = tmp_path / "out.jsonl"
+    res = subprocess.run([*cli, "results", "cli", "-o", str(out), *addr], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["custom_id"] for r in rows) == [f"doc-{i}" for i in range(5)]
+    assert all(r["status"] == "succeeded" and r["usage"]["completion_tokens"] == 8 and r["text"] for r in rows)
+    status = subprocess.run([*cli, "status", "cli", *addr], capture_output=True, text=True, timeout=60)
+    assert json.loads(status.stdout)["state"] == "BATCH_STATE_COMPLETED"
+    bad = subprocess.run([*cli, "status", "nope", *addr], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "NOT_FOUND" in bad.stderr
