@@ -73,6 +73,8 @@ def _requests_of(r: bpb.BatchGenerateRequest, bad: list[FieldViolation]) -> list
                 bad.append(FieldViolation(f"summarise.documents[{i}].text", "must not be empty"))
             req = pb.GenerateRequest()
             req.CopyFrom(s.params)
+            req.ClearField("prompt")  # reported once, on summarise.params
+            del req.messages[:]
             req.messages.append(pb.ChatMessage(role="user", content=template.replace("{document}", d.text)))
             out.append((f"summarise.documents[{i}]", d.custom_id, req))
         return out

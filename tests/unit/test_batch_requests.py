@@ -1,0 +1,72 @@
+"""Validating a whole BatchGenerateRequest before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+
+from llamamesh.errors import InvalidRequest, NotFound
+from llamamesh.settings import BatchSettings, GatewaySettings
+from llamamesh.v1 import batch_pb2 as bpb
+from llamamesh.v1 import generation_pb2 as pb
+from services.batch import DEFAULT_TEMPLATE, batch_requests
+
+pytestmark = pytest.mark.timeout(10)
+
+GW = GatewaySettings(models="tiny=cpu,big=gpu", default_max_tokens=16)
+MODELS = GW.model_table()
+
+
+def fields(request: bpb.BatchGenerateRequest, b: BatchSettings | None = None) -> list[str]:
+    with pytest.raises(InvalidRequest) as exc:
+        batch_requests(request, GW, b or BatchSettings(), MODELS)
+    return [v.field for v in exc.value.violations]
+
+
+def item(cid: str, **kw: object) -> bpb.BatchItem:
+    return bpb.BatchItem(custom_id=cid, request=pb.GenerateRequest(**{"prompt": "hi", **kw}))  # type: ignore[arg-type]
+
+
+def test_items_become_jobs_of_the_batch() -> None:
+    batch_id, window, items = batch_requests(
+        bpb.BatchGenerateRequest(batch_id="b1", items=[item("a"), item("b", max_tokens=3)]), GW, BatchSettings(), MODELS
+    )
+    assert (batch_id, window) == ("b1", 86400)
+    assert [(m.id, r.custom_id, r.batch_id, r.request_id) for m, r in items] == [
+        ("tiny", "a", "b1", "b:b1:0"), ("tiny", "b", "b1", "b:b1:1")
+    ]
+    assert items[1][1].sampling.max_tokens == 3 and items[0][1].sampling.max_tokens == 16
+
+
+def test_summarise_fills_the_template() -> None:
+    req = bpb.BatchGenerateRequest(summarise=bpb.Summarise(
+        documents=[bpb.Document(custom_id="d", text="the text")], params=pb.GenerateRequest(max_tokens=5)))  # fmt: skip
+    batch_id, _w, items = batch_requests(req, GW, BatchSettings(), MODELS)
+    assert batch_id  # made up when not given
+    (_m, r), = items
+    assert r.messages is not None and r.messages[0].content == DEFAULT_TEMPLATE.replace("{document}", "the text")
+
+
+def test_every_bad_field_is_named_and_nothing_passes() -> None:
+    assert fields(bpb.BatchGenerateRequest(items=[item("a"), item("b"), item("a")])) == ["items[2].custom_id"]
+    assert fields(bpb.BatchGenerateRequest(items=[item("")])) == ["items[0].custom_id"]
+    assert fields(bpb.BatchGenerateRequest()) == ["items"]
+    assert fields(bpb.BatchGenerateRequest(items=[item("a", temperature=-1)])) == ["items[0].request.temperature"]
+    assert fields(bpb.BatchGenerateRequest(items=[item("a"), item("b", model="big")])) == ["items[1].request.model"]
+    assert fields(bpb.BatchGenerateRequest(batch_id="no spaces", items=[item("a")])) == ["batch_id"]
+    assert fields(bpb.BatchGenerateRequest(items=[item("a")], completion_window_s=3)) == ["completion_window_s"]
+    both = bpb.BatchGenerateRequest(items=[item("a")], summarise=bpb.Summarise(documents=[bpb.Document(custom_id="d",
+                                                                                                       text="t")]))
+    assert fields(both) == ["items"]
+    summ = bpb.Summarise(template="no placeholder", params=pb.GenerateRequest(prompt="x"),
+                         documents=[bpb.Document(custom_id="d", text=" ")])  # fmt: skip
+    assert fields(bpb.BatchGenerateRequest(summarise=summ)) == [
+        "summarise.template", "summarise.params", "summarise.documents[0].text"
+    ]
+    many = bpb.BatchGenerateRequest(items=[item(str(i)) for i in range(3)])
+    assert fields(many, BatchSettings(max_items=2)) == ["items"]
+    assert fields(many, BatchSettings(max_bytes=10)) == ["items"]
+
+
+def test_an_unknown_model_is_not_found() -> None:
+    with pytest.raises(NotFound):
+        batch_requests(bpb.BatchGenerateRequest(items=[item("a", model="nope")]), GW, BatchSettings(), MODELS)
