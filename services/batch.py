@@ -23,7 +23,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from llamamesh import errors
 from llamamesh.errors import FieldViolation, InvalidRequest
-from llamamesh.queue.batches import RedisBatches
+from llamamesh.queue.protocol import BatchStore
 from llamamesh.settings import BatchSettings, GatewaySettings
 from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, ModelInfo
 from llamamesh.v1 import batch_pb2 as bpb
@@ -183,7 +183,7 @@ def result_pb(batch_id: str, cursor: str, r: ItemResult) -> bpb.BatchResult:
 class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
     def __init__(
         self,
-        store: RedisBatches,
+        store: BatchStore,
         gateway: GatewaySettings,
         settings: BatchSettings,
         models: Sequence[ModelInfo],

@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from llamamesh import logs
 from llamamesh.queue.batches import RedisBatches
-from llamamesh.queue.protocol import JobQueue
+from llamamesh.queue.protocol import BatchStore, JobQueue
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import BatchSettings, BreakerSettings, GatewaySettings, Settings
 from llamamesh.v1 import admin_pb2, admin_pb2_grpc, batch_pb2, batch_pb2_grpc, generation_pb2, generation_pb2_grpc
@@ -54,7 +54,7 @@ async def start_gateway(
     port: int | None = None,
     share_port: bool = False,
     breaker: BreakerSettings | None = None,
-    batches: RedisBatches | None = None,
+    batches: BatchStore | None = None,
     batch: BatchSettings | None = None,
 ) -> Gateway:
     """Build and start the server on ``settings.host``; port 0 picks a free port. ``share_port``: one

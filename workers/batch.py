@@ -13,8 +13,7 @@ import asyncio
 import structlog
 
 from llamamesh.errors import EngineDead, LlamameshError, QueueUnavailable
-from llamamesh.queue.batches import RedisBatches
-from llamamesh.queue.protocol import Lease
+from llamamesh.queue.protocol import BatchStore, Lease
 from llamamesh.types import FinishReason, ItemResult, ItemStatus, Usage
 from workers.engines.base import Engine
 
@@ -30,7 +29,7 @@ def skipped_result(lease: Lease) -> ItemResult:
                       error_message="the batch's completion window ended before this item started")  # fmt: skip
 
 
-async def record(batches: RedisBatches, lease: Lease, result: ItemResult) -> None:
+async def record(batches: BatchStore, lease: Lease, result: ItemResult) -> None:
     """Record ``result``, retrying while Redis is unreachable (a result is never dropped here)."""
     delay = 0.05
     while True:
@@ -45,7 +44,7 @@ async def record(batches: RedisBatches, lease: Lease, result: ItemResult) -> Non
              status=result.status.value, duplicate=not fresh)  # fmt: skip
 
 
-async def run_batch_item(lease: Lease, engine: Engine, batches: RedisBatches) -> None:
+async def run_batch_item(lease: Lease, engine: Engine, batches: BatchStore) -> None:
     """Generate the item and record its result (under ``shield``). Raises EngineDead without
     recording, so the worker stops and the item goes to another worker."""
     req = lease.request

@@ -22,7 +22,7 @@ import structlog
 from llamamesh import logs
 from llamamesh.errors import EngineDead, QueueUnavailable
 from llamamesh.queue.batches import RedisBatches
-from llamamesh.queue.protocol import Lease, WorkQueue
+from llamamesh.queue.protocol import BatchStore, Lease, WorkQueue
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import BatchSettings, Settings, WorkerSettings
 from llamamesh.types import WorkerStatus
@@ -42,7 +42,7 @@ class Worker:
         queue: WorkQueue,
         engine: Engine,
         block_ms: int = 2000,
-        batches: RedisBatches | None = None,
+        batches: BatchStore | None = None,
         batch: BatchSettings | None = None,
     ) -> None:
         self._s = settings

@@ -6,14 +6,17 @@ For unit and in-process tests of one layer; never the only proof of anything.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import itertools
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
-from llamamesh.errors import QueueUnavailable
+from llamamesh.errors import InvalidRequest, QueueUnavailable
 from llamamesh.queue.protocol import Lease
-from llamamesh.types import GenerationRequest, JobEvent, WorkerStatus
+from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, JobEvent, WorkerStatus
 
 
 @dataclass
@@ -142,3 +145,127 @@ class MemoryQueue:
 def _seq(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
+
+
+@dataclass
+class _Batch:
+    info: BatchInfo
+    fingerprint: str
+    done: dict[str, str] = field(default_factory=dict)
+    results: list[tuple[str, ItemResult]] = field(default_factory=list)
+
+
+class MemoryBatches:
+    """BatchStore in one process, same contract as ``batches.RedisBatches`` (no reclaim: nothing
+    here dies separately)."""
+
+    def __init__(self) -> None:
+        self._batches: dict[str, _Batch] = {}
+        self._items: dict[str, _Pool] = {}
+        self._changed = asyncio.Condition()
+        self._ids = itertools.count(1)
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _wait(self, ready: Callable[[], bool], block_ms: int | None) -> None:
+        if not ready() and block_ms:
+            async with self._changed:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._changed.wait_for(ready), block_ms / 1000)
+
+    async def create(
+        self, info: BatchInfo, fingerprint: str, items: Sequence[tuple[str, GenerationRequest]]
+    ) -> tuple[BatchInfo, bool]:
+        have = self._batches.get(info.batch_id)
+        if have is not None:
+            if have.fingerprint != fingerprint:
+                raise InvalidRequest.field("batch_id", f"batch {info.batch_id!r} exists with other items")
+            return have.info, False
+        now = time.time()
+        times = {BatchState.VALIDATING.value: info.created_at, BatchState.IN_PROGRESS.value: now}
+        stored = dataclasses.replace(info, state=BatchState.IN_PROGRESS, times=MappingProxyType(times))
+        self._batches[info.batch_id] = _Batch(stored, fingerprint)
+        for pool, req in items:
+            self._items.setdefault(pool, _Pool()).waiting.append((f"{next(self._ids)}-0", req))
+        await self._notify()
+        return stored, True
+
+    async def get(self, batch_id: str) -> BatchInfo | None:
+        b = self._batches.get(batch_id)
+        return b.info if b is not None else None
+
+    async def owned(self, owner: str, limit: int, before: float | None) -> list[BatchInfo]:
+        mine = [b.info for b in self._batches.values() if b.info.owner == owner]
+        mine = [i for i in mine if before is None or i.created_at < before]
+        return sorted(mine, key=lambda i: -i.created_at)[:limit]
+
+    def _set(self, b: _Batch, **changes: object) -> None:
+        b.info = dataclasses.replace(b.info, **changes)  # type: ignore[arg-type]
+
+    async def cancel(self, batch_id: str) -> BatchInfo | None:
+        b = self._batches.get(batch_id)
+        if b is None:
+            return None
+        if b.info.state in (BatchState.VALIDATING, BatchState.IN_PROGRESS):
+            times = {**b.info.times, BatchState.CANCELLING.value: time.time()}
+            self._set(b, state=BatchState.CANCELLING, times=MappingProxyType(times))
+        return b.info
+
+    async def results(self, batch_id: str, after: str, block_ms: int | None) -> list[tuple[str, ItemResult]]:
+        b = self._batches.get(batch_id)
+        if b is None:
+            return []
+
+        def newer() -> list[tuple[str, ItemResult]]:
+            return [(c, r) for c, r in b.results if int(c.split("-")[0]) > int(after.split("-")[0])]
+
+        await self._wait(lambda: bool(newer()), block_ms)
+        return newer()
+
+    async def join(self, pool: str) -> None:
+        self._items.setdefault(pool, _Pool())
+
+    async def lease_items(self, pool: str, consumer: str, count: int, block_ms: int | None) -> list[Lease]:
+        p = self._items.setdefault(pool, _Pool())
+        await self._wait(lambda: bool(p.waiting), block_ms)
+        taken, p.waiting = p.waiting[:count], p.waiting[count:]
+        now = time.time()
+        out = []
+        for entry_id, req in taken:
+            p.pending[entry_id] = (consumer, req)
+            b = self._batches.get(req.batch_id)
+            gone = b is None or b.info.state in (BatchState.CANCELLING, BatchState.CANCELLED)
+            late = b is not None and now > b.info.expires_at
+            out.append(Lease(pool=pool, entry_id=entry_id, request=req, cancelled=gone, expired=late))
+        return out
+
+    async def reclaim(self, pool: str, consumer: str, min_idle_ms: int, count: int) -> list[Lease]:
+        return []
+
+    async def touch(self, pool: str, consumer: str, entry_ids: Sequence[str]) -> None:
+        return None
+
+    async def discard(self, lease: Lease) -> None:
+        self._items.setdefault(lease.pool, _Pool()).pending.pop(lease.entry_id, None)
+
+    async def record(self, lease: Lease, result: ItemResult) -> bool:
+        req = lease.request
+        b = self._batches.get(req.batch_id)
+        await self.discard(lease)
+        if b is None or req.custom_id in b.done:
+            return False
+        b.done[req.custom_id] = result.status.value
+        b.results.append((f"{next(self._ids)}-0", result))
+        counts = {result.status.value: getattr(b.info, result.status.value) + 1}
+        self._set(b, **counts)
+        i = b.info
+        if i.processing == 0 and i.state in (BatchState.IN_PROGRESS, BatchState.CANCELLING):
+            final = (BatchState.CANCELLED if i.state is BatchState.CANCELLING
+                     else BatchState.EXPIRED if i.expired else BatchState.COMPLETED)  # fmt: skip
+            now = time.time()
+            times = {**i.times, BatchState.FINALIZING.value: now, final.value: now}
+            self._set(b, state=final, times=MappingProxyType(times), results_expire_at=now)
+        await self._notify()
+        return True

@@ -10,7 +10,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from llamamesh.types import GenerationRequest, JobEvent, WorkerStatus
+from llamamesh.types import BatchInfo, GenerationRequest, ItemResult, JobEvent, WorkerStatus
 
 
 @dataclass(frozen=True)
@@ -79,3 +79,49 @@ class WorkQueue(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+class BatchStore(Protocol):
+    """Durable batches: the gateway's side (create, get, owned, cancel, results) and the worker's
+    (join, lease_items, reclaim, touch, record, discard). ``batches.RedisBatches`` on Redis;
+    ``memory.MemoryBatches`` in memory."""
+
+    async def create(
+        self, info: BatchInfo, fingerprint: str, items: Sequence[tuple[str, GenerationRequest]]
+    ) -> tuple[BatchInfo, bool]:
+        """Store the batch and queue its ``(pool, request)`` items; (the batch, whether it is new).
+        The same id with the same fingerprint returns the stored one; with another, InvalidRequest."""
+        ...
+
+    async def get(self, batch_id: str) -> BatchInfo | None: ...
+
+    async def owned(self, owner: str, limit: int, before: float | None) -> list[BatchInfo]:
+        """The owner's batches created before ``before`` (None: all), newest first."""
+        ...
+
+    async def cancel(self, batch_id: str) -> BatchInfo | None:
+        """Cancel an unfinished batch (queued items end cancelled, running ones finish)."""
+        ...
+
+    async def results(self, batch_id: str, after: str, block_ms: int | None) -> list[tuple[str, ItemResult]]:
+        """(cursor, result) after cursor ``after`` ("0-0": the first), waiting up to ``block_ms``."""
+        ...
+
+    async def join(self, pool: str) -> None: ...
+
+    async def lease_items(self, pool: str, consumer: str, count: int, block_ms: int | None) -> list[Lease]:
+        """New batch items; ``cancelled`` / ``expired`` set on those that must not run."""
+        ...
+
+    async def reclaim(self, pool: str, consumer: str, min_idle_ms: int, count: int) -> list[Lease]:
+        """Items another consumer leased and left untouched for ``min_idle_ms``."""
+        ...
+
+    async def touch(self, pool: str, consumer: str, entry_ids: Sequence[str]) -> None: ...
+
+    async def record(self, lease: Lease, result: ItemResult) -> bool:
+        """The item's one result (False if it had one), then ack the item."""
+        ...
+
+    async def discard(self, lease: Lease) -> None:
+        """Ack and drop an item without a result (a second copy of one that is running)."""

@@ -1,0 +1,87 @@
+"""BatchService over the in-memory queue and batch store, with a real Worker on the fake engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from llamamesh.client import field_violations
+from llamamesh.queue.memory import MemoryBatches, MemoryQueue
+from llamamesh.settings import BatchSettings, GatewaySettings, WorkerSettings
+from llamamesh.v1 import batch_pb2 as bpb
+from llamamesh.v1 import batch_pb2_grpc
+from llamamesh.v1 import generation_pb2 as pb
+from services.server import start_gateway
+from workers.engines.fake import FakeEngine
+from workers.worker import Worker
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+async def stub(request: pytest.FixtureRequest) -> AsyncIterator[batch_pb2_grpc.BatchServiceStub]:
+    step = getattr(request, "param", 0.0)
+    queue, store = MemoryQueue(), MemoryBatches()
+    gateway = await start_gateway(queue, GatewaySettings(port=0, models="tiny=cpu"), port=0, batches=store)
+    ws = WorkerSettings(pool="cpu", model="tiny", engine="fake", max_inflight=4, fake_step_s=step)
+    engine = FakeEngine(ws)
+    await engine.start()
+    worker = Worker(ws, queue, engine, 50, store, BatchSettings(max_share=0.5))
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}")
+    try:
+        yield batch_pb2_grpc.BatchServiceStub(channel)
+    finally:
+        await channel.close()
+        stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 10)
+        await gateway.stop(0)
+        await engine.shutdown()
+
+
+def items(n: int, max_tokens: int = 3) -> list[bpb.BatchItem]:
+    return [bpb.BatchItem(custom_id=f"c{i}", request=pb.GenerateRequest(prompt=f"p {i}", max_tokens=max_tokens))
+            for i in range(n)]  # fmt: skip
+
+
+async def test_a_batch_runs_to_completion_with_one_result_each(stub: batch_pb2_grpc.BatchServiceStub) -> None:
+    b = await stub.BatchGenerate(bpb.BatchGenerateRequest(batch_id="b", items=items(9)))
+    assert b.counts.total == 9 and b.counts.processing == 9
+    got = [r async for r in stub.StreamBatchResults(bpb.StreamBatchResultsRequest(batch_id="b"))]
+    assert sorted(r.custom_id for r in got) == sorted(f"c{i}" for i in range(9))
+    assert all(r.usage.completion_tokens == 3 and r.status == bpb.BATCH_ITEM_STATUS_SUCCEEDED for r in got)
+    done = await stub.GetBatch(bpb.GetBatchRequest(batch_id="b"))
+    assert done.state == bpb.BATCH_STATE_COMPLETED and done.counts.succeeded == 9 and done.counts.processing == 0
+    page = await stub.ListBatches(bpb.ListBatchesRequest())
+    assert [x.batch_id for x in page.batches] == ["b"] and page.next_page_token == ""
+
+
+async def test_a_duplicate_custom_id_is_rejected_and_nothing_is_stored(stub: batch_pb2_grpc.BatchServiceStub) -> None:
+    bad = items(3)
+    bad[2].custom_id = "c0"
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await stub.BatchGenerate(bpb.BatchGenerateRequest(batch_id="dup", items=bad))
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field_violations(exc.value) == ["items[2].custom_id"]
+    with pytest.raises(grpc.aio.AioRpcError) as missing:
+        await stub.GetBatch(bpb.GetBatchRequest(batch_id="dup"))
+    assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize("stub", [0.02], indirect=True)
+async def test_cancel_finishes_the_running_and_cancels_the_queued(stub: batch_pb2_grpc.BatchServiceStub) -> None:
+    await stub.BatchGenerate(bpb.BatchGenerateRequest(batch_id="c", items=items(12, max_tokens=20)))
+    stream = aiter(stub.StreamBatchResults(bpb.StreamBatchResultsRequest(batch_id="c")))
+    first = await asyncio.wait_for(anext(stream), 10)
+    await stub.CancelBatch(bpb.CancelBatchRequest(batch_id="c"))
+    got = [first] + [r async for r in stream]
+    b = await stub.GetBatch(bpb.GetBatchRequest(batch_id="c"))
+    assert b.state == bpb.BATCH_STATE_CANCELLED
+    assert b.counts.succeeded + b.counts.cancelled == 12 and b.counts.succeeded >= 1 and b.counts.cancelled >= 1
+    assert sorted(r.custom_id for r in got) == sorted(f"c{i}" for i in range(12))
