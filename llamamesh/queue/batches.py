@@ -29,6 +29,7 @@ from llamamesh.errors import InvalidRequest, QueueUnavailable
 from llamamesh.queue import codec
 from llamamesh.queue.keys import JOB_FIELD, RESULT_FIELD, WORKER_GROUP, Keys
 from llamamesh.queue.protocol import Lease
+from llamamesh.queue.streams import create_group
 from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult
 
 COUNTS = ("succeeded", "errored", "cancelled", "expired")
@@ -188,13 +189,7 @@ class RedisBatches:
 
     # ---- worker side --------------------------------------------------------
     async def join(self, pool: str) -> None:
-        try:
-            await self._r.xgroup_create(self.keys.batch_items(pool), WORKER_GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise QueueUnavailable(f"cannot create the consumer group: {exc}") from exc
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
+        await create_group(self._r, self.keys.batch_items(pool))
 
     async def lease_items(self, pool: str, consumer: str, count: int, block_ms: int | None) -> list[Lease]:
         """Take up to ``count`` new batch items (waiting at most ``block_ms``; None: not at all). An

@@ -33,6 +33,17 @@ from llamamesh.types import GenerationRequest, JobEvent, WorkerStatus
 log = structlog.get_logger(__name__)
 
 
+async def create_group(client: aioredis.Redis, stream: str) -> None:
+    """The workers' consumer group on ``stream`` (and the stream), unless it exists."""
+    try:
+        await client.xgroup_create(stream, WORKER_GROUP, id="0", mkstream=True)
+    except ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise QueueUnavailable(f"cannot create the consumer group: {exc}") from exc
+    except RedisError as exc:
+        raise QueueUnavailable("the queue is unreachable") from exc
+
+
 class RedisQueue:
     """Both faces of the queue (JobQueue and WorkQueue) on one Redis connection pool."""
 
@@ -137,13 +148,7 @@ class RedisQueue:
 
     # ---- worker side --------------------------------------------------------
     async def join(self, pool: str) -> None:
-        try:
-            await self._r.xgroup_create(self.keys.jobs(pool), WORKER_GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise QueueUnavailable(f"cannot create the consumer group: {exc}") from exc
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
+        await create_group(self._r, self.keys.jobs(pool))
 
     async def lease(self, pool: str, consumer: str, count: int, block_ms: int) -> list[Lease]:
         stream = self.keys.jobs(pool)

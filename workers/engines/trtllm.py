@@ -85,10 +85,10 @@ from llamamesh.types import (
     TopLogprob,
 )
 from workers.engines.base import EngineStats
+from workers.engines.params import library_sampling_kwargs
 
 # vllm.py imports vllm lazily, so this import pulls in no GPU library: the two engines share the
-# defaults and the prompt rendering (the same prompt gives the same ids on both).
-from workers.engines.params import library_sampling_kwargs
+# prompt rendering (the same prompt gives the same ids on both).
 from workers.engines.vllm import render_prompt_ids
 
 log = structlog.get_logger(__name__)
