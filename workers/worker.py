@@ -158,32 +158,33 @@ class Worker:
 
     async def _lease(self, free: int) -> list[Lease]:
         """Up to ``free`` jobs: interactive ones first; batch items fill what is left up to
-        ``max_share`` of the slots, and get ``min_share`` even while interactive work queues."""
+        ``max_share`` of the slots, and get ``min_share`` even while interactive work queues.
+
+        With batches on, the blocking read of the interactive stream waits at most 100 ms, so that
+        batch items (on another stream) are picked up as slots free; about ten reads a second idle."""
         pool, name, step = self._s.pool, self.name, max(1, self._s.lease_batch)
         if self._batches is None:
             return await self._queue.lease(pool, name, min(free, step), self._block_ms)
         slots = self._s.max_inflight
         cap = max(1, int(slots * self._b.max_share))
         floor = min(cap, math.ceil(slots * self._b.min_share))
-        out: list[Lease] = []
+        batch: list[Lease] = []
         now = time.monotonic()
         if now - self._last_reclaim >= self._b.claim_idle_s / 2:  # items of workers that died
             self._last_reclaim = now
             room = min(free, cap - len(self._batch_running))
             if room > 0:
-                out += await self._batches.reclaim(pool, name, int(self._b.claim_idle_s * 1000), room)
-        reserve = min(free - len(out), floor - len(self._batch_running) - len(out))
+                batch += await self._batches.reclaim(pool, name, int(self._b.claim_idle_s * 1000), room)
+        reserve = min(free - len(batch), floor - len(self._batch_running) - len(batch))
         if reserve > 0:
-            out += await self._batches.lease_items(pool, name, reserve, 1)
-        batch_room = min(free - len(out), cap - len(self._batch_running) - len(out))
-        # Block on the interactive stream only when batch items cannot come meanwhile.
-        block = self._block_ms if batch_room <= 0 and not out else min(self._block_ms, 100)
-        inter = await self._queue.lease(pool, name, min(free - len(out), step), block) if free > len(out) else []
-        out += inter
-        batch_room = min(free - len(out), cap - len(self._batch_running) - len(out), step)
-        if batch_room > 0:
-            out += await self._batches.lease_items(pool, name, batch_room, 1)
-        return out
+            batch += await self._batches.lease_items(pool, name, reserve, 1)
+        free -= len(batch)
+        inter = await self._queue.lease(pool, name, min(free, step), min(self._block_ms, 100)) if free > 0 else []
+        free -= len(inter)
+        room = min(free, cap - len(self._batch_running) - len(batch), step)
+        if room > 0:
+            batch += await self._batches.lease_items(pool, name, room, 1)
+        return [*inter, *batch]
 
     def status(self) -> WorkerStatus:
         stats = self._engine.stats()
