@@ -77,6 +77,13 @@ class RedisProcess:
         p = self.dir / "server.log"
         return p.read_text()[-2000:] if p.exists() else ""
 
+    def kill(self) -> None:
+        """SIGKILL: no shutdown save; with AOF (fsync every second) the last second may be lost."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()

@@ -1,5 +1,6 @@
 """Durable batches with real processes: redis-server, the gateway, worker processes running the real
-SmolLM2-135M-Instruct on the CPU; faults are kill -9 of a worker and a Redis restart (AOF)."""
+SmolLM2-135M-Instruct on the CPU; faults are kill -9 of a worker and a Redis restart with AOF
+(graceful, and kill -9 of Redis: the last second of writes may be lost and must be redone)."""
 
 from __future__ import annotations
 
@@ -173,7 +174,8 @@ async def test_kill_minus_nine_of_a_worker_mid_batch(node: ProcessNode, stub: ba
     assert '"batch_item_finished"' in node.log("worker2")
 
 
-async def test_redis_restart_with_aof_loses_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop", ["graceful", "kill -9"])
+async def test_redis_restart_with_aof_loses_nothing(tmp_path: Path, stop: str) -> None:
     redis = RedisProcess("redis" if shutil.which("redis-server") else "valkey", tmp_path / "redis", appendonly=True)
     redis.start()
     (tmp_path / "node").mkdir()
@@ -187,7 +189,7 @@ async def test_redis_restart_with_aof_loses_nothing(tmp_path: Path) -> None:
                 stub.StreamBatchResults(bpb.StreamBatchResultsRequest(batch_id="aof")).read(), 120
             )
             assert first.custom_id
-            redis.stop()
+            redis.stop() if stop == "graceful" else redis.kill()
             redis.start()  # same port, same AOF file
             b = await asyncio.wait_for(_until_ended_retrying(stub, "aof"), 180)
             assert b.state == bpb.BATCH_STATE_COMPLETED and b.counts.succeeded == 12, b
