@@ -54,6 +54,14 @@ end
 return 1
 """
 
+# KEYS: meta. ARGV: the record, field value field value ... Returns 1 (created), or the stored
+# {fingerprint, enqueued} of an existing batch.
+_CREATE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return redis.call('HMGET', KEYS[1], 'fingerprint', 'enqueued') end
+redis.call('HSET', KEYS[1], unpack(ARGV))
+return 1
+"""
+
 # KEYS: meta. ARGV: now. Returns the state after the call ('' if there is no such batch).
 _CANCEL = """
 local state = redis.call('HGET', KEYS[1], 'state')
@@ -98,6 +106,7 @@ class RedisBatches:
         self.retention_s = retention_s
         self._record = client.register_script(_RECORD)
         self._cancel = client.register_script(_CANCEL)
+        self._create = client.register_script(_CREATE)
 
     # ---- gateway side -------------------------------------------------------
     async def create(
@@ -115,13 +124,14 @@ class RedisBatches:
             "t:validating": info.created_at, "t:in_progress": time.time(),
             **dict.fromkeys(COUNTS, 0),
         }  # fmt: skip
+        flat = [str(x) for kv in record.items() for x in kv]
         try:
-            created = await self._r.hsetnx(meta, "id", info.batch_id)
+            # One script: two concurrent submissions of one id never see a half-written record.
+            stored: Any = await self._create(keys=[meta], args=flat)
+            created = stored == 1
             if created:
-                await self._r.hset(meta, mapping=record)  # type: ignore[arg-type]
                 await self._r.zadd(self.keys.batches(info.owner), {info.batch_id: info.created_at})
             else:
-                stored: Any = await self._r.hmget(meta, ["fingerprint", "enqueued"])
                 if stored[0] is None or stored[0].decode() != fingerprint:
                     raise InvalidRequest.field("batch_id", f"batch {info.batch_id!r} exists with other items")
                 if stored[1] is not None:
