@@ -9,8 +9,8 @@ back through the store (llamamesh/queue/batches.py). The owner of a batch is the
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -38,6 +38,7 @@ TENANT_HEADER = "x-llamamesh-tenant"
 DEFAULT_TEMPLATE = "Summarise the following document in a few sentences.\n\n{document}"
 MAX_CUSTOM_ID = 128
 MIN_WINDOW_S = 10
+CURSOR = re.compile(r"^\d{1,20}-\d{1,20}$")
 
 _STATE_TO_PB = {s: getattr(bpb, f"BATCH_STATE_{s.name}") for s in BatchState}
 _STATUS_TO_PB = {
@@ -274,6 +275,8 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
             info = await self._mine(request.batch_id, context)
             follow = request.follow if request.HasField("follow") else True
             cursor = request.cursor or "0-0"
+            if not CURSOR.match(cursor):
+                raise InvalidRequest.field("cursor", "not a BatchResult.cursor")
             while True:
                 ended = info.state.ended
                 got = await self._store.results(info.batch_id, cursor, self._block_ms if follow and not ended else None)
@@ -281,8 +284,7 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
                     yield result_pb(info.batch_id, cursor, result)
                 if not got and (ended or not follow):
                     return
-                if not got:
+                if not got:  # nothing within block_ms: has the batch ended meanwhile?
                     info = await self._mine(info.batch_id, context)
-                    await asyncio.sleep(0)
         except errors.LlamameshError as exc:
             await status.abort(context, exc)

@@ -58,6 +58,9 @@ async def test_a_batch_runs_to_completion_with_one_result_each(stub: batch_pb2_g
     assert all(r.usage.completion_tokens == 3 and r.status == bpb.BATCH_ITEM_STATUS_SUCCEEDED for r in got)
     done = await stub.GetBatch(bpb.GetBatchRequest(batch_id="b"))
     assert done.state == bpb.BATCH_STATE_COMPLETED and done.counts.succeeded == 9 and done.counts.processing == 0
+    with pytest.raises(grpc.aio.AioRpcError) as bad:
+        await anext(aiter(stub.StreamBatchResults(bpb.StreamBatchResultsRequest(batch_id="b", cursor="x"))))
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field_violations(bad.value) == ["cursor"]
     page = await stub.ListBatches(bpb.ListBatchesRequest())
     assert [x.batch_id for x in page.batches] == ["b"] and page.next_page_token == ""
 
