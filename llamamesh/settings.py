@@ -224,6 +224,12 @@ class BatchSettings:
     # Seconds a leased item may go untouched (its worker died) before another worker takes it over;
     # running items are touched every heartbeat.
     claim_idle_s: float = 30.0
+    # A batch whose first this-many results all errored (none succeeded) fails: its unstarted items
+    # end cancelled instead of running. 0: never.
+    fail_after: int = 50
+    # Seconds between a gateway's looks for batches past their deadline (their unstarted items end
+    # expired even while no worker runs).
+    sweep_interval_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -323,5 +329,3 @@ def _parse(typ: Any, raw: str, key: str) -> Any:
         return raw
     except ValueError as exc:
         raise ValueError(f"{key}: cannot read {raw!r} as {typ.__name__}") from exc
-
-

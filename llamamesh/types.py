@@ -216,6 +216,11 @@ class ItemResult:
     error_code: str = ""
     error_message: str = ""
 
+    @classmethod
+    def unrun(cls, custom_id: str, status: ItemStatus, why: str) -> ItemResult:
+        """The result of an item that never ran (cancelled or expired), with ``why``."""
+        return cls(custom_id, status, error_code=status.value, error_message=why)
+
 
 @dataclass(frozen=True)
 class BatchInfo:

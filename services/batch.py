@@ -9,6 +9,8 @@ back through the store (llamamesh/queue/batches.py). The owner of a batch is the
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import re
 import time
@@ -22,7 +24,7 @@ import structlog
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from llamamesh import errors
-from llamamesh.errors import FieldViolation, InvalidRequest
+from llamamesh.errors import FieldViolation, InvalidRequest, QueueUnavailable
 from llamamesh.queue.protocol import BatchStore
 from llamamesh.settings import BatchSettings, GatewaySettings
 from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, ModelInfo
@@ -288,3 +290,33 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
                     info = await self._mine(info.batch_id, context)
         except errors.LlamameshError as exc:
             await status.abort(context, exc)
+
+
+class BatchSweeper:
+    """Ends the unstarted items of batches past their deadline, every ``interval_s``, whether or not
+    a worker runs (workers expire the items they lease late too). Every gateway runs one: a sweep is
+    safe to repeat and to race."""
+
+    def __init__(self, store: BatchStore, interval_s: float) -> None:
+        self._store = store
+        self._interval_s = interval_s
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="batch-sweeper")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._store.sweep()
+            except QueueUnavailable:
+                log.warning("batch_sweep_failed", retry_in_s=self._interval_s)
+            except Exception:  # a sweep must never kill the gateway
+                log.exception("batch_sweep_crashed")
+            await asyncio.sleep(self._interval_s)

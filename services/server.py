@@ -22,7 +22,7 @@ from llamamesh.settings import BatchSettings, BreakerSettings, GatewaySettings, 
 from llamamesh.v1 import admin_pb2, admin_pb2_grpc, batch_pb2, batch_pb2_grpc, generation_pb2, generation_pb2_grpc
 from services.admin import AdminServicer
 from services.backends import Backends, backend_service
-from services.batch import BatchServicer
+from services.batch import BatchServicer, BatchSweeper
 from services.generation import GenerationServicer
 from services.health import HealthReporter
 from services.routing import RoutingPolicy, tokenizer_counter
@@ -40,12 +40,15 @@ class Gateway:
     health: HealthReporter
     backends: Backends
     port: int
+    sweeper: BatchSweeper | None = None
 
     async def stop(self, grace_s: float) -> None:
         """Health NOT_SERVING, stop accepting, give open streams ``grace_s``, then close."""
         await self.health.shutdown()
         await self.server.stop(grace_s)
         await self.backends.stop()
+        if self.sweeper is not None:
+            await self.sweeper.stop()
 
 
 async def start_gateway(
@@ -78,11 +81,14 @@ async def start_gateway(
     )
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(backends), server)
     services = [GENERATION_SERVICE, ADMIN_SERVICE]
+    sweeper = None
     if batches is not None:  # the batch store needs Redis (the in-memory queue of unit tests has none)
+        batch = batch or BatchSettings()
         batch_pb2_grpc.add_BatchServiceServicer_to_server(
-            BatchServicer(batches, settings, batch or BatchSettings(), models, policy), server
+            BatchServicer(batches, settings, batch, models, policy), server
         )
         services.append(BATCH_SERVICE)
+        sweeper = BatchSweeper(batches, batch.sweep_interval_s)
     health_pb2_grpc.add_HealthServicer_to_server(reporter.servicer, server)
     reflection.enable_server_reflection(
         (
@@ -98,8 +104,10 @@ async def start_gateway(
     await server.start()
     await reporter.start()
     await backends.start()
+    if sweeper is not None:
+        sweeper.start()
     log.info("gateway_started", host=settings.host, port=bound)
-    return Gateway(server=server, health=reporter, backends=backends, port=bound)
+    return Gateway(server=server, health=reporter, backends=backends, port=bound, sweeper=sweeper)
 
 
 async def serve(settings: Settings, share_port: bool = False) -> None:
@@ -109,7 +117,7 @@ async def serve(settings: Settings, share_port: bool = False) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     queue = RedisQueue.from_settings(settings.redis)
-    batches = RedisBatches(queue.client, queue.keys, settings.batch.retention_s)
+    batches = RedisBatches(queue.client, queue.keys, settings.batch.retention_s, settings.batch.fail_after)
     gateway = await start_gateway(
         queue, settings.gateway, share_port=share_port, breaker=settings.breaker, batches=batches, batch=settings.batch
     )

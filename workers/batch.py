@@ -22,11 +22,10 @@ log = structlog.get_logger(__name__)
 
 def skipped_result(lease: Lease) -> ItemResult:
     """The result of an item that does not run: its batch was cancelled, or its deadline passed."""
+    cid = lease.request.custom_id
     if lease.cancelled:
-        return ItemResult(lease.request.custom_id, ItemStatus.CANCELLED, error_code="cancelled",
-                          error_message="the batch was cancelled before this item started")  # fmt: skip
-    return ItemResult(lease.request.custom_id, ItemStatus.EXPIRED, error_code="expired",
-                      error_message="the batch's completion window ended before this item started")  # fmt: skip
+        return ItemResult.unrun(cid, ItemStatus.CANCELLED, "the batch was cancelled or failed before this item started")
+    return ItemResult.unrun(cid, ItemStatus.EXPIRED, "the batch's completion window ended before this item started")
 
 
 async def record(batches: BatchStore, lease: Lease, result: ItemResult) -> None:

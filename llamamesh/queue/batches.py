@@ -30,28 +30,90 @@ from llamamesh.queue import codec
 from llamamesh.queue.keys import JOB_FIELD, RESULT_FIELD, WORKER_GROUP, Keys
 from llamamesh.queue.protocol import Lease
 from llamamesh.queue.streams import create_group
-from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult
+from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, ItemStatus
 
 COUNTS = ("succeeded", "errored", "cancelled", "expired")
 
-# KEYS: meta, done, results. ARGV: custom_id, status, encoded result, now, retention_s.
-# Returns 1 (recorded), 0 (the item had a result already), -1 (no such batch: it was purged).
-_RECORD = """
+# Shared by _RECORD and _SKIP (KEYS: meta, done, results, ids, started): once every item has a
+# result, end the batch (in_progress -> completed or expired, cancelling -> cancelled; failed stays)
+# and start its retention.
+_FINISH = """
+local function finish(now, retention)
+  local f = redis.call('HMGET', KEYS[1], 'total', 'succeeded', 'errored', 'cancelled', 'expired', 'state')
+  local n = (tonumber(f[2]) or 0) + (tonumber(f[3]) or 0) + (tonumber(f[4]) or 0) + (tonumber(f[5]) or 0)
+  if n < tonumber(f[1]) then return end
+  local final = nil
+  if f[6] == 'in_progress' then
+    final = 'completed'
+    if (tonumber(f[5]) or 0) > 0 then final = 'expired' end
+  elseif f[6] == 'cancelling' then final = 'cancelled'
+  elseif f[6] ~= 'failed' then return end
+  if final then
+    redis.call('HSET', KEYS[1], 't:finalizing', now, 'state', final, 't:' .. final, now)
+  end
+  redis.call('HSET', KEYS[1], 'results_expire_at', tonumber(now) + tonumber(retention))
+  for i = 1, 5 do redis.call('EXPIRE', KEYS[i], retention) end
+end
+"""
+
+# KEYS: meta, done, results, ids, started. ARGV: custom_id, status, encoded result, now, retention_s,
+# fail_after. Returns 1 (recorded), 2 (recorded, and it failed the batch: its first fail_after
+# results all errored), 0 (the item had a result already), -1 (no such batch: it was purged).
+_RECORD = (
+    _FINISH
+    + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2]) == 0 then return 0 end
 redis.call('XADD', KEYS[3], '*', 'r', ARGV[3])
 redis.call('HINCRBY', KEYS[1], ARGV[2], 1)
-local f = redis.call('HMGET', KEYS[1], 'total', 'succeeded', 'errored', 'cancelled', 'expired', 'state')
-local n = (tonumber(f[2]) or 0) + (tonumber(f[3]) or 0) + (tonumber(f[4]) or 0) + (tonumber(f[5]) or 0)
-if n >= tonumber(f[1]) and (f[6] == 'in_progress' or f[6] == 'cancelling') then
-  local final = 'completed'
-  if f[6] == 'cancelling' then final = 'cancelled' elseif (tonumber(f[5]) or 0) > 0 then final = 'expired' end
-  redis.call('HSET', KEYS[1], 't:finalizing', ARGV[4])
-  redis.call('HSET', KEYS[1], 'state', final, 't:' .. final, ARGV[4],
-             'results_expire_at', tonumber(ARGV[4]) + tonumber(ARGV[5]))
-  for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[5]) end
+local ret = 1
+if ARGV[2] == 'errored' and tonumber(ARGV[6]) > 0 then
+  local f = redis.call('HMGET', KEYS[1], 'state', 'succeeded', 'errored')
+  if f[1] == 'in_progress' and (tonumber(f[2]) or 0) == 0 and tonumber(f[3]) >= tonumber(ARGV[6]) then
+    redis.call('HSET', KEYS[1], 'state', 'failed', 't:failed', ARGV[4])
+    ret = 2
+  end
 end
-return 1
+finish(ARGV[4], ARGV[5])
+return ret
+"""
+)
+
+# Ends the items no worker has started, without running them. KEYS: meta, done, results, ids,
+# started. ARGV: now, retention_s, status ('expired': only past the deadline, and from then on no
+# item starts; 'cancelled': a cancelling or failed batch), then custom_id, encoded result, ...
+# Returns how many it ended, -1 (no such batch), -2 (nothing to do in this state).
+_SKIP = (
+    _FINISH
+    + """
+local f = redis.call('HMGET', KEYS[1], 'state', 'expires_at')
+if not f[1] then return -1 end
+if ARGV[3] == 'expired' then
+  if f[1] ~= 'in_progress' or tonumber(ARGV[1]) <= tonumber(f[2]) then return -2 end
+  redis.call('HSET', KEYS[1], 'closing', 'expired')
+elseif f[1] ~= 'cancelling' and f[1] ~= 'failed' then return -2 end
+local n = 0
+for i = 4, #ARGV, 2 do
+  if redis.call('SISMEMBER', KEYS[5], ARGV[i]) == 0 and redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[3]) == 1 then
+    redis.call('XADD', KEYS[3], '*', 'r', ARGV[i + 1])
+    n = n + 1
+  end
+end
+if n > 0 then redis.call('HINCRBY', KEYS[1], ARGV[3], n) end
+finish(ARGV[1], ARGV[2])
+return n
+"""
+)
+
+# Leased items about to run. KEYS: meta, started. ARGV: now, custom_id ... Returns 'ok' (they are
+# marked started: no sweep ends them), 'expired' (past the deadline), or the state that stops them.
+_START = """
+local f = redis.call('HMGET', KEYS[1], 'state', 'expires_at', 'closing')
+if not f[1] then return 'gone' end
+if f[1] ~= 'in_progress' then return f[1] end
+if f[3] or tonumber(ARGV[1]) > tonumber(f[2]) then return 'expired' end
+for i = 2, #ARGV do redis.call('SADD', KEYS[2], ARGV[i]) end
+return 'ok'
 """
 
 # KEYS: meta. ARGV: the record, field value field value ... Returns 1 (created), or the stored
@@ -100,13 +162,21 @@ class RedisBatches:
     """The batch store, both faces: the gateway's (create, get, owned, cancel, results) and the
     worker's (lease_items, record, touch, reclaim)."""
 
-    def __init__(self, client: aioredis.Redis, keys: Keys, retention_s: int) -> None:
+    def __init__(self, client: aioredis.Redis, keys: Keys, retention_s: int, fail_after: int = 0) -> None:
         self._r = client
         self.keys = keys
         self.retention_s = retention_s
+        self.fail_after = fail_after
         self._record = client.register_script(_RECORD)
         self._cancel = client.register_script(_CANCEL)
         self._create = client.register_script(_CREATE)
+        self._skip = client.register_script(_SKIP)
+        self._start = client.register_script(_START)
+
+    def _item_keys(self, batch_id: str) -> list[str]:
+        k = self.keys
+        return [k.batch(batch_id), k.batch_done(batch_id), k.batch_results(batch_id),
+                k.batch_ids(batch_id), k.batch_started(batch_id)]  # fmt: skip
 
     # ---- gateway side -------------------------------------------------------
     async def create(
@@ -130,13 +200,19 @@ class RedisBatches:
             stored: Any = await self._create(keys=[meta], args=flat)
             created = stored == 1
             if created:
-                await self._r.zadd(self.keys.batches(info.owner), {info.batch_id: info.created_at})
+                async with self._r.pipeline(transaction=False) as pipe:
+                    pipe.zadd(self.keys.batches(info.owner), {info.batch_id: info.created_at})
+                    pipe.zadd(self.keys.batches_open(), {info.batch_id: info.expires_at})
+                    await pipe.execute()
             else:
                 if stored[0] is None or stored[0].decode() != fingerprint:
                     raise InvalidRequest.field("batch_id", f"batch {info.batch_id!r} exists with other items")
                 if stored[1] is not None:
                     return await self._require(info.batch_id), False
             async with self._r.pipeline(transaction=False) as pipe:
+                ids = [request.custom_id for _pool, request in items]
+                for i in range(0, len(ids), 1000):
+                    pipe.sadd(self.keys.batch_ids(info.batch_id), *ids[i : i + 1000])
                 for pool, request in items:
                     pipe.xadd(self.keys.batch_items(pool), {JOB_FIELD: codec.encode_job(request)})
                 pipe.hset(meta, "enqueued", 1)
@@ -177,13 +253,66 @@ class RedisBatches:
         return out
 
     async def cancel(self, batch_id: str) -> BatchInfo | None:
-        """Move an unfinished batch to cancelling (its queued items end cancelled as workers reach
-        them, running ones finish); an ended one is returned as it is. None if unknown."""
+        """Move an unfinished batch to cancelling and end its unstarted items cancelled (running ones
+        finish; the batch is cancelled with the last); an ended one is returned as it is. None if
+        unknown."""
         try:
             state = await self._cancel(keys=[self.keys.batch(batch_id)], args=[time.time()])
         except RedisError as exc:
             raise QueueUnavailable("the queue is unreachable") from exc
+        if state == b"cancelling":
+            await self.settle(batch_id)
         return await self.get(batch_id) if state else None
+
+    async def settle(self, batch_id: str) -> BatchInfo | None:
+        """End, without running them, the items that can no longer start: all unstarted ones of a
+        cancelling or failed batch, or of one past its deadline (those end expired). Safe to repeat
+        and to run from several processes at once. Returns the batch after it (None: unknown)."""
+        info = await self.get(batch_id)
+        if info is None or (info.state.ended and info.state is not BatchState.FAILED):
+            return info
+        if info.state is BatchState.IN_PROGRESS:
+            if time.time() <= info.expires_at:
+                return info
+            status, why = ItemStatus.EXPIRED, "the batch's completion window ended before this item started"
+        elif info.state is BatchState.FAILED:
+            status, why = ItemStatus.CANCELLED, "the batch failed before this item started"
+        else:
+            status, why = ItemStatus.CANCELLED, "the batch was cancelled before this item started"
+        keys = self._item_keys(batch_id)
+        try:
+            cursor: Any = 0
+            while True:
+                reply: Any = await self._r.sscan(keys[3], cursor, count=500)
+                cursor, ids = reply
+                args: list[Any] = [time.time(), self.retention_s, status.value]
+                for raw in ids:
+                    cid = raw.decode()
+                    args += [cid, codec.encode_result(ItemResult.unrun(cid, status, why))]
+                if ids and int(await self._skip(keys=keys, args=args)) < 0:
+                    break
+                if int(cursor) == 0:
+                    break
+        except RedisError as exc:
+            raise QueueUnavailable("the queue is unreachable") from exc
+        return await self.get(batch_id)
+
+    async def sweep(self, limit: int = 100) -> int:
+        """Settle the open batches whose deadline has passed (a gateway runs this periodically);
+        returns how many it looked at. An ended batch leaves the open set; one still waiting for
+        running items is looked at again a minute later."""
+        key = self.keys.batches_open()
+        try:
+            due: Any = await self._r.zrangebyscore(key, "-inf", time.time(), start=0, num=limit)
+            for raw in due:
+                info = await self.settle(raw.decode())
+                if info is None or info.state.ended:
+                    await self._r.zrem(key, raw)
+                else:
+                    await self._r.zadd(key, {raw: time.time() + 60})
+        except RedisError as exc:
+            raise QueueUnavailable("the queue is unreachable") from exc
+        return len(due)
 
     async def results(self, batch_id: str, after: str, block_ms: int | None) -> list[tuple[str, ItemResult]]:
         """Results after cursor ``after`` ("0-0": from the first), waiting up to ``block_ms`` for one."""
@@ -251,24 +380,30 @@ class RedisBatches:
                 decoded.append((eid, codec.decode_job(fields[JOB_FIELD.encode()])))
             except (InvalidRequest, KeyError):
                 bad.append(eid)
-        batch_ids = sorted({req.batch_id for _e, req in decoded})
+        by_batch: dict[str, list[str]] = {}
+        for _eid, req in decoded:
+            by_batch.setdefault(req.batch_id, []).append(req.custom_id)
+        now = time.time()
         try:
             async with self._r.pipeline(transaction=False) as pipe:
-                for bid in batch_ids:
-                    pipe.hmget(self.keys.batch(bid), ["state", "expires_at"])
+                for bid, cids in by_batch.items():
+                    keys = [self.keys.batch(bid), self.keys.batch_started(bid)]
+                    await self._start(keys=keys, args=[now, *cids], client=pipe)  # queued: the reply comes below
                 if bad:
                     pipe.xack(stream, WORKER_GROUP, *bad)
                     pipe.xdel(stream, *bad)
                 replies = await pipe.execute()
         except RedisError as exc:
             raise QueueUnavailable("the queue is unreachable") from exc
-        now = time.time()
-        gate = {}
-        for bid, (state, expires_at) in zip(batch_ids, replies[: len(batch_ids)], strict=True):
-            state = state.decode() if state else ""
-            gate[bid] = (state in ("", "cancelling", "cancelled"), bool(expires_at) and now > float(expires_at))
+        gate = {bid: r.decode() if isinstance(r, bytes) else str(r) for bid, r in zip(by_batch, replies, strict=False)}
         return [
-            Lease(pool=pool, entry_id=eid, request=req, cancelled=gate[req.batch_id][0], expired=gate[req.batch_id][1])
+            Lease(
+                pool,
+                eid,
+                req,
+                cancelled=gate[req.batch_id] not in ("ok", "expired"),
+                expired=gate[req.batch_id] == "expired",
+            )
             for eid, req in decoded
         ]
 
@@ -284,18 +419,18 @@ class RedisBatches:
             raise QueueUnavailable("the queue is unreachable") from exc
 
     async def record(self, lease: Lease, result: ItemResult) -> bool:
-        """Record the item's one result (False: it had one already, or its batch is gone), then ack it."""
+        """Record the item's one result (False: it had one already, or its batch is gone), then ack
+        it. The result that fails the batch (its first ``fail_after`` all errored) settles it."""
         req = lease.request
-        bid = req.batch_id
-        keys = [self.keys.batch(bid), self.keys.batch_done(bid), self.keys.batch_results(bid)]
         try:
-            done = await self._record(
-                keys=keys,
-                args=[req.custom_id, result.status.value, codec.encode_result(result), time.time(), self.retention_s],
-            )
+            done = int(await self._record(
+                keys=self._item_keys(req.batch_id),
+                args=[req.custom_id, result.status.value, codec.encode_result(result), time.time(), self.retention_s,
+                      self.fail_after],
+            ))  # fmt: skip
         except RedisError as exc:
             raise QueueUnavailable("the queue is unreachable") from exc
         await self.discard(lease)
-        return int(done) == 1
-
-
+        if done == 2:
+            await self.settle(req.batch_id)
+        return done >= 1

@@ -67,6 +67,18 @@ class Keys:
         """The batch's results, in the order items finished (a stream)."""
         return f"{self.prefix}:batch:{{b:{batch_id}}}:results"
 
+    def batch_ids(self, batch_id: str) -> str:
+        """Every custom_id of the batch (a set): what a sweep ends when items cannot run."""
+        return f"{self.prefix}:batch:{{b:{batch_id}}}:ids"
+
+    def batch_started(self, batch_id: str) -> str:
+        """custom_ids a worker has started (a set): a sweep leaves those to finish."""
+        return f"{self.prefix}:batch:{{b:{batch_id}}}:started"
+
+    def batches_open(self) -> str:
+        """Unfinished batches by deadline (a sorted set): the gateways' sweeper expires them."""
+        return f"{self.prefix}:batches:open"
+
     def batches(self, owner: str) -> str:
         """An owner's batches by creation time (a sorted set)."""
         return f"{self.prefix}:owner:{{{owner}}}:batches"

@@ -16,7 +16,7 @@ from types import MappingProxyType
 
 from llamamesh.errors import InvalidRequest, QueueUnavailable
 from llamamesh.queue.protocol import Lease
-from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, JobEvent, WorkerStatus
+from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, ItemStatus, JobEvent, WorkerStatus
 
 
 @dataclass
@@ -119,10 +119,7 @@ class MemoryQueue:
         taken, p.waiting = p.waiting[:count], p.waiting[count:]
         for entry_id, req in taken:
             p.pending[entry_id] = (consumer, req)
-        return [
-            Lease(pool=pool, entry_id=i, request=r, cancelled=r.request_id in self._cancelled)
-            for i, r in taken
-        ]
+        return [Lease(pool=pool, entry_id=i, request=r, cancelled=r.request_id in self._cancelled) for i, r in taken]
 
     async def heartbeat(self, status: WorkerStatus, ttl_s: float) -> None:
         self._check()
@@ -153,13 +150,17 @@ class _Batch:
     fingerprint: str
     done: dict[str, str] = field(default_factory=dict)
     results: list[tuple[str, ItemResult]] = field(default_factory=list)
+    ids: list[str] = field(default_factory=list)
+    started: set[str] = field(default_factory=set)
+    closing: bool = False
 
 
 class MemoryBatches:
     """BatchStore in one process, same contract as ``batches.RedisBatches`` (no reclaim: nothing
     here dies separately)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fail_after: int = 0) -> None:
+        self.fail_after = fail_after
         self._batches: dict[str, _Batch] = {}
         self._items: dict[str, _Pool] = {}
         self._changed = asyncio.Condition()
@@ -186,7 +187,7 @@ class MemoryBatches:
         now = time.time()
         times = {BatchState.VALIDATING.value: info.created_at, BatchState.IN_PROGRESS.value: now}
         stored = dataclasses.replace(info, state=BatchState.IN_PROGRESS, times=MappingProxyType(times))
-        self._batches[info.batch_id] = _Batch(stored, fingerprint)
+        self._batches[info.batch_id] = _Batch(stored, fingerprint, ids=[req.custom_id for _p, req in items])
         for pool, req in items:
             self._items.setdefault(pool, _Pool()).waiting.append((f"{next(self._ids)}-0", req))
         await self._notify()
@@ -204,14 +205,42 @@ class MemoryBatches:
     def _set(self, b: _Batch, **changes: object) -> None:
         b.info = dataclasses.replace(b.info, **changes)  # type: ignore[arg-type]
 
+    def _enter(self, b: _Batch, state: BatchState, **changes: object) -> None:
+        self._set(b, state=state, times=MappingProxyType({**b.info.times, state.value: time.time()}), **changes)
+
     async def cancel(self, batch_id: str) -> BatchInfo | None:
         b = self._batches.get(batch_id)
         if b is None:
             return None
-        if b.info.state in (BatchState.VALIDATING, BatchState.IN_PROGRESS):
-            times = {**b.info.times, BatchState.CANCELLING.value: time.time()}
-            self._set(b, state=BatchState.CANCELLING, times=MappingProxyType(times))
+        if b.info.state in (BatchState.VALIDATING, BatchState.IN_PROGRESS, BatchState.CANCELLING):
+            if b.info.state is not BatchState.CANCELLING:
+                self._enter(b, BatchState.CANCELLING)
+            await self.settle(batch_id)
         return b.info
+
+    async def settle(self, batch_id: str) -> BatchInfo | None:
+        b = self._batches.get(batch_id)
+        if b is None or (b.info.state.ended and b.info.state is not BatchState.FAILED):
+            return b.info if b else None
+        if b.info.state is BatchState.IN_PROGRESS:
+            if time.time() <= b.info.expires_at:
+                return b.info
+            b.closing = True
+            status = ItemStatus.EXPIRED
+        else:
+            status = ItemStatus.CANCELLED
+        for cid in b.ids:
+            if cid not in b.started and cid not in b.done:
+                self._add(b, ItemResult.unrun(cid, status, f"the batch ended ({b.info.state.value}) before it started"))
+        self._finish(b)
+        await self._notify()
+        return b.info
+
+    async def sweep(self, limit: int = 100) -> int:
+        due = [b for b in self._batches.values() if not b.info.state.ended and time.time() > b.info.expires_at]
+        for b in due[:limit]:
+            await self.settle(b.info.batch_id)
+        return len(due[:limit])
 
     async def results(self, batch_id: str, after: str, block_ms: int | None) -> list[tuple[str, ItemResult]]:
         b = self._batches.get(batch_id)
@@ -231,14 +260,15 @@ class MemoryBatches:
         p = self._items.setdefault(pool, _Pool())
         await self._wait(lambda: bool(p.waiting), block_ms)
         taken, p.waiting = p.waiting[:count], p.waiting[count:]
-        now = time.time()
         out = []
         for entry_id, req in taken:
             p.pending[entry_id] = (consumer, req)
             b = self._batches.get(req.batch_id)
-            gone = b is None or b.info.state in (BatchState.CANCELLING, BatchState.CANCELLED)
-            late = b is not None and now > b.info.expires_at
-            out.append(Lease(pool=pool, entry_id=entry_id, request=req, cancelled=gone, expired=late))
+            late = b is not None and (b.closing or time.time() > b.info.expires_at)
+            gone = b is None or b.info.state is not BatchState.IN_PROGRESS
+            if b is not None and not gone and not late:
+                b.started.add(req.custom_id)
+            out.append(Lease(pool=pool, entry_id=entry_id, request=req, cancelled=gone, expired=late and not gone))
         return out
 
     async def reclaim(self, pool: str, consumer: str, min_idle_ms: int, count: int) -> list[Lease]:
@@ -256,16 +286,30 @@ class MemoryBatches:
         await self.discard(lease)
         if b is None or req.custom_id in b.done:
             return False
-        b.done[req.custom_id] = result.status.value
-        b.results.append((f"{next(self._ids)}-0", result))
-        counts = {result.status.value: getattr(b.info, result.status.value) + 1}
-        self._set(b, **counts)
+        self._add(b, result)
         i = b.info
-        if i.processing == 0 and i.state in (BatchState.IN_PROGRESS, BatchState.CANCELLING):
-            final = (BatchState.CANCELLED if i.state is BatchState.CANCELLING
-                     else BatchState.EXPIRED if i.expired else BatchState.COMPLETED)  # fmt: skip
-            now = time.time()
-            times = {**i.times, BatchState.FINALIZING.value: now, final.value: now}
-            self._set(b, state=final, times=MappingProxyType(times), results_expire_at=now)
+        if (self.fail_after and i.state is BatchState.IN_PROGRESS and i.succeeded == 0
+                and i.errored >= self.fail_after):  # fmt: skip
+            self._enter(b, BatchState.FAILED)
+            await self.settle(req.batch_id)
+        self._finish(b)
         await self._notify()
         return True
+
+    def _add(self, b: _Batch, result: ItemResult) -> None:
+        b.done[result.custom_id] = result.status.value
+        b.results.append((f"{next(self._ids)}-0", result))
+        self._set(b, **{result.status.value: getattr(b.info, result.status.value) + 1})
+
+    def _finish(self, b: _Batch) -> None:
+        i = b.info
+        if i.processing or i.state not in (BatchState.IN_PROGRESS, BatchState.CANCELLING, BatchState.FAILED):
+            return
+        now = time.time()
+        if i.state is not BatchState.FAILED and not i.results_expire_at:
+            final = (BatchState.CANCELLED if i.state is BatchState.CANCELLING
+                     else BatchState.EXPIRED if i.expired else BatchState.COMPLETED)  # fmt: skip
+            self._set(b, state=final, times=MappingProxyType({**i.times, BatchState.FINALIZING.value: now,
+                                                              final.value: now}))  # fmt: skip
+        if not b.info.results_expire_at:
+            self._set(b, results_expire_at=now)

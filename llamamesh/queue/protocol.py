@@ -103,6 +103,15 @@ class BatchStore(Protocol):
         """Cancel an unfinished batch (queued items end cancelled, running ones finish)."""
         ...
 
+    async def settle(self, batch_id: str) -> BatchInfo | None:
+        """End the unstarted items that can no longer start (cancelling or failed batch: cancelled;
+        past the deadline: expired); idempotent."""
+        ...
+
+    async def sweep(self, limit: int = 100) -> int:
+        """Settle open batches past their deadline; how many were looked at."""
+        ...
+
     async def results(self, batch_id: str, after: str, block_ms: int | None) -> list[tuple[str, ItemResult]]:
         """(cursor, result) after cursor ``after`` ("0-0": the first), waiting up to ``block_ms``."""
         ...

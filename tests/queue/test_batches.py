@@ -74,20 +74,82 @@ async def test_one_result_per_custom_id_and_the_last_one_ends_the_batch(store: B
     assert [r.custom_id for _c, r in await store.results("r", got[0][0], None)] == [leases[1].request.custom_id]
 
 
-async def test_cancelled_and_expired_items_come_flagged(store: BatchStore) -> None:
+def counts(b: BatchInfo | None) -> tuple[int, ...]:
+    assert b is not None
+    return (b.processing, b.succeeded, b.errored, b.cancelled, b.expired)
+
+
+async def test_cancel_ends_queued_items_at_once_and_lets_running_ones_finish(store: BatchStore) -> None:
     await store.join("cpu")
-    info, items = batch("x", 2)
+    info, items = batch("x", 3)
     await store.create(info, "fp", items)
-    cancelled = await store.cancel("x")
-    assert cancelled is not None and cancelled.state is BatchState.CANCELLING
+    running = await store.lease_items("cpu", "w", 1, 100)  # c0 starts
+    assert [(x.request.custom_id, x.cancelled) for x in running] == [("c0", False)]
+    got = await store.cancel("x")
+    assert got is not None and got.state is BatchState.CANCELLING and counts(got) == (1, 0, 0, 2, 0)
+    again = await store.cancel("x")  # a retried cancel changes nothing
+    assert again is not None and counts(again) == (1, 0, 0, 2, 0)
+    late = await store.lease_items("cpu", "w", 10, 100)  # the queued copies still on the stream
+    assert sorted((x.request.custom_id, x.cancelled) for x in late) == [("c1", True), ("c2", True)]
+    for x in late:
+        assert await store.record(x, ItemResult.unrun(x.request.custom_id, ItemStatus.CANCELLED, "")) is False
+    assert await store.record(running[0], ok("c0")) is True
+    end = await store.get("x")
+    assert end is not None and end.state is BatchState.CANCELLED and counts(end) == (0, 1, 0, 2, 0)
+    assert sorted(r.custom_id for _c, r in await store.results("x", "0-0", None)) == ["c0", "c1", "c2"]
+    assert await store.cancel("nope") is None
+
+
+async def test_a_cancel_with_nothing_running_ends_the_batch_without_any_worker(store: BatchStore) -> None:
+    info, items = batch("idle", 2)
+    await store.create(info, "fp", items)
+    got = await store.cancel("idle")
+    assert got is not None and got.state is BatchState.CANCELLED and counts(got) == (0, 0, 0, 2, 0)
+
+
+async def test_the_sweep_expires_unstarted_items_past_the_deadline_without_any_worker(store: BatchStore) -> None:
+    await store.join("cpu")
+    info, items = batch("late", 3, window_s=0.5)
+    await store.create(info, "fp", items)
+    started = await store.lease_items("cpu", "w", 1, 100)
+    assert [(x.cancelled, x.expired) for x in started] == [(False, False)]
+    early = await store.settle("late")  # before the deadline: nothing to do
+    assert early is not None and counts(early) == (3, 0, 0, 0, 0)
+    await asyncio.sleep(0.6)  # past a deadline that the store reads from the clock
+    assert await store.sweep() >= 1
+    mid = await store.get("late")
+    assert mid is not None and mid.state is BatchState.IN_PROGRESS and counts(mid) == (1, 0, 0, 0, 2)
+    rest = await store.lease_items("cpu", "w", 10, 100)
+    assert sorted((x.request.custom_id, x.expired) for x in rest) == [("c1", True), ("c2", True)]
+    assert await store.record(started[0], ok(started[0].request.custom_id)) is True  # the started one finishes
+    end = await store.get("late")
+    assert end is not None and end.state is BatchState.EXPIRED and counts(end) == (0, 1, 0, 0, 2)
+
+
+async def test_a_batch_whose_first_results_all_errored_fails(redis_settings: RedisSettings) -> None:
+    q = RedisQueue.from_settings(redis_settings)
+    for store in (RedisBatches(q.client, q.keys, retention_s=60, fail_after=2), MemoryBatches(fail_after=2)):
+        await store.join("cpu")
+        info, items = batch("f", 5)
+        await store.create(info, "fp", items)
+        leases = await store.lease_items("cpu", "w", 3, 100)
+        for x in leases[:2]:
+            await store.record(x, ItemResult(x.request.custom_id, ItemStatus.ERRORED, error_code="invalid_argument"))
+        failed = await store.get("f")
+        assert failed is not None and failed.state is BatchState.FAILED and "failed" in failed.times
+        assert counts(failed) == (1, 0, 2, 2, 0)  # the running third goes on; the two queued end cancelled
+        await store.record(leases[2], ok(leases[2].request.custom_id))
+        end = await store.get("f")
+        assert end is not None and end.state is BatchState.FAILED and counts(end) == (0, 1, 2, 2, 0)
+        assert end.results_expire_at > 0
+    await q.close()
+
+
+async def test_a_late_lease_comes_flagged_expired(store: BatchStore) -> None:
+    await store.join("cpu")
     late_info, late_items = batch("late", 1, window_s=-1)  # its window is already over
     await store.create(late_info, "fp", late_items)
     leases = await store.lease_items("cpu", "w", 10, 100)
-    flags = {x.request.custom_id + "@" + x.request.batch_id: (x.cancelled, x.expired) for x in leases}
-    assert flags == {"c0@x": (True, False), "c1@x": (True, False), "c0@late": (False, True)}
-    for x in leases:
-        status = ItemStatus.CANCELLED if x.cancelled else ItemStatus.EXPIRED
-        await store.record(x, ItemResult(x.request.custom_id, status))
-    assert (await store.get("x")).state is BatchState.CANCELLED  # type: ignore[union-attr]
+    assert [(x.cancelled, x.expired) for x in leases] == [(False, True)]
+    await store.record(leases[0], ItemResult.unrun("c0", ItemStatus.EXPIRED, ""))
     assert (await store.get("late")).state is BatchState.EXPIRED  # type: ignore[union-attr]
-    assert await store.cancel("nope") is None
