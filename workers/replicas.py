@@ -1,0 +1,103 @@
+"""One worker process per group of GPUs: data parallelism through the queue.
+
+A worker's engine spans ``tensor_parallel_size`` GPUs (vLLM's and TensorRT-LLM's own executors do
+the sharding). When that setting is given (k >= 1) and the host shows more GPUs than k, the worker
+command becomes a supervisor of n // k worker processes, each seeing its own k GPUs
+(``CUDA_VISIBLE_DEVICES``) and leasing from the pool as consumer ``<name>-r<i>``: with k = 1, one
+worker per GPU. The default (0) keeps one worker over every visible GPU.
+
+The supervisor forwards SIGTERM/SIGINT (each replica drains as a worker does) and, when one replica
+dies, stops the others and exits 1, as the gateway's supervisor does: the process manager
+(Kubernetes, systemd) restarts the whole set, and the queue hands the dead one's work to others.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping
+
+import structlog
+
+from llamamesh.errors import InvalidRequest
+from llamamesh.settings import Settings
+
+log = structlog.get_logger(__name__)
+
+
+def visible_gpus(env: Mapping[str, str]) -> list[str]:
+    """The GPUs this process may use: ``CUDA_VISIBLE_DEVICES`` when set, else what nvidia-smi lists
+    (none without it). Does not touch CUDA, so the replicas can still pick their devices."""
+    given = env.get("CUDA_VISIBLE_DEVICES")
+    if given is not None:
+        return [g.strip() for g in given.split(",") if g.strip()]
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
+
+
+def tensor_parallel_size(settings: Settings) -> int:
+    """The engine's tensor parallel setting (0: every visible GPU); 0 for CPU engines."""
+    if settings.worker.engine == "vllm":
+        return settings.vllm.tensor_parallel_size
+    if settings.worker.engine == "trtllm":
+        return settings.trtllm.tensor_parallel_size
+    return 0
+
+
+def replica_gpus(gpus: list[str], tp: int, field: str) -> list[list[str]]:
+    """The GPU groups of the replicas; [] when one worker takes them all (``tp`` 0, or no more GPUs
+    than ``tp``). InvalidRequest on ``field`` when the GPUs do not split into groups of ``tp``."""
+    if tp <= 0 or len(gpus) <= tp:
+        return []
+    if len(gpus) % tp:
+        listed = ",".join(gpus)
+        raise InvalidRequest.field(field, f"{len(gpus)} visible GPUs ({listed}) do not split into groups of {tp}")
+    return [gpus[i : i + tp] for i in range(0, len(gpus), tp)]
+
+
+def run_replicas(settings: Settings, groups: list[list[str]], env: Mapping[str, str]) -> int:
+    """Run one ``python -m workers`` per GPU group until a signal (forwarded) or until one exits (the
+    rest are stopped). Returns 0, or 1 if a replica died."""
+    base = settings.worker.consumer_name()
+    procs: list[subprocess.Popen[bytes]] = []
+    for i, group in enumerate(groups):
+        child_env = {**env, "CUDA_VISIBLE_DEVICES": ",".join(group), "LLAMAMESH_WORKER_CONSUMER": f"{base}-r{i}"}
+        procs.append(subprocess.Popen([sys.executable, "-m", "workers"], env=child_env))
+        log.info("replica_started", replica=i, pid=procs[-1].pid, gpus=",".join(group), consumer=f"{base}-r{i}")
+    stopping = False
+
+    def stop_all(signum: int, frame: object = None) -> None:
+        nonlocal stopping
+        stopping = True
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop_all)
+    fds = {os.pidfd_open(p.pid): p for p in procs}
+    code = 0
+    while fds:
+        try:
+            ready, _w, _x = select.select(list(fds), [], [])
+        except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for clarity
+            continue
+        for fd in ready:
+            p = fds.pop(fd)
+            os.close(fd)
+            p.wait()
+            if not stopping:
+                log.error("replica_died", pid=p.pid, exit_code=p.returncode)
+                code = 1
+                stop_all(signal.SIGTERM)
+            elif p.returncode:
+                code = 1
+    log.info("replicas_stopped", exit_code=code)
+    return code
