@@ -52,13 +52,16 @@ def gpu_memory_used_mib() -> list[int]:
     return [int(x) for x in out.split()]
 
 
-@pytest.fixture(params=["tp2", "two workers"])
-def node(request: pytest.FixtureRequest, e2e_redis: RedisProcess, tmp_path: Path) -> Iterator[ProcessNode]:
+@pytest.fixture(scope="module", params=["tp2", "two workers"])
+def node(
+    request: pytest.FixtureRequest, e2e_redis: RedisProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProcessNode]:
+    """One node per layout, shared by the module's tests (the replica-killing test runs last)."""
     why = _two_gpus()
     if why is not None:
         pytest.skip(why)
     tp = "2" if request.param == "tp2" else "1"
-    n = ProcessNode(tmp_path, e2e_redis, engine="vllm", pool="gpu", extra_env={
+    n = ProcessNode(tmp_path_factory.mktemp("multi-gpu"), e2e_redis, engine="vllm", pool="gpu", extra_env={
         **NO_MULTICAST,
         "CUDA_VISIBLE_DEVICES": "0,1",
         "LLAMAMESH_GATEWAY_MODELS": "llama8b-dummy=gpu",
@@ -82,10 +85,17 @@ def node(request: pytest.FixtureRequest, e2e_redis: RedisProcess, tmp_path: Path
         n.stop()
 
 
-async def _workers(address: str) -> list[str]:
+async def _workers(address: str, want: int) -> list[str]:
+    """The pool's live workers as the gateway lists them, once it lists ``want`` (or after 60 s):
+    a replica that started last may not have reached the gateway's view yet."""
+    deadline = time.monotonic() + 60
     async with grpc.aio.insecure_channel(address) as ch:
-        got = await admin_pb2_grpc.AdminServiceStub(ch).ListBackends(admin_pb2.ListBackendsRequest())
-    return sorted(w.name for b in got.backends if b.pool == "gpu" for w in b.workers)
+        while True:
+            got = await admin_pb2_grpc.AdminServiceStub(ch).ListBackends(admin_pb2.ListBackendsRequest())
+            names = sorted(w.name for b in got.backends if b.pool == "gpu" for w in b.workers)
+            if len(names) >= want or time.monotonic() > deadline:
+                return names
+            await asyncio.sleep(0.2)  # the next heartbeat, bounded by the deadline
 
 
 async def test_streams_on_both_gpus(node: ProcessNode) -> None:
@@ -94,10 +104,10 @@ async def test_streams_on_both_gpus(node: ProcessNode) -> None:
     log = node.log("worker")
     if node.param == "tp2":  # type: ignore[attr-defined]
         assert '"tensor_parallel_size": 2' in log
-        assert await _workers(node.address) == ["e2e-worker-0", "e2e-worker-1"]  # one engine, two frontends
+        assert await _workers(node.address, 2) == ["e2e-worker-0", "e2e-worker-1"]  # one engine, two frontends
     else:
         assert log.count('"replica_started"') == 2 and '"tensor_parallel_size": 1' in log
-        names = await _workers(node.address)
+        names = await _workers(node.address, 4)
         assert names == ["e2e-worker-r0-0", "e2e-worker-r0-1", "e2e-worker-r1-0", "e2e-worker-r1-1"], names
 
     async with Client(node.address) as c:
@@ -106,7 +116,11 @@ async def test_streams_on_both_gpus(node: ProcessNode) -> None:
             msgs = [m async for m in c.generate(prompt=f"request {i}: tell a story", max_tokens=64, ignore_eos=True)]
             return sum(len(m.token_ids) for m in msgs), msgs[-1].usage.completion_tokens
 
-        got = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(64))), 300)
+        try:
+            got = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(64))), 300)
+        except grpc.aio.AioRpcError as exc:  # say why the pool failed, from both sides
+            tail = "\n".join(node.log(p)[-3000:] for p in ("gateway", "worker"))
+            raise AssertionError(f"{exc.code()}: {exc.details()}\n{tail}") from exc
     assert got == [(64, 64)] * 64
     if node.param == "two workers":  # type: ignore[attr-defined]
         # both replicas took work: each logs the jobs it finished under its own consumer name
