@@ -65,6 +65,10 @@ class GatewaySettings:
     routes: str = ""
     # A tokenizer.json the routing rules count prompt tokens with. Empty: estimated (UTF-8 bytes / 4).
     tokenizer: str = ""
+    # Requests that may wait unleased in one pool's stream; past it Generate answers
+    # RESOURCE_EXHAUSTED with RetryInfo (retry_after_s) at once. 0: no bound.
+    max_queue: int = 10000
+    retry_after_s: float = 1.0
 
     def fallback_table(self) -> dict[str, str]:
         out: dict[str, str] = {}

@@ -70,6 +70,16 @@ class GenerationRequest:
     # A batch item: its batch and its custom_id (empty for interactive requests).
     batch_id: str = ""
     custom_id: str = ""
+    # Wall clock (Unix ns) after which it is not started, or is aborted if running; 0: none (the
+    # caller's gRPC deadline).
+    deadline_unix_ns: int = 0
+    # The caller's request id when this is a later attempt of it (failover); empty: request_id.
+    origin_id: str = ""
+
+    @property
+    def caller_id(self) -> str:
+        """The request id the caller knows (and may cancel)."""
+        return self.origin_id or self.request_id
 
 
 @dataclass(frozen=True)

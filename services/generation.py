@@ -27,11 +27,12 @@ def resumed(req: GenerationRequest, n: int, sent: Sequence[int]) -> GenerationRe
     """Attempt ``n`` of ``req`` after ``sent`` tokens reached the caller: it feeds them after the
     input and generates only the rest of the budget."""
     if not sent:
-        return replace(req, request_id=f"{req.request_id}.{n}")
+        return replace(req, request_id=f"{req.request_id}.{n}", origin_id=req.request_id)
     s = req.sampling
     return replace(
         req,
         request_id=f"{req.request_id}.{n}",
+        origin_id=req.request_id,
         resume_token_ids=tuple(sent),
         sampling=replace(
             s,
@@ -137,6 +138,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         attempts = 0
         try:
             req, model = convert.generate_request(request, self._s, self._models)
+            remaining = context.time_remaining()
+            if remaining is not None:  # the caller's deadline is the job's: workers drop or abort it then
+                req = replace(req, deadline_unix_ns=time.time_ns() + int(remaining * 1e9))
             structlog.contextvars.bind_contextvars(request_id=req.request_id)
             await context.send_initial_metadata((("x-request-id", req.request_id),))
             target, chosen = self._policy.choose(req, model.pool)
@@ -150,7 +154,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     yield convert.generate_response(req, _length_reached(base))
                     finish, finished = FinishReason.LENGTH.value, True
                     return
-                await self._queue.submit(pool, attempt)
+                try:
+                    await self._queue.submit(pool, attempt, max_waiting=self._s.max_queue)
+                except errors.QueueFull as exc:
+                    raise errors.QueueFull(exc.message, retry_after_s=self._s.retry_after_s) from None
                 submitted, finished = True, False
                 try:
                     async for ev in self._watched(pool, attempt):
@@ -210,6 +217,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             await self._queue.cancel(request_id)
         except errors.QueueUnavailable:
             log.warning("cancel_failed", request_id=request_id)
+
+    async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext) -> pb.CancelResponse:
+        """Stop a request by id, from any gateway: queued, it never runs; running, it is aborted (its
+        slot freed) and its stream ends with finish_reason CANCELLED. Unknown or finished ids are
+        not an error (the call is idempotent)."""
+        try:
+            rid = request.request_id
+            if not convert.REQUEST_ID.match(rid):
+                raise errors.InvalidRequest.field("request_id", "required: 1-128 characters of A-Z a-z 0-9 . _ : -")
+            await self._queue.call_off(rid)
+            log.info("request_cancel_requested", request_id=rid)
+            return pb.CancelResponse()
+        except errors.LlamameshError as exc:
+            await status.abort(context, exc)
+            raise  # unreachable: abort raises
 
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext

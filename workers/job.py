@@ -7,7 +7,7 @@ import time
 
 import structlog
 
-from llamamesh.errors import EngineDead, InternalError, LlamameshError, field_of
+from llamamesh.errors import DeadlineExceeded, EngineDead, InternalError, LlamameshError, field_of
 from llamamesh.queue.protocol import Lease
 from llamamesh.types import (
     Failure,
@@ -50,7 +50,14 @@ async def run_job(lease: Lease, engine: Engine, outbox: Outbox, worker: str) -> 
     engine_timings: tuple[tuple[str, float], ...] = ()
     dead: EngineDead | None = None
     structlog.contextvars.bind_contextvars(request_id=req.request_id)
+    timer: asyncio.TimerHandle | None = None
     try:
+        if req.deadline_unix_ns:
+            left_s = (req.deadline_unix_ns - started) / 1e9
+            if left_s <= 0:  # its caller gave up while it queued: never run it
+                raise DeadlineExceeded(f"the request's deadline passed {-left_s:.3f} s before a worker took it")
+            # At the deadline the engine aborts it (the slot frees even if no gateway cancels it).
+            timer = asyncio.get_running_loop().call_later(left_s, _abort_soon, engine, req.request_id)
         if req.kind is JobKind.TOKENIZE:
             ids = await engine.tokenize(req)
             terminal = JobEvent(token_ids=tuple(ids), tokenized=True, worker=worker)
@@ -59,6 +66,8 @@ async def run_job(lease: Lease, engine: Engine, outbox: Outbox, worker: str) -> 
         async for delta in engine.stream(req):
             if delta.token_ids and not first_token:
                 first_token = time.time_ns()
+            if delta.finish_reason is FinishReason.CANCELLED and 0 < req.deadline_unix_ns <= time.time_ns():
+                raise DeadlineExceeded(f"aborted at the request's deadline after {index} tokens")
             if delta.finish_reason is None:
                 if delta.token_ids or delta.text:
                     outbox.add(
@@ -100,12 +109,23 @@ async def run_job(lease: Lease, engine: Engine, outbox: Outbox, worker: str) -> 
         log.exception("job_crashed")
         terminal = JobEvent(worker=worker, failed=failure_of(InternalError("internal error")))
     finally:
+        if timer is not None:
+            timer.cancel()
         if terminal is not None:
             await asyncio.shield(outbox.finish(lease, terminal))
             _log_finished(lease, terminal, started, first_token, engine_timings)
         structlog.contextvars.unbind_contextvars("request_id")
     if dead is not None:
         raise dead
+
+
+def _abort_soon(engine: Engine, request_id: str) -> None:
+    task = asyncio.ensure_future(engine.abort(request_id))
+    _aborts.add(task)  # keep a reference until it is done
+    task.add_done_callback(_aborts.discard)
+
+
+_aborts: set[asyncio.Future[None]] = set()
 
 
 def _log_finished(

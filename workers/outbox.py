@@ -19,7 +19,7 @@ import structlog
 
 from llamamesh.errors import QueueUnavailable
 from llamamesh.queue.protocol import Lease, WorkQueue
-from llamamesh.types import JobEvent
+from llamamesh.types import GenerationRequest, JobEvent
 
 log = structlog.get_logger(__name__)
 
@@ -107,9 +107,9 @@ class Outbox:
         # Cancellation is checked at most every watch_interval_s, not on every step: at hundreds of
         # requests in flight an EXISTS per request per step would triple the commands per publish.
         now = time.monotonic()
-        watch: list[str] = []
+        watch: list[GenerationRequest] = []
         if now - self._last_watch >= self._watch_interval_s:
-            watch = [rid for rid in self._watch if rid not in self._cancel_seen]
+            watch = [lease.request for rid, lease in self._watch.items() if rid not in self._cancel_seen]
             self._last_watch = now
         if not batch and not watch:
             return

@@ -44,6 +44,8 @@ def encode_job(req: GenerationRequest) -> bytes:
         resume_token_ids=req.resume_token_ids,
         batch_id=req.batch_id,
         custom_id=req.custom_id,
+        deadline_unix_ns=req.deadline_unix_ns,
+        origin_id=req.origin_id,
     )
     if req.prompt is not None:
         job.prompt = req.prompt
@@ -89,6 +91,8 @@ def decode_job(data: bytes) -> GenerationRequest:
         resume_token_ids=tuple(job.resume_token_ids),
         batch_id=job.batch_id,
         custom_id=job.custom_id,
+        deadline_unix_ns=job.deadline_unix_ns,
+        origin_id=job.origin_id,
     )
 
 

@@ -41,6 +41,10 @@ class Keys:
         """Present while a request is cancelled."""
         return f"{self.prefix}:req:{{{request_id}}}:cancel"
 
+    def called_off(self, caller_id: str) -> str:
+        """Present while the caller cancelled its request by id (Cancel RPC): every attempt stops."""
+        return f"{self.prefix}:req:{{{caller_id}}}:called-off"
+
     def workers(self, pool: str) -> str:
         """The names of the workers that heartbeat in a pool (a set; stale names are pruned by readers)."""
         return f"{self.prefix}:pool:{{{pool}}}:workers"

@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from llamamesh.errors import InvalidRequest, QueueUnavailable
+from llamamesh.errors import InvalidRequest, QueueFull, QueueUnavailable
 from llamamesh.queue.protocol import Lease
 from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, ItemStatus, JobEvent, WorkerStatus
 
@@ -33,6 +33,7 @@ class MemoryQueue:
         self._pools: dict[str, _Pool] = {}
         self._events: dict[str, list[tuple[str, JobEvent]]] = {}
         self._cancelled: set[str] = set()
+        self._called_off: set[str] = set()
         self._changed = asyncio.Condition()
         self._ids = itertools.count(1)
         # pool -> worker -> (monotonic expiry, status)
@@ -64,9 +65,12 @@ class MemoryQueue:
         return request_id in self._cancelled
 
     # ---- gateway side -------------------------------------------------------
-    async def submit(self, pool: str, request: GenerationRequest) -> None:
+    async def submit(self, pool: str, request: GenerationRequest, max_waiting: int = 0) -> None:
         self._check()
-        self._pool(pool).waiting.append((f"{next(self._ids)}-0", request))
+        waiting = self._pool(pool).waiting
+        if 0 < max_waiting <= len(waiting):
+            raise QueueFull(f"pool {pool!r} has {len(waiting)} requests waiting (at most {max_waiting}); retry later")
+        waiting.append((f"{next(self._ids)}-0", request))
         await self._notify()
 
     async def events(self, request_id: str, after: str = "0-0") -> AsyncGenerator[tuple[str, JobEvent], None]:
@@ -86,6 +90,11 @@ class MemoryQueue:
     async def cancel(self, request_id: str) -> None:
         self._check()
         self._cancelled.add(request_id)
+        await self._notify()
+
+    async def call_off(self, caller_id: str) -> None:
+        self._check()
+        self._called_off.add(caller_id)
         await self._notify()
 
     async def ping(self) -> None:
@@ -119,7 +128,7 @@ class MemoryQueue:
         taken, p.waiting = p.waiting[:count], p.waiting[count:]
         for entry_id, req in taken:
             p.pending[entry_id] = (consumer, req)
-        return [Lease(pool=pool, entry_id=i, request=r, cancelled=r.request_id in self._cancelled) for i, r in taken]
+        return [Lease(pool=pool, entry_id=i, request=r, cancelled=self._is_cancelled(r)) for i, r in taken]
 
     async def heartbeat(self, status: WorkerStatus, ttl_s: float) -> None:
         self._check()
@@ -129,14 +138,19 @@ class MemoryQueue:
         self._check()
         self._beats.get(pool, {}).pop(worker, None)
 
-    async def publish(self, events: Sequence[tuple[Lease, JobEvent]], watch: Sequence[str]) -> set[str]:
+    async def publish(
+        self, events: Sequence[tuple[Lease, JobEvent]], watch: Sequence[GenerationRequest]
+    ) -> set[str]:
         self._check()
         for lease, event in events:
             self._events.setdefault(lease.request.request_id, []).append((f"{next(self._ids)}-0", event))
             if event.terminal:
                 self._pool(lease.pool).pending.pop(lease.entry_id, None)
         await self._notify()
-        return {rid for rid in watch if rid in self._cancelled}
+        return {r.request_id for r in watch if self._is_cancelled(r)}
+
+    def _is_cancelled(self, req: GenerationRequest) -> bool:
+        return req.request_id in self._cancelled or req.caller_id in self._called_off
 
 
 def _seq(entry_id: str) -> tuple[int, int]:

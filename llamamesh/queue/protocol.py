@@ -29,8 +29,9 @@ class Lease:
 class JobQueue(Protocol):
     """The gateway's side: submit, follow a request's events, cancel."""
 
-    async def submit(self, pool: str, request: GenerationRequest) -> None:
-        """Append the job to the pool's work stream. Raises QueueUnavailable."""
+    async def submit(self, pool: str, request: GenerationRequest, max_waiting: int = 0) -> None:
+        """Append the job to the pool's work stream. With ``max_waiting`` > 0, raises QueueFull
+        instead when that many jobs already wait there unleased. Raises QueueUnavailable."""
 
     def events(self, request_id: str, after: str = "0-0") -> AsyncGenerator[tuple[str, JobEvent], None]:
         """Yield (event id, event) after ``after`` as they arrive, ending after the terminal event.
@@ -43,6 +44,9 @@ class JobQueue(Protocol):
 
     async def cancel(self, request_id: str) -> None:
         """Mark the request cancelled: a queued job is skipped, a running one aborted."""
+
+    async def call_off(self, caller_id: str) -> None:
+        """The caller's Cancel: every attempt of its request (``GenerationRequest.caller_id``) stops."""
 
     async def ping(self) -> None:
         """Raise QueueUnavailable unless the queue answers."""
@@ -70,7 +74,9 @@ class WorkQueue(Protocol):
     async def leave(self, pool: str, worker: str) -> None:
         """Withdraw this worker's heartbeat (a clean stop)."""
 
-    async def publish(self, events: Sequence[tuple[Lease, JobEvent]], watch: Sequence[str]) -> set[str]:
+    async def publish(
+        self, events: Sequence[tuple[Lease, JobEvent]], watch: Sequence[GenerationRequest]
+    ) -> set[str]:
         """Write events in one round trip, in order.
 
         A terminal event also expires the event stream and acks the lease. Returns

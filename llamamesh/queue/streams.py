@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError, ResponseError
 
-from llamamesh.errors import InvalidRequest, QueueUnavailable
+from llamamesh.errors import InvalidRequest, QueueFull, QueueUnavailable
 from llamamesh.queue import codec
 from llamamesh.queue.follow import EventFollower, Item
 from llamamesh.queue.keys import EVENT_FIELD, JOB_FIELD, WORKER_GROUP, Keys
@@ -44,6 +44,24 @@ async def create_group(client: aioredis.Redis, stream: str) -> None:
         raise QueueUnavailable("the queue is unreachable") from exc
 
 
+# KEYS: the work stream. ARGV: job field, encoded job, max waiting (0: no bound), group.
+# Returns -1 (queued), or how many wait unleased (the stream is full: nothing queued).
+_SUBMIT = """
+local most = tonumber(ARGV[3])
+if most > 0 then
+  local n = redis.call('XLEN', KEYS[1])
+  if n >= most then
+    local ok, summary = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[4])
+    local leased = 0
+    if ok then leased = tonumber(summary[1]) end
+    if n - leased >= most then return n - leased end
+  end
+end
+redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
+return -1
+"""
+
+
 class RedisQueue:
     """Both faces of the queue (JobQueue and WorkQueue) on one Redis connection pool."""
 
@@ -52,6 +70,7 @@ class RedisQueue:
         self._s = settings
         self.keys = Keys(settings.prefix)
         self._follower: EventFollower | None = None
+        self._submit = client.register_script(_SUBMIT)
 
     @property
     def client(self) -> aioredis.Redis:
@@ -72,11 +91,18 @@ class RedisQueue:
         return cls(client, settings)
 
     # ---- gateway side -------------------------------------------------------
-    async def submit(self, pool: str, request: GenerationRequest) -> None:
+    async def submit(self, pool: str, request: GenerationRequest, max_waiting: int = 0) -> None:
         try:
-            await self._r.xadd(self.keys.jobs(pool), {JOB_FIELD: codec.encode_job(request)})
+            if max_waiting <= 0:
+                await self._r.xadd(self.keys.jobs(pool), {JOB_FIELD: codec.encode_job(request)})
+                return
+            waiting = int(await self._submit(
+                keys=[self.keys.jobs(pool)], args=[JOB_FIELD, codec.encode_job(request), max_waiting, WORKER_GROUP]
+            ))  # fmt: skip
         except RedisError as exc:
             raise QueueUnavailable("the queue is unreachable") from exc
+        if waiting >= 0:
+            raise QueueFull(f"pool {pool!r} has {waiting} requests waiting (at most {max_waiting}); retry later")
 
     async def events(self, request_id: str, after: str = "0-0") -> AsyncGenerator[tuple[str, JobEvent], None]:
         if self._follower is None:
@@ -116,6 +142,12 @@ class RedisQueue:
     async def cancel(self, request_id: str) -> None:
         try:
             await self._r.set(self.keys.cancel(request_id), b"1", ex=self._s.event_idle_ttl_s)
+        except RedisError as exc:
+            raise QueueUnavailable("the queue is unreachable") from exc
+
+    async def call_off(self, caller_id: str) -> None:
+        try:
+            await self._r.set(self.keys.called_off(caller_id), b"1", ex=self._s.event_idle_ttl_s)
         except RedisError as exc:
             raise QueueUnavailable("the queue is unreachable") from exc
 
@@ -177,18 +209,26 @@ class RedisQueue:
                 bad.append(eid)
         try:
             async with self._r.pipeline(transaction=False) as pipe:
-                for _eid, req in leased:
-                    pipe.exists(self.keys.cancel(req.request_id))
+                self._check_cancelled(pipe, [req for _eid, req in leased])
                 if bad:
                     pipe.xack(stream, WORKER_GROUP, *bad)
                     pipe.xdel(stream, *bad)
                 flags = await pipe.execute()
         except RedisError as exc:
             raise QueueUnavailable("the queue is unreachable") from exc
-        return [
-            Lease(pool=pool, entry_id=eid, request=req, cancelled=bool(flag))
-            for (eid, req), flag in zip(leased, flags, strict=False)
-        ]
+        gone = self._cancelled([req for _eid, req in leased], flags)
+        return [Lease(pool=pool, entry_id=eid, request=req, cancelled=req.request_id in gone) for eid, req in leased]
+
+    def _check_cancelled(self, pipe: Any, requests: Sequence[GenerationRequest]) -> None:
+        """Queue the commands that tell whether each request is cancelled (two replies each)."""
+        for req in requests:
+            pipe.exists(self.keys.cancel(req.request_id))
+            pipe.exists(self.keys.called_off(req.caller_id))
+
+    @staticmethod
+    def _cancelled(requests: Sequence[GenerationRequest], replies: Sequence[Any]) -> set[str]:
+        """The request ids among ``requests`` that are cancelled, from _check_cancelled's replies."""
+        return {req.request_id for i, req in enumerate(requests) if replies[2 * i] or replies[2 * i + 1]}
 
     async def heartbeat(self, status: WorkerStatus, ttl_s: float) -> None:
         try:
@@ -209,7 +249,9 @@ class RedisQueue:
         except RedisError as exc:
             raise QueueUnavailable("the queue is unreachable") from exc
 
-    async def publish(self, events: Sequence[tuple[Lease, JobEvent]], watch: Sequence[str]) -> set[str]:
+    async def publish(
+        self, events: Sequence[tuple[Lease, JobEvent]], watch: Sequence[GenerationRequest]
+    ) -> set[str]:
         try:
             async with self._r.pipeline(transaction=False) as pipe:
                 for lease, event in events:
@@ -223,10 +265,8 @@ class RedisQueue:
                     elif event.index == 0:
                         # The first event creates the stream: bound its life in case no terminal follows.
                         pipe.expire(key, self._s.event_idle_ttl_s)
-                for request_id in watch:
-                    pipe.exists(self.keys.cancel(request_id))
+                self._check_cancelled(pipe, watch)
                 replies = await pipe.execute()
         except RedisError as exc:
             raise QueueUnavailable("the queue is unreachable") from exc
-        flags = replies[len(replies) - len(watch) :] if watch else []
-        return {rid for rid, flag in zip(watch, flags, strict=True) if flag}
+        return self._cancelled(watch, replies[len(replies) - 2 * len(watch) :])

@@ -40,6 +40,11 @@ class GenerationServiceStub:
                 request_serializer=llamamesh_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=llamamesh_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Cancel = channel.unary_unary(
+                '/llamamesh.v1.GenerationService/Cancel',
+                request_serializer=llamamesh_dot_v1_dot_generation__pb2.CancelRequest.SerializeToString,
+                response_deserializer=llamamesh_dot_v1_dot_generation__pb2.CancelResponse.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/llamamesh.v1.GenerationService/ListModels',
                 request_serializer=llamamesh_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
@@ -59,6 +64,15 @@ class GenerationServiceServicer:
     def Generate(self, request, context):
         """Generate streams the completion of one prompt. Tokens arrive as the engine
         produces them; the last message carries finish_reason, usage and timings.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Cancel(self, request, context):
+        """Cancel stops a request by its id (the x-request-id header Generate sends, or the request_id
+        given), from any gateway: queued, it never runs; running, it is aborted and its slot freed;
+        its stream ends with finish_reason CANCELLED. Idempotent: unknown or finished ids are no error.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -86,6 +100,11 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=llamamesh_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
                     response_serializer=llamamesh_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Cancel': grpc.unary_unary_rpc_method_handler(
+                    servicer.Cancel,
+                    request_deserializer=llamamesh_dot_v1_dot_generation__pb2.CancelRequest.FromString,
+                    response_serializer=llamamesh_dot_v1_dot_generation__pb2.CancelResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -126,6 +145,33 @@ class GenerationService:
             '/llamamesh.v1.GenerationService/Generate',
             llamamesh_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
             llamamesh_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Cancel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llamamesh.v1.GenerationService/Cancel',
+            llamamesh_dot_v1_dot_generation__pb2.CancelRequest.SerializeToString,
+            llamamesh_dot_v1_dot_generation__pb2.CancelResponse.FromString,
             options,
             channel_credentials,
             insecure,

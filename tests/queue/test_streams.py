@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import redis.asyncio as aioredis
 
-from llamamesh.errors import QueueUnavailable
+from llamamesh.errors import QueueFull, QueueUnavailable
 from llamamesh.queue.keys import WORKER_GROUP, Keys
 from llamamesh.queue.memory import MemoryQueue
 from llamamesh.queue.streams import RedisQueue
@@ -50,12 +51,12 @@ async def test_submit_lease_publish_read(queue) -> None:
     assert [lease.request for lease in leases] == [req("a")]
     assert not leases[0].cancelled
     lease = leases[0]
-    await queue.publish([(lease, JobEvent(text="he", token_ids=(1,), index=0))], ["a"])
+    await queue.publish([(lease, JobEvent(text="he", token_ids=(1,), index=0))], [lease.request])
     reader = queue.events("a")
     first_id, first = await anext(reader)
     await reader.aclose()
     assert (first.text, first.token_ids, first.index) == ("he", (1,), 0)
-    await queue.publish([(lease, JobEvent(text="llo", token_ids=(2,), index=1)), (lease, done(2))], ["a"])
+    await queue.publish([(lease, JobEvent(text="llo", token_ids=(2,), index=1)), (lease, done(2))], [lease.request])
     got = [ev async for _id, ev in queue.events("a")]
     assert "".join(e.text for e in got) == "hello"
     assert [t for e in got for t in e.token_ids] == [1, 2]
@@ -107,9 +108,32 @@ async def test_cancel_is_seen_at_lease_and_publish(queue) -> None:
     await queue.cancel("c1")
     leases = await queue.lease("cpu", "w1", 10, 500)
     assert {lease.request.request_id: lease.cancelled for lease in leases} == {"c1": True, "c2": False}
-    assert await queue.publish([], ["c2"]) == set()
+    assert await queue.publish([], [req("c2")]) == set()
     await queue.cancel("c2")
-    assert await queue.publish([], ["c2"]) == {"c2"}
+    assert await queue.publish([], [req("c2")]) == {"c2"}
+
+
+async def test_the_callers_cancel_reaches_every_attempt(queue) -> None:
+    await queue.join("cpu")
+    first, later = req("r"), dataclasses.replace(req("r.1"), origin_id="r")
+    await queue.submit("cpu", later)
+    assert await queue.publish([], [first, later]) == set()
+    await queue.call_off("r")  # the Cancel RPC names the caller's id
+    assert await queue.publish([], [first, later]) == {"r", "r.1"}
+    assert [x.cancelled for x in await queue.lease("cpu", "w1", 10, 500)] == [True]
+
+
+async def test_a_bounded_submit_refuses_past_the_waiting_limit(queue) -> None:
+    await queue.join("cpu")
+    for i in range(3):
+        await queue.submit("cpu", req(f"q{i}"), max_waiting=3)
+    with pytest.raises(QueueFull):
+        await queue.submit("cpu", req("q3"), max_waiting=3)
+    assert len(await queue.lease("cpu", "w1", 2, 500)) == 2  # leased jobs no longer wait
+    await queue.submit("cpu", req("q3"), max_waiting=3)
+    await queue.submit("cpu", req("q4"), max_waiting=3)
+    with pytest.raises(QueueFull):
+        await queue.submit("cpu", req("q5"), max_waiting=3)
 
 
 async def test_lease_respects_count_and_each_job_goes_to_one_consumer(queue) -> None:
@@ -155,10 +179,11 @@ async def test_publish_sends_one_pipeline_of_known_size(redis_settings: RedisSet
         info_before = (await r.info("clients"))["connected_clients"]
         before = (await r.info("stats"))["total_commands_processed"]
         await q.publish([(lease, JobEvent(text="z", token_ids=(1,))) for lease in leases],
-                        [x.request.request_id for x in leases])
+                        [x.request for x in leases])
         after = (await r.info("stats"))["total_commands_processed"]
-        # 20 XADD + 20 EXPIRE (first events) + 20 EXISTS (+1 for the INFO call itself)
-        assert after - before == 61
+        # 20 XADD + 20 EXPIRE (first events) + 2 x 20 EXISTS (the job's and its caller's cancel;
+        # watched at most every 100 ms) + 1 for the INFO call itself
+        assert after - before == 81
         before = (await r.info("stats"))["total_commands_processed"]
         await q.publish([(lease, JobEvent(text="y", token_ids=(2,), index=1)) for lease in leases], [])
         after = (await r.info("stats"))["total_commands_processed"]

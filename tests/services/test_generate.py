@@ -4,9 +4,14 @@ import asyncio
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from llamamesh.client import field_violations
+from llamamesh.settings import GatewaySettings
 from llamamesh.v1 import generation_pb2 as pb
+from llamamesh.v1 import generation_pb2_grpc as pb_grpc
+from services.server import start_gateway
 from tests.services.conftest import Stack
 
 pytestmark = pytest.mark.timeout(30)
@@ -155,3 +160,55 @@ async def test_deadline_ends_the_call_and_aborts_the_job(stack: Stack) -> None:
     await aborted_and_acked(stack, "d-1")
     assert "d-1" in stack.engine.aborted
     assert stack.queue.pending("cpu") == {}
+
+
+@pytest.mark.fake_step_s(0.05)
+async def test_cancel_rpc_stops_a_running_request_from_another_connection(stack: Stack) -> None:
+    call = stack.stub.Generate(pb.GenerateRequest(prompt="long one", max_tokens=500))
+    rid = dict(await call.initial_metadata())["x-request-id"]
+    first = await call.read()
+    assert first.token_ids
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.gateway.port}") as other:
+        await pb_grpc.GenerationServiceStub(other).Cancel(pb.CancelRequest(request_id=rid))
+    rest = []
+    while (m := await call.read()) is not grpc.aio.EOF:  # the stream ends, not with an error
+        rest.append(m)
+    assert rest[-1].finish_reason == pb.FINISH_REASON_CANCELLED
+    await aborted_and_acked(stack, rid)
+    assert rid in stack.engine.aborted and stack.worker.inflight == 0
+    await stack.stub.Cancel(pb.CancelRequest(request_id=rid))  # again, or for a finished id: no error
+    await stack.stub.Cancel(pb.CancelRequest(request_id="never-seen"))
+
+
+@pytest.mark.parametrize("rid", ["", "a b", "x" * 129])
+async def test_cancel_rpc_names_a_bad_request_id(stack: Stack, rid: str) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await stack.stub.Cancel(pb.CancelRequest(request_id=rid))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field_violations(ei.value) == ["request_id"]
+
+
+async def test_a_full_pool_is_resource_exhausted_with_retry_info(stack: Stack) -> None:
+    """Pool gpu (model "other") has no worker: its requests wait. Past max_queue, refused at once."""
+    settings = GatewaySettings(port=0, models="tiny=cpu,other=gpu", max_queue=2, retry_after_s=2.5)
+    gw = await start_gateway(stack.queue, settings, port=0)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
+            stub = pb_grpc.GenerationServiceStub(ch)
+            waiting = [stub.Generate(pb.GenerateRequest(model="other", prompt=f"w{i}")) for i in range(2)]
+            for w in waiting:
+                await w.initial_metadata()  # accepted and queued
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await stub.Generate(pb.GenerateRequest(model="other", prompt="one too many")).read()
+            assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            status = rpc_status.from_call(ei.value)
+            assert status is not None
+            retry = [d for d in status.details if d.Is(error_details_pb2.RetryInfo.DESCRIPTOR)]
+            info = error_details_pb2.RetryInfo()
+            retry[0].Unpack(info)
+            assert info.retry_delay.seconds == 2 and info.retry_delay.nanos == 500_000_000
+            assert len(stack.queue.waiting("gpu")) == 2  # nothing more was queued
+            for w in waiting:
+                w.cancel()
+    finally:
+        await gw.stop(0)

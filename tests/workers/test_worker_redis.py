@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -234,3 +236,25 @@ async def test_leases_at_most_lease_batch_jobs_per_read(redis_settings: RedisSet
         await asyncio.wait_for(task, 10)
         await engine.shutdown()
         await queue.close()
+
+
+@pytest.mark.parametrize("running", [(0.05, 4)], indirect=True)
+async def test_the_worker_aborts_a_job_at_its_deadline_and_frees_the_slot(running: Running) -> None:
+    """No gateway cancels it (as when the gateway died): the worker itself stops at the deadline."""
+    q = running.queue
+    late = dataclasses.replace(req("dl", n=400), deadline_unix_ns=time.time_ns() + 300_000_000)
+    await q.submit("cpu", late)
+    evs = await asyncio.wait_for(events(q, "dl"), 5)
+    assert evs[-1].failed is not None and evs[-1].failed.code == "deadline_exceeded", evs[-1]
+    assert 0 < sum(len(e.token_ids) for e in evs) < 400
+    assert "dl" in running.engine.aborted
+    assert await pending(running.settings) == 0 and running.worker.inflight == 0
+
+
+async def test_a_job_whose_deadline_passed_in_the_queue_never_runs(running: Running) -> None:
+    q = running.queue
+    await q.submit("cpu", dataclasses.replace(req("gone"), deadline_unix_ns=time.time_ns() - 1))
+    evs = await asyncio.wait_for(events(q, "gone"), 5)
+    assert evs[-1].failed is not None and evs[-1].failed.code == "deadline_exceeded"
+    assert [e for e in evs if e.token_ids] == [] and "gone" not in running.engine.served
+    assert await pending(running.settings) == 0
