@@ -69,6 +69,10 @@ class GatewaySettings:
     # RESOURCE_EXHAUSTED with RetryInfo (retry_after_s) at once. 0: no bound.
     max_queue: int = 10000
     retry_after_s: float = 1.0
+    # Seconds a request waits for a pool with no live worker (and no usable fallback) before it
+    # ends UNAVAILABLE; a pool empty for longer refuses new requests at once. Covers a worker's
+    # restart; 0: wait for one as long as the caller's deadline allows.
+    no_worker_wait_s: float = 10.0
 
     def fallback_table(self) -> dict[str, str]:
         out: dict[str, str] = {}

@@ -57,6 +57,8 @@ class Pool:
     workers: tuple[WorkerStatus, ...] = ()
     probes: int = 0
     last_probe_error: str = ""
+    # Monotonic time since when the pool has had no live worker (set at start and on every loss).
+    empty_since: float = 0.0
 
     @property
     def live(self) -> bool:
@@ -83,7 +85,8 @@ class Backends:
         self._s = settings
         self.fallback = dict(fallback)
         names = list(dict.fromkeys([*pools, *self.fallback, *self.fallback.values()]))
-        self.pools = {p: Pool(p, Breaker(p, settings, clock=clock)) for p in names}
+        self._clock = clock
+        self.pools = {p: Pool(p, Breaker(p, settings, clock=clock), empty_since=clock()) for p in names}
         self._on_health = on_health
         self._serving: dict[str, bool] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -132,6 +135,11 @@ class Backends:
         raise errors.NoWorkers(f"the backend pool {pool!r} {why}" + (
             f" and its fallback {fallback!r} cannot take requests" if fallback else ""))  # fmt: skip
 
+    def empty_for(self, pool: str) -> float:
+        """Seconds the pool has had no live worker (0 while it has one)."""
+        p = self.pools[pool]
+        return 0.0 if p.live else self._clock() - p.empty_since
+
     def stranded(self, pool: str) -> bool:
         """A request still waiting for ``pool`` (no worker has it) would be better off elsewhere:
         the pool has no live worker or an open breaker, and its fallback is usable."""
@@ -164,6 +172,8 @@ class Backends:
             p.workers = tuple(await self._queue.workers(p.name))
         except errors.QueueUnavailable:
             p.workers = ()
+        if was_live and not p.live:
+            p.empty_since = self._clock()
         if p.live and not was_live:
             p.breaker.revive(f"{len(p.workers)} live worker(s) again")
         await self._publish(p)

@@ -97,6 +97,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         raise errors.WorkerLost(f"worker {worker!r} of pool {pool!r} stopped answering")
                     if not worker and backends.stranded(pool):
                         raise errors.WorkerLost(f"pool {pool!r} cannot serve; its fallback can")
+                    if not worker and self._no_workers(pool):
+                        raise self._no_workers_error(pool)
                     continue
                 try:
                     _eid, ev = nxt.result()
@@ -154,6 +156,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     yield convert.generate_response(req, _length_reached(base))
                     finish, finished = FinishReason.LENGTH.value, True
                     return
+                if self._no_workers(pool):  # no worker came for a while: say so now, not at the deadline
+                    raise self._no_workers_error(pool)
                 try:
                     await self._queue.submit(pool, attempt, max_waiting=self._s.max_queue)
                 except errors.QueueFull as exc:
@@ -211,6 +215,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 duration_ms=round((time.perf_counter() - t0) * 1000, 2),
             )
             structlog.contextvars.unbind_contextvars("request_id")
+
+    def _no_workers(self, pool: str) -> bool:
+        wait = self._s.no_worker_wait_s
+        return self._backends is not None and wait > 0 and self._backends.empty_for(pool) > wait
+
+    def _no_workers_error(self, pool: str) -> errors.NoWorkers:
+        return errors.NoWorkers(f"pool {pool!r} has had no live worker for {self._s.no_worker_wait_s:g} s")
 
     async def _cancel(self, request_id: str) -> None:
         try:

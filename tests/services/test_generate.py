@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -210,5 +211,29 @@ async def test_a_full_pool_is_resource_exhausted_with_retry_info(stack: Stack) -
             assert len(stack.queue.waiting("gpu")) == 2  # nothing more was queued
             for w in waiting:
                 w.cancel()
+    finally:
+        await gw.stop(0)
+
+
+async def test_a_pool_without_workers_is_unavailable_soon_not_at_the_deadline(stack: Stack) -> None:
+    settings = GatewaySettings(port=0, models="tiny=cpu,other=gpu", no_worker_wait_s=0.5)
+    gw = await start_gateway(stack.queue, settings, port=0)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
+            stub = pb_grpc.GenerationServiceStub(ch)
+            t0 = time.monotonic()
+            call = stub.Generate(pb.GenerateRequest(request_id="lonely", model="other", prompt="x"), timeout=60)
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await call.read()
+            assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "no live worker" in (ei.value.details() or "")
+            assert time.monotonic() - t0 < 5  # one liveness check after the wait, far before the deadline
+            deadline = time.monotonic() + 5
+            while not stack.queue.is_cancelled("lonely"):  # a worker that comes later skips it
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)  # the gateway cancels it right after the status went out
+            t1 = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as again:
+                await stub.Generate(pb.GenerateRequest(model="other", prompt="y"), timeout=60).read()
+            assert again.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t1 < 1  # at once
     finally:
         await gw.stop(0)
