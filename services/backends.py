@@ -45,8 +45,8 @@ def counts_against_backend(exc: BaseException | None) -> bool | None:
     """True: a failure of the backend; False: a success; None: neither (the caller's doing)."""
     if exc is None:
         return False
-    if isinstance(exc, errors.ClientError | errors.CapacityError | errors.DeadlineExceeded | asyncio.CancelledError):
-        return None  # the caller's deadline passing says nothing about the backend
+    if isinstance(exc, errors.ClientError | errors.CapacityError | asyncio.CancelledError):
+        return None
     return True
 
 

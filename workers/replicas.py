@@ -62,6 +62,18 @@ def replica_gpus(gpus: list[str], tp: int, field: str) -> list[list[str]]:
     return [gpus[i : i + tp] for i in range(0, len(gpus), tp)]
 
 
+def run_replicas_if_needed(settings: Settings) -> int | None:
+    """Supervise one worker per GPU group when the settings and the visible GPUs call for it and
+    return the exit code; None when this process should be the (only) worker itself."""
+    tp = tensor_parallel_size(settings)
+    if not tp:
+        return None
+    # CUDA_VISIBLE_DEVICES is CUDA's variable, not a setting; the children get this environment.
+    env = dict(os.environ)
+    groups = replica_gpus(visible_gpus(env), tp, f"{settings.worker.engine}.tensor_parallel_size")
+    return run_replicas(settings, groups, env) if groups else None
+
+
 def run_replicas(settings: Settings, groups: list[list[str]], env: Mapping[str, str]) -> int:
     """Run one ``python -m workers`` per GPU group until a signal (forwarded) or until one exits (the
     rest are stopped). Returns 0, or 1 if a replica died."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import os
 import signal
 import sys
 import time
@@ -32,7 +31,7 @@ from workers.engines import registry
 from workers.engines.base import Engine
 from workers.job import cancelled_event, run_job
 from workers.outbox import Outbox
-from workers.replicas import replica_gpus, run_replicas, tensor_parallel_size, visible_gpus
+from workers.replicas import run_replicas_if_needed
 
 log = structlog.get_logger(__name__)
 
@@ -283,10 +282,9 @@ def run(coro: Coroutine[Any, Any, int]) -> int:
 def main() -> None:
     settings = Settings.from_env()
     logs.configure(settings.log, "worker")
-    tp = tensor_parallel_size(settings)
-    groups = replica_gpus(visible_gpus(os.environ) if tp else [], tp, f"{settings.worker.engine}.tensor_parallel_size")
-    if groups:  # more GPUs than one engine spans: one worker process per group
-        sys.exit(run_replicas(settings, groups, os.environ))
+    code = run_replicas_if_needed(settings)
+    if code is not None:  # more GPUs than one engine spans: this process supervised one worker per group
+        sys.exit(code)
     if settings.worker.engine == "vllm" and settings.vllm.frontends > 1:
         from workers.frontends import run_frontends
 
