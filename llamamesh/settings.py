@@ -126,6 +126,12 @@ class WorkerSettings:
     # Seconds between heartbeats, and how long one keeps the worker alive in the gateways' eyes.
     heartbeat_s: float = 1.0
     heartbeat_ttl_s: float = 3.0
+    # Seconds a leased job may go untouched (its worker died) before another worker takes it over;
+    # running jobs are touched every heartbeat, so a long healthy one is never taken.
+    claim_idle_s: float = 30.0
+    # Deliveries after which a job whose workers keep dying is set aside (dead-letter stream) and
+    # its caller told, instead of killing the next worker.
+    max_deliveries: int = 3
 
     def consumer_name(self) -> str:
         return self.consumer or f"{socket.gethostname()}-{os.getpid()}"

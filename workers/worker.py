@@ -55,7 +55,10 @@ class Worker:
         # Batch items running here (request id -> lease): touched every heartbeat so that nobody
         # takes them over while this worker lives.
         self._batch_running: dict[str, Lease] = {}
+        # Interactive jobs running here: touched every heartbeat as well.
+        self._running: dict[str, Lease] = {}
         self._last_reclaim = 0.0
+        self._last_job_reclaim = time.monotonic()
         self.name = settings.consumer_name()
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._slot_free = asyncio.Event()
@@ -79,6 +82,7 @@ class Worker:
             self._batch_running[rid] = lease
         else:
             job = run_job(lease, self._engine, self._outbox, self.name)
+            self._running[rid] = lease
         task = asyncio.create_task(job, name=f"job-{rid}")
         self._tasks[rid] = task
         task.add_done_callback(lambda t, rid=rid: self._done(rid, t))  # type: ignore[misc]
@@ -86,6 +90,7 @@ class Worker:
     def _done(self, rid: str, task: asyncio.Task[None]) -> None:
         self._tasks.pop(rid, None)
         self._batch_running.pop(rid, None)
+        self._running.pop(rid, None)
         self._slot_free.set()
         if not task.cancelled() and isinstance(task.exception(), EngineDead):
             self.engine_died = task.exception()  # type: ignore[assignment]
@@ -112,6 +117,10 @@ class Worker:
         self._outbox.start()
         beat_stop = asyncio.Event()
         beat = asyncio.create_task(self._heartbeat(beat_stop), name="heartbeat")
+        with contextlib.suppress(QueueUnavailable):  # a restart under the same name: its own jobs first
+            s = self._s
+            for lease in await self._queue.reclaim(s.pool, self.name, 0, s.max_inflight, s.max_deliveries, own=True):
+                await self._admit(lease)
         self.ready.set()
         log.info("worker_started", pool=self._s.pool, worker=self.name, max_inflight=self._s.max_inflight)
         backoff = 0.1
@@ -164,8 +173,12 @@ class Worker:
         With batches on, the blocking read of the interactive stream waits at most 100 ms, so that
         batch items (on another stream) are picked up as slots free; about ten reads a second idle."""
         pool, name, step = self._s.pool, self.name, max(1, self._s.lease_batch)
+        taken = await self._reclaim_jobs(free)
+        free -= len(taken)
+        if free <= 0:
+            return taken
         if self._batches is None:
-            return await self._queue.lease(pool, name, min(free, step), self._block_ms)
+            return [*taken, *await self._queue.lease(pool, name, min(free, step), self._block_ms)]
         slots = self._s.max_inflight
         cap = max(1, int(slots * self._b.max_share))
         floor = min(cap, math.ceil(slots * self._b.min_share))
@@ -185,7 +198,16 @@ class Worker:
         room = min(free, cap - len(self._batch_running) - len(batch), step)
         if room > 0:
             batch += await self._batches.lease_items(pool, name, room, 1)
-        return [*inter, *batch]
+        return [*taken, *inter, *batch]
+
+    async def _reclaim_jobs(self, free: int) -> list[Lease]:
+        """Every claim_idle_s / 2: jobs of workers that died (untouched for claim_idle_s)."""
+        now = time.monotonic()
+        if now - self._last_job_reclaim < self._s.claim_idle_s / 2:
+            return []
+        self._last_job_reclaim = now
+        s = self._s
+        return await self._queue.reclaim(s.pool, self.name, int(s.claim_idle_s * 1000), free, s.max_deliveries)
 
     def status(self) -> WorkerStatus:
         stats = self._engine.stats()
@@ -207,6 +229,8 @@ class Worker:
         while not stop.is_set() and self.engine_died is None:
             try:
                 await self._queue.heartbeat(self.status(), self._s.heartbeat_ttl_s)
+                if self._running:
+                    await self._queue.touch(self._s.pool, self.name, [x.entry_id for x in self._running.values()])
                 if self._batches is not None and self._batch_running:
                     running = [x.entry_id for x in self._batch_running.values()]
                     await self._batches.touch(self._s.pool, self.name, running)

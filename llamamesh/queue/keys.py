@@ -29,6 +29,10 @@ class Keys:
         """The work stream of one pool."""
         return f"{self.prefix}:pool:{{{pool}}}:jobs"
 
+    def dead_letters(self, pool: str) -> str:
+        """Poison jobs of a pool (a stream): the job, why, and how often it was delivered."""
+        return f"{self.prefix}:pool:{{{pool}}}:dead"
+
     def events(self, request_id: str) -> str:
         """The event stream of one request, written by its worker, read by its gateway."""
         return f"{self.prefix}:req:{{{request_id}}}:events"

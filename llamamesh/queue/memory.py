@@ -130,6 +130,15 @@ class MemoryQueue:
             p.pending[entry_id] = (consumer, req)
         return [Lease(pool=pool, entry_id=i, request=r, cancelled=self._is_cancelled(r)) for i, r in taken]
 
+    async def reclaim(
+        self, pool: str, consumer: str, min_idle_ms: int, count: int, max_deliveries: int, own: bool = False
+    ) -> list[Lease]:
+        self._check()
+        return []  # one process: no worker dies apart from it
+
+    async def touch(self, pool: str, consumer: str, entry_ids: Sequence[str]) -> None:
+        self._check()
+
     async def heartbeat(self, status: WorkerStatus, ttl_s: float) -> None:
         self._check()
         self._beats.setdefault(status.pool, {})[status.worker] = (time.monotonic() + ttl_s, status)

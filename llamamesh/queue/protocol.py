@@ -68,6 +68,18 @@ class WorkQueue(Protocol):
         """Take up to ``count`` new jobs, waiting at most ``block_ms`` for the first."""
         ...
 
+    async def reclaim(
+        self, pool: str, consumer: str, min_idle_ms: int, count: int, max_deliveries: int, own: bool = False
+    ) -> list[Lease]:
+        """Take over up to ``count`` jobs leased and left untouched for ``min_idle_ms`` (their worker
+        died); ``own``: this consumer's own leased jobs (a restart under the same name), any idle
+        time. Each job is claimed by one caller only. A job delivered more than ``max_deliveries``
+        times is not returned: it goes to the dead-letter stream and its caller gets a failure."""
+        ...
+
+    async def touch(self, pool: str, consumer: str, entry_ids: Sequence[str]) -> None:
+        """Reset the idle time of jobs this worker still runs, so nobody reclaims them."""
+
     async def heartbeat(self, status: WorkerStatus, ttl_s: float) -> None:
         """Say this worker is alive (with its figures) for the next ``ttl_s`` seconds."""
 

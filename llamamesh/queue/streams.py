@@ -28,7 +28,7 @@ from llamamesh.queue.follow import EventFollower, Item
 from llamamesh.queue.keys import EVENT_FIELD, JOB_FIELD, WORKER_GROUP, Keys
 from llamamesh.queue.protocol import Lease
 from llamamesh.settings import RedisSettings
-from llamamesh.types import GenerationRequest, JobEvent, WorkerStatus
+from llamamesh.types import Failure, GenerationRequest, JobEvent, WorkerStatus
 
 log = structlog.get_logger(__name__)
 
@@ -207,12 +207,16 @@ class RedisQueue:
             except (InvalidRequest, KeyError):
                 log.error("job_undecodable", pool=pool, entry_id=eid)
                 bad.append(eid)
+        if bad:
+            await self._drop(stream, bad)
+        return await self._with_cancel_flags(pool, leased)
+
+    async def _with_cancel_flags(self, pool: str, leased: list[tuple[str, GenerationRequest]]) -> list[Lease]:
+        if not leased:
+            return []
         try:
             async with self._r.pipeline(transaction=False) as pipe:
                 self._check_cancelled(pipe, [req for _eid, req in leased])
-                if bad:
-                    pipe.xack(stream, WORKER_GROUP, *bad)
-                    pipe.xdel(stream, *bad)
                 flags = await pipe.execute()
         except RedisError as exc:
             raise QueueUnavailable("the queue is unreachable") from exc
@@ -229,6 +233,85 @@ class RedisQueue:
     def _cancelled(requests: Sequence[GenerationRequest], replies: Sequence[Any]) -> set[str]:
         """The request ids among ``requests`` that are cancelled, from _check_cancelled's replies."""
         return {req.request_id for i, req in enumerate(requests) if replies[2 * i] or replies[2 * i + 1]}
+
+    async def reclaim(
+        self, pool: str, consumer: str, min_idle_ms: int, count: int, max_deliveries: int, own: bool = False
+    ) -> list[Lease]:
+        stream = self.keys.jobs(pool)
+        try:
+            stale: Any = await self._r.xpending_range(
+                stream, WORKER_GROUP, min="-", max="+", count=count,
+                consumername=consumer if own else None, idle=None if own else min_idle_ms,
+            )  # fmt: skip
+            if not own:
+                stale = [p for p in stale if p["consumer"].decode() != consumer]
+            if not stale:
+                return []
+            delivered = {p["message_id"].decode(): int(p["times_delivered"]) + 1 for p in stale}
+            # XCLAIM with a minimum idle time: of several reclaimers, the first one resets the
+            # idle time and takes the job; the others get nothing for it.
+            claimed: Any = await self._r.xclaim(
+                stream, WORKER_GROUP, consumer, 0 if own else min_idle_ms, list(delivered)
+            )
+        except ResponseError as exc:
+            if "NOGROUP" in str(exc):
+                return []
+            raise QueueUnavailable(f"cannot reclaim from the work stream: {exc}") from exc
+        except RedisError as exc:
+            raise QueueUnavailable("the queue is unreachable") from exc
+        entries = [(eid.decode(), fields) for eid, fields in claimed if fields]
+        leases: list[tuple[str, GenerationRequest]] = []
+        for eid, fields in entries:
+            try:
+                req = codec.decode_job(fields[JOB_FIELD.encode()])
+            except (InvalidRequest, KeyError):
+                await self._drop(stream, [eid])
+                continue
+            n = delivered.get(eid, 1)
+            if n > max_deliveries:
+                await self.dead_letter(pool, eid, req, f"delivered {n} times; every worker that took it died", n)
+            else:
+                leases.append((eid, req))
+        log.info("jobs_reclaimed", pool=pool, count=len(leases), dead=len(entries) - len(leases), own=own)
+        return await self._with_cancel_flags(pool, leases)
+
+    async def dead_letter(
+        self, pool: str, entry_id: str, request: GenerationRequest, reason: str, deliveries: int
+    ) -> None:
+        """Move a poison job to the pool's dead-letter stream (with ``reason``), tell its caller
+        (a terminal failure on its events), and drop it from the work stream."""
+        stream = self.keys.jobs(pool)
+        failed = JobEvent(failed=Failure(code="internal", message=f"the job was set aside: {reason}", retryable=False))
+        try:
+            async with self._r.pipeline(transaction=False) as pipe:
+                pipe.xadd(self.keys.dead_letters(pool), {JOB_FIELD: codec.encode_job(request), "reason": reason,
+                                                         "deliveries": deliveries, "entry_id": entry_id})  # fmt: skip
+                events = self.keys.events(request.request_id)
+                pipe.xadd(events, {EVENT_FIELD: codec.encode_event(failed)})
+                pipe.expire(events, self._s.event_ttl_s)
+                pipe.xack(stream, WORKER_GROUP, entry_id)
+                pipe.xdel(stream, entry_id)
+                await pipe.execute()
+        except RedisError as exc:
+            raise QueueUnavailable("the queue is unreachable") from exc
+        log.error("job_dead_lettered", pool=pool, request_id=request.request_id, reason=reason, deliveries=deliveries)
+
+    async def touch(self, pool: str, consumer: str, entry_ids: Sequence[str]) -> None:
+        if not entry_ids:
+            return
+        try:
+            await self._r.xclaim(self.keys.jobs(pool), WORKER_GROUP, consumer, 0, list(entry_ids), justid=True)
+        except RedisError as exc:
+            raise QueueUnavailable("the queue is unreachable") from exc
+
+    async def _drop(self, stream: str, entry_ids: list[str]) -> None:
+        try:
+            async with self._r.pipeline(transaction=False) as pipe:
+                pipe.xack(stream, WORKER_GROUP, *entry_ids)
+                pipe.xdel(stream, *entry_ids)
+                await pipe.execute()
+        except RedisError as exc:
+            raise QueueUnavailable("the queue is unreachable") from exc
 
     async def heartbeat(self, status: WorkerStatus, ttl_s: float) -> None:
         try:

@@ -220,3 +220,54 @@ async def test_unreachable_redis_is_queue_unavailable() -> None:
             await q.ping()
     finally:
         await q.close()
+
+
+@pytest.fixture
+async def rq(redis_settings: RedisSettings):
+    q = RedisQueue.from_settings(redis_settings)
+    yield q
+    await q.close()
+
+
+async def test_racing_reclaimers_take_each_stale_job_once(rq: RedisQueue) -> None:
+    await rq.join("cpu")
+    for i in range(50):
+        await rq.submit("cpu", req(f"s{i}"))
+    assert len(await rq.lease("cpu", "dead", 50, 500)) == 50
+    await asyncio.sleep(0.3)  # the entries age past the idle time under test
+    got = await asyncio.gather(*(rq.reclaim("cpu", f"r{k}", 200, 50, max_deliveries=3) for k in range(4)))
+    ids = [x.request.request_id for leases in got for x in leases]
+    assert sorted(ids) == sorted(f"s{i}" for i in range(50))  # all of them, none twice
+
+
+async def test_touched_jobs_are_not_reclaimed_and_own_jobs_come_back_on_restart(rq: RedisQueue) -> None:
+    await rq.join("cpu")
+    await rq.submit("cpu", req("busy"))
+    await rq.submit("cpu", req("orphan"))
+    leases = {x.request.request_id: x for x in await rq.lease("cpu", "w1", 2, 500)}
+    await asyncio.sleep(0.3)
+    await rq.touch("cpu", "w1", [leases["busy"].entry_id])  # w1 still runs it
+    assert [x.request.request_id for x in await rq.reclaim("cpu", "w2", 200, 10, 3)] == ["orphan"]
+    # w1 restarts under its name: what it still holds (busy) comes back to it at once
+    assert [x.request.request_id for x in await rq.reclaim("cpu", "w1", 0, 10, 3, own=True)] == ["busy"]
+
+
+async def test_a_job_that_keeps_killing_workers_is_dead_lettered(rq: RedisQueue, redis_settings: RedisSettings) -> None:
+    await rq.join("cpu")
+    await rq.submit("cpu", req("poison"))
+    assert len(await rq.lease("cpu", "w1", 1, 500)) == 1  # delivery 1: w1 dies
+    await asyncio.sleep(0.25)
+    assert len(await rq.reclaim("cpu", "w2", 200, 10, max_deliveries=2)) == 1  # delivery 2: w2 dies
+    await asyncio.sleep(0.25)
+    assert await rq.reclaim("cpu", "w3", 200, 10, max_deliveries=2) == []  # a third would be one too many
+    evs = [e async for _i, e in rq.events("poison")]
+    assert evs[-1].failed is not None and "set aside" in evs[-1].failed.message
+    r = aioredis.Redis.from_url(redis_settings.url)
+    try:
+        keys = Keys(redis_settings.prefix)
+        dead = await r.xrange(keys.dead_letters("cpu"))
+        assert len(dead) == 1 and dead[0][1][b"deliveries"] == b"3" and b"died" in dead[0][1][b"reason"]
+        assert (await r.xpending(keys.jobs("cpu"), WORKER_GROUP))["pending"] == 0
+        assert await r.xlen(keys.jobs("cpu")) == 0
+    finally:
+        await r.aclose()

@@ -258,3 +258,45 @@ async def test_a_job_whose_deadline_passed_in_the_queue_never_runs(running: Runn
     assert evs[-1].failed is not None and evs[-1].failed.code == "deadline_exceeded"
     assert [e for e in evs if e.token_ids] == [] and "gone" not in running.engine.served
     assert await pending(running.settings) == 0
+
+
+Started = tuple[Worker, FakeEngine, RedisQueue, asyncio.Event, "asyncio.Task[None]"]
+
+
+async def _start_worker(settings: RedisSettings, ws: WorkerSettings) -> Started:
+    queue = RedisQueue.from_settings(settings)
+    engine = FakeEngine(ws)
+    await engine.start()
+    worker = Worker(ws, queue, engine, block_ms=100)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    await asyncio.wait_for(worker.ready.wait(), 5)
+    return worker, engine, queue, stop, task
+
+
+async def test_a_dead_workers_job_is_taken_over_and_a_long_healthy_one_never_is(redis_settings: RedisSettings) -> None:
+    """Two workers reclaim every 0.25 s (claim idle 0.5 s). A job leased by a consumer that died
+    is finished by one of them; a job running 3 x longer than the claim idle time runs once."""
+    queue = RedisQueue.from_settings(redis_settings)
+    await queue.join("cpu")
+    await queue.submit("cpu", req("orphan", n=4))
+    assert len(await queue.lease("cpu", "ghost", 1, 500)) == 1  # ghost dies holding it
+    ws = [WorkerSettings(pool="cpu", engine="fake", max_inflight=4, fake_step_s=0.05, consumer=f"w{i}",
+                         claim_idle_s=0.5, heartbeat_s=0.1) for i in range(2)]  # fmt: skip
+    started = [await _start_worker(redis_settings, s) for s in ws]
+    try:
+        orphan = await asyncio.wait_for(events(queue, "orphan"), 10)
+        assert sum(len(e.token_ids) for e in orphan) == 4 and orphan[-1].finished is not None
+        await queue.submit("cpu", req("long", n=30))  # 30 steps of 50 ms: 1.5 s = 3 x claim idle
+        long = await asyncio.wait_for(events(queue, "long"), 10)
+        assert sum(len(e.token_ids) for e in long) == 30 and long[-1].finished is not None
+        served = [rid for _w, engine, *_ in started for rid in engine.served]
+        assert served.count("long") == 1 and served.count("orphan") == 1, served
+        assert await pending(redis_settings) == 0
+    finally:
+        for _worker, engine, q, stop, task in started:
+            stop.set()
+            await asyncio.wait_for(task, 10)
+            await engine.shutdown()
+            await q.close()
+        await queue.close()

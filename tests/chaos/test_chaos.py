@@ -1,0 +1,191 @@
+"""Faults injected into real processes (redis-server, a gateway process, two worker processes on the
+fake engine, started by the tests), with a ledger of every submission and its outcome.
+
+The invariant, checked after each fault: every request that got an id (the x-request-id header)
+ends with exactly one terminal outcome its caller saw; a stream's token indexes run 0, 1, 2, ...
+with no gap, duplicate or splice; and once the reclaim time has passed, no job is left pending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+
+from llamamesh.queue.keys import WORKER_GROUP, Keys
+from llamamesh.v1 import generation_pb2 as pb
+from llamamesh.v1 import generation_pb2_grpc as pb_grpc
+from tests.e2e.conftest import ProcessNode
+from tests.redisproc import RedisProcess
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+FAST = {
+    "LLAMAMESH_WORKER_HEARTBEAT_S": "0.2",
+    "LLAMAMESH_WORKER_HEARTBEAT_TTL_S": "0.8",
+    "LLAMAMESH_WORKER_CLAIM_IDLE_S": "2",
+    "LLAMAMESH_BREAKER_PROBE_INTERVAL_S": "0.3",
+    "LLAMAMESH_BREAKER_PROBE_TIMEOUT_S": "2",
+    "LLAMAMESH_BREAKER_OPEN_S": "1",
+    "LLAMAMESH_WORKER_FAKE_STEP_S": "0.05",
+    "LLAMAMESH_WORKER_MAX_INFLIGHT": "32",
+    "LLAMAMESH_GATEWAY_GRACE_S": "15",
+}
+
+
+@dataclass
+class Outcome:
+    request_id: str = ""
+    indexes: list[int] = field(default_factory=list)
+    finish: str = ""
+    error: str = ""
+    terminals: int = 0
+
+
+@dataclass
+class Ledger:
+    """Submissions (those that got an id) and what their callers saw."""
+
+    entries: list[Outcome] = field(default_factory=list)
+
+    async def stream(self, stub: pb_grpc.GenerationServiceStub, max_tokens: int, started: asyncio.Event | None) -> None:
+        out = Outcome()
+        call = stub.Generate(pb.GenerateRequest(prompt="tell me everything", max_tokens=max_tokens, ignore_eos=True))
+        try:
+            out.request_id = dict(await call.initial_metadata())["x-request-id"]
+            self.entries.append(out)  # accepted: from here on it must end exactly once
+            while (m := await call.read()) is not grpc.aio.EOF:
+                out.indexes += range(m.index, m.index + len(m.token_ids))
+                if started is not None and out.indexes:
+                    started.set()
+                if m.finish_reason:
+                    out.finish = pb.FinishReason.Name(m.finish_reason)
+                    out.terminals += 1
+        except grpc.aio.AioRpcError as exc:
+            out.error = exc.code().name
+            out.terminals += 1
+
+    def check(self, accepted: int, tokens: int) -> None:
+        assert len(self.entries) == accepted
+        for e in self.entries:
+            assert e.terminals == 1, e  # one terminal outcome, seen by its caller
+            assert e.indexes == list(range(len(e.indexes))), e  # no gap, duplicate or splice
+            assert not e.error and e.finish == "FINISH_REASON_LENGTH" and len(e.indexes) == tokens, e
+
+
+def pending(node: ProcessNode) -> int:
+    r = redis.Redis.from_url(node.redis.url)
+    try:
+        return int(r.xpending(Keys(node.prefix).jobs(node.pool), WORKER_GROUP)["pending"])
+    finally:
+        r.close()
+
+
+def until(ok, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)  # polling another process's state, bounded by the deadline
+
+
+@pytest.fixture
+def node(e2e_redis: RedisProcess, tmp_path: Path) -> Iterator[ProcessNode]:
+    n = ProcessNode(tmp_path, e2e_redis, engine="fake", extra_env=FAST)
+    try:
+        n.start()
+        yield n
+    finally:
+        n.stop()
+
+
+async def test_kill_minus_nine_of_a_worker_holding_five_streams(node: ProcessNode) -> None:
+    ledger = Ledger()
+    async with grpc.aio.insecure_channel(node.address) as ch:
+        stub = pb_grpc.GenerationServiceStub(ch)
+        flowing = [asyncio.Event() for _ in range(5)]
+        calls = [asyncio.create_task(ledger.stream(stub, 80, ev)) for ev in flowing]  # 80 x 50 ms = 4 s each
+        await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in flowing)), 30)  # all 5 on the only worker
+        node.spawn("worker2", "workers", LLAMAMESH_WORKER_CONSUMER="e2e-worker-2")
+        await asyncio.to_thread(until, lambda: '"worker_started"' in node.log("worker2"), 30, "worker 2")
+        node.procs["worker"].send_signal(signal.SIGKILL)
+        await asyncio.wait_for(asyncio.gather(*calls), 60)
+    ledger.check(accepted=5, tokens=80)  # every stream resumed on worker 2, token for token
+    # The dead worker's five leased entries: cancelled by the gateway's failover, then reclaimed
+    # (claim idle 2 s) and dropped by worker 2; nothing stays pending.
+    await asyncio.to_thread(until, lambda: pending(node) == 0, 15, "no pending jobs")
+
+
+async def test_sigterm_to_the_gateway_with_twenty_open_streams(node: ProcessNode) -> None:
+    ledger = Ledger()
+    async with grpc.aio.insecure_channel(node.address) as ch:
+        stub = pb_grpc.GenerationServiceStub(ch)
+        flowing = [asyncio.Event() for _ in range(20)]
+        calls = [asyncio.create_task(ledger.stream(stub, 40, ev)) for ev in flowing]  # 2 s each
+        await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in flowing)), 30)
+        node.procs["gateway"].send_signal(signal.SIGTERM)
+        await asyncio.wait_for(asyncio.gather(*calls), 60)
+    ledger.check(accepted=20, tokens=40)  # drained: every open stream finished within the grace
+    assert await asyncio.to_thread(node.procs["gateway"].wait, 30) == 0
+    assert '"gateway_stopped"' in node.log("gateway")
+    assert pending(node) == 0
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[RedisProcess]:
+    """A server of this test's own (the test stops it), with AOF fsync'd on every write."""
+    server = RedisProcess("redis" if shutil.which("redis-server") else "valkey", tmp_path / "redis", appendonly=True)
+    server.start()
+    yield server
+    server.stop()
+
+
+async def test_redis_frozen_for_ten_seconds_then_continued(own_redis: RedisProcess, tmp_path: Path) -> None:
+    (tmp_path / "node").mkdir()
+    n = ProcessNode(tmp_path / "node", own_redis, engine="fake", extra_env=FAST)
+    n.start()
+    ledger = Ledger()
+    try:
+        async with grpc.aio.insecure_channel(n.address) as ch:
+            stub = pb_grpc.GenerationServiceStub(ch)
+            flowing = [asyncio.Event() for _ in range(10)]
+            calls = [asyncio.create_task(ledger.stream(stub, 100, ev)) for ev in flowing]  # 5 s each
+            await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in flowing)), 30)
+            assert own_redis.proc is not None
+            own_redis.proc.send_signal(signal.SIGSTOP)
+            try:
+                await asyncio.sleep(10)  # the fault itself: Redis answers nothing for 10 s
+            finally:
+                own_redis.proc.send_signal(signal.SIGCONT)
+            await asyncio.wait_for(asyncio.gather(*calls), 90)
+        assert len(ledger.entries) == 10
+        for e in ledger.entries:  # each ended once; a stream either completed whole or failed visibly
+            assert e.terminals == 1 and e.indexes == list(range(len(e.indexes))), e
+            assert (e.finish == "FINISH_REASON_LENGTH" and len(e.indexes) == 100) or e.error == "UNAVAILABLE", e
+        # the node recovers by itself: new requests are served
+        async with grpc.aio.insecure_channel(n.address) as ch:
+            after = Ledger()
+            await asyncio.wait_for(after.stream(pb_grpc.GenerationServiceStub(ch), 5, None), 60)
+            after.check(accepted=1, tokens=5)
+        await asyncio.to_thread(until, lambda: pending(n) == 0, 15, "no pending jobs")
+        outcomes = sorted(e.finish or e.error for e in ledger.entries)
+        print("outcomes after the freeze:", {o: outcomes.count(o) for o in set(outcomes)})
+    finally:
+        n.stop()
+
+
+async def test_a_thousand_concurrent_streams_on_the_fake_engine(node: ProcessNode) -> None:
+    node.spawn("worker2", "workers", LLAMAMESH_WORKER_CONSUMER="e2e-worker-2", LLAMAMESH_WORKER_MAX_INFLIGHT="512")
+    ledger = Ledger()
+    async with grpc.aio.insecure_channel(node.address) as ch:
+        stub = pb_grpc.GenerationServiceStub(ch)
+        await asyncio.wait_for(asyncio.gather(*(ledger.stream(stub, 10, None) for _ in range(1000))), 150)
+    ledger.check(accepted=1000, tokens=10)
+    await asyncio.to_thread(until, lambda: pending(node) == 0, 10, "no pending jobs")  # (a probe may be running)
