@@ -36,6 +36,9 @@ class RedisSettings:
     block_ms: int = 2000
     # Where the embedded server keeps its data (empty: a temporary folder).
     embedded_dir: str = ""
+    # Seconds a gateway's open streams ride out Redis being unreachable (a restart, a failover),
+    # reading on from where they were once it answers; past it they end UNAVAILABLE.
+    outage_grace_s: float = 15.0
 
 
 @dataclass(frozen=True)

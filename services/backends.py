@@ -168,10 +168,9 @@ class Backends:
 
     async def refresh(self, p: Pool) -> None:
         was_live = p.live
-        try:
+        # Unknown is not dead: while Redis is out the workers are kept (probes and submits fail meanwhile).
+        with contextlib.suppress(errors.QueueUnavailable):
             p.workers = tuple(await self._queue.workers(p.name))
-        except errors.QueueUnavailable:
-            p.workers = ()
         if was_live and not p.live:
             p.empty_since = self._clock()
         if p.live and not was_live:

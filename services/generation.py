@@ -172,6 +172,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                             first_token_ns = time.time_ns()
                         if base:
                             ev = _shifted(ev, base, first_token_ns)
+                        if ev.token_ids and ev.index != len(sent):  # Redis came back without some events
+                            raise errors.QueueUnavailable(
+                                f"the queue lost tokens {len(sent)}..{ev.index - 1} of this stream; retry the request"
+                            )
                         sent.extend(ev.token_ids)
                         if ev.finished is not None:
                             finish = ev.finished.finish_reason.value

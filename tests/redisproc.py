@@ -35,8 +35,9 @@ def binary(kind: str) -> str:
 
 
 class RedisProcess:
-    def __init__(self, kind: str, workdir: Path, appendonly: bool = False) -> None:
+    def __init__(self, kind: str, workdir: Path, appendonly: bool = False, appendfsync: str = "everysec") -> None:
         self.kind = kind
+        self.appendfsync = appendfsync
         self.dir = workdir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
@@ -55,6 +56,7 @@ class RedisProcess:
             "--dir", str(self.dir),
             "--save", "",
             "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", self.appendfsync,
             "--daemonize", "no",
             "--logfile", str(self.dir / "server.log"),
         ]

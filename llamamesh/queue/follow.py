@@ -7,13 +7,16 @@ appends to the wake stream, which returns the blocked XREAD at once so the next 
 new stream. There is no window in which a new follower can be missed: its registration happens
 before the wake entry is written, and the XREAD reads the wake stream from the id it last saw.
 
-Redis errors reach every current follower as ``QueueUnavailable``; the loop backs off and goes on.
+While Redis is unreachable the loop backs off and retries, and the followers keep their place: when
+it answers again (a restart from its AOF, a failover) they read on from their last entry. Only an
+outage longer than ``outage_grace_s`` reaches every follower, as ``QueueUnavailable``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any  # redis-py types stream replies loosely
@@ -45,8 +48,11 @@ class Follower:
 
 
 class EventFollower:
-    def __init__(self, client: aioredis.Redis, keys: Keys, block_ms: int, wake_ttl_s: int = 3600) -> None:
+    def __init__(
+        self, client: aioredis.Redis, keys: Keys, block_ms: int, wake_ttl_s: int = 3600, outage_grace_s: float = 0.0
+    ) -> None:
         self._r = client
+        self._outage_grace_s = outage_grace_s
         self._block_ms = block_ms
         self._wake_key = keys.wake(uuid.uuid4().hex)
         self._wake_ttl_s = wake_ttl_s
@@ -98,6 +104,7 @@ class EventFollower:
 
     async def _run(self) -> None:
         backoff = 0.05
+        down_since: float | None = None
         while not self._closing:
             if not self._subs:
                 self._reading = False
@@ -111,16 +118,26 @@ class EventFollower:
             try:
                 reply: Any = await self._r.xread(streams, count=1024, block=self._block_ms)
                 backoff = 0.05
+                if down_since is not None:
+                    down_s = round(time.monotonic() - down_since, 2)
+                    log.info("event_read_recovered", followers=len(self._subs), down_s=down_s)
+                    down_since = None
             except RedisError as exc:
                 if self._closing:
                     return
-                log.warning("event_read_failed", followers=len(self._subs), error=str(exc))
-                for subs in list(self._subs.values()):
-                    for s in subs:
-                        s.queue.put_nowait(exc)
-                self._subs.clear()
+                now = time.monotonic()
+                down_since = now if down_since is None else down_since
+                if now - down_since >= self._outage_grace_s:  # too long: tell every follower
+                    log.warning("event_read_failed", followers=len(self._subs), error=str(exc))
+                    for subs in list(self._subs.values()):
+                        for s in subs:
+                            s.queue.put_nowait(exc)
+                    self._subs.clear()
+                    down_since = None
+                else:
+                    log.warning("event_read_retrying", followers=len(self._subs), error=str(exc), retry_in_s=backoff)
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                backoff = min(backoff * 2, 1.0)
                 continue
             self.reads += 1
             for raw_key, entries in reply or ():

@@ -106,7 +106,9 @@ class RedisQueue:
 
     async def events(self, request_id: str, after: str = "0-0") -> AsyncGenerator[tuple[str, JobEvent], None]:
         if self._follower is None:
-            self._follower = EventFollower(self._r, self.keys, self._s.block_ms, self._s.event_idle_ttl_s)
+            self._follower = EventFollower(
+                self._r, self.keys, self._s.block_ms, self._s.event_idle_ttl_s, self._s.outage_grace_s
+            )
         sub = await self._follower.follow(self.keys.events(request_id), after)
         held: Item | None = None
         try:

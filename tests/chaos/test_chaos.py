@@ -139,9 +139,12 @@ async def test_sigterm_to_the_gateway_with_twenty_open_streams(node: ProcessNode
 
 
 @pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[RedisProcess]:
-    """A server of this test's own (the test stops it), with AOF fsync'd on every write."""
-    server = RedisProcess("redis" if shutil.which("redis-server") else "valkey", tmp_path / "redis", appendonly=True)
+def own_redis(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RedisProcess]:
+    """A server of this test's own (the test stops it), with AOF, fsync'd on every write unless
+    the test asks for another policy."""
+    kind = "redis" if shutil.which("redis-server") else "valkey"
+    policy = getattr(request, "param", "always")
+    server = RedisProcess(kind, tmp_path / "redis", appendonly=True, appendfsync=policy)
     server.start()
     yield server
     server.stop()
@@ -189,3 +192,40 @@ async def test_a_thousand_concurrent_streams_on_the_fake_engine(node: ProcessNod
         await asyncio.wait_for(asyncio.gather(*(ledger.stream(stub, 10, None) for _ in range(1000))), 150)
     ledger.check(accepted=1000, tokens=10)
     await asyncio.to_thread(until, lambda: pending(node) == 0, 10, "no pending jobs")  # (a probe may be running)
+
+
+@pytest.mark.parametrize("own_redis", ["always", "everysec"], indirect=True)
+async def test_kill_minus_nine_of_redis_mid_stream(own_redis: RedisProcess, tmp_path: Path) -> None:
+    """fsync always: nothing is lost, every open stream completes (the gateway rides out the
+    restart and reads on). everysec: the last second of writes may be gone; a stream that lost
+    events ends UNAVAILABLE, never with a silent gap."""
+    (tmp_path / "node").mkdir()
+    n = ProcessNode(tmp_path / "node", own_redis, engine="fake", extra_env=FAST)
+    n.start()
+    ledger = Ledger()
+    try:
+        async with grpc.aio.insecure_channel(n.address) as ch:
+            stub = pb_grpc.GenerationServiceStub(ch)
+            flowing = [asyncio.Event() for _ in range(10)]
+            calls = [asyncio.create_task(ledger.stream(stub, 100, ev)) for ev in flowing]  # 5 s each
+            await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in flowing)), 30)
+            own_redis.kill()
+            own_redis.start()  # same port, same AOF
+            await asyncio.wait_for(asyncio.gather(*calls), 90)
+        assert len(ledger.entries) == 10
+        for e in ledger.entries:  # each ended once, and never with a gap, duplicate or splice
+            assert e.terminals == 1 and e.indexes == list(range(len(e.indexes))), e
+            if own_redis.appendfsync == "always":
+                assert e.finish == "FINISH_REASON_LENGTH" and len(e.indexes) == 100, e
+            else:
+                assert (e.finish == "FINISH_REASON_LENGTH" and len(e.indexes) == 100) or e.error == "UNAVAILABLE", e
+        outcomes = sorted(e.finish or e.error for e in ledger.entries)
+        print(f"kill -9 of Redis ({own_redis.appendfsync}):", {o: outcomes.count(o) for o in set(outcomes)})
+        await asyncio.to_thread(until, lambda: n._serving(f"llamamesh.backend.{n.pool}"), 30, "the pool serving again")
+        async with grpc.aio.insecure_channel(n.address) as ch:
+            after = Ledger()
+            await asyncio.wait_for(after.stream(pb_grpc.GenerationServiceStub(ch), 5, None), 60)
+            after.check(accepted=1, tokens=5)
+        await asyncio.to_thread(until, lambda: pending(n) == 0, 20, "no pending jobs")
+    finally:
+        n.stop()
