@@ -100,6 +100,12 @@ class DeadlineExceeded(LlamameshError):
     code = "deadline_exceeded"
 
 
+class DeadlineUnreachable(DeadlineExceeded):
+    """Refused before queueing: the caller's deadline is shorter than the pool's queue wait."""
+
+    code = "deadline_unreachable"
+
+
 class InternalError(LlamameshError):
     code = "internal"
 

@@ -45,7 +45,7 @@ def counts_against_backend(exc: BaseException | None) -> bool | None:
     """True: a failure of the backend; False: a success; None: neither (the caller's doing)."""
     if exc is None:
         return False
-    if isinstance(exc, errors.ClientError | errors.CapacityError | asyncio.CancelledError):
+    if isinstance(exc, errors.ClientError | errors.CapacityError | errors.DeadlineUnreachable | asyncio.CancelledError):
         return None
     return True
 
@@ -59,6 +59,9 @@ class Pool:
     last_probe_error: str = ""
     # Monotonic time since when the pool has had no live worker (set at start and on every loss).
     empty_since: float = 0.0
+    # Recent queue wait (accepted -> a worker started it), an exponential average, and its samples.
+    queue_wait_s: float = 0.0
+    waits: int = 0
 
     @property
     def live(self) -> bool:
@@ -134,6 +137,17 @@ class Backends:
         why = "is failing (circuit open)" if p.live else "has no live worker (circuit open)"
         raise errors.NoWorkers(f"the backend pool {pool!r} {why}" + (
             f" and its fallback {fallback!r} cannot take requests" if fallback else ""))  # fmt: skip
+
+    def observe_queue_wait(self, pool: str, seconds: float) -> None:
+        p = self.pools.get(pool)
+        if p is not None:
+            p.queue_wait_s = seconds if not p.waits else 0.8 * p.queue_wait_s + 0.2 * seconds
+            p.waits += 1
+
+    def expected_queue_wait(self, pool: str) -> float:
+        """The pool's recent queue wait in seconds (0 until it has a few samples)."""
+        p = self.pools[pool]
+        return p.queue_wait_s if p.waits >= 5 else 0.0
 
     def empty_for(self, pool: str) -> float:
         """Seconds the pool has had no live worker (0 while it has one)."""

@@ -158,6 +158,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     return
                 if self._no_workers(pool):  # no worker came for a while: say so now, not at the deadline
                     raise self._no_workers_error(pool)
+                self._check_reachable(pool, context.time_remaining())
                 try:
                     await self._queue.submit(pool, attempt, max_waiting=self._s.max_queue)
                 except errors.QueueFull as exc:
@@ -179,6 +180,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         sent.extend(ev.token_ids)
                         if ev.finished is not None:
                             finish = ev.finished.finish_reason.value
+                            if self._backends is not None and ev.finished.started_unix_ns and not attempts:
+                                wait_ns = ev.finished.started_unix_ns - attempt.accepted_unix_ns
+                                self._backends.observe_queue_wait(pool, max(0, wait_ns) / 1e9)
                         yield convert.generate_response(req, ev)
                         if finished:
                             return
@@ -223,6 +227,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def _no_workers(self, pool: str) -> bool:
         wait = self._s.no_worker_wait_s
         return self._backends is not None and wait > 0 and self._backends.empty_for(pool) > wait
+
+    def _check_reachable(self, pool: str, remaining_s: float | None) -> None:
+        """Refuse at once a request that would wait in the queue past its deadline."""
+        wait = self._backends.expected_queue_wait(pool) if self._backends is not None else 0.0
+        if remaining_s is not None and wait > 0 and remaining_s < wait:
+            raise errors.DeadlineUnreachable(
+                f"the deadline ({remaining_s:.3f} s) is shorter than pool {pool!r}'s queue wait ({wait:.3f} s)"
+            )
 
     def _no_workers_error(self, pool: str) -> errors.NoWorkers:
         return errors.NoWorkers(f"pool {pool!r} has had no live worker for {self._s.no_worker_wait_s:g} s")

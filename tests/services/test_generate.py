@@ -237,3 +237,19 @@ async def test_a_pool_without_workers_is_unavailable_soon_not_at_the_deadline(st
             assert again.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t1 < 1  # at once
     finally:
         await gw.stop(0)
+
+
+async def test_a_deadline_shorter_than_the_queue_wait_is_refused_at_once(stack: Stack) -> None:
+    for _ in range(5):  # the pool's recent requests waited 5 s before a worker took them
+        stack.gateway.backends.observe_queue_wait("cpu", 5.0)
+    t0 = time.monotonic()
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await collect_with_timeout(stack, pb.GenerateRequest(prompt="x"), 1.0)
+    assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "queue wait" in (ei.value.details() or "")
+    assert time.monotonic() - t0 < 0.5 and stack.queue.waiting("cpu") == []  # at once, nothing queued
+    assert stack.gateway.backends.pools["cpu"].breaker.state.value == "closed"  # not the backend's fault
+    assert (await collect_with_timeout(stack, pb.GenerateRequest(prompt="x"), 30))[-1].finish_reason
+
+
+async def collect_with_timeout(stack: Stack, req: pb.GenerateRequest, timeout: float) -> list[pb.GenerateResponse]:
+    return [m async for m in stack.stub.Generate(req, timeout=timeout)]
