@@ -20,7 +20,11 @@ import grpc
 import pytest
 import redis
 
-from llamamesh.queue.keys import WORKER_GROUP, Keys
+from llamamesh.queue import codec
+from llamamesh.queue.keys import EVENT_FIELD, WORKER_GROUP, Keys
+from llamamesh.queue.streams import RedisQueue
+from llamamesh.settings import RedisSettings
+from llamamesh.types import GenerationRequest, SamplingParams
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc as pb_grpc
 from tests.e2e.conftest import ProcessNode
@@ -229,3 +233,43 @@ async def test_kill_minus_nine_of_redis_mid_stream(own_redis: RedisProcess, tmp_
         await asyncio.to_thread(until, lambda: pending(n) == 0, 20, "no pending jobs")
     finally:
         n.stop()
+
+
+async def test_a_backlog_of_ten_thousand_jobs_drains_with_nothing_lost(
+    e2e_redis: RedisProcess, tmp_path: Path
+) -> None:
+    """10,000 jobs queued before any worker runs; two worker processes drain them while their
+    acked entries are deleted from the stream (the only trimming the work stream ever sees:
+    nothing unleased or pending is removed). Every job ends with exactly one terminal event."""
+    env = {**FAST, "LLAMAMESH_WORKER_FAKE_STEP_S": "0", "LLAMAMESH_WORKER_MAX_INFLIGHT": "64"}
+    n = ProcessNode(tmp_path, e2e_redis, engine="fake", extra_env=env)
+    q = RedisQueue.from_settings(RedisSettings(url=e2e_redis.url, prefix=n.prefix))
+    ids = [f"b{i}" for i in range(10_000)]
+    try:
+        await q.join(n.pool)
+        for chunk in range(0, len(ids), 50):
+            jobs = [GenerationRequest(request_id=rid, model="m", prompt="p", sampling=SamplingParams(max_tokens=2))
+                    for rid in ids[chunk : chunk + 50]]  # fmt: skip
+            await asyncio.gather(*(q.submit(n.pool, job) for job in jobs))
+        r = redis.Redis.from_url(e2e_redis.url)
+        keys = Keys(n.prefix)
+        assert r.xlen(keys.jobs(n.pool)) == 10_000
+        n.spawn("worker", "workers")
+        n.spawn("worker2", "workers", LLAMAMESH_WORKER_CONSUMER="e2e-worker-2")
+        await asyncio.to_thread(until, lambda: r.xlen(keys.jobs(n.pool)) == 0, 150, "the backlog drained")
+        assert pending(n) == 0
+        terminals = 0
+        for chunk in range(0, len(ids), 1000):
+            with r.pipeline(transaction=False) as pipe:
+                for rid in ids[chunk : chunk + 1000]:
+                    pipe.xrange(keys.events(rid))
+                for entries in pipe.execute():
+                    evs = [codec.decode_event(f[EVENT_FIELD.encode()]) for _id, f in entries]
+                    assert [e.terminal for e in evs].count(True) == 1 and evs[-1].finished is not None
+                    assert sum(len(e.token_ids) for e in evs) == 2
+                    terminals += 1
+        assert terminals == 10_000
+        r.close()
+    finally:
+        n.stop()
+        await q.close()
