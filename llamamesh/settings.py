@@ -76,6 +76,10 @@ class GatewaySettings:
     # ends UNAVAILABLE; a pool empty for longer refuses new requests at once. Covers a worker's
     # restart; 0: wait for one as long as the caller's deadline allows.
     no_worker_wait_s: float = 10.0
+    # Seconds between the gateway's checks of Redis (readiness, and whether it lost its data), and
+    # how long readiness stays NOT_SERVING after Redis came back without its data.
+    health_interval_s: float = 2.0
+    data_loss_hold_s: float = 10.0
 
     def fallback_table(self) -> dict[str, str]:
         out: dict[str, str] = {}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 
 import grpc
@@ -72,8 +72,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         models: Sequence[ModelInfo],
         backends: Backends | None = None,
         policy: RoutingPolicy | None = None,
+        queue_generation: Callable[[], int] = lambda: 0,
     ) -> None:
         self._queue = queue
+        self._queue_generation = queue_generation
         self._s = settings
         self._models = tuple(models)
         self._backends = backends
@@ -88,14 +90,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         events = self._queue.events(attempt.request_id)
         nxt: asyncio.Future[tuple[str, JobEvent]] = asyncio.ensure_future(anext(events))
         worker = ""
+        generation = self._queue_generation()
         try:
             while True:
-                timeout = backends.check_interval_s if backends is not None else None
+                timeout = backends.check_interval_s if backends is not None else 1.0
                 done, _ = await asyncio.wait({nxt}, timeout=timeout)
-                if not done and backends is not None:
-                    if worker and not backends.worker_alive(pool, worker):
+                if self._queue_generation() != generation:  # its events and job may be gone: never wait on
+                    raise errors.QueueUnavailable("Redis came back without its data: this request was lost")
+                if not done:
+                    if backends is not None and worker and not backends.worker_alive(pool, worker):
                         raise errors.WorkerLost(f"worker {worker!r} of pool {pool!r} stopped answering")
-                    if not worker and backends.stranded(pool):
+                    if backends is not None and not worker and backends.stranded(pool):
                         raise errors.WorkerLost(f"pool {pool!r} cannot serve; its fallback can")
                     if not worker and self._no_workers(pool):
                         raise self._no_workers_error(pool)

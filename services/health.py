@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Sequence
 
 import structlog
@@ -29,11 +30,22 @@ class HealthReporter:
       NOT_SERVING otherwise and after ``shutdown()``.
     - ``llamamesh.backend.<pool>`` for each backend pool: SERVING while the queue answers and the
       pool has a live worker and its breaker is not open (``set_backend``, fed by services/backends.py).
+
+    Redis that comes back without its data (the queue's epoch changed: a restart without
+    persistence, a failover to an empty replica) is not run against silently: readiness is
+    NOT_SERVING for ``data_loss_hold_s``, ``data_losses`` counts it (open streams watch it and end
+    UNAVAILABLE), then the new data is adopted.
     """
 
-    def __init__(self, queue: JobQueue, services: Sequence[str], interval_s: float = 2.0) -> None:
+    def __init__(
+        self, queue: JobQueue, services: Sequence[str], interval_s: float = 2.0, data_loss_hold_s: float = 10.0
+    ) -> None:
         self.servicer = health.aio.HealthServicer()
         self._queue = queue
+        self._hold_s = data_loss_hold_s
+        self._epoch = ""
+        self._held_until = 0.0
+        self.data_losses = 0
         self._names = ["", *services]
         self._interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
@@ -56,10 +68,17 @@ class HealthReporter:
 
     async def check_now(self) -> None:
         try:
-            await asyncio.wait_for(self._queue.ping(), timeout=self._interval_s)
-            await self._set(True)
+            epoch = await asyncio.wait_for(self._queue.epoch(), timeout=self._interval_s)
         except (QueueUnavailable, asyncio.TimeoutError):
             await self._set(False)
+            return
+        if self._epoch and epoch != self._epoch:
+            self.data_losses += 1
+            self._held_until = time.monotonic() + self._hold_s
+            log.error("redis_data_lost", hold_s=self._hold_s,
+                      detail="Redis answers without the queue's data: open requests end UNAVAILABLE")  # fmt: skip
+        self._epoch = epoch
+        await self._set(time.monotonic() >= self._held_until)
 
     async def start(self) -> None:
         await self.servicer.set(LIVENESS, SERVING)
@@ -70,6 +89,10 @@ class HealthReporter:
         while True:
             await asyncio.sleep(self._interval_s)
             await self.check_now()
+
+    def queue_generation(self) -> int:
+        """Changes when Redis lost its data: a request submitted under another one is gone."""
+        return self.data_losses
 
     async def shutdown(self) -> None:
         """Report NOT_SERVING for good and stop probing."""

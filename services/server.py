@@ -68,7 +68,12 @@ async def start_gateway(
     server = grpc.aio.server(
         options=[("grpc.so_reuseport", 1 if share_port else 0), ("grpc.max_receive_message_length", max_bytes)]
     )
-    reporter = HealthReporter(queue, [GENERATION_SERVICE, ADMIN_SERVICE, *([BATCH_SERVICE] if batches else [])])
+    reporter = HealthReporter(
+        queue,
+        [GENERATION_SERVICE, ADMIN_SERVICE, *([BATCH_SERVICE] if batches else [])],
+        interval_s=settings.health_interval_s,
+        data_loss_hold_s=settings.data_loss_hold_s,
+    )
     backends = Backends(
         queue,
         [*(m.pool for m in models), *policy.pools],
@@ -77,7 +82,7 @@ async def start_gateway(
         on_health=lambda pool, up: reporter.set_backend(backend_service(pool), up),
     )
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(
-        GenerationServicer(queue, settings, models, backends, policy), server
+        GenerationServicer(queue, settings, models, backends, policy, reporter.queue_generation), server
     )
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(backends), server)
     services = [GENERATION_SERVICE, ADMIN_SERVICE]

@@ -45,6 +45,10 @@ class Keys:
         """Present while a request is cancelled."""
         return f"{self.prefix}:req:{{{request_id}}}:cancel"
 
+    def epoch(self) -> str:
+        """The identity of the queue's data (a random id set once): missing or changed, Redis lost it."""
+        return f"{self.prefix}:epoch"
+
     def called_off(self, caller_id: str) -> str:
         """Present while the caller cancelled its request by id (Cancel RPC): every attempt stops."""
         return f"{self.prefix}:req:{{{caller_id}}}:called-off"

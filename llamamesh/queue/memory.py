@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import itertools
 import time
+import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -34,6 +35,7 @@ class MemoryQueue:
         self._events: dict[str, list[tuple[str, JobEvent]]] = {}
         self._cancelled: set[str] = set()
         self._called_off: set[str] = set()
+        self._epoch = uuid.uuid4().hex
         self._changed = asyncio.Condition()
         self._ids = itertools.count(1)
         # pool -> worker -> (monotonic expiry, status)
@@ -91,6 +93,14 @@ class MemoryQueue:
         self._check()
         self._cancelled.add(request_id)
         await self._notify()
+
+    async def epoch(self) -> str:
+        self._check()
+        return self._epoch
+
+    def lose_data(self) -> None:
+        """Tests: what a Redis that came back empty looks like (a new epoch)."""
+        self._epoch = uuid.uuid4().hex
 
     async def call_off(self, caller_id: str) -> None:
         self._check()

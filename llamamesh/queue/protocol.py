@@ -51,6 +51,11 @@ class JobQueue(Protocol):
     async def ping(self) -> None:
         """Raise QueueUnavailable unless the queue answers."""
 
+    async def epoch(self) -> str:
+        """The identity of the queue's data, set by the first caller and kept: a different one later
+        means Redis came back without its data. Raises QueueUnavailable."""
+        ...
+
     async def workers(self, pool: str) -> list[WorkerStatus]:
         """The live workers of a pool: those whose last heartbeat has not expired."""
         ...

@@ -15,6 +15,7 @@ Redis errors become ``QueueUnavailable`` here and nowhere else.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any  # redis-py types stream replies loosely
 
@@ -153,6 +154,14 @@ class RedisQueue:
         except RedisError as exc:
             raise QueueUnavailable("the queue is unreachable") from exc
 
+    async def epoch(self) -> str:
+        try:
+            await self._r.set(self.keys.epoch(), uuid.uuid4().hex, nx=True)
+            value: Any = await self._r.get(self.keys.epoch())
+        except RedisError as exc:
+            raise QueueUnavailable("the queue is unreachable") from exc
+        return value.decode() if value else ""
+
     async def ping(self) -> None:
         try:
             await self._r.ping()
@@ -190,8 +199,9 @@ class RedisQueue:
             reply: Any = await self._r.xreadgroup(WORKER_GROUP, consumer, {stream: ">"}, count=count, block=block_ms)
         except ResponseError as exc:
             if "NOGROUP" in str(exc):
-                # The stream or group vanished (a Redis that came back empty): recreate and retry.
-                log.warning("consumer_group_missing", pool=pool)
+                # The stream or group vanished: Redis came back without its data. Say so loudly (the
+                # gateways' readiness goes NOT_SERVING on the same loss), recreate it and go on.
+                log.error("consumer_group_missing", pool=pool, detail="Redis lost the work stream; recreating it")
                 await self.join(pool)
                 return []
             raise QueueUnavailable(f"cannot read the work stream: {exc}") from exc

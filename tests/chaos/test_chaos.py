@@ -147,8 +147,9 @@ def own_redis(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RedisP
     """A server of this test's own (the test stops it), with AOF, fsync'd on every write unless
     the test asks for another policy."""
     kind = "redis" if shutil.which("redis-server") else "valkey"
-    policy = getattr(request, "param", "always")
-    server = RedisProcess(kind, tmp_path / "redis", appendonly=True, appendfsync=policy)
+    policy = getattr(request, "param", "always")  # "none": no persistence, a restart comes back empty
+    fsync = policy.replace("none", "no")
+    server = RedisProcess(kind, tmp_path / "redis", appendonly=policy != "none", appendfsync=fsync)
     server.start()
     yield server
     server.stop()
@@ -273,3 +274,35 @@ async def test_a_backlog_of_ten_thousand_jobs_drains_with_nothing_lost(
     finally:
         n.stop()
         await q.close()
+
+
+@pytest.mark.parametrize("own_redis", ["none"], indirect=True)
+async def test_redis_back_empty_is_not_run_against_silently(own_redis: RedisProcess, tmp_path: Path) -> None:
+    """Redis restarts without persistence mid-stream: the open streams end UNAVAILABLE (their jobs
+    and events are gone), readiness is NOT_SERVING for a while, then the node serves again."""
+    (tmp_path / "node").mkdir()
+    env = {**FAST, "LLAMAMESH_GATEWAY_HEALTH_INTERVAL_S": "0.3", "LLAMAMESH_GATEWAY_DATA_LOSS_HOLD_S": "3"}
+    n = ProcessNode(tmp_path / "node", own_redis, engine="fake", extra_env=env)
+    n.start()
+    ledger = Ledger()
+    try:
+        async with grpc.aio.insecure_channel(n.address) as ch:
+            stub = pb_grpc.GenerationServiceStub(ch)
+            flowing = [asyncio.Event() for _ in range(5)]
+            calls = [asyncio.create_task(ledger.stream(stub, 100, ev)) for ev in flowing]  # 5 s each
+            await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in flowing)), 30)
+            own_redis.kill()
+            own_redis.start()  # same port, nothing kept
+            await asyncio.to_thread(until, lambda: not n._serving(), 10, "readiness NOT_SERVING")
+            await asyncio.wait_for(asyncio.gather(*calls), 60)
+        for e in ledger.entries:  # each ended once, visibly, with no gap
+            assert e.terminals == 1 and e.indexes == list(range(len(e.indexes))), e
+            assert e.error == "UNAVAILABLE" and len(e.indexes) < 100, e
+        assert '"redis_data_lost"' in n.log("gateway")
+        await asyncio.to_thread(until, lambda: n._serving(f"llamamesh.backend.{n.pool}"), 30, "serving again")
+        async with grpc.aio.insecure_channel(n.address) as ch:
+            after = Ledger()
+            await asyncio.wait_for(after.stream(pb_grpc.GenerationServiceStub(ch), 5, None), 60)
+            after.check(accepted=1, tokens=5)
+    finally:
+        n.stop()

@@ -6,6 +6,7 @@ import time
 import grpc
 import pytest
 from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
 from llamamesh.client import field_violations
@@ -253,3 +254,19 @@ async def test_a_deadline_shorter_than_the_queue_wait_is_refused_at_once(stack: 
 
 async def collect_with_timeout(stack: Stack, req: pb.GenerateRequest, timeout: float) -> list[pb.GenerateResponse]:
     return [m async for m in stack.stub.Generate(req, timeout=timeout)]
+
+
+@pytest.mark.fake_step_s(0.05)
+async def test_redis_back_without_its_data_ends_open_streams_and_holds_readiness(stack: Stack) -> None:
+    call = stack.stub.Generate(pb.GenerateRequest(prompt="long one", max_tokens=500))
+    assert (await call.read()).token_ids
+    stack.queue.lose_data()  # what a restart without persistence looks like
+    await stack.gateway.health.check_now()
+    assert stack.gateway.health.data_losses == 1
+    health = health_pb2_grpc.HealthStub(stack.channel)
+    got = await health.Check(health_pb2.HealthCheckRequest(service=""))
+    assert got.status == health_pb2.HealthCheckResponse.NOT_SERVING  # not run against silently
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        while await asyncio.wait_for(call.read(), 5) is not grpc.aio.EOF:
+            pass
+    assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "without its data" in (ei.value.details() or "")
