@@ -267,6 +267,10 @@ async def test_redis_back_without_its_data_ends_open_streams_and_holds_readiness
     got = await health.Check(health_pb2.HealthCheckRequest(service=""))
     assert got.status == health_pb2.HealthCheckResponse.NOT_SERVING  # not run against silently
     with pytest.raises(grpc.aio.AioRpcError) as ei:
-        while await asyncio.wait_for(call.read(), 5) is not grpc.aio.EOF:
-            pass
+        await asyncio.wait_for(_drain(call), 5)
     assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "without its data" in (ei.value.details() or "")
+
+
+async def _drain(call: grpc.aio.UnaryStreamCall) -> None:
+    while await call.read() is not grpc.aio.EOF:
+        pass
