@@ -228,12 +228,11 @@ class Worker:
         once it has drained) or engine death."""
         while not stop.is_set() and self.engine_died is None:
             try:
-                await self._queue.heartbeat(self.status(), self._s.heartbeat_ttl_s)
-                if self._running:
-                    await self._queue.touch(self._s.pool, self.name, [x.entry_id for x in self._running.values()])
+                jobs = [x.entry_id for x in self._running.values()]
+                await self._queue.heartbeat(self.status(), self._s.heartbeat_ttl_s, touch=jobs)
                 if self._batches is not None and self._batch_running:
-                    running = [x.entry_id for x in self._batch_running.values()]
-                    await self._batches.touch(self._s.pool, self.name, running)
+                    items = [x.entry_id for x in self._batch_running.values()]
+                    await self._batches.touch(self._s.pool, self.name, items)
             except QueueUnavailable:
                 log.warning("heartbeat_failed")
             await _wait_any(stop, timeout=self._s.heartbeat_s)

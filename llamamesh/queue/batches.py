@@ -29,7 +29,7 @@ from llamamesh.errors import InvalidRequest, QueueUnavailable
 from llamamesh.queue import codec
 from llamamesh.queue.keys import JOB_FIELD, RESULT_FIELD, WORKER_GROUP, Keys
 from llamamesh.queue.protocol import Lease
-from llamamesh.queue.streams import create_group
+from llamamesh.queue.streams import create_group, touch_entries
 from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, ItemStatus
 
 COUNTS = ("succeeded", "errored", "cancelled", "expired")
@@ -363,12 +363,7 @@ class RedisBatches:
 
     async def touch(self, pool: str, consumer: str, entry_ids: Sequence[str]) -> None:
         """Reset the idle time of items this worker is still running, so nobody reclaims them."""
-        if not entry_ids:
-            return
-        try:
-            await self._r.xclaim(self.keys.batch_items(pool), WORKER_GROUP, consumer, 0, list(entry_ids), justid=True)
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
+        await touch_entries(self._r, self.keys.batch_items(pool), consumer, entry_ids)
 
     async def _leases(self, pool: str, entries: list[Any]) -> list[Lease]:
         stream = self.keys.batch_items(pool)

@@ -146,10 +146,7 @@ class MemoryQueue:
         self._check()
         return []  # one process: no worker dies apart from it
 
-    async def touch(self, pool: str, consumer: str, entry_ids: Sequence[str]) -> None:
-        self._check()
-
-    async def heartbeat(self, status: WorkerStatus, ttl_s: float) -> None:
+    async def heartbeat(self, status: WorkerStatus, ttl_s: float, touch: Sequence[str] = ()) -> None:
         self._check()
         self._beats.setdefault(status.pool, {})[status.worker] = (time.monotonic() + ttl_s, status)
 

@@ -82,11 +82,9 @@ class WorkQueue(Protocol):
         times is not returned: it goes to the dead-letter stream and its caller gets a failure."""
         ...
 
-    async def touch(self, pool: str, consumer: str, entry_ids: Sequence[str]) -> None:
-        """Reset the idle time of jobs this worker still runs, so nobody reclaims them."""
-
-    async def heartbeat(self, status: WorkerStatus, ttl_s: float) -> None:
-        """Say this worker is alive (with its figures) for the next ``ttl_s`` seconds."""
+    async def heartbeat(self, status: WorkerStatus, ttl_s: float, touch: Sequence[str] = ()) -> None:
+        """Say this worker is alive (with its figures) for the next ``ttl_s`` seconds, and reset
+        the idle time of the jobs it runs (``touch``: their entry ids) so nobody reclaims them."""
 
     async def leave(self, pool: str, worker: str) -> None:
         """Withdraw this worker's heartbeat (a clean stop)."""

@@ -63,6 +63,16 @@ return -1
 """
 
 
+async def touch_entries(client: aioredis.Redis, stream: str, consumer: str, entry_ids: Sequence[str]) -> None:
+    """Reset the idle time of the entries ``consumer`` still works on, so that nobody reclaims them."""
+    if not entry_ids:
+        return
+    try:
+        await client.xclaim(stream, WORKER_GROUP, consumer, 0, list(entry_ids), justid=True)
+    except RedisError as exc:
+        raise QueueUnavailable("the queue is unreachable") from exc
+
+
 class RedisQueue:
     """Both faces of the queue (JobQueue and WorkQueue) on one Redis connection pool."""
 
@@ -308,13 +318,6 @@ class RedisQueue:
             raise QueueUnavailable("the queue is unreachable") from exc
         log.error("job_dead_lettered", pool=pool, request_id=request.request_id, reason=reason, deliveries=deliveries)
 
-    async def touch(self, pool: str, consumer: str, entry_ids: Sequence[str]) -> None:
-        if not entry_ids:
-            return
-        try:
-            await self._r.xclaim(self.keys.jobs(pool), WORKER_GROUP, consumer, 0, list(entry_ids), justid=True)
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
 
     async def _drop(self, stream: str, entry_ids: list[str]) -> None:
         try:
@@ -325,12 +328,14 @@ class RedisQueue:
         except RedisError as exc:
             raise QueueUnavailable("the queue is unreachable") from exc
 
-    async def heartbeat(self, status: WorkerStatus, ttl_s: float) -> None:
+    async def heartbeat(self, status: WorkerStatus, ttl_s: float, touch: Sequence[str] = ()) -> None:
         try:
             async with self._r.pipeline(transaction=False) as pipe:
                 key = self.keys.worker(status.pool, status.worker)
                 pipe.set(key, codec.encode_status(status), px=int(ttl_s * 1000))
                 pipe.sadd(self.keys.workers(status.pool), status.worker)
+                if touch:  # the jobs it runs, in the same round trip
+                    pipe.xclaim(self.keys.jobs(status.pool), WORKER_GROUP, status.worker, 0, list(touch), justid=True)
                 await pipe.execute()
         except RedisError as exc:
             raise QueueUnavailable("the queue is unreachable") from exc

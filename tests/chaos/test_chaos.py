@@ -77,6 +77,15 @@ class Ledger:
             out.error = exc.code().name
             out.terminals += 1
 
+    async def open_streams(
+        self, stub: pb_grpc.GenerationServiceStub, count: int, tokens: int
+    ) -> list[asyncio.Task[None]]:
+        """Start ``count`` streams of ``tokens`` tokens; return once every one has tokens flowing."""
+        flowing = [asyncio.Event() for _ in range(count)]
+        calls = [asyncio.create_task(self.stream(stub, tokens, ev)) for ev in flowing]
+        await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in flowing)), 30)
+        return calls
+
     def check(self, accepted: int, tokens: int) -> None:
         assert len(self.entries) == accepted
         for e in self.entries:
@@ -114,9 +123,7 @@ async def test_kill_minus_nine_of_a_worker_holding_five_streams(node: ProcessNod
     ledger = Ledger()
     async with grpc.aio.insecure_channel(node.address) as ch:
         stub = pb_grpc.GenerationServiceStub(ch)
-        flowing = [asyncio.Event() for _ in range(5)]
-        calls = [asyncio.create_task(ledger.stream(stub, 80, ev)) for ev in flowing]  # 80 x 50 ms = 4 s each
-        await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in flowing)), 30)  # all 5 on the only worker
+        calls = await ledger.open_streams(stub, 5, 80)  # 80 x 50 ms = 4 s each
         node.spawn("worker2", "workers", LLAMAMESH_WORKER_CONSUMER="e2e-worker-2")
         await asyncio.to_thread(until, lambda: '"worker_started"' in node.log("worker2"), 30, "worker 2")
         node.procs["worker"].send_signal(signal.SIGKILL)
@@ -131,9 +138,7 @@ async def test_sigterm_to_the_gateway_with_twenty_open_streams(node: ProcessNode
     ledger = Ledger()
     async with grpc.aio.insecure_channel(node.address) as ch:
         stub = pb_grpc.GenerationServiceStub(ch)
-        flowing = [asyncio.Event() for _ in range(20)]
-        calls = [asyncio.create_task(ledger.stream(stub, 40, ev)) for ev in flowing]  # 2 s each
-        await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in flowing)), 30)
+        calls = await ledger.open_streams(stub, 20, 40)  # 2 s each
         node.procs["gateway"].send_signal(signal.SIGTERM)
         await asyncio.wait_for(asyncio.gather(*calls), 60)
     ledger.check(accepted=20, tokens=40)  # drained: every open stream finished within the grace
@@ -163,9 +168,7 @@ async def test_redis_frozen_for_ten_seconds_then_continued(own_redis: RedisProce
     try:
         async with grpc.aio.insecure_channel(n.address) as ch:
             stub = pb_grpc.GenerationServiceStub(ch)
-            flowing = [asyncio.Event() for _ in range(10)]
-            calls = [asyncio.create_task(ledger.stream(stub, 100, ev)) for ev in flowing]  # 5 s each
-            await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in flowing)), 30)
+            calls = await ledger.open_streams(stub, 10, 100)  # 5 s each
             assert own_redis.proc is not None
             own_redis.proc.send_signal(signal.SIGSTOP)
             try:
@@ -211,9 +214,7 @@ async def test_kill_minus_nine_of_redis_mid_stream(own_redis: RedisProcess, tmp_
     try:
         async with grpc.aio.insecure_channel(n.address) as ch:
             stub = pb_grpc.GenerationServiceStub(ch)
-            flowing = [asyncio.Event() for _ in range(10)]
-            calls = [asyncio.create_task(ledger.stream(stub, 100, ev)) for ev in flowing]  # 5 s each
-            await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in flowing)), 30)
+            calls = await ledger.open_streams(stub, 10, 100)  # 5 s each
             own_redis.kill()
             own_redis.start()  # same port, same AOF
             await asyncio.wait_for(asyncio.gather(*calls), 90)
@@ -288,9 +289,7 @@ async def test_redis_back_empty_is_not_run_against_silently(own_redis: RedisProc
     try:
         async with grpc.aio.insecure_channel(n.address) as ch:
             stub = pb_grpc.GenerationServiceStub(ch)
-            flowing = [asyncio.Event() for _ in range(5)]
-            calls = [asyncio.create_task(ledger.stream(stub, 100, ev)) for ev in flowing]  # 5 s each
-            await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in flowing)), 30)
+            calls = await ledger.open_streams(stub, 5, 100)  # 5 s each
             own_redis.kill()
             own_redis.start()  # same port, nothing kept
             await asyncio.to_thread(until, lambda: not n._serving(), 10, "readiness NOT_SERVING")

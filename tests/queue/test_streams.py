@@ -21,6 +21,7 @@ from llamamesh.types import (
     JobEvent,
     SamplingParams,
     Usage,
+    WorkerStatus,
 )
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(30)]
@@ -246,7 +247,8 @@ async def test_touched_jobs_are_not_reclaimed_and_own_jobs_come_back_on_restart(
     await rq.submit("cpu", req("orphan"))
     leases = {x.request.request_id: x for x in await rq.lease("cpu", "w1", 2, 500)}
     await asyncio.sleep(0.3)
-    await rq.touch("cpu", "w1", [leases["busy"].entry_id])  # w1 still runs it
+    # w1's heartbeat says it still runs busy
+    await rq.heartbeat(WorkerStatus(worker="w1", pool="cpu"), 1.0, touch=[leases["busy"].entry_id])
     assert [x.request.request_id for x in await rq.reclaim("cpu", "w2", 200, 10, 3)] == ["orphan"]
     # w1 restarts under its name: what it still holds (busy) comes back to it at once
     assert [x.request.request_id for x in await rq.reclaim("cpu", "w1", 0, 10, 3, own=True)] == ["busy"]

@@ -31,13 +31,7 @@ class Running:
 async def running(request: pytest.FixtureRequest, redis_settings: RedisSettings) -> AsyncIterator[Running]:
     step, inflight = getattr(request, "param", (0.0, 4))
     ws = WorkerSettings(pool="cpu", engine="fake", max_inflight=inflight, fake_step_s=step, consumer="w-test")
-    queue = RedisQueue.from_settings(redis_settings)
-    engine = FakeEngine(ws)
-    await engine.start()
-    worker = Worker(ws, queue, engine, block_ms=100)
-    stop = asyncio.Event()
-    task = asyncio.create_task(worker.run(stop))
-    await asyncio.wait_for(worker.ready.wait(), 5)
+    worker, engine, queue, stop, task = await _start_worker(redis_settings, ws)
     try:
         yield Running(worker, engine, queue, redis_settings)
     finally:
