@@ -193,6 +193,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                             return
                 except (errors.WorkerLost, errors.EngineDead) as exc:
                     if self._backends is None or attempts >= self._s.failover_attempts:
+                        if attempts:  # it outlived every worker it was sent to: keep it for inspection
+                            await self._set_aside(pool, req, attempts + 1, exc)
                         raise
                     await self._backends.record(pool, exc)
                     await asyncio.shield(self._cancel(attempt.request_id))
@@ -243,6 +245,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     def _no_workers_error(self, pool: str) -> errors.NoWorkers:
         return errors.NoWorkers(f"pool {pool!r} has had no live worker for {self._s.no_worker_wait_s:g} s")
+
+    async def _set_aside(self, pool: str, req: GenerationRequest, deliveries: int, exc: BaseException) -> None:
+        try:
+            await self._queue.set_aside(pool, req, f"{deliveries} workers were lost running it: {exc}", deliveries)
+        except errors.QueueUnavailable:
+            log.warning("set_aside_failed", request_id=req.request_id)
 
     async def _cancel(self, request_id: str) -> None:
         try:

@@ -36,6 +36,7 @@ class MemoryQueue:
         self._cancelled: set[str] = set()
         self._called_off: set[str] = set()
         self._epoch = uuid.uuid4().hex
+        self.dead: list[tuple[str, GenerationRequest, str, int]] = []
         self._changed = asyncio.Condition()
         self._ids = itertools.count(1)
         # pool -> worker -> (monotonic expiry, status)
@@ -93,6 +94,10 @@ class MemoryQueue:
         self._check()
         self._cancelled.add(request_id)
         await self._notify()
+
+    async def set_aside(self, pool: str, request: GenerationRequest, reason: str, deliveries: int) -> None:
+        self._check()
+        self.dead.append((pool, request, reason, deliveries))
 
     async def epoch(self) -> str:
         self._check()

@@ -51,6 +51,9 @@ class JobQueue(Protocol):
     async def ping(self) -> None:
         """Raise QueueUnavailable unless the queue answers."""
 
+    async def set_aside(self, pool: str, request: GenerationRequest, reason: str, deliveries: int) -> None:
+        """Record a poison request in the pool's dead-letter stream (every worker that ran it died)."""
+
     async def epoch(self) -> str:
         """The identity of the queue's data, set by the first caller and kept: a different one later
         means Redis came back without its data. Raises QueueUnavailable."""

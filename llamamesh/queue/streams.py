@@ -291,7 +291,7 @@ class RedisQueue:
                 continue
             n = delivered.get(eid, 1)
             if n > max_deliveries:
-                await self.dead_letter(pool, eid, req, f"delivered {n} times; every worker that took it died", n)
+                await self.dead_letter(pool, eid, req, f"the {n - 1} workers that took it died", n)
             else:
                 leases.append((eid, req))
         log.info("jobs_reclaimed", pool=pool, count=len(leases), dead=len(entries) - len(leases), own=own)
@@ -306,8 +306,7 @@ class RedisQueue:
         failed = JobEvent(failed=Failure(code="internal", message=f"the job was set aside: {reason}", retryable=False))
         try:
             async with self._r.pipeline(transaction=False) as pipe:
-                pipe.xadd(self.keys.dead_letters(pool), {JOB_FIELD: codec.encode_job(request), "reason": reason,
-                                                         "deliveries": deliveries, "entry_id": entry_id})  # fmt: skip
+                self._dead_record(pipe, pool, request, reason, deliveries)
                 events = self.keys.events(request.request_id)
                 pipe.xadd(events, {EVENT_FIELD: codec.encode_event(failed)})
                 pipe.expire(events, self._s.event_ttl_s)
@@ -318,6 +317,19 @@ class RedisQueue:
             raise QueueUnavailable("the queue is unreachable") from exc
         log.error("job_dead_lettered", pool=pool, request_id=request.request_id, reason=reason, deliveries=deliveries)
 
+
+    async def set_aside(self, pool: str, request: GenerationRequest, reason: str, deliveries: int) -> None:
+        try:
+            async with self._r.pipeline(transaction=False) as pipe:
+                self._dead_record(pipe, pool, request, reason, deliveries)
+                await pipe.execute()
+        except RedisError as exc:
+            raise QueueUnavailable("the queue is unreachable") from exc
+        log.error("job_dead_lettered", pool=pool, request_id=request.request_id, reason=reason, deliveries=deliveries)
+
+    def _dead_record(self, pipe: Any, pool: str, request: GenerationRequest, reason: str, deliveries: int) -> None:
+        fields = {JOB_FIELD: codec.encode_job(request), "reason": reason, "deliveries": deliveries}
+        pipe.xadd(self.keys.dead_letters(pool), fields)
 
     async def _drop(self, stream: str, entry_ids: list[str]) -> None:
         try:

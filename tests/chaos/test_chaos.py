@@ -60,9 +60,12 @@ class Ledger:
 
     entries: list[Outcome] = field(default_factory=list)
 
-    async def stream(self, stub: pb_grpc.GenerationServiceStub, max_tokens: int, started: asyncio.Event | None) -> None:
+    async def stream(
+        self, stub: pb_grpc.GenerationServiceStub, max_tokens: int, started: asyncio.Event | None,
+        prompt: str = "tell me everything",
+    ) -> None:
         out = Outcome()
-        call = stub.Generate(pb.GenerateRequest(prompt="tell me everything", max_tokens=max_tokens, ignore_eos=True))
+        call = stub.Generate(pb.GenerateRequest(prompt=prompt, max_tokens=max_tokens, ignore_eos=True))
         try:
             out.request_id = dict(await call.initial_metadata())["x-request-id"]
             self.entries.append(out)  # accepted: from here on it must end exactly once
@@ -303,5 +306,101 @@ async def test_redis_back_empty_is_not_run_against_silently(own_redis: RedisProc
             after = Ledger()
             await asyncio.wait_for(after.stream(pb_grpc.GenerationServiceStub(ch), 5, None), 60)
             after.check(accepted=1, tokens=5)
+    finally:
+        n.stop()
+
+
+async def test_poison_jobs_that_raise_and_that_crash_the_worker(node: ProcessNode) -> None:
+    """A job that raises ends INTERNAL and the worker lives on. A job that kills its worker before
+    its first token is reclaimed by another worker after the claim idle time, at most
+    MAX_DELIVERIES times (3 workers die); the next worker sets it aside in the dead-letter stream
+    instead of running it and its caller gets the error (INTERNAL); the rest keep serving."""
+    for i in (2, 3, 4):
+        node.spawn(f"worker{i}", "workers", LLAMAMESH_WORKER_CONSUMER=f"e2e-worker-{i}")
+    await asyncio.to_thread(until, lambda: all('"worker_started"' in node.log(f"worker{i}") for i in (2, 3, 4)),
+                            30, "four workers")  # fmt: skip
+    ledger = Ledger()
+    async with grpc.aio.insecure_channel(node.address) as ch:
+        stub = pb_grpc.GenerationServiceStub(ch)
+        await asyncio.wait_for(ledger.stream(stub, 20, None, prompt="__raise__ please"), 30)
+        await asyncio.wait_for(ledger.stream(stub, 20, None, prompt="__crash__ please"), 60)
+        raised, crashed = ledger.entries
+        assert raised.terminals == 1 and raised.error == "INTERNAL", raised
+        assert crashed.terminals == 1 and crashed.error == "INTERNAL", crashed
+        dead = [name for name, p in node.procs.items() if p.poll() is not None]
+        assert len(dead) == 3 and all(node.procs[d].returncode == 70 for d in dead), dead
+        r = redis.Redis.from_url(node.redis.url)
+        try:
+            letters = r.xrange(Keys(node.prefix).dead_letters(node.pool))
+        finally:
+            r.close()
+        assert len(letters) == 1 and letters[0][1][b"reason"] == b"the 3 workers that took it died", letters
+        after = Ledger()
+        await asyncio.wait_for(after.stream(stub, 5, None), 30)  # the last worker serves on
+        after.check(accepted=1, tokens=5)
+    await asyncio.to_thread(until, lambda: pending(node) == 0, 20, "no pending jobs")
+
+
+async def test_a_job_that_kills_its_workers_mid_stream_is_set_aside_after_the_failovers(node: ProcessNode) -> None:
+    """It crashes each worker after its first token: the gateway knows the worker, fails over
+    (FAILOVER_ATTEMPTS 2, so three workers die), then ends the stream UNAVAILABLE and records the
+    request in the dead-letter stream; the fourth worker serves on."""
+    for i in (2, 3, 4):
+        node.spawn(f"worker{i}", "workers", LLAMAMESH_WORKER_CONSUMER=f"e2e-worker-{i}")
+    await asyncio.to_thread(until, lambda: all('"worker_started"' in node.log(f"worker{i}") for i in (2, 3, 4)),
+                            30, "four workers")  # fmt: skip
+    ledger = Ledger()
+    async with grpc.aio.insecure_channel(node.address) as ch:
+        stub = pb_grpc.GenerationServiceStub(ch)
+        await asyncio.wait_for(ledger.stream(stub, 20, None, prompt="__crash_late__ please"), 60)
+        (crashed,) = ledger.entries
+        assert crashed.terminals == 1 and crashed.error == "UNAVAILABLE", crashed
+        assert crashed.indexes == list(range(len(crashed.indexes))) and crashed.indexes, crashed  # no gap
+        dead = [name for name, p in node.procs.items() if p.poll() is not None]
+        assert len(dead) == 3 and all(node.procs[d].returncode == 70 for d in dead), dead
+        r = redis.Redis.from_url(node.redis.url)
+        try:
+            letters = r.xrange(Keys(node.prefix).dead_letters(node.pool))
+        finally:
+            r.close()
+        assert len(letters) == 1 and letters[0][1][b"deliveries"] == b"3", letters
+        after = Ledger()
+        await asyncio.wait_for(after.stream(stub, 5, None), 30)
+        after.check(accepted=1, tokens=5)
+    await asyncio.to_thread(until, lambda: pending(node) == 0, 20, "no pending jobs")
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+async def test_clients_that_stop_reading_do_not_grow_the_gateway_without_bound(
+    e2e_redis: RedisProcess, tmp_path: Path
+) -> None:
+    """20 clients start 2000-token streams and read nothing. The worker is not held back (it
+    finishes them all: events go to Redis, not to the client); the gateway holds at most what
+    one generation can be per stream (max_tokens is capped), here a few MiB."""
+    env = {**FAST, "LLAMAMESH_WORKER_FAKE_STEP_S": "0.002"}
+    n = ProcessNode(tmp_path, e2e_redis, engine="fake", extra_env=env)
+    n.start()
+    try:
+        before = rss_mib(n.procs["gateway"].pid)
+        async with grpc.aio.insecure_channel(n.address) as ch:
+            stub = pb_grpc.GenerationServiceStub(ch)
+            calls = [stub.Generate(pb.GenerateRequest(prompt=f"stalled {i}", max_tokens=2000, ignore_eos=True))
+                     for i in range(20)]  # fmt: skip
+            for c in calls:
+                await c.initial_metadata()  # accepted; never read
+            await asyncio.to_thread(
+                until, lambda: n.log("worker").count('"completion_tokens": 2000') >= 20, 60, "the worker finishing all"
+            )
+            grown = rss_mib(n.procs["gateway"].pid) - before
+            for c in calls:
+                c.cancel()
+        print(f"gateway RSS grew {grown:.1f} MiB holding 20 unread 2000-token streams")
+        assert grown < 64, grown
     finally:
         n.stop()

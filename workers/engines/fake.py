@@ -5,11 +5,16 @@ prompt (or the request's seed), and its text is ``" w<id>"``; a resumed request
 (``resume_token_ids``) goes on from position ``len(resume_token_ids)``. Each step takes
 ``settings.fake_step_s`` seconds, and like a real engine every running request
 advances on the same step (one shared clock). Aborts are recorded in ``aborted``.
+
+Poison, for fault tests, by the prompt's first word: ``__raise__`` makes the engine raise after
+its first token; ``__crash__`` ends the whole worker process before the first token (exit code
+70), as a segfaulting kernel would, and ``__crash_late__`` after it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import zlib
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -87,6 +92,7 @@ class FakeEngine:
         stops = StopStrings(s.stop)
         abort = self._running[request.request_id] = asyncio.Event()
         self.served.append(request.request_id)
+        poison = _input_text(request).split(" ", 1)[0]
         try:
             for i in range(max_tokens):
                 await self._next_step()
@@ -95,6 +101,10 @@ class FakeEngine:
                     return
                 if self.dead:
                     raise EngineDead("the fake engine died mid-stream")
+                if poison == "__crash__" or (poison == "__crash_late__" and i == 1):
+                    os._exit(70)
+                if poison == "__raise__" and i == 1:
+                    raise RuntimeError("poison: the fake engine raises on this prompt")
                 tok = (base + i + 1) % VOCAB or 1
                 lps = (TokenLogprob(tok, -0.5),) if s.logprobs is not None else ()
                 if tok in s.stop_token_ids and i + 1 >= s.min_tokens:  # a stop token's own text is left out
