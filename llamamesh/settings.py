@@ -80,6 +80,9 @@ class GatewaySettings:
     # how long readiness stays NOT_SERVING after Redis came back without its data.
     health_interval_s: float = 2.0
     data_loss_hold_s: float = 10.0
+    # Seconds a resumable request (GenerateRequest.resumable) keeps generating after its caller's
+    # connection dropped, waiting for an Attach; then it is cancelled.
+    reattach_grace_s: float = 30.0
 
     def fallback_table(self) -> dict[str, str]:
         out: dict[str, str] = {}

@@ -83,6 +83,19 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
+class Attempt:
+    """One attempt of a caller's request, as the gateway records it for re-attaching: the job's
+    request id, how many tokens the caller had when it started (``base``), where it runs."""
+
+    attempt_id: str
+    base: int
+    pool: str
+    model: str
+    accepted_unix_ns: int
+    resumable: bool = False
+
+
+@dataclass(frozen=True)
 class TopLogprob:
     token_id: int
     logprob: float

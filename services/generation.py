@@ -13,7 +13,7 @@ import structlog
 from llamamesh import errors
 from llamamesh.queue.protocol import JobQueue
 from llamamesh.settings import GatewaySettings
-from llamamesh.types import Finished, FinishReason, GenerationRequest, JobEvent, ModelInfo, Usage
+from llamamesh.types import Attempt, Finished, FinishReason, GenerationRequest, JobEvent, ModelInfo, Usage
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc
 from services import convert, status
@@ -58,6 +58,26 @@ def _length_reached(n_tokens: int) -> JobEvent:
     return JobEvent(finished=Finished(FinishReason.LENGTH, Usage(0, n_tokens)))
 
 
+def _window(ev: JobEvent, base: int, offset: int, end: int | None) -> JobEvent | None:
+    """``ev`` of an attempt that started at token ``base``, numbered as the caller's stream and cut
+    to tokens [offset, end): None if nothing of it is left. Cutting inside an event keeps its token
+    ids but not its text (text does not split by token); offsets a caller got as a count of the
+    messages it received never cut inside one."""
+    ev = _shifted(ev, base, 0) if base else ev
+    start, stop = ev.index, ev.index + len(ev.token_ids)
+    lo, hi = max(start, offset), stop if end is None else min(stop, end)
+    if ev.terminal:
+        return replace(ev, index=lo, token_ids=ev.token_ids[lo - start : max(lo, hi) - start],
+                       text=ev.text if lo == start else "", logprobs=ev.logprobs[lo - start :])  # fmt: skip
+    if hi <= lo:
+        return None
+    if (lo, hi) == (start, stop):
+        return ev
+    text = ev.text if lo == start and hi == stop else ""
+    return replace(ev, index=lo, token_ids=ev.token_ids[lo - start : hi - start], text=text,
+                   logprobs=ev.logprobs[lo - start : hi - start])  # fmt: skip
+
+
 def _raise_failure(ev: JobEvent) -> None:
     if ev.failed is not None:
         f = ev.failed
@@ -76,6 +96,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     ) -> None:
         self._queue = queue
         self._queue_generation = queue_generation
+        self._later: set[asyncio.Task[None]] = set()  # delayed cancels of detached requests
         self._s = settings
         self._models = tuple(models)
         self._backends = backends
@@ -164,9 +185,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 if self._no_workers(pool):  # no worker came for a while: say so now, not at the deadline
                     raise self._no_workers_error(pool)
                 self._check_reachable(pool, context.time_remaining())
+                record = Attempt(attempt.request_id, base, pool, req.model, req.accepted_unix_ns, request.resumable)
+                if not await self._queue.begin(req.request_id, record, first=attempts == 0):
+                    # This request id was accepted before (a retry after a lost reply): one job,
+                    # so follow the one there is.
+                    log.info("request_retried", request_id=req.request_id)
+                    async for msg in self._attached(req.request_id, 0):
+                        sent.extend(msg.token_ids)
+                        yield msg
+                    finished = True
+                    return
                 try:
                     await self._queue.submit(pool, attempt, max_waiting=self._s.max_queue)
                 except errors.QueueFull as exc:
+                    if attempts == 0:
+                        await self._queue.forget(req.request_id)
                     raise errors.QueueFull(exc.message, retry_after_s=self._s.retry_after_s) from None
                 submitted, finished = True, False
                 try:
@@ -212,9 +245,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             outcome = "CANCELLED"
             raise
         finally:
-            if submitted and not finished and attempt is not None:
-                # Disconnect, deadline or a failed read: the worker must stop generating.
-                await asyncio.shield(self._cancel(attempt.request_id))
+            if submitted and not finished and attempt is not None and req is not None:
+                if request.resumable and isinstance(failure, asyncio.CancelledError):
+                    # The caller's connection dropped: it may Attach again within the grace.
+                    await asyncio.shield(self._detached(req.request_id, attempt.request_id))
+                else:  # disconnect, deadline or a failed read: the worker must stop generating
+                    await asyncio.shield(self._cancel(attempt.request_id))
             if self._backends is not None and pool and (submitted or failure is not None):
                 await asyncio.shield(self._backends.record(pool, failure))
             log.info(
@@ -251,6 +287,72 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             await self._queue.set_aside(pool, req, f"{deliveries} workers were lost running it: {exc}", deliveries)
         except errors.QueueUnavailable:
             log.warning("set_aside_failed", request_id=req.request_id)
+
+    async def _detached(self, caller_id: str, attempt_id: str) -> None:
+        """A resumable request lost its caller: cancel it after the re-attach grace unless someone
+        attached meanwhile (the count of attaches moved)."""
+        try:
+            seen = await self._queue.attach_count(caller_id)
+        except errors.QueueUnavailable:
+            seen = -1
+        log.info("request_detached", request_id=caller_id, grace_s=self._s.reattach_grace_s)
+
+        async def later() -> None:
+            await asyncio.sleep(self._s.reattach_grace_s)
+            try:
+                if await self._queue.attach_count(caller_id) == seen:
+                    log.info("request_detach_expired", request_id=caller_id)
+                    await self._cancel(attempt_id)
+            except errors.QueueUnavailable:
+                await self._cancel(attempt_id)
+
+        task = asyncio.create_task(later(), name=f"detached-{caller_id}")
+        self._later.add(task)
+        task.add_done_callback(self._later.discard)
+
+    async def _attached(self, caller_id: str, offset: int) -> AsyncIterator[pb.GenerateResponse]:
+        """The caller's request from token ``offset`` on, through its attempts in order: what each
+        abandoned attempt had sent (up to the next one's start), then the last one followed to its
+        end. Raises NotFound for an unknown (or expired) id."""
+        records = await self._queue.attempts(caller_id)
+        if not records:
+            raise errors.NotFound(f"no request {caller_id!r} (unknown, or its events expired)")
+        for i, rec in enumerate(records):
+            head = GenerationRequest(request_id=caller_id, model=rec.model, accepted_unix_ns=rec.accepted_unix_ns)
+            if i + 1 < len(records):  # abandoned at the next one's start: read what it had, no terminal
+                end = records[i + 1].base
+                for _id, ev in await self._queue.read_events(rec.attempt_id):
+                    part = _window(replace(ev, finished=None, failed=None), rec.base, offset, end)
+                    if part is not None:
+                        yield convert.generate_response(head, part)
+                continue
+            job = GenerationRequest(request_id=rec.attempt_id, model=rec.model)
+            async for ev in self._watched(rec.pool, job):
+                _raise_failure(ev)
+                part = _window(ev, rec.base, offset, None)
+                if part is not None:
+                    yield convert.generate_response(head, part)
+
+    async def Attach(
+        self, request: pb.AttachRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """Re-attach to a request by id from token ``offset``, through any gateway (see the proto)."""
+        rid = request.request_id
+        records: list[Attempt] = []
+        try:
+            if not convert.REQUEST_ID.match(rid):
+                raise errors.InvalidRequest.field("request_id", "required: 1-128 characters of A-Z a-z 0-9 . _ : -")
+            records = await self._queue.attempts(rid)
+            await self._queue.attach(rid)
+            log.info("request_attached", request_id=rid, offset=request.offset)
+            async for msg in self._attached(rid, request.offset):
+                yield msg
+        except errors.LlamameshError as exc:
+            await status.abort(context, exc)
+        except asyncio.CancelledError:
+            if records and records[-1].resumable:  # dropped again: the same grace as the first time
+                await asyncio.shield(self._detached(rid, records[-1].attempt_id))
+            raise
 
     async def _cancel(self, request_id: str) -> None:
         try:

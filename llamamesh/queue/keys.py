@@ -49,6 +49,15 @@ class Keys:
         """The identity of the queue's data (a random id set once): missing or changed, Redis lost it."""
         return f"{self.prefix}:epoch"
 
+    def attempts(self, caller_id: str) -> str:
+        """The attempts of a caller's request, in order (a list of JSON Attempt records)."""
+        return f"{self.prefix}:req:{{{caller_id}}}:attempts"
+
+    def attaches(self, caller_id: str) -> str:
+        """How often a caller re-attached to its request (a counter): a detached stream's delayed
+        cancel holds off when it moved."""
+        return f"{self.prefix}:req:{{{caller_id}}}:attaches"
+
     def called_off(self, caller_id: str) -> str:
         """Present while the caller cancelled its request by id (Cancel RPC): every attempt stops."""
         return f"{self.prefix}:req:{{{caller_id}}}:called-off"

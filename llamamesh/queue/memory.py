@@ -17,7 +17,16 @@ from types import MappingProxyType
 
 from llamamesh.errors import InvalidRequest, QueueFull, QueueUnavailable
 from llamamesh.queue.protocol import Lease
-from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, ItemStatus, JobEvent, WorkerStatus
+from llamamesh.types import (
+    Attempt,
+    BatchInfo,
+    BatchState,
+    GenerationRequest,
+    ItemResult,
+    ItemStatus,
+    JobEvent,
+    WorkerStatus,
+)
 
 
 @dataclass
@@ -37,6 +46,8 @@ class MemoryQueue:
         self._called_off: set[str] = set()
         self._epoch = uuid.uuid4().hex
         self.dead: list[tuple[str, GenerationRequest, str, int]] = []
+        self._attempts: dict[str, list[Attempt]] = {}
+        self._attaches: dict[str, int] = {}
         self._changed = asyncio.Condition()
         self._ids = itertools.count(1)
         # pool -> worker -> (monotonic expiry, status)
@@ -94,6 +105,32 @@ class MemoryQueue:
         self._check()
         self._cancelled.add(request_id)
         await self._notify()
+
+    async def begin(self, caller_id: str, attempt: Attempt, first: bool) -> bool:
+        self._check()
+        if first and caller_id in self._attempts:
+            return False
+        self._attempts.setdefault(caller_id, []).append(attempt)
+        return True
+
+    async def forget(self, caller_id: str) -> None:
+        self._attempts.pop(caller_id, None)
+
+    async def attempts(self, caller_id: str) -> list[Attempt]:
+        self._check()
+        return list(self._attempts.get(caller_id, ()))
+
+    async def attach(self, caller_id: str) -> int:
+        self._check()
+        self._attaches[caller_id] = self._attaches.get(caller_id, 0) + 1
+        return self._attaches[caller_id]
+
+    async def attach_count(self, caller_id: str) -> int:
+        return self._attaches.get(caller_id, 0)
+
+    async def read_events(self, request_id: str) -> list[tuple[str, JobEvent]]:
+        self._check()
+        return list(self._events.get(request_id, ()))
 
     async def set_aside(self, pool: str, request: GenerationRequest, reason: str, deliveries: int) -> None:
         self._check()

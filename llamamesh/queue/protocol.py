@@ -10,7 +10,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from llamamesh.types import BatchInfo, GenerationRequest, ItemResult, JobEvent, WorkerStatus
+from llamamesh.types import Attempt, BatchInfo, GenerationRequest, ItemResult, JobEvent, WorkerStatus
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,28 @@ class JobQueue(Protocol):
 
     async def ping(self) -> None:
         """Raise QueueUnavailable unless the queue answers."""
+
+    async def begin(self, caller_id: str, attempt: Attempt, first: bool) -> bool:
+        """Record an attempt of the caller's request. ``first``: only if the request has none yet;
+        False when it has (a retry of a request already accepted: attach to it instead)."""
+        ...
+
+    async def forget(self, caller_id: str) -> None:
+        """Drop the attempts record of a request that could not be queued after all."""
+
+    async def attempts(self, caller_id: str) -> list[Attempt]:
+        """The request's attempts, in order (empty: unknown or expired)."""
+        ...
+
+    async def attach(self, caller_id: str) -> int:
+        """Count a re-attach of the caller; returns the new count."""
+        ...
+
+    async def attach_count(self, caller_id: str) -> int: ...
+
+    async def read_events(self, request_id: str) -> list[tuple[str, JobEvent]]:
+        """Every event of a request so far, without waiting."""
+        ...
 
     async def set_aside(self, pool: str, request: GenerationRequest, reason: str, deliveries: int) -> None:
         """Record a poison request in the pool's dead-letter stream (every worker that ran it died)."""

@@ -15,6 +15,8 @@ Redis errors become ``QueueUnavailable`` here and nowhere else.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any  # redis-py types stream replies loosely
@@ -29,7 +31,7 @@ from llamamesh.queue.follow import EventFollower, Item
 from llamamesh.queue.keys import EVENT_FIELD, JOB_FIELD, WORKER_GROUP, Keys
 from llamamesh.queue.protocol import Lease
 from llamamesh.settings import RedisSettings
-from llamamesh.types import Failure, GenerationRequest, JobEvent, WorkerStatus
+from llamamesh.types import Attempt, Failure, GenerationRequest, JobEvent, WorkerStatus
 
 log = structlog.get_logger(__name__)
 
@@ -73,6 +75,26 @@ async def touch_entries(client: aioredis.Redis, stream: str, consumer: str, entr
         raise QueueUnavailable("the queue is unreachable") from exc
 
 
+# KEYS: the request's attempts list. ARGV: the encoded attempt, first ('1': only if none yet), ttl.
+_BEGIN = """
+if ARGV[2] == '1' and redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('RPUSH', KEYS[1], ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+
+# KEYS: the caller's attempts list. ARGV: the id of an attempt that just ended, ttl. When it is the
+# latest attempt, the record now lives as long as the events do (Attach to it: NOT_FOUND after).
+_ENDED = """
+local last = redis.call('LINDEX', KEYS[1], -1)
+if last and string.find(last, '"attempt_id": "' .. ARGV[1] .. '"', 1, true) then
+  redis.call('EXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+
 class RedisQueue:
     """Both faces of the queue (JobQueue and WorkQueue) on one Redis connection pool."""
 
@@ -82,6 +104,8 @@ class RedisQueue:
         self.keys = Keys(settings.prefix)
         self._follower: EventFollower | None = None
         self._submit = client.register_script(_SUBMIT)
+        self._begin = client.register_script(_BEGIN)
+        self._ended = client.register_script(_ENDED)
 
     @property
     def client(self) -> aioredis.Redis:
@@ -318,6 +342,53 @@ class RedisQueue:
         log.error("job_dead_lettered", pool=pool, request_id=request.request_id, reason=reason, deliveries=deliveries)
 
 
+    async def begin(self, caller_id: str, attempt: Attempt, first: bool) -> bool:
+        record = json.dumps(dataclasses.asdict(attempt))
+        try:
+            done: Any = await self._begin(
+                keys=[self.keys.attempts(caller_id)], args=[record, "1" if first else "0", self._s.event_idle_ttl_s]
+            )
+        except RedisError as exc:
+            raise QueueUnavailable("the queue is unreachable") from exc
+        return int(done) == 1
+
+    async def forget(self, caller_id: str) -> None:
+        try:
+            await self._r.delete(self.keys.attempts(caller_id))
+        except RedisError as exc:
+            raise QueueUnavailable("the queue is unreachable") from exc
+
+    async def attempts(self, caller_id: str) -> list[Attempt]:
+        try:
+            raw: Any = await self._r.lrange(self.keys.attempts(caller_id), 0, -1)
+        except RedisError as exc:
+            raise QueueUnavailable("the queue is unreachable") from exc
+        return [Attempt(**json.loads(r)) for r in raw]
+
+    async def attach(self, caller_id: str) -> int:
+        try:
+            async with self._r.pipeline(transaction=False) as pipe:
+                pipe.incr(self.keys.attaches(caller_id))
+                pipe.expire(self.keys.attaches(caller_id), self._s.event_idle_ttl_s)
+                n, _ = await pipe.execute()
+        except RedisError as exc:
+            raise QueueUnavailable("the queue is unreachable") from exc
+        return int(n)
+
+    async def attach_count(self, caller_id: str) -> int:
+        try:
+            n: Any = await self._r.get(self.keys.attaches(caller_id))
+        except RedisError as exc:
+            raise QueueUnavailable("the queue is unreachable") from exc
+        return int(n or 0)
+
+    async def read_events(self, request_id: str) -> list[tuple[str, JobEvent]]:
+        try:
+            raw: Any = await self._r.xrange(self.keys.events(request_id))
+        except RedisError as exc:
+            raise QueueUnavailable("the queue is unreachable") from exc
+        return [(i.decode(), codec.decode_event(f[EVENT_FIELD.encode()])) for i, f in raw]
+
     async def set_aside(self, pool: str, request: GenerationRequest, reason: str, deliveries: int) -> None:
         try:
             async with self._r.pipeline(transaction=False) as pipe:
@@ -371,6 +442,9 @@ class RedisQueue:
                     pipe.xadd(key, {EVENT_FIELD: codec.encode_event(event)})
                     if event.terminal:
                         pipe.expire(key, self._s.event_ttl_s)
+                        req = lease.request
+                        await self._ended(keys=[self.keys.attempts(req.caller_id)],
+                                          args=[req.request_id, self._s.event_ttl_s], client=pipe)  # fmt: skip
                         stream = self.keys.jobs(lease.pool)
                         pipe.xack(stream, WORKER_GROUP, lease.entry_id)
                         pipe.xdel(stream, lease.entry_id)

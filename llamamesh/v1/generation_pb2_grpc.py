@@ -40,6 +40,11 @@ class GenerationServiceStub:
                 request_serializer=llamamesh_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=llamamesh_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Attach = channel.unary_stream(
+                '/llamamesh.v1.GenerationService/Attach',
+                request_serializer=llamamesh_dot_v1_dot_generation__pb2.AttachRequest.SerializeToString,
+                response_deserializer=llamamesh_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+                _registered_method=True)
         self.Cancel = channel.unary_unary(
                 '/llamamesh.v1.GenerationService/Cancel',
                 request_serializer=llamamesh_dot_v1_dot_generation__pb2.CancelRequest.SerializeToString,
@@ -64,6 +69,16 @@ class GenerationServiceServicer:
     def Generate(self, request, context):
         """Generate streams the completion of one prompt. Tokens arrive as the engine
         produces them; the last message carries finish_reason, usage and timings.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Attach(self, request, context):
+        """Attach re-attaches to a request by its id, from any gateway: the tokens from `offset` on (the
+        number the caller already has), then the rest as it is generated, ending like Generate. For a
+        request still running after its caller's connection dropped (see GenerateRequest.resumable)
+        or finished (its events are kept LLAMAMESH_REDIS_EVENT_TTL_S). Unknown id: NOT_FOUND.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -99,6 +114,11 @@ def add_GenerationServiceServicer_to_server(servicer, server):
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
                     request_deserializer=llamamesh_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
+                    response_serializer=llamamesh_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Attach': grpc.unary_stream_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=llamamesh_dot_v1_dot_generation__pb2.AttachRequest.FromString,
                     response_serializer=llamamesh_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
             ),
             'Cancel': grpc.unary_unary_rpc_method_handler(
@@ -144,6 +164,33 @@ class GenerationService:
             target,
             '/llamamesh.v1.GenerationService/Generate',
             llamamesh_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+            llamamesh_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/llamamesh.v1.GenerationService/Attach',
+            llamamesh_dot_v1_dot_generation__pb2.AttachRequest.SerializeToString,
             llamamesh_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,

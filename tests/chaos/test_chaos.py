@@ -28,7 +28,7 @@ from llamamesh.types import GenerationRequest, SamplingParams
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc as pb_grpc
 from tests.e2e.conftest import ProcessNode
-from tests.redisproc import RedisProcess
+from tests.redisproc import RedisProcess, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -404,3 +404,34 @@ async def test_clients_that_stop_reading_do_not_grow_the_gateway_without_bound(
         assert grown < 64, grown
     finally:
         n.stop()
+
+
+async def test_a_stream_whose_gateway_died_is_reattached_through_another(node: ProcessNode) -> None:
+    """kill -9 of the gateway a resumable stream runs through: the generation goes on (nobody
+    cancels it) and the caller re-attaches through a second gateway from the tokens it has,
+    getting exactly the rest of the same generation."""
+    port_b = free_port()
+    node.spawn("gateway_b", "services", LLAMAMESH_GATEWAY_PORT=str(port_b))
+    address_b = f"127.0.0.1:{port_b}"
+    await asyncio.to_thread(until, lambda: '"gateway_started"' in node.log("gateway_b"), 30, "gateway b")
+    prompt = "resume me please"
+    async with grpc.aio.insecure_channel(address_b) as ch_b:
+        stub_b = pb_grpc.GenerationServiceStub(ch_b)
+        ref = [t async for m in stub_b.Generate(pb.GenerateRequest(prompt=prompt, max_tokens=100)) for t in m.token_ids]
+        async with grpc.aio.insecure_channel(node.address) as ch_a:
+            call = pb_grpc.GenerationServiceStub(ch_a).Generate(
+                pb.GenerateRequest(request_id="survivor", prompt=prompt, max_tokens=100, resumable=True))  # fmt: skip
+            got: list[int] = []
+            while len(got) < 10:
+                got += (await call.read()).token_ids
+            node.procs["gateway"].send_signal(signal.SIGKILL)
+            node.procs["gateway"].wait(10)
+        rest: list[int] = []
+        indexes: list[int] = []
+        finish = 0
+        async for m in stub_b.Attach(pb.AttachRequest(request_id="survivor", offset=len(got))):
+            rest += m.token_ids
+            indexes += range(m.index, m.index + len(m.token_ids))
+            finish = m.finish_reason or finish
+    assert indexes == list(range(len(got), 100)) and finish == pb.FINISH_REASON_LENGTH
+    assert got + rest == ref

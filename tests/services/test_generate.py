@@ -274,3 +274,64 @@ async def test_redis_back_without_its_data_ends_open_streams_and_holds_readiness
 async def _drain(call: grpc.aio.UnaryStreamCall) -> None:
     while await call.read() is not grpc.aio.EOF:
         pass
+
+
+async def _tokens(stream: object) -> tuple[list[int], list[int], int]:
+    """(token ids, their indexes, the finish reason) of a response stream read to its end."""
+    ids: list[int] = []
+    idx: list[int] = []
+    finish = 0
+    async for m in stream:  # type: ignore[attr-defined]
+        ids += m.token_ids
+        idx += range(m.index, m.index + len(m.token_ids))
+        finish = m.finish_reason or finish
+    return ids, idx, finish
+
+
+@pytest.mark.fake_step_s(0.02)
+async def test_a_resumable_stream_reattached_from_an_offset_gets_exactly_the_rest(stack: Stack) -> None:
+    ref, _, _ = await _tokens(stack.stub.Generate(pb.GenerateRequest(prompt="same words", max_tokens=60)))
+    call = stack.stub.Generate(pb.GenerateRequest(request_id="r1", prompt="same words", max_tokens=60, resumable=True))
+    got: list[int] = []
+    while len(got) < 10:
+        got += (await call.read()).token_ids
+    call.cancel()  # the connection drops; the generation goes on
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.gateway.port}") as other:  # any gateway
+        rest, idx, finish = await _tokens(pb_grpc.GenerationServiceStub(other).Attach(
+            pb.AttachRequest(request_id="r1", offset=len(got))))  # fmt: skip
+    assert idx == list(range(len(got), 60)) and finish == pb.FINISH_REASON_LENGTH
+    assert got + rest == ref  # no gap, no duplicate, the same generation
+    assert stack.engine.served.count("r1") == 1  # one job, run to its end (finish LENGTH above)
+
+
+async def test_a_retried_request_id_is_one_job(stack: Stack) -> None:
+    req = pb.GenerateRequest(request_id="dup", prompt="once only", max_tokens=20)
+    (a, _, fa), (b, _, fb) = await asyncio.gather(_tokens(stack.stub.Generate(req)), _tokens(stack.stub.Generate(req)))
+    assert a == b and len(a) == 20 and fa == fb == pb.FINISH_REASON_LENGTH
+    assert stack.engine.served.count("dup") == 1
+
+
+@pytest.mark.fake_step_s(0.05)
+async def test_a_detached_stream_is_cancelled_after_the_grace_unless_reattached(stack: Stack) -> None:
+    settings = GatewaySettings(port=0, models="tiny=cpu", reattach_grace_s=0.3)
+    gw = await start_gateway(stack.queue, settings, port=0)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
+            stub = pb_grpc.GenerationServiceStub(ch)
+            call = stub.Generate(pb.GenerateRequest(request_id="gone", prompt="x", max_tokens=500, resumable=True))
+            assert (await call.read()).token_ids
+            call.cancel()
+            await aborted_and_acked(stack, "gone")  # nobody came back within 0.3 s
+            ids, _, finish = await _tokens(stub.Attach(pb.AttachRequest(request_id="gone")))
+            assert finish == pb.FINISH_REASON_CANCELLED and 0 < len(ids) < 500  # what it had, then its end
+    finally:
+        await gw.stop(0)
+
+
+async def test_attach_to_an_unknown_or_malformed_id(stack: Stack) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as unknown:
+        await _tokens(stack.stub.Attach(pb.AttachRequest(request_id="never-seen")))
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.aio.AioRpcError) as bad:
+        await _tokens(stack.stub.Attach(pb.AttachRequest(request_id="a b")))
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field_violations(bad.value) == ["request_id"]
