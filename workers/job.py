@@ -7,7 +7,7 @@ import time
 
 import structlog
 
-from llamamesh.errors import DeadlineExceeded, EngineDead, InternalError, LlamameshError, field_of
+from llamamesh.errors import DeadlineExceeded, EngineDead, InternalError, LlamameshError, WorkerLost, field_of
 from llamamesh.queue.protocol import Lease
 from llamamesh.types import (
     Failure,
@@ -35,7 +35,9 @@ def cancelled_event(lease: Lease, worker: str) -> JobEvent:
     )
 
 
-async def run_job(lease: Lease, engine: Engine, outbox: Outbox, worker: str) -> None:
+async def run_job(
+    lease: Lease, engine: Engine, outbox: Outbox, worker: str, stopping: asyncio.Event | None = None
+) -> None:
     """Drive the engine for one job and publish its events.
 
     The terminal event (finished or failed) is published under ``shield``, so a
@@ -68,6 +70,10 @@ async def run_job(lease: Lease, engine: Engine, outbox: Outbox, worker: str) -> 
                 first_token = time.time_ns()
             if delta.finish_reason is FinishReason.CANCELLED and 0 < req.deadline_unix_ns <= time.time_ns():
                 raise DeadlineExceeded(f"aborted at the request's deadline after {index} tokens")
+            if delta.finish_reason is FinishReason.CANCELLED and stopping is not None and stopping.is_set():
+                # Aborted by this worker's drain, not by its caller: hand it back. The gateway takes
+                # worker_lost for a lost worker and resumes the stream elsewhere from these tokens.
+                raise WorkerLost(f"worker {worker!r} stopped after {index} tokens; handed back")
             if delta.finish_reason is None:
                 if delta.token_ids or delta.text:
                     outbox.add(

@@ -57,6 +57,8 @@ class Worker:
         self._batch_running: dict[str, Lease] = {}
         # Interactive jobs running here: touched every heartbeat as well.
         self._running: dict[str, Lease] = {}
+        # Set when the drain's grace ran out: the jobs it aborts end worker_lost (handed back).
+        self._handing_back = asyncio.Event()
         self._last_reclaim = 0.0
         self._last_job_reclaim = time.monotonic()
         self.name = settings.consumer_name()
@@ -81,7 +83,7 @@ class Worker:
             job: Coroutine[Any, Any, None] = run_batch_item(lease, self._engine, self._batches)
             self._batch_running[rid] = lease
         else:
-            job = run_job(lease, self._engine, self._outbox, self.name)
+            job = run_job(lease, self._engine, self._outbox, self.name, self._handing_back)
             self._running[rid] = lease
         task = asyncio.create_task(job, name=f"job-{rid}")
         self._tasks[rid] = task
@@ -242,6 +244,7 @@ class Worker:
         if self._tasks:
             log.info("worker_draining", inflight=len(self._tasks), grace_s=self._s.grace_s)
             _done, pending = await asyncio.wait(list(self._tasks.values()), timeout=self._s.grace_s)
+            self._handing_back.set()
             for rid in list(self._tasks):
                 await self._engine.abort(rid)
             if pending:

@@ -435,3 +435,24 @@ async def test_a_stream_whose_gateway_died_is_reattached_through_another(node: P
             finish = m.finish_reason or finish
     assert indexes == list(range(len(got), 100)) and finish == pb.FINISH_REASON_LENGTH
     assert got + rest == ref
+
+
+async def test_sigterm_to_a_worker_hands_back_what_it_cannot_finish(e2e_redis: RedisProcess, tmp_path: Path) -> None:
+    """SIGTERM to a worker holding 3 streams longer than its grace (1 s): it stops leasing, then
+    hands the streams back (worker_lost), and they go on, token for token, on the other worker."""
+    n = ProcessNode(tmp_path, e2e_redis, engine="fake", extra_env={**FAST, "LLAMAMESH_WORKER_GRACE_S": "1"})
+    n.start()
+    ledger = Ledger()
+    try:
+        async with grpc.aio.insecure_channel(n.address) as ch:
+            stub = pb_grpc.GenerationServiceStub(ch)
+            calls = await ledger.open_streams(stub, 3, 100)  # 5 s each, all on the first worker
+            n.spawn("worker2", "workers", LLAMAMESH_WORKER_CONSUMER="e2e-worker-2")
+            await asyncio.to_thread(until, lambda: '"worker_started"' in n.log("worker2"), 30, "worker 2")
+            n.procs["worker"].send_signal(signal.SIGTERM)
+            await asyncio.wait_for(asyncio.gather(*calls), 60)
+        ledger.check(accepted=3, tokens=100)
+        assert await asyncio.to_thread(n.procs["worker"].wait, 30) == 0
+        assert n.log("gateway").count('"request_failed_over"') == 3
+    finally:
+        n.stop()
