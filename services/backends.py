@@ -59,6 +59,8 @@ class Pool:
     last_probe_error: str = ""
     # Monotonic time since when the pool has had no live worker (set at start and on every loss).
     empty_since: float = 0.0
+    # The last read of its heartbeats failed (Redis out).
+    unreachable: bool = False
     # Recent queue wait (accepted -> a worker started it), an exponential average, and its samples.
     queue_wait_s: float = 0.0
     waits: int = 0
@@ -182,9 +184,17 @@ class Backends:
 
     async def refresh(self, p: Pool) -> None:
         was_live = p.live
-        # Unknown is not dead: while Redis is out the workers are kept (probes and submits fail meanwhile).
-        with contextlib.suppress(errors.QueueUnavailable):
-            p.workers = tuple(await self._queue.workers(p.name))
+        # Unknown is not dead: while Redis is out the workers are kept (probes and submits fail
+        # meanwhile); and right after it, their heartbeats (expired while it was out) get one round
+        # to come back before a worker counts as lost.
+        try:
+            seen = tuple(await self._queue.workers(p.name))
+        except errors.QueueUnavailable:
+            p.unreachable = True
+        else:
+            if seen or not p.unreachable:
+                p.workers = seen
+            p.unreachable = False
         if was_live and not p.live:
             p.empty_since = self._clock()
         if p.live and not was_live:

@@ -369,6 +369,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if not convert.REQUEST_ID.match(rid):
                 raise errors.InvalidRequest.field("request_id", "required: 1-128 characters of A-Z a-z 0-9 . _ : -")
             await self._queue.call_off(rid)
+            records = await self._queue.attempts(rid)
+            if records and not await self._queue.read_events(records[-1].attempt_id):
+                # Still queued: its stream ends now (the worker that reaches the job skips it).
+                now = time.time_ns()
+                await self._queue.end(records[-1].attempt_id, JobEvent(
+                    finished=Finished(FinishReason.CANCELLED, Usage(0, records[-1].base), now)))  # fmt: skip
             log.info("request_cancel_requested", request_id=rid)
             return pb.CancelResponse()
         except errors.LlamameshError as exc:

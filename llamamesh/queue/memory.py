@@ -128,6 +128,11 @@ class MemoryQueue:
     async def attach_count(self, caller_id: str) -> int:
         return self._attaches.get(caller_id, 0)
 
+    async def end(self, request_id: str, event: JobEvent) -> None:
+        self._check()
+        self._events.setdefault(request_id, []).append((f"{next(self._ids)}-0", event))
+        await self._notify()
+
     async def read_events(self, request_id: str) -> list[tuple[str, JobEvent]]:
         self._check()
         return list(self._events.get(request_id, ()))

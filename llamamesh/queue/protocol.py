@@ -69,6 +69,10 @@ class JobQueue(Protocol):
 
     async def attach_count(self, caller_id: str) -> int: ...
 
+    async def end(self, request_id: str, event: JobEvent) -> None:
+        """Append a terminal event to a request that no worker has started (a cancelled queued job:
+        its caller's stream ends now, not when a worker reaches the job and skips it)."""
+
     async def read_events(self, request_id: str) -> list[tuple[str, JobEvent]]:
         """Every event of a request so far, without waiting."""
         ...

@@ -382,6 +382,16 @@ class RedisQueue:
             raise QueueUnavailable("the queue is unreachable") from exc
         return int(n or 0)
 
+    async def end(self, request_id: str, event: JobEvent) -> None:
+        key = self.keys.events(request_id)
+        try:
+            async with self._r.pipeline(transaction=False) as pipe:
+                pipe.xadd(key, {EVENT_FIELD: codec.encode_event(event)})
+                pipe.expire(key, self._s.event_ttl_s)
+                await pipe.execute()
+        except RedisError as exc:
+            raise QueueUnavailable("the queue is unreachable") from exc
+
     async def read_events(self, request_id: str) -> list[tuple[str, JobEvent]]:
         try:
             raw: Any = await self._r.xrange(self.keys.events(request_id))

@@ -9,6 +9,7 @@ with no gap, duplicate or splice; and once the reclaim time has passed, no job i
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import signal
 import time
@@ -173,11 +174,19 @@ async def test_redis_frozen_for_ten_seconds_then_continued(own_redis: RedisProce
             stub = pb_grpc.GenerationServiceStub(ch)
             calls = await ledger.open_streams(stub, 10, 100)  # 5 s each
             assert own_redis.proc is not None
+            procs = {"gateway": n.procs["gateway"].pid, "worker": n.procs["worker"].pid}
+            cpu0 = {k: cpu_s(pid) for k, pid in procs.items()}
+            lines0 = {k: n.log(k).count("\n") for k in procs}
             own_redis.proc.send_signal(signal.SIGSTOP)
             try:
                 await asyncio.sleep(10)  # the fault itself: Redis answers nothing for 10 s
             finally:
                 own_redis.proc.send_signal(signal.SIGCONT)
+            # No tight loops while it was out: CPU time and log lines stay small.
+            for k, pid in procs.items():
+                cpu, lines = cpu_s(pid) - cpu0[k], n.log(k).count("\n") - lines0[k]
+                print(f"during the 10 s freeze: {k} used {cpu:.2f} s CPU and wrote {lines} log lines")
+                assert cpu < 2.0 and lines < 100, (k, cpu, lines)
             await asyncio.wait_for(asyncio.gather(*calls), 90)
         assert len(ledger.entries) == 10
         for e in ledger.entries:  # each ended once; a stream either completed whole or failed visibly
@@ -370,6 +379,12 @@ async def test_a_job_that_kills_its_workers_mid_stream_is_set_aside_after_the_fa
     await asyncio.to_thread(until, lambda: pending(node) == 0, 20, "no pending jobs")
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (and its reaped children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -454,5 +469,41 @@ async def test_sigterm_to_a_worker_hands_back_what_it_cannot_finish(e2e_redis: R
         ledger.check(accepted=3, tokens=100)
         assert await asyncio.to_thread(n.procs["worker"].wait, 30) == 0
         assert n.log("gateway").count('"request_failed_over"') == 3
+    finally:
+        n.stop()
+
+
+async def test_redis_down_for_ten_seconds_backs_off_and_recovers(own_redis: RedisProcess, tmp_path: Path) -> None:
+    """Redis killed and restarted 10 s later on its AOF (fsync always): meanwhile gateway and
+    worker retry with backoff (bounded CPU and log lines, no tight loop); afterwards the open
+    streams carry on where they were and the node serves new requests, all by itself."""
+    (tmp_path / "node").mkdir()
+    n = ProcessNode(tmp_path / "node", own_redis, engine="fake", extra_env=FAST)
+    n.start()
+    ledger = Ledger()
+    try:
+        async with grpc.aio.insecure_channel(n.address) as ch:
+            stub = pb_grpc.GenerationServiceStub(ch)
+            calls = await ledger.open_streams(stub, 5, 100)  # 5 s each, more with the outage
+            procs = {"gateway": n.procs["gateway"].pid, "worker": n.procs["worker"].pid}
+            cpu0 = {k: cpu_s(pid) for k, pid in procs.items()}
+            lines0 = {k: n.log(k).count("\n") for k in procs}
+            own_redis.kill()
+            await asyncio.sleep(10)  # the fault itself: no Redis for 10 s
+            used = {k: (cpu_s(pid) - cpu0[k], n.log(k).count("\n") - lines0[k]) for k, pid in procs.items()}
+            own_redis.start()
+            await asyncio.wait_for(asyncio.gather(*calls), 90)
+        for k, (cpu, lines) in used.items():
+            print(f"Redis down 10 s: {k} used {cpu:.2f} s CPU and wrote {lines} log lines")
+            assert cpu < 3.0 and lines < 120, (k, cpu, lines)
+        for e in ledger.entries:
+            assert e.terminals == 1 and e.indexes == list(range(len(e.indexes))), e
+        outcomes = sorted(e.finish or e.error for e in ledger.entries)
+        print("outcomes after 10 s without Redis:", {o: outcomes.count(o) for o in set(outcomes)})
+        await asyncio.to_thread(until, lambda: n._serving(f"llamamesh.backend.{n.pool}"), 30, "serving again")
+        async with grpc.aio.insecure_channel(n.address) as ch:
+            after = Ledger()
+            await asyncio.wait_for(after.stream(pb_grpc.GenerationServiceStub(ch), 5, None), 60)
+            after.check(accepted=1, tokens=5)
     finally:
         n.stop()

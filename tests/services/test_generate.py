@@ -335,3 +335,23 @@ async def test_attach_to_an_unknown_or_malformed_id(stack: Stack) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as bad:
         await _tokens(stack.stub.Attach(pb.AttachRequest(request_id="a b")))
     assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field_violations(bad.value) == ["request_id"]
+
+
+async def test_cancel_rpc_ends_a_queued_request_at_once(stack: Stack) -> None:
+    """Model "other" (pool gpu) has no worker: its request waits in the queue. Cancel ends its
+    stream now, not when some worker reaches the job."""
+    call = stack.stub.Generate(pb.GenerateRequest(request_id="queued", model="other", prompt="x"), timeout=30)
+    await call.initial_metadata()
+    t0 = time.monotonic()
+    await stack.stub.Cancel(pb.CancelRequest(request_id="queued"))
+    msgs = await asyncio.wait_for(_drain_msgs(call), 5)
+    assert msgs[-1].finish_reason == pb.FINISH_REASON_CANCELLED and time.monotonic() - t0 < 2
+    leased = await stack.queue.lease("gpu", "a-worker-that-comes-later", 10, 100)
+    assert [(x.request.request_id, x.cancelled) for x in leased] == [("queued", True)]  # it skips it
+
+
+async def _drain_msgs(call: grpc.aio.UnaryStreamCall) -> list[pb.GenerateResponse]:
+    out = []
+    while (m := await call.read()) is not grpc.aio.EOF:
+        out.append(m)
+    return out
