@@ -9,6 +9,7 @@ with no gap, duplicate or splice; and once the reclaim time has passed, no job i
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -507,3 +508,56 @@ async def test_redis_down_for_ten_seconds_backs_off_and_recovers(own_redis: Redi
             after.check(accepted=1, tokens=5)
     finally:
         n.stop()
+
+
+def finished_ids(node: ProcessNode, names: list[str]) -> list[str]:
+    """The request ids of every job_finished line in these processes' logs."""
+    out = []
+    for name in names:
+        for line in node.log(name).splitlines():
+            if '"job_finished"' in line:
+                out.append(json.loads(line)["request_id"])
+    return out
+
+
+async def test_a_generation_three_times_longer_than_the_claim_idle_time_runs_once(node: ProcessNode) -> None:
+    node.spawn("worker2", "workers", LLAMAMESH_WORKER_CONSUMER="e2e-worker-2")
+    await asyncio.to_thread(until, lambda: '"worker_started"' in node.log("worker2"), 30, "worker 2")
+    ledger = Ledger()
+    async with grpc.aio.insecure_channel(node.address) as ch:
+        # 130 steps of 50 ms: 6.5 s, over three times the 2 s claim idle time; both workers reclaim every 1 s
+        await asyncio.wait_for(ledger.stream(pb_grpc.GenerationServiceStub(ch), 130, None), 60)
+    ledger.check(accepted=1, tokens=130)
+    rid = ledger.entries[0].request_id
+    assert finished_ids(node, ["worker", "worker2"]).count(rid) == 1  # executed once, never taken over
+
+
+async def test_four_workers_racing_over_fifty_stale_jobs_run_each_once(e2e_redis: RedisProcess, tmp_path: Path) -> None:
+    """50 jobs leased by a worker that died before running any: four worker processes reclaim them
+    (claim idle 2 s) at once; every job runs exactly once and ends with one terminal event."""
+    n = ProcessNode(tmp_path, e2e_redis, engine="fake", extra_env={**FAST, "LLAMAMESH_WORKER_FAKE_STEP_S": "0.01"})
+    q = RedisQueue.from_settings(RedisSettings(url=e2e_redis.url, prefix=n.prefix))
+    ids = [f"stale{i}" for i in range(50)]
+    try:
+        await q.join(n.pool)
+        for rid in ids:
+            await q.submit(n.pool, GenerationRequest(request_id=rid, model="m", prompt="p",
+                                                     sampling=SamplingParams(max_tokens=3)))  # fmt: skip
+        assert len(await q.lease(n.pool, "ghost", 50, 500)) == 50  # ghost dies holding them all
+        names = [f"racer{i}" for i in range(4)]
+        for name in names:
+            n.spawn(name, "workers", LLAMAMESH_WORKER_CONSUMER=name)
+        await asyncio.to_thread(until, lambda: len(finished_ids(n, names)) >= 50, 60, "all 50 run")
+        done = finished_ids(n, names)
+        assert sorted(done) == sorted(ids), sorted(done)  # each exactly once
+        assert len({name for name in names if any(r in n.log(name) for r in ids)}) >= 2  # really raced
+        evs = await asyncio.gather(*(asyncio.wait_for(_events(q, rid), 10) for rid in ids))
+        assert all([e.terminal for e in es].count(True) == 1 and es[-1].finished is not None for es in evs)
+        await asyncio.to_thread(until, lambda: pending(n) == 0, 10, "no pending jobs")
+    finally:
+        n.stop()
+        await q.close()
+
+
+async def _events(q: RedisQueue, rid: str) -> list:
+    return [e async for _i, e in q.events(rid)]
