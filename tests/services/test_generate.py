@@ -11,6 +11,7 @@ from grpc_status import rpc_status
 
 from llamamesh.client import field_violations
 from llamamesh.settings import GatewaySettings
+from llamamesh.types import JobEvent
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc as pb_grpc
 from services.server import start_gateway
@@ -355,3 +356,18 @@ async def _drain_msgs(call: grpc.aio.UnaryStreamCall) -> list[pb.GenerateRespons
     while (m := await call.read()) is not grpc.aio.EOF:
         out.append(m)
     return out
+
+
+async def test_a_gap_in_a_streams_tokens_fails_it_instead_of_passing_silently(stack: Stack) -> None:
+    """What Redis with appendfsync everysec can do after a crash: an event is gone. The stream
+    ends UNAVAILABLE naming the lost tokens; the caller never gets a silent gap."""
+    call = stack.stub.Generate(pb.GenerateRequest(request_id="gappy", model="other", prompt="x"), timeout=30)
+    await call.initial_metadata()
+    (lease,) = await stack.queue.lease("gpu", "a-hand-driven-worker", 1, 1000)
+    await stack.queue.publish([(lease, JobEvent(text=" a", token_ids=(1,), index=0, worker="w"))], [])
+    first = await call.read()
+    assert first.token_ids == [1]
+    await stack.queue.publish([(lease, JobEvent(text=" d", token_ids=(4,), index=3, worker="w"))], [])  # 1..2 lost
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await call.read()
+    assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "lost tokens 1..2" in (ei.value.details() or "")
