@@ -61,6 +61,9 @@ class Pool:
     empty_since: float = 0.0
     # The last read of its heartbeats failed (Redis out).
     unreachable: bool = False
+    # Its breaker opened only because it never had a live worker (nothing of a worker failed).
+    opened_empty: bool = False
+    ever_live: bool = False
     # Recent queue wait (accepted -> a worker started it), an exponential average, and its samples.
     queue_wait_s: float = 0.0
     waits: int = 0
@@ -174,6 +177,8 @@ class Backends:
                 p.breaker.release()
             return
         p.breaker.record(not failed, probe=False, reason=type(exc).__name__ if exc else "")
+        if p.breaker.state is State.OPEN:
+            p.opened_empty = False  # real requests failed
         await self._publish(p)
 
     def worker_alive(self, pool: str, worker: str) -> bool:
@@ -197,8 +202,9 @@ class Backends:
             p.unreachable = False
         if was_live and not p.live:
             p.empty_since = self._clock()
+        p.ever_live = p.ever_live or p.live
         if p.live and not was_live:
-            p.breaker.revive(f"{len(p.workers)} live worker(s) again")
+            p.breaker.revive(f"{len(p.workers)} live worker(s) again", close=p.opened_empty)
         await self._publish(p)
 
     async def _probe_loop(self, p: Pool) -> None:
@@ -250,7 +256,12 @@ class Backends:
         p.last_probe_error = error
         if error and p.breaker.state is not State.OPEN:
             log.warning("probe_failed", pool=p.name, error=error)
+        was_open = p.breaker.state is State.OPEN
         p.breaker.record(not error, probe=True, reason=error)
+        if p.breaker.state is State.OPEN and not was_open:
+            # A pool that never had a worker (a cold start) opened for want of one, not for failures;
+            # workers that went away are a failure to try again carefully.
+            p.opened_empty = not p.live and not p.ever_live
         await self._publish(p)
 
     async def _publish(self, p: Pool) -> None:

@@ -91,11 +91,12 @@ class Breaker:
             return self._in_flight < self.settings.half_open_max
         return True
 
-    def revive(self, reason: str) -> None:
+    def revive(self, reason: str, close: bool = False) -> None:
         """What opened it is gone (a worker appeared in a pool that had none): try it now, half-open,
-        instead of waiting out ``open_s``."""
+        instead of waiting out ``open_s``; ``close``: it opened only because the pool had no worker
+        (nothing failed), so a burst of requests after a cold start is not refused."""
         if self.state is State.OPEN:
-            self._move(State.HALF_OPEN, reason)
+            self._move(State.CLOSED if close else State.HALF_OPEN, reason)
 
     def release(self) -> None:
         """Give back a half-open slot whose outcome says nothing about the backend."""

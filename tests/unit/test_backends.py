@@ -74,8 +74,24 @@ async def test_a_worker_coming_back_revives_the_pool() -> None:
     assert trt.breaker.state is State.OPEN
     await q.heartbeat(WorkerStatus(worker="w-trtllm", pool="trtllm"), ttl_s=60)
     await b.refresh(trt)
-    assert trt.breaker.state is State.HALF_OPEN
+    # It opened only because the pool never had a worker (a cold start): nothing failed, so the
+    # first worker closes it outright (a burst after a cold start is served, not refused half-open).
+    assert trt.breaker.state is State.CLOSED
     assert b.worker_alive("trtllm", "w-trtllm") and not b.worker_alive("trtllm", "w-other")
+    for _ in range(3):  # now its worker fails the probes: opened by failures
+        await b._probe_result(trt, "deadline_exceeded: no answer")
+    assert trt.breaker.state is State.OPEN
     await q.leave("trtllm", "w-trtllm")
     await b.refresh(trt)
     assert not trt.live
+    await q.heartbeat(WorkerStatus(worker="w-trtllm", pool="trtllm"), ttl_s=60)
+    await b.refresh(trt)
+    assert trt.breaker.state is State.HALF_OPEN  # a worker is back, but it failed before: a trial first
+    await q.leave("trtllm", "w-trtllm")
+    await b.refresh(trt)
+    for _ in range(3):  # its workers went away: "no live worker", but it had workers before
+        await b._probe_result(trt, "no live worker")
+    assert trt.breaker.state is State.OPEN
+    await q.heartbeat(WorkerStatus(worker="w-trtllm", pool="trtllm"), ttl_s=60)
+    await b.refresh(trt)
+    assert trt.breaker.state is State.HALF_OPEN  # lost workers are tried carefully
