@@ -310,11 +310,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self._later.add(task)
         task.add_done_callback(self._later.discard)
 
-    async def _attached(self, caller_id: str, offset: int) -> AsyncIterator[pb.GenerateResponse]:
+    async def _attached(
+        self, caller_id: str, offset: int, records: list[Attempt] | None = None
+    ) -> AsyncIterator[pb.GenerateResponse]:
         """The caller's request from token ``offset`` on, through its attempts in order: what each
         abandoned attempt had sent (up to the next one's start), then the last one followed to its
         end. Raises NotFound for an unknown (or expired) id."""
-        records = await self._queue.attempts(caller_id)
+        if records is None:
+            records = await self._queue.attempts(caller_id)
         if not records:
             raise errors.NotFound(f"no request {caller_id!r} (unknown, or its events expired)")
         for i, rec in enumerate(records):
@@ -345,7 +348,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             records = await self._queue.attempts(rid)
             await self._queue.attach(rid)
             log.info("request_attached", request_id=rid, offset=request.offset)
-            async for msg in self._attached(rid, request.offset):
+            async for msg in self._attached(rid, request.offset, records):
                 yield msg
         except errors.LlamameshError as exc:
             await status.abort(context, exc)

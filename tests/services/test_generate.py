@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -194,51 +196,41 @@ async def test_cancel_rpc_names_a_bad_request_id(stack: Stack, rid: str) -> None
 async def test_a_full_pool_is_resource_exhausted_with_retry_info(stack: Stack) -> None:
     """Pool gpu (model "other") has no worker: its requests wait. Past max_queue, refused at once."""
     settings = GatewaySettings(port=0, models="tiny=cpu,other=gpu", max_queue=2, retry_after_s=2.5)
-    gw = await start_gateway(stack.queue, settings, port=0)
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
-            stub = pb_grpc.GenerationServiceStub(ch)
-            waiting = [stub.Generate(pb.GenerateRequest(model="other", prompt=f"w{i}")) for i in range(2)]
-            for w in waiting:
-                await w.initial_metadata()  # accepted and queued
-            with pytest.raises(grpc.aio.AioRpcError) as ei:
-                await stub.Generate(pb.GenerateRequest(model="other", prompt="one too many")).read()
-            assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            status = rpc_status.from_call(ei.value)
-            assert status is not None
-            retry = [d for d in status.details if d.Is(error_details_pb2.RetryInfo.DESCRIPTOR)]
-            info = error_details_pb2.RetryInfo()
-            retry[0].Unpack(info)
-            assert info.retry_delay.seconds == 2 and info.retry_delay.nanos == 500_000_000
-            assert len(stack.queue.waiting("gpu")) == 2  # nothing more was queued
-            for w in waiting:
-                w.cancel()
-    finally:
-        await gw.stop(0)
+    async with second_gateway(stack, settings) as stub:
+        waiting = [stub.Generate(pb.GenerateRequest(model="other", prompt=f"w{i}")) for i in range(2)]
+        for w in waiting:
+            await w.initial_metadata()  # accepted and queued
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await stub.Generate(pb.GenerateRequest(model="other", prompt="one too many")).read()
+        assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        status = rpc_status.from_call(ei.value)
+        assert status is not None
+        retry = [d for d in status.details if d.Is(error_details_pb2.RetryInfo.DESCRIPTOR)]
+        info = error_details_pb2.RetryInfo()
+        retry[0].Unpack(info)
+        assert info.retry_delay.seconds == 2 and info.retry_delay.nanos == 500_000_000
+        assert len(stack.queue.waiting("gpu")) == 2  # nothing more was queued
+        for w in waiting:
+            w.cancel()
 
 
 async def test_a_pool_without_workers_is_unavailable_soon_not_at_the_deadline(stack: Stack) -> None:
     settings = GatewaySettings(port=0, models="tiny=cpu,other=gpu", no_worker_wait_s=0.5)
-    gw = await start_gateway(stack.queue, settings, port=0)
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
-            stub = pb_grpc.GenerationServiceStub(ch)
-            t0 = time.monotonic()
-            call = stub.Generate(pb.GenerateRequest(request_id="lonely", model="other", prompt="x"), timeout=60)
-            with pytest.raises(grpc.aio.AioRpcError) as ei:
-                await call.read()
-            assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "no live worker" in (ei.value.details() or "")
-            assert time.monotonic() - t0 < 5  # one liveness check after the wait, far before the deadline
-            deadline = time.monotonic() + 5
-            while not stack.queue.is_cancelled("lonely"):  # a worker that comes later skips it
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.01)  # the gateway cancels it right after the status went out
-            t1 = time.monotonic()
-            with pytest.raises(grpc.aio.AioRpcError) as again:
-                await stub.Generate(pb.GenerateRequest(model="other", prompt="y"), timeout=60).read()
-            assert again.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t1 < 1  # at once
-    finally:
-        await gw.stop(0)
+    async with second_gateway(stack, settings) as stub:
+        t0 = time.monotonic()
+        call = stub.Generate(pb.GenerateRequest(request_id="lonely", model="other", prompt="x"), timeout=60)
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await call.read()
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "no live worker" in (ei.value.details() or "")
+        assert time.monotonic() - t0 < 5  # one liveness check after the wait, far before the deadline
+        deadline = time.monotonic() + 5
+        while not stack.queue.is_cancelled("lonely"):  # a worker that comes later skips it
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)  # the gateway cancels it right after the status went out
+        t1 = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as again:
+            await stub.Generate(pb.GenerateRequest(model="other", prompt="y"), timeout=60).read()
+        assert again.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t1 < 1  # at once
 
 
 async def test_a_deadline_shorter_than_the_queue_wait_is_refused_at_once(stack: Stack) -> None:
@@ -275,6 +267,19 @@ async def test_redis_back_without_its_data_ends_open_streams_and_holds_readiness
 async def _drain(call: grpc.aio.UnaryStreamCall) -> None:
     while await call.read() is not grpc.aio.EOF:
         pass
+
+
+@contextlib.asynccontextmanager
+async def second_gateway(
+    stack: Stack, settings: GatewaySettings
+) -> AsyncIterator[pb_grpc.GenerationServiceStub]:
+    """Another gateway with these settings over the stack's queue (and worker), and a stub for it."""
+    gw = await start_gateway(stack.queue, settings, port=0)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
+            yield pb_grpc.GenerationServiceStub(ch)
+    finally:
+        await gw.stop(0)
 
 
 async def _tokens(stream: object) -> tuple[list[int], list[int], int]:
@@ -315,18 +320,13 @@ async def test_a_retried_request_id_is_one_job(stack: Stack) -> None:
 @pytest.mark.fake_step_s(0.05)
 async def test_a_detached_stream_is_cancelled_after_the_grace_unless_reattached(stack: Stack) -> None:
     settings = GatewaySettings(port=0, models="tiny=cpu", reattach_grace_s=0.3)
-    gw = await start_gateway(stack.queue, settings, port=0)
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
-            stub = pb_grpc.GenerationServiceStub(ch)
-            call = stub.Generate(pb.GenerateRequest(request_id="gone", prompt="x", max_tokens=500, resumable=True))
-            assert (await call.read()).token_ids
-            call.cancel()
-            await aborted_and_acked(stack, "gone")  # nobody came back within 0.3 s
-            ids, _, finish = await _tokens(stub.Attach(pb.AttachRequest(request_id="gone")))
-            assert finish == pb.FINISH_REASON_CANCELLED and 0 < len(ids) < 500  # what it had, then its end
-    finally:
-        await gw.stop(0)
+    async with second_gateway(stack, settings) as stub:
+        call = stub.Generate(pb.GenerateRequest(request_id="gone", prompt="x", max_tokens=500, resumable=True))
+        assert (await call.read()).token_ids
+        call.cancel()
+        await aborted_and_acked(stack, "gone")  # nobody came back within 0.3 s
+        ids, _, finish = await _tokens(stub.Attach(pb.AttachRequest(request_id="gone")))
+        assert finish == pb.FINISH_REASON_CANCELLED and 0 < len(ids) < 500  # what it had, then its end
 
 
 async def test_attach_to_an_unknown_or_malformed_id(stack: Stack) -> None:
