@@ -509,6 +509,10 @@ async def test_a_generation_three_times_longer_than_the_claim_idle_time_runs_onc
         await asyncio.wait_for(ledger.stream(pb_grpc.GenerationServiceStub(ch), 130, None), 60)
     ledger.check(accepted=1, tokens=130)
     rid = ledger.entries[0].request_id
+    # the worker logs job_finished just after publishing the terminal event: wait for the line, and for
+    # no job to be left pending (a takeover would still be running or pending), then count
+    await asyncio.to_thread(until, lambda: rid in finished_ids(node, ["worker", "worker2"]), 10, "job_finished")
+    await asyncio.to_thread(until, lambda: pending(node) == 0, 10, "no pending jobs")
     assert finished_ids(node, ["worker", "worker2"]).count(rid) == 1  # executed once, never taken over
 
 

@@ -75,6 +75,8 @@ async def test_three_gateways_share_the_port_serve_and_stop_cleanly(node: Proces
 
     texts = await asyncio.gather(*(one(i) for i in range(24)))
     assert all(texts)
+    # rpc_finished is logged just after a stream's last message: wait for all 24 lines
+    wait_until(lambda: node.log("gateway").count('"rpc_finished"') >= 24, 10, "24 rpc_finished lines")
     served = {line.split('"process": "')[1].split('"')[0] for line in node.log("gateway").splitlines()
               if '"rpc_finished"' in line}
     assert len(served) >= 2, served
