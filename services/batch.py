@@ -293,9 +293,10 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
 
 
 class BatchSweeper:
-    """Ends the unstarted items of batches past their deadline, every ``interval_s``, whether or not
-    a worker runs (workers expire the items they lease late too). Every gateway runs one: a sweep is
-    safe to repeat and to race."""
+    """Ends, every ``interval_s``, whether or not a worker runs, what can no longer run: the unstarted
+    items of batches past their deadline, and the items a dead worker left leased in those and in
+    cancelled or failed batches (workers expire the items they lease late too). Every gateway runs
+    one: a sweep is safe to repeat and to race."""
 
     def __init__(self, store: BatchStore, interval_s: float) -> None:
         self._store = store

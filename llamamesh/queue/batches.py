@@ -9,6 +9,9 @@
   and, with the last item, ends the batch; then the item is acked. A worker that dies leaves its
   items pending: another worker claims them after ``claim_idle_ms`` (``reclaim``), and a second
   result for the same custom_id is dropped: execution is at least once, the result exactly once.
+- The gateways' sweep ends what can no longer run even while no worker is alive: unstarted items of
+  a batch past its deadline (expired) or cancelled/failed (cancelled), and items a dead worker left
+  leased (untouched for ``claim_idle_s``), so every batch reaches an end state by itself.
 - Counts never drift: ``processing`` is ``total`` minus the recorded ones.
 
 Redis errors become ``QueueUnavailable`` here.
@@ -136,6 +139,15 @@ return state
 """
 
 
+# The consumer name under which the sweep claims a dead worker's items before ending them.
+SWEEPER = "batch-sweeper"
+
+
+def _waits(info: BatchInfo) -> bool:
+    """Whether the batch still waits for items (a failed batch waits for the ones that ran on)."""
+    return not info.state.ended or (info.state is BatchState.FAILED and info.processing > 0)
+
+
 def _float(raw: Any, default: float = 0.0) -> float:
     return float(raw) if raw is not None else default
 
@@ -162,11 +174,16 @@ class RedisBatches:
     """The batch store, both faces: the gateway's (create, get, owned, cancel, results) and the
     worker's (lease_items, record, touch, reclaim)."""
 
-    def __init__(self, client: aioredis.Redis, keys: Keys, retention_s: int, fail_after: int = 0) -> None:
+    def __init__(
+        self, client: aioredis.Redis, keys: Keys, retention_s: int, fail_after: int = 0, claim_idle_s: float = 0.0
+    ) -> None:
         self._r = client
         self.keys = keys
         self.retention_s = retention_s
         self.fail_after = fail_after
+        # The sweep's: items leased this long without a touch belong to a dead worker (0: never
+        # ended by the sweep; workers' own reclaim still takes them over).
+        self.claim_idle_s = claim_idle_s
         self._record = client.register_script(_RECORD)
         self._cancel = client.register_script(_CANCEL)
         self._create = client.register_script(_CREATE)
@@ -192,6 +209,7 @@ class RedisBatches:
             "total": info.total, "completion_window_s": info.completion_window_s, "created_at": info.created_at,
             "expires_at": info.expires_at, "fingerprint": fingerprint, "metadata": json.dumps(dict(info.metadata)),
             "t:validating": info.created_at, "t:in_progress": time.time(),
+            "pools": ",".join(sorted({pool for pool, _request in items})),
             **dict.fromkeys(COUNTS, 0),
         }  # fmt: skip
         flat = [str(x) for kv in record.items() for x in kv]
@@ -262,7 +280,17 @@ class RedisBatches:
             raise QueueUnavailable("the queue is unreachable") from exc
         if state == b"cancelling":
             await self.settle(batch_id)
+            await self._look_again_soon(batch_id)
         return await self.get(batch_id) if state else None
+
+    async def _look_again_soon(self, batch_id: str) -> None:
+        """A batch that now waits only for its running items: the sweep looks at it once a dead
+        worker's items could be claimed, not at its (maybe distant) deadline."""
+        if self.claim_idle_s > 0:
+            try:
+                await self._r.zadd(self.keys.batches_open(), {batch_id: time.time() + self.claim_idle_s}, lt=True)
+            except RedisError as exc:
+                raise QueueUnavailable("the queue is unreachable") from exc
 
     async def settle(self, batch_id: str) -> BatchInfo | None:
         """End, without running them, the items that can no longer start: all unstarted ones of a
@@ -298,21 +326,85 @@ class RedisBatches:
         return await self.get(batch_id)
 
     async def sweep(self, limit: int = 100) -> int:
-        """Settle the open batches whose deadline has passed (a gateway runs this periodically);
-        returns how many it looked at. An ended batch leaves the open set; one still waiting for
-        running items is looked at again a minute later."""
+        """Settle the open batches whose deadline has passed, or that were cancelled (a gateway runs
+        this periodically); returns how many it looked at. Items a dead worker left leased end
+        too (``end_abandoned``). An ended batch leaves the open set; one still waiting for running
+        items is looked at again after ``claim_idle_s`` (a minute if 0)."""
         key = self.keys.batches_open()
         try:
             due: Any = await self._r.zrangebyscore(key, "-inf", time.time(), start=0, num=limit)
             for raw in due:
                 info = await self.settle(raw.decode())
-                if info is None or info.state.ended:
+                if info is not None and _waits(info):
+                    info = await self.end_abandoned(info)
+                if info is None or not _waits(info):
                     await self._r.zrem(key, raw)
                 else:
-                    await self._r.zadd(key, {raw: time.time() + 60})
+                    await self._r.zadd(key, {raw: time.time() + (self.claim_idle_s or 60)})
         except RedisError as exc:
             raise QueueUnavailable("the queue is unreachable") from exc
         return len(due)
+
+    async def end_abandoned(self, info: BatchInfo, page: int = 1000) -> BatchInfo | None:
+        """End the items of this batch that a dead worker left leased (untouched for ``claim_idle_s``)
+        once they can no longer run: past the deadline (expired), or the batch cancelled or failed
+        (cancelled). The sweep claims each one first (XCLAIM with the same minimum idle time as the
+        workers' reclaim), so a worker and the sweep never both take one; the result is recorded
+        exactly once either way. Returns the batch after it."""
+        if self.claim_idle_s <= 0:
+            return info
+        if info.state is BatchState.IN_PROGRESS:
+            if time.time() <= info.expires_at:
+                return info
+            status, why = ItemStatus.EXPIRED, "the batch's completion window ended while this item's worker was gone"
+        else:
+            status, why = ItemStatus.CANCELLED, f"the batch {info.state.value} while this item's worker was gone"
+        idle_ms = int(self.claim_idle_s * 1000)
+        try:
+            pools: Any = await self._r.hget(self.keys.batch(info.batch_id), "pools")
+            for pool in filter(None, (pools or b"").decode().split(",")):
+                stream = self.keys.batch_items(pool)
+                for entry_id, req in await self._idle_items(stream, idle_ms, info.batch_id, page):
+                    claimed: Any = await self._r.xclaim(stream, WORKER_GROUP, SWEEPER, idle_ms, [entry_id])
+                    if claimed and claimed[0] and claimed[0][1]:  # still idle, still there: ours now
+                        result = ItemResult.unrun(req.custom_id, status, why)
+                        await self.record(Lease(pool, entry_id, req), result)
+        except RedisError as exc:
+            raise QueueUnavailable("the queue is unreachable") from exc
+        return await self.get(info.batch_id)
+
+    async def _idle_items(
+        self, stream: str, idle_ms: int, batch_id: str, page: int
+    ) -> list[tuple[str, GenerationRequest]]:
+        """The leased entries of ``stream`` idle for ``idle_ms`` or more that are items of ``batch_id``."""
+        out: list[tuple[str, GenerationRequest]] = []
+        start = "-"
+        while True:
+            try:
+                pending: Any = await self._r.xpending_range(stream, WORKER_GROUP, start, "+", page, idle=idle_ms)
+            except ResponseError as exc:
+                if "NOGROUP" in str(exc):
+                    return out
+                raise
+            if not pending:
+                return out
+            ids = [p["message_id"] for p in pending]
+            async with self._r.pipeline(transaction=False) as pipe:
+                for eid in ids:
+                    pipe.xrange(stream, eid, eid)
+                entries: Any = await pipe.execute()
+            for eid, found in zip(ids, entries, strict=True):
+                if not found:
+                    continue
+                try:
+                    req = codec.decode_job(found[0][1][JOB_FIELD.encode()])
+                except (InvalidRequest, KeyError):
+                    continue  # a worker sets bad entries aside
+                if req.batch_id == batch_id:
+                    out.append((eid.decode(), req))
+            if len(pending) < page:
+                return out
+            start = "(" + ids[-1].decode()
 
     async def results(self, batch_id: str, after: str, block_ms: int | None) -> list[tuple[str, ItemResult]]:
         """Results after cursor ``after`` ("0-0": from the first), waiting up to ``block_ms`` for one."""
@@ -428,4 +520,5 @@ class RedisBatches:
         await self.discard(lease)
         if done == 2:
             await self.settle(req.batch_id)
+            await self._look_again_soon(req.batch_id)
         return done >= 1

@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +30,7 @@ from llamamesh.settings import RedisSettings
 from llamamesh.types import GenerationRequest, SamplingParams
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc as pb_grpc
-from tests.e2e.conftest import ProcessNode
+from tests.e2e.conftest import ProcessNode, wait_until
 from tests.redisproc import RedisProcess, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -129,7 +128,7 @@ async def serves(node: ProcessNode, wait_ready: bool = False) -> None:
     """The node serves a new request (first waiting for its pool to be ready again)."""
     if wait_ready:
         ready = f"llamamesh.backend.{node.pool}"
-        await asyncio.to_thread(until, lambda: node._serving(ready), 30, "the pool serving again")
+        await asyncio.to_thread(wait_until, lambda: node._serving(ready), 30, "the pool serving again")
     async with grpc.aio.insecure_channel(node.address) as ch:
         after = Ledger()
         await asyncio.wait_for(after.stream(pb_grpc.GenerationServiceStub(ch), 5, None), 60)
@@ -144,13 +143,6 @@ def pending(node: ProcessNode) -> int:
         r.close()
 
 
-def until(ok, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ok():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)  # polling another process's state, bounded by the deadline
-
-
 @pytest.fixture
 def node(e2e_redis: RedisProcess, tmp_path: Path) -> Iterator[ProcessNode]:
     with started(e2e_redis, tmp_path, FAST) as n:
@@ -163,13 +155,13 @@ async def test_kill_minus_nine_of_a_worker_holding_five_streams(node: ProcessNod
         stub = pb_grpc.GenerationServiceStub(ch)
         calls = await ledger.open_streams(stub, 5, 80)  # 80 x 50 ms = 4 s each
         node.spawn("worker2", "workers", LLAMAMESH_WORKER_CONSUMER="e2e-worker-2")
-        await asyncio.to_thread(until, lambda: '"worker_started"' in node.log("worker2"), 30, "worker 2")
+        await asyncio.to_thread(wait_until, lambda: '"worker_started"' in node.log("worker2"), 30, "worker 2")
         node.procs["worker"].send_signal(signal.SIGKILL)
         await asyncio.wait_for(asyncio.gather(*calls), 60)
     ledger.check(accepted=5, tokens=80)  # every stream resumed on worker 2, token for token
     # The dead worker's five leased entries: cancelled by the gateway's failover, then reclaimed
     # (claim idle 2 s) and dropped by worker 2; nothing stays pending.
-    await asyncio.to_thread(until, lambda: pending(node) == 0, 15, "no pending jobs")
+    await asyncio.to_thread(wait_until, lambda: pending(node) == 0, 15, "no pending jobs")
 
 
 async def test_sigterm_to_the_gateway_with_twenty_open_streams(node: ProcessNode) -> None:
@@ -224,7 +216,7 @@ async def test_redis_frozen_for_ten_seconds_then_continued(own_redis: RedisProce
         ledger.whole_or(100, "UNAVAILABLE")
         # the node recovers by itself: new requests are served
         await serves(n)
-        await asyncio.to_thread(until, lambda: pending(n) == 0, 15, "no pending jobs")
+        await asyncio.to_thread(wait_until, lambda: pending(n) == 0, 15, "no pending jobs")
         outcomes = sorted(e.finish or e.error for e in ledger.entries)
         print("outcomes after the freeze:", {o: outcomes.count(o) for o in set(outcomes)})
 
@@ -236,7 +228,7 @@ async def test_a_thousand_concurrent_streams_on_the_fake_engine(node: ProcessNod
         stub = pb_grpc.GenerationServiceStub(ch)
         await asyncio.wait_for(asyncio.gather(*(ledger.stream(stub, 10, None) for _ in range(1000))), 150)
     ledger.check(accepted=1000, tokens=10)
-    await asyncio.to_thread(until, lambda: pending(node) == 0, 10, "no pending jobs")  # (a probe may be running)
+    await asyncio.to_thread(wait_until, lambda: pending(node) == 0, 10, "no pending jobs")  # (a probe may be running)
 
 
 @pytest.mark.parametrize("own_redis", ["always", "everysec"], indirect=True)
@@ -258,7 +250,7 @@ async def test_kill_minus_nine_of_redis_mid_stream(own_redis: RedisProcess, tmp_
         outcomes = sorted(e.finish or e.error for e in ledger.entries)
         print(f"kill -9 of Redis ({own_redis.appendfsync}):", {o: outcomes.count(o) for o in set(outcomes)})
         await serves(n, wait_ready=True)
-        await asyncio.to_thread(until, lambda: pending(n) == 0, 20, "no pending jobs")
+        await asyncio.to_thread(wait_until, lambda: pending(n) == 0, 20, "no pending jobs")
 
 
 async def test_a_backlog_of_ten_thousand_jobs_drains_with_nothing_lost(
@@ -282,7 +274,7 @@ async def test_a_backlog_of_ten_thousand_jobs_drains_with_nothing_lost(
         assert r.xlen(keys.jobs(n.pool)) == 10_000
         n.spawn("worker", "workers")
         n.spawn("worker2", "workers", LLAMAMESH_WORKER_CONSUMER="e2e-worker-2")
-        await asyncio.to_thread(until, lambda: r.xlen(keys.jobs(n.pool)) == 0, 150, "the backlog drained")
+        await asyncio.to_thread(wait_until, lambda: r.xlen(keys.jobs(n.pool)) == 0, 150, "the backlog drained")
         assert pending(n) == 0
         terminals = 0
         for chunk in range(0, len(ids), 1000):
@@ -313,7 +305,7 @@ async def test_redis_back_empty_is_not_run_against_silently(own_redis: RedisProc
             calls = await ledger.open_streams(stub, 5, 100)  # 5 s each
             own_redis.kill()
             own_redis.start()  # same port, nothing kept
-            await asyncio.to_thread(until, lambda: not n._serving(), 10, "readiness NOT_SERVING")
+            await asyncio.to_thread(wait_until, lambda: not n._serving(), 10, "readiness NOT_SERVING")
             await asyncio.wait_for(asyncio.gather(*calls), 60)
         ledger.ended_once()
         assert all(e.error == "UNAVAILABLE" and len(e.indexes) < 100 for e in ledger.entries), ledger.entries
@@ -325,7 +317,7 @@ async def four_workers(node: ProcessNode) -> None:
     for i in (2, 3, 4):
         node.spawn(f"worker{i}", "workers", LLAMAMESH_WORKER_CONSUMER=f"e2e-worker-{i}")
     started = lambda: all('"worker_started"' in node.log(f"worker{i}") for i in (2, 3, 4))  # noqa: E731
-    await asyncio.to_thread(until, started, 30, "four workers")
+    await asyncio.to_thread(wait_until, started, 30, "four workers")
 
 
 def three_crashed_and_dead_letters(node: ProcessNode) -> list[dict[bytes, bytes]]:
@@ -357,7 +349,7 @@ async def test_poison_jobs_that_raise_and_that_crash_the_worker(node: ProcessNod
         letters = three_crashed_and_dead_letters(node)
         assert len(letters) == 1 and letters[0][b"reason"] == b"the 3 workers that took it died", letters
         await serves(node)
-    await asyncio.to_thread(until, lambda: pending(node) == 0, 20, "no pending jobs")
+    await asyncio.to_thread(wait_until, lambda: pending(node) == 0, 20, "no pending jobs")
 
 
 async def test_a_job_that_kills_its_workers_mid_stream_is_set_aside_after_the_failovers(node: ProcessNode) -> None:
@@ -375,7 +367,7 @@ async def test_a_job_that_kills_its_workers_mid_stream_is_set_aside_after_the_fa
         letters = three_crashed_and_dead_letters(node)
         assert len(letters) == 1 and letters[0][b"deliveries"] == b"3", letters
         await serves(node)
-    await asyncio.to_thread(until, lambda: pending(node) == 0, 20, "no pending jobs")
+    await asyncio.to_thread(wait_until, lambda: pending(node) == 0, 20, "no pending jobs")
 
 
 def cpu_s(pid: int) -> float:
@@ -406,9 +398,8 @@ async def test_clients_that_stop_reading_do_not_grow_the_gateway_without_bound(
                      for i in range(20)]  # fmt: skip
             for c in calls:
                 await c.initial_metadata()  # accepted; never read
-            await asyncio.to_thread(
-                until, lambda: n.log("worker").count('"completion_tokens": 2000') >= 20, 60, "the worker finishing all"
-            )
+            all_done = lambda: n.log("worker").count('"completion_tokens": 2000') >= 20  # noqa: E731
+            await asyncio.to_thread(wait_until, all_done, 60, "the worker finishing all")
             grown = rss_mib(n.procs["gateway"].pid) - before
             for c in calls:
                 c.cancel()
@@ -423,7 +414,7 @@ async def test_a_stream_whose_gateway_died_is_reattached_through_another(node: P
     port_b = free_port()
     node.spawn("gateway_b", "services", LLAMAMESH_GATEWAY_PORT=str(port_b))
     address_b = f"127.0.0.1:{port_b}"
-    await asyncio.to_thread(until, lambda: '"gateway_started"' in node.log("gateway_b"), 30, "gateway b")
+    await asyncio.to_thread(wait_until, lambda: '"gateway_started"' in node.log("gateway_b"), 30, "gateway b")
     prompt = "resume me please"
     async with grpc.aio.insecure_channel(address_b) as ch_b:
         stub_b = pb_grpc.GenerationServiceStub(ch_b)
@@ -456,7 +447,7 @@ async def test_sigterm_to_a_worker_hands_back_what_it_cannot_finish(e2e_redis: R
             stub = pb_grpc.GenerationServiceStub(ch)
             calls = await ledger.open_streams(stub, 3, 100)  # 5 s each, all on the first worker
             n.spawn("worker2", "workers", LLAMAMESH_WORKER_CONSUMER="e2e-worker-2")
-            await asyncio.to_thread(until, lambda: '"worker_started"' in n.log("worker2"), 30, "worker 2")
+            await asyncio.to_thread(wait_until, lambda: '"worker_started"' in n.log("worker2"), 30, "worker 2")
             n.procs["worker"].send_signal(signal.SIGTERM)
             await asyncio.wait_for(asyncio.gather(*calls), 60)
         ledger.check(accepted=3, tokens=100)
@@ -502,7 +493,7 @@ def finished_ids(node: ProcessNode, names: list[str]) -> list[str]:
 
 async def test_a_generation_three_times_longer_than_the_claim_idle_time_runs_once(node: ProcessNode) -> None:
     node.spawn("worker2", "workers", LLAMAMESH_WORKER_CONSUMER="e2e-worker-2")
-    await asyncio.to_thread(until, lambda: '"worker_started"' in node.log("worker2"), 30, "worker 2")
+    await asyncio.to_thread(wait_until, lambda: '"worker_started"' in node.log("worker2"), 30, "worker 2")
     ledger = Ledger()
     async with grpc.aio.insecure_channel(node.address) as ch:
         # 130 steps of 50 ms: 6.5 s, over three times the 2 s claim idle time; both workers reclaim every 1 s
@@ -511,8 +502,8 @@ async def test_a_generation_three_times_longer_than_the_claim_idle_time_runs_onc
     rid = ledger.entries[0].request_id
     # the worker logs job_finished just after publishing the terminal event: wait for the line, and for
     # no job to be left pending (a takeover would still be running or pending), then count
-    await asyncio.to_thread(until, lambda: rid in finished_ids(node, ["worker", "worker2"]), 10, "job_finished")
-    await asyncio.to_thread(until, lambda: pending(node) == 0, 10, "no pending jobs")
+    await asyncio.to_thread(wait_until, lambda: rid in finished_ids(node, ["worker", "worker2"]), 10, "job_finished")
+    await asyncio.to_thread(wait_until, lambda: pending(node) == 0, 10, "no pending jobs")
     assert finished_ids(node, ["worker", "worker2"]).count(rid) == 1  # executed once, never taken over
 
 
@@ -531,13 +522,13 @@ async def test_four_workers_racing_over_fifty_stale_jobs_run_each_once(e2e_redis
         names = [f"racer{i}" for i in range(4)]
         for name in names:
             n.spawn(name, "workers", LLAMAMESH_WORKER_CONSUMER=name)
-        await asyncio.to_thread(until, lambda: len(finished_ids(n, names)) >= 50, 60, "all 50 run")
+        await asyncio.to_thread(wait_until, lambda: len(finished_ids(n, names)) >= 50, 60, "all 50 run")
         done = finished_ids(n, names)
         assert sorted(done) == sorted(ids), sorted(done)  # each exactly once
         assert len({name for name in names if any(r in n.log(name) for r in ids)}) >= 2  # really raced
         evs = await asyncio.gather(*(asyncio.wait_for(_events(q, rid), 10) for rid in ids))
         assert all([e.terminal for e in es].count(True) == 1 and es[-1].finished is not None for es in evs)
-        await asyncio.to_thread(until, lambda: pending(n) == 0, 10, "no pending jobs")
+        await asyncio.to_thread(wait_until, lambda: pending(n) == 0, 10, "no pending jobs")
     finally:
         n.stop()
         await q.close()

@@ -169,3 +169,12 @@ def node(
         yield node
     finally:
         node.stop()
+
+
+def wait_until(ok, timeout_s: float, what: str) -> None:
+    """Wait for ``ok()`` (another process's state), at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.05)  # polling other processes, bounded by the deadline

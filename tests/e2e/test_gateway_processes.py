@@ -7,7 +7,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc
-from tests.e2e.conftest import ProcessNode
+from tests.e2e.conftest import ProcessNode, wait_until
 from tests.redisproc import RedisProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -35,14 +34,6 @@ def gone(pid: int) -> bool:
         return True
     # a zombie still answers kill(0): it is gone once its status says so
     return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
-
-
-def wait_until(ok, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ok():
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.05)  # polling other processes, bounded by the deadline
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ async def store(request: pytest.FixtureRequest, redis_settings: RedisSettings) -
         yield MemoryBatches()
         return
     q = RedisQueue.from_settings(redis_settings)
-    yield RedisBatches(q.client, q.keys, retention_s=60)
+    yield RedisBatches(q.client, q.keys, retention_s=60, claim_idle_s=30)  # its started items are live ones
     await q.close()
 
 
@@ -143,6 +143,43 @@ async def test_a_batch_whose_first_results_all_errored_fails(redis_settings: Red
         assert end is not None and end.state is BatchState.FAILED and counts(end) == (0, 1, 2, 2, 0)
         assert end.results_expire_at > 0
     await q.close()
+
+
+async def test_the_sweep_ends_what_a_dead_worker_left_leased(redis_settings: RedisSettings) -> None:
+    """No worker alive at all: items a dead worker left leased (untouched past the claim idle time)
+    end too, expired past the deadline or cancelled in a cancelled batch, once each, and their
+    entries are gone; a live worker's touched item and another batch's items are left alone."""
+    q = RedisQueue.from_settings(redis_settings)
+    store = RedisBatches(q.client, q.keys, retention_s=60, claim_idle_s=0.3)
+    stream = q.keys.batch_items("cpu")
+    try:
+        await store.join("cpu")
+        for bid, window in (("late", 0.5), ("gone", 3600), ("other", 3600)):
+            info, items = batch(bid, 2, window_s=window)
+            await store.create(info, "fp", items)
+        dead = await store.lease_items("cpu", "dead", 4, 100)  # late c0 c1, gone c0 c1: its worker dies
+        live = await store.lease_items("cpu", "live", 1, 100)  # other c0: its worker lives
+        assert [x.request.batch_id for x in dead] == ["late", "late", "gone", "gone"]
+        assert [x.request.batch_id for x in live] == ["other"]
+        assert await store.record(dead[0], ok("c0")) is True  # late c0 finished before the worker died
+        cancelling = await store.cancel("gone")
+        assert cancelling is not None and cancelling.state is BatchState.CANCELLING  # two running
+        await asyncio.sleep(0.6)  # the clock passes late's deadline and the claim idle time
+        await store.touch("cpu", "live", [live[0].entry_id])
+        assert await store.sweep() == 2  # late (deadline) and gone (cancelled: looked at after claim idle)
+        late, gone, other = [await store.get(b) for b in ("late", "gone", "other")]
+        assert late is not None and late.state is BatchState.EXPIRED and counts(late) == (0, 1, 0, 0, 1)
+        assert gone is not None and gone.state is BatchState.CANCELLED and counts(gone) == (0, 0, 0, 2, 0)
+        assert other is not None and other.state is BatchState.IN_PROGRESS and counts(other) == (2, 0, 0, 0, 0)
+        got = await store.results("late", "0-0", None)
+        assert [(r.custom_id, r.status) for _c, r in got] == [("c0", ItemStatus.SUCCEEDED), ("c1", ItemStatus.EXPIRED)]
+        assert "worker was gone" in got[1][1].error_message
+        assert await store.sweep() == 0  # both left the open set
+        assert await store.record(dead[1], ok("c1")) is False  # the dead worker's late result: dropped
+        pending = await q.client.xpending(stream, "workers")
+        assert pending["pending"] == 1 and await q.client.xlen(stream) == 2  # other's c0 (leased) and c1
+    finally:
+        await q.close()
 
 
 async def test_a_late_lease_comes_flagged_expired(store: BatchStore) -> None:
