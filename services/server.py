@@ -122,8 +122,7 @@ async def serve(settings: Settings, share_port: bool = False) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     queue = RedisQueue.from_settings(settings.redis)
-    b = settings.batch
-    batches = RedisBatches(queue.client, queue.keys, b.retention_s, b.fail_after, claim_idle_s=b.claim_idle_s)
+    batches = RedisBatches.from_settings(queue.client, queue.keys, settings.batch)
     gateway = await start_gateway(
         queue, settings.gateway, share_port=share_port, breaker=settings.breaker, batches=batches, batch=settings.batch
     )

@@ -276,7 +276,7 @@ async def serve(settings: Settings, engine: Engine | None = None) -> int:
     structlog.contextvars.bind_contextvars(worker=settings.worker.consumer_name(), pool=settings.worker.pool)
     engine = engine or registry.create(settings)
     queue = RedisQueue.from_settings(settings.redis)
-    batches = RedisBatches(queue.client, queue.keys, settings.batch.retention_s, settings.batch.fail_after)
+    batches = RedisBatches.from_settings(queue.client, queue.keys, settings.batch)
     code = 0
     try:
         log.info("engine_starting", engine=settings.worker.engine, model=settings.worker.model)

@@ -33,6 +33,7 @@ from llamamesh.queue import codec
 from llamamesh.queue.keys import JOB_FIELD, RESULT_FIELD, WORKER_GROUP, Keys
 from llamamesh.queue.protocol import Lease
 from llamamesh.queue.streams import create_group, touch_entries
+from llamamesh.settings import BatchSettings
 from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, ItemStatus
 
 COUNTS = ("succeeded", "errored", "cancelled", "expired")
@@ -189,6 +190,10 @@ class RedisBatches:
         self._create = client.register_script(_CREATE)
         self._skip = client.register_script(_SKIP)
         self._start = client.register_script(_START)
+
+    @classmethod
+    def from_settings(cls, client: aioredis.Redis, keys: Keys, settings: BatchSettings) -> RedisBatches:
+        return cls(client, keys, settings.retention_s, settings.fail_after, claim_idle_s=settings.claim_idle_s)
 
     def _item_keys(self, batch_id: str) -> list[str]:
         k = self.keys
@@ -358,7 +363,8 @@ class RedisBatches:
                 return info
             status, why = ItemStatus.EXPIRED, "the batch's completion window ended while this item's worker was gone"
         else:
-            status, why = ItemStatus.CANCELLED, f"the batch {info.state.value} while this item's worker was gone"
+            ended = "failed" if info.state is BatchState.FAILED else "was cancelled"
+            status, why = ItemStatus.CANCELLED, f"the batch {ended} while this item's worker was gone"
         idle_ms = int(self.claim_idle_s * 1000)
         try:
             pools: Any = await self._r.hget(self.keys.batch(info.batch_id), "pools")

@@ -182,6 +182,29 @@ async def test_the_sweep_ends_what_a_dead_worker_left_leased(redis_settings: Red
         await q.close()
 
 
+async def test_the_sweep_ends_a_failed_batchs_item_left_by_a_dead_worker(redis_settings: RedisSettings) -> None:
+    q = RedisQueue.from_settings(redis_settings)
+    store = RedisBatches(q.client, q.keys, retention_s=60, fail_after=2, claim_idle_s=0.3)
+    try:
+        await store.join("cpu")
+        info, items = batch("f", 3)
+        await store.create(info, "fp", items)
+        leases = await store.lease_items("cpu", "dead", 3, 100)
+        for x in leases[:2]:
+            await store.record(x, ItemResult(x.request.custom_id, ItemStatus.ERRORED, error_code="invalid_argument"))
+        failed = await store.get("f")
+        assert failed is not None and failed.state is BatchState.FAILED and failed.processing == 1  # c2 runs on
+        await asyncio.sleep(0.6)  # its worker is dead: the claim idle time passes
+        assert await store.sweep() == 1  # looked at after the claim idle time, not at its deadline
+        end = await store.get("f")
+        assert end is not None and end.state is BatchState.FAILED and counts(end) == (0, 0, 2, 1, 0)
+        assert end.results_expire_at > 0
+        last = (await store.results("f", "0-0", None))[-1][1]
+        assert (last.custom_id, last.status) == ("c2", ItemStatus.CANCELLED) and "failed" in last.error_message
+    finally:
+        await q.close()
+
+
 async def test_a_late_lease_comes_flagged_expired(store: BatchStore) -> None:
     await store.join("cpu")
     late_info, late_items = batch("late", 1, window_s=-1)  # its window is already over
