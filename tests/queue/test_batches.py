@@ -11,7 +11,7 @@ import pytest
 from llamamesh.errors import InvalidRequest
 from llamamesh.queue.batches import RedisBatches
 from llamamesh.queue.memory import MemoryBatches
-from llamamesh.queue.protocol import BatchStore
+from llamamesh.queue.protocol import BatchStore, Lease
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import RedisSettings
 from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, ItemStatus
@@ -126,16 +126,21 @@ async def test_the_sweep_expires_unstarted_items_past_the_deadline_without_any_w
     assert end is not None and end.state is BatchState.EXPIRED and counts(end) == (0, 1, 0, 0, 2)
 
 
+async def three_run_two_error(store: BatchStore, n: int) -> tuple[list[Lease], BatchInfo | None]:
+    """Batch "f" of ``n`` items: three start, the first two end errored (with fail_after 2: failed)."""
+    await store.join("cpu")
+    info, items = batch("f", n)
+    await store.create(info, "fp", items)
+    leases = await store.lease_items("cpu", "w", 3, 100)
+    for x in leases[:2]:
+        await store.record(x, ItemResult(x.request.custom_id, ItemStatus.ERRORED, error_code="invalid_argument"))
+    return leases, await store.get("f")
+
+
 async def test_a_batch_whose_first_results_all_errored_fails(redis_settings: RedisSettings) -> None:
     q = RedisQueue.from_settings(redis_settings)
     for store in (RedisBatches(q.client, q.keys, retention_s=60, fail_after=2), MemoryBatches(fail_after=2)):
-        await store.join("cpu")
-        info, items = batch("f", 5)
-        await store.create(info, "fp", items)
-        leases = await store.lease_items("cpu", "w", 3, 100)
-        for x in leases[:2]:
-            await store.record(x, ItemResult(x.request.custom_id, ItemStatus.ERRORED, error_code="invalid_argument"))
-        failed = await store.get("f")
+        leases, failed = await three_run_two_error(store, 5)
         assert failed is not None and failed.state is BatchState.FAILED and "failed" in failed.times
         assert counts(failed) == (1, 0, 2, 2, 0)  # the running third goes on; the two queued end cancelled
         await store.record(leases[2], ok(leases[2].request.custom_id))
@@ -186,13 +191,7 @@ async def test_the_sweep_ends_a_failed_batchs_item_left_by_a_dead_worker(redis_s
     q = RedisQueue.from_settings(redis_settings)
     store = RedisBatches(q.client, q.keys, retention_s=60, fail_after=2, claim_idle_s=0.3)
     try:
-        await store.join("cpu")
-        info, items = batch("f", 3)
-        await store.create(info, "fp", items)
-        leases = await store.lease_items("cpu", "dead", 3, 100)
-        for x in leases[:2]:
-            await store.record(x, ItemResult(x.request.custom_id, ItemStatus.ERRORED, error_code="invalid_argument"))
-        failed = await store.get("f")
+        _leases, failed = await three_run_two_error(store, 3)
         assert failed is not None and failed.state is BatchState.FAILED and failed.processing == 1  # c2 runs on
         await asyncio.sleep(0.6)  # its worker is dead: the claim idle time passes
         assert await store.sweep() == 1  # looked at after the claim idle time, not at its deadline
