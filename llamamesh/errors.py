@@ -93,7 +93,14 @@ class EngineDead(Unavailable):
 
 
 class WorkerLost(Unavailable):
+    """The request's worker went away. ``running``: it was running the request when it died (a
+    crash, a lost heartbeat), as opposed to handing it back or never taking it."""
+
     code = "worker_lost"
+
+    def __init__(self, message: str, running: bool = False) -> None:
+        super().__init__(message)
+        self.running = running
 
 
 class DeadlineExceeded(LlamameshError):
@@ -108,6 +115,14 @@ class DeadlineUnreachable(DeadlineExceeded):
 
 class InternalError(LlamameshError):
     code = "internal"
+
+
+class SetAside(InternalError):
+    """A poison request: the workers that ran it kept dying, so it is not sent to another one; it
+    is recorded in its pool's dead-letter stream. Its message is ours (no engine text), so the
+    caller sees it."""
+
+    code = "set_aside"
 
 
 def _all_subclasses(cls: type[LlamameshError]) -> list[type[LlamameshError]]:

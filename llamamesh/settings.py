@@ -63,6 +63,10 @@ class GatewaySettings:
     # How many times a request moves on when its worker is lost or its engine dies: to another
     # worker of its pool or to the fallback; after tokens were sent it resumes from them.
     failover_attempts: int = 2
+    # A request whose workers died this many times while running it (a crash, a lost heartbeat, a
+    # dead engine) is a poison request: it is not sent to another worker but ends INTERNAL and is
+    # recorded in its pool's dead-letter stream. 0: only failover_attempts bounds it.
+    max_worker_deaths: int = 2
     # Routing rules, "cond & cond -> pool; ...", first match wins, else the model's pool (syntax and
     # the shipped example: services/routing.py). Empty: every request goes to its model's pool.
     routes: str = ""
@@ -76,6 +80,10 @@ class GatewaySettings:
     # ends UNAVAILABLE; a pool empty for longer refuses new requests at once. Covers a worker's
     # restart; 0: wait for one as long as the caller's deadline allows.
     no_worker_wait_s: float = 10.0
+    # Seconds a request waits for a pool whose workers are all still starting (converting, loading,
+    # compiling the model: their heartbeats say so) before it ends UNAVAILABLE; never longer than
+    # the caller's deadline. Long enough for a cold GPU start. 0: as long as the deadline allows.
+    start_wait_s: float = 600.0
     # Seconds between the gateway's checks of Redis (readiness, and whether it lost its data), and
     # how long readiness stays NOT_SERVING after Redis came back without its data.
     health_interval_s: float = 2.0
@@ -127,6 +135,14 @@ class WorkerSettings:
     dtype: str = "bfloat16"
     # CPU engine: longest sequence (prompt + completion) in tokens.
     max_model_len: int = 2048
+    # CPU engine: decode every matrix product in fixed-shape row groups, so that a request's output
+    # does not depend on what it is batched with (workers/engines/transformers_linear.py); costs up
+    # to ~20 % at small batches. false: the libraries' fastest kernel for each batch size.
+    batch_invariant: bool = True
+    # CPU engine: a resumed request (failover) replays up to this many tokens an earlier attempt
+    # sent through decode steps, so it continues with the same bits; more are prefilled (fast, may
+    # part from the uninterrupted text at a near-tie). 0: always prefill.
+    resume_replay_tokens: int = 128
     # Where converted model folders are cached.
     cache_dir: str = str(Path.home() / ".cache" / "llamamesh")
     # Seconds in-flight work gets to finish on SIGTERM.
@@ -142,6 +158,16 @@ class WorkerSettings:
     # Deliveries after which a job whose workers keep dying is set aside (dead-letter stream) and
     # its caller told, instead of killing the next worker.
     max_deliveries: int = 3
+    # Seconds the engine's start (model conversion, loading, compiling) may take before the worker
+    # gives up and exits non-zero. While it starts, the heartbeat says so (state "starting").
+    start_timeout_s: float = 900.0
+    # Seconds between the worker's checks of its engine (Engine.check_health): a dead engine stops
+    # the worker (its supervisor starts it again).
+    health_check_s: float = 5.0
+    # Seconds an engine may make no progress while it has requests in flight before the worker
+    # takes it for wedged: it withdraws its heartbeat (its streams fail over elsewhere) and exits
+    # non-zero for its supervisor to restart it. 0: never.
+    wedge_timeout_s: float = 60.0
 
     def consumer_name(self) -> str:
         return self.consumer or f"{socket.gethostname()}-{os.getpid()}"

@@ -189,6 +189,19 @@ class ModelInfo:
     default: bool = False
 
 
+class WorkerState(str, enum.Enum):
+    """Where a worker is in its life, as its heartbeat says."""
+
+    # The process is up, its engine is not ready yet (``WorkerStatus.detail`` says what it is doing:
+    # converting, loading, compiling). Gateways treat its pool as coming up: requests wait.
+    STARTING = "starting"
+    # Its engine serves; it leases jobs.
+    READY = "ready"
+    # Its engine could not start, or died (``detail`` says why). It serves nothing; its supervisor
+    # may start it again.
+    FAILED = "failed"
+
+
 @dataclass(frozen=True)
 class WorkerStatus:
     """What a worker's heartbeat says about it (kept in Redis for a TTL; gone means dead)."""
@@ -203,6 +216,24 @@ class WorkerStatus:
     running: int = 0
     waiting: int = 0
     kv_cache_usage: float = 0.0
+    # READY for heartbeats of workers that predate the field.
+    state: str = WorkerState.READY.value
+    # STARTING: what the engine's start is doing; FAILED: why it failed (one line).
+    detail: str = ""
+    # Wall clock (Unix s) when the state (or, while starting, the detail) began.
+    since_unix_s: float = 0.0
+
+    @property
+    def ready(self) -> bool:
+        return self.state == WorkerState.READY.value
+
+    @property
+    def starting(self) -> bool:
+        return self.state == WorkerState.STARTING.value
+
+    @property
+    def failed(self) -> bool:
+        return self.state == WorkerState.FAILED.value
 
 
 class BatchState(str, enum.Enum):

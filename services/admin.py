@@ -20,10 +20,12 @@ def backend_pb(pool: Pool, fallback: str) -> pb.Backend:
         last_probe_error=pool.last_probe_error,
     )
     for w in pool.workers:
-        out.workers.add(
+        added = out.workers.add(
             name=w.worker, model=w.model, engine=w.engine, inflight=w.inflight, max_inflight=w.max_inflight,
-            running=w.running, waiting=w.waiting, kv_cache_usage=w.kv_cache_usage,
+            running=w.running, waiting=w.waiting, kv_cache_usage=w.kv_cache_usage, state=w.state, detail=w.detail,
         )  # fmt: skip
+        if w.since_unix_s:
+            added.since.FromNanoseconds(int(w.since_unix_s * 1e9))
     for t in pool.breaker.transitions:
         at = Timestamp()
         at.FromNanoseconds(int(t.at_unix_s * 1e9))

@@ -2,10 +2,15 @@
 breaker fed by inference probes and real requests, the pool's health, and where a request goes.
 
 One ``Backends`` per gateway process owns one probe task per pool. Every ``probe_interval_s`` it
-reads the pool's heartbeats; with no live worker the probe fails at once (no job is queued for
-nobody), otherwise it sends a one-token greedy generation through the queue, like any request,
+reads the pool's heartbeats; with no live (ready) worker the probe fails at once (no job is queued
+for nobody), otherwise it sends a one-token greedy generation through the queue, like any request,
 and waits ``probe_timeout_s`` for its end. The result feeds the pool's breaker; the breaker's state
 and the live-worker count make the pool's health (``llamamesh.backend.<pool>``).
+
+A pool whose workers are all still starting (heartbeat state ``starting``: converting, loading,
+compiling) is coming up, not failing: its probes record nothing against the breaker, its health
+is NOT_SERVING, and requests wait for it (``GatewaySettings.start_wait_s``). Workers that report
+``failed`` count as absent, and their reasons go into the errors callers get.
 
 Routing: a request goes to its model's pool unless that pool is unusable (breaker open, or no live
 worker), then to the pool's configured fallback (``LLAMAMESH_GATEWAY_FALLBACK``, e.g.
@@ -57,11 +62,14 @@ class Pool:
     workers: tuple[WorkerStatus, ...] = ()
     probes: int = 0
     last_probe_error: str = ""
-    # Monotonic time since when the pool has had no live worker (set at start and on every loss).
+    # Monotonic time since when the pool has had no worker ready or starting (set at start and on
+    # every loss), and since when it has had starting workers and none ready.
     empty_since: float = 0.0
+    starting_since: float = 0.0
     # The last read of its heartbeats failed (Redis out).
     unreachable: bool = False
-    # Its breaker opened only because it never had a live worker (nothing of a worker failed).
+    # Its breaker opened only because it had no live worker (no probe of a worker failed): workers
+    # that arrive close it outright, so a burst after a (re)start is served, not refused half-open.
     opened_empty: bool = False
     ever_live: bool = False
     # Recent queue wait (accepted -> a worker started it), an exponential average, and its samples.
@@ -70,7 +78,23 @@ class Pool:
 
     @property
     def live(self) -> bool:
-        return bool(self.workers)
+        """A worker is ready to serve."""
+        return any(w.ready for w in self.workers)
+
+    @property
+    def starting(self) -> bool:
+        """No worker is ready, and one is starting: the pool is coming up."""
+        return not self.live and any(w.starting for w in self.workers)
+
+    @property
+    def present(self) -> bool:
+        return self.live or self.starting
+
+    def what_is_wrong(self) -> str:
+        """What its workers say, for an error message: the starting ones' progress, the failed ones' reasons."""
+        parts = [f"worker {w.worker} is {w.state}" + (f": {w.detail}" if w.detail else "")
+                 for w in self.workers if not w.ready][:3]  # fmt: skip
+        return "; ".join(parts)
 
     def usable(self) -> bool:
         return self.live and self.breaker.available()
@@ -155,9 +179,17 @@ class Backends:
         return p.queue_wait_s if p.waits >= 5 else 0.0
 
     def empty_for(self, pool: str) -> float:
-        """Seconds the pool has had no live worker (0 while it has one)."""
+        """Seconds the pool has had no worker ready or starting (0 while it has one)."""
         p = self.pools[pool]
-        return 0.0 if p.live else self._clock() - p.empty_since
+        return 0.0 if p.present else self._clock() - p.empty_since
+
+    def starting_for(self, pool: str) -> float:
+        """Seconds the pool has been coming up (workers starting, none ready); 0 otherwise."""
+        p = self.pools[pool]
+        return self._clock() - p.starting_since if p.starting else 0.0
+
+    def what_is_wrong(self, pool: str) -> str:
+        return self.pools[pool].what_is_wrong()
 
     def stranded(self, pool: str) -> bool:
         """A request still waiting for ``pool`` (no worker has it) would be better off elsewhere:
@@ -183,12 +215,12 @@ class Backends:
 
     def worker_alive(self, pool: str, worker: str) -> bool:
         p = self.pools.get(pool)
-        return p is not None and any(w.worker == worker for w in p.workers)
+        return p is not None and any(w.worker == worker and not w.failed for w in p.workers)
 
     # --- probes
 
     async def refresh(self, p: Pool) -> None:
-        was_live = p.live
+        was_live, was_present, was_starting = p.live, p.present, p.starting
         # Unknown is not dead: while Redis is out the workers are kept (probes and submits fail
         # meanwhile); and right after it, their heartbeats (expired while it was out) get one round
         # to come back before a worker counts as lost.
@@ -200,10 +232,15 @@ class Backends:
             if seen or not p.unreachable:
                 p.workers = seen
             p.unreachable = False
-        if was_live and not p.live:
+        if was_present and not p.present:
             p.empty_since = self._clock()
+        if p.starting and not was_starting:
+            p.starting_since = self._clock()
         p.ever_live = p.ever_live or p.live
-        if p.live and not was_live:
+        if p.starting and not was_present and p.breaker.state is State.OPEN and p.opened_empty:
+            # It opened for want of workers; they are coming up now: requests wait, not refused.
+            p.breaker.revive(f"{len(p.workers)} worker(s) starting", close=True)
+        elif p.live and not was_live:
             p.breaker.revive(f"{len(p.workers)} live worker(s) again", close=p.opened_empty)
         await self._publish(p)
 
@@ -219,8 +256,13 @@ class Backends:
         """One probe of one pool: heartbeats, then (if anyone is alive and the breaker lets it) a
         one-token generation."""
         await self.refresh(p)
+        if p.starting:  # coming up: nothing to hold against it
+            p.last_probe_error = f"starting: {p.what_is_wrong()}"
+            await self._publish(p)
+            return
         if not p.live:
-            await self._probe_result(p, "no live worker")
+            wrong = p.what_is_wrong()
+            await self._probe_result(p, "no live worker" + (f" ({wrong})" if wrong else ""))
             return
         if not p.breaker.allow():
             return
@@ -259,9 +301,9 @@ class Backends:
         was_open = p.breaker.state is State.OPEN
         p.breaker.record(not error, probe=True, reason=error)
         if p.breaker.state is State.OPEN and not was_open:
-            # A pool that never had a worker (a cold start) opened for want of one, not for failures;
-            # workers that went away are a failure to try again carefully.
-            p.opened_empty = not p.live and not p.ever_live
+            # A pool with no live worker (a cold start, or its workers went away: their requests
+            # were counted when they failed) opened for want of one, not for failures of one.
+            p.opened_empty = not p.live
         await self._publish(p)
 
     async def _publish(self, p: Pool) -> None:

@@ -6,7 +6,6 @@ Pure functions: no I/O, no grpc. Every rejected field is named in an
 
 from __future__ import annotations
 
-import math
 import re
 import time
 import uuid
@@ -15,6 +14,7 @@ from types import MappingProxyType
 
 from google.protobuf.duration_pb2 import Duration
 
+from llamamesh import sampling
 from llamamesh.errors import FieldViolation, InvalidRequest, NotFound
 from llamamesh.queue import codec
 from llamamesh.settings import GatewaySettings
@@ -33,7 +33,6 @@ from llamamesh.v1 import generation_pb2 as pb
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
-MAX_LOGPROBS = 20
 MAX_METADATA = 64
 
 FINISH_TO_PB = {
@@ -75,46 +74,16 @@ def _input(
     return None, tuple(ChatMessage(m.role, m.content) for m in messages)
 
 
-def _finite(v: float) -> bool:
-    return not (math.isnan(v) or math.isinf(v))
-
-
 def _sampling(r: pb.GenerateRequest, s: GatewaySettings, bad: list[FieldViolation]) -> SamplingParams:
+    """The sampling fields as the domain type, checked by the shared rules (llamamesh/sampling.py)
+    plus the gateway's own bounds (max_tokens cap, stop strings), then normalised (a temperature
+    below 1e-5 is greedy)."""
+
     def opt(name: str) -> object | None:
         return getattr(r, name) if r.HasField(name) else None
 
-    def check(name: str, ok: bool, why: str) -> None:
-        if r.HasField(name) and not ok:
-            bad.append(FieldViolation(name, f"{why}, got {getattr(r, name)!r}"))
-
-    check("max_tokens", 0 < r.max_tokens <= s.max_tokens_cap, f"must be in [1, {s.max_tokens_cap}]")
-    check("temperature", _finite(r.temperature) and r.temperature >= 0, "must be >= 0")
-    check("top_p", _finite(r.top_p) and 0 < r.top_p <= 1, "must be in (0, 1]")
-    check("top_k", r.top_k >= -1, "must be -1 (off), 0 (off) or positive")
-    check("min_p", _finite(r.min_p) and 0 <= r.min_p <= 1, "must be in [0, 1]")
-    check("presence_penalty", _finite(r.presence_penalty) and -2 <= r.presence_penalty <= 2, "must be in [-2, 2]")
-    check(
-        "frequency_penalty", _finite(r.frequency_penalty) and -2 <= r.frequency_penalty <= 2, "must be in [-2, 2]"
-    )
-    check(
-        "repetition_penalty",
-        _finite(r.repetition_penalty) and 0 < r.repetition_penalty <= 10,
-        "must be in (0, 10]",
-    )
-    check("logprobs", 0 <= r.logprobs <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]")
     max_tokens = r.max_tokens if r.HasField("max_tokens") else min(s.default_max_tokens, s.max_tokens_cap)
-    check("min_tokens", 0 <= r.min_tokens <= max_tokens, f"must be in [0, max_tokens={max_tokens}]")
-    if len(r.stop) > MAX_STOP_STRINGS:
-        bad.append(FieldViolation("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(r.stop)}"))
-    for i, x in enumerate(r.stop):
-        if not x:
-            bad.append(FieldViolation(f"stop[{i}]", "stop strings must not be empty"))
-        elif len(x) > MAX_STOP_LENGTH:
-            bad.append(FieldViolation(f"stop[{i}]", f"at most {MAX_STOP_LENGTH} characters"))
-    for i, t in enumerate(r.stop_token_ids):
-        if t < 0:
-            bad.append(FieldViolation(f"stop_token_ids[{i}]", f"token ids are >= 0, got {t}"))
-    return SamplingParams(
+    params = SamplingParams(
         max_tokens=max_tokens,
         temperature=opt("temperature"),  # type: ignore[arg-type]
         top_p=opt("top_p"),  # type: ignore[arg-type]
@@ -130,6 +99,13 @@ def _sampling(r: pb.GenerateRequest, s: GatewaySettings, bad: list[FieldViolatio
         min_tokens=opt("min_tokens"),  # type: ignore[arg-type]
         logprobs=opt("logprobs"),  # type: ignore[arg-type]
     )
+    found = sampling.violations(params, s.max_tokens_cap)
+    if len(r.stop) > MAX_STOP_STRINGS:
+        found.append(FieldViolation("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(r.stop)}"))
+    found += [FieldViolation(f"stop[{i}]", f"at most {MAX_STOP_LENGTH} characters")
+              for i, x in enumerate(r.stop) if len(x) > MAX_STOP_LENGTH]  # fmt: skip
+    bad.extend(found)
+    return params if found else sampling.normalized(params)
 
 
 def _request_id(given: str, bad: list[FieldViolation]) -> str:

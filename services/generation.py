@@ -120,11 +120,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     raise errors.QueueUnavailable("Redis came back without its data: this request was lost")
                 if not done:
                     if backends is not None and worker and not backends.worker_alive(pool, worker):
-                        raise errors.WorkerLost(f"worker {worker!r} of pool {pool!r} stopped answering")
+                        raise errors.WorkerLost(f"worker {worker!r} of pool {pool!r} stopped answering", running=True)
                     if backends is not None and not worker and backends.stranded(pool):
                         raise errors.WorkerLost(f"pool {pool!r} cannot serve; its fallback can")
-                    if not worker and self._no_workers(pool):
-                        raise self._no_workers_error(pool)
+                    if not worker:
+                        self._check_pool(pool)
                     continue
                 try:
                     _eid, ev = nxt.result()
@@ -164,6 +164,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         failure: BaseException | None = None
         sent: list[int] = []  # token ids the caller has
         attempts = 0
+        deaths = 0  # workers (or engines) that died while running it
         try:
             req, model = convert.generate_request(request, self._s, self._models)
             remaining = context.time_remaining()
@@ -182,8 +183,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     yield convert.generate_response(req, _length_reached(base))
                     finish, finished = FinishReason.LENGTH.value, True
                     return
-                if self._no_workers(pool):  # no worker came for a while: say so now, not at the deadline
-                    raise self._no_workers_error(pool)
+                self._check_pool(pool)  # no worker came for a while: say so now, not at the deadline
                 self._check_reachable(pool, context.time_remaining())
                 record = Attempt(attempt.request_id, base, pool, req.model, req.accepted_unix_ns, request.resumable)
                 if not await self._queue.begin(req.request_id, record, first=attempts == 0):
@@ -225,6 +225,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         if finished:
                             return
                 except (errors.WorkerLost, errors.EngineDead) as exc:
+                    deaths += isinstance(exc, errors.EngineDead) or exc.running
+                    if self._s.max_worker_deaths and deaths >= self._s.max_worker_deaths:
+                        # A poison request: the workers running it keep dying; no third one.
+                        await self._set_aside(pool, req, deaths, exc)
+                        raise errors.SetAside(
+                            f"the request was set aside: {deaths} workers died running it, so it is not sent to "
+                            f"another; it is recorded in pool {pool!r}'s dead-letter stream"
+                        ) from exc
                     if self._backends is None or attempts >= self._s.failover_attempts:
                         if attempts:  # it outlived every worker it was sent to: keep it for inspection
                             await self._set_aside(pool, req, attempts + 1, exc)
@@ -267,9 +275,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             )
             structlog.contextvars.unbind_contextvars("request_id")
 
-    def _no_workers(self, pool: str) -> bool:
-        wait = self._s.no_worker_wait_s
-        return self._backends is not None and wait > 0 and self._backends.empty_for(pool) > wait
+    def _check_pool(self, pool: str) -> None:
+        """Raise NoWorkers (with what its workers say) when the pool had nobody for
+        ``no_worker_wait_s``, or has been starting for ``start_wait_s``."""
+        b, s = self._backends, self._s
+        if b is None:
+            return
+        wrong = b.what_is_wrong(pool)
+        detail = f" ({wrong})" if wrong else ""
+        if s.no_worker_wait_s > 0 and b.empty_for(pool) > s.no_worker_wait_s:
+            raise errors.NoWorkers(f"pool {pool!r} has had no live worker for {s.no_worker_wait_s:g} s{detail}")
+        if s.start_wait_s > 0 and b.starting_for(pool) > s.start_wait_s:
+            raise errors.NoWorkers(f"pool {pool!r} has been starting for over {s.start_wait_s:g} s{detail}")
 
     def _check_reachable(self, pool: str, remaining_s: float | None) -> None:
         """Refuse at once a request that would wait in the queue past its deadline."""
@@ -278,9 +295,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise errors.DeadlineUnreachable(
                 f"the deadline ({remaining_s:.3f} s) is shorter than pool {pool!r}'s queue wait ({wait:.3f} s)"
             )
-
-    def _no_workers_error(self, pool: str) -> errors.NoWorkers:
-        return errors.NoWorkers(f"pool {pool!r} has had no live worker for {self._s.no_worker_wait_s:g} s")
 
     async def _set_aside(self, pool: str, req: GenerationRequest, deliveries: int, exc: BaseException) -> None:
         try:

@@ -40,6 +40,9 @@ def code_for(exc: BaseException) -> grpc.StatusCode:
 def to_status(exc: BaseException) -> status_pb2.Status:
     """The google.rpc.Status for an exception: code, safe message, and details."""
     code = code_for(exc)
+    if isinstance(exc, errors.SetAside):  # INTERNAL, with our own message: what happened to it
+        log.error("request_set_aside", error=str(exc))
+        return status_pb2.Status(code=code_pb2.INTERNAL, message=exc.message)
     if code is grpc.StatusCode.INTERNAL or not isinstance(exc, errors.LlamameshError):
         log.error("internal_error", error_type=type(exc).__name__, error=str(exc), exc_info=exc)
         return status_pb2.Status(code=code_pb2.INTERNAL, message=INTERNAL_MESSAGE)

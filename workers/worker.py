@@ -1,16 +1,31 @@
 """The worker process: leases jobs of one pool, runs them on one engine, publishes events.
 
 Ownership: the worker owns its job tasks (a set it cancels and awaits on
-shutdown) and the outbox's flusher task. It admits from the stream by free
-slots (``max_inflight`` minus jobs in flight), so the engine always has work
+shutdown), the outbox's flusher task, its heartbeat and its engine watchdog. It admits from the
+stream by free slots (``max_inflight`` minus jobs in flight), so the engine always has work
 when there is work.
+
+Life: the heartbeat starts as soon as Redis answers, before the engine is ready, with state
+``starting`` and what the engine's start is doing (converting, loading, compiling); gateways
+treat the pool as coming up. Then ``ready`` (leasing), or ``failed`` with the reason when the
+engine cannot start (kept visible for a minute, then the process exits non-zero). A start step
+that blocks the event loop (imports, vLLM's engine start) is announced with a heartbeat that
+lives ``start_timeout_s``, since no refresh can run meanwhile; while the loop runs the heartbeat
+is refreshed every ``heartbeat_s`` with the short TTL, so a worker that dies is gone within it.
+
+The watchdog asks the engine ``check_health()`` every ``health_check_s`` and watches its progress
+counter: a dead engine stops the worker (drain, exit 1); a wedged one (requests in flight, no
+progress for ``wedge_timeout_s``) makes it withdraw its heartbeat at once, so that gateways fail
+its streams over, and exit 1 without waiting on the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
+import os
 import signal
 import sys
 import time
@@ -20,12 +35,12 @@ from typing import Any
 import structlog
 
 from llamamesh import logs
-from llamamesh.errors import EngineDead, QueueUnavailable
+from llamamesh.errors import EngineDead, InvalidRequest, QueueUnavailable
 from llamamesh.queue.batches import RedisBatches
 from llamamesh.queue.protocol import BatchStore, Lease, WorkQueue
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import BatchSettings, Settings, WorkerSettings
-from llamamesh.types import WorkerStatus
+from llamamesh.types import WorkerState, WorkerStatus
 from workers.batch import record, run_batch_item, skipped_result
 from workers.engines import registry
 from workers.engines.base import Engine
@@ -34,6 +49,9 @@ from workers.outbox import Outbox
 from workers.replicas import run_replicas_if_needed
 
 log = structlog.get_logger(__name__)
+
+# How long a worker that could not start stays visible as ``failed`` (with its reason) after it exits.
+FAILED_TTL_S = 60.0
 
 
 class Worker:
@@ -68,6 +86,11 @@ class Worker:
         self.engine_died: EngineDead | None = None
         self.ready = asyncio.Event()
         self.join_failures = 0
+        self.state = WorkerState.STARTING
+        self._detail = ""
+        self._since = time.time()
+        # Set by the watchdog: the engine stopped making progress; the worker leaves without draining.
+        self.wedged = False
 
     @property
     def inflight(self) -> int:
@@ -98,9 +121,11 @@ class Worker:
             self.engine_died = task.exception()  # type: ignore[assignment]
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Lease and run jobs until ``stop`` is set or the engine dies, then drain.
+        """Start the engine (heartbeats say ``starting`` meanwhile), then lease and run jobs until
+        ``stop`` is set or the engine dies, then drain.
 
-        Raises EngineDead (after draining) if the engine died, so the process exits non-zero.
+        Raises EngineDead (after draining) if the engine could not start, died or wedged, so the
+        process exits non-zero.
         """
         backoff = 0.1
         while True:  # Redis may come up after the worker: wait for it rather than exit
@@ -119,14 +144,20 @@ class Worker:
         self._outbox.start()
         beat_stop = asyncio.Event()
         beat = asyncio.create_task(self._heartbeat(beat_stop), name="heartbeat")
-        with contextlib.suppress(QueueUnavailable):  # a restart under the same name: its own jobs first
-            s = self._s
-            for lease in await self._queue.reclaim(s.pool, self.name, 0, s.max_inflight, s.max_deliveries, own=True):
-                await self._admit(lease)
-        self.ready.set()
-        log.info("worker_started", pool=self._s.pool, worker=self.name, max_inflight=self._s.max_inflight)
+        watchdog: asyncio.Task[None] | None = None
         backoff = 0.1
         try:
+            if not await self._start_engine(stop):
+                return
+            with contextlib.suppress(QueueUnavailable):  # a restart under the same name: its own jobs first
+                s = self._s
+                for lease in await self._queue.reclaim(s.pool, self.name, 0, s.max_inflight, s.max_deliveries,
+                                                       own=True):  # fmt: skip
+                    await self._admit(lease)
+            self._set_state(WorkerState.READY)
+            self.ready.set()
+            log.info("worker_started", pool=self._s.pool, worker=self.name, max_inflight=self._s.max_inflight)
+            watchdog = asyncio.create_task(self._watch_engine(stop), name="engine-watchdog")
             while not stop.is_set() and self.engine_died is None:
                 free = self._s.max_inflight - len(self._tasks)
                 if free <= 0:
@@ -144,14 +175,102 @@ class Worker:
                 for lease in leases:
                     await self._admit(lease)
         finally:
-            # Heartbeats go on while draining: the gateways must not take its streams for lost.
-            await self._drain()
-            beat_stop.set()
-            await asyncio.gather(beat, return_exceptions=True)
-            with contextlib.suppress(QueueUnavailable):
-                await self._queue.leave(self._s.pool, self.name)
+            if watchdog is not None:
+                watchdog.cancel()
+                await asyncio.gather(watchdog, return_exceptions=True)
+            if self.wedged:  # gateways must fail its streams over now, not after a drain that cannot end
+                beat_stop.set()
+                await asyncio.gather(beat, return_exceptions=True)
+                with contextlib.suppress(QueueUnavailable):
+                    await self._queue.leave(self._s.pool, self.name)
+                await self._abandon()
+            else:
+                # Heartbeats go on while draining: the gateways must not take its streams for lost.
+                await self._drain()
+                beat_stop.set()
+                await asyncio.gather(beat, return_exceptions=True)
+                with contextlib.suppress(QueueUnavailable):
+                    if self.state is WorkerState.FAILED:  # say why for a while after it is gone
+                        await self._queue.heartbeat(self.status(), FAILED_TTL_S)
+                    else:
+                        await self._queue.leave(self._s.pool, self.name)
         if self.engine_died is not None:
             raise self.engine_died
+
+    def _set_state(self, state: WorkerState, detail: str = "") -> None:
+        self.state, self._detail, self._since = state, detail, time.time()
+
+    async def _start_engine(self, stop: asyncio.Event) -> bool:
+        """Start the engine with heartbeats saying so; True once it is ready. False if ``stop`` came
+        first, or the start failed or timed out (state FAILED, ``engine_died`` set)."""
+        s = self._s
+        # vLLM's and TensorRT-LLM's starts block the event loop: this heartbeat must outlive them.
+        with contextlib.suppress(QueueUnavailable):
+            await self._queue.heartbeat(self.status(), max(s.start_timeout_s, s.heartbeat_ttl_s))
+        t0 = time.monotonic()
+        log.info("engine_starting", engine=s.engine, model=s.model)
+        start = asyncio.ensure_future(asyncio.wait_for(self._engine.start(), s.start_timeout_s))
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({start, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not start.done():
+                start.cancel()
+                await asyncio.gather(start, return_exceptions=True)
+                return False
+            start.result()
+        except asyncio.TimeoutError:
+            self._fail(f"the {s.engine} engine did not start within {s.start_timeout_s:g} s")
+            return False
+        except (EngineDead, InvalidRequest) as exc:
+            self._fail(exc.message)
+            return False
+        finally:
+            stopping.cancel()
+        log.info("engine_started", engine=s.engine, start_s=round(time.monotonic() - t0, 2))
+        return True
+
+    def _fail(self, why: str) -> None:
+        log.error("engine_start_failed", engine=self._s.engine, error=why)
+        self._set_state(WorkerState.FAILED, why)
+        self.engine_died = EngineDead(why)
+
+    async def _watch_engine(self, stop: asyncio.Event) -> None:
+        """Owned by run(): every ``health_check_s`` ask the engine whether it lives, and whether it
+        moved while it had work; a dead or wedged engine ends the worker."""
+        s = self._s
+        last, moved = self._engine.stats().steps, time.monotonic()
+        while not stop.is_set() and self.engine_died is None:
+            await _wait_any(stop, timeout=s.health_check_s)
+            try:
+                await asyncio.wait_for(self._engine.check_health(), max(s.health_check_s, 1.0))
+            except EngineDead as exc:
+                log.error("engine_unhealthy", error=exc.message)
+                self.engine_died = exc
+            except asyncio.TimeoutError:
+                self.engine_died = EngineDead(f"the engine did not answer its health check in {s.health_check_s:g} s")
+                self.wedged = True
+            steps, now = self._engine.stats().steps, time.monotonic()
+            if steps != last or not self._tasks or steps < 0:
+                last, moved = steps, now
+            elif s.wedge_timeout_s and now - moved > s.wedge_timeout_s and self.engine_died is None:
+                why = f"the engine made no progress for {now - moved:.0f} s with {len(self._tasks)} requests in flight"
+                log.error("engine_wedged", inflight=len(self._tasks), idle_s=round(now - moved, 1))
+                self.engine_died, self.wedged = EngineDead(why), True
+            if self.engine_died is not None:
+                self._set_state(WorkerState.FAILED, self.engine_died.message)
+                self._slot_free.set()  # wake the lease loop
+
+    async def _abandon(self) -> None:
+        """A wedged engine: cancel every job task without waiting on the engine (each still writes its
+        terminal event, worker_lost, so gateways resume it elsewhere)."""
+        self._handing_back.set()
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._outbox.close(), 5)
 
     async def _admit(self, lease: Lease) -> None:
         rid = lease.request.request_id
@@ -213,6 +332,10 @@ class Worker:
 
     def status(self) -> WorkerStatus:
         stats = self._engine.stats()
+        if self.state is WorkerState.STARTING:
+            doing = self._engine.starting or "starting the engine"
+            if doing != self._detail:
+                self._detail, self._since = doing, time.time()
         return WorkerStatus(
             worker=self.name,
             pool=self._s.pool,
@@ -223,11 +346,14 @@ class Worker:
             running=stats.running,
             waiting=stats.waiting,
             kv_cache_usage=stats.kv_cache_usage,
+            state=self.state.value,
+            detail=self._detail,
+            since_unix_s=self._since,
         )
 
     async def _heartbeat(self, stop: asyncio.Event) -> None:
-        """Owned by run(): every heartbeat_s, say this worker is alive, until ``stop`` (set by run()
-        once it has drained) or engine death."""
+        """Owned by run(): every heartbeat_s, say this worker is alive (starting, then ready), until
+        ``stop`` (set by run() once it has drained) or engine death."""
         while not stop.is_set() and self.engine_died is None:
             try:
                 jobs = [x.entry_id for x in self._running.values()]
@@ -266,33 +392,61 @@ async def _wait_any(*events: asyncio.Event, timeout: float | None = None) -> Non
 
 
 async def serve(settings: Settings, engine: Engine | None = None) -> int:
-    """Run one worker process until SIGTERM/SIGINT; returns the exit code. ``engine``: the registry's
-    engine for ``settings.worker.engine`` when not given."""
-
+    """Run one worker process until SIGTERM/SIGINT; returns the exit code (1: the engine could not
+    start, died or wedged). ``engine``: the registry's engine for ``settings.worker.engine`` when not
+    given (imported here, after the first heartbeat said the worker is starting)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    structlog.contextvars.bind_contextvars(worker=settings.worker.consumer_name(), pool=settings.worker.pool)
-    engine = engine or registry.create(settings)
+    ws = settings.worker
+    structlog.contextvars.bind_contextvars(worker=ws.consumer_name(), pool=ws.pool)
     queue = RedisQueue.from_settings(settings.redis)
-    batches = RedisBatches.from_settings(queue.client, queue.keys, settings.batch)
     code = 0
+    worker: Worker | None = None
     try:
-        log.info("engine_starting", engine=settings.worker.engine, model=settings.worker.model)
-        await engine.start()
-        log.info("engine_started", engine=settings.worker.engine)
-        worker = Worker(settings.worker, queue, engine, settings.redis.block_ms, batches, settings.batch)
+        if engine is None:
+            engine = await _create_engine(settings, queue)
+        batches = RedisBatches.from_settings(queue.client, queue.keys, settings.batch)
+        worker = Worker(ws, queue, engine, settings.redis.block_ms, batches, settings.batch)
         await worker.run(stop)
     except EngineDead as exc:
         log.error("worker_exiting_engine_dead", error=str(exc))
         code = 1
     finally:
-        with contextlib.suppress(Exception):
-            await engine.shutdown()
+        if engine is not None:
+            try:  # a wedged engine may never shut down: bounded
+                await asyncio.wait_for(engine.shutdown(), ws.grace_s + 5)
+            except Exception as exc:
+                log.error("engine_shutdown_failed", error=f"{type(exc).__name__}: {exc}")
+                if worker is not None and worker.wedged:
+                    await queue.close()
+                    log.info("worker_stopped", exit_code=1, wedged=True)
+                    os._exit(1)  # its torch thread cannot be joined
         await queue.close()
     log.info("worker_stopped", exit_code=code)
     return code
+
+
+async def _create_engine(settings: Settings, queue: RedisQueue) -> Engine:
+    """Import and build the configured engine, announced as ``starting`` first (the import blocks
+    the loop for seconds: torch, vLLM). An engine that cannot be built is announced ``failed`` and
+    raises EngineDead."""
+    ws = settings.worker
+    status = WorkerStatus(worker=ws.consumer_name(), pool=ws.pool, model=ws.model, engine=ws.engine,
+                          max_inflight=ws.max_inflight, state=WorkerState.STARTING.value,
+                          detail=f"importing the {ws.engine} engine", since_unix_s=time.time())  # fmt: skip
+    with contextlib.suppress(QueueUnavailable):
+        await queue.heartbeat(status, max(ws.start_timeout_s, ws.heartbeat_ttl_s))
+    try:
+        return registry.create(settings)
+    except (InvalidRequest, ImportError) as exc:
+        why = exc.message if isinstance(exc, InvalidRequest) else f"cannot import the {ws.engine} engine: {exc}"
+        log.error("engine_start_failed", engine=ws.engine, error=why)
+        failed = dataclasses.replace(status, state=WorkerState.FAILED.value, detail=why, since_unix_s=time.time())
+        with contextlib.suppress(QueueUnavailable):
+            await queue.heartbeat(failed, FAILED_TTL_S)
+        raise EngineDead(why) from exc
 
 
 def run(coro: Coroutine[Any, Any, int]) -> int:

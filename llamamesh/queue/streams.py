@@ -327,7 +327,7 @@ class RedisQueue:
         """Move a poison job to the pool's dead-letter stream (with ``reason``), tell its caller
         (a terminal failure on its events), and drop it from the work stream."""
         stream = self.keys.jobs(pool)
-        failed = JobEvent(failed=Failure(code="internal", message=f"the job was set aside: {reason}", retryable=False))
+        failed = JobEvent(failed=Failure(code="set_aside", message=f"the job was set aside: {reason}", retryable=False))
         try:
             async with self._r.pipeline(transaction=False) as pipe:
                 self._dead_record(pipe, pool, request, reason, deliveries)

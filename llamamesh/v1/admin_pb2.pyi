@@ -40,7 +40,7 @@ class Backend(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., breaker_state: _Optional[str] = ..., serving: _Optional[bool] = ..., fallback: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., transitions: _Optional[_Iterable[_Union[BreakerTransition, _Mapping]]] = ..., probes: _Optional[int] = ..., last_probe_error: _Optional[str] = ...) -> None: ...
 
 class Worker(_message.Message):
-    __slots__ = ("name", "model", "engine", "inflight", "max_inflight", "running", "waiting", "kv_cache_usage")
+    __slots__ = ("name", "model", "engine", "inflight", "max_inflight", "running", "waiting", "kv_cache_usage", "state", "detail", "since")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,9 @@ class Worker(_message.Message):
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
     name: str
     model: str
     engine: str
@@ -57,7 +60,10 @@ class Worker(_message.Message):
     running: int
     waiting: int
     kv_cache_usage: float
-    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., inflight: _Optional[int] = ..., max_inflight: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ...) -> None: ...
+    state: str
+    detail: str
+    since: _timestamp_pb2.Timestamp
+    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., inflight: _Optional[int] = ..., max_inflight: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ..., since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class BreakerTransition(_message.Message):
     __slots__ = ("at", "from_state", "to_state", "reason")

@@ -89,9 +89,31 @@ async def test_a_worker_coming_back_revives_the_pool() -> None:
     assert trt.breaker.state is State.HALF_OPEN  # a worker is back, but it failed before: a trial first
     await q.leave("trtllm", "w-trtllm")
     await b.refresh(trt)
-    for _ in range(3):  # its workers went away: "no live worker", but it had workers before
+    for _ in range(3):  # its workers went away: "no live worker" (what they failed was counted then)
         await b._probe_result(trt, "no live worker")
     assert trt.breaker.state is State.OPEN
-    await q.heartbeat(WorkerStatus(worker="w-trtllm", pool="trtllm"), ttl_s=60)
+    await q.heartbeat(WorkerStatus(worker="w-trtllm", pool="trtllm", state="starting"), ttl_s=60)
     await b.refresh(trt)
-    assert trt.breaker.state is State.HALF_OPEN  # lost workers are tried carefully
+    # a worker (re)starting: the pool is coming up, its requests wait instead of being refused
+    assert trt.breaker.state is State.CLOSED and trt.starting and not trt.live
+
+
+async def test_a_starting_pool_is_coming_up_not_failing() -> None:
+    b, q, health = await backends("vllm")
+    trt = b.pools["trtllm"]
+    await q.heartbeat(WorkerStatus(worker="w1", pool="trtllm", state="starting", detail="loading"), ttl_s=60)
+    for _ in range(5):  # probes of a starting pool hold nothing against it
+        await b.probe(trt)
+    assert trt.breaker.state is State.CLOSED and trt.probes == 0
+    assert trt.last_probe_error == "starting: worker w1 is starting: loading"
+    assert not trt.serving() and ("trtllm", True) not in health
+    assert b.empty_for("trtllm") == 0.0 and b.starting_for("trtllm") >= 0.0
+    assert b.route("trtllm") == "vllm"  # its fallback is live: it takes the request meanwhile
+    assert not b.worker_alive("trtllm", "w-gone") and b.worker_alive("trtllm", "w1")
+    await q.heartbeat(WorkerStatus(worker="w1", pool="trtllm", state="failed", detail="no model"), ttl_s=60)
+    await b.refresh(trt)
+    assert not trt.present and not b.worker_alive("trtllm", "w1")
+    assert b.what_is_wrong("trtllm") == "worker w1 is failed: no model"
+    for _ in range(3):  # only a failed worker: absent, and the probes say why
+        await b.probe(trt)
+    assert trt.breaker.state is State.OPEN and "no model" in trt.last_probe_error

@@ -798,7 +798,7 @@ async def test_an_unstarted_engine_is_dead_and_shuts_down_cleanly() -> None:
     engine = TrtllmEngine(WORKER, TrtllmSettings(), device_count=1)
     with pytest.raises(EngineDead):
         await engine.check_health()
-    assert engine.stats() == EngineStats()
+    assert engine.stats() == EngineStats(steps=0)
     await engine.shutdown()
 
 
@@ -807,18 +807,18 @@ async def test_an_unstarted_engine_is_dead_and_shuts_down_cleanly() -> None:
 
 async def test_stats_come_from_trtllms_iteration_stats(trt: SimpleNamespace) -> None:
     engine, llm = await started()
-    assert engine.stats() == EngineStats()
+    assert engine.stats() == EngineStats(steps=0)
     assert llm.stats_timeouts == []  # none before the first request (TensorRT-LLM would print a warning)
     task = asyncio.create_task(collect(engine, request(prompt="x"), []))
     await until(lambda: bool(llm.results))
     stat = {"numActiveRequests": 5, "numQueuedRequests": 2, "kvCacheStats": {"usedNumBlocks": 30, "maxNumBlocks": 120}}
     llm.pending_stats += [{"iter": 1}, stat]
-    await until(lambda: engine.stats() == EngineStats(running=5, waiting=2, kv_cache_usage=0.25))
+    await until(lambda: engine.stats() == EngineStats(running=5, waiting=2, kv_cache_usage=0.25, steps=0))
     assert llm.stats_timeouts[0] == 0.01
     llm.results[0].respond(" a", (5,), finish="length")
     await asyncio.wait_for(task, 5)
-    # Idle: no stats arrive and nothing is in flight; the KV figure stays as last seen.
-    await until(lambda: engine.stats() == EngineStats(running=0, waiting=0, kv_cache_usage=0.25))
+    # Idle: no stats arrive and nothing is in flight; the KV figure stays as last seen. One output came.
+    await until(lambda: engine.stats() == EngineStats(running=0, waiting=0, kv_cache_usage=0.25, steps=1))
     await engine.shutdown()
     assert engine._stats_task is None
 

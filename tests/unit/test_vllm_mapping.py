@@ -751,7 +751,7 @@ async def test_an_unstarted_engine_is_dead_and_shuts_down_cleanly() -> None:
     engine = VllmEngine(WORKER, VllmSettings(), device_count=1)
     with pytest.raises(EngineDead):
         await engine.check_health()
-    assert engine.stats() == EngineStats()
+    assert engine.stats() == EngineStats(steps=0)
     await engine.shutdown()
 
 

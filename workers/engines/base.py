@@ -20,6 +20,10 @@ class EngineStats:
     waiting: int = 0
     # Fraction of the KV cache in use, 0..1.
     kv_cache_usage: float = 0.0
+    # A counter that moves whenever the engine makes progress (steps run, or outputs delivered);
+    # the worker's watchdog takes an engine with work in flight and a still counter for wedged.
+    # -1: the engine does not count.
+    steps: int = -1
 
 
 class Engine(Protocol):
@@ -29,7 +33,14 @@ class Engine(Protocol):
     def model_name(self) -> str: ...
 
     async def start(self) -> None:
-        """Load the model. Raises EngineDead if it cannot."""
+        """Load the model (idempotent). Raises EngineDead if it cannot, or InvalidRequest naming the
+        setting at fault."""
+
+    @property
+    def starting(self) -> str:
+        """While :meth:`start` runs: what it is doing, one short line for operators ("converting the
+        GGUF model"); "" otherwise."""
+        ...
 
     def stream(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         """Generate for one request, one delta per engine step.

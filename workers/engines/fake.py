@@ -45,13 +45,20 @@ class FakeEngine:
         self.dead = False
         self.aborted: list[str] = []
         self.served: list[str] = []
+        self.tokens = 0
+        # Tests: a wedged engine stops producing (every stream waits) while check_health passes.
+        self.wedged = False
+
+    @property
+    def starting(self) -> str:
+        return ""
 
     @property
     def model_name(self) -> str:
         return self._settings.model
 
     async def start(self) -> None:
-        if self._settings.fake_step_s:
+        if self._settings.fake_step_s and self._ticker is None:
             self._tick = asyncio.get_running_loop().create_future()
             self._ticker = asyncio.create_task(self._run_clock(), name="fake-engine-clock")
 
@@ -105,6 +112,9 @@ class FakeEngine:
                     os._exit(70)
                 if poison == "__raise__" and i == 1:
                     raise RuntimeError("poison: the fake engine raises on this prompt")
+                while self.wedged:  # noqa: ASYNC110 - a stuck engine, for the watchdog's tests
+                    await asyncio.sleep(0.05)
+                self.tokens += 1
                 tok = (base + i + 1) % VOCAB or 1
                 lps = (TokenLogprob(tok, -0.5),) if s.logprobs is not None else ()
                 if tok in s.stop_token_ids and i + 1 >= s.min_tokens:  # a stop token's own text is left out
@@ -136,7 +146,7 @@ class FakeEngine:
             raise EngineDead("the fake engine is dead")
 
     def stats(self) -> EngineStats:
-        return EngineStats(running=len(self._running))
+        return EngineStats(running=len(self._running), steps=self.tokens)
 
     async def shutdown(self) -> None:
         for ev in self._running.values():

@@ -3,17 +3,17 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from llamamesh.errors import InvalidRequest
+from llamamesh import sampling
+from llamamesh.errors import FieldViolation, InvalidRequest
 from llamamesh.types import SamplingParams
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_TEMPERATURE = 1.0
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = sampling.MAX_LOGPROBS
 
 
 @dataclass(frozen=True)
@@ -46,72 +46,49 @@ class ResolvedSampling:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
-def _finite(name: str, value: float) -> float:
-    if not math.isfinite(value):
-        raise InvalidRequest.field(name, "must be a finite number")
-    return float(value)
+def checked(params: SamplingParams, vocab_size: int | None = None) -> SamplingParams:
+    """``params`` checked by the shared rules (llamamesh/sampling.py) and normalised (a temperature
+    below 1e-5 is greedy, one below 1e-2 is raised to it): what every engine runs. Stop token ids
+    must also lie in the vocabulary when its size is known. Raises InvalidRequest naming every bad
+    field; the first violation of a list field names the field itself (``stop``, not ``stop[1]``)."""
+    found = sampling.violations(params)
+    if vocab_size is not None and not any(v.field.startswith("stop_token_ids") for v in found):
+        found += [FieldViolation("stop_token_ids", f"token ids must be in [0, {vocab_size}), got {t}")
+                  for t in params.stop_token_ids if t >= vocab_size][:1]  # fmt: skip
+    if found:
+        raise InvalidRequest([FieldViolation(v.field.split("[")[0], v.description) for v in found])
+    return sampling.normalized(params)
 
 
 def resolve_sampling(params: SamplingParams, vocab_size: int) -> ResolvedSampling:
-    """Fill in the defaults; a value the engine cannot honour raises InvalidRequest naming its field."""
-    max_tokens = DEFAULT_MAX_TOKENS if params.max_tokens is None else params.max_tokens
-    if max_tokens < 1:
-        raise InvalidRequest.field("max_tokens", "must be at least 1")
-    temperature = 1.0 if params.temperature is None else _finite("temperature", params.temperature)
-    if temperature < 0:
-        raise InvalidRequest.field("temperature", "must be >= 0")
-    top_p = 1.0 if params.top_p is None else _finite("top_p", params.top_p)
-    if not 0.0 < top_p <= 1.0:
-        raise InvalidRequest.field("top_p", "must be in (0, 1]")
-    top_k = 0 if params.top_k is None or params.top_k in (-1, 0) else params.top_k
-    if top_k < 0:
-        raise InvalidRequest.field("top_k", "must be -1 or 0 (off) or a positive number of tokens")
-    min_p = 0.0 if params.min_p is None else _finite("min_p", params.min_p)
-    if not 0.0 <= min_p <= 1.0:
-        raise InvalidRequest.field("min_p", "must be in [0, 1]")
-    penalties = {}
-    for name in ("presence_penalty", "frequency_penalty"):
-        raw = getattr(params, name)
-        value = 0.0 if raw is None else _finite(name, raw)
-        if not -2.0 <= value <= 2.0:
-            raise InvalidRequest.field(name, "must be in [-2, 2]")
-        penalties[name] = value
-    repetition = 1.0 if params.repetition_penalty is None else _finite("repetition_penalty", params.repetition_penalty)
-    if repetition <= 0:
-        raise InvalidRequest.field("repetition_penalty", "must be > 0")
-    if any(not s for s in params.stop):
-        raise InvalidRequest.field("stop", "stop strings must not be empty")
-    if any(not 0 <= t < vocab_size for t in params.stop_token_ids):
-        raise InvalidRequest.field("stop_token_ids", f"token ids must be in [0, {vocab_size})")
-    min_tokens = params.min_tokens or 0
-    if min_tokens < 0:
-        raise InvalidRequest.field("min_tokens", "must be >= 0")
-    if min_tokens > max_tokens:
-        raise InvalidRequest.field("min_tokens", f"must not exceed max_tokens ({max_tokens})")
-    if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
-        raise InvalidRequest.field("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+    """Fill in the defaults of :func:`checked` parameters; InvalidRequest names any bad field."""
+    p = checked(params if params.max_tokens is not None else replace(params, max_tokens=DEFAULT_MAX_TOKENS), vocab_size)
+    max_tokens = p.max_tokens or DEFAULT_MAX_TOKENS
     return ResolvedSampling(
         max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-        presence_penalty=penalties["presence_penalty"],
-        frequency_penalty=penalties["frequency_penalty"],
-        repetition_penalty=repetition,
-        stop=tuple(params.stop),
-        stop_token_ids=tuple(params.stop_token_ids),
-        seed=params.seed,
-        ignore_eos=bool(params.ignore_eos),
-        min_tokens=min_tokens,
-        logprobs=params.logprobs,
+        temperature=DEFAULT_TEMPERATURE if p.temperature is None else float(p.temperature),
+        top_p=1.0 if p.top_p is None else float(p.top_p),
+        top_k=0 if p.top_k is None or p.top_k in (-1, 0) else p.top_k,
+        min_p=0.0 if p.min_p is None else float(p.min_p),
+        presence_penalty=0.0 if p.presence_penalty is None else float(p.presence_penalty),
+        frequency_penalty=0.0 if p.frequency_penalty is None else float(p.frequency_penalty),
+        repetition_penalty=1.0 if p.repetition_penalty is None else float(p.repetition_penalty),
+        stop=tuple(p.stop),
+        stop_token_ids=tuple(p.stop_token_ids),
+        seed=p.seed,
+        ignore_eos=bool(p.ignore_eos),
+        min_tokens=p.min_tokens or 0,
+        logprobs=p.logprobs,
     )
 
 
 def library_sampling_kwargs(params: SamplingParams, optional: Sequence[str]) -> dict[str, Any]:
     """The keyword arguments vLLM's and TensorRT-LLM's ``SamplingParams`` take alike: max_tokens and
     temperature always (our defaults), each of ``optional`` (same name on both sides) only when set,
-    top_k -1 or 0 as 0 (off), stop strings and stop token ids as lists. Each adapter adds the rest."""
+    top_k -1 or 0 as 0 (off), stop strings and stop token ids as lists. The parameters are
+    :func:`checked` first (InvalidRequest naming the field; tiny temperatures normalised), so every
+    engine runs the same values. Each adapter adds the rest."""
+    params = checked(params)
     kwargs: dict[str, Any] = {
         "max_tokens": DEFAULT_MAX_TOKENS if params.max_tokens is None else params.max_tokens,
         "temperature": DEFAULT_TEMPERATURE if params.temperature is None else params.temperature,

@@ -31,7 +31,7 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     """HF-style: logits of tokens already seen (prompt or output) are divided by ``penalty`` when
     positive and multiplied by it when negative."""
     penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-    return torch.where(seen, penalised, logits)
+    return bounded(torch.where(seen, penalised, logits))
 
 
 def apply_presence_frequency(
@@ -42,7 +42,14 @@ def apply_presence_frequency(
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    return logits / temperature
+    return bounded(logits / temperature)
+
+
+def bounded(logits: torch.Tensor) -> torch.Tensor:
+    """Logits that softmax and argmax can take: +inf (a value that overflowed, e.g. divided by a tiny
+    repetition penalty) becomes the largest finite float, NaN becomes -inf (never sampled); -inf
+    (a banned token) stays."""
+    return torch.nan_to_num(logits, nan=-math.inf, posinf=torch.finfo(logits.dtype).max, neginf=-math.inf)
 
 
 def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -144,9 +151,10 @@ class SequenceSampler:
             return int(processed.argmax(dim=-1)[0])
         return int(sample_from(processed, self.generator)[0])
 
-    def observe(self, token_id: int) -> None:
-        """Record a generated token (for the penalties and min_tokens)."""
-        self.generated += 1
+    def observe(self, token_id: int, generated: bool = True) -> None:
+        """Record a token of the output (for the penalties, and min_tokens unless ``generated`` is
+        False: a resumed token an earlier attempt generated, which the budget no longer counts)."""
+        self.generated += int(generated)
         if self.counts is not None:
             self.counts[token_id] += 1
         if self.seen is not None:

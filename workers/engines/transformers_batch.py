@@ -6,24 +6,43 @@ then joins the batch's :class:`~workers.engines.transformers_kv.RaggedKV` along 
 runs one decode step for every running sequence (``input_ids [B, 1]``, explicit position ids and a
 4-D mask), samples per sequence, and drops the finished sequences from the cache.
 
-A sequence decodes to the same bits alone or batched (see transformers_kv.py), so greedy text does
-not depend on the other requests, in bfloat16 too.
+Batch invariance: a sequence decodes to the same bits alone or batched, in bfloat16 too, because
+every decode-step matrix product has one fixed shape (transformers_linear.py) and decode attention
+reads each row's keys at fixed offsets in 64-aligned views (transformers_kv.py). Greedy text then
+does not depend on the other requests (asserted on this machine's kernels and, in the tests, with
+oneDNN and ATen capped at other x86 instruction sets).
+
+Resumed requests (mid-stream failover) replay the tokens an earlier attempt sent through decode
+steps, as the uninterrupted run computed them, so the continuation is the same bits too (a seeded
+sample included: its generator draws for the replayed tokens as well); past
+``WorkerSettings.resume_replay_tokens`` they are prefilled with the prompt instead (one pass: fast,
+but prefill and decode kernels round differently, so greedy text may part at a near-tie).
+
+Isolation: what one request causes (a prompt the tokenizer or template rejects, a prefill that
+fails, a sample that cannot be drawn) ends that request alone with an error; only a failing decode
+forward of the whole batch is the engine's own failure.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
 import torch
 from transformers import DynamicCache
 
-from llamamesh.errors import InvalidRequest, LlamameshError, PromptTooLong
+from llamamesh.errors import InternalError, InvalidRequest, LlamameshError, PromptTooLong
 from llamamesh.types import FinishReason, GenerationRequest, TokenLogprob
 from workers.engines.detokenizer import IncrementalDetokenizer, StopStrings
 from workers.engines.sampling import ResolvedSampling, SequenceSampler, sample_batch, token_logprobs
 from workers.engines.transformers_kv import RaggedKV, check_supported, use_aligned_attention
+from workers.engines.transformers_linear import use_row_groups
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,7 +66,8 @@ class SeqOutput:
 @dataclass
 class StepResult:
     outputs: list[SeqOutput]
-    # Admissions refused before prefill (prompt too long, no input, ...).
+    # Requests that end with an error: refused before prefill (prompt too long, no input, ...), or
+    # failed on their own (their prefill or their sample); the rest of the batch goes on.
     rejected: list[tuple[str, LlamameshError]]
     # Request ids still running after the step.
     running: list[str]
@@ -59,13 +79,22 @@ class StepResult:
 
 class _Sequence:
     def __init__(
-        self, admission: Admission, prompt_ids: list[int], sampler: SequenceSampler, tokenizer: Any, n_prompt: int
+        self,
+        admission: Admission,
+        prompt_ids: list[int],
+        sampler: SequenceSampler,
+        tokenizer: Any,
+        n_prompt: int,
+        replay: Sequence[int] = (),
     ) -> None:
         self.request_id = admission.request.request_id
         self.params = admission.params
-        # What is prefilled: the prompt, then any resumed tokens; n_prompt counts the prompt alone.
+        # What precedes the output: the prompt, then any resumed tokens; n_prompt counts the prompt
+        # alone. The prefill runs all but ``replay``, the resumed tokens fed through decode steps.
         self.prompt_ids = prompt_ids
         self.n_prompt = n_prompt
+        self.prefill_ids = prompt_ids[: len(prompt_ids) - len(replay)]
+        self.replay: deque[int] = deque(replay)
         self.sampler = sampler
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stops = StopStrings(admission.params.stop)
@@ -73,16 +102,27 @@ class _Sequence:
         self.generated = 0
         self.pending = -1
         self.finished: FinishReason | None = None
+        # Set when this request failed on its own (its sample or its text); it leaves the batch.
+        self.error: LlamameshError | None = None
         self.out: SeqOutput | None = None
 
 
 class Batch:
     """The sequences in flight and their KV cache; not thread-safe (one torch thread drives it)."""
 
-    def __init__(self, model: Any, tokenizer: Any, max_model_len: int) -> None:
-        """ValueError if the model's attention or cache cannot be batched this way."""
+    def __init__(
+        self, model: Any, tokenizer: Any, max_model_len: int, row_groups: bool = True, replay_max: int = 0
+    ) -> None:
+        """ValueError if the model's attention or cache cannot be batched this way. ``row_groups``:
+        decode GEMMs in fixed-shape groups (batch invariance, at a cost for small batches);
+        ``replay_max``: resumed tokens replayed through decode steps at most (more are prefilled)."""
         check_supported(model.config)
         use_aligned_attention(model)
+        if row_groups:
+            use_row_groups(model)
+        # transformers 5.24 renamed the forward's past_key_values to cache (the old name is deprecated).
+        self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._replay_max = replay_max
         self.model = model
         self.tokenizer = tokenizer
         config = model.config
@@ -137,15 +177,19 @@ class Batch:
         input_field = "messages" if request.messages is not None else "prompt"
         if not ids:
             raise InvalidRequest.field(input_field, "the prompt has no tokens")
-        ids += request.resume_token_ids  # a resumed request: prefill what an earlier attempt generated
+        resumed = list(request.resume_token_ids)  # what an earlier attempt generated and the caller has
+        if any(not 0 <= t < self.vocab_size for t in resumed):
+            raise InvalidRequest.field("resume_token_ids", f"token ids must be in [0, {self.vocab_size})")
+        ids += resumed
         if len(ids) >= self.max_model_len:
             limit = self.max_model_len - 1
             raise PromptTooLong.field(
                 input_field, f"{len(ids)} tokens, limit {limit} (max_model_len {self.max_model_len} counts the output)"
             )
-        sampler = SequenceSampler(admission.params, self.vocab_size, ids, self.eos_ids)
-        seq = _Sequence(admission, ids, sampler, self.tokenizer, n_prompt)
-        seq.detok.seed(request.resume_token_ids)
+        replay = resumed if 0 < len(resumed) <= self._replay_max else []
+        sampler = SequenceSampler(admission.params, self.vocab_size, ids[: len(ids) - len(replay)], self.eos_ids)
+        seq = _Sequence(admission, ids, sampler, self.tokenizer, n_prompt, replay)
+        seq.detok.seed(resumed)
         return seq
 
     # --- the step
@@ -170,12 +214,19 @@ class Batch:
         rejected: list[tuple[str, LlamameshError]] = []
         joining: list[tuple[_Sequence, RaggedKV]] = []
         for admission in admit:
+            rid = admission.request.request_id
             try:
                 seq = self._admit(admission)
+                kv = self._prefill(seq)
             except LlamameshError as exc:
-                rejected.append((admission.request.request_id, exc))
+                rejected.append((rid, exc))
+                self._touched = [s for s in self._touched if s.request_id != rid]
                 continue
-            kv = self._prefill(seq)
+            except Exception:  # this request's input or prefill: it fails alone
+                log.exception("engine_request_failed", request_id=rid, stage="prefill")
+                rejected.append((rid, InternalError("the engine could not start this request")))
+                self._touched = [s for s in self._touched if s.request_id != rid]
+                continue
             if seq.finished is None:
                 joining.append((seq, kv))
         if joining:
@@ -183,6 +234,7 @@ class Batch:
         decode_batch = len(self._seqs)
         if self._seqs:
             self._decode()
+        rejected += self._drop_failed()
         outputs += [s.out for s in self._touched if s.out is not None]
         for seq in self._touched:
             seq.out = None
@@ -196,23 +248,26 @@ class Batch:
         )
 
     def _prefill(self, seq: _Sequence) -> RaggedKV:
-        """Run the prompt alone (no padding: the same numbers as ``model.generate``); sample its first token."""
-        n = len(seq.prompt_ids)
+        """Run the prompt alone (no padding: the same numbers as ``model.generate``); sample its first token.
+        Raises what the sample raised (the request fails alone)."""
+        n = len(seq.prefill_ids)
         cache = DynamicCache(config=self.model.config)
         out = self.model(
-            input_ids=torch.tensor([seq.prompt_ids], dtype=torch.long),
+            input_ids=torch.tensor([seq.prefill_ids], dtype=torch.long),
             attention_mask=torch.ones((1, n), dtype=torch.long),
-            cache=cache,
             use_cache=True,
             logits_to_keep=1,
+            **{self._cache_kwarg: cache},
         )
         self._sample([seq], out.logits[:, -1, :].float())
+        if seq.error is not None:
+            raise seq.error
         return RaggedKV.from_prefill(cache, n)
 
     def _join(self, joining: list[tuple[_Sequence, RaggedKV]]) -> None:
         parts = ([self._kv] if self._kv is not None else []) + [kv for _, kv in joining]
         self._kv = parts[0] if len(parts) == 1 else RaggedKV.concat(parts)
-        lengths = torch.tensor([len(s.prompt_ids) for s, _ in joining], dtype=torch.long)
+        lengths = torch.tensor([len(s.prefill_ids) for s, _ in joining], dtype=torch.long)
         self._lengths = torch.cat([self._lengths, lengths])
         self._seqs = self._seqs + [s for s, _ in joining]
 
@@ -224,12 +279,19 @@ class Batch:
             input_ids=torch.tensor([[s.pending] for s in seqs], dtype=torch.long),
             attention_mask=mask,
             position_ids=self._lengths[:, None],
-            cache=self._kv,
             use_cache=True,
+            **{self._cache_kwarg: self._kv},
         )
         self._lengths = self._lengths + 1
         self._sample(seqs, out.logits[:, -1, :].float())
-        self._select([i for i, s in enumerate(seqs) if s.finished is None])
+
+    def _drop_failed(self) -> list[tuple[str, LlamameshError]]:
+        """Remove the finished and the failed sequences from the batch; the failed ones' errors."""
+        failed = [(s.request_id, s.error) for s in self._seqs if s.error is not None]
+        if failed or any(s.finished is not None for s in self._seqs):
+            self._select([i for i, s in enumerate(self._seqs) if s.finished is None and s.error is None])
+        self._touched = [s for s in self._touched if s.error is None]
+        return failed  # type: ignore[return-value]
 
     def _select(self, keep: list[int]) -> None:
         """Keep only rows ``keep`` of the batch."""
@@ -248,15 +310,42 @@ class Batch:
     # --- sampling and stopping
 
     def _sample(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
-        tokens = sample_batch(logits, [s.sampler for s in seqs])
-        rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        """One token for each of ``seqs``; a sequence whose sample or text fails gets ``error`` set
+        (and leaves the batch with it) while the others go on."""
+        try:
+            tokens: list[int | None] = list(sample_batch(logits, [s.sampler for s in seqs]))
+        except Exception:  # find the row at fault: each alone
+            tokens = [self._sample_one(seq, logits[i : i + 1]) for i, seq in enumerate(seqs)]
+        rows = [i for i, s in enumerate(seqs)
+                if s.params.logprobs is not None and not s.replay and tokens[i] is not None]  # fmt: skip
         logprobs: dict[int, TokenLogprob] = {}
         if rows:
             top = [seqs[i].params.logprobs or 0 for i in rows]
-            picked = token_logprobs(logits, rows, [tokens[i] for i in rows], top)
+            picked = token_logprobs(logits, rows, [tokens[i] or 0 for i in rows], top)
             logprobs = dict(zip(rows, picked, strict=True))
         for i, seq in enumerate(seqs):
-            self._accept(seq, tokens[i], logprobs.get(i))
+            token = tokens[i]
+            if token is None:
+                continue
+            if seq.replay:  # a resumed token: it takes the sampled one's place, unseen by the caller
+                token = seq.replay.popleft()
+                seq.sampler.observe(token, generated=False)
+                seq.pending = token
+                continue
+            try:
+                self._accept(seq, token, logprobs.get(i))
+            except Exception:
+                log.exception("engine_request_failed", request_id=seq.request_id, stage="output")
+                seq.error = InternalError("the engine could not produce this request's next token")
+
+    @staticmethod
+    def _sample_one(seq: _Sequence, logits: torch.Tensor) -> int | None:
+        try:
+            return sample_batch(logits, [seq.sampler])[0]
+        except Exception:
+            log.exception("engine_request_failed", request_id=seq.request_id, stage="sample")
+            seq.error = InternalError("the engine could not sample this request's next token")
+            return None
 
     def _accept(self, seq: _Sequence, token: int, logprob: TokenLogprob | None) -> None:
         out = seq.out

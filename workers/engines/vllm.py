@@ -406,9 +406,16 @@ class VllmEngine:
         # Chat templates and tokenization run here, off the event loop (one thread: HF tokenizers).
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamamesh-tok")
         self._dead: str | None = None
+        self._starting = ""
+        # vLLM outputs delivered to our streams (the watchdog's sign of progress).
+        self._outputs = 0
         self.aborted: list[str] = []
         if vllm.max_num_seqs:
             self._warn_if_underfed(vllm.max_num_seqs)
+
+    @property
+    def starting(self) -> str:
+        return self._starting
 
     @property
     def model_name(self) -> str:
@@ -478,10 +485,12 @@ class VllmEngine:
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        self._starting = "configuring vLLM"
         api = _Vllm()
         engine_args, config = self.engine_config()
         if not self._vllm_settings.max_num_seqs:  # else __init__ warned already
             self._warn_if_underfed(config.scheduler_config.max_num_seqs)
+        self._starting = "starting vLLM (weights, memory profile, CUDA graphs)"
         try:
             core = self._core
             llm = AsyncLLM.from_vllm_config(
@@ -498,6 +507,8 @@ class VllmEngine:
         except Exception as exc:
             self._dead = f"cannot start vLLM with {self._settings.model_path}: {type(exc).__name__}: {exc}"
             raise EngineDead(self._dead) from exc
+        finally:
+            self._starting = ""
         self._llm, self._api, self._tokenizer = llm, api, tokenizer
         self._max_model_len = int(llm.model_config.max_model_len)
         self._vocab_size = int(llm.model_config.get_vocab_size())
@@ -556,7 +567,7 @@ class VllmEngine:
             raise EngineDead(f"vLLM is dead: {type(exc).__name__}: {exc}") from exc
 
     def stats(self) -> EngineStats:
-        return self._snapshot.stats()
+        return dataclasses.replace(self._snapshot.stats(), steps=self._outputs)
 
     # --- requests
 
@@ -620,6 +631,7 @@ class VllmEngine:
                         if llm.errored:
                             raise EngineDead(f"vLLM died: {type(cause).__name__}: {cause}") from exc
                         raise InternalError(f"vLLM failed the request: {type(cause).__name__}: {cause}") from exc
+                    self._outputs += 1
                     delta = delta_of(output, n_logprobs)
                     if delta.finish_reason is None:
                         if delta.token_ids or delta.text:
