@@ -26,7 +26,7 @@ import grpc
 
 from llamamesh import batchfile, logs
 from llamamesh.client import DEFAULT_ADDRESS, Client, field_violations
-from llamamesh.node import Node
+from llamamesh.node import Node, StartFailed
 from llamamesh.settings import Settings
 from llamamesh.v1 import batch_pb2 as bpb
 from llamamesh.v1 import generation_pb2 as pb
@@ -125,10 +125,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     logs.configure(settings.log, "node")
     node = Node(settings, workers=args.workers)
-    node.start()
-    print(f"llamamesh serving on {node.address} (Ctrl-C stops)", file=sys.stderr)
     try:
+        node.start()
+        print(f"llamamesh starting on {node.address} with {args.workers} worker(s) ...", file=sys.stderr)
+        took = asyncio.run(node.wait_ready(sys.stderr))
+        print(f"llamamesh serving on {node.address} (ready in {took:.1f} s; Ctrl-C stops)", file=sys.stderr)
         return node.wait()
+    except (StartFailed, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     finally:
         node.stop()
 
@@ -141,14 +146,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     log_file = Path(tempfile.gettempdir()) / "llamamesh-demo.log"
     node = Node(settings, workers=1, log_file=log_file)
     t0 = time.monotonic()
-    print(f"starting a node on {settings.gateway.host}:{settings.gateway.port} (logs: {log_file}); "
-          "the first start converts the model once (~30 s on two cores) ...", file=sys.stderr)
-    node.start()
+    print(f"starting a node on {settings.gateway.host}:{settings.gateway.port} (logs: {log_file})", file=sys.stderr)
     try:
+        node.start()
+        asyncio.run(node.wait_ready(sys.stderr))
         print(f"> {args.prompt}\n", file=sys.stderr)
-        code = asyncio.run(_generate(node.address, args, wait_s=180))
+        code = asyncio.run(_generate(node.address, args, wait_s=0))
         print(f"[demo done in {time.monotonic() - t0:.1f} s]", file=sys.stderr)
         return code
+    except (StartFailed, OSError) as exc:
+        print(f"error: {exc} (logs: {log_file})", file=sys.stderr)
+        return 1
     finally:
         node.stop()
 

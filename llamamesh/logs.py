@@ -45,4 +45,4 @@ def configure(settings: LogSettings, process: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(max(level, logging.INFO))
-    structlog.contextvars.bind_contextvars(process=process)
+    structlog.contextvars.bind_contextvars(process=settings.process or process)

@@ -1,28 +1,60 @@
-"""A whole node on one machine: Redis (embedded Valkey unless a URL is set), the gateway
-process and CPU worker process(es), supervised together.
+"""A whole node on one machine: Redis (embedded Valkey unless a URL is set), the gateway process and
+worker process(es), under one supervisor (llamamesh/supervisor.py).
 
-The gateway and workers run as child processes (``python -m services`` and
-``python -m workers``), configured through the environment that
-``Settings.to_env`` writes, so the core never imports either side.
+The gateway and the embedded Redis are essential: if either ends, the node stops. A worker that
+exits is restarted with backoff; its exit is written into its heartbeat (state ``failed`` with the
+reason and when it restarts), so gateways and ``ListBackends`` say why the pool is short, and a
+worker that keeps dying is reported as crash-looping there and in the log.
+
+The gateway and workers run as child processes (``python -m services`` and ``python -m workers``),
+configured through the environment that ``Settings.to_env`` writes, so the core never imports
+either side. :meth:`Node.wait_ready` follows the workers' start (converting, loading) through the
+gateway's AdminService and shows it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
-import signal
-import subprocess
+import socket
 import sys
+import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
 
+import grpc
 import structlog
 
+from llamamesh.client import Client
 from llamamesh.embedded import EmbeddedRedis
+from llamamesh.errors import QueueUnavailable
+from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import Settings
+from llamamesh.supervisor import Child, ChildState, Supervisor
+from llamamesh.types import WorkerState, WorkerStatus
+from llamamesh.v1 import admin_pb2
 
 log = structlog.get_logger(__name__)
+
+# Between a worker's own reason for failing and what the supervisor adds (its exit, the restart).
+NOTE = " · "
+
+
+class StartFailed(Exception):
+    """The node did not come up; the message is one line saying why."""
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """One of the node's workers as the gateway sees it."""
+
+    name: str
+    state: str
+    detail: str
+    since_unix_s: float
 
 
 class Node:
@@ -31,8 +63,12 @@ class Node:
         self._n_workers = workers
         self._log_file = log_file
         self._embedded: EmbeddedRedis | None = None
-        self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._log_handle: IO[bytes] | None = None
+        self.supervisor: Supervisor | None = None
+        # Stable consumer names: a restarted worker takes its own leased jobs first and replaces
+        # its own heartbeat.
+        base = settings.worker.consumer or f"{socket.gethostname()}-{os.getpid()}"
+        self.worker_names = [f"{base}-w{i}" for i in range(workers)]
 
     @property
     def address(self) -> str:
@@ -46,54 +82,173 @@ class Node:
             url = self._embedded.start()
             self.settings = replace(self.settings, redis=replace(self.settings.redis, url=url))
         env = {**os.environ, **self.settings.to_env()}
-        out: IO[bytes] | None = None
         if self._log_file is not None:
             self._log_file.parent.mkdir(parents=True, exist_ok=True)
-            out = self._log_handle = self._log_file.open("ab")
-        self._procs["gateway"] = subprocess.Popen([sys.executable, "-m", "services"], env=env, stdout=out, stderr=out)
-        for i in range(self._n_workers):
-            self._procs[f"worker-{i}"] = subprocess.Popen(
-                [sys.executable, "-m", "workers"], env=env, stdout=out, stderr=out
-            )
+            self._log_handle = self._log_file.open("ab")
+        children = [Child("gateway", (sys.executable, "-m", "services"), env, essential=True)]
+        children += [
+            Child(f"worker-{i}", (sys.executable, "-m", "workers"), {**env, "LLAMAMESH_WORKER_CONSUMER": name})
+            for i, name in enumerate(self.worker_names)
+        ]
+        self.supervisor = Supervisor(children, output=self._log_handle, on_exit=self._worker_exited)
+        self.supervisor.start()
+        if self._embedded is not None and self._embedded.process is not None:
+            self.supervisor.watch("redis", self._embedded.process)
         log.info("node_started", address=self.address, redis=self.settings.redis.url, workers=self._n_workers)
 
-    def wait(self) -> int:
-        """Block until a child exits or SIGTERM/SIGINT arrives; returns the exit code for the node."""
-        stopping = False
+    def _worker_exited(self, state: ChildState) -> None:
+        """Write the exit into the worker's heartbeat (keeping the reason it gave, if it failed to
+        start), for as long as it waits to restart."""
+        if not state.name.startswith("worker-") or state.restart_at is None:
+            return
+        name = self.worker_names[int(state.name.removeprefix("worker-"))]
+        wait_s = max(0.0, state.restart_at - time.monotonic())
+        note = f"its process exited with code {state.last_exit}; restarting in {wait_s:.0f} s"
+        if state.crash_looping:
+            note = f"crash-looping ({state.quick_exits} quick exits in a row): {note}"
+        # A thread of its own: this runs inside wait_ready's event loop too. Bounded by the 2-s timeouts.
+        t = threading.Thread(target=asyncio.run, args=(self._note_exit(name, note, wait_s + 30),), daemon=True)
+        t.start()
+        t.join(10)
 
-        def _stop(signum: int, _frame: object) -> None:
-            nonlocal stopping
-            stopping = True
-
-        old = {s: signal.signal(s, _stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    async def _note_exit(self, name: str, note: str, ttl_s: float) -> None:
+        ws = self.settings.worker
+        queue = RedisQueue.from_settings(self.settings.redis)
         try:
-            while not stopping:
-                for name, p in self._procs.items():
-                    if p.poll() is not None:
-                        log.error("node_child_exited", child=name, exit_code=p.returncode)
-                        return p.returncode or 1
-                time.sleep(0.2)
-            return 0
+            seen = {w.worker: w for w in await asyncio.wait_for(queue.workers(ws.pool), 2)}.get(name)
+            base = seen or WorkerStatus(worker=name, pool=ws.pool, model=ws.model, engine=ws.engine)
+            # The reason a worker gave for failing stays first; an earlier note of ours is replaced.
+            why = base.detail.split(NOTE)[0] if base.failed and base.detail else ""
+            detail = f"{why}{NOTE}{note}" if why else note
+            failed = replace(base, state=WorkerState.FAILED.value, detail=detail, since_unix_s=time.time())
+            await asyncio.wait_for(queue.heartbeat(failed, ttl_s), 2)
+        except (QueueUnavailable, asyncio.TimeoutError):
+            log.warning("worker_exit_not_reported", worker=name)
         finally:
-            for s, h in old.items():
-                signal.signal(s, h)
+            await queue.close()
+
+    def poll(self) -> int | None:
+        """Reap and restart children once; the node's exit code if an essential one ended, else None."""
+        assert self.supervisor is not None, "start() first"
+        return self.supervisor.step()
+
+    def wait(self) -> int:
+        """Supervise until SIGTERM/SIGINT (0) or until the gateway or the embedded Redis ends (its
+        code); workers that exit meanwhile are restarted."""
+        assert self.supervisor is not None, "start() first"
+        return self.supervisor.run()
+
+    async def workers(self, client: Client) -> list[WorkerView] | None:
+        """The node's workers as its gateway reports them; None while the gateway does not answer."""
+        try:
+            reply = await client.admin.ListBackends(admin_pb2.ListBackendsRequest(), timeout=2)
+        except grpc.aio.AioRpcError:
+            return None
+        seen = {w.name: w for b in reply.backends if b.pool == self.settings.worker.pool for w in b.workers}
+        out = []
+        for name in self.worker_names:
+            w = seen.get(name)
+            if w is None:
+                out.append(WorkerView(name, "", "", 0.0))
+            else:
+                out.append(WorkerView(name, w.state, w.detail, w.since.ToNanoseconds() / 1e9 if w.since.seconds else 0))
+        return out
+
+    async def wait_ready(self, out: IO[str] | None = None, timeout_s: float | None = None) -> float:
+        """Wait until every worker of the node is ready, showing what they are doing on ``out`` (one
+        updating line on a terminal, a line per step otherwise); returns the seconds it took.
+        Raises StartFailed with a one-line reason when a worker could not start (its own reason), an
+        essential process ended, or ``timeout_s`` (default: the worker start timeout) passed."""
+        t0 = time.monotonic()
+        limit = timeout_s if timeout_s is not None else self.settings.worker.start_timeout_s + 60
+        # One line rewritten in place only when the children's logs do not share the terminal.
+        show = _Progress(out, t0, inline=self._log_file is not None)
+        async with Client(self.address) as client:
+            while True:
+                code = self.poll()
+                if code is not None:
+                    raise StartFailed(f"the node's {self._ended()} ended (exit code {code}) while starting")
+                views = await self.workers(client)
+                if views is not None and all(v.state == WorkerState.READY.value for v in views):
+                    show.done(f"ready: {len(views)} worker(s) serving on {self.address}")
+                    return time.monotonic() - t0
+                for v in views or ():
+                    if v.state == WorkerState.FAILED.value:
+                        show.done("")
+                        why = v.detail.split(NOTE)[0] if v.detail else "its process exited"
+                        raise StartFailed(f"{v.name} could not start: {why}")
+                show.update(_doing(views), _doing(views, took=False))
+                if time.monotonic() - t0 > limit:
+                    show.done("")
+                    raise StartFailed(f"the node was not ready within {limit:.0f} s: {_doing(views)}")
+                await asyncio.sleep(0.25)
+
+    def _ended(self) -> str:
+        assert self.supervisor is not None
+        ended = [s.name for s in self.supervisor.states.values() if s.child.essential and s.last_exit is not None]
+        return ended[0] if ended else "gateway"
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM every child (they drain), kill what outlives ``timeout_s``, stop Redis."""
-        for p in self._procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for p in self._procs.values():
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        self._procs.clear()
+        if self.supervisor is not None:
+            self.supervisor.stop(timeout_s)
+            self.supervisor = None
         if self._embedded is not None:
             self._embedded.stop()
             self._embedded = None
         if self._log_handle is not None:
             self._log_handle.close()
+            self._log_handle = None
         log.info("node_stopped")
+
+
+def _doing(views: list[WorkerView] | None, took: bool = True) -> str:
+    """What the workers are doing; ``took``: with how long each has been at it."""
+    if views is None:
+        return "starting the gateway"
+    now = time.time()
+    parts = []
+    for v in views:
+        since = f" ({now - v.since_unix_s:.0f} s)" if took and v.since_unix_s else ""
+        parts.append(f"{v.name}: {v.detail or v.state or 'starting its process'}{since}")
+    return "; ".join(parts)
+
+
+class _Progress:
+    """What the node is doing, on a terminal as one line rewritten in place, elsewhere a line per change."""
+
+    def __init__(self, out: IO[str] | None, t0: float, inline: bool = True) -> None:
+        self._out = out
+        self._t0 = t0
+        self._tty = inline and bool(out is not None and out.isatty())
+        self._last = ""
+        self._width = 0
+
+    def update(self, what: str, step: str) -> None:
+        """Show ``what``; off a terminal only when ``step`` (``what`` without its timings) changed."""
+        if self._out is None:
+            return
+        elapsed = f"[{time.monotonic() - self._t0:5.1f} s] "
+        if self._tty:
+            line = (elapsed + what)[: max(20, _columns() - 1)]
+            self._out.write("\r" + line.ljust(self._width))
+            self._width = len(line)
+        elif step != self._last:
+            self._out.write(elapsed + what + "\n")
+        self._last = step
+        self._out.flush()
+
+    def done(self, what: str) -> None:
+        if self._out is None:
+            return
+        if self._tty and self._width:
+            self._out.write("\r" + " " * self._width + "\r")
+        if what:
+            self._out.write(f"[{time.monotonic() - self._t0:5.1f} s] {what}\n")
+        self._out.flush()
+
+
+def _columns() -> int:
+    with contextlib.suppress(OSError):
+        return os.get_terminal_size(sys.stderr.fileno()).columns
+    return 100

@@ -57,6 +57,9 @@ class GatewaySettings:
     # them), as `vllm serve --api-server-count`. One Python process relays about 5k streamed
     # messages a second before its latency grows; 1: this process serves.
     processes: int = 1
+    # Bind the port with SO_REUSEPORT, sharing it with other gateway processes (set for each of the
+    # `processes` children; also for several gateways of one host started by other means).
+    share_port: bool = False
     # "pool=fallback,...": where a pool's requests go while its breaker is open or it has no live
     # worker, e.g. "trtllm=vllm,vllm=trtllm". Empty: no fallback.
     fallback: str = ""
@@ -308,6 +311,8 @@ class LogSettings:
     level: str = "info"
     # "auto": JSON unless stderr is a terminal; "json"; "console".
     format: str = "auto"
+    # The name this process logs under (the "process" field). Empty: its role (gateway, worker, ...).
+    process: str = ""
 
 
 @dataclass(frozen=True)

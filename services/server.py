@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
+import os
 import signal
 import sys
 from dataclasses import dataclass
-from multiprocessing import connection
 
 import grpc
 import structlog
@@ -19,6 +18,7 @@ from llamamesh.queue.batches import RedisBatches
 from llamamesh.queue.protocol import BatchStore, JobQueue
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import BatchSettings, BreakerSettings, GatewaySettings, Settings
+from llamamesh.supervisor import Child, Supervisor
 from llamamesh.v1 import admin_pb2, admin_pb2_grpc, batch_pb2, batch_pb2_grpc, generation_pb2, generation_pb2_grpc
 from services.admin import AdminServicer
 from services.backends import Backends, backend_service
@@ -135,43 +135,26 @@ async def serve(settings: Settings, share_port: bool = False) -> None:
         log.info("gateway_stopped")
 
 
-def _one_of_many(settings: Settings, index: int) -> None:
-    logs.configure(settings.log, f"gateway-{index}")
-    asyncio.run(serve(settings, share_port=True))
-
-
 def supervise(settings: Settings) -> int:
-    """Run ``gateway.processes`` gateway processes on one port until SIGTERM/SIGINT (forwarded: each
-    drains) or until one dies (the others are stopped). Returns the exit code: 0, or 1 if one died."""
+    """Run ``gateway.processes`` gateway processes on one port (SO_REUSEPORT) under the supervisor
+    (llamamesh/supervisor.py) until SIGTERM/SIGINT, forwarded (each drains). A process that dies is
+    started again with backoff while the others go on serving. Returns 0, or 1 if one had to be killed."""
     n = settings.gateway.processes
     if settings.gateway.port == 0:
         raise ValueError("LLAMAMESH_GATEWAY_PROCESSES > 1 needs a fixed LLAMAMESH_GATEWAY_PORT")
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_one_of_many, args=(settings, i), name=f"gateway-{i}") for i in range(n)]
-    stopping = False
-
-    def on_signal(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
-    for p in procs:
-        p.start()
-    log.info("gateways_started", processes=n, port=settings.gateway.port, pids=[p.pid for p in procs])
-    code = 0
-    running = {p.sentinel: p for p in procs}
-    while running:
-        for sentinel in connection.wait(list(running)):
-            p = running.pop(sentinel)  # type: ignore[call-overload,arg-type]
-            p.join()  # the sentinel fires at exit; the exit code is known once reaped
-            if p.exitcode and not stopping:
-                log.error("gateway_process_died", process=p.name, exit_code=p.exitcode)
-                code = 1
-                on_signal(signal.SIGTERM, None)
+    one = settings.with_overrides(gateway={"processes": 1, "share_port": True})
+    env = {**os.environ, **one.to_env()}
+    children = [
+        Child(f"gateway-{i}", (sys.executable, "-m", "services"), {**env, "LLAMAMESH_LOG_PROCESS": f"gateway-{i}"})
+        for i in range(n)
+    ]
+    sup = Supervisor(children)
+    sup.start()
+    log.info("gateways_started", processes=n, port=settings.gateway.port, pids=[s.pid for s in sup.states.values()])
+    try:
+        sup.run()
+    finally:
+        code = sup.stop(settings.gateway.grace_s + 10)
     return code
 
 
@@ -180,7 +163,7 @@ def main() -> None:
     logs.configure(settings.log, "gateway")
     if settings.gateway.processes > 1:
         sys.exit(supervise(settings))
-    asyncio.run(serve(settings))
+    asyncio.run(serve(settings, share_port=settings.gateway.share_port))
 
 
 if __name__ == "__main__":

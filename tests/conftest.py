@@ -36,3 +36,18 @@ async def redis_queue(redis_settings: RedisSettings) -> AsyncIterator[RedisQueue
 @pytest.fixture
 def repo_root() -> Path:
     return Path(__file__).resolve().parent.parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """GPU tests time out by pytest-timeout's thread method: it dumps every stack and ends the run
+    even when the test is stuck in C code (an engine start waiting on a child process), where the
+    signal method may never get to run."""
+    default = float(config.getini("timeout") or 0)
+    for item in items:
+        if item.get_closest_marker("gpu") is None:
+            continue
+        marker = item.get_closest_marker("timeout")
+        seconds = default
+        if marker is not None:
+            seconds = marker.args[0] if marker.args else marker.kwargs.get("timeout", default)
+        item.add_marker(pytest.mark.timeout(seconds, method="thread"))

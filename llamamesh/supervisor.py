@@ -1,0 +1,225 @@
+"""The one supervisor of child processes, for the three places that run some:
+
+- the node (``llamamesh serve`` / ``demo``, llamamesh/node.py): the gateway and the embedded Redis
+  are essential (either one's end stops the node), the workers are restarted;
+- the gateway's processes sharing one port (``LLAMAMESH_GATEWAY_PROCESSES``, services/server.py);
+- a worker's replicas, one per GPU group (workers/replicas.py).
+
+A child that exits (crash, kill -9, a failed engine start) is started again after a delay that
+doubles with each quick exit in a row (``Backoff``: 1 s, 2 s, 4 s … up to 30 s, each scaled by a
+random factor in [0.75, 1.25] so that restarted siblings do not move in lockstep), and starts
+again from 1 s once a run lasted ``reset_after_s``. After ``report_after`` quick exits in a row it
+is reported as crash-looping (a log line, :meth:`Supervisor.crash_looping`, and the ``on_exit``
+hook, which the node uses to put the reason in the worker's heartbeat) and still retried at the
+longest delay, never in a tight loop.
+
+SIGTERM / SIGINT are forwarded (each child drains as it does on its own); :meth:`stop` waits for
+them and kills what outlives its grace. On Linux each child also gets SIGTERM when the supervisor
+itself dies (``PR_SET_PDEATHSIG``), so a killed supervisor leaves no orphans behind. Waiting is a
+0.1-s poll (portable, negligible CPU), not a platform-specific child watcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import IO, Protocol
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+POLL_S = 0.1
+
+
+class Process(Protocol):
+    """What the supervisor needs of a process it watches (``subprocess.Popen`` has it)."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class Child:
+    """A process to run: ``argv`` with ``env``. ``essential``: its exit ends the whole set (it is
+    not restarted); otherwise it is restarted with backoff."""
+
+    name: str
+    argv: Sequence[str]
+    env: Mapping[str, str]
+    essential: bool = False
+
+
+@dataclass(frozen=True)
+class Backoff:
+    first_s: float = 1.0
+    max_s: float = 30.0
+    # Each delay is multiplied by a random factor in [1 - jitter, 1 + jitter].
+    jitter: float = 0.25
+    # A run this long resets the delay to first_s.
+    reset_after_s: float = 60.0
+    # Quick exits in a row after which the child is reported as crash-looping.
+    report_after: int = 5
+
+    def delay(self, quick_exits: int, rand: float) -> float:
+        """The delay before a restart after ``quick_exits`` quick exits in a row; ``rand`` in [0, 1)."""
+        base = min(self.max_s, self.first_s * 2 ** max(0, quick_exits - 1))
+        return base * (1 - self.jitter + 2 * self.jitter * rand)
+
+
+@dataclass
+class ChildState:
+    child: Child
+    process: Process | None = None
+    started_at: float = 0.0
+    starts: int = 0
+    quick_exits: int = 0
+    last_exit: int | None = None
+    # Monotonic time of the next start while it waits out its backoff; None while it runs.
+    restart_at: float | None = None
+    crash_looping: bool = False
+    # Watched, not started by us (the embedded Redis): never restarted.
+    external: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.child.name
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+
+@dataclass
+class Supervisor:
+    children: Sequence[Child]
+    backoff: Backoff = field(default_factory=Backoff)
+    # Where the children's stdout and stderr go (None: inherited).
+    output: IO[bytes] | None = None
+    # Called after each exit of a restartable child, once its restart is scheduled.
+    on_exit: Callable[[ChildState], None] | None = None
+    clock: Callable[[], float] = time.monotonic
+    rand: Callable[[], float] = random.random
+    states: dict[str, ChildState] = field(default_factory=dict)
+    stopping: bool = False
+
+    def start(self) -> None:
+        """Start every child. Raises OSError if one cannot be started."""
+        for child in self.children:
+            self.states[child.name] = state = ChildState(child)
+            self._spawn(state)
+
+    def watch(self, name: str, process: Process) -> None:
+        """Also watch a process started elsewhere; its exit ends the set, like an essential child's."""
+        self.states[name] = ChildState(Child(name, (), {}, essential=True), process, self.clock(), 1, external=True)
+
+    def _spawn(self, state: ChildState) -> None:
+        c = state.child
+        state.process = subprocess.Popen(
+            list(c.argv), env=dict(c.env), stdout=self.output, stderr=self.output, preexec_fn=_die_with_parent
+        )
+        state.started_at, state.restart_at = self.clock(), None
+        state.starts += 1
+        log.info("child_started", child=c.name, pid=state.process.pid, start=state.starts)
+
+    def step(self) -> int | None:
+        """Reap exits and start what is due, once (no waiting). Returns the set's exit code when an
+        essential child ended (its code, at least 1), else None."""
+        now = self.clock()
+        for state in self.states.values():
+            p = state.process
+            if state.restart_at is not None:
+                if now >= state.restart_at and not self.stopping:
+                    self._spawn(state)
+                continue
+            if p is None or (code := p.poll()) is None:
+                continue
+            state.last_exit = code
+            if state.child.essential:
+                log.error("child_exited", child=state.name, exit_code=code, essential=True)
+                return code or 1
+            self._schedule(state, now)
+        return None
+
+    def _schedule(self, state: ChildState, now: float) -> None:
+        ran = now - state.started_at
+        state.quick_exits = state.quick_exits + 1 if ran < self.backoff.reset_after_s else 1
+        delay = self.backoff.delay(state.quick_exits, self.rand())
+        state.restart_at = now + delay
+        looping = state.quick_exits >= self.backoff.report_after
+        if looping and not state.crash_looping:
+            log.error("child_crash_looping", child=state.name, exits_in_a_row=state.quick_exits,
+                      exit_code=state.last_exit, restart_in_s=round(delay, 1))  # fmt: skip
+        else:
+            log.warning("child_exited", child=state.name, exit_code=state.last_exit, ran_s=round(ran, 1),
+                        restart_in_s=round(delay, 1))  # fmt: skip
+        state.crash_looping = looping
+        if self.on_exit is not None:
+            try:
+                self.on_exit(state)
+            except Exception as exc:  # a report must never stop the supervisor
+                log.warning("child_exit_report_failed", child=state.name, error=f"{type(exc).__name__}: {exc}")
+
+    def crash_looping(self) -> list[ChildState]:
+        return [s for s in self.states.values() if s.crash_looping]
+
+    def run(self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)) -> int:
+        """Supervise until one of ``signals`` (forwarded to the children: they drain; returns 0) or
+        until an essential child ends (returns its code). Call :meth:`stop` afterwards."""
+        old = {s: signal.signal(s, self._on_signal) for s in signals}
+        try:
+            while not self.stopping:
+                code = self.step()
+                if code is not None:
+                    return code
+                time.sleep(POLL_S)
+            return 0
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.stopping = True
+
+    def stop(self, grace_s: float = 30.0, sig: int = signal.SIGTERM) -> int:
+        """Send ``sig`` to every running child, wait up to ``grace_s`` for all, kill the rest.
+        Returns 0, or 1 if a child had to be killed. Watched processes are left to their owner."""
+        self.stopping = True
+        ours = [s for s in self.states.values() if not s.external and s.process is not None and s.restart_at is None]
+        for s in ours:
+            if s.process is not None and s.process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+                    os.kill(s.process.pid, sig)
+        deadline = self.clock() + grace_s
+        code = 0
+        for s in ours:
+            p = s.process
+            assert isinstance(p, subprocess.Popen)
+            try:
+                p.wait(max(0.1, deadline - self.clock()))
+            except subprocess.TimeoutExpired:
+                log.warning("child_killed", child=s.name, grace_s=grace_s)
+                p.kill()
+                p.wait()
+                code = 1
+        log.info("children_stopped", children=len(ours))
+        return code
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: on Linux, get SIGTERM (and drain) when the supervisor dies, even
+    by kill -9, instead of living on as an orphan. Elsewhere nothing."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
