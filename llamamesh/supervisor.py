@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
 import random
 import signal
 import subprocess
@@ -46,6 +45,8 @@ class Process(Protocol):
     pid: int
 
     def poll(self) -> int | None: ...
+
+    def send_signal(self, sig: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,8 @@ class Supervisor:
     on_exit: Callable[[ChildState], None] | None = None
     clock: Callable[[], float] = time.monotonic
     rand: Callable[[], float] = random.random
+    # How a child is started (tests give a fake); None: a subprocess, see _popen.
+    launch: Callable[[Child, IO[bytes] | None], Process] | None = None
     states: dict[str, ChildState] = field(default_factory=dict)
     stopping: bool = False
 
@@ -124,9 +127,7 @@ class Supervisor:
 
     def _spawn(self, state: ChildState) -> None:
         c = state.child
-        state.process = subprocess.Popen(
-            list(c.argv), env=dict(c.env), stdout=self.output, stderr=self.output, preexec_fn=_die_with_parent
-        )
+        state.process = (self.launch or _popen)(c, self.output)
         state.started_at, state.restart_at = self.clock(), None
         state.starts += 1
         log.info("child_started", child=c.name, pid=state.process.pid, start=state.starts)
@@ -198,24 +199,32 @@ class Supervisor:
         for s in ours:
             if s.process is not None and s.process.poll() is None:
                 with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
-                    os.kill(s.process.pid, sig)
+                    s.process.send_signal(sig)
         deadline = self.clock() + grace_s
         code = 0
         for s in ours:
             p = s.process
-            assert isinstance(p, subprocess.Popen)
-            try:
-                p.wait(max(0.1, deadline - self.clock()))
-            except subprocess.TimeoutExpired:
+            assert p is not None
+            while p.poll() is None and self.clock() < deadline:
+                time.sleep(POLL_S / 2)
+            if p.poll() is None:
                 log.warning("child_killed", child=s.name, grace_s=grace_s)
-                p.kill()
-                p.wait()
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signal.SIGKILL)
+                while p.poll() is None:
+                    time.sleep(POLL_S / 2)
                 code = 1
         log.info("children_stopped", children=len(ours))
         return code
 
 
 _PR_SET_PDEATHSIG = 1
+
+
+def _popen(child: Child, output: IO[bytes] | None) -> Process:
+    return subprocess.Popen(
+        list(child.argv), env=dict(child.env), stdout=output, stderr=output, preexec_fn=_die_with_parent
+    )
 
 
 def _die_with_parent() -> None:

@@ -145,35 +145,10 @@ class Worker:
         beat_stop = asyncio.Event()
         beat = asyncio.create_task(self._heartbeat(beat_stop), name="heartbeat")
         watchdog: asyncio.Task[None] | None = None
-        backoff = 0.1
         try:
-            if not await self._start_engine(stop):
-                return
-            with contextlib.suppress(QueueUnavailable):  # a restart under the same name: its own jobs first
-                s = self._s
-                for lease in await self._queue.reclaim(s.pool, self.name, 0, s.max_inflight, s.max_deliveries,
-                                                       own=True):  # fmt: skip
-                    await self._admit(lease)
-            self._set_state(WorkerState.READY)
-            self.ready.set()
-            log.info("worker_started", pool=self._s.pool, worker=self.name, max_inflight=self._s.max_inflight)
-            watchdog = asyncio.create_task(self._watch_engine(stop), name="engine-watchdog")
-            while not stop.is_set() and self.engine_died is None:
-                free = self._s.max_inflight - len(self._tasks)
-                if free <= 0:
-                    self._slot_free.clear()
-                    await _wait_any(self._slot_free, stop)
-                    continue
-                try:
-                    leases = await self._lease(free)
-                    backoff = 0.1
-                except QueueUnavailable:
-                    log.warning("lease_failed", retry_in_s=backoff)
-                    await _wait_any(stop, timeout=backoff)
-                    backoff = min(backoff * 2, 5.0)
-                    continue
-                for lease in leases:
-                    await self._admit(lease)
+            if await self._start_engine(stop):
+                watchdog = await self._become_ready(stop)
+                await self._lease_loop(stop)
         finally:
             if watchdog is not None:
                 watchdog.cancel()
@@ -196,6 +171,39 @@ class Worker:
                         await self._queue.leave(self._s.pool, self.name)
         if self.engine_died is not None:
             raise self.engine_died
+
+    async def _become_ready(self, stop: asyncio.Event) -> asyncio.Task[None]:
+        """Take this consumer's own leased jobs first (a restart under the same name), say ready, and
+        start the engine watchdog (returned: run() owns it)."""
+        with contextlib.suppress(QueueUnavailable):  # a restart under the same name: its own jobs first
+            s = self._s
+            for lease in await self._queue.reclaim(s.pool, self.name, 0, s.max_inflight, s.max_deliveries,
+                                                   own=True):  # fmt: skip
+                await self._admit(lease)
+        self._set_state(WorkerState.READY)
+        self.ready.set()
+        log.info("worker_started", pool=self._s.pool, worker=self.name, max_inflight=self._s.max_inflight)
+        return asyncio.create_task(self._watch_engine(stop), name="engine-watchdog")
+
+    async def _lease_loop(self, stop: asyncio.Event) -> None:
+        """Lease by free slots until ``stop`` or the engine's death."""
+        backoff = 0.1
+        while not stop.is_set() and self.engine_died is None:
+            free = self._s.max_inflight - len(self._tasks)
+            if free <= 0:
+                self._slot_free.clear()
+                await _wait_any(self._slot_free, stop)
+                continue
+            try:
+                leases = await self._lease(free)
+                backoff = 0.1
+            except QueueUnavailable:
+                log.warning("lease_failed", retry_in_s=backoff)
+                await _wait_any(stop, timeout=backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            for lease in leases:
+                await self._admit(lease)
 
     def _set_state(self, state: WorkerState, detail: str = "") -> None:
         self.state, self._detail, self._since = state, detail, time.time()

@@ -1,0 +1,179 @@
+"""A worker's life as its heartbeat tells it, against a real Redis: starting (with what the engine is
+doing) before ready, failed (with the reason) when the engine cannot start, and the watchdog that
+ends a worker whose engine died or wedged."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+import pytest
+
+from llamamesh.errors import EngineDead
+from llamamesh.queue.streams import RedisQueue
+from llamamesh.settings import RedisSettings, WorkerSettings
+from llamamesh.types import GenerationRequest, JobEvent, SamplingParams, WorkerStatus
+from workers.engines.fake import FakeEngine
+from workers.worker import FAILED_TTL_S, Worker
+
+pytestmark = [pytest.mark.redis, pytest.mark.timeout(30)]
+
+
+class SlowStart(FakeEngine):
+    """A fake engine whose start goes through named steps, each held until the test lets it go."""
+
+    def __init__(self, settings: WorkerSettings, fail: str = "") -> None:
+        super().__init__(settings)
+        self.step = asyncio.Event()
+        self.fail = fail
+        self._doing = ""
+
+    @property
+    def starting(self) -> str:
+        return self._doing
+
+    async def start(self) -> None:
+        for what in ("converting the model", "loading the model"):
+            self._doing = what
+            await self.step.wait()
+            self.step.clear()
+        self._doing = ""
+        if self.fail:
+            raise EngineDead(self.fail)
+        await super().start()
+
+
+async def status_of(queue: RedisQueue, name: str) -> WorkerStatus | None:
+    return next((w for w in await queue.workers("cpu") if w.worker == name), None)
+
+
+async def until(ok: Callable[[], object], timeout_s: float = 10.0) -> None:
+    async def poll() -> None:
+        while not await ok():  # type: ignore[misc]  # noqa: ASYNC110 - Redis state, bounded by wait_for
+            await asyncio.sleep(0.02)
+
+    await asyncio.wait_for(poll(), timeout_s)
+
+
+def settings(name: str, **kw: object) -> WorkerSettings:
+    return WorkerSettings(pool="cpu", engine="fake", consumer=name, heartbeat_s=0.05, heartbeat_ttl_s=1.0, **kw)  # type: ignore[arg-type]
+
+
+async def test_the_heartbeat_says_starting_and_what_the_engine_does_then_ready(redis_settings: RedisSettings) -> None:
+    ws = settings("w-slow")
+    queue = RedisQueue.from_settings(redis_settings)
+    engine = SlowStart(ws)
+    worker = Worker(ws, queue, engine, block_ms=100)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        await until(lambda: _is(queue, "w-slow", "starting", "converting the model"))
+        first = await status_of(queue, "w-slow")
+        assert first is not None and first.since_unix_s > 0 and not first.ready
+        engine.step.set()
+        await until(lambda: _is(queue, "w-slow", "starting", "loading the model"))
+        second = await status_of(queue, "w-slow")
+        assert second is not None and second.since_unix_s >= first.since_unix_s
+        assert not worker.ready.is_set()
+        engine.step.set()
+        await asyncio.wait_for(worker.ready.wait(), 5)
+        await until(lambda: _is(queue, "w-slow", "ready", ""))
+        await queue.submit("cpu", GenerationRequest("r1", "m", prompt="hi", sampling=SamplingParams(max_tokens=3)))
+        evs = [e async for _i, e in queue.events("r1")]
+        assert evs[-1].finished is not None
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        await queue.close()
+
+
+async def _is(queue: RedisQueue, name: str, state: str, detail: str) -> bool:
+    s = await status_of(queue, name)
+    return s is not None and s.state == state and s.detail == detail
+
+
+async def test_an_engine_that_cannot_start_is_reported_failed_with_its_reason(redis_settings: RedisSettings) -> None:
+    ws = settings("w-fail")
+    queue = RedisQueue.from_settings(redis_settings)
+    engine = SlowStart(ws, fail="cannot load model /nope.gguf: FileNotFoundError")
+    worker = Worker(ws, queue, engine, block_ms=100)
+    task = asyncio.create_task(worker.run(asyncio.Event()))
+    try:
+        await until(lambda: _is(queue, "w-fail", "starting", "converting the model"))
+        engine.step.set()
+        await until(lambda: _is(queue, "w-fail", "starting", "loading the model"))
+        engine.step.set()
+        with pytest.raises(EngineDead, match="cannot load model"):
+            await asyncio.wait_for(task, 10)
+        # still visible after the worker is gone, with the reason, for FAILED_TTL_S
+        s = await status_of(queue, "w-fail")
+        assert s is not None and s.failed and s.detail == "cannot load model /nope.gguf: FileNotFoundError"
+        assert 1.0 < await queue.client.pttl(queue.keys.worker("cpu", "w-fail")) / 1000 <= FAILED_TTL_S
+        assert not worker.ready.is_set()
+    finally:
+        await queue.close()
+
+
+async def test_a_start_that_takes_too_long_fails_the_worker(redis_settings: RedisSettings) -> None:
+    ws = settings("w-stuck", start_timeout_s=0.3)
+    queue = RedisQueue.from_settings(redis_settings)
+    worker = Worker(ws, queue, SlowStart(ws), block_ms=100)  # never let through
+    try:
+        with pytest.raises(EngineDead, match=r"did not start within 0\.3 s"):
+            await asyncio.wait_for(worker.run(asyncio.Event()), 10)
+        s = await status_of(queue, "w-stuck")
+        assert s is not None and s.failed
+    finally:
+        await queue.close()
+
+
+async def test_a_dead_engine_found_by_the_health_check_stops_the_worker(redis_settings: RedisSettings) -> None:
+    ws = settings("w-check", health_check_s=0.1)
+    queue = RedisQueue.from_settings(redis_settings)
+    engine = FakeEngine(ws)
+    worker = Worker(ws, queue, engine, block_ms=100)
+    task = asyncio.create_task(worker.run(asyncio.Event()))
+    try:
+        await asyncio.wait_for(worker.ready.wait(), 5)
+        engine.dead = True  # no request in flight: only the periodic check can notice
+        with pytest.raises(EngineDead, match="dead"):
+            await asyncio.wait_for(task, 10)
+        s = await status_of(queue, "w-check")
+        assert s is not None and s.failed
+    finally:
+        await queue.close()
+
+
+async def test_a_wedged_engine_makes_the_worker_leave_at_once_and_hand_its_jobs_back(
+    redis_settings: RedisSettings,
+) -> None:
+    ws = settings("w-wedge", health_check_s=0.1, wedge_timeout_s=0.5, fake_step_s=0.01, grace_s=30)
+    queue = RedisQueue.from_settings(redis_settings)
+    engine = FakeEngine(ws)
+    worker = Worker(ws, queue, engine, block_ms=100)
+    task = asyncio.create_task(worker.run(asyncio.Event()))
+    try:
+        await asyncio.wait_for(worker.ready.wait(), 5)
+        await queue.submit("cpu", GenerationRequest("stuck", "m", prompt="x", sampling=SamplingParams(max_tokens=500)))
+        events = queue.events("stuck")
+        got: list[JobEvent] = []
+        async for _i, ev in events:
+            got.append(ev)
+            engine.wedged = True  # check_health still passes: only the lack of progress tells
+            break
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(EngineDead, match="no progress"):
+            await asyncio.wait_for(task, 10)
+        took = asyncio.get_running_loop().time() - t0
+        assert took < 5, took  # not the 30-s drain grace: a wedged engine will not drain
+        assert worker.wedged and await status_of(queue, "w-wedge") is None  # withdrawn: gateways fail over
+        async for _i, ev in events:
+            got.append(ev)
+        last = got[-1]
+        assert last.failed is not None and last.failed.code == "worker_lost", last  # handed back, not cancelled
+    finally:
+        engine.wedged = False
+        with contextlib.suppress(Exception):
+            await engine.shutdown()
+        await queue.close()
