@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
 import torch
 
-from llamamesh.errors import EngineDead, InvalidRequest, PromptTooLong
+from llamamesh.errors import EngineDead, InternalError, InvalidRequest, PromptTooLong
 from llamamesh.settings import WorkerSettings
 from llamamesh.types import ChatMessage, FinishReason, GenerationRequest, JobKind, SamplingParams, TokenDelta
 from workers.engines.transformers import TransformersEngine
@@ -433,3 +437,165 @@ async def test_a_resumed_request_goes_on_exactly_where_it_stopped(f32: Transform
         # its text picks up where the text sent with those tokens ended: no repeat, no gap
         assert "".join(d.text for d in whole.deltas[: cut + 1]) + rest.text == whole.text
         assert rest.last.prompt_tokens == whole.last.prompt_tokens  # the resumed tokens are not prompt
+
+
+# --- batch invariance, bit for bit, and what one bad request may not do to the others
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def wide() -> AsyncIterator[TransformersEngine]:
+    """Room for 20 in flight: more than one decode row group (16) at once."""
+    eng = TransformersEngine(WorkerSettings(max_inflight=20, max_model_len=MAX_MODEL_LEN))
+    await eng.start()
+    yield eng
+    await eng.shutdown()
+
+
+def traced(question: str, n: int = 12, **sampling: object) -> GenerationRequest:
+    """Greedy with logprobs: the logprob of each token is a float of the raw logits, so equal lists
+    mean equal logits, not merely the same argmax."""
+    return chat(question, temperature=0, max_tokens=n, ignore_eos=True, logprobs=0, **sampling)
+
+
+def trace(result: Result) -> list[tuple[int, float]]:
+    return [(lp.token_id, lp.logprob) for d in result.deltas for lp in d.logprobs]
+
+
+async def test_a_sequence_decodes_to_the_same_bits_alone_and_in_any_batch(wide: TransformersEngine) -> None:
+    """Alone; with 16 others from the start (17 rows: two row groups); and with others that join
+    after its third token and leave at different times (batch sizes 1 -> 9 -> 1 while it runs)."""
+    alone = trace(await run(wide, traced(QUESTIONS[2])))
+    crowd = [traced(QUESTIONS[i % 4] + " " * (i // 4), n=4 + i % 9) for i in range(16)]
+    together = await asyncio.gather(run(wide, traced(QUESTIONS[2])), *(run(wide, r) for r in crowd))
+    assert wide.max_batch_size == 17
+    assert trace(together[0]) == alone
+
+    wide.max_batch_size = 0
+    early = asyncio.ensure_future(run(wide, traced(QUESTIONS[2])))
+    await until(lambda: wide.steps > 0 and wide.stats().running == 1)
+    steps = wide.steps
+    await until(lambda: wide.steps >= steps + 2)
+    late = await asyncio.gather(*(run(wide, traced(QUESTIONS[i % 4], n=2 + i)) for i in range(8)))
+    assert all(len(r.tokens) == 2 + i for i, r in enumerate(late))
+    assert wide.max_batch_size == 9
+    assert trace(await early) == alone
+
+
+async def test_a_temperature_below_epsilon_is_greedy(engine: TransformersEngine) -> None:
+    """1e-40 is a subnormal float32: dividing logits by it overflows; it is taken as 0 (as vLLM does)."""
+    greedy = await run(engine, chat(QUESTIONS[0], temperature=0, max_tokens=8))
+    for tiny in (1e-40, 1e-45, 9e-6, -0.0):
+        assert (await run(engine, chat(QUESTIONS[0], temperature=tiny, max_tokens=8))).tokens == greedy.tokens
+
+
+async def test_overflowing_penalties_and_temperatures_do_not_break_the_sample(engine: TransformersEngine) -> None:
+    """A repetition penalty of 1e-40 sends seen logits to +inf; a huge temperature flattens the
+    distribution; both are sampled from without NaN, next to a greedy request that is unaffected."""
+    canary = chat(QUESTIONS[1], temperature=0, max_tokens=10, ignore_eos=True)
+    reference = await run(engine, canary)
+    odd = [
+        chat(QUESTIONS[0], temperature=1.0, repetition_penalty=1e-40, max_tokens=6, seed=1),
+        chat(QUESTIONS[0], temperature=0, repetition_penalty=1e-40, max_tokens=6),
+        chat(QUESTIONS[0], temperature=3.4028235e38, max_tokens=6, seed=2, min_tokens=6),
+        chat(QUESTIONS[0], temperature=5e-3, top_p=1e-40, max_tokens=6, seed=3),
+    ]
+    again = replace(canary, request_id=uuid.uuid4().hex)
+    results = await asyncio.gather(run(engine, again), *(run(engine, r) for r in odd))
+    assert results[0].tokens == reference.tokens
+    for r in results[1:]:
+        assert r.last.finish_reason in (FinishReason.LENGTH, FinishReason.STOP) and r.tokens
+    await engine.check_health()
+
+
+async def test_a_request_whose_sample_fails_fails_alone(
+    engine: TransformersEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever goes wrong in one request's sample (here: an injected error for seed 666) ends that
+    request with INTERNAL; the batch it shared a step with goes on, to the same tokens as alone."""
+    from workers.engines import sampling
+
+    real = sampling.SequenceSampler.choose
+
+    def choose(self: sampling.SequenceSampler, logits: torch.Tensor) -> int:
+        if self.params.seed == 666 and self.generated >= 2:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real(self, logits)
+
+    monkeypatch.setattr(sampling.SequenceSampler, "choose", choose)
+    canary = chat(QUESTIONS[2], temperature=0, max_tokens=12, ignore_eos=True)
+    reference = await run(engine, canary)
+    poison = chat(QUESTIONS[0], temperature=1.0, max_tokens=12, seed=666, ignore_eos=True)
+    got: list[TokenDelta] = []
+    outcome = await asyncio.gather(
+        run(engine, replace(canary, request_id=uuid.uuid4().hex)), collect(engine.stream(poison), got),
+        return_exceptions=True,
+    )
+    assert isinstance(outcome[1], InternalError) and "sample" in outcome[1].message
+    assert len([t for d in got for t in d.token_ids]) == 2  # it streamed, then failed alone
+    assert isinstance(outcome[0], Result) and outcome[0].tokens == reference.tokens
+    await engine.check_health()
+    assert (await run(engine, chat(QUESTIONS[0], temperature=0, max_tokens=3))).tokens
+
+
+async def test_a_request_whose_prefill_fails_fails_alone(
+    engine: TransformersEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from workers.engines.transformers_batch import Batch
+
+    real = Batch.encode
+
+    def encode(self: Batch, request: GenerationRequest) -> list[int]:
+        if request.prompt == "explode":
+            raise UnicodeError("a tokenizer that chokes on this input")
+        return real(self, request)
+
+    monkeypatch.setattr(Batch, "encode", encode)
+    running = asyncio.ensure_future(run(engine, chat(QUESTIONS[1], temperature=0, max_tokens=16, ignore_eos=True)))
+    await until(lambda: engine.stats().running >= 1)
+    with pytest.raises(InternalError):
+        await run(engine, prompt("explode", max_tokens=4))
+    assert len((await running).tokens) == 16
+    await engine.check_health()
+
+
+async def test_a_resumed_request_replays_its_tokens_to_the_same_bits_in_bf16(engine: TransformersEngine) -> None:
+    """Failover on the CPU engine: the tokens an earlier attempt sent are fed back through decode
+    steps (as the uninterrupted run computed them), so the rest is the same, in bfloat16, logprobs
+    included; replaying ``k`` tokens takes ``k`` steps of that request."""
+    whole = await run(engine, traced(QUESTIONS[3], n=20))
+    for k in (1, 7, 13):
+        sent = whole.tokens[:k]
+        rest = await run(engine, replace(traced(QUESTIONS[3], n=20 - k), resume_token_ids=tuple(sent)))
+        assert trace(rest) == trace(whole)[k:]
+        assert rest.last.prompt_tokens == whole.last.prompt_tokens
+
+
+async def test_resumed_token_ids_outside_the_vocabulary_are_refused(engine: TransformersEngine) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        await run(engine, replace(chat(QUESTIONS[0], max_tokens=4), resume_token_ids=(5, 10**7)))
+    assert info.value.violations[0].field == "resume_token_ids"
+
+
+ISA_CAPS = [
+    pytest.param({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}, id="onednn-avx512-no-bf16"),
+    pytest.param({"ATEN_CPU_CAPABILITY": "avx2"}, id="aten-avx2"),
+]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("caps", ISA_CAPS)
+async def test_the_invariance_holds_on_other_x86_kernel_paths(caps: dict[str, str], repo_root: Path) -> None:
+    """The same bit-for-bit tests with oneDNN capped at AVX-512 without BF16 (a Skylake/Cascade Lake
+    Xeon's kernels) and ATen at AVX2: on these paths the libraries' GEMM rounding depends on the batch
+    size (without the fixed-shape row groups the late-arrival test fails here). A cap above what the
+    CPU has changes nothing, so this holds on any x86 machine the tests run on."""
+    env = {**os.environ, **caps}
+    here = "tests/workers/test_transformers_engine.py::"
+    tests = [here + name for name in ("test_a_sequence_decodes_to_the_same_bits_alone_and_in_any_batch",
+                                      "test_a_resumed_request_replays_its_tokens_to_the_same_bits_in_bf16",
+                                      "test_late_arrivals_join_a_running_batch_without_changing_it")]  # fmt: skip
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests]
+    out = await asyncio.to_thread(subprocess.run, argv, cwd=repo_root, env=env, capture_output=True, text=True,
+                                  timeout=380)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "3 passed" in out.stdout
