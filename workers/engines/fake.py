@@ -7,8 +7,9 @@ prompt (or the request's seed), and its text is ``" w<id>"``; a resumed request
 advances on the same step (one shared clock). Aborts are recorded in ``aborted``.
 
 Poison, for fault tests, by the prompt's first word: ``__raise__`` makes the engine raise after
-its first token; ``__crash__`` ends the whole worker process before the first token (exit code
-70), as a segfaulting kernel would, and ``__crash_late__`` after it.
+its first token; ``__die__`` kills the engine after its first token (EngineDead, as a lost GPU);
+``__crash__`` ends the whole worker process before the first token (exit code 70), as a
+segfaulting kernel would, and ``__crash_late__`` after it.
 """
 
 from __future__ import annotations
@@ -112,6 +113,9 @@ class FakeEngine:
                     os._exit(70)
                 if poison == "__raise__" and i == 1:
                     raise RuntimeError("poison: the fake engine raises on this prompt")
+                if poison == "__die__" and i == 1:
+                    self.dead = True
+                    raise EngineDead("poison: this prompt killed the fake engine")
                 while self.wedged:  # noqa: ASYNC110 - a stuck engine, for the watchdog's tests
                     await asyncio.sleep(0.05)
                 self.tokens += 1

@@ -1,0 +1,117 @@
+"""What the gateway does with a pool's workers' states (in-process gateway over the in-memory queue):
+a starting pool is coming up (requests wait, the breaker stays closed), a pool starting for too
+long or whose workers failed says why, and a request whose workers keep dying is set aside."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from llamamesh.queue.memory import MemoryQueue
+from llamamesh.settings import BreakerSettings, GatewaySettings, WorkerSettings
+from llamamesh.types import WorkerStatus
+from llamamesh.v1 import generation_pb2 as pb
+from llamamesh.v1 import generation_pb2_grpc as pb_grpc
+from services.server import start_gateway
+from workers.engines.fake import FakeEngine
+from workers.worker import Worker
+
+pytestmark = pytest.mark.timeout(30)
+
+FAST = BreakerSettings(probe_interval_s=0.1, probe_timeout_s=1.0)
+
+
+@contextlib.asynccontextmanager
+async def gateway(queue: MemoryQueue, **settings: object) -> AsyncIterator[pb_grpc.GenerationServiceStub]:
+    gw = await start_gateway(queue, GatewaySettings(port=0, models="m=gpu", **settings), port=0,  # type: ignore[arg-type]
+                             breaker=FAST)  # fmt: skip
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
+            yield pb_grpc.GenerationServiceStub(ch)
+    finally:
+        await gw.stop(0)
+
+
+@contextlib.asynccontextmanager
+async def workers(queue: MemoryQueue, *names: str) -> AsyncIterator[list[Worker]]:
+    ws = [WorkerSettings(pool="gpu", engine="fake", consumer=n, fake_step_s=0.01, heartbeat_s=0.05) for n in names]
+    out = [Worker(s, queue, FakeEngine(s), block_ms=50) for s in ws]
+    tasks = [asyncio.create_task(w.run(asyncio.Event())) for w in out]
+    try:
+        await asyncio.wait_for(asyncio.gather(*(w.ready.wait() for w in out)), 10)
+        yield out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_request_to_a_starting_pool_waits_and_is_served_once_it_is_ready() -> None:
+    queue = MemoryQueue()
+    await queue.heartbeat(WorkerStatus("w1", "gpu", state="starting", detail="converting the model"), ttl_s=60)
+    async with gateway(queue, no_worker_wait_s=0.3, start_wait_s=30) as stub:
+        call = stub.Generate(pb.GenerateRequest(prompt="patience", max_tokens=3), timeout=20)
+
+        async def read_all() -> list[pb.GenerateResponse]:
+            return [m async for m in call]
+
+        reading = asyncio.ensure_future(read_all())
+        await asyncio.sleep(1.0)  # past no_worker_wait_s (0.3): a starting pool is not an empty one
+        assert not reading.done()
+        async with workers(queue, "w1"):
+            msgs = await asyncio.wait_for(reading, 10)
+        assert [t for m in msgs for t in m.token_ids] and msgs[-1].finish_reason
+
+
+async def test_a_pool_starting_for_longer_than_start_wait_is_unavailable_saying_what_it_does() -> None:
+    queue = MemoryQueue()
+    await queue.heartbeat(WorkerStatus("w1", "gpu", state="starting", detail="loading the model"), ttl_s=60)
+    async with gateway(queue, start_wait_s=0.5) as stub:
+        t0 = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await stub.Generate(pb.GenerateRequest(prompt="x", max_tokens=3), timeout=20).read()
+        assert ei.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert ei.value.details() == ("pool 'gpu' has been starting for over 0.5 s "
+                                      "(worker w1 is starting: loading the model)")  # fmt: skip
+        assert time.monotonic() - t0 < 5
+
+
+async def test_a_pool_whose_worker_failed_to_start_says_why() -> None:
+    queue = MemoryQueue()
+    why = "cannot load model /models/x.gguf: FileNotFoundError: no such file"
+    await queue.heartbeat(WorkerStatus("w1", "gpu", state="failed", detail=why), ttl_s=60)
+    async with gateway(queue, no_worker_wait_s=0.3) as stub:
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await stub.Generate(pb.GenerateRequest(prompt="x", max_tokens=3), timeout=20).read()
+        assert ei.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert why in (ei.value.details() or "") and "no live worker" in (ei.value.details() or "")
+
+
+async def test_a_request_that_kills_two_workers_is_not_sent_to_a_third() -> None:
+    """Its engine dies under it twice (a request that crashes engines): the second death ends it
+    INTERNAL with what happened, it is recorded in the dead-letter stream, the third worker never
+    sees it and serves the next request."""
+    queue = MemoryQueue()
+    async with workers(queue, "w1", "w2", "w3") as ws, gateway(queue, failover_attempts=5) as stub:
+        got: list[pb.GenerateResponse] = []
+
+        async def read() -> None:
+            async for m in stub.Generate(pb.GenerateRequest(prompt="__die__ now", max_tokens=20), timeout=20):
+                got.append(m)  # its first token came before each death
+
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await read()
+        code, details = ei.value.code(), ei.value.details() or ""
+        assert code is grpc.StatusCode.INTERNAL, (code, details)
+        assert details.startswith("the request was set aside: 2 workers died running it"), details
+        assert len(queue.dead) == 1 and queue.dead[0][3] == 2
+        served = [w._engine.served for w in ws]  # type: ignore[attr-defined]
+        assert sorted(len(s) for s in served) == [0, 1, 1], served  # two attempts, on two workers
+        survivor = next(w for w, s in zip(ws, served, strict=True) if not s)
+        msgs = [m async for m in stub.Generate(pb.GenerateRequest(prompt="fine", max_tokens=3))]
+        assert msgs[-1].finish_reason and survivor.engine_died is None
