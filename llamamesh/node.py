@@ -81,7 +81,7 @@ class Node:
             self._embedded = EmbeddedRedis(self.settings.redis.embedded_dir)
             url = self._embedded.start()
             self.settings = replace(self.settings, redis=replace(self.settings.redis, url=url))
-        env = {**os.environ, **self.settings.to_env()}
+        env = self.settings.to_env()
         if self._log_file is not None:
             self._log_file.parent.mkdir(parents=True, exist_ok=True)
             self._log_handle = self._log_file.open("ab")

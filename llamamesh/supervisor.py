@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import random
 import signal
 import subprocess
@@ -51,8 +52,8 @@ class Process(Protocol):
 
 @dataclass(frozen=True)
 class Child:
-    """A process to run: ``argv`` with ``env``. ``essential``: its exit ends the whole set (it is
-    not restarted); otherwise it is restarted with backoff."""
+    """A process to run: ``argv`` with this process's environment plus ``env``. ``essential``: its
+    exit ends the whole set (it is not restarted); otherwise it is restarted with backoff."""
 
     name: str
     argv: Sequence[str]
@@ -222,9 +223,8 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _popen(child: Child, output: IO[bytes] | None) -> Process:
-    return subprocess.Popen(
-        list(child.argv), env=dict(child.env), stdout=output, stderr=output, preexec_fn=_die_with_parent
-    )
+    env = {**os.environ, **child.env}
+    return subprocess.Popen(list(child.argv), env=env, stdout=output, stderr=output, preexec_fn=_die_with_parent)
 
 
 def _die_with_parent() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import sys
 from dataclasses import dataclass
@@ -142,8 +141,7 @@ def supervise(settings: Settings) -> int:
     n = settings.gateway.processes
     if settings.gateway.port == 0:
         raise ValueError("LLAMAMESH_GATEWAY_PROCESSES > 1 needs a fixed LLAMAMESH_GATEWAY_PORT")
-    one = settings.with_overrides(gateway={"processes": 1, "share_port": True})
-    env = {**os.environ, **one.to_env()}
+    env = settings.with_overrides(gateway={"processes": 1, "share_port": True}).to_env()
     children = [
         Child(f"gateway-{i}", (sys.executable, "-m", "services"), {**env, "LLAMAMESH_LOG_PROCESS": f"gateway-{i}"})
         for i in range(n)

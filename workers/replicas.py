@@ -72,17 +72,17 @@ def run_replicas_if_needed(settings: Settings) -> int | None:
     # CUDA_VISIBLE_DEVICES is CUDA's variable, not a setting; the children get this environment.
     env = dict(os.environ)
     groups = replica_gpus(visible_gpus(env), tp, f"{settings.worker.engine}.tensor_parallel_size")
-    return run_replicas(settings, groups, env) if groups else None
+    return run_replicas(settings, groups) if groups else None
 
 
-def run_replicas(settings: Settings, groups: list[list[str]], env: Mapping[str, str]) -> int:
+def run_replicas(settings: Settings, groups: list[list[str]]) -> int:
     """Run one ``python -m workers`` per GPU group until a signal (forwarded: they drain), restarting
     any that dies. Returns 0, or 1 if one had to be killed at the end."""
     base = settings.worker.consumer_name()
     children = []
     for i, group in enumerate(groups):
         consumer = f"{base}-r{i}"
-        child_env = {**env, "CUDA_VISIBLE_DEVICES": ",".join(group), "LLAMAMESH_WORKER_CONSUMER": consumer}
+        child_env = {"CUDA_VISIBLE_DEVICES": ",".join(group), "LLAMAMESH_WORKER_CONSUMER": consumer}
         children.append(Child(f"replica-{i}", (sys.executable, "-m", "workers"), child_env))
         log.info("replica_planned", replica=i, gpus=",".join(group), consumer=consumer)
     sup = Supervisor(children)

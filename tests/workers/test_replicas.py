@@ -61,7 +61,7 @@ from llamamesh.settings import Settings
 from workers.replicas import run_replicas
 s = Settings.from_env()
 logs.configure(s.log, "worker")
-sys.exit(run_replicas(s, [["0"], ["1"]], os.environ))
+sys.exit(run_replicas(s, [["0"], ["1"]]))
 """
 
 
