@@ -1,0 +1,139 @@
+"""`llamamesh serve` as a user runs it: the embedded Valkey, the gateway and a CPU worker with the real
+model, under the node's supervisor. A request with a temperature of 1e-40 is answered (greedy) and the
+node goes on serving; a worker killed with kill -9 is started again and serves within 30 s while the
+node keeps running; SIGTERM stops everything cleanly. And a node that cannot start says why, at once."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from llamamesh.client import Client
+from llamamesh.v1 import admin_pb2
+from tests.e2e.conftest import wait_until
+from tests.redisproc import free_port
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+CLI = Path(sys.executable).parent / "llamamesh"
+HI = [("user", "Hi")]
+
+
+def clean_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMAMESH_")}
+    return {**env, "LLAMAMESH_WORKER_THREADS": "1", "LLAMAMESH_REDIS_EMBEDDED_DIR": str(tmp_path / "valkey"),
+            "LLAMAMESH_LOG_FORMAT": "json", **extra}  # fmt: skip
+
+
+@dataclass
+class Served:
+    proc: subprocess.Popen[str]
+    address: str
+    log: Path
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def workers_of(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid), "-f", "python.* -m workers"], capture_output=True, text=True)
+    return [int(x) for x in out.stdout.split()]
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Served]:
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([str(CLI), "serve", "--port", str(port)], env=clean_env(tmp_path), stdout=out,
+                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    s = Served(proc, f"127.0.0.1:{port}", log)
+    try:
+        wait_until(lambda: "llamamesh serving on" in s.text() or proc.poll() is not None, 240, "the node to be ready")
+        assert proc.poll() is None, s.text()[-3000:]
+        yield s
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+async def greedy(c: Client, **fields: object) -> list[int]:
+    return [t async for m in c.generate(messages=HI, max_tokens=8, **fields) for t in m.token_ids]
+
+
+async def test_a_subnormal_temperature_is_answered_greedy_and_the_node_serves_on(served: Served) -> None:
+    async with Client(served.address) as c:
+        reference = await greedy(c, temperature=0.0)
+        assert await greedy(c, temperature=1e-40) == reference and reference
+        # the same edge in a penalty while sampling: answered or refused, never a crash
+        (odd,) = await asyncio.gather(greedy(c, temperature=1.0, repetition_penalty=1e-40, seed=5),
+                                      return_exceptions=True)  # fmt: skip
+        if isinstance(odd, grpc.aio.AioRpcError):
+            assert odd.code() is grpc.StatusCode.INVALID_ARGUMENT, odd
+        else:
+            assert odd
+        assert await greedy(c, temperature=0.0) == reference
+    assert served.proc.poll() is None and '"child_exited"' not in served.text()
+
+
+async def test_a_killed_worker_is_back_within_30_s_and_the_node_never_stopped(served: Served) -> None:
+    (worker,) = workers_of(served.proc.pid)
+    async with Client(served.address) as c:
+        reference = await greedy(c, temperature=0.0)
+        os.kill(worker, signal.SIGKILL)
+        t0 = time.monotonic()
+        back = None
+        while time.monotonic() - t0 < 30:
+            try:  # waits while the pool has no worker or a starting one; the 15-s timeout bounds a try
+                if await asyncio.wait_for(greedy(c, temperature=0.0), 15) == reference:
+                    back = time.monotonic() - t0
+                    break
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError):
+                await asyncio.sleep(0.5)  # UNAVAILABLE while nobody serves: try again
+        assert back is not None, served.text()[-3000:]
+        new = workers_of(served.proc.pid)
+        assert len(new) == 1 and new != [worker]
+        assert served.proc.poll() is None  # the node (gateway, Valkey) never stopped
+        async def states() -> list[str]:  # the gateway's view, refreshed every probe interval
+            reply = await c.admin.ListBackends(admin_pb2.ListBackendsRequest())
+            return [w.state for b in reply.backends if b.pool == "cpu" for w in b.workers]
+
+        for _ in range(50):
+            if await states() == ["ready"]:
+                break
+            await asyncio.sleep(0.1)
+        assert await states() == ["ready"]
+    assert '"child_exited"' in served.text() and '"exit_code": -9' in served.text()
+    served.proc.send_signal(signal.SIGTERM)
+    assert served.proc.wait(60) == 0
+    wait_until(lambda: not workers_of(served.proc.pid), 10, "its children gone")
+    print(f"worker back and serving {back:.1f} s after kill -9")
+
+
+@pytest.mark.parametrize("command", ["demo", "serve"])
+def test_a_node_that_cannot_start_says_why_in_one_line_and_exits_non_zero(tmp_path: Path, command: str) -> None:
+    args = [str(CLI), command, *(["hello"] if command == "demo" else []), "--model-path", str(tmp_path / "no.gguf"),
+            "--port", str(free_port())]  # fmt: skip
+    t0 = time.monotonic()
+    out = subprocess.run(args, env=clean_env(tmp_path, LLAMAMESH_LOG_LEVEL="error"), capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    took = time.monotonic() - t0
+    assert out.returncode == 1, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, out.stderr[-3000:]
+    assert "could not start: cannot load model" in errors[0] and "no.gguf" in errors[0], errors
+    assert took < 60, took  # not a timeout: the worker said why
