@@ -1,3 +1,3 @@
-from workers.worker import main
+from workers.process import main
 
 main()

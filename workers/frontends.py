@@ -17,7 +17,7 @@ from llamamesh import logs
 from llamamesh.settings import Settings
 from workers.engines.vllm import CoreClient, VllmEngine
 from workers.engines.vllm_frontends import run_with_frontends, split_inflight
-from workers.worker import run, serve
+from workers.process import run, serve
 
 log = structlog.get_logger(__name__)
 

@@ -1,0 +1,114 @@
+"""The worker process: signals, the engine built from the settings (announced before its import),
+one Worker (workers/worker.py) over the Redis queue, and a bounded shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import signal
+import sys
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+import structlog
+
+from llamamesh import logs
+from llamamesh.errors import EngineDead, InvalidRequest, QueueUnavailable
+from llamamesh.queue.batches import RedisBatches
+from llamamesh.queue.streams import RedisQueue
+from llamamesh.settings import Settings
+from llamamesh.types import WorkerState, WorkerStatus
+from workers.engines import registry
+from workers.engines.base import Engine
+from workers.replicas import run_replicas_if_needed
+from workers.worker import FAILED_TTL_S, Worker
+
+log = structlog.get_logger(__name__)
+
+
+async def serve(settings: Settings, engine: Engine | None = None) -> int:
+    """Run one worker process until SIGTERM/SIGINT; returns the exit code (1: the engine could not
+    start, died or wedged). ``engine``: the registry's engine for ``settings.worker.engine`` when not
+    given (imported here, after the first heartbeat said the worker is starting)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    ws = settings.worker
+    structlog.contextvars.bind_contextvars(worker=ws.consumer_name(), pool=ws.pool)
+    queue = RedisQueue.from_settings(settings.redis)
+    code = 0
+    worker: Worker | None = None
+    try:
+        if engine is None:
+            engine = await _create_engine(settings, queue)
+        batches = RedisBatches.from_settings(queue.client, queue.keys, settings.batch)
+        worker = Worker(ws, queue, engine, settings.redis.block_ms, batches, settings.batch)
+        await worker.run(stop)
+    except EngineDead as exc:
+        log.error("worker_exiting_engine_dead", error=str(exc))
+        code = 1
+    finally:
+        if engine is not None:
+            try:  # a wedged engine may never shut down: bounded
+                await asyncio.wait_for(engine.shutdown(), ws.grace_s + 5)
+            except Exception as exc:
+                log.error("engine_shutdown_failed", error=f"{type(exc).__name__}: {exc}")
+                if worker is not None and worker.wedged:
+                    await queue.close()
+                    log.info("worker_stopped", exit_code=1, wedged=True)
+                    os._exit(1)  # its torch thread cannot be joined
+        await queue.close()
+    log.info("worker_stopped", exit_code=code)
+    return code
+
+
+async def _create_engine(settings: Settings, queue: RedisQueue) -> Engine:
+    """Import and build the configured engine, announced as ``starting`` first (the import blocks
+    the loop for seconds: torch, vLLM). An engine that cannot be built is announced ``failed`` and
+    raises EngineDead."""
+    ws = settings.worker
+    status = WorkerStatus(worker=ws.consumer_name(), pool=ws.pool, model=ws.model, engine=ws.engine,
+                          max_inflight=ws.max_inflight, state=WorkerState.STARTING.value,
+                          detail=f"importing the {ws.engine} engine", since_unix_s=time.time())  # fmt: skip
+    with contextlib.suppress(QueueUnavailable):
+        await queue.heartbeat(status, max(ws.start_timeout_s, ws.heartbeat_ttl_s))
+    try:
+        return registry.create(settings)
+    except (InvalidRequest, ImportError) as exc:
+        why = exc.message if isinstance(exc, InvalidRequest) else f"cannot import the {ws.engine} engine: {exc}"
+        log.error("engine_start_failed", engine=ws.engine, error=why)
+        failed = dataclasses.replace(status, state=WorkerState.FAILED.value, detail=why, since_unix_s=time.time())
+        with contextlib.suppress(QueueUnavailable):
+            await queue.heartbeat(failed, FAILED_TTL_S)
+        raise EngineDead(why) from exc
+
+
+def run(coro: Coroutine[Any, Any, int]) -> int:
+    """Run the worker's loop on uvloop where it is installed (the per-step work of hundreds of job
+    tasks is loop-bound), else on asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def main() -> None:
+    settings = Settings.from_env()
+    logs.configure(settings.log, "worker")
+    code = run_replicas_if_needed(settings)
+    if code is not None:  # more GPUs than one engine spans: this process supervised one worker per group
+        sys.exit(code)
+    if settings.worker.engine == "vllm" and settings.vllm.frontends > 1:
+        from workers.frontends import run_frontends
+
+        sys.exit(run_frontends(settings))
+    sys.exit(run(serve(settings)))
+
+
+if __name__ == "__main__":
+    main()
