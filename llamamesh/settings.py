@@ -159,8 +159,9 @@ class WorkerSettings:
     # running jobs are touched every heartbeat, so a long healthy one is never taken.
     claim_idle_s: float = 30.0
     # Deliveries after which a job whose workers keep dying is set aside (dead-letter stream) and
-    # its caller told, instead of killing the next worker.
-    max_deliveries: int = 3
+    # its caller told, instead of killing the next worker: two workers died with it, no third (the
+    # gateway's GATEWAY_MAX_WORKER_DEATHS is the same rule for jobs it saw a worker take).
+    max_deliveries: int = 2
     # Seconds the engine's start (model conversion, loading, compiling) may take before the worker
     # gives up and exits non-zero. While it starts, the heartbeat says so (state "starting").
     start_timeout_s: float = 900.0

@@ -84,9 +84,11 @@ def run_replicas(settings: Settings, groups: list[list[str]]) -> int:
         consumer = f"{base}-r{i}"
         child_env = {"CUDA_VISIBLE_DEVICES": ",".join(group), "LLAMAMESH_WORKER_CONSUMER": consumer}
         children.append(Child(f"replica-{i}", (sys.executable, "-m", "workers"), child_env))
-        log.info("replica_planned", replica=i, gpus=",".join(group), consumer=consumer)
     sup = Supervisor(children)
     sup.start()
+    for i, (group, state) in enumerate(zip(groups, sup.states.values(), strict=True)):
+        log.info("replica_started", replica=i, pid=state.pid, gpus=",".join(group),
+                 consumer=state.child.env["LLAMAMESH_WORKER_CONSUMER"])  # fmt: skip
     try:
         sup.run()
     finally:

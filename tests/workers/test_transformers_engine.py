@@ -28,10 +28,18 @@ EOS = 2
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine() -> AsyncIterator[TransformersEngine]:
-    eng = TransformersEngine(WorkerSettings(max_inflight=8, max_model_len=MAX_MODEL_LEN))
+    async for eng in started(max_inflight=8):
+        yield eng
+
+
+async def started(**settings: object) -> AsyncIterator[TransformersEngine]:
+    """An engine of its own with these WorkerSettings (and the module's max_model_len), shut down after."""
+    eng = TransformersEngine(WorkerSettings(max_model_len=MAX_MODEL_LEN, **settings))  # type: ignore[arg-type]
     await eng.start()
-    yield eng
-    await eng.shutdown()
+    try:
+        yield eng
+    finally:
+        await eng.shutdown()
 
 
 def chat(question: str, **sampling: object) -> GenerationRequest:
@@ -326,10 +334,8 @@ async def test_stats_and_health(engine: TransformersEngine) -> None:
 @pytest_asyncio.fixture(loop_scope="module")
 async def spare() -> AsyncIterator[TransformersEngine]:
     """One request in flight at most, so that a second one waits."""
-    eng = TransformersEngine(WorkerSettings(max_inflight=1, max_model_len=MAX_MODEL_LEN))
-    await eng.start()
-    yield eng
-    await eng.shutdown()
+    async for eng in started(max_inflight=1):
+        yield eng
 
 
 async def test_abort_of_a_waiting_request(spare: TransformersEngine) -> None:
@@ -415,12 +421,16 @@ async def test_waiting_requests_are_admitted_by_priority(spare: TransformersEngi
 
 @pytest_asyncio.fixture(loop_scope="module")
 async def f32() -> AsyncIterator[TransformersEngine]:
-    """float32: a resumed run prefills the sent tokens in one pass where the whole run decoded them
-    one by one; in bf16 the two round differently and can part at a near-tie."""
-    eng = TransformersEngine(WorkerSettings(max_inflight=4, max_model_len=MAX_MODEL_LEN, dtype="float32"))
-    await eng.start()
-    yield eng
-    await eng.shutdown()
+    """float32 (the replayed resume is exact in bf16 too: see below)."""
+    async for eng in started(max_inflight=4, dtype="float32"):
+        yield eng
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def prefilled() -> AsyncIterator[TransformersEngine]:
+    """Resumed tokens prefilled in one pass, as past LLAMAMESH_WORKER_RESUME_REPLAY_TOKENS."""
+    async for eng in started(max_inflight=4, resume_replay_tokens=0):
+        yield eng
 
 
 async def test_a_resumed_request_goes_on_exactly_where_it_stopped(f32: TransformersEngine) -> None:
@@ -439,16 +449,29 @@ async def test_a_resumed_request_goes_on_exactly_where_it_stopped(f32: Transform
         assert rest.last.prompt_tokens == whole.last.prompt_tokens  # the resumed tokens are not prompt
 
 
+async def test_a_resume_past_the_replay_bound_is_prefilled_and_its_text_joins(prefilled: TransformersEngine) -> None:
+    """Prefill and decode kernels round differently, so a prefilled resume is a greedy continuation of
+    prompt + sent tokens, not necessarily the uninterrupted one's: what is guaranteed is the budget,
+    the joined text (no repeat, no gap) and the prompt count."""
+    whole = await run(prefilled, chat(QUESTIONS[1], temperature=0, max_tokens=24, ignore_eos=True))
+    sent, k = whole.tokens[:9], 9
+    request = chat(QUESTIONS[1], temperature=0, max_tokens=24 - k, ignore_eos=True)
+    rest = await run(prefilled, replace(request, resume_token_ids=tuple(sent)))
+    assert len(rest.tokens) == 24 - k
+    tok = prefilled.tokenizer
+    assert tok.decode(sent, skip_special_tokens=True) + rest.text == tok.decode(sent + rest.tokens,
+                                                                               skip_special_tokens=True)  # fmt: skip
+    assert rest.last.prompt_tokens == whole.last.prompt_tokens
+
+
 # --- batch invariance, bit for bit, and what one bad request may not do to the others
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def wide() -> AsyncIterator[TransformersEngine]:
     """Room for 20 in flight: more than one decode row group (16) at once."""
-    eng = TransformersEngine(WorkerSettings(max_inflight=20, max_model_len=MAX_MODEL_LEN))
-    await eng.start()
-    yield eng
-    await eng.shutdown()
+    async for eng in started(max_inflight=20):
+        yield eng
 
 
 def traced(question: str, n: int = 12, **sampling: object) -> GenerationRequest:

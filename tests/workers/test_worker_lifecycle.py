@@ -56,6 +56,13 @@ async def until(ok: Callable[[], object], timeout_s: float = 10.0) -> None:
     await asyncio.wait_for(poll(), timeout_s)
 
 
+def running(ws: WorkerSettings, queue: RedisQueue, engine: FakeEngine, stop: asyncio.Event | None = None,
+            ) -> tuple[Worker, asyncio.Task[None]]:  # fmt: skip
+    """A worker over ``engine``, running (its engine not started: the worker starts it)."""
+    worker = Worker(ws, queue, engine, block_ms=100)
+    return worker, asyncio.create_task(worker.run(stop or asyncio.Event()))
+
+
 def settings(name: str, **kw: object) -> WorkerSettings:
     return WorkerSettings(pool="cpu", engine="fake", consumer=name, heartbeat_s=0.05, heartbeat_ttl_s=1.0, **kw)  # type: ignore[arg-type]
 
@@ -64,9 +71,8 @@ async def test_the_heartbeat_says_starting_and_what_the_engine_does_then_ready(r
     ws = settings("w-slow")
     queue = RedisQueue.from_settings(redis_settings)
     engine = SlowStart(ws)
-    worker = Worker(ws, queue, engine, block_ms=100)
     stop = asyncio.Event()
-    task = asyncio.create_task(worker.run(stop))
+    worker, task = running(ws, queue, engine, stop)
     try:
         await until(lambda: _is(queue, "w-slow", "starting", "converting the model"))
         first = await status_of(queue, "w-slow")
@@ -97,8 +103,7 @@ async def test_an_engine_that_cannot_start_is_reported_failed_with_its_reason(re
     ws = settings("w-fail")
     queue = RedisQueue.from_settings(redis_settings)
     engine = SlowStart(ws, fail="cannot load model /nope.gguf: FileNotFoundError")
-    worker = Worker(ws, queue, engine, block_ms=100)
-    task = asyncio.create_task(worker.run(asyncio.Event()))
+    worker, task = running(ws, queue, engine)
     try:
         await until(lambda: _is(queue, "w-fail", "starting", "converting the model"))
         engine.step.set()
@@ -132,8 +137,7 @@ async def test_a_dead_engine_found_by_the_health_check_stops_the_worker(redis_se
     ws = settings("w-check", health_check_s=0.1)
     queue = RedisQueue.from_settings(redis_settings)
     engine = FakeEngine(ws)
-    worker = Worker(ws, queue, engine, block_ms=100)
-    task = asyncio.create_task(worker.run(asyncio.Event()))
+    worker, task = running(ws, queue, engine)
     try:
         await asyncio.wait_for(worker.ready.wait(), 5)
         engine.dead = True  # no request in flight: only the periodic check can notice
@@ -151,8 +155,7 @@ async def test_a_wedged_engine_makes_the_worker_leave_at_once_and_hand_its_jobs_
     ws = settings("w-wedge", health_check_s=0.1, wedge_timeout_s=0.5, fake_step_s=0.01, grace_s=30)
     queue = RedisQueue.from_settings(redis_settings)
     engine = FakeEngine(ws)
-    worker = Worker(ws, queue, engine, block_ms=100)
-    task = asyncio.create_task(worker.run(asyncio.Event()))
+    worker, task = running(ws, queue, engine)
     try:
         await asyncio.wait_for(worker.ready.wait(), 5)
         await queue.submit("cpu", GenerationRequest("stuck", "m", prompt="x", sampling=SamplingParams(max_tokens=500)))
