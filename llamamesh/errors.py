@@ -103,6 +103,15 @@ class WorkerLost(Unavailable):
         self.running = running
 
 
+class WorkerDied(WorkerLost):
+    """The worker that was running the request died (found by the worker that took its job over)."""
+
+    code = "worker_died"
+
+    def __init__(self, message: str, running: bool = True) -> None:
+        super().__init__(message, running=True)
+
+
 class DeadlineExceeded(LlamameshError):
     code = "deadline_exceeded"
 

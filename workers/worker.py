@@ -30,13 +30,13 @@ from typing import Any
 
 import structlog
 
-from llamamesh.errors import EngineDead, InvalidRequest, QueueUnavailable
+from llamamesh.errors import EngineDead, InvalidRequest, QueueUnavailable, WorkerDied
 from llamamesh.queue.protocol import BatchStore, Lease, WorkQueue
 from llamamesh.settings import BatchSettings, WorkerSettings
-from llamamesh.types import WorkerState, WorkerStatus
+from llamamesh.types import JobEvent, WorkerState, WorkerStatus
 from workers.batch import record, run_batch_item, skipped_result
 from workers.engines.base import Engine
-from workers.job import cancelled_event, run_job
+from workers.job import cancelled_event, failure_of, run_job
 from workers.outbox import Outbox
 
 log = structlog.get_logger(__name__)
@@ -283,6 +283,12 @@ class Worker:
         elif lease.cancelled:
             await self._outbox.finish(lease, cancelled_event(lease, self.name))
             log.info("job_skipped_cancelled", request_id=rid)
+        elif lease.started:
+            # A dead worker had begun it and its caller has those tokens: a run from the start would
+            # send them again. End it; the gateway resumes it elsewhere from what the caller has.
+            died = WorkerDied("the worker running it died; it is resumed from the tokens already sent")
+            await self._outbox.finish(lease, JobEvent(worker=self.name, failed=failure_of(died)))
+            log.info("job_not_restarted", request_id=rid)
         else:
             self._start(lease)
 

@@ -24,6 +24,9 @@ class Lease:
     cancelled: bool = False
     # A batch item leased after its batch's deadline: it ends expired, unrun.
     expired: bool = False
+    # A reclaimed job a dead worker had already begun (its event stream has entries): its caller has
+    # tokens of it, so it must not run again from the start (the gateway resumes it elsewhere).
+    started: bool = False
 
 
 class JobQueue(Protocol):
@@ -108,7 +111,8 @@ class WorkQueue(Protocol):
         """Take over up to ``count`` jobs leased and left untouched for ``min_idle_ms`` (their worker
         died); ``own``: this consumer's own leased jobs (a restart under the same name), any idle
         time. Each job is claimed by one caller only. A job delivered more than ``max_deliveries``
-        times is not returned: it goes to the dead-letter stream and its caller gets a failure."""
+        times is not returned: it goes to the dead-letter stream and its caller gets a failure. A
+        job that had begun (events written) comes with ``started`` set."""
         ...
 
     async def heartbeat(self, status: WorkerStatus, ttl_s: float, touch: Sequence[str] = ()) -> None:

@@ -257,17 +257,27 @@ class RedisQueue:
             await self._drop(stream, bad)
         return await self._with_cancel_flags(pool, leased)
 
-    async def _with_cancel_flags(self, pool: str, leased: list[tuple[str, GenerationRequest]]) -> list[Lease]:
+    async def _with_cancel_flags(
+        self, pool: str, leased: list[tuple[str, GenerationRequest]], reclaimed: bool = False
+    ) -> list[Lease]:
+        """Leases with their cancel flags; ``reclaimed``: also whether each had begun (events exist)."""
         if not leased:
             return []
+        requests = [req for _eid, req in leased]
         try:
             async with self._r.pipeline(transaction=False) as pipe:
-                self._check_cancelled(pipe, [req for _eid, req in leased])
+                self._check_cancelled(pipe, requests)
+                if reclaimed:
+                    for req in requests:
+                        pipe.exists(self.keys.events(req.request_id))
                 flags = await pipe.execute()
         except RedisError as exc:
             raise QueueUnavailable("the queue is unreachable") from exc
-        gone = self._cancelled([req for _eid, req in leased], flags)
-        return [Lease(pool=pool, entry_id=eid, request=req, cancelled=req.request_id in gone) for eid, req in leased]
+        gone = self._cancelled(requests, flags[: 2 * len(requests)])
+        begun = flags[2 * len(requests) :]
+        return [Lease(pool=pool, entry_id=eid, request=req, cancelled=req.request_id in gone,
+                      started=bool(begun[i]) if reclaimed else False)
+                for i, (eid, req) in enumerate(leased)]  # fmt: skip
 
     def _check_cancelled(self, pipe: Any, requests: Sequence[GenerationRequest]) -> None:
         """Queue the commands that tell whether each request is cancelled (two replies each)."""
@@ -319,7 +329,7 @@ class RedisQueue:
             else:
                 leases.append((eid, req))
         log.info("jobs_reclaimed", pool=pool, count=len(leases), dead=len(entries) - len(leases), own=own)
-        return await self._with_cancel_flags(pool, leases)
+        return await self._with_cancel_flags(pool, leases, reclaimed=True)
 
     async def dead_letter(
         self, pool: str, entry_id: str, request: GenerationRequest, reason: str, deliveries: int

@@ -254,6 +254,18 @@ async def test_touched_jobs_are_not_reclaimed_and_own_jobs_come_back_on_restart(
     assert [x.request.request_id for x in await rq.reclaim("cpu", "w1", 0, 10, 3, own=True)] == ["busy"]
 
 
+async def test_a_reclaimed_job_says_whether_its_dead_worker_had_begun_it(rq: RedisQueue) -> None:
+    await rq.join("cpu")
+    await rq.submit("cpu", req("begun"))
+    await rq.submit("cpu", req("untouched"))
+    leases = {x.request.request_id: x for x in await rq.lease("cpu", "w1", 2, 500)}
+    assert not any(x.started for x in leases.values())  # a first lease never is
+    await rq.publish([(leases["begun"], JobEvent(text="a", token_ids=(1,), index=0))], [])
+    await asyncio.sleep(0.3)
+    got = {x.request.request_id: x.started for x in await rq.reclaim("cpu", "w2", 200, 10, 3)}
+    assert got == {"begun": True, "untouched": False}
+
+
 async def test_a_job_that_keeps_killing_workers_is_dead_lettered(rq: RedisQueue, redis_settings: RedisSettings) -> None:
     await rq.join("cpu")
     await rq.submit("cpu", req("poison"))

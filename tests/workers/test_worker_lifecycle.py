@@ -180,3 +180,30 @@ async def test_a_wedged_engine_makes_the_worker_leave_at_once_and_hand_its_jobs_
         with contextlib.suppress(Exception):
             await engine.shutdown()
         await queue.close()
+
+
+async def test_a_job_a_dead_worker_had_begun_is_not_run_again_from_the_start(redis_settings: RedisSettings) -> None:
+    """Its caller has its first tokens: the worker that takes it over ends it worker_died (the gateway
+    resumes it from those tokens and counts a death) instead of sending them again."""
+    queue = RedisQueue.from_settings(redis_settings)
+    try:
+        await queue.join("cpu")
+        await queue.submit("cpu", GenerationRequest("half", "m", prompt="x", sampling=SamplingParams(max_tokens=9)))
+        (lease,) = await queue.lease("cpu", "w-dead", 1, 500)
+        await queue.publish([(lease, JobEvent(text=" w1", token_ids=(1,), index=0, worker="w-dead"))], [])
+        ws = settings("w-heir", claim_idle_s=0.3)
+        engine = FakeEngine(ws)
+        await asyncio.sleep(0.4)  # the dead worker's lease ages past the claim idle time
+        stop = asyncio.Event()
+        _worker, task = running(ws, queue, engine, stop)
+        try:
+            evs = [e async for _i, e in queue.events("half")]
+            assert evs[-1].failed is not None and evs[-1].failed.code == "worker_died", evs[-1]
+            assert [t for e in evs for t in e.token_ids] == [1]  # nothing sent again
+            assert engine.served == []
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 10)
+    finally:
+        await queue.close()
+
