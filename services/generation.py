@@ -281,12 +281,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         b, s = self._backends, self._s
         if b is None:
             return
-        wrong = b.what_is_wrong(pool)
-        detail = f" ({wrong})" if wrong else ""
         if s.no_worker_wait_s > 0 and b.empty_for(pool) > s.no_worker_wait_s:
-            raise errors.NoWorkers(f"pool {pool!r} has had no live worker for {s.no_worker_wait_s:g} s{detail}")
-        if s.start_wait_s > 0 and b.starting_for(pool) > s.start_wait_s:
-            raise errors.NoWorkers(f"pool {pool!r} has been starting for over {s.start_wait_s:g} s{detail}")
+            why = f"has had no live worker for {s.no_worker_wait_s:g} s"
+        elif s.start_wait_s > 0 and b.starting_for(pool) > s.start_wait_s:
+            why = f"has been starting for over {s.start_wait_s:g} s"
+        else:
+            return  # the common case, checked every interval while a request waits: no strings built
+        wrong = b.what_is_wrong(pool)
+        raise errors.NoWorkers(f"pool {pool!r} {why}" + (f" ({wrong})" if wrong else ""))
 
     def _check_reachable(self, pool: str, remaining_s: float | None) -> None:
         """Refuse at once a request that would wait in the queue past its deadline."""

@@ -82,13 +82,16 @@ def resolve_sampling(params: SamplingParams, vocab_size: int) -> ResolvedSamplin
     )
 
 
-def library_sampling_kwargs(params: SamplingParams, optional: Sequence[str]) -> dict[str, Any]:
+def library_sampling_kwargs(
+    params: SamplingParams, optional: Sequence[str], vocab_size: int | None = None
+) -> dict[str, Any]:
     """The keyword arguments vLLM's and TensorRT-LLM's ``SamplingParams`` take alike: max_tokens and
     temperature always (our defaults), each of ``optional`` (same name on both sides) only when set,
     top_k -1 or 0 as 0 (off), stop strings and stop token ids as lists. The parameters are
     :func:`checked` first (InvalidRequest naming the field; tiny temperatures normalised), so every
-    engine runs the same values. Each adapter adds the rest."""
-    params = checked(params)
+    engine runs the same values (``vocab_size``: stop token ids checked against it). Each adapter
+    adds the rest."""
+    params = checked(params, vocab_size)
     kwargs: dict[str, Any] = {
         "max_tokens": DEFAULT_MAX_TOKENS if params.max_tokens is None else params.max_tokens,
         "temperature": DEFAULT_TEMPERATURE if params.temperature is None else params.temperature,

@@ -174,10 +174,9 @@ def engine_error_field(message: str, locs: Sequence[str], keys: Collection[str],
 
 def sampling_kwargs(params: SamplingParams, vocab_size: int | None = None) -> dict[str, Any]:
     """vLLM SamplingParams keyword arguments (without ``output_kind``): max_tokens and temperature
-    always (our defaults), every other field only when set; top_k -1 or 0 becomes vLLM's 0 (off)."""
-    if vocab_size is not None and any(not 0 <= t < vocab_size for t in params.stop_token_ids):
-        raise InvalidRequest.field("stop_token_ids", f"token ids must be in [0, {vocab_size})")
-    return library_sampling_kwargs(params, _OPTIONAL_SAMPLING)
+    always (our defaults), every other field only when set; top_k -1 or 0 becomes vLLM's 0 (off).
+    Stop token ids must lie in the vocabulary when its size is given."""
+    return library_sampling_kwargs(params, _OPTIONAL_SAMPLING, vocab_size)
 
 
 def invalid_from_vllm(message: str, parameter: str | None, input_field: str) -> InvalidRequest:
