@@ -511,7 +511,10 @@ async def test_a_generation_three_times_longer_than_the_claim_idle_time_runs_onc
 async def test_four_workers_racing_over_fifty_stale_jobs_run_each_once(e2e_redis: RedisProcess, tmp_path: Path) -> None:
     """50 jobs leased by a worker that died before running any: four worker processes reclaim them
     (claim idle 2 s) at once; every job runs exactly once and ends with one terminal event."""
-    n = ProcessNode(tmp_path, e2e_redis, engine="fake", extra_env={**FAST, "LLAMAMESH_WORKER_FAKE_STEP_S": "0.01"})
+    # 4 jobs at a time of ~0.6 s each: one worker alone would take ~8 s over the 50, so the ones that
+    # start later (process start-up is staggered on 2 cores) take their share
+    slow = {"LLAMAMESH_WORKER_FAKE_STEP_S": "0.2", "LLAMAMESH_WORKER_MAX_INFLIGHT": "4"}
+    n = ProcessNode(tmp_path, e2e_redis, engine="fake", extra_env={**FAST, **slow})
     q = RedisQueue.from_settings(RedisSettings(url=e2e_redis.url, prefix=n.prefix))
     ids = [f"stale{i}" for i in range(50)]
     try:

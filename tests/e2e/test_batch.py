@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -77,13 +77,17 @@ async def stub(node: ProcessNode) -> AsyncIterator[batch_pb2_grpc.BatchServiceSt
 
 async def until_ended(stub: batch_pb2_grpc.BatchServiceStub, batch_id: str, timeout_s: float) -> bpb.Batch:
     ended = (bpb.BATCH_STATE_COMPLETED, bpb.BATCH_STATE_CANCELLED, bpb.BATCH_STATE_EXPIRED, bpb.BATCH_STATE_FAILED)
+    return await until(stub, batch_id, lambda b: b.state in ended, timeout_s)
+
+
+async def until(
+    stub: batch_pb2_grpc.BatchServiceStub, batch_id: str, done: Callable[[bpb.Batch], bool], timeout_s: float
+) -> bpb.Batch:
     deadline = time.monotonic() + timeout_s
-    while True:
-        b = await stub.GetBatch(bpb.GetBatchRequest(batch_id=batch_id))
-        if b.state in ended:
-            return b
+    while not done(b := await stub.GetBatch(bpb.GetBatchRequest(batch_id=batch_id))):
         assert time.monotonic() < deadline, b
         await asyncio.sleep(0.2)  # polling another process's progress, bounded by timeout_s
+    return b
 
 
 def assert_counts(b: bpb.Batch) -> None:
@@ -256,6 +260,9 @@ async def test_a_batch_whose_first_items_all_fail_ends_failed(stub: batch_pb2_gr
         params=pb.GenerateRequest(max_tokens=8))))  # fmt: skip
     b = await until_ended(stub, "doomed", 120)
     assert b.state == bpb.BATCH_STATE_FAILED, b  # LLAMAMESH_BATCH_FAIL_AFTER=3 errors, none succeeded
+    # FAILED is shown at once; its unstarted items end cancelled just after and its running ones finish
+    b = await until(stub, "doomed", lambda b: b.counts.processing == 0, 60)
+    assert b.state == bpb.BATCH_STATE_FAILED, b
     assert b.counts.errored >= 3 and b.counts.cancelled >= 1 and b.counts.errored + b.counts.cancelled == 40
     assert_counts(b)
     got = await results(stub, "doomed")
