@@ -39,6 +39,11 @@ class RedisSettings:
     # Seconds a gateway's open streams ride out Redis being unreachable (a restart, a failover),
     # reading on from where they were once it answers; past it they end UNAVAILABLE.
     outage_grace_s: float = 15.0
+    # A pooled connection idle this long is checked (PING) before its next command, so one Redis
+    # dropped while restarting is replaced instead of failing that command.
+    health_check_s: int = 1
+    # Times a command is retried on a fresh connection after a connection error (jittered backoff).
+    retries: int = 1
 
 
 @dataclass(frozen=True)

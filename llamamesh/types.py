@@ -170,9 +170,16 @@ class JobEvent:
     def terminal(self) -> bool:
         return self.finished is not None or self.failed is not None or self.tokenized
 
+    def follows_on(self, later: JobEvent) -> bool:
+        """``later`` starts where this event's tokens end (or carries none): the two can be one."""
+        return not later.token_ids or later.index == self.index + len(self.token_ids)
+
     def then(self, later: JobEvent) -> JobEvent:
         """This event and the next one of the same request as one: the deltas joined, the ending (if
-        any) and worker of ``later``, the index of this one."""
+        any) and worker of ``later``, the index of this one. ``later`` must follow on (ValueError)."""
+        if not self.follows_on(later):
+            end = self.index + len(self.token_ids)
+            raise ValueError(f"an event at token {later.index} does not follow on one that ends at {end}")
         return replace(
             later,
             text=self.text + later.text,

@@ -24,6 +24,7 @@ from services.backends import Backends, backend_service
 from services.batch import BatchServicer, BatchSweeper
 from services.generation import GenerationServicer
 from services.health import HealthReporter
+from services.relay import QueueRelay
 from services.routing import RoutingPolicy, tokenizer_counter
 
 log = structlog.get_logger(__name__)
@@ -38,6 +39,7 @@ class Gateway:
     server: grpc.aio.Server
     health: HealthReporter
     backends: Backends
+    relay: QueueRelay
     port: int
     sweeper: BatchSweeper | None = None
 
@@ -45,6 +47,7 @@ class Gateway:
         """Health NOT_SERVING, stop accepting, give open streams ``grace_s``, then close."""
         await self.health.shutdown()
         await self.server.stop(grace_s)
+        await self.relay.close()
         await self.backends.stop()
         if self.sweeper is not None:
             await self.sweeper.stop()
@@ -80,9 +83,8 @@ async def start_gateway(
         breaker or BreakerSettings(),
         on_health=lambda pool, up: reporter.set_backend(backend_service(pool), up),
     )
-    generation_pb2_grpc.add_GenerationServiceServicer_to_server(
-        GenerationServicer(queue, settings, models, backends, policy, reporter.queue_generation), server
-    )
+    relay = QueueRelay(queue, settings, backends, policy, reporter.queue_generation)
+    generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(relay, settings, models), server)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(backends), server)
     services = [GENERATION_SERVICE, ADMIN_SERVICE]
     sweeper = None
@@ -111,7 +113,7 @@ async def start_gateway(
     if sweeper is not None:
         sweeper.start()
     log.info("gateway_started", host=settings.host, port=bound)
-    return Gateway(server=server, health=reporter, backends=backends, port=bound, sweeper=sweeper)
+    return Gateway(server=server, health=reporter, backends=backends, relay=relay, port=bound, sweeper=sweeper)
 
 
 async def serve(settings: Settings, share_port: bool = False) -> None:

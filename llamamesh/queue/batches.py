@@ -32,6 +32,7 @@ from llamamesh.errors import InvalidRequest, QueueUnavailable
 from llamamesh.queue import codec
 from llamamesh.queue.keys import JOB_FIELD, RESULT_FIELD, WORKER_GROUP, Keys
 from llamamesh.queue.protocol import Lease
+from llamamesh.queue.redisio import UNREACHABLE, unreachable
 from llamamesh.queue.streams import create_group, touch_entries
 from llamamesh.settings import BatchSettings
 from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, ItemStatus
@@ -218,7 +219,7 @@ class RedisBatches:
             **dict.fromkeys(COUNTS, 0),
         }  # fmt: skip
         flat = [str(x) for kv in record.items() for x in kv]
-        try:
+        with unreachable():
             # One script: two concurrent submissions of one id never see a half-written record.
             stored: Any = await self._create(keys=[meta], args=flat)
             created = stored == 1
@@ -240,8 +241,6 @@ class RedisBatches:
                     pipe.xadd(self.keys.batch_items(pool), {JOB_FIELD: codec.encode_job(request)})
                 pipe.hset(meta, "enqueued", 1)
                 await pipe.execute()
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
         return await self._require(info.batch_id), bool(created)
 
     async def _require(self, batch_id: str) -> BatchInfo:
@@ -251,16 +250,14 @@ class RedisBatches:
         return got
 
     async def get(self, batch_id: str) -> BatchInfo | None:
-        try:
+        with unreachable():
             raw: Any = await self._r.hgetall(self.keys.batch(batch_id))
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
         return info_of(raw) if raw and b"state" in raw else None
 
     async def owned(self, owner: str, limit: int, before: float | None) -> list[BatchInfo]:
         """The owner's batches created before ``before`` (None: all), newest first, at most ``limit``."""
         key = self.keys.batches(owner)
-        try:
+        with unreachable():
             ids: Any = await self._r.zrevrangebyscore(
                 key, f"({before}" if before is not None else "+inf", "-inf", start=0, num=limit
             )
@@ -271,18 +268,14 @@ class RedisBatches:
                     await self._r.zrem(key, raw_id)
                 else:
                     out.append(info)
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
         return out
 
     async def cancel(self, batch_id: str) -> BatchInfo | None:
         """Move an unfinished batch to cancelling and end its unstarted items cancelled (running ones
         finish; the batch is cancelled with the last); an ended one is returned as it is. None if
         unknown."""
-        try:
+        with unreachable():
             state = await self._cancel(keys=[self.keys.batch(batch_id)], args=[time.time()])
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
         if state == b"cancelling":
             await self.settle(batch_id)
             await self._look_again_soon(batch_id)
@@ -292,10 +285,8 @@ class RedisBatches:
         """A batch that now waits only for its running items: the sweep looks at it once a dead
         worker's items could be claimed, not at its (maybe distant) deadline."""
         if self.claim_idle_s > 0:
-            try:
+            with unreachable():
                 await self._r.zadd(self.keys.batches_open(), {batch_id: time.time() + self.claim_idle_s}, lt=True)
-            except RedisError as exc:
-                raise QueueUnavailable("the queue is unreachable") from exc
 
     async def settle(self, batch_id: str) -> BatchInfo | None:
         """End, without running them, the items that can no longer start: all unstarted ones of a
@@ -313,7 +304,7 @@ class RedisBatches:
         else:
             status, why = ItemStatus.CANCELLED, "the batch was cancelled before this item started"
         keys = self._item_keys(batch_id)
-        try:
+        with unreachable():
             cursor: Any = 0
             while True:
                 reply: Any = await self._r.sscan(keys[3], cursor, count=500)
@@ -326,8 +317,6 @@ class RedisBatches:
                     break
                 if int(cursor) == 0:
                     break
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
         return await self.get(batch_id)
 
     async def sweep(self, limit: int = 100) -> int:
@@ -336,7 +325,7 @@ class RedisBatches:
         too (``end_abandoned``). An ended batch leaves the open set; one still waiting for running
         items is looked at again after ``claim_idle_s`` (a minute if 0)."""
         key = self.keys.batches_open()
-        try:
+        with unreachable():
             due: Any = await self._r.zrangebyscore(key, "-inf", time.time(), start=0, num=limit)
             for raw in due:
                 info = await self.settle(raw.decode())
@@ -346,8 +335,6 @@ class RedisBatches:
                     await self._r.zrem(key, raw)
                 else:
                     await self._r.zadd(key, {raw: time.time() + (self.claim_idle_s or 60)})
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
         return len(due)
 
     async def end_abandoned(self, info: BatchInfo, page: int = 1000) -> BatchInfo | None:
@@ -366,7 +353,7 @@ class RedisBatches:
             ended = "failed" if info.state is BatchState.FAILED else "was cancelled"
             status, why = ItemStatus.CANCELLED, f"the batch {ended} while this item's worker was gone"
         idle_ms = int(self.claim_idle_s * 1000)
-        try:
+        with unreachable():
             pools: Any = await self._r.hget(self.keys.batch(info.batch_id), "pools")
             for pool in filter(None, (pools or b"").decode().split(",")):
                 stream = self.keys.batch_items(pool)
@@ -375,8 +362,6 @@ class RedisBatches:
                     if claimed and claimed[0] and claimed[0][1]:  # still idle, still there: ours now
                         result = ItemResult.unrun(req.custom_id, status, why)
                         await self.record(Lease(pool, entry_id, req), result)
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
         return await self.get(info.batch_id)
 
     async def _idle_items(
@@ -414,10 +399,8 @@ class RedisBatches:
 
     async def results(self, batch_id: str, after: str, block_ms: int | None) -> list[tuple[str, ItemResult]]:
         """Results after cursor ``after`` ("0-0": from the first), waiting up to ``block_ms`` for one."""
-        try:
+        with unreachable():
             reply: Any = await self._r.xread({self.keys.batch_results(batch_id): after}, count=500, block=block_ms)
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
         return [
             (entry_id.decode(), codec.decode_result(fields[RESULT_FIELD.encode()]))
             for _stream, entries in reply or ()
@@ -442,7 +425,7 @@ class RedisBatches:
                 return []
             raise QueueUnavailable(f"cannot read the batch stream: {exc}") from exc
         except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
+            raise QueueUnavailable(UNREACHABLE) from exc
         return await self._leases(pool, [e for _s, es in reply or () for e in es])
 
     async def reclaim(self, pool: str, consumer: str, min_idle_ms: int, count: int) -> list[Lease]:
@@ -456,7 +439,7 @@ class RedisBatches:
                 return []
             raise QueueUnavailable(f"cannot claim from the batch stream: {exc}") from exc
         except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
+            raise QueueUnavailable(UNREACHABLE) from exc
         return await self._leases(pool, [e for e in reply[1] if e and e[1]])
 
     async def touch(self, pool: str, consumer: str, entry_ids: Sequence[str]) -> None:
@@ -477,7 +460,7 @@ class RedisBatches:
         for _eid, req in decoded:
             by_batch.setdefault(req.batch_id, []).append(req.custom_id)
         now = time.time()
-        try:
+        with unreachable():
             async with self._r.pipeline(transaction=False) as pipe:
                 for bid, cids in by_batch.items():
                     keys = [self.keys.batch(bid), self.keys.batch_started(bid)]
@@ -486,8 +469,6 @@ class RedisBatches:
                     pipe.xack(stream, WORKER_GROUP, *bad)
                     pipe.xdel(stream, *bad)
                 replies = await pipe.execute()
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
         gate = {bid: r.decode() if isinstance(r, bytes) else str(r) for bid, r in zip(by_batch, replies, strict=False)}
         return [
             Lease(
@@ -503,26 +484,22 @@ class RedisBatches:
     async def discard(self, lease: Lease) -> None:
         """Ack and drop a leased item without a result (a second copy of an item already running)."""
         stream = self.keys.batch_items(lease.pool)
-        try:
+        with unreachable():
             async with self._r.pipeline(transaction=False) as pipe:
                 pipe.xack(stream, WORKER_GROUP, lease.entry_id)
                 pipe.xdel(stream, lease.entry_id)
                 await pipe.execute()
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
 
     async def record(self, lease: Lease, result: ItemResult) -> bool:
         """Record the item's one result (False: it had one already, or its batch is gone), then ack
         it. The result that fails the batch (its first ``fail_after`` all errored) settles it."""
         req = lease.request
-        try:
+        with unreachable():
             done = int(await self._record(
                 keys=self._item_keys(req.batch_id),
                 args=[req.custom_id, result.status.value, codec.encode_result(result), time.time(), self.retention_s,
                       self.fail_after],
             ))  # fmt: skip
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
         await self.discard(lease)
         if done == 2:
             await self.settle(req.batch_id)

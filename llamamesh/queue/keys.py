@@ -33,6 +33,11 @@ class Keys:
         """Poison jobs of a pool (a stream): the job, why, and how often it was delivered."""
         return f"{self.prefix}:pool:{{{pool}}}:dead"
 
+    def submitted(self, pool: str, request_id: str) -> str:
+        """Present once a request was queued to a pool (in the pool's slot, beside its work stream):
+        a retried submission is not queued twice."""
+        return f"{self.prefix}:pool:{{{pool}}}:submitted:{request_id}"
+
     def events(self, request_id: str) -> str:
         """The event stream of one request, written by its worker, read by its gateway."""
         return f"{self.prefix}:req:{{{request_id}}}:events"

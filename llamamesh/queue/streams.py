@@ -30,6 +30,7 @@ from llamamesh.queue import codec
 from llamamesh.queue.follow import EventFollower, Item
 from llamamesh.queue.keys import EVENT_FIELD, JOB_FIELD, WORKER_GROUP, Keys
 from llamamesh.queue.protocol import Lease
+from llamamesh.queue.redisio import UNREACHABLE, connect, unreachable
 from llamamesh.settings import RedisSettings
 from llamamesh.types import Attempt, Failure, GenerationRequest, JobEvent, WorkerStatus
 
@@ -44,12 +45,15 @@ async def create_group(client: aioredis.Redis, stream: str) -> None:
         if "BUSYGROUP" not in str(exc):
             raise QueueUnavailable(f"cannot create the consumer group: {exc}") from exc
     except RedisError as exc:
-        raise QueueUnavailable("the queue is unreachable") from exc
+        raise QueueUnavailable(UNREACHABLE) from exc
 
 
-# KEYS: the work stream. ARGV: job field, encoded job, max waiting (0: no bound), group.
-# Returns -1 (queued), or how many wait unleased (the stream is full: nothing queued).
+# KEYS: the work stream, the request's submitted marker. ARGV: job field, encoded job, max waiting
+# (0: no bound), group, the marker's ttl. Returns -1 (queued), -2 (queued before: a retried write
+# whose first try was applied; nothing queued again), or how many wait unleased (the stream is
+# full: nothing queued).
 _SUBMIT = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return -2 end
 local most = tonumber(ARGV[3])
 if most > 0 then
   local n = redis.call('XLEN', KEYS[1])
@@ -61,6 +65,7 @@ if most > 0 then
   end
 end
 redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
+redis.call('SET', KEYS[2], '1', 'EX', ARGV[5])
 return -1
 """
 
@@ -69,14 +74,14 @@ async def touch_entries(client: aioredis.Redis, stream: str, consumer: str, entr
     """Reset the idle time of the entries ``consumer`` still works on, so that nobody reclaims them."""
     if not entry_ids:
         return
-    try:
+    with unreachable():
         await client.xclaim(stream, WORKER_GROUP, consumer, 0, list(entry_ids), justid=True)
-    except RedisError as exc:
-        raise QueueUnavailable("the queue is unreachable") from exc
 
 
 # KEYS: the request's attempts list. ARGV: the encoded attempt, first ('1': only if none yet), ttl.
+# A record equal to the last one is a retried write whose first try was applied: done already.
 _BEGIN = """
+if redis.call('LINDEX', KEYS[1], -1) == ARGV[1] then return 1 end
 if ARGV[2] == '1' and redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('RPUSH', KEYS[1], ARGV[1])
 redis.call('EXPIRE', KEYS[1], ARGV[3])
@@ -114,28 +119,15 @@ class RedisQueue:
 
     @classmethod
     def from_settings(cls, settings: RedisSettings) -> RedisQueue:
-        if not settings.url:
-            raise ValueError("RedisSettings.url is empty: start the embedded server first")
-        # Blocking reads hold a connection each; the socket timeout must outlast them.
-        client = aioredis.Redis.from_url(
-            settings.url,
-            socket_timeout=settings.block_ms / 1000 + 10,
-            socket_connect_timeout=5,
-            health_check_interval=30,
-        )
-        return cls(client, settings)
+        return cls(connect(settings), settings)
 
     # ---- gateway side -------------------------------------------------------
     async def submit(self, pool: str, request: GenerationRequest, max_waiting: int = 0) -> None:
-        try:
-            if max_waiting <= 0:
-                await self._r.xadd(self.keys.jobs(pool), {JOB_FIELD: codec.encode_job(request)})
-                return
+        with unreachable():
             waiting = int(await self._submit(
-                keys=[self.keys.jobs(pool)], args=[JOB_FIELD, codec.encode_job(request), max_waiting, WORKER_GROUP]
+                keys=[self.keys.jobs(pool), self.keys.submitted(pool, request.request_id)],
+                args=[JOB_FIELD, codec.encode_job(request), max_waiting, WORKER_GROUP, self._s.event_idle_ttl_s],
             ))  # fmt: skip
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
         if waiting >= 0:
             raise QueueFull(f"pool {pool!r} has {waiting} requests waiting (at most {max_waiting}); retry later")
 
@@ -159,7 +151,10 @@ class RedisQueue:
                         held = item
                         break
                     next_id, later = self._decoded(item)
-                    if later.failed is not None:
+                    if later.failed is not None or not event.follows_on(later):
+                        # A failure, or an event that does not follow on (a repeat the worker's
+                        # retried publish wrote, or a gap): delivered on its own, for the relay's
+                        # stream invariant (services/relay.py) to judge.
                         held = item
                         break
                     entry_id, event = next_id, event.then(later)
@@ -177,34 +172,26 @@ class RedisQueue:
         return entry_id, codec.decode_event(fields[EVENT_FIELD.encode()])
 
     async def cancel(self, request_id: str) -> None:
-        try:
+        with unreachable():
             await self._r.set(self.keys.cancel(request_id), b"1", ex=self._s.event_idle_ttl_s)
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
 
     async def call_off(self, caller_id: str) -> None:
-        try:
+        with unreachable():
             await self._r.set(self.keys.called_off(caller_id), b"1", ex=self._s.event_idle_ttl_s)
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
 
     async def epoch(self) -> str:
-        try:
+        with unreachable():
             await self._r.set(self.keys.epoch(), uuid.uuid4().hex, nx=True)
             value: Any = await self._r.get(self.keys.epoch())
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
         return value.decode() if value else ""
 
     async def ping(self) -> None:
-        try:
+        with unreachable():
             await self._r.ping()
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
 
     async def workers(self, pool: str) -> list[WorkerStatus]:
         names_key = self.keys.workers(pool)
-        try:
+        with unreachable():
             members: Any = await self._r.smembers(names_key)
             names = sorted(n.decode() for n in members)
             if not names:
@@ -213,8 +200,6 @@ class RedisQueue:
             gone = [n for n, v in zip(names, raw, strict=True) if v is None]
             if gone:  # their heartbeats expired: forget the names too
                 await self._r.srem(names_key, *gone)
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
         return [codec.decode_status(v) for v in raw if v is not None]
 
     async def close(self) -> None:
@@ -240,7 +225,7 @@ class RedisQueue:
                 return []
             raise QueueUnavailable(f"cannot read the work stream: {exc}") from exc
         except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
+            raise QueueUnavailable(UNREACHABLE) from exc
         entries = [e for _s, es in reply or () for e in es]
         if not entries:
             return []
@@ -264,15 +249,13 @@ class RedisQueue:
         if not leased:
             return []
         requests = [req for _eid, req in leased]
-        try:
+        with unreachable():
             async with self._r.pipeline(transaction=False) as pipe:
                 self._check_cancelled(pipe, requests)
                 if reclaimed:
                     for req in requests:
                         pipe.exists(self.keys.events(req.request_id))
                 flags = await pipe.execute()
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
         gone = self._cancelled(requests, flags[: 2 * len(requests)])
         begun = flags[2 * len(requests) :]
         return [Lease(pool=pool, entry_id=eid, request=req, cancelled=req.request_id in gone,
@@ -314,7 +297,7 @@ class RedisQueue:
                 return []
             raise QueueUnavailable(f"cannot reclaim from the work stream: {exc}") from exc
         except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
+            raise QueueUnavailable(UNREACHABLE) from exc
         entries = [(eid.decode(), fields) for eid, fields in claimed if fields]
         leases: list[tuple[str, GenerationRequest]] = []
         for eid, fields in entries:
@@ -338,7 +321,7 @@ class RedisQueue:
         (a terminal failure on its events), and drop it from the work stream."""
         stream = self.keys.jobs(pool)
         failed = JobEvent(failed=Failure(code="set_aside", message=f"the job was set aside: {reason}", retryable=False))
-        try:
+        with unreachable():
             async with self._r.pipeline(transaction=False) as pipe:
                 self._dead_record(pipe, pool, request, reason, deliveries)
                 events = self.keys.events(request.request_id)
@@ -347,75 +330,57 @@ class RedisQueue:
                 pipe.xack(stream, WORKER_GROUP, entry_id)
                 pipe.xdel(stream, entry_id)
                 await pipe.execute()
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
         log.error("job_dead_lettered", pool=pool, request_id=request.request_id, reason=reason, deliveries=deliveries)
 
 
     async def begin(self, caller_id: str, attempt: Attempt, first: bool) -> bool:
         record = json.dumps(dataclasses.asdict(attempt))
-        try:
+        with unreachable():
             done: Any = await self._begin(
                 keys=[self.keys.attempts(caller_id)], args=[record, "1" if first else "0", self._s.event_idle_ttl_s]
             )
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
         return int(done) == 1
 
     async def forget(self, caller_id: str) -> None:
-        try:
+        with unreachable():
             await self._r.delete(self.keys.attempts(caller_id))
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
 
     async def attempts(self, caller_id: str) -> list[Attempt]:
-        try:
+        with unreachable():
             raw: Any = await self._r.lrange(self.keys.attempts(caller_id), 0, -1)
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
         return [Attempt(**json.loads(r)) for r in raw]
 
     async def attach(self, caller_id: str) -> int:
-        try:
+        with unreachable():
             async with self._r.pipeline(transaction=False) as pipe:
                 pipe.incr(self.keys.attaches(caller_id))
                 pipe.expire(self.keys.attaches(caller_id), self._s.event_idle_ttl_s)
                 n, _ = await pipe.execute()
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
         return int(n)
 
     async def attach_count(self, caller_id: str) -> int:
-        try:
+        with unreachable():
             n: Any = await self._r.get(self.keys.attaches(caller_id))
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
         return int(n or 0)
 
     async def end(self, request_id: str, event: JobEvent) -> None:
         key = self.keys.events(request_id)
-        try:
+        with unreachable():
             async with self._r.pipeline(transaction=False) as pipe:
                 pipe.xadd(key, {EVENT_FIELD: codec.encode_event(event)})
                 pipe.expire(key, self._s.event_ttl_s)
                 await pipe.execute()
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
 
     async def read_events(self, request_id: str) -> list[tuple[str, JobEvent]]:
-        try:
+        with unreachable():
             raw: Any = await self._r.xrange(self.keys.events(request_id))
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
         return [(i.decode(), codec.decode_event(f[EVENT_FIELD.encode()])) for i, f in raw]
 
     async def set_aside(self, pool: str, request: GenerationRequest, reason: str, deliveries: int) -> None:
-        try:
+        with unreachable():
             async with self._r.pipeline(transaction=False) as pipe:
                 self._dead_record(pipe, pool, request, reason, deliveries)
                 await pipe.execute()
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
         log.error("job_dead_lettered", pool=pool, request_id=request.request_id, reason=reason, deliveries=deliveries)
 
     def _dead_record(self, pipe: Any, pool: str, request: GenerationRequest, reason: str, deliveries: int) -> None:
@@ -423,16 +388,14 @@ class RedisQueue:
         pipe.xadd(self.keys.dead_letters(pool), fields)
 
     async def _drop(self, stream: str, entry_ids: list[str]) -> None:
-        try:
+        with unreachable():
             async with self._r.pipeline(transaction=False) as pipe:
                 pipe.xack(stream, WORKER_GROUP, *entry_ids)
                 pipe.xdel(stream, *entry_ids)
                 await pipe.execute()
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
 
     async def heartbeat(self, status: WorkerStatus, ttl_s: float, touch: Sequence[str] = ()) -> None:
-        try:
+        with unreachable():
             async with self._r.pipeline(transaction=False) as pipe:
                 key = self.keys.worker(status.pool, status.worker)
                 pipe.set(key, codec.encode_status(status), px=int(ttl_s * 1000))
@@ -440,22 +403,18 @@ class RedisQueue:
                 if touch:  # the jobs it runs, in the same round trip
                     pipe.xclaim(self.keys.jobs(status.pool), WORKER_GROUP, status.worker, 0, list(touch), justid=True)
                 await pipe.execute()
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
 
     async def leave(self, pool: str, worker: str) -> None:
-        try:
+        with unreachable():
             async with self._r.pipeline(transaction=False) as pipe:
                 pipe.delete(self.keys.worker(pool, worker))
                 pipe.srem(self.keys.workers(pool), worker)
                 await pipe.execute()
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
 
     async def publish(
         self, events: Sequence[tuple[Lease, JobEvent]], watch: Sequence[GenerationRequest]
     ) -> set[str]:
-        try:
+        with unreachable():
             async with self._r.pipeline(transaction=False) as pipe:
                 for lease, event in events:
                     key = self.keys.events(lease.request.request_id)
@@ -473,6 +432,4 @@ class RedisQueue:
                         pipe.expire(key, self._s.event_idle_ttl_s)
                 self._check_cancelled(pipe, watch)
                 replies = await pipe.execute()
-        except RedisError as exc:
-            raise QueueUnavailable("the queue is unreachable") from exc
         return self._cancelled(watch, replies[len(replies) - 2 * len(watch) :])

@@ -15,7 +15,7 @@ from llamamesh.settings import GatewaySettings, WorkerSettings
 from llamamesh.types import GenerationRequest, SamplingParams
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc
-from services.generation import resumed
+from services.relay import resumed
 from services.server import start_gateway
 from workers.engines.fake import FakeEngine
 from workers.worker import Worker

@@ -1,0 +1,50 @@
+"""The queue's one way to talk to Redis: how a client is made, and what a Redis error becomes.
+
+- ``connect``: a client whose pooled connections are checked before use once idle for
+  ``health_check_s`` (a PING, so a connection Redis dropped while restarting is replaced, not
+  failed on), and whose commands are retried once on a fresh connection after a connection error,
+  with a jittered backoff (so a fleet does not reconnect in lockstep). A retried write may have
+  been applied the first time; every write of the queue is safe to repeat (see streams.py and
+  batches.py: submissions and attempt records are idempotent scripts, events are dropped by index
+  by their reader).
+- ``unreachable``: Redis errors become ``QueueUnavailable`` here; callers see nothing of redis-py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+
+from llamamesh.errors import QueueUnavailable
+from llamamesh.settings import RedisSettings
+
+UNREACHABLE = "the queue is unreachable"
+
+
+@contextlib.contextmanager
+def unreachable() -> Iterator[None]:
+    """Raise any Redis error inside as ``QueueUnavailable("the queue is unreachable")``."""
+    try:
+        yield
+    except RedisError as exc:
+        raise QueueUnavailable(UNREACHABLE) from exc
+
+
+def connect(settings: RedisSettings) -> aioredis.Redis:
+    if not settings.url:
+        raise ValueError("RedisSettings.url is empty: start the embedded server first")
+    return aioredis.Redis.from_url(
+        settings.url,
+        # Blocking reads hold a connection each; the socket timeout must outlast them.
+        socket_timeout=settings.block_ms / 1000 + 10,
+        socket_connect_timeout=5,
+        health_check_interval=settings.health_check_s,
+        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), retries=settings.retries),
+        retry_on_error=[RedisConnectionError],
+    )

@@ -1,0 +1,104 @@
+"""One wrapper for every RPC handler: domain errors become statuses, and each call ends with one
+``rpc_finished`` line (method, status, duration, and what the handler ``note``-d: pool, tokens...).
+
+    @rpc("Generate")
+    async def Generate(self, request, context): ...   # unary or server-streaming (async generator)
+
+A ``LlamameshError`` ends the call with its status (services/status.py); a cancelled call (the
+caller went away) logs CANCELLED and re-raises; anything else is INTERNAL with a fixed message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import inspect
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import grpc
+import structlog
+
+from llamamesh import errors
+from services import status
+
+log = structlog.get_logger(__name__)
+
+_fields: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("rpc_fields", default=None)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def note(**fields: Any) -> None:
+    """Add fields to the current call's ``rpc_finished`` line (None values are left out)."""
+    current = _fields.get()
+    if current is not None:
+        current.update(fields)
+
+
+def _finished(method: str, outcome: str, t0: float, fields: dict[str, Any]) -> None:
+    extra = {k: v for k, v in fields.items() if v is not None}
+    log.info("rpc_finished", method=method, status=outcome, duration_ms=round((time.perf_counter() - t0) * 1000, 2),
+             **extra)  # fmt: skip
+
+
+def _outcome(exc: BaseException) -> str:
+    return status.code_for(exc).name
+
+
+def _other(exc: BaseException) -> str:
+    """The status of a call that ended other than by a domain error."""
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        return "CANCELLED"  # the caller went away (or stopped reading)
+    return "ABORTED" if isinstance(exc, grpc.aio.AbortError) else "INTERNAL"
+
+
+def rpc(method: str) -> Callable[[F], F]:
+    def wrap(handler: F) -> F:
+        if inspect.isasyncgenfunction(handler):
+
+            @functools.wraps(handler)
+            async def streaming(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                t0, fields = time.perf_counter(), dict[str, Any]()
+                token = _fields.set(fields)
+                outcome = "OK"
+                try:
+                    async for msg in handler(self, request, context):
+                        yield msg
+                except errors.LlamameshError as exc:
+                    outcome = _outcome(exc)
+                    await status.abort(context, exc)
+                except BaseException as exc:  # logged with its status, then re-raised
+                    outcome = _other(exc)
+                    raise
+                finally:
+                    _finished(method, outcome, t0, fields)
+                    _fields.reset(token)
+                    structlog.contextvars.unbind_contextvars("request_id")
+
+            return streaming  # type: ignore[return-value]
+
+        @functools.wraps(handler)
+        async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            t0, fields = time.perf_counter(), dict[str, Any]()
+            token = _fields.set(fields)
+            outcome = "OK"
+            try:
+                return await handler(self, request, context)
+            except errors.LlamameshError as exc:
+                outcome = _outcome(exc)
+                await status.abort(context, exc)
+                raise  # unreachable: abort raises
+            except BaseException as exc:  # logged with its status, then re-raised
+                outcome = _other(exc)
+                raise
+            finally:
+                _finished(method, outcome, t0, fields)
+                _fields.reset(token)
+                structlog.contextvars.unbind_contextvars("request_id")
+
+        return unary  # type: ignore[return-value]
+
+    return wrap

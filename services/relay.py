@@ -1,0 +1,460 @@
+"""The relay: the gateway's one owner of a request's stream, from the queue to the caller.
+
+``Relay`` is the seam (shaped like vLLM's ``EngineClient``: generate, attach, cancel, tokenize);
+``QueueRelay`` implements it over the queue, ``ScriptedRelay`` (services/fakes.py) is its fake for
+tests of the gRPC layer. The RPC handlers only convert, call the relay and map errors to statuses.
+
+What the relay owns:
+
+- **The stream invariant** (``Cursor``): every token index reaches the caller exactly once and in
+  order, across merged reads, failovers, re-attaches and Redis restarts. An event that repeats
+  tokens the caller has (a publish the worker retried after a lost reply: the first try was
+  applied) is dropped and counted (``duplicates_dropped``); one that starts past them is a gap
+  (Redis came back without some events) and ends the stream UNAVAILABLE naming the lost range.
+  Workers' publish retries are therefore safe to repeat: the reader drops by index what it has,
+  rather than each writer choosing entry ids (an entry id the writer picks would have to sort
+  after the ``*`` ids the gateway writes into the same stream, e.g. Cancel's terminal event).
+- **Failover** (``generate``): when the worker is lost or its engine dies, the request goes on
+  elsewhere (its pool or the fallback, as routed then), at most ``failover_attempts`` times;
+  before any token it starts again, after tokens it resumes from what the caller has. Each
+  attempt has its own event stream, so an abandoned attempt's events are never relayed.
+- **Liveness**: while it waits, every probe interval, that its worker is still alive.
+- **Detach timers** of resumable requests whose caller went away (cancelled at ``close``).
+- **Cancel**, including the terminal event of a request no worker has started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import structlog
+
+from llamamesh import errors
+from llamamesh.queue.protocol import JobQueue
+from llamamesh.settings import GatewaySettings
+from llamamesh.types import Attempt, Finished, FinishReason, GenerationRequest, JobEvent, Usage
+from services.backends import Backends
+from services.routing import RoutingPolicy
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class Progress:
+    """What one relayed request did, for its ``rpc_finished`` line."""
+
+    pool: str = ""
+    route: str | None = None
+    failovers: int = 0
+    finish: str = ""
+    tokens: int = 0
+    ttft_ms: float | None = None
+
+
+class Relay(Protocol):
+    def generate(
+        self, request: GenerationRequest, pool: str, progress: Progress, resumable: bool = False
+    ) -> AsyncGenerator[JobEvent, None]:
+        """The request's events as its caller numbers them, to the terminal one. Raises domain
+        errors (a failure event becomes its error). When the iteration stops early (the caller went
+        away: cancellation or ``aclose``), a resumable request is detached (cancelled after the
+        re-attach grace unless someone attaches), any other is cancelled."""
+        ...
+
+    def attach(self, request_id: str, offset: int) -> AsyncGenerator[tuple[GenerationRequest, JobEvent], None]:
+        """A request's events from token ``offset`` on, through its attempts, to the end, each with
+        the request as first accepted (id, model, acceptance time: what its responses echo)."""
+        ...
+
+    async def cancel(self, request_id: str) -> None:
+        """The caller's Cancel: every attempt stops; a queued one's stream ends now."""
+
+    async def tokenize(self, request: GenerationRequest, pool: str) -> JobEvent:
+        """The tokenized event for ``request`` (a worker of ``pool`` owns the tokenizer)."""
+        ...
+
+    async def close(self) -> None:
+        """Cancel the detach timers (the gateway is stopping)."""
+
+
+def resumed(req: GenerationRequest, n: int, sent: Sequence[int]) -> GenerationRequest:
+    """Attempt ``n`` of ``req`` after ``sent`` tokens reached the caller: it feeds them after the
+    input and generates only the rest of the budget."""
+    if not sent:
+        return replace(req, request_id=f"{req.request_id}.{n}", origin_id=req.request_id)
+    s = req.sampling
+    return replace(
+        req,
+        request_id=f"{req.request_id}.{n}",
+        origin_id=req.request_id,
+        resume_token_ids=tuple(sent),
+        sampling=replace(
+            s,
+            max_tokens=None if s.max_tokens is None else s.max_tokens - len(sent),
+            min_tokens=None if s.min_tokens is None else max(0, s.min_tokens - len(sent)),
+        ),
+    )
+
+
+def _shifted(ev: JobEvent, base: int, first_token_ns: int = 0) -> JobEvent:
+    """An event of a resumed attempt as the caller's stream numbers it: ``base`` tokens came before."""
+    f = ev.finished
+    if f is not None:
+        f = replace(
+            f,
+            usage=Usage(f.usage.prompt_tokens, f.usage.completion_tokens + base),
+            first_token_unix_ns=first_token_ns or f.first_token_unix_ns,
+        )
+    return replace(ev, index=ev.index + base, finished=f)
+
+
+def _cut(ev: JobEvent, offset: int, end: int | None) -> JobEvent | None:
+    """``ev`` (numbered as the caller's stream) cut to tokens [offset, end): None if nothing of it is
+    left (a terminal event always stays, with what is left of its tokens). Cutting inside an event
+    keeps its token ids but not its text (text does not split by token); offsets a caller got as a
+    count of the messages it received never cut inside one."""
+    start, stop = ev.index, ev.index + len(ev.token_ids)
+    lo, hi = max(start, offset), stop if end is None else min(stop, end)
+    if ev.terminal:
+        return replace(ev, index=lo, token_ids=ev.token_ids[lo - start : max(lo, hi) - start],
+                       text=ev.text if lo == start else "", logprobs=ev.logprobs[lo - start :])  # fmt: skip
+    if hi <= lo:
+        return None
+    if (lo, hi) == (start, stop):
+        return ev
+    text = ev.text if lo == start and hi == stop else ""
+    return replace(ev, index=lo, token_ids=ev.token_ids[lo - start : hi - start], text=text,
+                   logprobs=ev.logprobs[lo - start : hi - start])  # fmt: skip
+
+
+def _window(ev: JobEvent, base: int, offset: int, end: int | None) -> JobEvent | None:
+    """``ev`` of an attempt that started at token ``base``, numbered as the caller's stream and cut
+    to tokens [offset, end)."""
+    return _cut(_shifted(ev, base) if base else ev, offset, end)
+
+
+def _raise_failure(ev: JobEvent) -> None:
+    if ev.failed is not None:
+        f = ev.failed
+        raise errors.from_code(f.code, f.message, f.field)
+
+
+class Cursor:
+    """The stream invariant for one caller: ``accept`` passes each token index once, in order."""
+
+    duplicates_dropped = 0  # every cursor's, for the process (tests and logs read it)
+
+    def __init__(self, sent: list[int] | None = None, offset: int = 0) -> None:
+        self.sent = sent if sent is not None else []
+        self.offset = offset  # the caller has tokens [0, offset) from elsewhere (an Attach)
+
+    @property
+    def next(self) -> int:
+        return self.offset + len(self.sent)
+
+    def accept(self, ev: JobEvent) -> JobEvent | None:
+        """``ev`` (numbered as the caller's stream) less what the caller has; None if that is
+        nothing. Raises QueueUnavailable when it starts past the next index (lost events)."""
+        if ev.token_ids and ev.index > self.next:
+            raise errors.QueueUnavailable(
+                f"the queue lost tokens {self.next}..{ev.index - 1} of this stream; retry the request"
+            )
+        if ev.token_ids and ev.index < self.next:
+            Cursor.duplicates_dropped += 1
+            log.warning("duplicate_tokens_dropped", index=ev.index, tokens=len(ev.token_ids), next=self.next)
+            part = _cut(ev, self.next, None)
+            if part is None:
+                return None
+            ev = part
+        self.sent.extend(ev.token_ids)
+        return ev
+
+
+class QueueRelay:
+    """The relay over the queue (Redis Streams in production, MemoryQueue in tests)."""
+
+    def __init__(
+        self,
+        queue: JobQueue,
+        settings: GatewaySettings,
+        backends: Backends | None = None,
+        policy: RoutingPolicy | None = None,
+        queue_generation: Callable[[], int] = lambda: 0,
+    ) -> None:
+        self._queue = queue
+        self._s = settings
+        self._backends = backends
+        self._policy = policy or RoutingPolicy(())
+        self._queue_generation = queue_generation
+        self._later: set[asyncio.Task[None]] = set()  # detach timers
+
+    async def close(self) -> None:
+        for t in list(self._later):
+            t.cancel()
+        await asyncio.gather(*self._later, return_exceptions=True)
+
+    # --- generate
+
+    async def generate(
+        self, request: GenerationRequest, pool: str, progress: Progress, resumable: bool = False
+    ) -> AsyncGenerator[JobEvent, None]:
+        req = request
+        t0 = time.perf_counter()
+        first_token_ns = 0
+        target, chosen = self._policy.choose(req, pool)
+        progress.route = chosen.text if chosen is not None else None
+        cursor = Cursor()
+        attempt: GenerationRequest | None = None
+        submitted = finished = False
+        attempts = deaths = 0
+        failure: BaseException | None = None
+        try:
+            while True:
+                pool = progress.pool = self._backends.route(target) if self._backends else target
+                attempt = req if attempts == 0 else resumed(req, attempts, cursor.sent)
+                base = len(cursor.sent)
+                if attempt.sampling.max_tokens is not None and attempt.sampling.max_tokens <= 0:
+                    # Every token was sent before the worker was lost, only the end was missing.
+                    progress.finish, finished = FinishReason.LENGTH.value, True
+                    yield JobEvent(index=base, finished=Finished(FinishReason.LENGTH, Usage(0, base)))
+                    return
+                self._check_pool(pool)  # no worker came for a while: say so now, not at the deadline
+                self._check_reachable(pool, req.deadline_unix_ns)
+                record = Attempt(attempt.request_id, base, pool, req.model, req.accepted_unix_ns, resumable)
+                if not await self._queue.begin(req.request_id, record, first=attempts == 0):
+                    # This request id was accepted before (a retry after a lost reply): one job,
+                    # so follow the one there is.
+                    log.info("request_retried", request_id=req.request_id)
+                    async for _head, ev in self.attach(req.request_id, 0, count=False):
+                        cursor.sent.extend(ev.token_ids)
+                        yield ev
+                    finished = True
+                    return
+                try:
+                    await self._queue.submit(pool, attempt, max_waiting=self._s.max_queue)
+                except errors.QueueFull as exc:
+                    if attempts == 0:
+                        await self._queue.forget(req.request_id)
+                    raise errors.QueueFull(exc.message, retry_after_s=self._s.retry_after_s) from None
+                submitted, finished = True, False
+                try:
+                    async for raw in self._watched(pool, attempt):
+                        finished = raw.terminal
+                        _raise_failure(raw)
+                        accepted = cursor.accept(_shifted(raw, base, first_token_ns) if base else raw)
+                        progress.tokens = len(cursor.sent)
+                        if accepted is None:
+                            continue
+                        ev = accepted
+                        if ev.token_ids and progress.ttft_ms is None:
+                            progress.ttft_ms = round((time.perf_counter() - t0) * 1000, 2)
+                            first_token_ns = time.time_ns()
+                        if ev.finished is not None:
+                            progress.finish = ev.finished.finish_reason.value
+                            self._observe_wait(pool, attempt, ev.finished, attempts)
+                        yield ev
+                        if finished:
+                            return
+                except (errors.WorkerLost, errors.EngineDead) as exc:
+                    deaths += isinstance(exc, errors.EngineDead) or exc.running
+                    await self._give_up_or_fail_over(pool, req, attempt, attempts, deaths, exc)
+                    attempts = progress.failovers = attempts + 1
+                    submitted = False
+        except BaseException as exc:  # recorded for the pool, and to tell a caller gone from an error
+            failure = exc
+            raise
+        finally:
+            if submitted and not finished and attempt is not None:
+                gone = failure is None or isinstance(failure, asyncio.CancelledError | GeneratorExit)
+                if resumable and gone:  # the caller's connection dropped: it may Attach again
+                    await asyncio.shield(self._detached(req.request_id, attempt.request_id))
+                else:  # disconnect, deadline or a failed read: the worker must stop generating
+                    await asyncio.shield(self._cancel(attempt.request_id))
+            if self._backends is not None and progress.pool and (submitted or failure is not None):
+                # The caller going away (GeneratorExit: it stopped reading) is its doing, not the pool's.
+                outcome = asyncio.CancelledError() if isinstance(failure, GeneratorExit) else failure
+                await asyncio.shield(self._backends.record(progress.pool, outcome))
+
+    async def _give_up_or_fail_over(
+        self, pool: str, req: GenerationRequest, attempt: GenerationRequest, attempts: int, deaths: int,
+        exc: errors.WorkerLost | errors.EngineDead,
+    ) -> None:  # fmt: skip
+        """Raise when the request goes no further (set aside, or out of attempts); else cancel the
+        lost attempt (a worker that comes back skips it) and count the failure against the pool."""
+        if self._s.max_worker_deaths and deaths >= self._s.max_worker_deaths:
+            # A poison request: the workers running it keep dying; no third one.
+            await self._set_aside(pool, req, deaths, exc)
+            raise errors.SetAside(
+                f"the request was set aside: {deaths} workers died running it, so it is not sent to "
+                f"another; it is recorded in pool {pool!r}'s dead-letter stream"
+            ) from exc
+        if self._backends is None or attempts >= self._s.failover_attempts:
+            if attempts:  # it outlived every worker it was sent to: keep it for inspection
+                await self._set_aside(pool, req, attempts + 1, exc)
+            raise exc
+        await self._backends.record(pool, exc)
+        await asyncio.shield(self._cancel(attempt.request_id))
+        log.warning("request_failed_over", pool=pool, error=str(exc), attempt=attempts + 1)
+
+    def _observe_wait(self, pool: str, attempt: GenerationRequest, f: Finished, attempts: int) -> None:
+        if self._backends is not None and f.started_unix_ns and not attempts:
+            self._backends.observe_queue_wait(pool, max(0, f.started_unix_ns - attempt.accepted_unix_ns) / 1e9)
+
+    async def _watched(self, pool: str, attempt: GenerationRequest) -> AsyncIterator[JobEvent]:
+        """The attempt's events; every probe interval without one, check that its worker is still alive
+        (or, before any worker took it, that its pool can still serve it better than the fallback).
+        Otherwise raise WorkerLost, after which the request may go elsewhere."""
+        backends = self._backends
+        events = self._queue.events(attempt.request_id)
+        nxt: asyncio.Future[tuple[str, JobEvent]] = asyncio.ensure_future(anext(events))
+        worker = ""
+        generation = self._queue_generation()
+        try:
+            while True:
+                timeout = backends.check_interval_s if backends is not None else 1.0
+                done, _ = await asyncio.wait({nxt}, timeout=timeout)
+                if self._queue_generation() != generation:  # its events and job may be gone: never wait on
+                    raise errors.QueueUnavailable("Redis came back without its data: this request was lost")
+                if not done:
+                    if backends is not None and worker and not backends.worker_alive(pool, worker):
+                        raise errors.WorkerLost(f"worker {worker!r} of pool {pool!r} stopped answering", running=True)
+                    if backends is not None and not worker and backends.stranded(pool):
+                        raise errors.WorkerLost(f"pool {pool!r} cannot serve; its fallback can")
+                    if not worker:
+                        self._check_pool(pool)
+                    continue
+                try:
+                    _eid, ev = nxt.result()
+                except StopAsyncIteration:
+                    raise errors.WorkerLost("the event stream ended without a terminal event") from None
+                worker = ev.worker or worker
+                yield ev
+                if ev.terminal:
+                    return
+                nxt = asyncio.ensure_future(anext(events))
+        finally:
+            nxt.cancel()
+            await asyncio.gather(nxt, return_exceptions=True)
+            await events.aclose()
+
+    def _check_pool(self, pool: str) -> None:
+        """Raise NoWorkers (with what its workers say) when the pool had nobody for
+        ``no_worker_wait_s``, or has been starting for ``start_wait_s``."""
+        b, s = self._backends, self._s
+        if b is None:
+            return
+        if s.no_worker_wait_s > 0 and b.empty_for(pool) > s.no_worker_wait_s:
+            why = f"has had no live worker for {s.no_worker_wait_s:g} s"
+        elif s.start_wait_s > 0 and b.starting_for(pool) > s.start_wait_s:
+            why = f"has been starting for over {s.start_wait_s:g} s"
+        else:
+            return  # the common case, checked every interval while a request waits: no strings built
+        wrong = b.what_is_wrong(pool)
+        raise errors.NoWorkers(f"pool {pool!r} {why}" + (f" ({wrong})" if wrong else ""))
+
+    def _check_reachable(self, pool: str, deadline_unix_ns: int) -> None:
+        """Refuse at once a request that would wait in the queue past its deadline."""
+        if not deadline_unix_ns or self._backends is None:
+            return
+        wait = self._backends.expected_queue_wait(pool)
+        remaining_s = (deadline_unix_ns - time.time_ns()) / 1e9
+        if wait > 0 and remaining_s < wait:
+            raise errors.DeadlineUnreachable(
+                f"the deadline ({remaining_s:.3f} s) is shorter than pool {pool!r}'s queue wait ({wait:.3f} s)"
+            )
+
+    async def _set_aside(self, pool: str, req: GenerationRequest, deliveries: int, exc: BaseException) -> None:
+        try:
+            await self._queue.set_aside(pool, req, f"{deliveries} workers were lost running it: {exc}", deliveries)
+        except errors.QueueUnavailable:
+            log.warning("set_aside_failed", request_id=req.request_id)
+
+    # --- detach, attach
+
+    async def _detached(self, caller_id: str, attempt_id: str) -> None:
+        """A resumable request lost its caller: cancel it after the re-attach grace unless someone
+        attached meanwhile (the count of attaches moved)."""
+        try:
+            seen = await self._queue.attach_count(caller_id)
+        except errors.QueueUnavailable:
+            seen = -1
+        log.info("request_detached", request_id=caller_id, grace_s=self._s.reattach_grace_s)
+
+        async def later() -> None:
+            await asyncio.sleep(self._s.reattach_grace_s)
+            try:
+                if await self._queue.attach_count(caller_id) == seen:
+                    log.info("request_detach_expired", request_id=caller_id)
+                    await self._cancel(attempt_id)
+            except errors.QueueUnavailable:
+                await self._cancel(attempt_id)
+
+        task = asyncio.create_task(later(), name=f"detached-{caller_id}")
+        self._later.add(task)
+        task.add_done_callback(self._later.discard)
+
+    async def attach(
+        self, request_id: str, offset: int, count: bool = True
+    ) -> AsyncGenerator[tuple[GenerationRequest, JobEvent], None]:
+        """The caller's request from token ``offset`` on, through its attempts in order: what each
+        abandoned attempt had sent (up to the next one's start), then the last one followed to its
+        end. Raises NotFound for an unknown (or expired) id. ``count``: a re-attach (it stops a
+        detach timer); a retried Generate following its own request is not one."""
+        records = await self._queue.attempts(request_id)
+        if not records:
+            raise errors.NotFound(f"no request {request_id!r} (unknown, or its events expired)")
+        if count:
+            await self._queue.attach(request_id)
+            log.info("request_attached", request_id=request_id, offset=offset)
+        cursor = Cursor(offset=offset)
+        try:
+            for i, rec in enumerate(records):
+                head = GenerationRequest(request_id=request_id, model=rec.model, accepted_unix_ns=rec.accepted_unix_ns)
+                if i + 1 < len(records):  # abandoned at the next one's start: read what it had, no terminal
+                    end = records[i + 1].base
+                    for _id, ev in await self._queue.read_events(rec.attempt_id):
+                        part = _window(replace(ev, finished=None, failed=None), rec.base, cursor.next, end)
+                        if part is not None and (part := cursor.accept(part)) is not None:
+                            yield head, part
+                    continue
+                job = GenerationRequest(request_id=rec.attempt_id, model=rec.model)
+                async for ev in self._watched(rec.pool, job):
+                    _raise_failure(ev)
+                    part = _window(ev, rec.base, cursor.next, None)
+                    if part is not None and (part := cursor.accept(part)) is not None:
+                        yield head, part
+        except (asyncio.CancelledError, GeneratorExit):
+            if count and records[-1].resumable:  # dropped again: the same grace as the first time
+                await asyncio.shield(self._detached(request_id, records[-1].attempt_id))
+            raise
+
+    # --- cancel, tokenize
+
+    async def _cancel(self, request_id: str) -> None:
+        try:
+            await self._queue.cancel(request_id)
+        except errors.QueueUnavailable:
+            log.warning("cancel_failed", request_id=request_id)
+
+    async def cancel(self, request_id: str) -> None:
+        await self._queue.call_off(request_id)
+        records = await self._queue.attempts(request_id)
+        if records and not await self._queue.read_events(records[-1].attempt_id):
+            # Still queued: its stream ends now (the worker that reaches the job skips it).
+            last = records[-1]
+            now = time.time_ns()
+            ended = JobEvent(index=last.base, finished=Finished(FinishReason.CANCELLED, Usage(0, last.base), now))
+            await self._queue.end(last.attempt_id, ended)
+        log.info("request_cancel_requested", request_id=request_id)
+
+    async def tokenize(self, request: GenerationRequest, pool: str) -> JobEvent:
+        await self._queue.submit(pool, request)
+        async for _eid, ev in self._queue.events(request.request_id):
+            _raise_failure(ev)
+            if ev.terminal:
+                return ev
+        raise errors.WorkerLost("the worker ended without an answer")
