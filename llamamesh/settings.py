@@ -30,8 +30,17 @@ class RedisSettings:
     prefix: str = "llamamesh:v1"
     # How long a request's event stream lives after its terminal event.
     event_ttl_s: int = 300
-    # How long an event stream lives without a terminal event (a lost worker).
+    # How long an event stream lives without a terminal event (a lost worker). The worker running
+    # the request renews it every quarter of this while it publishes, so a long request never loses
+    # its stream mid-way and an abandoned one expires this long after its last renewal at most.
     event_idle_ttl_s: int = 3600
+    # Most entries each pool's dead-letter stream keeps (trimmed approximately: the oldest go).
+    # 0: no bound.
+    dead_letter_maxlen: int = 10000
+    # A consumer of a pool's work or batch stream (a worker's name: <hostname>-<pid>) holding no
+    # entry and idle this long is removed from the group (a gateway checks each pool at most once a
+    # minute), so restarted workers do not pile up names. 0: never.
+    consumer_idle_s: int = 3600
     # How long one blocking XREAD / XREADGROUP waits before looping.
     block_ms: int = 2000
     # Where the embedded server keeps its data (empty: a temporary folder).
@@ -310,6 +319,10 @@ class BreakerSettings:
     # Half-open: at most this many requests or probes at a time; this many successes close it.
     half_open_max: int = 2
     half_open_successes: int = 2
+    # After Redis was unreachable: for this long, failures count against no pool, and a worker
+    # whose heartbeat expired during the outage is still taken as alive (it heartbeats again within
+    # its interval once Redis is back). At least the workers' heartbeat TTL.
+    liveness_grace_s: float = 3.0
 
 
 @dataclass(frozen=True)

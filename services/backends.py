@@ -12,6 +12,11 @@ compiling) is coming up, not failing: its probes record nothing against the brea
 is NOT_SERVING, and requests wait for it (``GatewaySettings.start_wait_s``). Workers that report
 ``failed`` count as absent, and their reasons go into the errors callers get.
 
+Redis being unreachable is nobody's failure: probes and requests that fail while it is out (or
+within ``liveness_grace_s`` of its return) record nothing against any breaker, the workers known
+before the outage are kept meanwhile, and after it a worker whose heartbeat expired during it gets
+``liveness_grace_s`` to heartbeat again before it counts as lost.
+
 Routing: a request goes to its model's pool unless that pool is unusable (breaker open, or no live
 worker), then to the pool's configured fallback (``LLAMAMESH_GATEWAY_FALLBACK``, e.g.
 ``trtllm=vllm,vllm=trtllm``) if that one is usable, before any token is sent. Outcomes of real
@@ -52,6 +57,8 @@ def counts_against_backend(exc: BaseException | None) -> bool | None:
         return False
     if isinstance(exc, errors.ClientError | errors.CapacityError | errors.DeadlineUnreachable | asyncio.CancelledError):
         return None
+    if isinstance(exc, errors.QueueUnavailable):  # Redis, not the backend
+        return None
     return True
 
 
@@ -68,6 +75,9 @@ class Pool:
     starting_since: float = 0.0
     # The last read of its heartbeats failed (Redis out).
     unreachable: bool = False
+    # Monotonic time until which workers known before an outage are kept though their heartbeats
+    # are missing (they expired while Redis was out; each gets a round to come back).
+    kept_until: float = 0.0
     # Its breaker opened only because it had no live worker (no probe of a worker failed): workers
     # that arrive close it outright, so a burst after a (re)start is served, not refused half-open.
     opened_empty: bool = False
@@ -122,6 +132,10 @@ class Backends:
         self._on_health = on_health
         self._serving: dict[str, bool] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        # When the queue was last seen unreachable (monotonic), by anyone: None while it answers
+        # since start. ``queue_down``: it is out now.
+        self._down_at: float | None = None
+        self.queue_down = False
 
     # --- lifecycle
 
@@ -198,12 +212,32 @@ class Backends:
         fallback = self.fallback.get(pool)
         return (not p.live or p.breaker.state is State.OPEN) and fallback is not None and self.pools[fallback].usable()
 
+    def saw_queue(self, reachable: bool) -> None:
+        """What a user of the queue just saw (the health check, a probe, a request)."""
+        if not reachable:
+            self._down_at = self._clock()
+        self.queue_down = not reachable
+
+    def _queue_troubled(self, since: float | None = None) -> bool:
+        """The queue is out, was out after ``since``, or came back less than the grace ago: a
+        failure now may be its doing, not the backend's."""
+        if self.queue_down:
+            return True
+        if self._down_at is None:
+            return False
+        recent = self._clock() - self._down_at < self._s.liveness_grace_s
+        return recent or (since is not None and self._down_at >= since)
+
     async def record(self, pool: str, exc: BaseException | None) -> None:
         """The outcome of a real request ``route`` sent to ``pool``."""
         p = self.pools.get(pool)
         if p is None:
             return
         failed = counts_against_backend(exc)
+        if isinstance(exc, errors.QueueUnavailable):
+            self.saw_queue(False)
+        if failed and self._queue_troubled():
+            failed = None  # a request that failed around an outage of Redis says nothing of the pool
         if failed is None:
             if p.breaker.state is State.HALF_OPEN:  # give the slot back, learn nothing
                 p.breaker.release()
@@ -228,10 +262,16 @@ class Backends:
             seen = tuple(await self._queue.workers(p.name))
         except errors.QueueUnavailable:
             p.unreachable = True
+            self.saw_queue(False)
         else:
-            if seen or not p.unreachable:
-                p.workers = seen
+            now = self._clock()
+            if p.unreachable:  # back: what it knew before the outage stands for one more round
+                p.kept_until = now + self._s.liveness_grace_s
+            names = {w.worker for w in seen}
+            kept = tuple(w for w in p.workers if w.worker not in names) if now < p.kept_until else ()
+            p.workers = seen + kept
             p.unreachable = False
+            self.saw_queue(True)
         if was_present and not p.present:
             p.empty_since = self._clock()
         if p.starting and not was_starting:
@@ -255,7 +295,10 @@ class Backends:
     async def probe(self, p: Pool) -> None:
         """One probe of one pool: heartbeats, then (if anyone is alive and the breaker lets it) a
         one-token generation."""
+        started = self._clock()
         await self.refresh(p)
+        if p.unreachable:  # Redis is out: nothing to learn about the pool
+            return
         if p.starting:  # coming up: nothing to hold against it
             p.last_probe_error = f"starting: {p.what_is_wrong()}"
             await self._publish(p)
@@ -280,8 +323,12 @@ class Backends:
             error = f"no answer in {self._s.probe_timeout_s:g} s"
             with contextlib.suppress(errors.QueueUnavailable):
                 await self._queue.cancel(request.request_id)
-        except errors.QueueUnavailable as exc:
-            error = str(exc)
+        except errors.QueueUnavailable:
+            self.saw_queue(False)
+            return
+        if error and self._queue_troubled(since=started):
+            log.info("probe_ignored", pool=p.name, error=error, detail="Redis was unreachable during the probe")
+            return
         await self._probe_result(p, error)
 
     async def _one_probe(self, pool: str, request: GenerationRequest) -> str:

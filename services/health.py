@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import structlog
 from grpc_health.v1 import health, health_pb2
@@ -20,6 +20,8 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 LIVENESS = "llamamesh.liveness"
+# Seconds between checks of a queue that did not answer the last one.
+OUTAGE_CHECK_S = 0.2
 
 
 class HealthReporter:
@@ -35,6 +37,9 @@ class HealthReporter:
     persistence, a failover to an empty replica) is not run against silently: readiness is
     NOT_SERVING for ``data_loss_hold_s``, ``data_losses`` counts it (open streams watch it and end
     UNAVAILABLE), then the new data is adopted.
+
+    While the queue does not answer it is checked every ``OUTAGE_CHECK_S`` instead, so that readiness
+    comes back within a fraction of a second of Redis; ``watch`` callbacks hear every check.
     """
 
     def __init__(
@@ -50,7 +55,13 @@ class HealthReporter:
         self._interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
         self._serving: bool | None = None
+        self.reachable = True
         self._backends: dict[str, bool] = {}
+        self._watchers: list[Callable[[bool], None]] = []
+
+    def watch(self, seen: Callable[[bool], None]) -> None:
+        """Call ``seen(reachable)`` after every check of the queue."""
+        self._watchers.append(seen)
 
     async def _set(self, serving: bool) -> None:
         if serving == self._serving:
@@ -70,8 +81,10 @@ class HealthReporter:
         try:
             epoch = await asyncio.wait_for(self._queue.epoch(), timeout=self._interval_s)
         except (QueueUnavailable, asyncio.TimeoutError):
+            self._saw(False)
             await self._set(False)
             return
+        self._saw(True)
         if self._epoch and epoch != self._epoch:
             self.data_losses += 1
             self._held_until = time.monotonic() + self._hold_s
@@ -85,9 +98,14 @@ class HealthReporter:
         await self.check_now()
         self._task = asyncio.create_task(self._loop(), name="health")
 
+    def _saw(self, reachable: bool) -> None:
+        self.reachable = reachable
+        for seen in self._watchers:
+            seen(reachable)
+
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(self._interval_s)
+            await asyncio.sleep(self._interval_s if self.reachable else min(self._interval_s, OUTAGE_CHECK_S))
             await self.check_now()
 
     def queue_generation(self) -> int:

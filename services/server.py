@@ -83,6 +83,7 @@ async def start_gateway(
         breaker or BreakerSettings(),
         on_health=lambda pool, up: reporter.set_backend(backend_service(pool), up),
     )
+    reporter.watch(backends.saw_queue)
     relay = QueueRelay(queue, settings, backends, policy, reporter.queue_generation)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(relay, settings, models), server)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(backends), server)

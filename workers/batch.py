@@ -12,6 +12,7 @@ import asyncio
 
 import structlog
 
+from llamamesh.backoff import Delays
 from llamamesh.errors import EngineDead, LlamameshError, QueueUnavailable
 from llamamesh.queue.protocol import BatchStore, Lease
 from llamamesh.types import FinishReason, ItemResult, ItemStatus, Usage
@@ -30,15 +31,13 @@ def skipped_result(lease: Lease) -> ItemResult:
 
 async def record(batches: BatchStore, lease: Lease, result: ItemResult) -> None:
     """Record ``result``, retrying while Redis is unreachable (a result is never dropped here)."""
-    delay = 0.05
+    delays = Delays()
     while True:
         try:
             fresh = await batches.record(lease, result)
             break
         except QueueUnavailable:
-            log.warning("batch_record_failed", retry_in_s=delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+            log.warning("batch_record_failed", retry_in_s=round(await delays.wait(), 3))
     log.info("batch_item_finished", batch_id=lease.request.batch_id, custom_id=result.custom_id,
              status=result.status.value, duplicate=not fresh)  # fmt: skip
 

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
+from llamamesh.backoff import Delays
 from llamamesh.errors import QueueUnavailable
 from llamamesh.queue.protocol import Lease, WorkQueue
 from llamamesh.types import GenerationRequest, JobEvent
@@ -113,15 +114,15 @@ class Outbox:
             self._last_watch = now
         if not batch and not watch:
             return
-        delay = 0.05
+        delays = Delays()
         while True:
             try:
                 cancelled = await self._queue.publish(batch, watch)
                 break
             except QueueUnavailable:
-                log.warning("events_publish_failed", pending=len(batch), retry_in_s=delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                # Published again whole: what the failed try applied is written twice, and the
+                # reader drops the repeats by index (services/relay.py).
+                log.warning("events_publish_failed", pending=len(batch), retry_in_s=round(await delays.wait(), 3))
         self.publishes += 1
         for lease, event in batch:
             rid = lease.request.request_id

@@ -30,6 +30,7 @@ from typing import Any
 
 import structlog
 
+from llamamesh.backoff import Delays
 from llamamesh.errors import EngineDead, InvalidRequest, QueueUnavailable, WorkerDied
 from llamamesh.queue.protocol import BatchStore, Lease, WorkQueue
 from llamamesh.settings import BatchSettings, WorkerSettings
@@ -118,7 +119,7 @@ class Worker:
         Raises EngineDead (after draining) if the engine could not start, died or wedged, so the
         process exits non-zero.
         """
-        backoff = 0.1
+        delays = Delays(first_s=0.1, cap_s=2.0)
         while True:  # Redis may come up after the worker: wait for it rather than exit
             try:
                 await self._queue.join(self._s.pool)
@@ -127,11 +128,9 @@ class Worker:
                 break
             except QueueUnavailable:
                 self.join_failures += 1
-                log.warning("join_failed", pool=self._s.pool, retry_in_s=backoff)
-                await _wait_any(stop, timeout=backoff)
+                log.warning("join_failed", pool=self._s.pool, retry_in_s=round(await delays.wait(stop), 3))
                 if stop.is_set():
                     return
-                backoff = min(backoff * 2, 5.0)
         self._outbox.start()
         beat_stop = asyncio.Event()
         beat = asyncio.create_task(self._heartbeat(beat_stop), name="heartbeat")
@@ -178,7 +177,7 @@ class Worker:
 
     async def _lease_loop(self, stop: asyncio.Event) -> None:
         """Lease by free slots until ``stop`` or the engine's death."""
-        backoff = 0.1
+        delays = Delays(first_s=0.1)
         while not stop.is_set() and self.engine_died is None:
             free = self._s.max_inflight - len(self._tasks)
             if free <= 0:
@@ -187,11 +186,12 @@ class Worker:
                 continue
             try:
                 leases = await self._lease(free)
-                backoff = 0.1
+                delays.reset()
             except QueueUnavailable:
-                log.warning("lease_failed", retry_in_s=backoff)
-                await _wait_any(stop, timeout=backoff)
-                backoff = min(backoff * 2, 5.0)
+                # Redis is out: no worker could touch its jobs meanwhile, so reclaim none until a
+                # round of heartbeats has touched them again after it is back.
+                self._last_job_reclaim = self._last_reclaim = time.monotonic()
+                log.warning("lease_failed", retry_in_s=round(await delays.wait(stop), 3))
                 continue
             for lease in leases:
                 await self._admit(lease)

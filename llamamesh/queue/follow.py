@@ -25,6 +25,7 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
+from llamamesh.backoff import Delays
 from llamamesh.errors import QueueUnavailable
 from llamamesh.queue.keys import WAKE_FIELD, Keys
 
@@ -103,7 +104,7 @@ class EventFollower:
             await self._r.delete(self._wake_key)
 
     async def _run(self) -> None:
-        backoff = 0.05
+        delays = Delays()
         down_since: float | None = None
         while not self._closing:
             if not self._subs:
@@ -117,7 +118,7 @@ class EventFollower:
                 streams[key] = min((s.last for s in subs), key=_id)
             try:
                 reply: Any = await self._r.xread(streams, count=1024, block=self._block_ms)
-                backoff = 0.05
+                delays.reset()
                 if down_since is not None:
                     down_s = round(time.monotonic() - down_since, 2)
                     log.info("event_read_recovered", followers=len(self._subs), down_s=down_s)
@@ -135,9 +136,8 @@ class EventFollower:
                     self._subs.clear()
                     down_since = None
                 else:
-                    log.warning("event_read_retrying", followers=len(self._subs), error=str(exc), retry_in_s=backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
+                    log.warning("event_read_retrying", followers=len(self._subs), error=str(exc))
+                await delays.wait()
                 continue
             self.reads += 1
             for raw_key, entries in reply or ():

@@ -1,0 +1,78 @@
+"""Writes the queue may repeat (a retry after a lost reply: the first try was applied), and pooled
+connections Redis dropped, against real servers (redis-server and Valkey)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+
+from llamamesh.queue.streams import RedisQueue
+from llamamesh.types import Attempt, Finished, FinishReason, GenerationRequest, JobEvent, SamplingParams, Usage
+from services.relay import Cursor
+
+pytestmark = [pytest.mark.redis, pytest.mark.timeout(30)]
+
+
+def req(rid: str) -> GenerationRequest:
+    return GenerationRequest(request_id=rid, model="m", prompt="p", sampling=SamplingParams(max_tokens=5))
+
+
+async def test_a_retried_submission_is_queued_once(redis_queue: RedisQueue) -> None:
+    q = redis_queue
+    await q.join("cpu")
+    await q.submit("cpu", req("a"))
+    await q.submit("cpu", req("a"))  # the same write again
+    await q.submit("cpu", req("b"))
+    assert await q.client.xlen(q.keys.jobs("cpu")) == 2
+    assert [x.request.request_id for x in await q.lease("cpu", "w", 10, 100)] == ["a", "b"]
+
+
+async def test_a_retried_attempt_record_is_written_once(redis_queue: RedisQueue) -> None:
+    q = redis_queue
+    rec = Attempt("a", 0, "cpu", "m", 123, False)
+    assert await q.begin("a", rec, first=True)
+    assert await q.begin("a", rec, first=True)  # its own retry: done already, not "someone else's"
+    assert not await q.begin("a", Attempt("a", 0, "cpu", "m", 456, False), first=True)  # another caller's
+    assert await q.attempts("a") == [rec]
+
+
+async def test_a_publish_repeated_after_a_lost_reply_reaches_the_reader_once(redis_queue: RedisQueue) -> None:
+    q = redis_queue
+    await q.join("cpu")
+    await q.submit("cpu", req("r"))
+    (lease,) = await q.lease("cpu", "w", 1, 100)
+    step = [(lease, JobEvent(text="ab", token_ids=(1, 2), index=0)),
+            (lease, JobEvent(text="c", token_ids=(3,), index=2))]  # fmt: skip
+    await q.publish(step, [])
+    await q.publish(step, [])  # the outbox's retry of a publish Redis had applied
+    end = JobEvent(text="d", token_ids=(4,), index=3, finished=Finished(FinishReason.LENGTH, Usage(1, 4)))
+    await q.publish([(lease, end)], [])
+    cursor, out = Cursor(), []
+    async for _id, ev in q.events("r"):
+        assert ev.token_ids == tuple(range(ev.index + 1, ev.index + 1 + len(ev.token_ids)))  # merged only in order
+        if (part := cursor.accept(ev)) is not None:
+            out.append(part)
+    assert cursor.sent == [1, 2, 3, 4]
+    assert [i for p in out for i in range(p.index, p.index + len(p.token_ids))] == [0, 1, 2, 3]
+
+
+async def test_pooled_connections_redis_dropped_are_replaced_not_failed_on(redis_queue: RedisQueue) -> None:
+    q = redis_queue
+    await q.join("cpu")
+    await asyncio.gather(*(q.ping() for _ in range(10)))  # ten connections in the pool
+    killer = aioredis.Redis.from_url(q.client.connection_pool.connection_kwargs.get("url") or _url(q))
+    try:
+        killed = await killer.client_kill_filter(_type="normal", skipme=True)
+        assert killed >= 10
+    finally:
+        await killer.aclose()
+    # Every pooled connection is dead now: each command notices before or on use and goes on a fresh one.
+    await asyncio.gather(*(q.submit("cpu", req(f"k{i}")) for i in range(10)))
+    assert await q.client.xlen(q.keys.jobs("cpu")) == 10
+
+
+def _url(q: RedisQueue) -> str:
+    kw = q.client.connection_pool.connection_kwargs
+    return f"redis://{kw['host']}:{kw['port']}"

@@ -1,0 +1,65 @@
+"""The stream invariant (services/relay.py ``Cursor``) and event merging (``JobEvent.then``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from llamamesh import errors
+from llamamesh.types import Finished, FinishReason, JobEvent, Usage
+from services.relay import Cursor
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def ev(index: int, *tokens: int, end: bool = False) -> JobEvent:
+    finished = Finished(FinishReason.LENGTH, Usage(1, index + len(tokens))) if end else None
+    return JobEvent(text="".join(f"<{t}>" for t in tokens), token_ids=tokens, index=index, finished=finished)
+
+
+def test_each_index_passes_once_and_a_repeat_is_dropped_and_counted() -> None:
+    c = Cursor()
+    before = Cursor.duplicates_dropped
+    out = [c.accept(e) for e in (ev(0, 10, 11), ev(2, 12), ev(0, 10, 11), ev(2, 12), ev(3, 13, end=True))]
+    assert [o.token_ids if o else None for o in out] == [(10, 11), (12,), None, None, (13,)]
+    assert c.sent == [10, 11, 12, 13]
+    assert Cursor.duplicates_dropped - before == 2
+
+
+def test_an_overlapping_event_gives_only_its_new_tokens() -> None:
+    c = Cursor()
+    c.accept(ev(0, 10, 11))
+    out = c.accept(ev(1, 11, 12, 13))  # a retried publish merged with the next step's tokens
+    assert out is not None and (out.index, out.token_ids) == (2, (12, 13))
+    assert c.sent == [10, 11, 12, 13]
+
+
+def test_a_gap_ends_the_stream_naming_the_lost_range() -> None:
+    c = Cursor()
+    c.accept(ev(0, 10, 11))
+    with pytest.raises(errors.QueueUnavailable, match=r"lost tokens 2\.\.4"):
+        c.accept(ev(5, 15))
+
+
+def test_a_terminal_event_always_passes_with_what_is_new() -> None:
+    c = Cursor()
+    c.accept(ev(0, 10, 11))
+    out = c.accept(ev(0, 10, 11, end=True))  # the terminal event repeated the last tokens
+    assert out is not None and out.finished is not None and out.token_ids == ()
+    empty = Cursor(offset=4).accept(JobEvent(index=0, finished=Finished(FinishReason.CANCELLED, Usage(0, 4))))
+    assert empty is not None and empty.terminal  # an ending with no tokens carries no index to check
+
+
+def test_an_attach_from_an_offset_starts_there() -> None:
+    c = Cursor(offset=2)
+    assert c.accept(ev(0, 10, 11)) is None
+    out = c.accept(ev(1, 11, 12))
+    assert out is not None and (out.index, out.token_ids) == (2, (12,))
+
+
+def test_events_merge_only_when_they_follow_on() -> None:
+    a = ev(0, 10, 11)
+    assert a.then(ev(2, 12)).token_ids == (10, 11, 12)
+    assert a.then(JobEvent(finished=Finished(FinishReason.STOP, Usage(1, 2)))).terminal
+    assert not a.follows_on(ev(0, 10, 11)) and not a.follows_on(ev(3, 13))
+    with pytest.raises(ValueError, match="does not follow on"):
+        a.then(ev(0, 10, 11))
