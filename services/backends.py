@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import structlog
 
 from llamamesh import errors
-from llamamesh.queue.protocol import JobQueue
+from llamamesh.queue.protocol import ProbeQueue
 from llamamesh.settings import BreakerSettings
 from llamamesh.types import GenerationRequest, SamplingParams, WorkerStatus
 from services.breaker import Breaker, State
@@ -116,7 +116,7 @@ class Pool:
 class Backends:
     def __init__(
         self,
-        queue: JobQueue,
+        queue: ProbeQueue,
         pools: Sequence[str],
         fallback: Mapping[str, str],
         settings: BreakerSettings,

@@ -11,7 +11,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2
 
 from llamamesh.errors import QueueUnavailable
-from llamamesh.queue.protocol import JobQueue
+from llamamesh.queue.protocol import QueueState
 
 log = structlog.get_logger(__name__)
 
@@ -43,7 +43,7 @@ class HealthReporter:
     """
 
     def __init__(
-        self, queue: JobQueue, services: Sequence[str], interval_s: float = 2.0, data_loss_hold_s: float = 10.0
+        self, queue: QueueState, services: Sequence[str], interval_s: float = 2.0, data_loss_hold_s: float = 10.0
     ) -> None:
         self.servicer = health.aio.HealthServicer()
         self._queue = queue

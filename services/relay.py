@@ -34,7 +34,7 @@ from typing import Protocol
 import structlog
 
 from llamamesh import errors
-from llamamesh.queue.protocol import JobQueue
+from llamamesh.queue.protocol import RelayQueue
 from llamamesh.settings import GatewaySettings
 from llamamesh.types import Attempt, Finished, FinishReason, GenerationRequest, JobEvent, Usage
 from services.backends import Backends
@@ -179,7 +179,7 @@ class QueueRelay:
 
     def __init__(
         self,
-        queue: JobQueue,
+        queue: RelayQueue,
         settings: GatewaySettings,
         backends: Backends | None = None,
         policy: RoutingPolicy | None = None,

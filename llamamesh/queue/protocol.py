@@ -29,8 +29,9 @@ class Lease:
     started: bool = False
 
 
-class JobQueue(Protocol):
-    """The gateway's side: submit, follow a request's events, cancel."""
+class Jobs(Protocol):
+    """The work a gateway hands out and follows: a pool's work stream, a request's events and
+    cancel flags, the dead-letter stream."""
 
     async def submit(self, pool: str, request: GenerationRequest, max_waiting: int = 0) -> None:
         """Append the job to the pool's work stream. With ``max_waiting`` > 0, raises QueueFull
@@ -38,8 +39,9 @@ class JobQueue(Protocol):
 
     def events(self, request_id: str, after: str = "0-0") -> AsyncGenerator[tuple[str, JobEvent], None]:
         """Yield (event id, event) after ``after`` as they arrive, ending after the terminal event.
-        Events that queued up unread may come merged into one (``JobEvent.then``; never a failure),
-        under the id of the last of them.
+        Events that queued up unread may come merged into one (``JobEvent.then``; never a failure,
+        and only events that follow on), under the id of the last of them. A repeated event (a
+        writer's retry) comes as it is: its reader drops what it has (services/relay.py).
 
         Blocks between events; cancelling the iterating task stops it. Raises QueueUnavailable.
         """
@@ -51,8 +53,20 @@ class JobQueue(Protocol):
     async def call_off(self, caller_id: str) -> None:
         """The caller's Cancel: every attempt of its request (``GenerationRequest.caller_id``) stops."""
 
-    async def ping(self) -> None:
-        """Raise QueueUnavailable unless the queue answers."""
+    async def end(self, request_id: str, event: JobEvent) -> None:
+        """Append a terminal event to a request that no worker has started (a cancelled queued job:
+        its caller's stream ends now, not when a worker reaches the job and skips it)."""
+
+    async def read_events(self, request_id: str) -> list[tuple[str, JobEvent]]:
+        """Every event of a request so far, without waiting."""
+        ...
+
+    async def set_aside(self, pool: str, request: GenerationRequest, reason: str, deliveries: int) -> None:
+        """Record a poison request in the pool's dead-letter stream (every worker that ran it died)."""
+
+
+class RequestLog(Protocol):
+    """The record of a caller's request: its attempts (one per failover) and its re-attaches."""
 
     async def begin(self, caller_id: str, attempt: Attempt, first: bool) -> bool:
         """Record an attempt of the caller's request. ``first``: only if the request has none yet;
@@ -72,27 +86,39 @@ class JobQueue(Protocol):
 
     async def attach_count(self, caller_id: str) -> int: ...
 
-    async def end(self, request_id: str, event: JobEvent) -> None:
-        """Append a terminal event to a request that no worker has started (a cancelled queued job:
-        its caller's stream ends now, not when a worker reaches the job and skips it)."""
 
-    async def read_events(self, request_id: str) -> list[tuple[str, JobEvent]]:
-        """Every event of a request so far, without waiting."""
+class Registry(Protocol):
+    """The workers of each pool, as their heartbeats say."""
+
+    async def workers(self, pool: str) -> list[WorkerStatus]:
+        """The live workers of a pool: those whose last heartbeat has not expired."""
         ...
 
-    async def set_aside(self, pool: str, request: GenerationRequest, reason: str, deliveries: int) -> None:
-        """Record a poison request in the pool's dead-letter stream (every worker that ran it died)."""
+
+class QueueState(Protocol):
+    """Whether the queue answers, and whether it still holds its data."""
+
+    async def ping(self) -> None:
+        """Raise QueueUnavailable unless the queue answers."""
 
     async def epoch(self) -> str:
         """The identity of the queue's data, set by the first caller and kept: a different one later
         means Redis came back without its data. Raises QueueUnavailable."""
         ...
 
-    async def workers(self, pool: str) -> list[WorkerStatus]:
-        """The live workers of a pool: those whose last heartbeat has not expired."""
-        ...
-
     async def close(self) -> None: ...
+
+
+class RelayQueue(Jobs, RequestLog, Protocol):
+    """What the gateway's relay (services/relay.py) needs."""
+
+
+class ProbeQueue(Jobs, Registry, Protocol):
+    """What the gateway's view of its pools (services/backends.py) needs: heartbeats and probes."""
+
+
+class JobQueue(Jobs, RequestLog, Registry, QueueState, Protocol):
+    """The gateway's whole side of the queue (``streams.RedisQueue``, ``memory.MemoryQueue``)."""
 
 
 class WorkQueue(Protocol):
