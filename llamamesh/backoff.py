@@ -3,8 +3,8 @@
 Every retry loop of the queue's users (the gateway's event reader, a worker's join, lease, publish
 and batch results) waits through one ``Delays``: doubling from ``first_s`` up to ``cap_s``, each
 delay multiplied by a random factor in [1 - jitter, 1 + jitter] so that a fleet of workers does not
-retry in lockstep after a restart; ``reset()`` after a success. A short cap keeps the time from
-Redis's return to work flowing again near a second.
+retry in lockstep after a restart; ``reset()`` after a success. A short cap (half a second by
+default) keeps the time from Redis's return to work flowing again well under a second.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 class Delays:
     def __init__(
-        self, first_s: float = 0.05, cap_s: float = 1.0, jitter: float = 0.5, rand: Callable[[], float] = random.random
+        self, first_s: float = 0.05, cap_s: float = 0.5, jitter: float = 0.25, rand: Callable[[], float] = random.random
     ) -> None:
         self.first_s, self.cap_s, self.jitter = first_s, cap_s, jitter
         self._rand = rand

@@ -8,6 +8,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from llamamesh.v1 import admin_pb2 as pb
 from llamamesh.v1 import admin_pb2_grpc
 from services.backends import Backends, Pool
+from services.calls import rpc
 
 
 def backend_pb(pool: Pool, fallback: str) -> pb.Backend:
@@ -37,6 +38,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     def __init__(self, backends: Backends) -> None:
         self._backends = backends
 
+    @rpc("ListBackends")
     async def ListBackends(
         self, request: pb.ListBackendsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListBackendsResponse:

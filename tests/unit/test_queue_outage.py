@@ -89,6 +89,7 @@ async def test_a_worker_that_leaves_with_redis_up_is_gone_at_once() -> None:
 def test_delays_double_to_the_cap_with_jitter_and_reset() -> None:
     lo = Delays(first_s=0.1, cap_s=1.0, jitter=0.5, rand=lambda: 0.0)
     hi = Delays(first_s=0.1, cap_s=1.0, jitter=0.5, rand=lambda: 0.999999)
+    assert Delays().cap_s <= 0.5  # the default: retries reach a Redis that is back within ~0.6 s
     assert [round(lo.next(), 3) for _ in range(6)] == [0.05, 0.1, 0.2, 0.4, 0.5, 0.5]
     assert [round(hi.next(), 2) for _ in range(6)] == [0.15, 0.3, 0.6, 1.2, 1.5, 1.5]
     lo.reset()
