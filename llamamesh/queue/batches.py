@@ -13,6 +13,8 @@
   a batch past its deadline (expired) or cancelled/failed (cancelled), and items a dead worker left
   leased (untouched for ``claim_idle_s``), so every batch reaches an end state by itself.
 - Counts never drift: ``processing`` is ``total`` minus the recorded ones.
+- Nothing outlives its batch: the record and results expire ``retention_s`` after the end, and the
+  sweep then takes the batch off its owner's list (``keys.batches_kept``), a bounded page per sweep.
 
 Redis errors become ``QueueUnavailable`` here.
 """
@@ -227,6 +229,9 @@ class RedisBatches:
                 async with self._r.pipeline(transaction=False) as pipe:
                     pipe.zadd(self.keys.batches(info.owner), {info.batch_id: info.created_at})
                     pipe.zadd(self.keys.batches_open(), {info.batch_id: info.expires_at})
+                    # Its record is gone retention_s after it ends at the earliest.
+                    kept = json.dumps([info.owner, info.batch_id])
+                    pipe.zadd(self.keys.batches_kept(), {kept: time.time() + self.retention_s})
                     await pipe.execute()
             else:
                 if stored[0] is None or stored[0].decode() != fingerprint:
@@ -323,7 +328,8 @@ class RedisBatches:
         """Settle the open batches whose deadline has passed, or that were cancelled (a gateway runs
         this periodically); returns how many it looked at. Items a dead worker left leased end
         too (``end_abandoned``). An ended batch leaves the open set; one still waiting for running
-        items is looked at again after ``claim_idle_s`` (a minute if 0)."""
+        items is looked at again after ``claim_idle_s`` (a minute if 0). Up to ``limit`` batches
+        purged after their retention leave their owners' lists (``forget_purged``)."""
         key = self.keys.batches_open()
         with unreachable():
             due: Any = await self._r.zrangebyscore(key, "-inf", time.time(), start=0, num=limit)
@@ -335,7 +341,36 @@ class RedisBatches:
                     await self._r.zrem(key, raw)
                 else:
                     await self._r.zadd(key, {raw: time.time() + (self.claim_idle_s or 60)})
+        await self.forget_purged(limit)
         return len(due)
+
+    async def forget_purged(self, limit: int = 100) -> int:
+        """Take up to ``limit`` batches whose record expired (their retention ended) off their owners'
+        lists; one still kept is looked at again when its retention ends. Returns how many went.
+        Raises QueueUnavailable."""
+        key = self.keys.batches_kept()
+        now = time.time()
+        with unreachable():
+            due: Any = await self._r.zrangebyscore(key, "-inf", now, start=0, num=limit)
+            if not due:
+                return 0
+            pairs = [json.loads(member) for member in due]
+            async with self._r.pipeline(transaction=False) as pipe:
+                for _owner, batch_id in pairs:
+                    pipe.hmget(self.keys.batch(batch_id), "state", "results_expire_at")
+                found: Any = await pipe.execute()
+            gone = 0
+            async with self._r.pipeline(transaction=False) as pipe:
+                for member, (owner, batch_id), (state, until) in zip(due, pairs, found, strict=True):
+                    if state is None:
+                        pipe.zrem(self.keys.batches(owner), batch_id)
+                        pipe.zrem(key, member)
+                        gone += 1
+                    else:  # still kept: ended (until its retention ends), or not yet (at least that long)
+                        again = float(until) + 1 if until is not None else now + self.retention_s
+                        pipe.zadd(key, {member: max(again, now + 1)})
+                await pipe.execute()
+        return gone
 
     async def end_abandoned(self, info: BatchInfo, page: int = 1000) -> BatchInfo | None:
         """End the items of this batch that a dead worker left leased (untouched for ``claim_idle_s``)

@@ -108,3 +108,8 @@ class Keys:
     def batches(self, owner: str) -> str:
         """An owner's batches by creation time (a sorted set)."""
         return f"{self.prefix}:owner:{{{owner}}}:batches"
+
+    def batches_kept(self) -> str:
+        """Every batch by the earliest time its record may be gone (a sorted set of JSON
+        ``[owner, batch_id]``): the sweep takes purged batches off their owner's list."""
+        return f"{self.prefix}:batches:kept"

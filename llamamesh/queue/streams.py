@@ -9,6 +9,9 @@
   ``event_ttl_s`` after the terminal event.
 - Cancel: a flag key per request, checked when a job is leased and on every
   publish of the worker that runs it.
+- Bounds: the dead-letter stream keeps ``dead_letter_maxlen`` entries; an event stream's idle TTL
+  is renewed while its request publishes (``publish``); consumers that hold no entry and sat idle
+  for ``consumer_idle_s`` leave the pool's groups (``prune_consumers``, from ``workers``).
 
 Redis errors become ``QueueUnavailable`` here and nowhere else.
 """
@@ -17,8 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any  # redis-py types stream replies loosely
 
 import redis.asyncio as aioredis
@@ -70,6 +74,39 @@ return -1
 """
 
 
+# KEYS: a stream. ARGV: group, least idle time (ms). Deletes the group's consumers that hold no
+# entry and were idle that long; returns how many. One script: a consumer cannot lease an entry
+# between the look and the delete (XGROUP DELCONSUMER drops whatever the consumer holds).
+_PRUNE = """
+local ok, consumers = pcall(redis.call, 'XINFO', 'CONSUMERS', KEYS[1], ARGV[1])
+if not ok then return 0 end
+local n = 0
+for _, c in ipairs(consumers) do
+  local f = {}
+  for i = 1, #c, 2 do f[c[i]] = c[i + 1] end
+  if tonumber(f['pending']) == 0 and tonumber(f['idle']) >= tonumber(ARGV[2]) then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], f['name'])
+    n = n + 1
+  end
+end
+return n
+"""
+
+# A gateway prunes each pool's consumers at most this often (the pool's workers() is asked every
+# probe interval).
+PRUNE_EVERY_S = 60.0
+# A request's event stream has its idle TTL renewed at most once per this fraction of the TTL.
+RENEW_FRACTION = 0.25
+
+
+async def prune_consumers(client: aioredis.Redis, stream: str, idle_ms: int) -> int:
+    """Remove the workers' group consumers of ``stream`` that hold no entry and were idle for
+    ``idle_ms`` or more (a missing stream or group: none); returns how many. Nothing leased is lost:
+    a consumer holding entries stays. Raises QueueUnavailable."""
+    with unreachable():
+        return int(await client.eval(_PRUNE, 1, stream, WORKER_GROUP, idle_ms))
+
+
 async def touch_entries(client: aioredis.Redis, stream: str, consumer: str, entry_ids: Sequence[str]) -> None:
     """Reset the idle time of the entries ``consumer`` still works on, so that nobody reclaims them."""
     if not entry_ids:
@@ -103,10 +140,20 @@ return 0
 class RedisQueue:
     """Both faces of the queue (JobQueue and WorkQueue) on one Redis connection pool."""
 
-    def __init__(self, client: aioredis.Redis, settings: RedisSettings) -> None:
+    def __init__(
+        self, client: aioredis.Redis, settings: RedisSettings, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._r = client
         self._s = settings
         self.keys = Keys(settings.prefix)
+        self._clock = clock
+        # pool -> when its consumers were last pruned (clock seconds)
+        self._pruned: dict[str, float] = {}
+        # request id -> when its event stream's idle TTL is due for renewal (clock seconds); an
+        # entry leaves with the request's terminal event, or once overdue by a whole TTL (a job
+        # given up without one), looked for every quarter TTL.
+        self._renew_at: dict[str, float] = {}
+        self._forget_at = 0.0
         self._follower: EventFollower | None = None
         self._submit = client.register_script(_SUBMIT)
         self._begin = client.register_script(_BEGIN)
@@ -190,6 +237,13 @@ class RedisQueue:
             await self._r.ping()
 
     async def workers(self, pool: str) -> list[WorkerStatus]:
+        """The pool's live workers; stale names are forgotten, and at most every ``PRUNE_EVERY_S`` the
+        pool's idle consumers too (``prune_consumers``). Raises QueueUnavailable."""
+        if self._s.consumer_idle_s > 0:
+            now = self._clock()
+            if now - self._pruned.get(pool, -PRUNE_EVERY_S) >= min(PRUNE_EVERY_S, self._s.consumer_idle_s):
+                self._pruned[pool] = now
+                await self.prune_consumers(pool)
         names_key = self.keys.workers(pool)
         with unreachable():
             members: Any = await self._r.smembers(names_key)
@@ -201,6 +255,18 @@ class RedisQueue:
             if gone:  # their heartbeats expired: forget the names too
                 await self._r.srem(names_key, *gone)
         return [codec.decode_status(v) for v in raw if v is not None]
+
+    async def prune_consumers(self, pool: str) -> int:
+        """Remove the consumers of the pool's work and batch streams that hold no entry and were
+        idle for ``consumer_idle_s`` (dead or restarted workers' names); returns how many. Raises
+        QueueUnavailable."""
+        idle_ms = self._s.consumer_idle_s * 1000
+        n = 0
+        for stream in (self.keys.jobs(pool), self.keys.batch_items(pool)):
+            n += await prune_consumers(self._r, stream, idle_ms)
+        if n:
+            log.info("consumers_pruned", pool=pool, count=n, idle_s=self._s.consumer_idle_s)
+        return n
 
     async def close(self) -> None:
         if self._follower is not None:
@@ -385,7 +451,8 @@ class RedisQueue:
 
     def _dead_record(self, pipe: Any, pool: str, request: GenerationRequest, reason: str, deliveries: int) -> None:
         fields = {JOB_FIELD: codec.encode_job(request), "reason": reason, "deliveries": deliveries}
-        pipe.xadd(self.keys.dead_letters(pool), fields)
+        most = self._s.dead_letter_maxlen or None
+        pipe.xadd(self.keys.dead_letters(pool), fields, maxlen=most, approximate=True)
 
     async def _drop(self, stream: str, entry_ids: list[str]) -> None:
         with unreachable():
@@ -414,10 +481,16 @@ class RedisQueue:
     async def publish(
         self, events: Sequence[tuple[Lease, JobEvent]], watch: Sequence[GenerationRequest]
     ) -> set[str]:
+        """Also (re)sets a stream's idle TTL on its request's first event here and then at most
+        every quarter of it (with the caller's attempts record), so that a long request keeps its
+        stream while it runs; renewals count only once the pipeline went through."""
+        now = self._clock()
+        renewed: set[str] = set()
         with unreachable():
             async with self._r.pipeline(transaction=False) as pipe:
                 for lease, event in events:
-                    key = self.keys.events(lease.request.request_id)
+                    rid = lease.request.request_id
+                    key = self.keys.events(rid)
                     pipe.xadd(key, {EVENT_FIELD: codec.encode_event(event)})
                     if event.terminal:
                         pipe.expire(key, self._s.event_ttl_s)
@@ -427,9 +500,27 @@ class RedisQueue:
                         stream = self.keys.jobs(lease.pool)
                         pipe.xack(stream, WORKER_GROUP, lease.entry_id)
                         pipe.xdel(stream, lease.entry_id)
-                    elif event.index == 0:
-                        # The first event creates the stream: bound its life in case no terminal follows.
+                    elif rid not in renewed and now >= self._renew_at.get(rid, now):
+                        # The first event creates the stream: bound its life in case no terminal
+                        # follows; later ones push that bound on while the request runs.
                         pipe.expire(key, self._s.event_idle_ttl_s)
+                        if rid in self._renew_at:  # a renewal: the caller's attempts record too
+                            pipe.expire(self.keys.attempts(lease.request.caller_id), self._s.event_idle_ttl_s)
+                        renewed.add(rid)
                 self._check_cancelled(pipe, watch)
                 replies = await pipe.execute()
+        self._renewed(now, renewed, [lease.request.request_id for lease, event in events if event.terminal])
         return self._cancelled(watch, replies[len(replies) - 2 * len(watch) :])
+
+    def _renewed(self, now: float, renewed: set[str], ended: Sequence[str]) -> None:
+        """Note the streams whose idle TTL was just renewed and forget the requests that ended. An
+        entry overdue by a whole TTL belongs to a job this process gave up without a terminal
+        event (its stream expired): those go too, looked for every quarter TTL."""
+        ttl = self._s.event_idle_ttl_s
+        for rid in renewed:
+            self._renew_at[rid] = now + ttl * RENEW_FRACTION
+        for rid in ended:
+            self._renew_at.pop(rid, None)
+        if now >= self._forget_at:
+            self._renew_at = {rid: at for rid, at in self._renew_at.items() if at + ttl > now}
+            self._forget_at = now + ttl * RENEW_FRACTION
