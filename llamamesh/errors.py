@@ -88,6 +88,13 @@ class QueueUnavailable(Unavailable):
     code = "queue_unavailable"
 
 
+class EventsLost(QueueUnavailable):
+    """Redis came back without some of a request's events (its last second of writes): the caller
+    has tokens up to a point, the next events start past it."""
+
+    code = "events_lost"
+
+
 class EngineDead(Unavailable):
     code = "engine_dead"
 

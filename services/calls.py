@@ -69,6 +69,7 @@ def rpc(method: str) -> Callable[[F], F]:
                         yield msg
                 except errors.LlamameshError as exc:
                     outcome = _outcome(exc)
+                    fields["error"] = exc.message
                     await status.abort(context, exc)
                 except BaseException as exc:  # logged with its status, then re-raised
                     outcome = _other(exc)
@@ -89,6 +90,7 @@ def rpc(method: str) -> Callable[[F], F]:
                 return await handler(self, request, context)
             except errors.LlamameshError as exc:
                 outcome = _outcome(exc)
+                fields["error"] = exc.message
                 await status.abort(context, exc)
                 raise  # unreachable: abort raises
             except BaseException as exc:  # logged with its status, then re-raised

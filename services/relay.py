@@ -10,7 +10,9 @@ What the relay owns:
   order, across merged reads, failovers, re-attaches and Redis restarts. An event that repeats
   tokens the caller has (a publish the worker retried after a lost reply: the first try was
   applied) is dropped and counted (``duplicates_dropped``); one that starts past them is a gap
-  (Redis came back without some events) and ends the stream UNAVAILABLE naming the lost range.
+  (Redis came back without its last writes): the attempt is abandoned and the request resumed
+  from what the caller has, as after a lost worker, or, with no attempt left, the stream ends
+  UNAVAILABLE naming the lost range.
   Workers' publish retries are therefore safe to repeat: the reader drops by index what it has,
   rather than each writer choosing entry ids (an entry id the writer picks would have to sort
   after the ``*`` ids the gateway writes into the same stream, e.g. Cancel's terminal event).
@@ -158,9 +160,9 @@ class Cursor:
 
     def accept(self, ev: JobEvent) -> JobEvent | None:
         """``ev`` (numbered as the caller's stream) less what the caller has; None if that is
-        nothing. Raises QueueUnavailable when it starts past the next index (lost events)."""
+        nothing. Raises EventsLost when it starts past the next index."""
         if ev.token_ids and ev.index > self.next:
-            raise errors.QueueUnavailable(
+            raise errors.EventsLost(
                 f"the queue lost tokens {self.next}..{ev.index - 1} of this stream; retry the request"
             )
         if ev.token_ids and ev.index < self.next:
@@ -259,8 +261,10 @@ class QueueRelay:
                         yield ev
                         if finished:
                             return
-                except (errors.WorkerLost, errors.EngineDead) as exc:
-                    deaths += isinstance(exc, errors.EngineDead) or exc.running
+                except (errors.WorkerLost, errors.EngineDead, errors.EventsLost) as exc:
+                    # Lost events are Redis's doing: the attempt is abandoned and the request
+                    # resumed from what the caller has, like a lost worker, but nobody died.
+                    deaths += isinstance(exc, errors.EngineDead) or (isinstance(exc, errors.WorkerLost) and exc.running)
                     await self._give_up_or_fail_over(pool, req, attempt, attempts, deaths, exc)
                     attempts = progress.failovers = attempts + 1
                     submitted = False
@@ -281,7 +285,7 @@ class QueueRelay:
 
     async def _give_up_or_fail_over(
         self, pool: str, req: GenerationRequest, attempt: GenerationRequest, attempts: int, deaths: int,
-        exc: errors.WorkerLost | errors.EngineDead,
+        exc: errors.WorkerLost | errors.EngineDead | errors.EventsLost,
     ) -> None:  # fmt: skip
         """Raise when the request goes no further (set aside, or out of attempts); else cancel the
         lost attempt (a worker that comes back skips it) and count the failure against the pool."""
@@ -296,7 +300,8 @@ class QueueRelay:
             if attempts:  # it outlived every worker it was sent to: keep it for inspection
                 await self._set_aside(pool, req, attempts + 1, exc)
             raise exc
-        await self._backends.record(pool, exc)
+        if not isinstance(exc, errors.EventsLost):
+            await self._backends.record(pool, exc)
         await asyncio.shield(self._cancel(attempt.request_id))
         log.warning("request_failed_over", pool=pool, error=str(exc), attempt=attempts + 1)
 

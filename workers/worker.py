@@ -327,13 +327,17 @@ class Worker:
         return [*taken, *inter, *batch]
 
     async def _reclaim_jobs(self, free: int) -> list[Lease]:
-        """Every claim_idle_s / 2: jobs of workers that died (untouched for claim_idle_s)."""
+        """Every claim_idle_s / 2: jobs untouched for claim_idle_s (of workers that died, or its own
+        that it does not run: leased but never started here, or acked in a Redis that lost it)."""
         now = time.monotonic()
         if now - self._last_job_reclaim < self._s.claim_idle_s / 2:
             return []
         self._last_job_reclaim = now
         s = self._s
-        return await self._queue.reclaim(s.pool, self.name, int(s.claim_idle_s * 1000), free, s.max_deliveries)
+        running = {x.entry_id for x in self._running.values()}
+        return await self._queue.reclaim(
+            s.pool, self.name, int(s.claim_idle_s * 1000), free, s.max_deliveries, running=running
+        )
 
     def status(self) -> WorkerStatus:
         stats = self._engine.stats()

@@ -11,7 +11,7 @@ import dataclasses
 import itertools
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -188,8 +188,9 @@ class MemoryQueue:
         return [Lease(pool=pool, entry_id=i, request=r, cancelled=self._is_cancelled(r)) for i, r in taken]
 
     async def reclaim(
-        self, pool: str, consumer: str, min_idle_ms: int, count: int, max_deliveries: int, own: bool = False
-    ) -> list[Lease]:
+        self, pool: str, consumer: str, min_idle_ms: int, count: int, max_deliveries: int, own: bool = False,
+        running: Collection[str] = (),
+    ) -> list[Lease]:  # fmt: skip
         self._check()
         return []  # one process: no worker dies apart from it
 

@@ -6,7 +6,7 @@ is the in-memory fake with the same contract, for tests of one layer.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -132,10 +132,13 @@ class WorkQueue(Protocol):
         ...
 
     async def reclaim(
-        self, pool: str, consumer: str, min_idle_ms: int, count: int, max_deliveries: int, own: bool = False
-    ) -> list[Lease]:
-        """Take over up to ``count`` jobs leased and left untouched for ``min_idle_ms`` (their worker
-        died); ``own``: this consumer's own leased jobs (a restart under the same name), any idle
+        self, pool: str, consumer: str, min_idle_ms: int, count: int, max_deliveries: int, own: bool = False,
+        running: Collection[str] = (),
+    ) -> list[Lease]:  # fmt: skip
+        """Take over up to ``count`` jobs leased and left untouched for ``min_idle_ms``: their worker
+        died, or this consumer's own ones that it does not run (``running``: the entry ids it does),
+        e.g. a lease whose reply was lost, or an ack Redis lost with its last second of writes.
+        ``own``: all of this consumer's own leased jobs (a restart under the same name), any idle
         time. Each job is claimed by one caller only. A job delivered more than ``max_deliveries``
         times is not returned: it goes to the dead-letter stream and its caller gets a failure. A
         job that had begun (events written) comes with ``started`` set."""

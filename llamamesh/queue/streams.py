@@ -22,7 +22,7 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Collection, Sequence
 from typing import Any  # redis-py types stream replies loosely
 
 import redis.asyncio as aioredis
@@ -340,16 +340,17 @@ class RedisQueue:
         return {req.request_id for i, req in enumerate(requests) if replies[2 * i] or replies[2 * i + 1]}
 
     async def reclaim(
-        self, pool: str, consumer: str, min_idle_ms: int, count: int, max_deliveries: int, own: bool = False
-    ) -> list[Lease]:
+        self, pool: str, consumer: str, min_idle_ms: int, count: int, max_deliveries: int, own: bool = False,
+        running: Collection[str] = (),
+    ) -> list[Lease]:  # fmt: skip
         stream = self.keys.jobs(pool)
         try:
             stale: Any = await self._r.xpending_range(
                 stream, WORKER_GROUP, min="-", max="+", count=count,
                 consumername=consumer if own else None, idle=None if own else min_idle_ms,
             )  # fmt: skip
-            if not own:
-                stale = [p for p in stale if p["consumer"].decode() != consumer]
+            if not own:  # its own idle ones too, unless it runs them (a lease whose reply was lost)
+                stale = [p for p in stale if p["message_id"].decode() not in running]
             if not stale:
                 return []
             delivered = {p["message_id"].decode(): int(p["times_delivered"]) + 1 for p in stale}

@@ -76,3 +76,15 @@ async def test_pooled_connections_redis_dropped_are_replaced_not_failed_on(redis
 def _url(q: RedisQueue) -> str:
     kw = q.client.connection_pool.connection_kwargs
     return f"redis://{kw['host']}:{kw['port']}"
+
+
+async def test_a_worker_takes_back_its_own_idle_job_unless_it_runs_it(redis_queue: RedisQueue) -> None:
+    """A job leased to this worker that it does not run (the lease's reply was lost, or Redis lost
+    the job's ack with its last second of writes) is not left pending for ever."""
+    q = redis_queue
+    await q.join("cpu")
+    await q.submit("cpu", req("mine"))
+    (lease,) = await q.lease("cpu", "w", 1, 100)
+    assert await q.reclaim("cpu", "w", 0, 10, 2, running={lease.entry_id}) == []  # it runs it: kept
+    (again,) = await q.reclaim("cpu", "w", 0, 10, 2)
+    assert again.request.request_id == "mine" and again.entry_id == lease.entry_id and not again.started
