@@ -31,7 +31,8 @@ from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult
 from llamamesh.v1 import batch_pb2 as bpb
 from llamamesh.v1 import batch_pb2_grpc
 from llamamesh.v1 import generation_pb2 as pb
-from services import convert, status
+from services import convert
+from services.calls import rpc
 from services.routing import RoutingPolicy
 
 log = structlog.get_logger(__name__)
@@ -208,88 +209,74 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
             raise errors.NotFound(f"no batch {batch_id!r}")
         return info
 
+    @rpc("BatchGenerate")
     async def BatchGenerate(self, request: bpb.BatchGenerateRequest, context: grpc.aio.ServicerContext) -> bpb.Batch:
-        try:
-            batch_id, window, items = batch_requests(request, self._gw, self._s, self._models)
-            now = time.time()
-            info = BatchInfo(
-                batch_id=batch_id, state=BatchState.VALIDATING, owner=owner_of(context), model=items[0][0].id,
-                total=len(items), completion_window_s=window, created_at=now, expires_at=now + window,
-                metadata=MappingProxyType(dict(request.metadata)),
-            )  # fmt: skip
-            fingerprint = hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest()
-            queued = [(self._policy.choose(req, model.pool)[0], req) for model, req in items]
-            stored, new = await self._store.create(info, fingerprint, queued)
-            log.info("batch_submitted", batch_id=batch_id, items=len(items), new=new, owner=info.owner)
-            return batch_pb(stored)
-        except errors.LlamameshError as exc:
-            await status.abort(context, exc)
-            raise  # unreachable: abort raises
+        batch_id, window, items = batch_requests(request, self._gw, self._s, self._models)
+        now = time.time()
+        info = BatchInfo(
+            batch_id=batch_id, state=BatchState.VALIDATING, owner=owner_of(context), model=items[0][0].id,
+            total=len(items), completion_window_s=window, created_at=now, expires_at=now + window,
+            metadata=MappingProxyType(dict(request.metadata)),
+        )  # fmt: skip
+        fingerprint = hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest()
+        queued = [(self._policy.choose(req, model.pool)[0], req) for model, req in items]
+        stored, new = await self._store.create(info, fingerprint, queued)
+        log.info("batch_submitted", batch_id=batch_id, items=len(items), new=new, owner=info.owner)
+        return batch_pb(stored)
 
+    @rpc("GetBatch")
     async def GetBatch(self, request: bpb.GetBatchRequest, context: grpc.aio.ServicerContext) -> bpb.Batch:
-        try:
-            return batch_pb(await self._mine(request.batch_id, context))
-        except errors.LlamameshError as exc:
-            await status.abort(context, exc)
-            raise
+        return batch_pb(await self._mine(request.batch_id, context))
 
+    @rpc("ListBatches")
     async def ListBatches(
         self, request: bpb.ListBatchesRequest, context: grpc.aio.ServicerContext
     ) -> bpb.ListBatchesResponse:
-        try:
-            size = request.page_size or 20
-            if not 1 <= size <= 100:
-                raise InvalidRequest.field("page_size", "1-100")
-            before: float | None = None
-            if request.page_token:
-                try:
-                    before = float(request.page_token)
-                except ValueError:
-                    raise InvalidRequest.field("page_token", "not a token from ListBatches") from None
-            got = await self._store.owned(owner_of(context), size + 1, before)
-            more = len(got) > size
-            page = got[:size]
-            return bpb.ListBatchesResponse(
-                batches=[batch_pb(b) for b in page], next_page_token=repr(page[-1].created_at) if more else ""
-            )
-        except errors.LlamameshError as exc:
-            await status.abort(context, exc)
-            raise
+        size = request.page_size or 20
+        if not 1 <= size <= 100:
+            raise InvalidRequest.field("page_size", "1-100")
+        before: float | None = None
+        if request.page_token:
+            try:
+                before = float(request.page_token)
+            except ValueError:
+                raise InvalidRequest.field("page_token", "not a token from ListBatches") from None
+        got = await self._store.owned(owner_of(context), size + 1, before)
+        more = len(got) > size
+        page = got[:size]
+        return bpb.ListBatchesResponse(
+            batches=[batch_pb(b) for b in page], next_page_token=repr(page[-1].created_at) if more else ""
+        )
 
+    @rpc("CancelBatch")
     async def CancelBatch(self, request: bpb.CancelBatchRequest, context: grpc.aio.ServicerContext) -> bpb.Batch:
-        try:
-            await self._mine(request.batch_id, context)
-            info = await self._store.cancel(request.batch_id)
-            if info is None:
-                raise errors.NotFound(f"no batch {request.batch_id!r}")
-            log.info("batch_cancel_requested", batch_id=request.batch_id, state=info.state.value)
-            return batch_pb(info)
-        except errors.LlamameshError as exc:
-            await status.abort(context, exc)
-            raise
+        await self._mine(request.batch_id, context)
+        info = await self._store.cancel(request.batch_id)
+        if info is None:
+            raise errors.NotFound(f"no batch {request.batch_id!r}")
+        log.info("batch_cancel_requested", batch_id=request.batch_id, state=info.state.value)
+        return batch_pb(info)
 
+    @rpc("StreamBatchResults")
     async def StreamBatchResults(
         self, request: bpb.StreamBatchResultsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bpb.BatchResult]:
         """Results after the cursor as they come; with follow (default), until the batch ended and
         every result was sent."""
-        try:
-            info = await self._mine(request.batch_id, context)
-            follow = request.follow if request.HasField("follow") else True
-            cursor = request.cursor or "0-0"
-            if not CURSOR.match(cursor):
-                raise InvalidRequest.field("cursor", "not a BatchResult.cursor")
-            while True:
-                ended = info.state.ended
-                got = await self._store.results(info.batch_id, cursor, self._block_ms if follow and not ended else None)
-                for cursor, result in got:
-                    yield result_pb(info.batch_id, cursor, result)
-                if not got and (ended or not follow):
-                    return
-                if not got:  # nothing within block_ms: has the batch ended meanwhile?
-                    info = await self._mine(info.batch_id, context)
-        except errors.LlamameshError as exc:
-            await status.abort(context, exc)
+        info = await self._mine(request.batch_id, context)
+        follow = request.follow if request.HasField("follow") else True
+        cursor = request.cursor or "0-0"
+        if not CURSOR.match(cursor):
+            raise InvalidRequest.field("cursor", "not a BatchResult.cursor")
+        while True:
+            ended = info.state.ended
+            got = await self._store.results(info.batch_id, cursor, self._block_ms if follow and not ended else None)
+            for cursor, result in got:
+                yield result_pb(info.batch_id, cursor, result)
+            if not got and (ended or not follow):
+                return
+            if not got:  # nothing within block_ms: has the batch ended meanwhile?
+                info = await self._mine(info.batch_id, context)
 
 
 class BatchSweeper:

@@ -28,13 +28,13 @@ from types import MappingProxyType
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
 from llamamesh.errors import InvalidRequest, QueueUnavailable
 from llamamesh.queue import codec
 from llamamesh.queue.keys import JOB_FIELD, RESULT_FIELD, WORKER_GROUP, Keys
 from llamamesh.queue.protocol import Lease
-from llamamesh.queue.redisio import UNREACHABLE, unreachable
+from llamamesh.queue.redisio import unreachable
 from llamamesh.queue.streams import create_group, touch_entries
 from llamamesh.settings import BatchSettings
 from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, ItemStatus
@@ -450,31 +450,29 @@ class RedisBatches:
         """Take up to ``count`` new batch items (waiting at most ``block_ms``; None: not at all). An
         item of a cancelled batch comes with ``cancelled``, one past its batch's deadline with
         ``expired``: the worker records those without running them."""
-        try:
-            reply: Any = await self._r.xreadgroup(
-                WORKER_GROUP, consumer, {self.keys.batch_items(pool): ">"}, count=count, block=block_ms
-            )
-        except ResponseError as exc:
-            if "NOGROUP" in str(exc):
+        with unreachable("cannot read the batch stream"):
+            try:
+                reply: Any = await self._r.xreadgroup(
+                    WORKER_GROUP, consumer, {self.keys.batch_items(pool): ">"}, count=count, block=block_ms
+                )
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
                 await self.join(pool)
                 return []
-            raise QueueUnavailable(f"cannot read the batch stream: {exc}") from exc
-        except RedisError as exc:
-            raise QueueUnavailable(UNREACHABLE) from exc
         return await self._leases(pool, [e for _s, es in reply or () for e in es])
 
     async def reclaim(self, pool: str, consumer: str, min_idle_ms: int, count: int) -> list[Lease]:
         """Take over items another worker leased and has not touched for ``min_idle_ms`` (it died)."""
-        try:
-            reply: Any = await self._r.xautoclaim(
-                self.keys.batch_items(pool), WORKER_GROUP, consumer, min_idle_ms, "0-0", count=count
-            )
-        except ResponseError as exc:
-            if "NOGROUP" in str(exc):
+        with unreachable("cannot claim from the batch stream"):
+            try:
+                reply: Any = await self._r.xautoclaim(
+                    self.keys.batch_items(pool), WORKER_GROUP, consumer, min_idle_ms, "0-0", count=count
+                )
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
                 return []
-            raise QueueUnavailable(f"cannot claim from the batch stream: {exc}") from exc
-        except RedisError as exc:
-            raise QueueUnavailable(UNREACHABLE) from exc
         return await self._leases(pool, [e for e in reply[1] if e and e[1]])
 
     async def touch(self, pool: str, consumer: str, entry_ids: Sequence[str]) -> None:

@@ -28,6 +28,7 @@ from redis.exceptions import RedisError
 from llamamesh.backoff import Delays
 from llamamesh.errors import QueueUnavailable
 from llamamesh.queue.keys import WAKE_FIELD, Keys
+from llamamesh.queue.redisio import unreachable
 
 log = structlog.get_logger(__name__)
 
@@ -73,13 +74,14 @@ class EventFollower:
             self._task = asyncio.create_task(self._run(), name="event-follower")
         if self._reading:
             try:
-                async with self._r.pipeline(transaction=False) as pipe:
-                    pipe.xadd(self._wake_key, {WAKE_FIELD: b"1"}, maxlen=16, approximate=True)
-                    pipe.expire(self._wake_key, self._wake_ttl_s)
-                    await pipe.execute()
-            except RedisError as exc:
+                with unreachable():
+                    async with self._r.pipeline(transaction=False) as pipe:
+                        pipe.xadd(self._wake_key, {WAKE_FIELD: b"1"}, maxlen=16, approximate=True)
+                        pipe.expire(self._wake_key, self._wake_ttl_s)
+                        await pipe.execute()
+            except QueueUnavailable:
                 self.unfollow(sub)
-                raise QueueUnavailable("the queue is unreachable") from exc
+                raise
         else:
             self._idle.set()
         return sub

@@ -19,6 +19,9 @@ EVENT_FIELD = "e"
 WAKE_FIELD = "w"
 # Field of a batch results-stream entry holding the encoded ItemResult.
 RESULT_FIELD = "r"
+# Seconds a request's submitted marker lives: long past any retry of the write (a client's retry
+# of the request is recognised by its attempts record instead), short enough to cost little.
+SUBMITTED_TTL_S = 60
 
 
 @dataclass(frozen=True)
@@ -34,8 +37,8 @@ class Keys:
         return f"{self.prefix}:pool:{{{pool}}}:dead"
 
     def submitted(self, pool: str, request_id: str) -> str:
-        """Present once a request was queued to a pool (in the pool's slot, beside its work stream):
-        a retried submission is not queued twice."""
+        """Present for ``SUBMITTED_TTL_S`` once a request was queued to a pool (in the pool's slot,
+        beside its work stream): a retried submission is not queued twice."""
         return f"{self.prefix}:pool:{{{pool}}}:submitted:{request_id}"
 
     def events(self, request_id: str) -> str:

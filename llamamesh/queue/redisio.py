@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from llamamesh.errors import QueueUnavailable
 from llamamesh.settings import RedisSettings
@@ -28,10 +28,15 @@ UNREACHABLE = "the queue is unreachable"
 
 
 @contextlib.contextmanager
-def unreachable() -> Iterator[None]:
-    """Raise any Redis error inside as ``QueueUnavailable("the queue is unreachable")``."""
+def unreachable(refused: str = "") -> Iterator[None]:
+    """Raise any Redis error inside as ``QueueUnavailable("the queue is unreachable")``; with
+    ``refused`` (what failed, e.g. "cannot read the work stream"), an error reply of the server is
+    raised as that, with the reply. Server replies the caller expects (NOGROUP, BUSYGROUP) it
+    catches inside, re-raising the others."""
     try:
         yield
+    except ResponseError as exc:
+        raise QueueUnavailable(f"{refused}: {exc}" if refused else UNREACHABLE) from exc
     except RedisError as exc:
         raise QueueUnavailable(UNREACHABLE) from exc
 

@@ -27,14 +27,14 @@ from typing import Any  # redis-py types stream replies loosely
 
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
 from llamamesh.errors import InvalidRequest, QueueFull, QueueUnavailable
 from llamamesh.queue import codec
 from llamamesh.queue.follow import EventFollower, Item
-from llamamesh.queue.keys import EVENT_FIELD, JOB_FIELD, WORKER_GROUP, Keys
+from llamamesh.queue.keys import EVENT_FIELD, JOB_FIELD, SUBMITTED_TTL_S, WORKER_GROUP, Keys
 from llamamesh.queue.protocol import Lease
-from llamamesh.queue.redisio import UNREACHABLE, connect, unreachable
+from llamamesh.queue.redisio import connect, unreachable
 from llamamesh.settings import RedisSettings
 from llamamesh.types import Attempt, Failure, GenerationRequest, JobEvent, WorkerStatus
 
@@ -43,13 +43,12 @@ log = structlog.get_logger(__name__)
 
 async def create_group(client: aioredis.Redis, stream: str) -> None:
     """The workers' consumer group on ``stream`` (and the stream), unless it exists."""
-    try:
-        await client.xgroup_create(stream, WORKER_GROUP, id="0", mkstream=True)
-    except ResponseError as exc:
-        if "BUSYGROUP" not in str(exc):
-            raise QueueUnavailable(f"cannot create the consumer group: {exc}") from exc
-    except RedisError as exc:
-        raise QueueUnavailable(UNREACHABLE) from exc
+    with unreachable("cannot create the consumer group"):
+        try:
+            await client.xgroup_create(stream, WORKER_GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
 
 
 # KEYS: the work stream, the request's submitted marker. ARGV: job field, encoded job, max waiting
@@ -173,7 +172,7 @@ class RedisQueue:
         with unreachable():
             waiting = int(await self._submit(
                 keys=[self.keys.jobs(pool), self.keys.submitted(pool, request.request_id)],
-                args=[JOB_FIELD, codec.encode_job(request), max_waiting, WORKER_GROUP, self._s.event_idle_ttl_s],
+                args=[JOB_FIELD, codec.encode_job(request), max_waiting, WORKER_GROUP, SUBMITTED_TTL_S],
             ))  # fmt: skip
         if waiting >= 0:
             raise QueueFull(f"pool {pool!r} has {waiting} requests waiting (at most {max_waiting}); retry later")
@@ -280,18 +279,18 @@ class RedisQueue:
 
     async def lease(self, pool: str, consumer: str, count: int, block_ms: int) -> list[Lease]:
         stream = self.keys.jobs(pool)
-        try:
-            reply: Any = await self._r.xreadgroup(WORKER_GROUP, consumer, {stream: ">"}, count=count, block=block_ms)
-        except ResponseError as exc:
-            if "NOGROUP" in str(exc):
+        with unreachable("cannot read the work stream"):
+            try:
+                reply: Any = await self._r.xreadgroup(WORKER_GROUP, consumer, {stream: ">"}, count=count,
+                                                      block=block_ms)  # fmt: skip
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
                 # The stream or group vanished: Redis came back without its data. Say so loudly (the
                 # gateways' readiness goes NOT_SERVING on the same loss), recreate it and go on.
                 log.error("consumer_group_missing", pool=pool, detail="Redis lost the work stream; recreating it")
                 await self.join(pool)
                 return []
-            raise QueueUnavailable(f"cannot read the work stream: {exc}") from exc
-        except RedisError as exc:
-            raise QueueUnavailable(UNREACHABLE) from exc
         entries = [e for _s, es in reply or () for e in es]
         if not entries:
             return []
@@ -344,27 +343,26 @@ class RedisQueue:
         running: Collection[str] = (),
     ) -> list[Lease]:  # fmt: skip
         stream = self.keys.jobs(pool)
-        try:
-            stale: Any = await self._r.xpending_range(
-                stream, WORKER_GROUP, min="-", max="+", count=count,
-                consumername=consumer if own else None, idle=None if own else min_idle_ms,
-            )  # fmt: skip
-            if not own:  # its own idle ones too, unless it runs them (a lease whose reply was lost)
-                stale = [p for p in stale if p["message_id"].decode() not in running]
-            if not stale:
+        with unreachable("cannot reclaim from the work stream"):
+            try:
+                stale: Any = await self._r.xpending_range(
+                    stream, WORKER_GROUP, min="-", max="+", count=count,
+                    consumername=consumer if own else None, idle=None if own else min_idle_ms,
+                )  # fmt: skip
+                if not own:  # its own idle ones too, unless it runs them (a lease whose reply was lost)
+                    stale = [p for p in stale if p["message_id"].decode() not in running]
+                if not stale:
+                    return []
+                delivered = {p["message_id"].decode(): int(p["times_delivered"]) + 1 for p in stale}
+                # XCLAIM with a minimum idle time: of several reclaimers, the first one resets the
+                # idle time and takes the job; the others get nothing for it.
+                claimed: Any = await self._r.xclaim(
+                    stream, WORKER_GROUP, consumer, 0 if own else min_idle_ms, list(delivered)
+                )
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
                 return []
-            delivered = {p["message_id"].decode(): int(p["times_delivered"]) + 1 for p in stale}
-            # XCLAIM with a minimum idle time: of several reclaimers, the first one resets the
-            # idle time and takes the job; the others get nothing for it.
-            claimed: Any = await self._r.xclaim(
-                stream, WORKER_GROUP, consumer, 0 if own else min_idle_ms, list(delivered)
-            )
-        except ResponseError as exc:
-            if "NOGROUP" in str(exc):
-                return []
-            raise QueueUnavailable(f"cannot reclaim from the work stream: {exc}") from exc
-        except RedisError as exc:
-            raise QueueUnavailable(UNREACHABLE) from exc
         entries = [(eid.decode(), fields) for eid, fields in claimed if fields]
         leases: list[tuple[str, GenerationRequest]] = []
         for eid, fields in entries:

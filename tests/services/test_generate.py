@@ -358,16 +358,27 @@ async def _drain_msgs(call: grpc.aio.UnaryStreamCall) -> list[pb.GenerateRespons
     return out
 
 
-async def test_a_gap_in_a_streams_tokens_fails_it_instead_of_passing_silently(stack: Stack) -> None:
-    """What Redis with appendfsync everysec can do after a crash: an event is gone. The stream
-    ends UNAVAILABLE naming the lost tokens; the caller never gets a silent gap."""
-    call = stack.stub.Generate(pb.GenerateRequest(request_id="gappy", model="other", prompt="x"), timeout=30)
+async def test_a_gap_in_a_streams_tokens_resumes_it_and_never_passes_silently(stack: Stack) -> None:
+    """What Redis with appendfsync everysec can do after a crash: events are gone. The attempt is
+    abandoned and the request resumed from what the caller has (the caller never gets a silent
+    gap); with no attempt left the stream ends UNAVAILABLE naming the lost tokens."""
+    call = stack.stub.Generate(pb.GenerateRequest(request_id="gappy", model="other", prompt="x", max_tokens=8),
+                               timeout=30)  # fmt: skip
     await call.initial_metadata()
     (lease,) = await stack.queue.lease("gpu", "a-hand-driven-worker", 1, 1000)
     await stack.queue.publish([(lease, JobEvent(text=" a", token_ids=(1,), index=0, worker="w"))], [])
     first = await call.read()
     assert first.token_ids == [1]
-    await stack.queue.publish([(lease, JobEvent(text=" d", token_ids=(4,), index=3, worker="w"))], [])  # 1..2 lost
+    got = [first]
+    for n, sent in ((1, (1,)), (2, (1, 2))):
+        await stack.queue.publish([(lease, JobEvent(text=" d", token_ids=(4,), index=3, worker="w"))], [])  # lost
+        (lease,) = await stack.queue.lease("gpu", "a-hand-driven-worker", 1, 1000)
+        assert lease.request.request_id == f"gappy.{n}" and lease.request.resume_token_ids == sent
+        assert lease.request.sampling.max_tokens == 8 - len(sent)
+        await stack.queue.publish([(lease, JobEvent(text=" b", token_ids=(n + 1,), index=0, worker="w"))], [])
+        got.append(await call.read())
+    assert [(m.index, list(m.token_ids)) for m in got] == [(0, [1]), (1, [2]), (2, [3])]  # one unbroken stream
+    await stack.queue.publish([(lease, JobEvent(text=" d", token_ids=(9,), index=4, worker="w"))], [])  # its 1..3 lost
     with pytest.raises(grpc.aio.AioRpcError) as ei:
         await call.read()
-    assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "lost tokens 1..2" in (ei.value.details() or "")
+    assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "lost tokens 3..5" in (ei.value.details() or "")
