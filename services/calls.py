@@ -11,6 +11,7 @@ caller went away) logs CANCELLED and re-raises; anything else is INTERNAL with a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import inspect
@@ -44,15 +45,32 @@ def _finished(method: str, outcome: str, t0: float, fields: dict[str, Any]) -> N
              **extra)  # fmt: skip
 
 
-def _outcome(exc: BaseException) -> str:
-    return status.code_for(exc).name
-
-
 def _other(exc: BaseException) -> str:
     """The status of a call that ended other than by a domain error."""
     if isinstance(exc, asyncio.CancelledError | GeneratorExit):
         return "CANCELLED"  # the caller went away (or stopped reading)
     return "ABORTED" if isinstance(exc, grpc.aio.AbortError) else "INTERNAL"
+
+
+@contextlib.asynccontextmanager
+async def _call(method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    """One RPC's bookkeeping: its fields for ``note``, its status, its ``rpc_finished`` line."""
+    t0, fields = time.perf_counter(), dict[str, Any]()
+    token = _fields.set(fields)
+    outcome = "OK"
+    try:
+        yield
+    except errors.LlamameshError as exc:
+        outcome = status.code_for(exc).name
+        fields["error"] = exc.message
+        await status.abort(context, exc)  # raises
+    except BaseException as exc:  # logged with its status, then re-raised
+        outcome = _other(exc)
+        raise
+    finally:
+        _finished(method, outcome, t0, fields)
+        _fields.reset(token)
+        structlog.contextvars.unbind_contextvars("request_id")
 
 
 def rpc(method: str) -> Callable[[F], F]:
@@ -61,45 +79,17 @@ def rpc(method: str) -> Callable[[F], F]:
 
             @functools.wraps(handler)
             async def streaming(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                t0, fields = time.perf_counter(), dict[str, Any]()
-                token = _fields.set(fields)
-                outcome = "OK"
-                try:
+                async with _call(method, context):
                     async for msg in handler(self, request, context):
                         yield msg
-                except errors.LlamameshError as exc:
-                    outcome = _outcome(exc)
-                    fields["error"] = exc.message
-                    await status.abort(context, exc)
-                except BaseException as exc:  # logged with its status, then re-raised
-                    outcome = _other(exc)
-                    raise
-                finally:
-                    _finished(method, outcome, t0, fields)
-                    _fields.reset(token)
-                    structlog.contextvars.unbind_contextvars("request_id")
 
             return streaming  # type: ignore[return-value]
 
         @functools.wraps(handler)
         async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-            t0, fields = time.perf_counter(), dict[str, Any]()
-            token = _fields.set(fields)
-            outcome = "OK"
-            try:
+            async with _call(method, context):
                 return await handler(self, request, context)
-            except errors.LlamameshError as exc:
-                outcome = _outcome(exc)
-                fields["error"] = exc.message
-                await status.abort(context, exc)
-                raise  # unreachable: abort raises
-            except BaseException as exc:  # logged with its status, then re-raised
-                outcome = _other(exc)
-                raise
-            finally:
-                _finished(method, outcome, t0, fields)
-                _fields.reset(token)
-                structlog.contextvars.unbind_contextvars("request_id")
+            raise AssertionError("unreachable: a failed call raises")  # for type checkers
 
         return unary  # type: ignore[return-value]
 
