@@ -13,6 +13,17 @@ from typing import Protocol
 
 from llamamesh.types import GenerationRequest, TokenDelta
 
+# Request ids an engine keeps in its ``aborted`` (and the fake's ``served``) list: the most recent
+# ones, for tests and logs; a worker that runs for days must not keep every one.
+REMEMBERED_IDS = 1000
+
+
+def remember(ids: list[str], request_id: str, keep: int = REMEMBERED_IDS) -> None:
+    """Append ``request_id``, dropping the oldest once ``ids`` holds twice ``keep`` (amortised O(1))."""
+    ids.append(request_id)
+    if len(ids) > 2 * keep:
+        del ids[:-keep]
+
 
 @dataclass(frozen=True)
 class EngineStats:

@@ -23,7 +23,7 @@ from dataclasses import replace
 from llamamesh.errors import EngineDead, PromptTooLong
 from llamamesh.settings import WorkerSettings
 from llamamesh.types import FinishReason, GenerationRequest, TokenDelta, TokenLogprob
-from workers.engines.base import EngineStats
+from workers.engines.base import EngineStats, remember
 from workers.engines.detokenizer import StopStrings
 from workers.engines.params import ResolvedSampling, resolve_sampling
 
@@ -99,7 +99,7 @@ class FakeEngine:
         max_tokens = min(s.max_tokens, self._settings.max_model_len - n_prompt - len(request.resume_token_ids))
         stops = StopStrings(s.stop)
         abort = self._running[request.request_id] = asyncio.Event()
-        self.served.append(request.request_id)
+        remember(self.served, request.request_id)
         poison = _input_text(request).split(" ", 1)[0]
         try:
             for i in range(max_tokens):
@@ -134,7 +134,7 @@ class FakeEngine:
                     return
                 yield TokenDelta(text, (tok,), lps)
         except (asyncio.CancelledError, GeneratorExit):
-            self.aborted.append(request.request_id)
+            remember(self.aborted, request.request_id)
             raise
         finally:
             self._running.pop(request.request_id, None)
@@ -142,7 +142,7 @@ class FakeEngine:
     async def abort(self, request_id: str) -> None:
         ev = self._running.get(request_id)
         if ev is not None and not ev.is_set():
-            self.aborted.append(request_id)
+            remember(self.aborted, request_id)
             ev.set()
 
     async def check_health(self) -> None:

@@ -22,7 +22,7 @@ import structlog
 from llamamesh.errors import EngineDead, InvalidRequest
 from llamamesh.settings import WorkerSettings
 from llamamesh.types import FinishReason, GenerationRequest, JobKind, TokenDelta
-from workers.engines.base import EngineStats
+from workers.engines.base import EngineStats, remember
 from workers.engines.params import ResolvedSampling, resolve_sampling
 from workers.engines.transformers_batch import Admission, Batch, SeqOutput, StepResult
 from workers.engines.transformers_model import load
@@ -206,7 +206,7 @@ class TransformersEngine:
         entry = self._requests.get(request_id)
         if entry is None or entry.state == "done":
             return
-        self.aborted.append(request_id)
+        remember(self.aborted, request_id)
         log.info("engine_aborted", request_id=request_id, state=entry.state)
         if entry.state == "waiting":
             self._waiting.remove(entry)

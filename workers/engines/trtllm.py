@@ -84,7 +84,7 @@ from llamamesh.types import (
     TokenLogprob,
     TopLogprob,
 )
-from workers.engines.base import EngineStats
+from workers.engines.base import EngineStats, remember
 from workers.engines.params import library_sampling_kwargs
 
 # vllm.py imports vllm lazily, so this import pulls in no GPU library: the two engines share the
@@ -592,7 +592,7 @@ class TrtllmEngine:
             yield TokenDelta(finish_reason=FinishReason.CANCELLED, prompt_tokens=n_prompt)
         except (asyncio.CancelledError, GeneratorExit):
             if not finished and not state.aborted:
-                self.aborted.append(rid)
+                remember(self.aborted, rid)
                 log.info("engine_aborted", request_id=rid, reason="consumer_gone")
             raise
         finally:
@@ -608,6 +608,6 @@ class TrtllmEngine:
         if state is None or state.aborted:
             return
         state.aborted = True
-        self.aborted.append(request_id)
+        remember(self.aborted, request_id)
         log.info("engine_aborted", request_id=request_id, reason="abort")
         self._abort_result(state)

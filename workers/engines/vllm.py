@@ -57,7 +57,7 @@ from llamamesh.types import (
     TokenLogprob,
     TopLogprob,
 )
-from workers.engines.base import EngineStats
+from workers.engines.base import EngineStats, remember
 from workers.engines.params import library_sampling_kwargs
 
 log = structlog.get_logger(__name__)
@@ -658,7 +658,7 @@ class VllmEngine:
             yield TokenDelta(finish_reason=FinishReason.CANCELLED, prompt_tokens=n_prompt)
         except (asyncio.CancelledError, GeneratorExit):
             if not finished and not state.aborted:
-                self.aborted.append(rid)
+                remember(self.aborted, rid)
                 log.info("engine_aborted", request_id=rid, reason="consumer_gone")
             raise
         finally:
@@ -671,7 +671,7 @@ class VllmEngine:
         if state is None or state.aborted:
             return
         state.aborted = True
-        self.aborted.append(request_id)
+        remember(self.aborted, request_id)
         log.info("engine_aborted", request_id=request_id, reason="abort")
         if self._llm is not None:
             await self._llm.abort(request_id)
