@@ -43,8 +43,8 @@ from pathlib import Path
 import grpc
 import redis
 import redis.asyncio as aioredis
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from llamamesh.client import serving
 from llamamesh.queue.keys import WORKER_GROUP, Keys
 from llamamesh.v1 import batch_pb2 as bpb
 from llamamesh.v1 import batch_pb2_grpc, generation_pb2_grpc
@@ -154,12 +154,7 @@ class Node:
         self.start_worker()
 
     def serving(self, service: str = "") -> bool:
-        with grpc.insecure_channel(self.address) as ch:
-            try:
-                resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
-                return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
-            except grpc.RpcError:
-                return False
+        return serving(self.address, service)
 
     def stop(self) -> None:
         for name in ("gateway", "worker", "redis"):

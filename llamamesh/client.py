@@ -47,6 +47,18 @@ def field_violations(err: grpc.RpcError) -> list[str]:
     return out
 
 
+def serving(address: str, service: str = "", timeout_s: float = 1.0) -> bool:
+    """Whether the gateway at ``address`` answers SERVING for ``service`` ("" the server; a
+    blocking check for scripts and tests); False when it does not answer."""
+    with grpc.insecure_channel(address) as ch:
+        try:
+            check = health_pb2.HealthCheckRequest(service=service)
+            got = health_pb2_grpc.HealthStub(ch).Check(check, timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+        return bool(got.status == health_pb2.HealthCheckResponse.SERVING)
+
+
 class Client:
     """Asyncio client. Cancelling the task iterating ``generate`` cancels the request server-side."""
 

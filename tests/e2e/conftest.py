@@ -12,10 +12,9 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from llamamesh.client import serving
 from tests.redisproc import RedisProcess, free_port
 
 
@@ -68,12 +67,7 @@ class ProcessNode:
         self._wait(lambda: self._serving(f"llamamesh.backend.{self.pool}"), deadline, f"pool {self.pool} to be SERVING")
 
     def _serving(self, service: str = "") -> bool:
-        with grpc.insecure_channel(self.address) as ch:
-            try:
-                resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
-                return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
-            except grpc.RpcError:
-                return False
+        return serving(self.address, service)
 
     def _wait(self, ok, deadline: float, what: str) -> None:
         while not ok():
