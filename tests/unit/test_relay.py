@@ -1,12 +1,15 @@
-"""The stream invariant (services/relay.py ``Cursor``) and event merging (``JobEvent.then``)."""
+"""The stream invariant (services/relay.py ``Cursor``), event merging (``JobEvent.then``), and the
+relay's ownership of its detach timers."""
 
 from __future__ import annotations
 
 import pytest
 
 from llamamesh import errors
+from llamamesh.queue.memory import MemoryQueue
+from llamamesh.settings import GatewaySettings
 from llamamesh.types import Finished, FinishReason, JobEvent, Usage
-from services.relay import Cursor
+from services.relay import Cursor, QueueRelay
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -63,3 +66,14 @@ def test_events_merge_only_when_they_follow_on() -> None:
     assert not a.follows_on(ev(0, 10, 11)) and not a.follows_on(ev(3, 13))
     with pytest.raises(ValueError, match="does not follow on"):
         a.then(ev(0, 10, 11))
+
+
+async def test_the_relay_owns_its_detach_timers_and_cancels_them_at_close() -> None:
+    q = MemoryQueue()
+    relay = QueueRelay(q, GatewaySettings(reattach_grace_s=3600))
+    await relay._detached("caller", "caller")
+    (timer,) = relay._later
+    assert not timer.done()
+    await relay.close()
+    assert timer.cancelled() and not relay._later
+    assert await q.read_events("caller") == []  # nothing was cancelled by a timer that never fired
