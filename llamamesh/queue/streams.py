@@ -172,7 +172,8 @@ class RedisQueue:
         with unreachable():
             waiting = int(await self._submit(
                 keys=[self.keys.jobs(pool), self.keys.submitted(pool, request.request_id)],
-                args=[JOB_FIELD, codec.encode_job(request), max_waiting, WORKER_GROUP, SUBMITTED_TTL_S],
+                args=[JOB_FIELD, codec.encode_job(request), max_waiting, WORKER_GROUP,
+                      min(SUBMITTED_TTL_S, self._s.event_idle_ttl_s)],
             ))  # fmt: skip
         if waiting >= 0:
             raise QueueFull(f"pool {pool!r} has {waiting} requests waiting (at most {max_waiting}); retry later")
