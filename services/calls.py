@@ -57,7 +57,7 @@ async def _call(method: str, context: grpc.aio.ServicerContext) -> AsyncIterator
     """One RPC's bookkeeping: its fields for ``note``, its status, its ``rpc_finished`` line."""
     t0, fields = time.perf_counter(), dict[str, Any]()
     token = _fields.set(fields)
-    outcome = "OK"
+    outcome = "ok"  # as it always was; failures carry the gRPC code name
     try:
         yield
     except errors.LlamameshError as exc:

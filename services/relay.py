@@ -265,7 +265,7 @@ class QueueRelay:
                     # Lost events are Redis's doing: the attempt is abandoned and the request
                     # resumed from what the caller has, like a lost worker, but nobody died.
                     deaths += isinstance(exc, errors.EngineDead) or (isinstance(exc, errors.WorkerLost) and exc.running)
-                    await self._give_up_or_fail_over(pool, req, attempt, attempts, deaths, exc)
+                    await self._give_up_or_fail_over(pool, req, attempt, attempts, deaths, exc, cursor.sent)
                     attempts = progress.failovers = attempts + 1
                     submitted = False
         except BaseException as exc:  # recorded for the pool, and to tell a caller gone from an error
@@ -285,7 +285,7 @@ class QueueRelay:
 
     async def _give_up_or_fail_over(
         self, pool: str, req: GenerationRequest, attempt: GenerationRequest, attempts: int, deaths: int,
-        exc: errors.WorkerLost | errors.EngineDead | errors.EventsLost,
+        exc: errors.WorkerLost | errors.EngineDead | errors.EventsLost, sent: Sequence[int],
     ) -> None:  # fmt: skip
         """Raise when the request goes no further (set aside, or out of attempts); else cancel the
         lost attempt (a worker that comes back skips it) and count the failure against the pool."""
@@ -303,7 +303,8 @@ class QueueRelay:
         if not isinstance(exc, errors.EventsLost):
             await self._backends.record(pool, exc)
         await asyncio.shield(self._cancel(attempt.request_id))
-        log.warning("request_failed_over", pool=pool, error=str(exc), attempt=attempts + 1)
+        log.warning("request_failed_over", pool=pool, error=str(exc), attempt=attempts + 1,
+                    resumed_tokens=len(sent))  # fmt: skip
 
     def _observe_wait(self, pool: str, attempt: GenerationRequest, f: Finished, attempts: int) -> None:
         if self._backends is not None and f.started_unix_ns and not attempts:
