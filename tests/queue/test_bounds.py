@@ -30,15 +30,12 @@ from llamamesh.types import (
     ItemResult,
     ItemStatus,
     JobEvent,
-    SamplingParams,
     Usage,
 )
+from tests.queue.jobs import req
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(30)]
 
-
-def req(rid: str) -> GenerationRequest:
-    return GenerationRequest(request_id=rid, model="m", prompt="p", sampling=SamplingParams(max_tokens=3))
 
 
 async def until(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> None:

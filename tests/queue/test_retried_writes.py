@@ -9,14 +9,12 @@ import pytest
 import redis.asyncio as aioredis
 
 from llamamesh.queue.streams import RedisQueue
-from llamamesh.types import Attempt, Finished, FinishReason, GenerationRequest, JobEvent, SamplingParams, Usage
+from llamamesh.types import Attempt, Finished, FinishReason, JobEvent, Usage
 from services.relay import Cursor
+from tests.queue.jobs import req
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(30)]
 
-
-def req(rid: str) -> GenerationRequest:
-    return GenerationRequest(request_id=rid, model="m", prompt="p", sampling=SamplingParams(max_tokens=5))
 
 
 async def test_a_retried_submission_is_queued_once(redis_queue: RedisQueue) -> None:

@@ -17,18 +17,14 @@ from llamamesh.types import (
     Failure,
     Finished,
     FinishReason,
-    GenerationRequest,
     JobEvent,
-    SamplingParams,
     Usage,
     WorkerStatus,
 )
+from tests.queue.jobs import req
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(30)]
 
-
-def req(rid: str) -> GenerationRequest:
-    return GenerationRequest(request_id=rid, model="m", prompt="p", sampling=SamplingParams(max_tokens=3))
 
 
 def done(n: int) -> JobEvent:
