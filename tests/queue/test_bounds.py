@@ -37,7 +37,6 @@ from tests.queue.jobs import req
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(30)]
 
 
-
 async def until(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> None:
     """Poll ``check`` (bounded) until it holds: for what only the server's clock decides (idle times, TTLs)."""
     deadline = time.monotonic() + timeout_s

@@ -16,7 +16,6 @@ from tests.queue.jobs import req
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(30)]
 
 
-
 async def test_a_retried_submission_is_queued_once(redis_queue: RedisQueue) -> None:
     q = redis_queue
     await q.join("cpu")

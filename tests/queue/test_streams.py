@@ -26,7 +26,6 @@ from tests.queue.jobs import req
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(30)]
 
 
-
 def done(n: int) -> JobEvent:
     return JobEvent(finished=Finished(FinishReason.LENGTH, Usage(1, n)))
 
