@@ -56,6 +56,25 @@ class NotFound(ClientError):
     code = "not_found"
 
 
+class AlreadyExists(ClientError):
+    """A caller-chosen id (request or batch) already names a different request."""
+
+    code = "already_exists"
+
+
+class Unauthenticated(ClientError):
+    """No valid identity: no API key or client certificate, or an unknown or revoked one."""
+
+    code = "unauthenticated"
+
+
+class PermissionDenied(ClientError):
+    """An authenticated caller asked for what its tenant may not have (admin RPCs, a pool, a
+    priority above its cap)."""
+
+    code = "permission_denied"
+
+
 # --- capacity: try again later.
 class CapacityError(LlamameshError):
     code = "capacity"

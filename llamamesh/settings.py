@@ -53,6 +53,11 @@ class RedisSettings:
     health_check_s: int = 1
     # Times a command is retried on a fresh connection after a connection error (jittered backoff).
     retries: int = 1
+    # Redis over TLS (a rediss:// url): the CA that signed the server's certificate (empty: the
+    # system's), and this client's certificate and key when the server asks for one (mutual TLS).
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,23 @@ class GatewaySettings:
     # Seconds a resumable request (GenerateRequest.resumable) keeps generating after its caller's
     # connection dropped, waiting for an Attach; then it is cancelled.
     reattach_grace_s: float = 30.0
+    # TLS: the server's certificate chain and key (PEM files). Both set: the port speaks TLS only;
+    # the files are read again on the next handshake after they change (rotation, no restart).
+    # Empty: plaintext (a warning when the host is not a loopback address).
+    tls_cert: str = ""
+    tls_key: str = ""
+    # Mutual TLS: clients must present a certificate signed by this CA (PEM), or the handshake fails.
+    tls_client_ca: str = ""
+    # Serve gRPC reflection (grpcurl without .proto files). With auth on it needs a valid identity.
+    reflection: bool = True
+    # Largest GenerateRequest / TokenizeRequest (and any other RPC's request but BatchGenerate,
+    # whose bound is LLAMAMESH_BATCH_MAX_BYTES), in bytes; past it: INVALID_ARGUMENT, unparsed.
+    max_request_bytes: int = 4 * 1024 * 1024
+    # Longest prompt (or all chat messages together), in characters, checked before anything
+    # tokenises it.
+    max_prompt_chars: int = 1_000_000
+    # RPCs one gateway process serves at once (health checks aside); past it: RESOURCE_EXHAUSTED.
+    max_concurrent_rpcs: int = 10_000
 
     def fallback_table(self) -> dict[str, str]:
         out: dict[str, str] = {}
@@ -326,6 +348,55 @@ class BreakerSettings:
 
 
 @dataclass(frozen=True)
+class AuthSettings:
+    # The tenants file (JSON: tenants, their limits, hashed API keys, certificate identities; see
+    # llamamesh/tenants.py). Set: every RPC but grpc.health.v1 needs a valid identity. Empty: no
+    # authentication, the tenant is the x-llamamesh-tenant header (else "default").
+    file: str = ""
+
+
+@dataclass(frozen=True)
+class LimitsSettings:
+    """Every tenant's limits unless the tenants file sets its own (0: no limit). Enforced in Redis,
+    so all gateways share one budget per tenant."""
+
+    # Requests (Generate, BatchGenerate) per second, and the burst above that rate (0: one
+    # second's worth).
+    requests_per_s: float = 0.0
+    burst: int = 0
+    # Tokens generated per minute (counted as they stream).
+    tokens_per_min: int = 0
+    # Generate and Attach streams open at once.
+    max_streams: int = 0
+    # Batch items not finished yet, and bytes of batches kept (until their results expire).
+    max_batch_items: int = 0
+    max_batch_bytes: int = 0
+    # The highest GenerateRequest.priority a tenant may ask for (above it: PERMISSION_DENIED).
+    max_priority: int = 10
+    # Pools a tenant may use ("a,b"); empty: all.
+    pools: str = ""
+    # The tenant's tier, for routing rules (``tier == premium -> premium``); empty: none.
+    tier: str = ""
+    # Its share of a pool's workers against other tenants with work waiting (fair share).
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """How the CLI (and ``llamamesh.client.Client.from_settings``) reaches a gateway."""
+
+    # The API key sent as ``authorization: Bearer <key>``.
+    api_key: str = ""
+    # TLS: the CA that signed the gateway's certificate (set: the channel uses TLS), and this
+    # client's certificate and key for mutual TLS.
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    # Override of the name checked against the gateway's certificate (e.g. when dialling an IP).
+    tls_server_name: str = ""
+
+
+@dataclass(frozen=True)
 class LogSettings:
     level: str = "info"
     # "auto": JSON unless stderr is a terminal; "json"; "console".
@@ -343,6 +414,9 @@ class Settings:
     trtllm: TrtllmSettings = field(default_factory=TrtllmSettings)
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
     batch: BatchSettings = field(default_factory=BatchSettings)
+    auth: AuthSettings = field(default_factory=AuthSettings)
+    limits: LimitsSettings = field(default_factory=LimitsSettings)
+    client: ClientSettings = field(default_factory=ClientSettings)
     log: LogSettings = field(default_factory=LogSettings)
 
     @classmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -49,6 +50,24 @@ class SamplingParams:
     logprobs: int | None = None
 
 
+# Tenant names: what the tenants file and the x-llamamesh-tenant header may hold (no "/": it
+# separates a tenant from its ids, and no ":" or "~", which internal ids use).
+TENANT_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+DEFAULT_TENANT = "default"
+
+
+def scoped_id(tenant: str, public_id: str) -> str:
+    """The id under which a tenant's request or batch lives in Redis: ``tenant/id``, so that two
+    tenants may use one id independently; the default tenant's ids are bare (caller ids have no
+    ``/``, so the namespaces never meet)."""
+    return public_id if not tenant or tenant == DEFAULT_TENANT else f"{tenant}/{public_id}"
+
+
+def public_id(scoped: str) -> str:
+    """The id the caller chose, from ``scoped_id``'s result."""
+    return scoped.rpartition("/")[2]
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """One validated unit of work: a generation, or a tokenization (``kind``)."""
@@ -75,6 +94,9 @@ class GenerationRequest:
     deadline_unix_ns: int = 0
     # The caller's request id when this is a later attempt of it (failover); empty: request_id.
     origin_id: str = ""
+    # The tenant that submitted it (empty: the default tenant); its ids are namespaced by it
+    # (``scoped_id``) and it waits in the tenant's sub-stream of its pool.
+    tenant: str = ""
 
     @property
     def caller_id(self) -> str:
@@ -93,6 +115,9 @@ class Attempt:
     model: str
     accepted_unix_ns: int
     resumable: bool = False
+    # A digest of the request as the caller sent it (first attempt): a reused request id with a
+    # different request is refused (ALREADY_EXISTS), the identical one is an idempotent retry.
+    fingerprint: str = ""
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ def encode_job(req: GenerationRequest) -> bytes:
         custom_id=req.custom_id,
         deadline_unix_ns=req.deadline_unix_ns,
         origin_id=req.origin_id,
+        tenant=req.tenant,
     )
     if req.prompt is not None:
         job.prompt = req.prompt
@@ -93,6 +94,7 @@ def decode_job(data: bytes) -> GenerationRequest:
         custom_id=job.custom_id,
         deadline_unix_ns=job.deadline_unix_ns,
         origin_id=job.origin_id,
+        tenant=job.tenant,
     )
 
 
