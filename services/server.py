@@ -133,6 +133,7 @@ async def serve(settings: Settings, share_port: bool = False) -> None:
     finally:
         log.info("gateway_stopping", grace_s=settings.gateway.grace_s)
         await gateway.stop(settings.gateway.grace_s)
+        await batches.close()
         await queue.close()
         log.info("gateway_stopped")
 

@@ -15,13 +15,18 @@
 - Counts never drift: ``processing`` is ``total`` minus the recorded ones.
 - Nothing outlives its batch: the record and results expire ``retention_s`` after the end, and the
   sweep then takes the batch off its owner's list (``keys.batches_kept``), a bounded page per sweep.
+- Waiting for results (``results`` with a block) goes through the store's one ``EventFollower``:
+  every caller waiting on any batch shares its one blocking XREAD, so open StreamBatchResults
+  streams hold no Redis connection each.
 
 Redis errors become ``QueueUnavailable`` here.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 import time
 from collections.abc import Sequence
 from types import MappingProxyType
@@ -32,9 +37,10 @@ from redis.exceptions import ResponseError
 
 from llamamesh.errors import InvalidRequest, QueueUnavailable
 from llamamesh.queue import codec
+from llamamesh.queue.follow import EventFollower, Item
 from llamamesh.queue.keys import JOB_FIELD, RESULT_FIELD, WORKER_GROUP, Keys
 from llamamesh.queue.protocol import Lease
-from llamamesh.queue.redisio import unreachable
+from llamamesh.queue.redisio import UNREACHABLE, unreachable
 from llamamesh.queue.streams import create_group, touch_entries
 from llamamesh.settings import BatchSettings
 from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, ItemStatus
@@ -145,6 +151,19 @@ return state
 
 # The consumer name under which the sweep claims a dead worker's items before ending them.
 SWEEPER = "batch-sweeper"
+# At most this many results per ``results`` call.
+PAGE = 500
+# A stream entry id as XREAD takes it ("<ms>-<seq>" or "<ms>"), each part below 2**64.
+STREAM_ID = re.compile(r"^(\d{1,20})(?:-(\d{1,20}))?$")
+
+
+def _cursor(after: str) -> str:
+    """``after`` if Redis takes it as a stream id; otherwise InvalidRequest on the cursor (checked
+    here: one bad id in the follower's shared read would fail every caller waiting in it)."""
+    m = STREAM_ID.match(after)
+    if m is None or any(int(part) >= 2**64 for part in m.groups("0")):
+        raise InvalidRequest.field("cursor", "not a BatchResult.cursor")
+    return after
 
 
 def _waits(info: BatchInfo) -> bool:
@@ -154,6 +173,10 @@ def _waits(info: BatchInfo) -> bool:
 
 def _float(raw: Any, default: float = 0.0) -> float:
     return float(raw) if raw is not None else default
+
+
+def _result(entry_id: str, fields: dict[bytes, bytes]) -> tuple[str, ItemResult]:
+    return entry_id, codec.decode_result(fields[RESULT_FIELD.encode()])
 
 
 def info_of(raw: dict[bytes, bytes]) -> BatchInfo:
@@ -179,7 +202,13 @@ class RedisBatches:
     worker's (lease_items, record, touch, reclaim)."""
 
     def __init__(
-        self, client: aioredis.Redis, keys: Keys, retention_s: int, fail_after: int = 0, claim_idle_s: float = 0.0
+        self,
+        client: aioredis.Redis,
+        keys: Keys,
+        retention_s: int,
+        fail_after: int = 0,
+        claim_idle_s: float = 0.0,
+        follow_block_ms: int = 2000,
     ) -> None:
         self._r = client
         self.keys = keys
@@ -193,6 +222,9 @@ class RedisBatches:
         self._create = client.register_script(_CREATE)
         self._skip = client.register_script(_SKIP)
         self._start = client.register_script(_START)
+        # Made by the first waiting ``results``; its shared XREAD blocks this long at a time.
+        self._follow_block_ms = follow_block_ms
+        self._follower: EventFollower | None = None
 
     @classmethod
     def from_settings(cls, client: aioredis.Redis, keys: Keys, settings: BatchSettings) -> RedisBatches:
@@ -433,14 +465,45 @@ class RedisBatches:
             start = "(" + ids[-1].decode()
 
     async def results(self, batch_id: str, after: str, block_ms: int | None) -> list[tuple[str, ItemResult]]:
-        """Results after cursor ``after`` ("0-0": from the first), waiting up to ``block_ms`` for one."""
-        with unreachable():
-            reply: Any = await self._r.xread({self.keys.batch_results(batch_id): after}, count=500, block=block_ms)
-        return [
-            (entry_id.decode(), codec.decode_result(fields[RESULT_FIELD.encode()]))
-            for _stream, entries in reply or ()
-            for entry_id, fields in entries
-        ]
+        """Results after cursor ``after`` ("0-0": from the first), at most ``PAGE``, waiting up to
+        ``block_ms`` (0: without end; None: not at all) for one. A waiting call follows the results
+        through the store's shared follower and unfollows when it returns or is cancelled. Raises
+        InvalidRequest (a cursor that is no stream id), QueueUnavailable."""
+        key = self.keys.batch_results(batch_id)
+        _cursor(after)
+        if block_ms is None:
+            with unreachable():
+                reply: Any = await self._r.xread({key: after}, count=PAGE)
+            return [_result(eid.decode(), fields) for _stream, entries in reply or () for eid, fields in entries]
+        if self._follower is None:
+            self._follower = EventFollower(self._r, self.keys, self._follow_block_ms)
+        follower = self._follower
+        sub = await follower.follow(key, after)
+        items: list[Item] = []
+        try:
+            try:
+                items.append(await asyncio.wait_for(sub.queue.get(), block_ms / 1000 if block_ms > 0 else None))
+            except asyncio.TimeoutError:
+                return []
+            while len(items) < PAGE and not sub.queue.empty():
+                items.append(sub.queue.get_nowait())
+        finally:
+            follower.unfollow(sub)
+        out: list[tuple[str, ItemResult]] = []
+        for item in items:
+            if isinstance(item, BaseException):
+                if out:  # what came before the failure first; the next call follows anew
+                    break
+                raise QueueUnavailable(UNREACHABLE) from item
+            out.append(_result(*item))
+        return out
+
+    async def close(self) -> None:
+        """Stop the results follower (the client is the queue's: it closes it). Callers still
+        waiting in ``results`` return empty at their block's end."""
+        if self._follower is not None:
+            await self._follower.close()
+            self._follower = None
 
     # ---- worker side --------------------------------------------------------
     async def join(self, pool: str) -> None:

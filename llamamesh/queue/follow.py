@@ -1,4 +1,5 @@
-"""The gateway's reader of event streams: one blocking XREAD for every request it follows.
+"""The gateway's reader of streams: one blocking XREAD for every stream it follows (a request's
+events for the relay, a batch's results for ``RedisBatches.results``).
 
 Following each request with its own blocking XREAD costs one Redis round trip (and one held
 connection) per event per request. The follower instead keeps one loop that XREADs every
@@ -6,6 +7,9 @@ followed stream at once, plus a wake stream private to this follower: registerin
 appends to the wake stream, which returns the blocked XREAD at once so the next one includes the
 new stream. There is no window in which a new follower can be missed: its registration happens
 before the wake entry is written, and the XREAD reads the wake stream from the id it last saw.
+Registrations that find a wake-up already on its way since the loop last built its read send none
+of their own: that one returns the read, and the next includes them (so a burst of registrations
+costs one write and one connection, not one each).
 
 While Redis is unreachable the loop backs off and retries, and the followers keep their place: when
 it answers again (a restart from its AOF, a failover) they read on from their last entry. Only an
@@ -61,6 +65,8 @@ class EventFollower:
         self._wake_last = "0-0"
         self._subs: dict[str, list[Follower]] = {}
         self._reading = False
+        # A wake-up was sent (or is being sent) since the loop last built its read.
+        self._woken = False
         self._idle = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
@@ -73,6 +79,9 @@ class EventFollower:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="event-follower")
         if self._reading:
+            if self._woken:  # the wake-up on its way returns the read; the next one includes this
+                return sub
+            self._woken = True
             try:
                 with unreachable():
                     async with self._r.pipeline(transaction=False) as pipe:
@@ -80,11 +89,17 @@ class EventFollower:
                         pipe.expire(self._wake_key, self._wake_ttl_s)
                         await pipe.execute()
             except QueueUnavailable:
+                self._woken = False
                 self.unfollow(sub)
                 raise
         else:
             self._idle.set()
         return sub
+
+    @property
+    def followers(self) -> int:
+        """How many followers are registered."""
+        return sum(len(subs) for subs in self._subs.values())
 
     def unfollow(self, sub: Follower) -> None:
         subs = self._subs.get(sub.key)
@@ -115,6 +130,7 @@ class EventFollower:
                 await self._idle.wait()
                 continue
             self._reading = True
+            self._woken = False  # registered from now on: not in this read, so they wake it
             streams: dict[Any, Any] = {self._wake_key: self._wake_last}
             for key, subs in self._subs.items():
                 streams[key] = min((s.last for s in subs), key=_id)
