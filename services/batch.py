@@ -4,7 +4,10 @@ A batch is validated whole before anything is written: a bad item, a duplicate c
 empty, too large or oversized batch is INVALID_ARGUMENT naming the field, with nothing queued.
 Items go to their pool's batch stream (workers take them below interactive work); results come
 back through the store (llamamesh/queue/batches.py). The owner of a batch is the caller's tenant
-(``x-llamamesh-tenant`` metadata, else "default"): Get, List, Cancel and results are scoped by it.
+(its authenticated identity; without auth the ``x-llamamesh-tenant`` header, else "default"), and
+batch ids are the tenant's own (``scoped_id``): another tenant's batch is NOT_FOUND to Get, List,
+Cancel and results, and the same id may name a batch of each tenant. A batch holds its items and
+bytes of the tenant's budgets (llamamesh/queue/quotas.py) until it ends and until it is purged.
 """
 
 from __future__ import annotations
@@ -26,18 +29,29 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from llamamesh import errors
 from llamamesh.errors import FieldViolation, InvalidRequest, QueueUnavailable
 from llamamesh.queue.protocol import BatchStore
+from llamamesh.queue.quotas import Quotas
 from llamamesh.settings import BatchSettings, GatewaySettings
-from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, ModelInfo
+from llamamesh.types import (
+    DEFAULT_TENANT,
+    BatchInfo,
+    BatchState,
+    GenerationRequest,
+    ItemResult,
+    ModelInfo,
+    public_id,
+    scoped_id,
+)
 from llamamesh.v1 import batch_pb2 as bpb
 from llamamesh.v1 import batch_pb2_grpc
 from llamamesh.v1 import generation_pb2 as pb
 from services import convert
-from services.calls import rpc
+from services.admission import Admission, access_of, check_priority
+from services.auth import identity
+from services.calls import note, rpc
 from services.routing import RoutingPolicy
 
 log = structlog.get_logger(__name__)
 
-TENANT_HEADER = "x-llamamesh-tenant"
 DEFAULT_TEMPLATE = "Summarise the following document in a few sentences.\n\n{document}"
 MAX_CUSTOM_ID = 128
 MIN_WINDOW_S = 10
@@ -50,13 +64,6 @@ _STATUS_TO_PB = {
     "cancelled": bpb.BATCH_ITEM_STATUS_CANCELLED,
     "expired": bpb.BATCH_ITEM_STATUS_EXPIRED,
 }
-
-
-def owner_of(context: grpc.aio.ServicerContext) -> str:
-    for key, value in context.invocation_metadata() or ():
-        if key == TENANT_HEADER and value:
-            return str(value)
-    return "default"
 
 
 def _requests_of(r: bpb.BatchGenerateRequest, bad: list[FieldViolation]) -> list[tuple[str, str, pb.GenerateRequest]]:
@@ -86,10 +93,12 @@ def _requests_of(r: bpb.BatchGenerateRequest, bad: list[FieldViolation]) -> list
 
 
 def batch_requests(
-    r: bpb.BatchGenerateRequest, gw: GatewaySettings, b: BatchSettings, models: Sequence[ModelInfo]
-) -> tuple[str, int, list[tuple[ModelInfo, GenerationRequest]]]:
-    """Validate a whole BatchGenerateRequest: (batch id, completion window, items). Raises
-    InvalidRequest naming every bad field (or NotFound for an unknown model); nothing is written."""
+    r: bpb.BatchGenerateRequest, gw: GatewaySettings, b: BatchSettings, models: Sequence[ModelInfo],
+    tenant: str = DEFAULT_TENANT,
+) -> tuple[str, int, list[tuple[ModelInfo, GenerationRequest]]]:  # fmt: skip
+    """Validate a whole BatchGenerateRequest: (batch id as the caller knows it, completion window,
+    items of ``tenant``). Raises InvalidRequest naming every bad field (or NotFound for an unknown
+    model); nothing is written. Item ids (``b~<scoped batch id>~<n>``) meet no caller's id."""
     bad: list[FieldViolation] = []
     batch_id = r.batch_id or uuid.uuid4().hex
     if not convert.REQUEST_ID.match(batch_id):
@@ -125,7 +134,9 @@ def batch_requests(
         if out and model.id != out[0][0].id:
             bad.append(FieldViolation(f"{path}.request.model", f"every item must use one model ({out[0][0].id})"))
             continue
-        out.append((model, replace(req, request_id=f"b:{batch_id}:{n}", batch_id=batch_id, custom_id=custom_id)))
+        scoped = scoped_id(tenant, batch_id)
+        out.append((model, replace(req, request_id=f"b~{scoped}~{n}", batch_id=scoped, custom_id=custom_id,
+                                   tenant="" if tenant == DEFAULT_TENANT else tenant)))  # fmt: skip
     if bad:
         raise InvalidRequest(bad)
     return batch_id, window, out
@@ -141,7 +152,7 @@ def _ts(seconds: float) -> Timestamp | None:
 
 def batch_pb(info: BatchInfo) -> bpb.Batch:
     msg = bpb.Batch(
-        batch_id=info.batch_id,
+        batch_id=public_id(info.batch_id),
         state=_STATE_TO_PB[info.state],
         counts=bpb.BatchCounts(
             total=info.total,
@@ -170,7 +181,7 @@ def batch_pb(info: BatchInfo) -> bpb.Batch:
 
 def result_pb(batch_id: str, cursor: str, r: ItemResult) -> bpb.BatchResult:
     msg = bpb.BatchResult(
-        batch_id=batch_id,
+        batch_id=public_id(batch_id),
         custom_id=r.custom_id,
         status=_STATUS_TO_PB[r.status.value],
         text=r.text,
@@ -193,8 +204,10 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
         models: Sequence[ModelInfo],
         policy: RoutingPolicy | None = None,
         block_ms: int = 2000,
+        admission: Admission | None = None,
     ) -> None:
         self._store = store
+        self._admission = admission or Admission(None)
         self._gw = gateway
         self._s = settings
         self._models = tuple(models)
@@ -202,25 +215,49 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
         self._block_ms = block_ms
 
     async def _mine(self, batch_id: str, context: grpc.aio.ServicerContext) -> BatchInfo:
+        """The caller's batch ``batch_id`` (the id it chose); NotFound for any other tenant's."""
         if not batch_id:
             raise InvalidRequest.field("batch_id", "required")
-        info = await self._store.get(batch_id)
-        if info is None or info.owner != owner_of(context):
+        if not convert.REQUEST_ID.match(batch_id):
+            raise InvalidRequest.field("batch_id", "1-128 characters of A-Z a-z 0-9 . _ : -")
+        tenant = identity(context).tenant
+        info = await self._store.get(scoped_id(tenant, batch_id))
+        if info is None or info.owner != tenant:
             raise errors.NotFound(f"no batch {batch_id!r}")
         return info
 
     @rpc("BatchGenerate")
     async def BatchGenerate(self, request: bpb.BatchGenerateRequest, context: grpc.aio.ServicerContext) -> bpb.Batch:
-        batch_id, window, items = batch_requests(request, self._gw, self._s, self._models)
+        who = identity(context)
+        batch_id, window, items = batch_requests(request, self._gw, self._s, self._models, who.tenant)
+        for n, (_model, req) in enumerate(items):
+            try:
+                check_priority(who, req.priority)
+            except errors.PermissionDenied as exc:
+                raise errors.PermissionDenied(f"item {n} ({req.custom_id!r}): {exc.message}") from None
+        note(tenant=who.tenant)
+        scoped = scoped_id(who.tenant, batch_id)
         now = time.time()
         info = BatchInfo(
-            batch_id=batch_id, state=BatchState.VALIDATING, owner=owner_of(context), model=items[0][0].id,
+            batch_id=scoped, state=BatchState.VALIDATING, owner=who.tenant, model=items[0][0].id,
             total=len(items), completion_window_s=window, created_at=now, expires_at=now + window,
             metadata=MappingProxyType(dict(request.metadata)),
         )  # fmt: skip
         fingerprint = hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest()
-        queued = [(self._policy.choose(req, model.pool)[0], req) for model, req in items]
-        stored, new = await self._store.create(info, fingerprint, queued)
+        access = access_of(who)
+        queued = [(self._policy.choose(req, model.pool, access)[0], req) for model, req in items]
+        await self._admission.request(who)
+        quotas = self._admission.quotas
+        held = False
+        if quotas is not None:
+            held = await quotas.reserve_batch(who.tenant, who.limits, scoped, len(items), request.ByteSize())
+        try:
+            stored, new = await self._store.create(info, fingerprint, queued)
+        except BaseException:
+            if held and quotas is not None:  # not stored: what it reserved is free again
+                with contextlib.suppress(QueueUnavailable):
+                    await asyncio.shield(quotas.unreserve_batch(who.tenant, scoped))
+            raise
         log.info("batch_submitted", batch_id=batch_id, items=len(items), new=new, owner=info.owner)
         return batch_pb(stored)
 
@@ -241,7 +278,7 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
                 before = float(request.page_token)
             except ValueError:
                 raise InvalidRequest.field("page_token", "not a token from ListBatches") from None
-        got = await self._store.owned(owner_of(context), size + 1, before)
+        got = await self._store.owned(identity(context).tenant, size + 1, before)
         more = len(got) > size
         page = got[:size]
         return bpb.ListBatchesResponse(
@@ -250,8 +287,8 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
 
     @rpc("CancelBatch")
     async def CancelBatch(self, request: bpb.CancelBatchRequest, context: grpc.aio.ServicerContext) -> bpb.Batch:
-        await self._mine(request.batch_id, context)
-        info = await self._store.cancel(request.batch_id)
+        mine = await self._mine(request.batch_id, context)
+        info = await self._store.cancel(mine.batch_id)
         if info is None:
             raise errors.NotFound(f"no batch {request.batch_id!r}")
         log.info("batch_cancel_requested", batch_id=request.batch_id, state=info.state.value)
@@ -282,11 +319,13 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
 class BatchSweeper:
     """Ends, every ``interval_s``, whether or not a worker runs, what can no longer run: the unstarted
     items of batches past their deadline, and the items a dead worker left leased in those and in
-    cancelled or failed batches (workers expire the items they lease late too). Every gateway runs
+    cancelled or failed batches (workers expire the items they lease late too); and gives back
+    what ended and purged batches held of their tenants' budgets. Every gateway runs
     one: a sweep is safe to repeat and to race."""
 
-    def __init__(self, store: BatchStore, interval_s: float) -> None:
+    def __init__(self, store: BatchStore, interval_s: float, quotas: Quotas | None = None) -> None:
         self._store = store
+        self._quotas = quotas
         self._interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
 
@@ -303,6 +342,8 @@ class BatchSweeper:
         while True:
             try:
                 await self._store.sweep()
+                if self._quotas is not None:  # what ended batches held of their tenants' budgets
+                    await self._quotas.give_back()
             except QueueUnavailable:
                 log.warning("batch_sweep_failed", retry_in_s=self._interval_s)
             except Exception:  # a sweep must never kill the gateway

@@ -54,8 +54,15 @@ def resolve_model(name: str, models: Sequence[ModelInfo]) -> ModelInfo:
 
 
 def _input(
-    prompt: str | None, messages: Sequence[pb.ChatMessage], bad: list[FieldViolation]
+    prompt: str | None, messages: Sequence[pb.ChatMessage], bad: list[FieldViolation], max_chars: int
 ) -> tuple[str | None, tuple[ChatMessage, ...] | None]:
+    """The prompt or the chat turns, bounded in characters (before anything tokenises them)."""
+    chars = len(prompt) if prompt is not None else sum(len(m.content) for m in messages)
+    if max_chars and chars > max_chars:
+        field = "prompt" if prompt is not None else "messages"
+        most = f"at most {max_chars} (LLAMAMESH_GATEWAY_MAX_PROMPT_CHARS)"
+        bad.append(FieldViolation(field, f"{chars} characters; {most}"))
+        return None, None
     if prompt is not None and messages:
         bad.append(FieldViolation("prompt", "set exactly one of prompt or messages, not both"))
         return None, None
@@ -129,7 +136,7 @@ def generate_request(
     """Validate a GenerateRequest. Raises InvalidRequest (every bad field) or NotFound (model)."""
     bad: list[FieldViolation] = []
     rid = _request_id(r.request_id, bad)
-    prompt, messages = _input(r.prompt if r.HasField("prompt") else None, r.messages, bad)
+    prompt, messages = _input(r.prompt if r.HasField("prompt") else None, r.messages, bad, s.max_prompt_chars)
     sampling = _sampling(r, s, bad)
     meta = _metadata(r.metadata.items(), bad)
     if bad:
@@ -148,10 +155,12 @@ def generate_request(
     return req, model
 
 
-def tokenize_request(r: pb.TokenizeRequest, models: Sequence[ModelInfo]) -> tuple[GenerationRequest, ModelInfo]:
+def tokenize_request(
+    r: pb.TokenizeRequest, models: Sequence[ModelInfo], max_chars: int = 0
+) -> tuple[GenerationRequest, ModelInfo]:
     """Validate a TokenizeRequest. Raises InvalidRequest or NotFound."""
     bad: list[FieldViolation] = []
-    prompt, messages = _input(r.prompt if r.HasField("prompt") else None, r.messages, bad)
+    prompt, messages = _input(r.prompt if r.HasField("prompt") else None, r.messages, bad, max_chars)
     if bad:
         raise InvalidRequest(bad)
     model = resolve_model(r.model, models)
@@ -172,10 +181,13 @@ def _duration(ns: int) -> Duration:
     return d
 
 
-def generate_response(req: GenerationRequest, ev: JobEvent, now_ns: int | None = None) -> pb.GenerateResponse:
-    """One response message from one event; the terminal one carries finish, usage, timings."""
+def generate_response(
+    req: GenerationRequest, ev: JobEvent, now_ns: int | None = None, request_id: str | None = None
+) -> pb.GenerateResponse:
+    """One response message from one event; the terminal one carries finish, usage, timings.
+    ``request_id``: the id the caller knows (default ``req.request_id``)."""
     msg = pb.GenerateResponse(
-        request_id=req.request_id,
+        request_id=req.request_id if request_id is None else request_id,
         text=ev.text,
         token_ids=ev.token_ids,
         index=ev.index,

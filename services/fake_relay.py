@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from llamamesh import errors
 from llamamesh.types import GenerationRequest, JobEvent
-from services.relay import Progress, _cut
+from services.relay import Caller, Progress, _cut
 
 Script = Callable[[GenerationRequest], Sequence[JobEvent] | BaseException]
 
@@ -33,8 +33,9 @@ class ScriptedRelay:
         return out
 
     async def generate(
-        self, request: GenerationRequest, pool: str, progress: Progress, resumable: bool = False
-    ) -> AsyncGenerator[JobEvent, None]:
+        self, request: GenerationRequest, pool: str, progress: Progress, resumable: bool = False,
+        caller: Caller | None = None,
+    ) -> AsyncGenerator[JobEvent, None]:  # fmt: skip
         progress.pool = pool
         ended = False
         try:

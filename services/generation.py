@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
@@ -13,14 +14,21 @@ import structlog
 
 from llamamesh import errors
 from llamamesh.settings import GatewaySettings
-from llamamesh.types import ModelInfo
+from llamamesh.types import DEFAULT_TENANT, ModelInfo, scoped_id
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc
 from services import convert
+from services.admission import Admission, access_of, check_priority
+from services.auth import identity
 from services.calls import note, rpc
-from services.relay import Progress, Relay
+from services.relay import Caller, Progress, Relay
 
 log = structlog.get_logger(__name__)
+
+
+def _fingerprint(request: pb.GenerateRequest) -> str:
+    """What makes two Generates the same request (an idempotent retry), whatever their deadlines."""
+    return hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest()
 
 
 def _checked_id(request_id: str) -> str:
@@ -30,28 +38,46 @@ def _checked_id(request_id: str) -> str:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, relay: Relay, settings: GatewaySettings, models: Sequence[ModelInfo]) -> None:
+    """Every request id is the caller's tenant's (``scoped_id``): another tenant's ids are unknown
+    here (NOT_FOUND, never "exists")."""
+
+    def __init__(
+        self, relay: Relay, settings: GatewaySettings, models: Sequence[ModelInfo], admission: Admission | None = None
+    ) -> None:
         self._relay = relay
         self._s = settings
         self._models = tuple(models)
+        self._admission = admission or Admission(None)
 
     @rpc("Generate")
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """Stream one generation (failover, resume and liveness: the relay's)."""
+        """Stream one generation (failover, resume and liveness: the relay's), within the tenant's
+        budgets (services/admission.py)."""
+        who = identity(context)
         req, model = convert.generate_request(request, self._s, self._models)
+        check_priority(who, req.priority)
+        public = req.request_id
         remaining = context.time_remaining()
-        if remaining is not None:  # the caller's deadline is the job's: workers drop or abort it then
-            req = replace(req, deadline_unix_ns=time.time_ns() + int(remaining * 1e9))
-        structlog.contextvars.bind_contextvars(request_id=req.request_id)
-        await context.send_initial_metadata((("x-request-id", req.request_id),))
+        deadline = time.time_ns() + int(remaining * 1e9) if remaining is not None else 0
+        # The caller's deadline is the job's: workers drop or abort it then.
+        req = replace(req, request_id=scoped_id(who.tenant, public), deadline_unix_ns=deadline,
+                      tenant="" if who.tenant == DEFAULT_TENANT else who.tenant)  # fmt: skip
+        caller = Caller(_fingerprint(request), access_of(who), who.limits.weight)
+        structlog.contextvars.bind_contextvars(request_id=public)
+        note(tenant=who.tenant)
+        await self._admission.request(who)
         progress = Progress()
         try:
-            async with aclosing(self._relay.generate(req, model.pool, progress, request.resumable)) as events:
-                async for ev in events:
-                    yield convert.generate_response(req, ev)
+            async with self._admission.stream(who):
+                await context.send_initial_metadata((("x-request-id", public),))
+                relayed = self._relay.generate(req, model.pool, progress, request.resumable, caller)
+                async with aclosing(relayed) as events:
+                    async for ev in events:
+                        yield convert.generate_response(req, ev, request_id=public)
         finally:
+            await self._admission.spent(who, progress.tokens)
             note(pool=progress.pool or None, route=progress.route, failovers=progress.failovers or None,
                  finish_reason=progress.finish or None, completion_tokens=progress.tokens,
                  ttft_ms=progress.ttft_ms)  # fmt: skip
@@ -61,18 +87,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: pb.AttachRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Re-attach to a request by id from token ``offset``, through any gateway (see the proto)."""
-        rid = _checked_id(request.request_id)
-        structlog.contextvars.bind_contextvars(request_id=rid)
-        async with aclosing(self._relay.attach(rid, request.offset)) as events:
+        who = identity(context)
+        public = _checked_id(request.request_id)
+        structlog.contextvars.bind_contextvars(request_id=public)
+        note(tenant=who.tenant)
+        attached = self._relay.attach(scoped_id(who.tenant, public), request.offset)
+        async with self._admission.stream(who), aclosing(attached) as events:
             async for head, ev in events:
-                yield convert.generate_response(head, ev)
+                yield convert.generate_response(head, ev, request_id=public)
 
     @rpc("Cancel")
     async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext) -> pb.CancelResponse:
         """Stop a request by id, from any gateway: queued, it never runs; running, it is aborted (its
         slot freed) and its stream ends with finish_reason CANCELLED. Unknown or finished ids are
         not an error (the call is idempotent)."""
-        await self._relay.cancel(_checked_id(request.request_id))
+        who = identity(context)
+        await self._relay.cancel(scoped_id(who.tenant, _checked_id(request.request_id)))
         return pb.CancelResponse()
 
     @rpc("ListModels")
@@ -86,5 +116,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
         """Tokenize on a worker of the model's pool (the engine owns the tokenizer)."""
-        req, model = convert.tokenize_request(request, self._models)
+        identity(context)  # a bad tenant header is refused here too
+        req, model = convert.tokenize_request(request, self._models, self._s.max_prompt_chars)
         return convert.tokenize_response(req, await self._relay.tokenize(req, model.pool))

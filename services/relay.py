@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import structlog
@@ -38,11 +38,21 @@ import structlog
 from llamamesh import errors
 from llamamesh.queue.protocol import RelayQueue
 from llamamesh.settings import GatewaySettings
-from llamamesh.types import Attempt, Finished, FinishReason, GenerationRequest, JobEvent, Usage
+from llamamesh.types import Attempt, Finished, FinishReason, GenerationRequest, JobEvent, Usage, public_id
 from services.backends import Backends
-from services.routing import RoutingPolicy
+from services.routing import Access, RoutingPolicy
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request, as far as the relay cares: the digest of what it sent (a request id
+    reused for a different request is refused), the pools it may use, its fair-share weight."""
+
+    fingerprint: str = ""
+    access: Access = field(default_factory=Access)
+    weight: float = 1.0
 
 
 @dataclass
@@ -59,10 +69,12 @@ class Progress:
 
 class Relay(Protocol):
     def generate(
-        self, request: GenerationRequest, pool: str, progress: Progress, resumable: bool = False
-    ) -> AsyncGenerator[JobEvent, None]:
+        self, request: GenerationRequest, pool: str, progress: Progress, resumable: bool = False,
+        caller: Caller | None = None,
+    ) -> AsyncGenerator[JobEvent, None]:  # fmt: skip
         """The request's events as its caller numbers them, to the terminal one. Raises domain
-        errors (a failure event becomes its error). When the iteration stops early (the caller went
+        errors (a failure event becomes its error; AlreadyExists when the request id names a
+        different request of ``caller``'s tenant). When the iteration stops early (the caller went
         away: cancellation or ``aclose``), a resumable request is detached (cancelled after the
         re-attach grace unless someone attaches), any other is cancelled."""
         ...
@@ -86,12 +98,13 @@ class Relay(Protocol):
 def resumed(req: GenerationRequest, n: int, sent: Sequence[int]) -> GenerationRequest:
     """Attempt ``n`` of ``req`` after ``sent`` tokens reached the caller: it feeds them after the
     input and generates only the rest of the budget."""
+    attempt_id = f"{req.request_id}~{n}"  # "~" is in no caller id: the two never meet
     if not sent:
-        return replace(req, request_id=f"{req.request_id}.{n}", origin_id=req.request_id)
+        return replace(req, request_id=attempt_id, origin_id=req.request_id)
     s = req.sampling
     return replace(
         req,
-        request_id=f"{req.request_id}.{n}",
+        request_id=attempt_id,
         origin_id=req.request_id,
         resume_token_ids=tuple(sent),
         sampling=replace(
@@ -202,12 +215,14 @@ class QueueRelay:
     # --- generate
 
     async def generate(
-        self, request: GenerationRequest, pool: str, progress: Progress, resumable: bool = False
-    ) -> AsyncGenerator[JobEvent, None]:
+        self, request: GenerationRequest, pool: str, progress: Progress, resumable: bool = False,
+        caller: Caller | None = None,
+    ) -> AsyncGenerator[JobEvent, None]:  # fmt: skip
         req = request
+        who = caller or Caller()
         t0 = time.perf_counter()
         first_token_ns = 0
-        target, chosen = self._policy.choose(req, pool)
+        target, chosen = self._policy.choose(req, pool, who.access)
         progress.route = chosen.text if chosen is not None else None
         cursor = Cursor()
         attempt: GenerationRequest | None = None
@@ -216,7 +231,8 @@ class QueueRelay:
         failure: BaseException | None = None
         try:
             while True:
-                pool = progress.pool = self._backends.route(target) if self._backends else target
+                pool = self._backends.route(target) if self._backends else target
+                pool = progress.pool = pool if who.access.allows(pool) else target  # no fallback it may not use
                 attempt = req if attempts == 0 else resumed(req, attempts, cursor.sent)
                 base = len(cursor.sent)
                 if attempt.sampling.max_tokens is not None and attempt.sampling.max_tokens <= 0:
@@ -226,10 +242,12 @@ class QueueRelay:
                     return
                 self._check_pool(pool)  # no worker came for a while: say so now, not at the deadline
                 self._check_reachable(pool, req.deadline_unix_ns)
-                record = Attempt(attempt.request_id, base, pool, req.model, req.accepted_unix_ns, resumable)
+                record = Attempt(attempt.request_id, base, pool, req.model, req.accepted_unix_ns, resumable,
+                                 who.fingerprint)  # fmt: skip
                 if not await self._queue.begin(req.request_id, record, first=attempts == 0):
-                    # This request id was accepted before (a retry after a lost reply): one job,
-                    # so follow the one there is.
+                    # This request id was accepted before: a retry after a lost reply (one job, so
+                    # follow the one there is), or another request under a taken id (refused).
+                    await self._same_request(req.request_id, who.fingerprint)
                     log.info("request_retried", request_id=req.request_id)
                     async for _head, ev in self.attach(req.request_id, 0, count=False):
                         cursor.sent.extend(ev.token_ids)
@@ -237,7 +255,7 @@ class QueueRelay:
                     finished = True
                     return
                 try:
-                    await self._queue.submit(pool, attempt, max_waiting=self._s.max_queue)
+                    await self._queue.submit(pool, attempt, max_waiting=self._s.max_queue, weight=who.weight)
                 except errors.QueueFull as exc:
                     if attempts == 0:
                         await self._queue.forget(req.request_id)
@@ -305,6 +323,16 @@ class QueueRelay:
         await asyncio.shield(self._cancel(attempt.request_id))
         log.warning("request_failed_over", pool=pool, error=str(exc), attempt=attempts + 1,
                     resumed_tokens=len(sent))  # fmt: skip
+
+    async def _same_request(self, request_id: str, fingerprint: str) -> None:
+        """Raise AlreadyExists unless the request first accepted under ``request_id`` is this one."""
+        records = await self._queue.attempts(request_id)
+        first = records[0].fingerprint if records else ""
+        if fingerprint and first and first != fingerprint:
+            raise errors.AlreadyExists(
+                f"request id {public_id(request_id)!r} names another request; retry it unchanged to "
+                "attach to it, or use a new id"
+            )
 
     def _observe_wait(self, pool: str, attempt: GenerationRequest, f: Finished, attempts: int) -> None:
         if self._backends is not None and f.started_unix_ns and not attempts:

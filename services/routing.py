@@ -9,11 +9,17 @@ conditions all hold names the pool, otherwise the request goes to its model's po
   gateway has one (``LLAMAMESH_GATEWAY_TOKENIZER``, a ``tokenizer.json``), else estimated as
   UTF-8 bytes / 4 (rounded up; English text runs 3.5 to 4.5 bytes a token);
 - ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``max_tokens``, ``priority``, ``model``;
-- ``meta.<key>``: the request's ``metadata[key]`` (e.g. ``meta.tier`` for a tenant's tier).
+- ``tier``: the caller's tenant's tier (``LLAMAMESH_LIMITS_TIER`` or the tenants file), never
+  what the caller says about itself;
+- ``meta.<key>``: the request's ``metadata[key]`` (caller-chosen labels: never route privilege
+  by them).
 
 A sampling field the request leaves unset takes the service's documented default (temperature 1,
 top_p 1, top_k -1, min_p 0); a missing ``meta.`` key is the empty string. Numbers compare as numbers,
 anything else as text (only ``==`` and ``!=``).
+
+A rule naming a pool the tenant may not use (``LLAMAMESH_LIMITS_POOLS``) is skipped; a request
+whose own model's pool is not allowed is refused (PERMISSION_DENIED).
 
 The shipped example (:data:`EXAMPLE_ROUTES`) sends a premium tenant to its dedicated pool first (it
 pays for isolation, whatever it asks), short greedy prompts to TensorRT-LLM, and very long prompts or
@@ -28,10 +34,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from llamamesh import errors
 from llamamesh.types import GenerationRequest
 
 EXAMPLE_ROUTES = (
-    "meta.tier == premium -> premium; "
+    "tier == premium -> premium; "
     "prompt_tokens < 1024 & temperature == 0 -> trtllm; "
     "prompt_tokens > 8192 -> vllm; "
     "top_p < 0.8 -> vllm"
@@ -47,6 +54,18 @@ _OPS: dict[str, Callable[[Any, Any], bool]] = {
 }
 _DEFAULTS: dict[str, float] = {"temperature": 1.0, "top_p": 1.0, "top_k": -1.0, "min_p": 0.0}
 _NUMERIC = ("prompt_tokens", "temperature", "top_p", "top_k", "min_p", "max_tokens", "priority")
+
+
+@dataclass(frozen=True)
+class Access:
+    """What the caller's tenant may use: its tier (the routing field ``tier``) and its pools
+    (empty: every pool)."""
+
+    tier: str = ""
+    pools: frozenset[str] = frozenset()
+
+    def allows(self, pool: str) -> bool:
+        return not self.pools or pool in self.pools
 
 
 @dataclass(frozen=True)
@@ -83,13 +102,13 @@ def _condition(text: str, rule: str) -> Condition:
             return Condition(field, op, float(value))
         except ValueError:
             raise ValueError(f"routing rule {rule!r}: {field} compares with a number, got {value!r}") from None
-    if field == "model" or (field.startswith("meta.") and len(field) > 5):
+    if field in ("model", "tier") or (field.startswith("meta.") and len(field) > 5):
         if op not in ("==", "!="):
             raise ValueError(f"routing rule {rule!r}: {field} is text; use == or !=")
         if not value:
             raise ValueError(f"routing rule {rule!r}: {field} needs a value")
         return Condition(field, op, value)
-    known = ", ".join([*_NUMERIC, "model", "meta.<key>"])
+    known = ", ".join([*_NUMERIC, "model", "tier", "meta.<key>"])
     raise ValueError(f"routing rule {rule!r}: unknown field {field!r} (known: {known})")
 
 
@@ -123,10 +142,14 @@ class RoutingPolicy:
             return self._count(text)
         return math.ceil(len(text.encode()) / 4)
 
-    def choose(self, req: GenerationRequest, default_pool: str) -> tuple[str, Rule | None]:
-        """The pool for ``req`` and the rule that chose it (None: the model's own pool)."""
+    def choose(
+        self, req: GenerationRequest, default_pool: str, access: Access | None = None
+    ) -> tuple[str, Rule | None]:
+        """The pool for ``req`` and the rule that chose it (None: the model's own pool), among the
+        pools ``access`` allows. Raises PermissionDenied when it allows none that fits."""
+        access = access or _ALL
         if not self.rules:
-            return default_pool, None
+            return self._allowed(default_pool, access), None
         s = req.sampling
         facts: dict[str, float | str] = {
             "temperature": s.temperature if s.temperature is not None else _DEFAULTS["temperature"],
@@ -136,14 +159,27 @@ class RoutingPolicy:
             "max_tokens": s.max_tokens or 0,
             "priority": req.priority,
             "model": req.model,
+            "tier": access.tier,
         }
         if any(c.field == "prompt_tokens" for r in self.rules for c in r.conditions):
             facts["prompt_tokens"] = self.prompt_tokens(req)
         meta = dict(req.metadata)
         for rule in self.rules:
-            if all(c.holds(facts, meta) for c in rule.conditions):
+            if access.allows(rule.pool) and all(c.holds(facts, meta) for c in rule.conditions):
                 return rule.pool, rule
-        return default_pool, None
+        return self._allowed(default_pool, access), None
+
+    @staticmethod
+    def _allowed(pool: str, access: Access) -> str:
+        if not access.allows(pool):
+            raise errors.PermissionDenied(
+                f"this tenant may not use pool {pool!r} (its pools: {', '.join(sorted(access.pools))}; "
+                "LLAMAMESH_LIMITS_POOLS)"
+            )
+        return pool
+
+
+_ALL = Access()
 
 
 def tokenizer_counter(path: str) -> Callable[[str], int]:

@@ -373,7 +373,7 @@ async def test_a_gap_in_a_streams_tokens_resumes_it_and_never_passes_silently(st
     for n, sent in ((1, (1,)), (2, (1, 2))):
         await stack.queue.publish([(lease, JobEvent(text=" d", token_ids=(4,), index=3, worker="w"))], [])  # lost
         (lease,) = await stack.queue.lease("gpu", "a-hand-driven-worker", 1, 1000)
-        assert lease.request.request_id == f"gappy.{n}" and lease.request.resume_token_ids == sent
+        assert lease.request.request_id == f"gappy~{n}" and lease.request.resume_token_ids == sent
         assert lease.request.sampling.max_tokens == 8 - len(sent)
         await stack.queue.publish([(lease, JobEvent(text=" b", token_ids=(n + 1,), index=0, worker="w"))], [])
         got.append(await call.read())

@@ -73,7 +73,7 @@ def test_a_resumed_attempt_asks_for_the_rest_only() -> None:
         request_id="r", model="m", prompt="p", sampling=SamplingParams(max_tokens=10, min_tokens=4, temperature=0.0)
     )
     again = resumed(req, 1, [])
-    assert again.request_id == "r.1" and again.resume_token_ids == () and again.sampling == req.sampling
+    assert again.request_id == "r~1" and again.resume_token_ids == () and again.sampling == req.sampling
     later = resumed(req, 2, [5, 6, 7, 8, 9, 10])
-    assert later.request_id == "r.2" and later.resume_token_ids == (5, 6, 7, 8, 9, 10)
+    assert later.request_id == "r~2" and later.resume_token_ids == (5, 6, 7, 8, 9, 10)
     assert later.sampling.max_tokens == 4 and later.sampling.min_tokens == 0 and later.sampling.temperature == 0.0

@@ -32,7 +32,7 @@ def test_items_become_jobs_of_the_batch() -> None:
     )
     assert (batch_id, window) == ("b1", 86400)
     assert [(m.id, r.custom_id, r.batch_id, r.request_id) for m, r in items] == [
-        ("tiny", "a", "b1", "b:b1:0"), ("tiny", "b", "b1", "b:b1:1")
+        ("tiny", "a", "b1", "b~b1~0"), ("tiny", "b", "b1", "b~b1~1")
     ]
     assert items[1][1].sampling.max_tokens == 3 and items[0][1].sampling.max_tokens == 16
 

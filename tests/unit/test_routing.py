@@ -6,8 +6,9 @@ from types import MappingProxyType
 
 import pytest
 
+from llamamesh import errors
 from llamamesh.types import ChatMessage, GenerationRequest, SamplingParams
-from services.routing import EXAMPLE_ROUTES, RoutingPolicy
+from services.routing import EXAMPLE_ROUTES, Access, RoutingPolicy
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -39,9 +40,23 @@ def test_the_shipped_example(example: RoutingPolicy) -> None:
     assert example.choose(req(mid, temperature=0.0), "default")[0] == "default"  # neither short nor long
     assert example.choose(req(short, top_p=0.5), "default")[0] == "vllm"
     assert example.choose(req(short, top_p=0.9), "default")[0] == "default"
-    pool, rule = example.choose(req(short, tier="premium", temperature=0.0), "default")
-    assert pool == "premium" and rule is not None and rule.text == "meta.tier == premium -> premium"
-    assert example.choose(req(short, tier="free", temperature=0.0), "default")[0] == "trtllm"
+    premium = Access(tier="premium")
+    pool, rule = example.choose(req(short, temperature=0.0), "default", premium)
+    assert pool == "premium" and rule is not None and rule.text == "tier == premium -> premium"
+    assert example.choose(req(short, temperature=0.0), "default", Access(tier="free"))[0] == "trtllm"
+    # What the caller says about itself (metadata) is not its tenant's tier.
+    assert example.choose(req(short, tier="premium", temperature=0.0), "default")[0] == "trtllm"
+
+
+def test_a_tenant_only_reaches_its_pools() -> None:
+    example = RoutingPolicy.parse(EXAMPLE_ROUTES)
+    short = "x" * 400
+    only_vllm = Access(pools=frozenset({"vllm", "default"}))
+    # The trtllm rule is skipped for it; the model's own pool is still allowed.
+    assert example.choose(req(short, temperature=0.0), "default", only_vllm)[0] == "default"
+    assert example.choose(req(short, top_p=0.5), "default", only_vllm)[0] == "vllm"
+    with pytest.raises(errors.PermissionDenied, match="may not use pool 'cpu'"):
+        example.choose(req(short), "cpu", only_vllm)
 
 
 def test_messages_count_their_contents_and_a_tokenizer_can_count() -> None:

@@ -1,0 +1,93 @@
+"""Admission: a tenant's budgets as the RPC handlers use them (the counting is in Redis,
+llamamesh/queue/quotas.py, shared by every gateway).
+
+- ``request(who)``: one request against the tenant's requests-per-second and tokens-per-minute.
+- ``stream(who)``: holds one of the tenant's concurrent streams for the ``async with`` block; this
+  gateway renews the leases of the streams it holds, so a gateway that dies frees them.
+- ``spent(who, tokens)``: what a request generated, taken off the tenant's token budget.
+- ``priority(who, p)``: PERMISSION_DENIED above the tenant's highest priority.
+
+Over a budget: RateLimited (RESOURCE_EXHAUSTED with RetryInfo), before anything is queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+
+import structlog
+
+from llamamesh import errors
+from llamamesh.queue.quotas import STREAM_LEASE_MS, Quotas
+from llamamesh.tenants import Identity
+from services.routing import Access
+
+log = structlog.get_logger(__name__)
+
+
+def access_of(who: Identity) -> Access:
+    """The pools and tier routing may use for ``who``."""
+    return Access(who.limits.tier, frozenset(p.strip() for p in who.limits.pools.split(",") if p.strip()))
+
+
+def check_priority(who: Identity, priority: int) -> None:
+    most = who.limits.max_priority
+    if priority > most:
+        raise errors.PermissionDenied(
+            f"priority {priority} is above tenant {who.tenant!r}'s highest, {most} (LLAMAMESH_LIMITS_MAX_PRIORITY)"
+        )
+
+
+class Admission:
+    def __init__(self, quotas: Quotas | None) -> None:
+        self.quotas = quotas
+        self._held: dict[str, str] = {}  # stream id -> tenant
+        self._renewer: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self.quotas is not None:
+            self._renewer = asyncio.create_task(self._renew(), name="stream-leases")
+
+    async def stop(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewer
+
+    async def _renew(self) -> None:
+        assert self.quotas is not None
+        while True:
+            await asyncio.sleep(STREAM_LEASE_MS / 3000)
+            try:
+                await self.quotas.renew_streams(dict(self._held))
+            except errors.QueueUnavailable:
+                log.warning("stream_leases_not_renewed", streams=len(self._held))
+
+    async def request(self, who: Identity) -> None:
+        if self.quotas is not None:
+            await self.quotas.admit(who.tenant, who.limits)
+
+    @contextlib.asynccontextmanager
+    async def stream(self, who: Identity) -> AsyncIterator[None]:
+        if self.quotas is None or who.limits.max_streams <= 0:
+            yield
+            return
+        stream_id = uuid.uuid4().hex
+        await self.quotas.open_stream(who.tenant, who.limits, stream_id)
+        self._held[stream_id] = who.tenant
+        try:
+            yield
+        finally:
+            self._held.pop(stream_id, None)
+            with contextlib.suppress(errors.QueueUnavailable):  # its lease then ends by itself
+                await asyncio.shield(self.quotas.close_stream(who.tenant, stream_id))
+
+    async def spent(self, who: Identity, tokens: int) -> None:
+        if self.quotas is None or tokens <= 0:
+            return
+        try:
+            await asyncio.shield(self.quotas.spend(who.tenant, who.limits, tokens))
+        except errors.QueueUnavailable:
+            log.warning("tokens_not_counted", tenant=who.tenant, tokens=tokens)

@@ -1,0 +1,213 @@
+"""The gatekeeper: one server interceptor in front of every RPC but ``grpc.health.v1``.
+
+For each call, before its handler runs:
+
+1. **Size**: the request's bytes are checked against its method's limit before they are parsed
+   (``LLAMAMESH_GATEWAY_MAX_REQUEST_BYTES``; BatchGenerate: ``LLAMAMESH_BATCH_MAX_BYTES``), and
+   bytes that do not parse are refused: INVALID_ARGUMENT, nothing parsed, nothing queued.
+2. **Concurrency**: at most ``LLAMAMESH_GATEWAY_MAX_CONCURRENT_RPCS`` calls at once in this
+   process (RESOURCE_EXHAUSTED with RetryInfo past it).
+3. **Identity**: with a tenants file (``LLAMAMESH_AUTH_FILE``), an API key
+   (``authorization: Bearer <key>``) or a client certificate that the file maps to a tenant;
+   otherwise UNAUTHENTICATED. AdminService needs an admin identity (PERMISSION_DENIED). Each
+   decision is one ``auth_decided`` log line (tenant, key id, method, outcome), never the key.
+   Without a tenants file the tenant is the ``x-llamamesh-tenant`` header (else "default"), as
+   for the embedded node on loopback.
+
+Handlers read the caller's identity with ``identity(context)``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import structlog
+
+from llamamesh import errors
+from llamamesh.settings import LimitsSettings
+from llamamesh.tenants import Identity, TenantsFile
+from llamamesh.types import DEFAULT_TENANT, TENANT_NAME
+from services import status
+
+log = structlog.get_logger(__name__)
+
+TENANT_HEADER = "x-llamamesh-tenant"
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+ADMIN_PREFIX = "/llamamesh.v1.AdminService/"
+
+_identity: contextvars.ContextVar[Identity | None] = contextvars.ContextVar("identity", default=None)
+
+
+class _Refused:
+    """What the size-checking deserializer hands the handler instead of a request it refused."""
+
+    def __init__(self, why: errors.LlamameshError) -> None:
+        self.why = why
+
+
+def _metadata(context: grpc.aio.ServicerContext, key: str) -> str:
+    for k, v in context.invocation_metadata() or ():
+        if k == key:
+            return v if isinstance(v, str) else v.decode(errors="replace")
+    return ""
+
+
+def header_identity(context: grpc.aio.ServicerContext, defaults: LimitsSettings) -> Identity:
+    """Without authentication: the tenant the caller names (``x-llamamesh-tenant``), else "default"."""
+    named = _metadata(context, TENANT_HEADER)
+    if not named:
+        return Identity(DEFAULT_TENANT, "none", defaults, admin=True)
+    if not TENANT_NAME.match(named):
+        raise errors.InvalidRequest.field(TENANT_HEADER, "1-64 characters of A-Z a-z 0-9 . _ -")
+    return Identity(named, "header", defaults, admin=True)
+
+
+def identity(context: grpc.aio.ServicerContext, defaults: LimitsSettings | None = None) -> Identity:
+    """The identity the gatekeeper found for this call (a server without one: the header's)."""
+    found = _identity.get()
+    return found if found is not None else header_identity(context, defaults or LimitsSettings())
+
+
+def _bearer(context: grpc.aio.ServicerContext) -> str:
+    raw = _metadata(context, "authorization").strip()
+    scheme, _, key = raw.partition(" ")
+    if raw and scheme.lower() != "bearer":
+        raise errors.Unauthenticated("the authorization header must be 'Bearer <API key>'")
+    return key.strip()
+
+
+def _certificates(context: grpc.aio.ServicerContext) -> tuple[str, ...]:
+    from services.tls import peer_identities  # the TLS seam: grpc's auth context
+
+    return peer_identities(context)
+
+
+class Gatekeeper(grpc.aio.ServerInterceptor):
+    def __init__(
+        self,
+        tenants: TenantsFile | None,
+        defaults: LimitsSettings,
+        max_concurrent: int,
+        max_bytes: int,
+        max_bytes_by_method: dict[str, tuple[int, str]],
+    ) -> None:
+        self._tenants = tenants
+        self._defaults = defaults
+        self._max_concurrent = max_concurrent
+        self._max_bytes = max_bytes
+        self._by_method = max_bytes_by_method
+        self.active = 0
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        method = details.method
+        if handler is None or method.startswith(HEALTH_PREFIX):
+            return handler
+        limit, setting = self._by_method.get(method, (self._max_bytes, "LLAMAMESH_GATEWAY_MAX_REQUEST_BYTES"))
+        changes: dict[str, Any] = {"request_deserializer": _checked(handler.request_deserializer, limit, setting)}
+        for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
+            behavior = getattr(handler, kind)
+            if behavior is not None:
+                changes[kind] = self._guarded(behavior, method, kind.endswith("_stream"), kind.startswith("stream"))
+        return handler._replace(**changes)  # type: ignore[attr-defined, no-any-return]  # a namedtuple
+
+    def _decide(self, context: grpc.aio.ServicerContext, method: str) -> Identity:
+        """The caller's identity, or a domain error (logged as the decision)."""
+        if self._tenants is None:
+            return header_identity(context, self._defaults)
+        who: Identity | None = None
+        try:
+            bearer = _bearer(context)
+            who = self._tenants.current().authenticate(bearer, _certificates(context))
+            if method.startswith(ADMIN_PREFIX) and not who.admin:
+                raise errors.PermissionDenied("AdminService needs an admin key or an admin tenant")
+        except errors.LlamameshError as exc:
+            outcome = status.code_for(exc).name.lower()
+            log.info("auth_decided", method=method, outcome=outcome, tenant=who.tenant if who else None,
+                     key_id=who.key_id if who else None, reason=exc.message)  # fmt: skip
+            raise
+        log.info("auth_decided", method=method, outcome="allowed", tenant=who.tenant, key_id=who.key_id, via=who.via)
+        return who
+
+    def _admitted(self, context: grpc.aio.ServicerContext, method: str, request: Any) -> Identity:
+        if isinstance(request, _Refused):
+            raise request.why
+        if self.active >= self._max_concurrent:
+            raise errors.RateLimited(
+                f"this gateway process is serving {self.active} calls, its most "
+                "(LLAMAMESH_GATEWAY_MAX_CONCURRENT_RPCS); retry shortly or through another gateway",
+                retry_after_s=0.5,
+            )
+        return self._decide(context, method)
+
+    def _guarded(self, behavior: Any, method: str, streaming: bool, request_streaming: bool) -> Any:
+        """``behavior`` run only for an admitted caller, its identity bound for the handler."""
+        gate = self
+
+        async def enter(request: Any, context: grpc.aio.ServicerContext) -> None:
+            try:
+                who = gate._admitted(context, method, None if request_streaming else request)
+            except errors.LlamameshError as exc:
+                await status.abort(context, exc)  # raises
+            # Each call runs in its own task (its own context): the identity ends with it.
+            _identity.set(who)
+
+        async def screened(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async for r in requests:
+                if isinstance(r, _Refused):
+                    await status.abort(context, r.why)  # raises
+                yield r
+
+        if streaming:
+
+            async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                await enter(request, context)
+                gate.active += 1
+                try:
+                    result = behavior(screened(request, context) if request_streaming else request, context)
+                    if inspect.isasyncgen(result):
+                        async for msg in result:
+                            yield msg
+                    else:  # a handler that writes with context.write
+                        await result
+                finally:
+                    gate.active -= 1
+
+            return stream
+
+        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await enter(request, context)
+            gate.active += 1
+            try:
+                return await behavior(screened(request, context) if request_streaming else request, context)
+            finally:
+                gate.active -= 1
+
+        return unary
+
+
+def _checked(deserialize: Callable[[bytes], Any] | None, limit: int, setting: str) -> Callable[[bytes], Any]:
+    """A deserializer that refuses (instead of parsing) more than ``limit`` bytes or bytes that do
+    not parse: the handler gets a ``_Refused`` and the gatekeeper answers INVALID_ARGUMENT."""
+
+    def parse(data: bytes) -> Any:
+        if len(data) > limit:
+            return _Refused(errors.InvalidRequest.field(
+                "request", f"the request is {len(data)} bytes; at most {limit} ({setting})"
+            ))  # fmt: skip
+        if deserialize is None:
+            return data
+        try:
+            return deserialize(data)
+        except Exception:  # protobuf's DecodeError and friends: the bytes are not this message
+            return _Refused(errors.InvalidRequest.field("request", "the request message does not parse"))
+
+    return parse
