@@ -311,7 +311,7 @@ class Backends:
             return
         p.probes += 1
         request = GenerationRequest(
-            request_id=f"probe-{p.name}-{uuid.uuid4().hex[:12]}",
+            request_id=f"probe~{p.name}~{uuid.uuid4().hex[:12]}",  # "~": in no caller's id
             model="",
             prompt=PROBE_PROMPT,
             sampling=SamplingParams(max_tokens=1, temperature=0.0),

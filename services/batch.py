@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import math
 import re
 import time
 import uuid
@@ -29,7 +30,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from llamamesh import errors
 from llamamesh.errors import FieldViolation, InvalidRequest, QueueUnavailable
 from llamamesh.queue.protocol import BatchStore
-from llamamesh.queue.quotas import Quotas
+from llamamesh.queue.quotas import UNSTORED_GRACE_S, Quotas
 from llamamesh.settings import BatchSettings, GatewaySettings
 from llamamesh.types import (
     DEFAULT_TENANT,
@@ -277,6 +278,8 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
             try:
                 before = float(request.page_token)
             except ValueError:
+                before = math.nan
+            if not math.isfinite(before):  # "nan" and "inf" parse as floats, Redis takes neither
                 raise InvalidRequest.field("page_token", "not a token from ListBatches") from None
         got = await self._store.owned(identity(context).tenant, size + 1, before)
         more = len(got) > size
@@ -313,7 +316,7 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
             if not got and (ended or not follow):
                 return
             if not got:  # nothing within block_ms: has the batch ended meanwhile?
-                info = await self._mine(info.batch_id, context)
+                info = await self._mine(request.batch_id, context)
 
 
 class BatchSweeper:
@@ -323,9 +326,13 @@ class BatchSweeper:
     what ended and purged batches held of their tenants' budgets. Every gateway runs
     one: a sweep is safe to repeat and to race."""
 
-    def __init__(self, store: BatchStore, interval_s: float, quotas: Quotas | None = None) -> None:
+    def __init__(
+        self, store: BatchStore, interval_s: float, quotas: Quotas | None = None, retention_s: float = UNSTORED_GRACE_S
+    ) -> None:
         self._store = store
         self._quotas = quotas
+        # A batch hold with no record is a purged batch once older than this (or one being stored).
+        self._grace_s = min(UNSTORED_GRACE_S, retention_s)
         self._interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
 
@@ -343,7 +350,7 @@ class BatchSweeper:
             try:
                 await self._store.sweep()
                 if self._quotas is not None:  # what ended batches held of their tenants' budgets
-                    await self._quotas.give_back()
+                    await self._quotas.give_back(self._grace_s)
             except QueueUnavailable:
                 log.warning("batch_sweep_failed", retry_in_s=self._interval_s)
             except Exception:  # a sweep must never kill the gateway

@@ -165,7 +165,7 @@ def tokenize_request(
         raise InvalidRequest(bad)
     model = resolve_model(r.model, models)
     req = GenerationRequest(
-        request_id=uuid.uuid4().hex,
+        request_id=f"t~{uuid.uuid4().hex}",  # "~": in no caller's id
         model=model.id,
         prompt=prompt,
         messages=messages,

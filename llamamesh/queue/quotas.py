@@ -147,8 +147,9 @@ class Quotas(Protocol):
     async def unreserve_batch(self, tenant: str, batch_id: str) -> None:
         """Give back all a batch held (it was not stored after all)."""
 
-    async def give_back(self) -> int:
-        """Give back what ended batches held (items) and purged ones (bytes); how many changed."""
+    async def give_back(self, grace_s: float = UNSTORED_GRACE_S) -> int:
+        """Give back what ended batches held (items) and purged ones (bytes: a hold without a batch
+        record, once older than ``grace_s``); how many changed."""
         ...
 
 
@@ -245,7 +246,7 @@ class RedisQuotas:
         with unreachable():
             await self._give(tenant, batch_id, "all")
 
-    async def give_back(self) -> int:
+    async def give_back(self, grace_s: float = UNSTORED_GRACE_S) -> int:
         k = self.keys
         changed = 0
         with unreachable():
@@ -264,7 +265,7 @@ class RedisQuotas:
                     states = await pipe.execute()
                 async with self._r.pipeline(transaction=False) as pipe:
                     for (bid, v), state in zip(ids, states, strict=True):
-                        if state is None and now_s - int(v.split()[2]) / 1000 > UNSTORED_GRACE_S:
+                        if state is None and now_s - int(v.split()[2]) / 1000 > grace_s:
                             # purged (or never stored: its BatchGenerate died between reserving
                             # and storing; a younger hold may be a batch being stored right now)
                             await self._give(tenant, bid, "all", pipe)

@@ -86,7 +86,7 @@ async def test_cancel_mid_stream_stops_the_worker(node: ProcessNode) -> None:
     try:
         # Nothing of ours is left leased (the gateway's health probes may be, at any moment).
         leased = pending_requests(r, Keys(node.prefix).jobs(node.pool))
-        assert [rid for rid in leased if not rid.startswith("probe-")] == []
+        assert [rid for rid in leased if not rid.startswith("probe~")] == []
     finally:
         r.close()
     log = node.log("worker")

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from llamamesh.errors import InvalidRequest
+from llamamesh.errors import AlreadyExists
 from llamamesh.queue.batches import RedisBatches
 from llamamesh.queue.memory import MemoryBatches
 from llamamesh.queue.protocol import BatchStore, Lease
@@ -48,9 +48,8 @@ async def test_submit_is_idempotent_and_atomic(store: BatchStore) -> None:
     made = await asyncio.gather(*(store.create(info, "fp", items) for _ in range(4)))  # concurrent retries
     assert [new for _b, new in made].count(True) == 1
     assert {b.batch_id for b, _new in made} == {"b"} and made[0][0].state is BatchState.IN_PROGRESS
-    with pytest.raises(InvalidRequest) as exc:
+    with pytest.raises(AlreadyExists, match="'b' names another batch"):
         await store.create(info, "another", items)
-    assert exc.value.violations[0].field == "batch_id"
     assert [b.batch_id for b in await store.owned("t", 10, None)] == ["b"]
     assert await store.owned("someone-else", 10, None) == []
 
