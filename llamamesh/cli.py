@@ -27,7 +27,7 @@ import grpc
 from llamamesh import batchfile, logs
 from llamamesh.client import DEFAULT_ADDRESS, Client, field_violations
 from llamamesh.node import Node, StartFailed
-from llamamesh.settings import Settings
+from llamamesh.settings import ClientSettings, Settings
 from llamamesh.v1 import batch_pb2 as bpb
 from llamamesh.v1 import generation_pb2 as pb
 
@@ -55,6 +55,28 @@ def _gen_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", help="a stop string (repeatable)")
 
 
+def _client_flags(p: argparse.ArgumentParser) -> None:
+    """How a command reaches a running gateway; each flag defaults to its LLAMAMESH_CLIENT_* variable."""
+    p.add_argument("--api-key", help="sent as authorization: Bearer KEY (LLAMAMESH_CLIENT_API_KEY)")
+    p.add_argument("--tls-ca", help="TLS: the CA that signed the gateway's certificate (LLAMAMESH_CLIENT_TLS_CA)")
+    p.add_argument("--tls", action="store_true", help="TLS with the system's CAs (implied by --tls-ca)")
+    p.add_argument("--tls-cert", help="mutual TLS: this client's certificate (LLAMAMESH_CLIENT_TLS_CERT)")
+    p.add_argument("--tls-key", help="mutual TLS: this client's key (LLAMAMESH_CLIENT_TLS_KEY)")
+    p.add_argument("--tls-server-name",
+                   help="the name the gateway's certificate must carry (LLAMAMESH_CLIENT_TLS_SERVER_NAME)")  # fmt: skip
+
+
+def _client_settings(args: argparse.Namespace) -> ClientSettings:
+    """The environment's client settings with the command's flags over them."""
+    return Settings.from_env().with_overrides(client={
+        name: getattr(args, name, None) for name in ("api_key", "tls_ca", "tls_cert", "tls_key", "tls_server_name")
+    }).client  # fmt: skip
+
+
+def _client(address: str, args: argparse.Namespace) -> Client:
+    return Client.from_settings(address, _client_settings(args), tls=bool(getattr(args, "tls", False)))
+
+
 def _settings(args: argparse.Namespace) -> Settings:
     s = Settings.from_env()
     return s.with_overrides(
@@ -76,7 +98,7 @@ async def _generate(address: str, args: argparse.Namespace, wait_s: float, out: 
         prompt = args.prompt
     else:
         messages = ([("system", args.system)] if args.system else []) + [("user", args.prompt)]
-    async with Client(address) as client:
+    async with _client(address, args) as client:
         if wait_s:
             await client.wait_ready(wait_s)
         try:
@@ -151,6 +173,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         node.start()
         asyncio.run(node.wait_ready(sys.stderr))
         print(f"> {args.prompt}\n", file=sys.stderr)
+        args.tls = bool(settings.gateway.tls_cert)  # the node's gateway speaks TLS: so does the demo's client
         code = asyncio.run(_generate(node.address, args, wait_s=0))
         print(f"[demo done in {time.monotonic() - t0:.1f} s]", file=sys.stderr)
         return code
@@ -167,7 +190,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_models(args: argparse.Namespace) -> int:
     async def run() -> None:
-        async with Client(args.address) as c:
+        async with _client(args.address, args) as c:
             for m in await c.list_models():
                 print(f"{m.id}\tpool={m.pool}" + ("\tdefault" if m.default else ""))
 
@@ -177,7 +200,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
     async def run() -> None:
-        async with Client(args.address) as c:
+        async with _client(args.address, args) as c:
             ids = await c.tokenize(args.text, model=args.model)
             print(" ".join(map(str, ids)))
             print(f"[{len(ids)} tokens]", file=sys.stderr)
@@ -226,7 +249,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
 
 async def _batch(args: argparse.Namespace, lines: list[str], out: Any) -> int:
-    async with Client(args.address) as c:
+    async with _client(args.address, args) as c:
         stub, meta = c.batches, _meta(args)
         try:
             if args.action == "submit":
@@ -283,6 +306,7 @@ def _batch_flags(sub: Any) -> None:
         a = acts.add_parser(name)
         a.add_argument("--address", default=DEFAULT_ADDRESS)
         a.add_argument("--tenant", default="", help="the owner the batch is recorded under (x-llamamesh-tenant)")
+        _client_flags(a)
         if name == "submit":
             a.add_argument("file", help="JSONL: {custom_id, text} with --summarise, else {custom_id, request}")
             a.add_argument("--summarise", action="store_true", help="each line is a document to summarise")
@@ -334,10 +358,12 @@ def main(argv: list[str] | None = None) -> None:
     _gen_flags(p)
     p.add_argument("--address", default=DEFAULT_ADDRESS)
     p.add_argument("--wait", type=float, default=0.0, help="wait up to this many seconds for the gateway")
+    _client_flags(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("models", help="list the models a gateway serves")
     p.add_argument("--address", default=DEFAULT_ADDRESS)
+    _client_flags(p)
     p.set_defaults(func=cmd_models)
 
     _batch_flags(sub)
@@ -346,6 +372,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("text")
     p.add_argument("--model", default="")
     p.add_argument("--address", default=DEFAULT_ADDRESS)
+    _client_flags(p)
     p.set_defaults(func=cmd_tokenize)
 
     args = parser.parse_args(argv)

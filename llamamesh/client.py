@@ -2,13 +2,25 @@
 
 Errors arrive as ``grpc.aio.AioRpcError`` / ``grpc.RpcError`` with the server's
 status code; ``field_violations(err)`` lists the fields an INVALID_ARGUMENT named.
+
+Connection options (keywords of ``Client``, ``SyncClient`` and ``serving``, or a ``ClientSettings``
+through ``from_settings``): ``api_key`` is sent as ``authorization: Bearer <key>`` on every call (a
+client interceptor; plaintext channels too). The channel uses TLS when ``tls_ca`` is set (the CA the
+gateway's certificate is checked against), or ``tls=True`` (the system's CAs); ``tls_cert`` /
+``tls_key`` add this client's certificate (mutual TLS); ``tls_server_name`` overrides the name the
+gateway's certificate must carry (when dialling an address it is not issued for). A file that
+cannot be read raises ValueError. A gateway refusing the handshake (an untrusted certificate
+either way, a missing client certificate) fails calls with UNAVAILABLE.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -16,6 +28,7 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
+from llamamesh.settings import ClientSettings
 from llamamesh.v1 import admin_pb2_grpc, batch_pb2_grpc, generation_pb2_grpc
 from llamamesh.v1 import generation_pb2 as pb
 
@@ -47,10 +60,152 @@ def field_violations(err: grpc.RpcError) -> list[str]:
     return out
 
 
-def serving(address: str, service: str = "", timeout_s: float = 1.0) -> bool:
+@dataclass(frozen=True)
+class Connection:
+    """How a channel reaches the gateway (see the module's docstring)."""
+
+    api_key: str = ""
+    tls: bool = False
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_server_name: str = ""
+
+    @property
+    def secure(self) -> bool:
+        return bool(self.tls or self.tls_ca or self.tls_cert or self.tls_key)
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("the client's TLS certificate and key must be given together")
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read(self.tls_ca, "CA"),
+            private_key=_read(self.tls_key, "key"),
+            certificate_chain=_read(self.tls_cert, "certificate"),
+        )
+
+    def options(self) -> list[tuple[str, Any]]:
+        return [("grpc.ssl_target_name_override", self.tls_server_name)] if self.tls_server_name else []
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
+
+    def aio_channel(self, address: str) -> grpc.aio.Channel:
+        interceptors = _aio_interceptors(self.metadata())
+        if self.secure:
+            return grpc.aio.secure_channel(address, self.credentials(), self.options(), interceptors=interceptors)
+        return grpc.aio.insecure_channel(address, self.options(), interceptors=interceptors)
+
+    def channel(self, address: str) -> grpc.Channel:
+        if self.secure:
+            ch = grpc.secure_channel(address, self.credentials(), self.options())
+        else:
+            ch = grpc.insecure_channel(address, self.options())
+        extra = self.metadata()
+        return grpc.intercept_channel(ch, _SyncMetadata(extra)) if extra else ch
+
+
+def _read(path: str, what: str) -> bytes | None:
+    if not path:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read the client's TLS {what} {path}: {exc.strerror}") from exc
+
+
+# --- the metadata interceptors (the API key on every call)
+
+
+def _aio_interceptors(extra: tuple[tuple[str, str], ...]) -> list[grpc.aio.ClientInterceptor] | None:
+    if not extra:
+        return None
+    return [_AioUnaryUnary(extra), _AioUnaryStream(extra), _AioStreamUnary(extra), _AioStreamStream(extra)]
+
+
+class _AioMetadata:
+    def __init__(self, extra: tuple[tuple[str, str], ...]) -> None:
+        self._extra = extra
+
+    def _details(self, d: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*(d.metadata or ()), *self._extra)
+        return grpc.aio.ClientCallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready)
+
+
+class _AioUnaryUnary(_AioMetadata, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+
+class _AioUnaryStream(_AioMetadata, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+
+class _AioStreamUnary(_AioMetadata, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation: Callable[..., Any], details: Any, requests: Any) -> Any:
+        return await continuation(self._details(details), requests)
+
+
+class _AioStreamStream(_AioMetadata, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation: Callable[..., Any], details: Any, requests: Any) -> Any:
+        return await continuation(self._details(details), requests)
+
+
+class _SyncDetails(
+    collections.namedtuple(
+        "_SyncDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+    ),
+    grpc.ClientCallDetails,
+):
+    """The call's details with more metadata (grpc's own is abstract)."""
+
+
+class _SyncMetadata(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    def __init__(self, extra: tuple[tuple[str, str], ...]) -> None:
+        self._extra = extra
+
+    def _details(self, d: Any) -> grpc.ClientCallDetails:
+        return _SyncDetails(
+            d.method, d.timeout, (*(d.metadata or ()), *self._extra), d.credentials,
+            getattr(d, "wait_for_ready", None), getattr(d, "compression", None),
+        )  # fmt: skip
+
+    def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation: Any, client_call_details: Any, request_iterator: Any) -> Any:
+        return continuation(self._details(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation: Any, client_call_details: Any, request_iterator: Any) -> Any:
+        return continuation(self._details(client_call_details), request_iterator)
+
+
+def serving(
+    address: str,
+    service: str = "",
+    timeout_s: float = 1.0,
+    *,
+    api_key: str = "",
+    tls: bool = False,
+    tls_ca: str = "",
+    tls_cert: str = "",
+    tls_key: str = "",
+    tls_server_name: str = "",
+) -> bool:
     """Whether the gateway at ``address`` answers SERVING for ``service`` ("" the server; a
-    blocking check for scripts and tests); False when it does not answer."""
-    with grpc.insecure_channel(address) as ch:
+    blocking check for scripts and tests); False when it does not answer (a refused handshake
+    included)."""
+    conn = Connection(api_key, tls, tls_ca, tls_cert, tls_key, tls_server_name)
+    with conn.channel(address) as ch:
         try:
             check = health_pb2.HealthCheckRequest(service=service)
             got = health_pb2_grpc.HealthStub(ch).Check(check, timeout=timeout_s)
@@ -62,12 +217,33 @@ def serving(address: str, service: str = "", timeout_s: float = 1.0) -> bool:
 class Client:
     """Asyncio client. Cancelling the task iterating ``generate`` cancels the request server-side."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, channel: grpc.aio.Channel | None = None) -> None:
-        self._channel = channel or grpc.aio.insecure_channel(address)
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        channel: grpc.aio.Channel | None = None,
+        *,
+        api_key: str = "",
+        tls: bool = False,
+        tls_ca: str = "",
+        tls_cert: str = "",
+        tls_key: str = "",
+        tls_server_name: str = "",
+    ) -> None:
+        """``channel``: use this one as it is (then no connection option may be given)."""
+        conn = Connection(api_key, tls, tls_ca, tls_cert, tls_key, tls_server_name)
+        if channel is not None and conn != Connection():
+            raise ValueError("Client: give either a channel or connection options, not both")
+        self._channel = channel or conn.aio_channel(address)
         self.stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
         self.batches = batch_pb2_grpc.BatchServiceStub(self._channel)
         self.admin = admin_pb2_grpc.AdminServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    @classmethod
+    def from_settings(cls, address: str, settings: ClientSettings, tls: bool = False) -> Client:
+        """A client with ``settings``' API key and TLS files (``tls``: TLS even without a CA file)."""
+        return cls(address, api_key=settings.api_key, tls=tls, tls_ca=settings.tls_ca, tls_cert=settings.tls_cert,
+                   tls_key=settings.tls_key, tls_server_name=settings.tls_server_name)  # fmt: skip
 
     async def __aenter__(self) -> Client:
         return self
@@ -128,9 +304,28 @@ class Client:
 class SyncClient:
     """Blocking client for scripts."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS) -> None:
-        self._channel = grpc.insecure_channel(address)
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        api_key: str = "",
+        tls: bool = False,
+        tls_ca: str = "",
+        tls_cert: str = "",
+        tls_key: str = "",
+        tls_server_name: str = "",
+    ) -> None:
+        self._channel = Connection(api_key, tls, tls_ca, tls_cert, tls_key, tls_server_name).channel(address)
         self.stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
+
+    @classmethod
+    def from_settings(cls, address: str, settings: ClientSettings, tls: bool = False) -> SyncClient:
+        """A client with ``settings``' API key and TLS files (``tls``: TLS even without a CA file)."""
+        return cls(address, api_key=settings.api_key, tls=tls, tls_ca=settings.tls_ca, tls_cert=settings.tls_cert,
+                   tls_key=settings.tls_key, tls_server_name=settings.tls_server_name)  # fmt: skip
+
+    def close(self) -> None:
+        self._channel.close()
 
     def __enter__(self) -> SyncClient:
         return self

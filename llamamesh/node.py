@@ -75,8 +75,18 @@ class Node:
         g = self.settings.gateway
         return f"{g.host}:{g.port}"
 
+    def client(self) -> Client:
+        """A client of the node's gateway with the client settings (LLAMAMESH_CLIENT_*: API key, CA,
+        certificate), over TLS when the gateway speaks it."""
+        return Client.from_settings(self.address, self.settings.client, tls=bool(self.settings.gateway.tls_cert))
+
     def start(self) -> None:
         """Start Redis (if embedded), the gateway and the workers. Raises if one cannot start."""
+        if self.settings.gateway.tls_client_ca and not self.settings.client.tls_cert:
+            raise StartFailed(
+                "the gateway asks clients for a certificate (LLAMAMESH_GATEWAY_TLS_CLIENT_CA): set "
+                "LLAMAMESH_CLIENT_TLS_CERT and LLAMAMESH_CLIENT_TLS_KEY so the node can watch it start"
+            )
         if not self.settings.redis.url:
             self._embedded = EmbeddedRedis(self.settings.redis.embedded_dir)
             url = self._embedded.start()
@@ -163,7 +173,7 @@ class Node:
         limit = timeout_s if timeout_s is not None else self.settings.worker.start_timeout_s + 60
         # One line rewritten in place only when the children's logs do not share the terminal.
         show = _Progress(out, t0, inline=self._log_file is not None)
-        async with Client(self.address) as client:
+        async with self.client() as client:
             while True:
                 code = self.poll()
                 if code is not None:

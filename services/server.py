@@ -19,6 +19,7 @@ from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import BatchSettings, BreakerSettings, GatewaySettings, Settings
 from llamamesh.supervisor import Child, Supervisor
 from llamamesh.v1 import admin_pb2, admin_pb2_grpc, batch_pb2, batch_pb2_grpc, generation_pb2, generation_pb2_grpc
+from services import tls
 from services.admin import AdminServicer
 from services.backends import Backends, backend_service
 from services.batch import BatchServicer, BatchSweeper
@@ -105,15 +106,14 @@ async def start_gateway(
         ),
         server,
     )
-    bound = server.add_insecure_port(f"{settings.host}:{settings.port if port is None else port}")
-    if bound == 0:
-        raise OSError(f"cannot listen on {settings.host}:{settings.port}")
+    bound = tls.bind(server, settings, port)
     await server.start()
     await reporter.start()
     await backends.start()
     if sweeper is not None:
         sweeper.start()
-    log.info("gateway_started", host=settings.host, port=bound)
+    mtls = bool(settings.tls_client_ca)
+    log.info("gateway_started", host=settings.host, port=bound, tls=bool(settings.tls_cert), mtls=mtls)
     return Gateway(server=server, health=reporter, backends=backends, relay=relay, port=bound, sweeper=sweeper)
 
 

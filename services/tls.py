@@ -1,0 +1,152 @@
+"""Transport security of the gateway's port: TLS, mutual TLS, and certificate rotation.
+
+- ``bind``: the gateway's one way to open its port. With ``tls_cert`` and ``tls_key`` the port
+  speaks TLS only; with ``tls_client_ca`` too, a client without a certificate signed by that CA is
+  refused at the handshake (it sees UNAVAILABLE; no handler runs). Without them it is plaintext,
+  logged as ``gateway_plaintext`` (a warning) when the host is not a loopback address.
+- Rotation: the files are looked at (mtime, size, inode) before every new connection's handshake;
+  when they changed, they are read again and new connections get the new certificate, key and
+  client CA, without a restart. Connections already open keep theirs. A change that does not load
+  (a key not matching its certificate: the pair is being written) keeps the previous files and is
+  tried again at the next handshake, logged once as ``gateway_tls_reload_failed``.
+- ``peer_identities``: the names of the client certificate the handshake verified.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import ssl
+import threading
+from pathlib import Path
+
+import grpc
+import structlog
+
+from llamamesh.settings import GatewaySettings
+
+log = structlog.get_logger(__name__)
+
+# The identities of a verified client certificate in a call's auth context: its subject's common
+# name, then its subjectAltNames (DNS, URI, email, IP).
+IDENTITY_KEYS = ("x509_common_name", "x509_subject_alternative_name")
+
+Stamp = tuple[tuple[int, int, int], ...]
+
+
+class CertificateFiles:
+    """The gateway's PEM files and the configuration last loaded from them."""
+
+    def __init__(self, cert: str, key: str, client_ca: str = "") -> None:
+        self.paths = tuple(Path(p) for p in (cert, key, client_ca) if p)
+        self._cert, self._key = Path(cert), Path(key)
+        self._client_ca = Path(client_ca) if client_ca else None
+        self._lock = threading.Lock()
+        self._stamp: Stamp = ()
+        self._failed: Stamp | None = None
+
+    def _stamps(self) -> Stamp:
+        out = []
+        for p in self.paths:
+            st = p.stat()
+            out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        return tuple(out)
+
+    def load(self) -> grpc.ServerCertificateConfiguration:
+        """Read and check the files (the key matches the certificate; the CA is a certificate).
+        Raises ValueError naming the file that does not load."""
+        try:
+            stamp = self._stamps()
+            cert, key = self._cert.read_bytes(), self._key.read_bytes()
+            ca = self._client_ca.read_bytes() if self._client_ca is not None else None
+        except OSError as exc:
+            raise ValueError(f"gateway TLS: cannot read {exc.filename}: {exc.strerror}") from exc
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            context.load_cert_chain(self._cert, self._key)
+        except (ssl.SSLError, OSError) as exc:
+            raise ValueError(
+                f"gateway TLS: {self._cert} and {self._key} are not a certificate and its key ({exc})"
+            ) from exc
+        if self._client_ca is not None:
+            try:
+                context.load_verify_locations(cafile=self._client_ca)
+            except (ssl.SSLError, OSError) as exc:
+                raise ValueError(f"gateway TLS: {self._client_ca} holds no CA certificate ({exc})") from exc
+        self._stamp = stamp
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        """gRPC's fetcher, called before each new connection's handshake (in one of its threads): a
+        new configuration when the files changed and load, else None (keep the current one)."""
+        with self._lock:
+            try:
+                stamp = self._stamps()
+                if stamp == self._stamp:
+                    return None
+                config = self.load()
+            except (ValueError, OSError) as exc:
+                if self._failed != stamp:  # once per change, not once per connection
+                    log.warning("gateway_tls_reload_failed", error=str(exc), files=[str(p) for p in self.paths])
+                    self._failed = stamp
+                return None
+            self._failed = None
+            log.info("gateway_tls_reloaded", files=[str(p) for p in self.paths])
+            return config
+
+
+def server_credentials(settings: GatewaySettings) -> grpc.ServerCredentials:
+    """TLS credentials from ``tls_cert`` / ``tls_key`` (and ``tls_client_ca``: mutual TLS) that
+    follow the files as they change. Raises ValueError when they are not set together or do not load."""
+    if bool(settings.tls_cert) != bool(settings.tls_key):
+        raise ValueError("LLAMAMESH_GATEWAY_TLS_CERT and LLAMAMESH_GATEWAY_TLS_KEY must be set together")
+    if not settings.tls_cert:
+        raise ValueError(
+            "LLAMAMESH_GATEWAY_TLS_CLIENT_CA needs LLAMAMESH_GATEWAY_TLS_CERT and LLAMAMESH_GATEWAY_TLS_KEY"
+            if settings.tls_client_ca
+            else "gateway TLS: LLAMAMESH_GATEWAY_TLS_CERT and LLAMAMESH_GATEWAY_TLS_KEY are not set"
+        )
+    files = CertificateFiles(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+    return grpc.dynamic_ssl_server_credentials(
+        files.load(), files.fetch, require_client_authentication=bool(settings.tls_client_ca)
+    )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or a name) is this machine's loopback only."""
+    host = host.strip().strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind(server: grpc.aio.Server, settings: GatewaySettings, port: int | None = None) -> int:
+    """Open ``settings.host`` on ``port`` (None: ``settings.port``; 0: a free one) with TLS when
+    ``tls_cert`` and ``tls_key`` are set, else plaintext; returns the port bound. Raises ValueError
+    for TLS settings that are incomplete or do not load, OSError when the port cannot be bound."""
+    port = settings.port if port is None else port
+    address = f"{settings.host}:{port}"
+    tls = bool(settings.tls_cert or settings.tls_key or settings.tls_client_ca)
+    bound = server.add_secure_port(address, server_credentials(settings)) if tls else server.add_insecure_port(address)
+    if bound == 0:
+        raise OSError(f"cannot listen on {address}")
+    if not tls and not is_loopback(settings.host):
+        log.warning("gateway_plaintext", host=settings.host, port=bound)
+    return int(bound)
+
+
+def peer_identities(context: grpc.aio.ServicerContext) -> tuple[str, ...]:
+    """The names (common name, then subjectAltNames) of the client certificate this call's
+    connection presented and the handshake verified against ``tls_client_ca``; empty without
+    mutual TLS."""
+    auth = context.auth_context() or {}
+    out: list[str] = []
+    for key in IDENTITY_KEYS:
+        for value in auth.get(key, ()):
+            name = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+            if name and name not in out:
+                out.append(name)
+    return tuple(out)
+
