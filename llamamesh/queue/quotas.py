@@ -258,14 +258,15 @@ class RedisQuotas:
                     await self._r.srem(k.tenants_holding(), tenant)
                     continue
                 ids = [(bid.decode(), v.decode()) for bid, v in held.items()]
-                now_s, _us = await self._r.time()
+                secs, micros = await self._r.time()
+                now_s = secs + micros / 1e6
                 async with self._r.pipeline(transaction=False) as pipe:
                     for bid, _v in ids:
                         pipe.hget(k.batch(bid), "state")
                     states = await pipe.execute()
                 async with self._r.pipeline(transaction=False) as pipe:
                     for (bid, v), state in zip(ids, states, strict=True):
-                        if state is None and now_s - int(v.split()[2]) / 1000 > grace_s:
+                        if state is None and now_s - int(v.split()[2]) / 1000 >= grace_s:
                             # purged (or never stored: its BatchGenerate died between reserving
                             # and storing; a younger hold may be a batch being stored right now)
                             await self._give(tenant, bid, "all", pipe)
