@@ -7,12 +7,14 @@
   llamamesh models | tokenize     the models served; a prompt's token ids
   llamamesh batch submit FILE.jsonl [--summarise]   submit a durable batch, show its progress
   llamamesh batch status | results | cancel | list  follow it (JSONL formats: llamamesh/batchfile.py)
+  llamamesh auth create-key TENANT [--admin] | revoke-key KEY_ID | list-keys   the tenants file
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import socket
 import sys
@@ -24,7 +26,7 @@ from typing import Any
 
 import grpc
 
-from llamamesh import batchfile, logs
+from llamamesh import batchfile, logs, tenants
 from llamamesh.client import DEFAULT_ADDRESS, Client, field_violations
 from llamamesh.node import Node, StartFailed
 from llamamesh.settings import ClientSettings, Settings
@@ -335,6 +337,48 @@ def _exec_module(module: str, args: argparse.Namespace) -> int:
     return 1  # not reached
 
 
+def cmd_auth(args: argparse.Namespace) -> int:
+    """The tenants file: add a key (printed once: only its hash is kept), revoke one, list them."""
+    path = args.file or Settings.from_env().auth.file
+    if not path:
+        print("llamamesh auth: give --file or set LLAMAMESH_AUTH_FILE", file=sys.stderr)
+        return 2
+    try:
+        if args.action == "create-key":
+            key_id, key = tenants.create_key(path, args.tenant, admin=args.admin)
+            print(key)
+            print(f"key id {key_id} for tenant {args.tenant}{' (admin)' if args.admin else ''} added to {path}; "
+                  "the key is shown only now", file=sys.stderr)  # fmt: skip
+        elif args.action == "revoke-key":
+            tenants.revoke_key(path, args.key_id)
+            print(f"key {args.key_id} revoked in {path}", file=sys.stderr)
+        else:
+            for k in tenants.list_keys(path):
+                print(json.dumps(k))
+    except KeyError as exc:
+        print(f"llamamesh auth: no key {exc.args[0]!r} in {path}", file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as exc:
+        print(f"llamamesh auth: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _auth_flags(sub: Any) -> None:
+    p = sub.add_parser("auth", help="API keys in the tenants file (LLAMAMESH_AUTH_FILE)")
+    acts = p.add_subparsers(dest="action", required=True)
+    a = acts.add_parser("create-key", help="add a key for TENANT and print it once")
+    a.add_argument("tenant")
+    a.add_argument("--admin", action="store_true", help="the key may call AdminService")
+    b = acts.add_parser("revoke-key", help="revoke a key by its id")
+    b.add_argument("key_id")
+    acts.add_parser("list-keys", help="every key's id, tenant, admin flag, creation and revocation")
+    for q in (a, b, *acts.choices.values()):
+        if not any(x.dest == "file" for x in q._actions):
+            q.add_argument("--file", help="the tenants file (default: LLAMAMESH_AUTH_FILE)")
+    p.set_defaults(func=cmd_auth)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="llamamesh", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -374,6 +418,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--address", default=DEFAULT_ADDRESS)
     _client_flags(p)
     p.set_defaults(func=cmd_tokenize)
+
+    _auth_flags(sub)
 
     args = parser.parse_args(argv)
     try:

@@ -15,12 +15,16 @@ from grpc_reflection.v1alpha import reflection
 from llamamesh import logs
 from llamamesh.queue.batches import RedisBatches
 from llamamesh.queue.protocol import BatchStore, JobQueue
+from llamamesh.queue.quotas import Quotas, RedisQuotas
 from llamamesh.queue.streams import RedisQueue
-from llamamesh.settings import BatchSettings, BreakerSettings, GatewaySettings, Settings
+from llamamesh.settings import AuthSettings, BatchSettings, BreakerSettings, GatewaySettings, LimitsSettings, Settings
 from llamamesh.supervisor import Child, Supervisor
+from llamamesh.tenants import TenantsFile
 from llamamesh.v1 import admin_pb2, admin_pb2_grpc, batch_pb2, batch_pb2_grpc, generation_pb2, generation_pb2_grpc
 from services import tls
 from services.admin import AdminServicer
+from services.admission import Admission
+from services.auth import Gatekeeper
 from services.backends import Backends, backend_service
 from services.batch import BatchServicer, BatchSweeper
 from services.generation import GenerationServicer
@@ -43,6 +47,7 @@ class Gateway:
     relay: QueueRelay
     port: int
     sweeper: BatchSweeper | None = None
+    admission: Admission | None = None
 
     async def stop(self, grace_s: float) -> None:
         """Health NOT_SERVING, stop accepting, give open streams ``grace_s``, then close."""
@@ -50,6 +55,8 @@ class Gateway:
         await self.server.stop(grace_s)
         await self.relay.close()
         await self.backends.stop()
+        if self.admission is not None:
+            await self.admission.stop()
         if self.sweeper is not None:
             await self.sweeper.stop()
 
@@ -62,15 +69,33 @@ async def start_gateway(
     breaker: BreakerSettings | None = None,
     batches: BatchStore | None = None,
     batch: BatchSettings | None = None,
+    auth: AuthSettings | None = None,
+    limits: LimitsSettings | None = None,
+    quotas: Quotas | None = None,
 ) -> Gateway:
     """Build and start the server on ``settings.host``; port 0 picks a free port. ``share_port``: one
-    of several gateway processes on the same port (SO_REUSEPORT); otherwise a taken port fails."""
+    of several gateway processes on the same port (SO_REUSEPORT); otherwise a taken port fails.
+    ``auth.file``: callers must authenticate (services/auth.py); ``quotas``: tenants' budgets are
+    enforced (none: unlimited, e.g. over the in-memory queue of unit tests)."""
     models = settings.model_table()
     policy = RoutingPolicy.parse(settings.routes, tokenizer_counter(settings.tokenizer) if settings.tokenizer else None)
-    max_bytes = (batch or BatchSettings()).max_bytes + 1024 * 1024  # past it: INVALID_ARGUMENT from BatchGenerate
+    batch = batch or BatchSettings()
+    limits = limits or LimitsSettings()
+    tenants = TenantsFile((auth or AuthSettings()).file, limits) if (auth or AuthSettings()).file else None
+    # The transport takes the largest request of any RPC; the gatekeeper bounds each RPC's own.
+    batch_bytes = batch.max_bytes + 1024 * 1024  # a batch just past max_bytes: INVALID_ARGUMENT naming it
+    gatekeeper = Gatekeeper(
+        tenants, limits, settings.max_concurrent_rpcs, settings.max_request_bytes,
+        {f"/{BATCH_SERVICE}/BatchGenerate": (batch_bytes, "LLAMAMESH_BATCH_MAX_BYTES")},
+    )  # fmt: skip
     server = grpc.aio.server(
-        options=[("grpc.so_reuseport", 1 if share_port else 0), ("grpc.max_receive_message_length", max_bytes)]
+        interceptors=[gatekeeper],
+        options=[
+            ("grpc.so_reuseport", 1 if share_port else 0),
+            ("grpc.max_receive_message_length", max(batch_bytes, settings.max_request_bytes)),
+        ],
     )
+    admission = Admission(quotas)
     reporter = HealthReporter(
         queue,
         [GENERATION_SERVICE, ADMIN_SERVICE, *([BATCH_SERVICE] if batches else [])],
@@ -86,35 +111,37 @@ async def start_gateway(
     )
     reporter.watch(backends.saw_queue)
     relay = QueueRelay(queue, settings, backends, policy, reporter.queue_generation)
-    generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(relay, settings, models), server)
+    generation_pb2_grpc.add_GenerationServiceServicer_to_server(
+        GenerationServicer(relay, settings, models, admission), server
+    )
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(backends), server)
     services = [GENERATION_SERVICE, ADMIN_SERVICE]
     sweeper = None
     if batches is not None:  # the batch store needs Redis (the in-memory queue of unit tests has none)
-        batch = batch or BatchSettings()
         batch_pb2_grpc.add_BatchServiceServicer_to_server(
-            BatchServicer(batches, settings, batch, models, policy), server
+            BatchServicer(batches, settings, batch, models, policy, admission=admission), server
         )
         services.append(BATCH_SERVICE)
-        sweeper = BatchSweeper(batches, batch.sweep_interval_s)
+        sweeper = BatchSweeper(batches, batch.sweep_interval_s, quotas, batch.retention_s)
     health_pb2_grpc.add_HealthServicer_to_server(reporter.servicer, server)
-    reflection.enable_server_reflection(
-        (
-            *services,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ),
-        server,
-    )
+    if settings.reflection:
+        reflection.enable_server_reflection(
+            (*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            server,
+        )
     bound = tls.bind(server, settings, port)
     await server.start()
     await reporter.start()
     await backends.start()
+    admission.start()
     if sweeper is not None:
         sweeper.start()
     mtls = bool(settings.tls_client_ca)
     log.info("gateway_started", host=settings.host, port=bound, tls=bool(settings.tls_cert), mtls=mtls)
-    return Gateway(server=server, health=reporter, backends=backends, relay=relay, port=bound, sweeper=sweeper)
+    if tenants is not None:
+        log.info("gateway_auth", tenants=len(tenants.current().tenants), file=tenants.path)
+    return Gateway(server=server, health=reporter, backends=backends, relay=relay, port=bound, sweeper=sweeper,
+                   admission=admission)  # fmt: skip
 
 
 async def serve(settings: Settings, share_port: bool = False) -> None:
@@ -126,8 +153,9 @@ async def serve(settings: Settings, share_port: bool = False) -> None:
     queue = RedisQueue.from_settings(settings.redis)
     batches = RedisBatches.from_settings(queue.client, queue.keys, settings.batch)
     gateway = await start_gateway(
-        queue, settings.gateway, share_port=share_port, breaker=settings.breaker, batches=batches, batch=settings.batch
-    )
+        queue, settings.gateway, share_port=share_port, breaker=settings.breaker, batches=batches, batch=settings.batch,
+        auth=settings.auth, limits=settings.limits, quotas=RedisQuotas(queue.client, queue.keys),
+    )  # fmt: skip
     try:
         await stop.wait()
     finally:

@@ -1,0 +1,81 @@
+"""Bounded requests on an in-process gateway: the concurrent-RPC cap, prompt length in characters,
+unparseable bytes, and reflection turned off."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from llamamesh.client import Client, field_violations
+from llamamesh.queue.memory import MemoryQueue
+from llamamesh.settings import GatewaySettings
+from llamamesh.v1 import generation_pb2 as pb
+from services.server import Gateway, start_gateway
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+async def gateway(request: pytest.FixtureRequest) -> AsyncIterator[Gateway]:
+    settings: GatewaySettings = getattr(request, "param", GatewaySettings())
+    gw = await start_gateway(MemoryQueue(), GatewaySettings(**{**settings.__dict__, "port": 0}), port=0)
+    try:
+        yield gw
+    finally:
+        await gw.stop(0)
+
+
+@pytest.mark.parametrize("gateway", [GatewaySettings(max_concurrent_rpcs=1, no_worker_wait_s=20)], indirect=True)
+async def test_the_concurrent_rpc_cap(gateway: Gateway) -> None:
+    async with Client(f"127.0.0.1:{gateway.port}") as c:
+        held = c.stub.Generate(pb.GenerateRequest(prompt="p"))  # no worker: it waits, holding its slot
+        await held.initial_metadata()
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await c.list_models()
+        assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "LLAMAMESH_GATEWAY_MAX_CONCURRENT_RPCS" in (exc.value.details() or "")
+        assert await c.health() == health_pb2.HealthCheckResponse.SERVING  # health is never capped
+        held.cancel()
+        for _ in range(200):
+            try:
+                assert await c.list_models()
+                break
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(0.02)  # the held call's slot is given back as it ends (bounded)
+        else:
+            raise AssertionError("the slot was never given back")
+
+
+@pytest.mark.parametrize("gateway", [GatewaySettings(max_prompt_chars=10)], indirect=True)
+async def test_prompts_are_bounded_in_characters_before_tokenising(gateway: Gateway) -> None:
+    async with Client(f"127.0.0.1:{gateway.port}") as c:
+        for kwargs, field in (({"prompt": "x" * 11}, "prompt"), ({"messages": [("user", "x" * 6)] * 2}, "messages")):
+            for call in (c.complete, c.tokenize):
+                with pytest.raises(grpc.aio.AioRpcError) as exc:
+                    await call(**kwargs)  # type: ignore[operator]
+                assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field_violations(exc.value) == [field]
+                assert "LLAMAMESH_GATEWAY_MAX_PROMPT_CHARS" in (exc.value.details() or "")
+
+
+async def test_bytes_that_do_not_parse_are_invalid_argument(gateway: Gateway) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as ch:
+        for method in ("/llamamesh.v1.GenerationService/ListModels", "/llamamesh.v1.GenerationService/Cancel"):
+            call = ch.unary_unary(method, request_serializer=None, response_deserializer=None)
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await call(b"\xff\xff\xff\xff")
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
+
+
+@pytest.mark.parametrize("gateway", [GatewaySettings(reflection=False)], indirect=True)
+async def test_reflection_can_be_turned_off(gateway: Gateway) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as ch:
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            async for _r in stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])):
+                pass
+        assert exc.value.code() == grpc.StatusCode.UNIMPLEMENTED

@@ -1,0 +1,214 @@
+"""Per-tenant limits on a real secured node, enforced in Redis for every gateway: each trips with
+RESOURCE_EXHAUSTED and RetryInfo, queues nothing, and recovers."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import redis
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from llamamesh.client import Client, serving
+from llamamesh.v1 import batch_pb2 as bpb
+from llamamesh.v1 import generation_pb2 as pb
+from tests.redisproc import RedisProcess, free_port
+from tests.security.conftest import PKI
+from tests.security.secured import SecuredNode, Tenants, start_node
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
+    server = RedisProcess("redis" if shutil.which("redis-server") else "valkey", tmp_path_factory.mktemp("lim-redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def limited(
+    tmp_path_factory: pytest.TempPathFactory, redis_server: RedisProcess, pki: PKI
+) -> Iterator[tuple[SecuredNode, Tenants]]:
+    yield from start_node(tmp_path_factory, redis_server, pki, "limited", {
+        "rps": {"limits": {"requests_per_s": 2, "burst": 2}},
+        "tokens": {"limits": {"tokens_per_min": 120}},
+        "streams": {"limits": {"max_streams": 2}},
+        "items": {"limits": {"max_batch_items": 5}},
+        "bytes": {"limits": {"max_batch_bytes": 3000}},
+        "free": {},
+    }, env={
+        "LLAMAMESH_WORKER_FAKE_STEP_S": "0.01",
+        "LLAMAMESH_BATCH_RETENTION_S": "2",
+        "LLAMAMESH_BATCH_SWEEP_INTERVAL_S": "0.3",
+    })  # fmt: skip
+
+
+def retry_after(err: grpc.aio.AioRpcError) -> float:
+    """The RetryInfo delay of a RESOURCE_EXHAUSTED status (fails the test without one)."""
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+    st = rpc_status.from_call(err)  # type: ignore[arg-type]
+    assert st is not None
+    for d in st.details:
+        info = error_details_pb2.RetryInfo()
+        if d.Unpack(info):
+            return float(info.retry_delay.ToTimedelta().total_seconds())
+    raise AssertionError(f"no RetryInfo in {err}")
+
+
+async def generate(c: Client, rid: str = "", **fields: object) -> list[pb.GenerateResponse]:
+    return [m async for m in c.generate(request_id=rid or uuid.uuid4().hex, prompt="p", **fields)]  # type: ignore[arg-type]
+
+
+def queued_ever(node: SecuredNode, redis_server: RedisProcess, tenant: str, rid: str) -> bool:
+    """Whether a request id reached Redis at all (its attempts record) or a worker."""
+    r = redis.Redis(port=redis_server.port)
+    try:
+        return bool(r.exists(f"{node.prefix}:req:{{{tenant}/{rid}}}:attempts")) or rid in node.log("worker")
+    finally:
+        r.close()
+
+
+async def test_requests_per_second(limited: tuple[SecuredNode, Tenants], redis_server: RedisProcess) -> None:
+    node, tenants = limited
+    async with node.client(tenants.keys["rps"]) as c:
+        await generate(c, max_tokens=1)
+        await generate(c, max_tokens=1)  # the burst of 2
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await generate(c, "refused-rps", max_tokens=1)
+        wait = retry_after(exc.value)
+        assert 0 < wait <= 0.5 and "LLAMAMESH_LIMITS_REQUESTS_PER_S" in (exc.value.details() or "")
+        assert not queued_ever(node, redis_server, "rps", "refused-rps")
+        await asyncio.sleep(wait)  # what RetryInfo says: then it passes
+        await generate(c, max_tokens=1)
+    async with node.client(tenants.keys["free"]) as other:  # another tenant's budget is its own
+        for _ in range(5):
+            await generate(other, max_tokens=1)
+
+
+async def test_one_budget_across_gateways(limited: tuple[SecuredNode, Tenants]) -> None:
+    """A second gateway process on the same Redis spends from the same bucket."""
+    node, tenants = limited
+    port = free_port()
+    node.spawn("gateway2", "services", LLAMAMESH_GATEWAY_PORT=str(port))
+    second = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while not serving(second, "llamamesh.backend.cpu", tls_ca=node.ca):
+        assert time.monotonic() < deadline and node.procs["gateway2"].poll() is None, node.log("gateway2")[-2000:]
+        await asyncio.sleep(0.1)  # polling a starting process, bounded by the deadline
+    await asyncio.sleep(1.0)  # a full bucket again (2 a second) after the test before
+    async with node.client(tenants.keys["rps"]) as a, Client(second, api_key=tenants.keys["rps"], tls_ca=node.ca) as b:
+        await generate(a, max_tokens=1)
+        await generate(b, max_tokens=1)
+        for c in (a, b):
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await generate(c, max_tokens=1)
+            retry_after(exc.value)
+
+
+async def test_tokens_per_minute(limited: tuple[SecuredNode, Tenants], redis_server: RedisProcess) -> None:
+    node, tenants = limited
+    async with node.client(tenants.keys["tokens"]) as c:
+        got = await generate(c, max_tokens=130)  # within budget when it starts; 10 tokens of debt after
+        assert sum(len(m.token_ids) for m in got) == 130
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await generate(c, "refused-tokens", max_tokens=1)
+        wait = retry_after(exc.value)
+        assert 4 < wait <= 6 and "LLAMAMESH_LIMITS_TOKENS_PER_MIN" in (exc.value.details() or "")
+        assert not queued_ever(node, redis_server, "tokens", "refused-tokens")
+        await asyncio.sleep(wait)
+        await generate(c, max_tokens=1)
+
+
+async def test_concurrent_streams(limited: tuple[SecuredNode, Tenants], redis_server: RedisProcess) -> None:
+    node, tenants = limited
+    async with node.client(tenants.keys["streams"]) as c:
+        held = [c.stub.Generate(pb.GenerateRequest(request_id=f"long-{i}-{uuid.uuid4().hex[:4]}", prompt="p",
+                                                   max_tokens=3000)) for i in range(2)]  # fmt: skip
+        for call in held:
+            assert (await call.read()).token_ids  # both open
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await generate(c, "refused-stream", max_tokens=1)
+        assert retry_after(exc.value) > 0 and "LLAMAMESH_LIMITS_MAX_STREAMS" in (exc.value.details() or "")
+        with pytest.raises(grpc.aio.AioRpcError) as exc:  # Attach holds a stream too
+            async for _m in c.stub.Attach(pb.AttachRequest(request_id="long-0")):
+                pass
+        retry_after(exc.value)
+        assert not queued_ever(node, redis_server, "streams", "refused-stream")
+        held[0].cancel()
+        deadline = time.monotonic() + 10
+        while True:  # the slot is given back as the cancelled stream ends
+            try:
+                await generate(c, max_tokens=1)
+                break
+            except grpc.aio.AioRpcError as err:
+                retry_after(err)
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)  # polling the slot's release, bounded by the deadline
+        held[1].cancel()
+
+
+def batch(n: int, prompt: str = "p") -> bpb.BatchGenerateRequest:
+    items = [bpb.BatchItem(custom_id=f"i{i}", request=pb.GenerateRequest(prompt=prompt, max_tokens=2))
+             for i in range(n)]  # fmt: skip
+    return bpb.BatchGenerateRequest(batch_id=f"b-{uuid.uuid4().hex[:8]}", items=items)
+
+
+async def until_accepted(c: Client, req: bpb.BatchGenerateRequest, within_s: float) -> bpb.Batch:
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return await c.batches.BatchGenerate(req)
+        except grpc.aio.AioRpcError as err:
+            retry_after(err)
+            why = err.details()
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still refused after {within_s} s: {why}")
+        await asyncio.sleep(0.1)  # polling the sweep's give-back, bounded by the deadline
+
+
+async def ended(c: Client, batch_id: str, within_s: float = 30) -> None:
+    deadline = time.monotonic() + within_s
+    while (await c.batches.GetBatch(bpb.GetBatchRequest(batch_id=batch_id))).state != bpb.BATCH_STATE_COMPLETED:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)  # polling the batch's progress, bounded by the deadline
+
+
+async def test_batch_items_in_flight(limited: tuple[SecuredNode, Tenants]) -> None:
+    node, tenants = limited
+    async with node.client(tenants.keys["items"]) as c:
+        four = batch(4)
+        first = await c.batches.BatchGenerate(four)
+        again = await c.batches.BatchGenerate(four)
+        assert again.batch_id == first.batch_id  # a resubmission holds nothing more
+        refused = batch(2)
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await c.batches.BatchGenerate(refused)
+        assert retry_after(exc.value) > 0 and "LLAMAMESH_LIMITS_MAX_BATCH_ITEMS" in (exc.value.details() or "")
+        with pytest.raises(grpc.aio.AioRpcError) as exc:  # nothing of it was stored
+            await c.batches.GetBatch(bpb.GetBatchRequest(batch_id=refused.batch_id))
+        assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+        await ended(c, first.batch_id)
+        took = await until_accepted(c, refused, within_s=10)
+        assert took.counts.total == 2
+
+
+async def test_batch_bytes_kept(limited: tuple[SecuredNode, Tenants]) -> None:
+    node, tenants = limited
+    async with node.client(tenants.keys["bytes"]) as c:
+        first = await c.batches.BatchGenerate(batch(2, "x" * 900))  # ~1.9 kB of 3000
+        refused = batch(2, "y" * 900)
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await c.batches.BatchGenerate(refused)
+        assert retry_after(exc.value) > 0 and "LLAMAMESH_LIMITS_MAX_BATCH_BYTES" in (exc.value.details() or "")
+        await ended(c, first.batch_id)
+        # Its bytes are held until its results expire (LLAMAMESH_BATCH_RETENTION_S, 2 s here).
+        took = await until_accepted(c, refused, within_s=20)
+        assert took.counts.total == 2
