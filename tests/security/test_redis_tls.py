@@ -84,8 +84,9 @@ def tls_redis(pki: PKI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TL
     server.stop()
 
 
-def queue_settings(server: TLSRedis, **tls: str) -> RedisSettings:
-    return RedisSettings(url=server.url, prefix=f"test:{uuid.uuid4().hex[:10]}", block_ms=200, **tls)
+def queue_settings(server: TLSRedis, tls_ca: str = "", tls_cert: str = "", tls_key: str = "") -> RedisSettings:
+    return RedisSettings(url=server.url, prefix=f"test:{uuid.uuid4().hex[:10]}", block_ms=200, tls_ca=tls_ca,
+                         tls_cert=tls_cert, tls_key=tls_key)  # fmt: skip
 
 
 def client_files(pki: PKI) -> dict[str, str]:

@@ -18,11 +18,13 @@ import pytest
 from structlog.testing import capture_logs
 
 from llamamesh.client import Client, Connection, SyncClient, serving
+from llamamesh.node import Node, StartFailed
 from llamamesh.queue.memory import MemoryQueue
-from llamamesh.settings import ClientSettings, GatewaySettings, WorkerSettings
+from llamamesh.settings import ClientSettings, GatewaySettings, Settings, WorkerSettings
 from llamamesh.v1 import generation_pb2 as pb
 from services import tls
 from services.server import Gateway, start_gateway
+from tests.redisproc import free_port
 from tests.security.conftest import PKI
 from workers.engines.fake import FakeEngine
 from workers.worker import Worker
@@ -336,3 +338,27 @@ async def test_cli_reaches_a_mutual_tls_gateway_with_flags_or_environment(pki: P
     assert by_flags == (0, "smollm2-135m-instruct\tpool=cpu\tdefault\n"), by_flags
     assert by_env == by_flags, by_env
     assert no_cert[0] != 0 and "UNAVAILABLE" in no_cert[1], no_cert
+
+
+# --- the embedded node watches its TLS gateway start with the client settings
+
+
+@pytest.mark.timeout(120)
+async def test_a_node_with_a_mutual_tls_gateway_becomes_ready(pki: PKI, tmp_path: Path) -> None:
+    files = {"tls_ca": str(pki.ca.cert), "tls_cert": str(pki.client.cert), "tls_key": str(pki.client.key)}
+    gateway_tls = {"tls_cert": str(pki.server.cert), "tls_key": str(pki.server.key), "tls_client_ca": str(pki.ca.cert)}
+    settings = Settings().with_overrides(
+        redis={"embedded_dir": str(tmp_path / "redis")},
+        gateway={"port": free_port(), **gateway_tls},
+        worker={"engine": "fake", "consumer": "tls-node"},
+    )
+    with pytest.raises(StartFailed, match="LLAMAMESH_CLIENT_TLS_CERT"):
+        Node(settings).start()
+    node = Node(settings.with_overrides(client=files), log_file=tmp_path / "node.log")
+    try:
+        node.start()
+        await node.wait_ready(timeout_s=90)
+        async with node.client() as c:
+            assert [m.id for m in await c.list_models()] == ["smollm2-135m-instruct"]
+    finally:
+        node.stop()
