@@ -42,7 +42,7 @@ class CertificateFiles:
         self._client_ca = Path(client_ca) if client_ca else None
         self._lock = threading.Lock()
         self._stamp: Stamp = ()
-        self._failed: Stamp | None = None
+        self._failed: object = None
 
     def _stamps(self) -> Stamp:
         out = []
@@ -72,6 +72,8 @@ class CertificateFiles:
                 context.load_verify_locations(cafile=self._client_ca)
             except (ssl.SSLError, OSError) as exc:
                 raise ValueError(f"gateway TLS: {self._client_ca} holds no CA certificate ({exc})") from exc
+        if self._stamps() != stamp:  # what was checked may not be what was read
+            raise ValueError("gateway TLS: the files changed while they were read")
         self._stamp = stamp
         return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
 
@@ -81,17 +83,25 @@ class CertificateFiles:
         with self._lock:
             try:
                 stamp = self._stamps()
-                if stamp == self._stamp:
-                    return None
+            except OSError as exc:  # a file missing for a moment (being replaced)
+                self._kept(f"cannot read {exc.filename}: {exc.strerror}", (exc.filename, exc.errno))
+                return None
+            if stamp == self._stamp:
+                return None
+            try:
                 config = self.load()
-            except (ValueError, OSError) as exc:
-                if self._failed != stamp:  # once per change, not once per connection
-                    log.warning("gateway_tls_reload_failed", error=str(exc), files=[str(p) for p in self.paths])
-                    self._failed = stamp
+            except ValueError as exc:
+                self._kept(str(exc), stamp)
                 return None
             self._failed = None
             log.info("gateway_tls_reloaded", files=[str(p) for p in self.paths])
             return config
+
+    def _kept(self, error: str, failure: object) -> None:
+        """The files as they are do not load: keep the current configuration, say so once per failure."""
+        if self._failed != failure:
+            log.warning("gateway_tls_reload_failed", error=error, files=[str(p) for p in self.paths])
+            self._failed = failure
 
 
 def server_credentials(settings: GatewaySettings) -> grpc.ServerCredentials:

@@ -196,6 +196,22 @@ async def test_rotated_files_serve_new_connections_without_a_restart(pki: PKI, t
         assert await refused(address, old) == grpc.StatusCode.UNAVAILABLE
 
 
+async def test_a_file_missing_while_it_is_replaced_keeps_the_current_certificate(pki: PKI, tmp_path: Path) -> None:
+    cert, key = tmp_path / "gw.crt", tmp_path / "gw.key"
+    shutil.copyfile(pki.server.cert, cert)
+    shutil.copyfile(pki.server.key, key)
+    conn = Connection(tls_ca=str(pki.ca.cert))
+    async with probe_server(GatewaySettings(port=0, tls_cert=str(cert), tls_key=str(key))) as (address, _probe):
+        with capture_logs() as logs:
+            key.unlink()
+            assert await unary(address, conn) == b"ping"
+            assert await unary(address, conn) == b"ping"
+        failed = [e for e in logs if e["event"] == "gateway_tls_reload_failed"]
+        assert len(failed) == 1 and "cannot read" in failed[0]["error"], logs
+        shutil.copyfile(pki.server.key, key)
+        assert await unary(address, conn) == b"ping"
+
+
 # --- bind: what it refuses, and the plaintext warning
 
 
