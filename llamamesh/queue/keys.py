@@ -2,12 +2,15 @@
 
 Per-request keys share a hash tag (``{<request_id>}``) so that a request's
 event stream and cancel flag live in one Redis Cluster slot; each pool's work
-stream is its own slot.
+streams (one per tenant with work there, ``jobs``) share the pool's slot, so that one XREADGROUP
+or one script may touch all of them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from llamamesh.types import DEFAULT_TENANT
 
 # Consumer group every worker of a pool joins on the pool's work stream.
 WORKER_GROUP = "workers"
@@ -24,13 +27,26 @@ RESULT_FIELD = "r"
 SUBMITTED_TTL_S = 60
 
 
+def stream_tenant(tenant: str) -> str:
+    """The tenant as the work streams name it: "" for the default tenant (also ``DEFAULT_TENANT``),
+    whose jobs wait in the pool's plain work stream."""
+    return "" if tenant == DEFAULT_TENANT else tenant
+
+
 @dataclass(frozen=True)
 class Keys:
     prefix: str = "llamamesh:v1"
 
-    def jobs(self, pool: str) -> str:
-        """The work stream of one pool."""
-        return f"{self.prefix}:pool:{{{pool}}}:jobs"
+    def jobs(self, pool: str, tenant: str = "") -> str:
+        """The work stream of one pool's tenant: the default tenant's is the pool's plain work
+        stream, any other's a sub-stream beside it (same slot)."""
+        tenant = stream_tenant(tenant)
+        return f"{self.prefix}:pool:{{{pool}}}:jobs" + (f":t:{tenant}" if tenant else "")
+
+    def tenants(self, pool: str) -> str:
+        """tenant -> weight of every tenant with a work stream in the pool (a hash; the default
+        tenant is the field ""): what the workers' fair share leases over."""
+        return f"{self.prefix}:pool:{{{pool}}}:tenants"
 
     def dead_letters(self, pool: str) -> str:
         """Poison jobs of a pool (a stream): the job, why, and how often it was delivered."""

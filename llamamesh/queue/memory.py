@@ -1,6 +1,8 @@
 """In-memory fake of the queue with the same contract as ``streams.RedisQueue``.
 
-For unit and in-process tests of one layer; never the only proof of anything.
+For unit and in-process tests of one layer; never the only proof of anything. Fair share is
+simpler here: a FIFO per tenant, leased in plain round robin (one job per tenant with work per
+turn), weights kept but unused (``weights``); Redis does weighted deficit round robin.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from llamamesh.errors import InvalidRequest, QueueFull, QueueUnavailable
+from llamamesh.queue.keys import stream_tenant
 from llamamesh.queue.protocol import Lease
 from llamamesh.types import (
     Attempt,
@@ -34,6 +37,25 @@ class _Pool:
     waiting: list[tuple[str, GenerationRequest]] = field(default_factory=list)
     # entry id -> (consumer, request): leased, not yet acked
     pending: dict[str, tuple[str, GenerationRequest]] = field(default_factory=dict)
+    # Jobs only (batch items use ``waiting``): tenant -> its FIFO, and the tenant served last.
+    tenants: dict[str, list[tuple[str, GenerationRequest]]] = field(default_factory=dict)
+    last: str | None = None
+
+    def queued(self) -> list[tuple[str, GenerationRequest]]:
+        """Every tenant's waiting jobs, in the order they were submitted."""
+        return sorted((e for q in self.tenants.values() for e in q), key=lambda e: _seq(e[0]))
+
+    def take(self, count: int) -> list[tuple[str, GenerationRequest]]:
+        """Up to ``count`` jobs, one per tenant with work per turn (round robin)."""
+        taken: list[tuple[str, GenerationRequest]] = []
+        while len(taken) < count:
+            ready = sorted(t for t, q in self.tenants.items() if q)
+            if not ready:
+                break
+            tenant = next((t for t in ready if self.last is None or t > self.last), ready[0])
+            taken.append(self.tenants[tenant].pop(0))
+            self.last = tenant
+        return taken
 
 
 class MemoryQueue:
@@ -52,6 +74,8 @@ class MemoryQueue:
         self._ids = itertools.count(1)
         # pool -> worker -> (monotonic expiry, status)
         self._beats: dict[str, dict[str, tuple[float, WorkerStatus]]] = {}
+        # pool -> tenant -> the weight its latest submission gave (inspection only)
+        self.weights: dict[str, dict[str, float]] = {}
         self.down = False
 
     def _check(self) -> None:
@@ -70,7 +94,7 @@ class MemoryQueue:
         return dict(self._pool(pool).pending)
 
     def waiting(self, pool: str) -> list[GenerationRequest]:
-        return [r for _i, r in self._pool(pool).waiting]
+        return [r for _i, r in self._pool(pool).queued()]
 
     def events_of(self, request_id: str) -> list[JobEvent]:
         return [e for _i, e in self._events.get(request_id, [])]
@@ -79,11 +103,17 @@ class MemoryQueue:
         return request_id in self._cancelled
 
     # ---- gateway side -------------------------------------------------------
-    async def submit(self, pool: str, request: GenerationRequest, max_waiting: int = 0) -> None:
+    async def submit(self, pool: str, request: GenerationRequest, max_waiting: int = 0, weight: float = 1.0) -> None:
         self._check()
-        waiting = self._pool(pool).waiting
+        if not weight > 0:
+            raise ValueError(f"a tenant's weight must be positive, not {weight!r}")
+        tenant = stream_tenant(request.tenant)
+        waiting = self._pool(pool).tenants.setdefault(tenant, [])
         if 0 < max_waiting <= len(waiting):
-            raise QueueFull(f"pool {pool!r} has {len(waiting)} requests waiting (at most {max_waiting}); retry later")
+            whose = f"tenant {tenant!r} has" if tenant else "has"
+            n = len(waiting)
+            raise QueueFull(f"pool {pool!r} {whose} {n} requests waiting (at most {max_waiting}); retry later")
+        self.weights.setdefault(pool, {})[tenant] = weight
         waiting.append((f"{next(self._ids)}-0", request))
         await self._notify()
 
@@ -176,16 +206,17 @@ class MemoryQueue:
     async def lease(self, pool: str, consumer: str, count: int, block_ms: int) -> list[Lease]:
         self._check()
         p = self._pool(pool)
-        if not p.waiting:
+        if not any(p.tenants.values()):
             async with self._changed:
                 try:
-                    await asyncio.wait_for(self._changed.wait_for(lambda: bool(p.waiting)), block_ms / 1000)
+                    await asyncio.wait_for(self._changed.wait_for(lambda: any(p.tenants.values())), block_ms / 1000)
                 except asyncio.TimeoutError:
                     return []
-        taken, p.waiting = p.waiting[:count], p.waiting[count:]
+        taken = p.take(count)
         for entry_id, req in taken:
             p.pending[entry_id] = (consumer, req)
-        return [Lease(pool=pool, entry_id=i, request=r, cancelled=self._is_cancelled(r)) for i, r in taken]
+        return [Lease(pool=pool, entry_id=i, request=r, cancelled=self._is_cancelled(r),
+                      tenant=stream_tenant(r.tenant)) for i, r in taken]  # fmt: skip
 
     async def reclaim(
         self, pool: str, consumer: str, min_idle_ms: int, count: int, max_deliveries: int, own: bool = False,
