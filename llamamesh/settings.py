@@ -94,7 +94,8 @@ class GatewaySettings:
     routes: str = ""
     # A tokenizer.json the routing rules count prompt tokens with. Empty: estimated (UTF-8 bytes / 4).
     tokenizer: str = ""
-    # Requests that may wait unleased in one pool's stream; past it Generate answers
+    # Requests of one tenant that may wait unleased in a pool (its own work stream there: one
+    # tenant's burst cannot fill the pool for the others); past it Generate answers
     # RESOURCE_EXHAUSTED with RetryInfo (retry_after_s) at once. 0: no bound.
     max_queue: int = 10000
     retry_after_s: float = 1.0

@@ -334,7 +334,7 @@ class Worker:
             return []
         self._last_job_reclaim = now
         s = self._s
-        running = {x.entry_id for x in self._running.values()}
+        running = {x.ref for x in self._running.values()}  # entries of every tenant's stream
         return await self._queue.reclaim(
             s.pool, self.name, int(s.claim_idle_s * 1000), free, s.max_deliveries, running=running
         )
@@ -365,7 +365,7 @@ class Worker:
         ``stop`` (set by run() once it has drained) or engine death."""
         while not stop.is_set() and self.engine_died is None:
             try:
-                jobs = [x.entry_id for x in self._running.values()]
+                jobs = [x.ref for x in self._running.values()]
                 await self._queue.heartbeat(self.status(), self._s.heartbeat_ttl_s, touch=jobs)
                 if self._batches is not None and self._batch_running:
                     items = [x.entry_id for x in self._batch_running.values()]

@@ -27,15 +27,39 @@ class Lease:
     # A reclaimed job a dead worker had already begun (its event stream has entries): its caller has
     # tokens of it, so it must not run again from the start (the gateway resumes it elsewhere).
     started: bool = False
+    # The tenant whose work stream of the pool holds the entry (``Keys.jobs(pool, tenant)``; "":
+    # the default tenant's): where it is acked, touched and reclaimed.
+    tenant: str = ""
+
+    @property
+    def ref(self) -> str:
+        """The entry among all the pool's work streams (entry ids repeat across streams): its entry
+        id for the default tenant's stream, else ``<entry id>@<tenant>``. What ``heartbeat``'s
+        ``touch`` and ``reclaim``'s ``running`` take."""
+        return entry_ref(self.tenant, self.entry_id)
+
+
+def entry_ref(tenant: str, entry_id: str) -> str:
+    """``Lease.ref`` of the entry ``entry_id`` of ``tenant``'s work stream."""
+    return f"{entry_id}@{tenant}" if tenant else entry_id
+
+
+def parse_ref(ref: str) -> tuple[str, str]:
+    """(tenant, entry id) of a ``Lease.ref``."""
+    entry_id, _, tenant = ref.partition("@")
+    return tenant, entry_id
 
 
 class Jobs(Protocol):
     """The work a gateway hands out and follows: a pool's work stream, a request's events and
     cancel flags, the dead-letter stream."""
 
-    async def submit(self, pool: str, request: GenerationRequest, max_waiting: int = 0) -> None:
-        """Append the job to the pool's work stream. With ``max_waiting`` > 0, raises QueueFull
-        instead when that many jobs already wait there unleased. Raises QueueUnavailable."""
+    async def submit(self, pool: str, request: GenerationRequest, max_waiting: int = 0, weight: float = 1.0) -> None:
+        """Append the job to its tenant's work stream of the pool (``request.tenant``), whose share
+        of the pool's workers against the other tenants with work waiting is ``weight`` (> 0; the
+        latest submission's weight counts). With ``max_waiting`` > 0, raises QueueFull instead when
+        that many jobs of the tenant already wait there unleased (a bound per tenant: one tenant
+        cannot fill the pool for the others). Raises QueueUnavailable."""
 
     def events(self, request_id: str, after: str = "0-0") -> AsyncGenerator[tuple[str, JobEvent], None]:
         """Yield (event id, event) after ``after`` as they arrive, ending after the terminal event.
@@ -128,25 +152,27 @@ class WorkQueue(Protocol):
         """Create the pool's work stream and consumer group if missing."""
 
     async def lease(self, pool: str, consumer: str, count: int, block_ms: int) -> list[Lease]:
-        """Take up to ``count`` new jobs, waiting at most ``block_ms`` for the first."""
+        """Take up to ``count`` new jobs, waiting at most ``block_ms`` for the first; shared
+        between the tenants with jobs waiting by their weights (fair share)."""
         ...
 
     async def reclaim(
         self, pool: str, consumer: str, min_idle_ms: int, count: int, max_deliveries: int, own: bool = False,
         running: Collection[str] = (),
     ) -> list[Lease]:  # fmt: skip
-        """Take over up to ``count`` jobs leased and left untouched for ``min_idle_ms``: their worker
-        died, or this consumer's own ones that it does not run (``running``: the entry ids it does),
-        e.g. a lease whose reply was lost, or an ack Redis lost with its last second of writes.
-        ``own``: all of this consumer's own leased jobs (a restart under the same name), any idle
-        time. Each job is claimed by one caller only. A job delivered more than ``max_deliveries``
-        times is not returned: it goes to the dead-letter stream and its caller gets a failure. A
-        job that had begun (events written) comes with ``started`` set."""
+        """Take over up to ``count`` jobs leased and left untouched for ``min_idle_ms``, from all of
+        the pool's work streams: their worker died, or this consumer's own ones that it does not run
+        (``running``: the ``Lease.ref`` of those it does), e.g. a lease whose reply was lost, or an
+        ack Redis lost with its last second of writes. ``own``: all of this consumer's own leased
+        jobs (a restart under the same name), any idle time. Each job is claimed by one caller only.
+        A job delivered more than ``max_deliveries`` times is not returned: it goes to the
+        dead-letter stream and its caller gets a failure. A job that had begun (events written)
+        comes with ``started`` set."""
         ...
 
     async def heartbeat(self, status: WorkerStatus, ttl_s: float, touch: Sequence[str] = ()) -> None:
         """Say this worker is alive (with its figures) for the next ``ttl_s`` seconds, and reset
-        the idle time of the jobs it runs (``touch``: their entry ids) so nobody reclaims them."""
+        the idle time of the jobs it runs (``touch``: their ``Lease.ref``) so nobody reclaims them."""
 
     async def leave(self, pool: str, worker: str) -> None:
         """Withdraw this worker's heartbeat (a clean stop)."""

@@ -1,7 +1,11 @@
 """The queue on Redis Streams.
 
-- Work: one stream per pool (``keys.jobs``), read by the pool's workers through
-  one consumer group; a job is acked and deleted after its terminal event.
+- Work: one stream per tenant with work in a pool (``keys.jobs(pool, tenant)``; the default
+  tenant's is the pool's plain stream), listed with the tenant's weight in ``keys.tenants``, read
+  by the pool's workers through one consumer group on each; a job is acked and deleted after its
+  terminal event. A lease shares the workers between the tenants with jobs waiting by deficit
+  round robin (``fair.FairShare``): pipelined non-blocking reads of each stream, and only when
+  nothing waits anywhere one blocking read of all of them.
 - Events: one stream per request (``keys.events``), written by the worker (one
   entry per engine step, all requests of a step in one pipeline) and read by
   the gateway with blocking XREAD from its last id, one XREAD for all the
@@ -11,7 +15,9 @@
   publish of the worker that runs it.
 - Bounds: the dead-letter stream keeps ``dead_letter_maxlen`` entries; an event stream's idle TTL
   is renewed while its request publishes (``publish``); consumers that hold no entry and sat idle
-  for ``consumer_idle_s`` leave the pool's groups (``prune_consumers``, from ``workers``).
+  for ``consumer_idle_s`` leave the pool's groups (``prune_consumers``, from ``workers``), and a
+  tenant's work stream that holds nothing leaves with its entry in ``keys.tenants`` (its next
+  submission makes it again).
 
 Redis errors become ``QueueUnavailable`` here and nowhere else.
 """
@@ -31,9 +37,10 @@ from redis.exceptions import ResponseError
 
 from llamamesh.errors import InvalidRequest, QueueFull, QueueUnavailable
 from llamamesh.queue import codec
+from llamamesh.queue.fair import FairShare
 from llamamesh.queue.follow import EventFollower, Item
-from llamamesh.queue.keys import EVENT_FIELD, JOB_FIELD, SUBMITTED_TTL_S, WORKER_GROUP, Keys
-from llamamesh.queue.protocol import Lease
+from llamamesh.queue.keys import EVENT_FIELD, JOB_FIELD, SUBMITTED_TTL_S, WORKER_GROUP, Keys, stream_tenant
+from llamamesh.queue.protocol import Lease, entry_ref, parse_ref
 from llamamesh.queue.redisio import connect, unreachable
 from llamamesh.settings import RedisSettings
 from llamamesh.types import Attempt, Failure, GenerationRequest, JobEvent, WorkerStatus
@@ -41,20 +48,24 @@ from llamamesh.types import Attempt, Failure, GenerationRequest, JobEvent, Worke
 log = structlog.get_logger(__name__)
 
 
-async def create_group(client: aioredis.Redis, stream: str) -> None:
-    """The workers' consumer group on ``stream`` (and the stream), unless it exists."""
+async def create_group(client: aioredis.Redis, stream: str) -> bool:
+    """The workers' consumer group on ``stream`` (and the stream), unless it exists; True when it
+    did not."""
     with unreachable("cannot create the consumer group"):
         try:
             await client.xgroup_create(stream, WORKER_GROUP, id="0", mkstream=True)
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
+            return False
+    return True
 
 
-# KEYS: the work stream, the request's submitted marker. ARGV: job field, encoded job, max waiting
-# (0: no bound), group, the marker's ttl. Returns -1 (queued), -2 (queued before: a retried write
-# whose first try was applied; nothing queued again), or how many wait unleased (the stream is
-# full: nothing queued).
+# KEYS: the tenant's work stream, the request's submitted marker, the pool's tenants hash. ARGV: job
+# field, encoded job, max waiting (0: no bound), group, the marker's ttl, tenant, weight. Returns -1
+# (queued), -2 (queued before: a retried write whose first try was applied; nothing queued again),
+# or how many wait unleased (the tenant's stream is full: nothing queued). A new stream gets the
+# workers' group here (from its start), so no job is queued where no worker reads.
 _SUBMIT = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return -2 end
 local most = tonumber(ARGV[3])
@@ -67,9 +78,45 @@ if most > 0 then
     if n - leased >= most then return n - leased end
   end
 end
+pcall(redis.call, 'XGROUP', 'CREATE', KEYS[1], ARGV[4], '0', 'MKSTREAM')
 redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
+redis.call('HSET', KEYS[3], ARGV[6], ARGV[7])
 redis.call('SET', KEYS[2], '1', 'EX', ARGV[5])
 return -1
+"""
+
+# KEYS: the pool's tenants hash, a tenant's work stream. ARGV: the tenant, group. Forgets a tenant
+# whose stream holds nothing (no entry, none leased); returns 1 if it did. One script, like
+# _SUBMIT: a submission lands either before the look (kept) or after the delete (made again).
+_FORGET = """
+if redis.call('XLEN', KEYS[2]) > 0 then return 0 end
+local ok, summary = pcall(redis.call, 'XPENDING', KEYS[2], ARGV[2])
+if ok and tonumber(summary[1]) > 0 then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('DEL', KEYS[2])
+return 1
+"""
+
+# KEYS: the pool's tenants hash, a tenant's work stream. ARGV: the tenant, group. Makes the stream
+# and group of a tenant still listed (the default tenant always) when a read found them missing;
+# returns 1 if it made them. One script, like _FORGET: a forgotten tenant's stream stays gone.
+_REMAKE = """
+if ARGV[1] ~= '' and redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
+if pcall(redis.call, 'XGROUP', 'CREATE', KEYS[2], ARGV[2], '0', 'MKSTREAM') then return 1 end
+return 0
+"""
+
+# KEYS: a work stream. ARGV: group, entry id. A job leased past the lease's count (a blocking read
+# of several streams that all got work at once) goes back to the end of its stream, unleased: the
+# entry is acked and deleted and its fields added again, in one step. Returns 1, or 0 when it was
+# gone already (a retried write whose first try was applied).
+_GIVE_BACK = """
+local e = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])
+if #e == 0 then return 0 end
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('XADD', KEYS[1], '*', unpack(e[1][2]))
+return 1
 """
 
 
@@ -96,6 +143,15 @@ return n
 PRUNE_EVERY_S = 60.0
 # A request's event stream has its idle TTL renewed at most once per this fraction of the TTL.
 RENEW_FRACTION = 0.25
+# A worker reads its pool's tenants (``keys.tenants``) at most this often while it finds work, and
+# again before each blocking read: a new tenant is seen within this, or within one block.
+TENANTS_REFRESH_S = 0.5
+
+
+def _gone(exc: BaseException) -> bool:
+    """A read of a work stream that is not there (deleted with its group: Redis lost its data, or
+    the tenant was forgotten, ``_FORGET``; a blocked read learns it as UNBLOCKED)."""
+    return isinstance(exc, ResponseError) and ("NOGROUP" in str(exc) or "UNBLOCKED" in str(exc))
 
 
 async def prune_consumers(client: aioredis.Redis, stream: str, idle_ms: int) -> int:
@@ -154,7 +210,12 @@ class RedisQueue:
         self._renew_at: dict[str, float] = {}
         self._forget_at = 0.0
         self._follower: EventFollower | None = None
+        # pool -> the fair share of its tenants (deficit round robin), for this process's leases
+        self._fair: dict[str, FairShare] = {}
         self._submit = client.register_script(_SUBMIT)
+        self._forget = client.register_script(_FORGET)
+        self._give_back = client.register_script(_GIVE_BACK)
+        self._remake = client.register_script(_REMAKE)
         self._begin = client.register_script(_BEGIN)
         self._ended = client.register_script(_ENDED)
 
@@ -168,15 +229,20 @@ class RedisQueue:
         return cls(connect(settings), settings)
 
     # ---- gateway side -------------------------------------------------------
-    async def submit(self, pool: str, request: GenerationRequest, max_waiting: int = 0) -> None:
+    async def submit(self, pool: str, request: GenerationRequest, max_waiting: int = 0, weight: float = 1.0) -> None:
+        if not weight > 0:
+            raise ValueError(f"a tenant's weight must be positive, not {weight!r}")
+        tenant = stream_tenant(request.tenant)
         with unreachable():
             waiting = int(await self._submit(
-                keys=[self.keys.jobs(pool), self.keys.submitted(pool, request.request_id)],
+                keys=[self.keys.jobs(pool, tenant), self.keys.submitted(pool, request.request_id),
+                      self.keys.tenants(pool)],
                 args=[JOB_FIELD, codec.encode_job(request), max_waiting, WORKER_GROUP,
-                      min(SUBMITTED_TTL_S, self._s.event_idle_ttl_s)],
+                      min(SUBMITTED_TTL_S, self._s.event_idle_ttl_s), tenant, repr(float(weight))],
             ))  # fmt: skip
         if waiting >= 0:
-            raise QueueFull(f"pool {pool!r} has {waiting} requests waiting (at most {max_waiting}); retry later")
+            whose = f"tenant {tenant!r} has" if tenant else "has"
+            raise QueueFull(f"pool {pool!r} {whose} {waiting} requests waiting (at most {max_waiting}); retry later")
 
     async def events(self, request_id: str, after: str = "0-0") -> AsyncGenerator[tuple[str, JobEvent], None]:
         if self._follower is None:
@@ -257,15 +323,25 @@ class RedisQueue:
         return [codec.decode_status(v) for v in raw if v is not None]
 
     async def prune_consumers(self, pool: str) -> int:
-        """Remove the consumers of the pool's work and batch streams that hold no entry and were
-        idle for ``consumer_idle_s`` (dead or restarted workers' names); returns how many. Raises
-        QueueUnavailable."""
+        """Remove the consumers of the pool's work streams (every tenant's) and batch stream that
+        hold no entry and were idle for ``consumer_idle_s`` (dead or restarted workers' names);
+        returns how many. Then forget the tenants whose work stream holds nothing (``_FORGET``).
+        Raises QueueUnavailable."""
         idle_ms = self._s.consumer_idle_s * 1000
+        tenants = sorted((await self._read_tenants(pool)).keys() | {""})
         n = 0
-        for stream in (self.keys.jobs(pool), self.keys.batch_items(pool)):
+        for stream in (*(self.keys.jobs(pool, t) for t in tenants), self.keys.batch_items(pool)):
             n += await prune_consumers(self._r, stream, idle_ms)
         if n:
             log.info("consumers_pruned", pool=pool, count=n, idle_s=self._s.consumer_idle_s)
+        forgotten = []
+        with unreachable():
+            for t in tenants:
+                if t and int(await self._forget(keys=[self.keys.tenants(pool), self.keys.jobs(pool, t)],
+                                                args=[t, WORKER_GROUP])):  # fmt: skip
+                    forgotten.append(t)
+        if forgotten:
+            log.info("tenants_idle", pool=pool, tenants=forgotten)
         return n
 
     async def close(self) -> None:
@@ -279,42 +355,130 @@ class RedisQueue:
         await create_group(self._r, self.keys.jobs(pool))
 
     async def lease(self, pool: str, consumer: str, count: int, block_ms: int) -> list[Lease]:
-        stream = self.keys.jobs(pool)
-        with unreachable("cannot read the work stream"):
-            try:
-                reply: Any = await self._r.xreadgroup(WORKER_GROUP, consumer, {stream: ">"}, count=count,
-                                                      block=block_ms)  # fmt: skip
-            except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                # The stream or group vanished: Redis came back without its data. Say so loudly (the
-                # gateways' readiness goes NOT_SERVING on the same loss), recreate it and go on.
-                log.error("consumer_group_missing", pool=pool, detail="Redis lost the work stream; recreating it")
-                await self.join(pool)
-                return []
-        entries = [e for _s, es in reply or () for e in es]
-        if not entries:
+        """Rounds of non-blocking reads, one pipeline each, of the streams of the tenants that may
+        have jobs waiting, asking each what the fair share plans (``fair.FairShare``), until
+        ``count`` jobs are leased or every stream came up short; only when nothing was leased, one
+        blocking read of every stream for ``block_ms``. Never more than ``count`` jobs. A stream or
+        group Redis lost is made again (NOGROUP: logged as an error for the default stream).
+        Raises QueueUnavailable."""
+        if count <= 0:
             return []
-        leased: list[tuple[str, GenerationRequest]] = []
-        bad: list[str] = []
-        for entry_id, fields in entries:
-            eid = entry_id.decode()
+        fair = await self._fair_share(pool)
+        got = await self._rounds(pool, consumer, count, fair, set(fair.tenants))
+        if not got:  # before blocking, a tenant that came meanwhile gets its read first
+            before = set(fair.tenants)
+            await self._refresh_tenants(pool, fair)
+            if fresh := set(fair.tenants) - before:
+                got = await self._rounds(pool, consumer, count, fair, fresh)
+        if not got:
+            got = await self._block(pool, consumer, count, block_ms, fair)
+        leased: list[tuple[str, str, GenerationRequest]] = []
+        bad: dict[str, list[str]] = {}
+        for tenant, eid, fields in got:
             try:
-                leased.append((eid, codec.decode_job(fields[JOB_FIELD.encode()])))
+                leased.append((tenant, eid, codec.decode_job(fields[JOB_FIELD.encode()])))
             except (InvalidRequest, KeyError):
-                log.error("job_undecodable", pool=pool, entry_id=eid)
-                bad.append(eid)
-        if bad:
-            await self._drop(stream, bad)
+                log.error("job_undecodable", pool=pool, tenant=tenant, entry_id=eid)
+                bad.setdefault(tenant, []).append(eid)
+        for tenant, eids in bad.items():
+            await self._drop(self.keys.jobs(pool, tenant), eids)
         return await self._with_cancel_flags(pool, leased)
 
+    async def _fair_share(self, pool: str) -> FairShare:
+        """The pool's fair share, its tenants read again if older than ``TENANTS_REFRESH_S``."""
+        fair = self._fair.setdefault(pool, FairShare())
+        if fair.read_at is None or self._clock() - fair.read_at >= TENANTS_REFRESH_S:
+            await self._refresh_tenants(pool, fair)
+        return fair
+
+    async def _refresh_tenants(self, pool: str, fair: FairShare) -> None:
+        fair.set_tenants(await self._read_tenants(pool), self._clock())
+
+    async def _read_tenants(self, pool: str) -> dict[str, float]:
+        """tenant -> weight from the pool's tenants hash (an unreadable weight: 1.0)."""
+        with unreachable():
+            raw: Any = await self._r.hgetall(self.keys.tenants(pool))
+        weights = {}
+        for t, w in raw.items():
+            try:
+                weights[t.decode()] = float(w)
+            except ValueError:
+                weights[t.decode()] = 1.0
+        return weights
+
+    async def _rounds(
+        self, pool: str, consumer: str, count: int, fair: FairShare, candidates: set[str]
+    ) -> list[tuple[str, str, Any]]:
+        """Non-blocking leases by the fair share's plan until ``count`` or no candidate is left;
+        (tenant, entry id, fields) each."""
+        got: list[tuple[str, str, Any]] = []
+        lost: set[str] = set()
+        while len(got) < count and candidates:
+            asks = fair.plan(count - len(got), candidates)
+            with unreachable("cannot read the work stream"):
+                async with self._r.pipeline(transaction=False) as pipe:
+                    for tenant, n in asks.items():
+                        pipe.xreadgroup(WORKER_GROUP, consumer, {self.keys.jobs(pool, tenant): ">"}, count=n)
+                    replies = await pipe.execute(raise_on_error=False)
+            for (tenant, n), reply in zip(asks.items(), replies, strict=True):
+                if isinstance(reply, BaseException):
+                    if not _gone(reply):
+                        raise QueueUnavailable(f"cannot read the work stream: {reply}") from reply
+                    lost.add(tenant)
+                    reply = None
+                entries = [(tenant, e.decode(), f) for _s, es in reply or () for e, f in es]
+                fair.served(tenant, n, len(entries))
+                if len(entries) < n:
+                    candidates.discard(tenant)
+                got += entries
+        if lost:
+            await self._recover(pool, fair, lost)
+        return got
+
+    async def _block(
+        self, pool: str, consumer: str, count: int, block_ms: int, fair: FairShare
+    ) -> list[tuple[str, str, Any]]:
+        """One blocking read of every tenant's stream, a few jobs of each (``count`` shared out); a
+        race that fills several streams at once may return more than ``count``: those go back."""
+        streams = {self.keys.jobs(pool, t): t for t in fair.tenants}
+        each = max(1, count // len(streams))
+        with unreachable("cannot read the work stream"):
+            try:
+                reply: Any = await self._r.xreadgroup(WORKER_GROUP, consumer, dict.fromkeys(streams, ">"),
+                                                      count=each, block=block_ms)  # fmt: skip
+            except ResponseError as exc:
+                if not _gone(exc):
+                    raise
+                await self._recover(pool, fair, set(fair.tenants))
+                return []
+        got = [(streams[s.decode()], e.decode(), f) for s, es in reply or () for e, f in es]
+        if len(got) > count:
+            with unreachable():
+                for tenant, eid, _f in got[count:]:
+                    await self._give_back(keys=[self.keys.jobs(pool, tenant)], args=[WORKER_GROUP, eid])
+            got = got[:count]
+        return got
+
+    async def _recover(self, pool: str, fair: FairShare, lost: set[str]) -> None:
+        """Streams that were not there when read: make again those of tenants still listed (a
+        forgotten tenant's stays gone), saying so loudly for the default stream (Redis came back
+        without its data: the gateways' readiness goes NOT_SERVING on the same loss)."""
+        for tenant in sorted(lost):
+            with unreachable("cannot create the consumer group"):
+                made = int(await self._remake(keys=[self.keys.tenants(pool), self.keys.jobs(pool, tenant)],
+                                              args=[tenant, WORKER_GROUP]))  # fmt: skip
+            if made and not tenant:
+                log.error("consumer_group_missing", pool=pool, detail="Redis lost the work stream; recreating it")
+        await self._refresh_tenants(pool, fair)
+
     async def _with_cancel_flags(
-        self, pool: str, leased: list[tuple[str, GenerationRequest]], reclaimed: bool = False
+        self, pool: str, leased: list[tuple[str, str, GenerationRequest]], reclaimed: bool = False
     ) -> list[Lease]:
-        """Leases with their cancel flags; ``reclaimed``: also whether each had begun (events exist)."""
+        """Leases of (tenant, entry id, request) with their cancel flags; ``reclaimed``: also
+        whether each had begun (events exist)."""
         if not leased:
             return []
-        requests = [req for _eid, req in leased]
+        requests = [req for _t, _eid, req in leased]
         with unreachable():
             async with self._r.pipeline(transaction=False) as pipe:
                 self._check_cancelled(pipe, requests)
@@ -325,8 +489,8 @@ class RedisQueue:
         gone = self._cancelled(requests, flags[: 2 * len(requests)])
         begun = flags[2 * len(requests) :]
         return [Lease(pool=pool, entry_id=eid, request=req, cancelled=req.request_id in gone,
-                      started=bool(begun[i]) if reclaimed else False)
-                for i, (eid, req) in enumerate(leased)]  # fmt: skip
+                      started=bool(begun[i]) if reclaimed else False, tenant=tenant)
+                for i, (tenant, eid, req) in enumerate(leased)]  # fmt: skip
 
     def _check_cancelled(self, pipe: Any, requests: Sequence[GenerationRequest]) -> None:
         """Queue the commands that tell whether each request is cancelled (two replies each)."""
@@ -343,49 +507,67 @@ class RedisQueue:
         self, pool: str, consumer: str, min_idle_ms: int, count: int, max_deliveries: int, own: bool = False,
         running: Collection[str] = (),
     ) -> list[Lease]:  # fmt: skip
-        stream = self.keys.jobs(pool)
+        """Each of the pool's work streams (every tenant's): XPENDING, then XCLAIM of up to ``count``
+        stale entries in all, one pipeline each."""
+        tenants = (await self._fair_share(pool)).tenants
         with unreachable("cannot reclaim from the work stream"):
-            try:
-                stale: Any = await self._r.xpending_range(
-                    stream, WORKER_GROUP, min="-", max="+", count=count,
-                    consumername=consumer if own else None, idle=None if own else min_idle_ms,
-                )  # fmt: skip
-                if not own:  # its own idle ones too, unless it runs them (a lease whose reply was lost)
-                    stale = [p for p in stale if p["message_id"].decode() not in running]
-                if not stale:
-                    return []
-                delivered = {p["message_id"].decode(): int(p["times_delivered"]) + 1 for p in stale}
-                # XCLAIM with a minimum idle time: of several reclaimers, the first one resets the
-                # idle time and takes the job; the others get nothing for it.
-                claimed: Any = await self._r.xclaim(
-                    stream, WORKER_GROUP, consumer, 0 if own else min_idle_ms, list(delivered)
-                )
-            except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
+            async with self._r.pipeline(transaction=False) as pipe:
+                for t in tenants:
+                    pipe.xpending_range(
+                        self.keys.jobs(pool, t), WORKER_GROUP, min="-", max="+", count=count,
+                        consumername=consumer if own else None, idle=None if own else min_idle_ms,
+                    )  # fmt: skip
+                pending = await pipe.execute(raise_on_error=False)
+            # tenant -> entry id -> its delivery count once claimed
+            delivered: dict[str, dict[str, int]] = {}
+            n = 0
+            for t, stale in zip(tenants, pending, strict=True):
+                if isinstance(stale, BaseException):
+                    if not _gone(stale):
+                        raise stale
+                    continue
+                for p in stale:
+                    eid = p["message_id"].decode()
+                    # its own idle ones too, unless it runs them (a lease whose reply was lost)
+                    if n < count and (own or entry_ref(t, eid) not in running):
+                        delivered.setdefault(t, {})[eid] = int(p["times_delivered"]) + 1
+                        n += 1
+            if not delivered:
                 return []
-        entries = [(eid.decode(), fields) for eid, fields in claimed if fields]
-        leases: list[tuple[str, GenerationRequest]] = []
-        for eid, fields in entries:
+            # XCLAIM with a minimum idle time: of several reclaimers, the first one resets the
+            # idle time and takes the job; the others get nothing for it.
+            async with self._r.pipeline(transaction=False) as pipe:
+                for t, ids in delivered.items():
+                    pipe.xclaim(self.keys.jobs(pool, t), WORKER_GROUP, consumer, 0 if own else min_idle_ms, list(ids))
+                claims = await pipe.execute(raise_on_error=False)
+        entries: list[tuple[str, str, Any]] = []
+        for t, claimed in zip(delivered, claims, strict=True):
+            if isinstance(claimed, BaseException):
+                if not _gone(claimed):
+                    raise QueueUnavailable(f"cannot reclaim from the work stream: {claimed}") from claimed
+                continue
+            entries += [(t, eid.decode(), fields) for eid, fields in claimed if fields]
+        leases: list[tuple[str, str, GenerationRequest]] = []
+        for t, eid, fields in entries:
             try:
                 req = codec.decode_job(fields[JOB_FIELD.encode()])
             except (InvalidRequest, KeyError):
-                await self._drop(stream, [eid])
+                await self._drop(self.keys.jobs(pool, t), [eid])
                 continue
-            n = delivered.get(eid, 1)
-            if n > max_deliveries:
-                await self.dead_letter(pool, eid, req, f"the {n - 1} workers that took it died", n)
+            times = delivered[t].get(eid, 1)
+            if times > max_deliveries:
+                await self.dead_letter(pool, eid, req, f"the {times - 1} workers that took it died", times, tenant=t)
             else:
-                leases.append((eid, req))
+                leases.append((t, eid, req))
         log.info("jobs_reclaimed", pool=pool, count=len(leases), dead=len(entries) - len(leases), own=own)
         return await self._with_cancel_flags(pool, leases, reclaimed=True)
 
     async def dead_letter(
-        self, pool: str, entry_id: str, request: GenerationRequest, reason: str, deliveries: int
+        self, pool: str, entry_id: str, request: GenerationRequest, reason: str, deliveries: int, tenant: str = ""
     ) -> None:
         """Move a poison job to the pool's dead-letter stream (with ``reason``), tell its caller
-        (a terminal failure on its events), and drop it from the work stream."""
-        stream = self.keys.jobs(pool)
+        (a terminal failure on its events), and drop it from its work stream (``tenant``'s)."""
+        stream = self.keys.jobs(pool, tenant)
         failed = JobEvent(failed=Failure(code="set_aside", message=f"the job was set aside: {reason}", retryable=False))
         with unreachable():
             async with self._r.pipeline(transaction=False) as pipe:
@@ -467,9 +649,16 @@ class RedisQueue:
                 key = self.keys.worker(status.pool, status.worker)
                 pipe.set(key, codec.encode_status(status), px=int(ttl_s * 1000))
                 pipe.sadd(self.keys.workers(status.pool), status.worker)
-                if touch:  # the jobs it runs, in the same round trip
-                    pipe.xclaim(self.keys.jobs(status.pool), WORKER_GROUP, status.worker, 0, list(touch), justid=True)
-                await pipe.execute()
+                by_tenant: dict[str, list[Any]] = {}
+                for ref in touch:  # the jobs it runs, in the same round trip
+                    tenant, eid = parse_ref(ref)
+                    by_tenant.setdefault(tenant, []).append(eid)
+                for tenant, eids in by_tenant.items():
+                    pipe.xclaim(self.keys.jobs(status.pool, tenant), WORKER_GROUP, status.worker, 0, eids, justid=True)
+                replies = await pipe.execute(raise_on_error=False)
+            for reply in replies:  # a stream gone (its jobs with it) has nothing to touch
+                if isinstance(reply, BaseException) and not _gone(reply):
+                    raise reply
 
     async def leave(self, pool: str, worker: str) -> None:
         with unreachable():
@@ -497,7 +686,7 @@ class RedisQueue:
                         req = lease.request
                         await self._ended(keys=[self.keys.attempts(req.caller_id)],
                                           args=[req.request_id, self._s.event_ttl_s], client=pipe)  # fmt: skip
-                        stream = self.keys.jobs(lease.pool)
+                        stream = self.keys.jobs(lease.pool, lease.tenant)
                         pipe.xack(stream, WORKER_GROUP, lease.entry_id)
                         pipe.xdel(stream, lease.entry_id)
                     elif rid not in renewed and now >= self._renew_at.get(rid, now):
