@@ -35,7 +35,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from llamamesh.errors import InvalidRequest, QueueUnavailable
+from llamamesh.errors import AlreadyExists, InvalidRequest, QueueUnavailable
 from llamamesh.queue import codec
 from llamamesh.queue.follow import EventFollower, Item
 from llamamesh.queue.keys import JOB_FIELD, RESULT_FIELD, WORKER_GROUP, Keys
@@ -43,7 +43,7 @@ from llamamesh.queue.protocol import Lease
 from llamamesh.queue.redisio import UNREACHABLE, unreachable
 from llamamesh.queue.streams import create_group, touch_entries
 from llamamesh.settings import BatchSettings
-from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, ItemStatus
+from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, ItemStatus, public_id
 
 COUNTS = ("succeeded", "errored", "cancelled", "expired")
 
@@ -242,7 +242,7 @@ class RedisBatches:
         """Store the batch and queue its items (``(pool, request)`` each); returns it and whether it
         is new. The same batch_id again with the same fingerprint returns the stored batch (its items
         queued again only if the first submission died before queueing all of them); with another
-        fingerprint, InvalidRequest on batch_id."""
+        fingerprint, AlreadyExists."""
         meta = self.keys.batch(info.batch_id)
         record = {
             "id": info.batch_id, "state": BatchState.IN_PROGRESS.value, "owner": info.owner, "model": info.model,
@@ -267,7 +267,10 @@ class RedisBatches:
                     await pipe.execute()
             else:
                 if stored[0] is None or stored[0].decode() != fingerprint:
-                    raise InvalidRequest.field("batch_id", f"batch {info.batch_id!r} exists with other items")
+                    raise AlreadyExists(
+                        f"batch id {public_id(info.batch_id)!r} names another batch (other items); "
+                        "resubmit it unchanged, or use a new id"
+                    )
                 if stored[1] is not None:
                     return await self._require(info.batch_id), False
             async with self._r.pipeline(transaction=False) as pipe:

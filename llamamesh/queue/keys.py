@@ -132,3 +132,26 @@ class Keys:
         """Every batch by the earliest time its record may be gone (a sorted set of JSON
         ``[owner, batch_id]``): the sweep takes purged batches off their owner's list."""
         return f"{self.prefix}:batches:kept"
+
+    # --- tenants' budgets (llamamesh/queue/quotas.py): one hash tag per tenant ({t:<tenant>}), so
+    # that each check is one Lua script in one Redis Cluster slot
+
+    def tenant_rate(self, tenant: str) -> str:
+        """The tenant's request and token buckets (a hash: level and time of each)."""
+        return f"{self.prefix}:tenant:{{t:{tenant}}}:rate"
+
+    def tenant_streams(self, tenant: str) -> str:
+        """The tenant's open streams (a sorted set: stream id -> lease expiry, ms)."""
+        return f"{self.prefix}:tenant:{{t:{tenant}}}:streams"
+
+    def tenant_batch_quota(self, tenant: str) -> str:
+        """The tenant's batch items not finished and batch bytes kept (a hash: items, bytes)."""
+        return f"{self.prefix}:tenant:{{t:{tenant}}}:batch-quota"
+
+    def tenant_batches_held(self, tenant: str) -> str:
+        """What each of the tenant's batches holds of that quota (a hash: batch id -> "items bytes")."""
+        return f"{self.prefix}:tenant:{{t:{tenant}}}:batch-held"
+
+    def tenants_holding(self) -> str:
+        """Tenants whose batches hold quota (a set): the sweep gives back what ended batches held."""
+        return f"{self.prefix}:tenants:holding"

@@ -17,7 +17,7 @@ from collections.abc import AsyncGenerator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from llamamesh.errors import InvalidRequest, QueueFull, QueueUnavailable
+from llamamesh.errors import AlreadyExists, QueueFull, QueueUnavailable
 from llamamesh.queue.keys import stream_tenant
 from llamamesh.queue.protocol import Lease
 from llamamesh.types import (
@@ -29,6 +29,7 @@ from llamamesh.types import (
     ItemStatus,
     JobEvent,
     WorkerStatus,
+    public_id,
 )
 
 
@@ -291,7 +292,10 @@ class MemoryBatches:
         have = self._batches.get(info.batch_id)
         if have is not None:
             if have.fingerprint != fingerprint:
-                raise InvalidRequest.field("batch_id", f"batch {info.batch_id!r} exists with other items")
+                raise AlreadyExists(
+                    f"batch id {public_id(info.batch_id)!r} names another batch (other items); "
+                    "resubmit it unchanged, or use a new id"
+                )
             return have.info, False
         now = time.time()
         times = {BatchState.VALIDATING.value: info.created_at, BatchState.IN_PROGRESS.value: now}
