@@ -164,6 +164,13 @@ class WorkerSettings:
     model_path: str = ""
     # Requests in flight at once (admitted from the stream, running in the engine).
     max_inflight: int = 32
+    # Slots kept for tenants with nothing running on this worker: a tenant arriving behind
+    # another's backlog starts at once instead of waiting for a slot to free (fair share inside
+    # the worker; costs the busy tenants headroom / max_inflight of the slots). 0: none.
+    tenant_headroom: int = 1
+    # While only the headroom is free: how often the worker looks for another tenant's job
+    # (a slot freeing ends the wait at once).
+    headroom_poll_s: float = 0.01
     # Most jobs taken from the stream in one read. Several workers (or vLLM frontends) of one pool
     # share a burst this way instead of the first reader taking all of it and tokenising it alone.
     lease_batch: int = 16

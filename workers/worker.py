@@ -74,6 +74,8 @@ class Worker:
         self.name = settings.consumer_name()
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._slot_free = asyncio.Event()
+        # Only the tenant headroom was free at the last lease (workers/worker.py::_interactive).
+        self._polling = False
         self._outbox = Outbox(queue, on_cancel=self._cancel)
         self.engine_died: EngineDead | None = None
         self.ready = asyncio.Event()
@@ -184,6 +186,7 @@ class Worker:
                 self._slot_free.clear()
                 await _wait_any(self._slot_free, stop)
                 continue
+            self._slot_free.clear()
             try:
                 leases = await self._lease(free)
                 delays.reset()
@@ -195,6 +198,8 @@ class Worker:
                 continue
             for lease in leases:
                 await self._admit(lease)
+            if not leases and self._polling:  # only the headroom is free: look again soon
+                await _wait_any(self._slot_free, stop, timeout=self._s.headroom_poll_s)
 
     def _set_state(self, state: WorkerState, detail: str = "") -> None:
         self.state, self._detail, self._since = state, detail, time.time()
@@ -304,7 +309,7 @@ class Worker:
         if free <= 0:
             return taken
         if self._batches is None:
-            return [*taken, *await self._queue.lease(pool, name, min(free, step), self._block_ms)]
+            return [*taken, *await self._interactive(free, self._block_ms)]
         slots = self._s.max_inflight
         cap = max(1, int(slots * self._b.max_share))
         floor = min(cap, math.ceil(slots * self._b.min_share))
@@ -317,14 +322,26 @@ class Worker:
                 batch += await self._batches.reclaim(pool, name, int(self._b.claim_idle_s * 1000), room)
         reserve = min(free - len(batch), floor - len(self._batch_running) - len(batch))
         if reserve > 0:
-            batch += await self._batches.lease_items(pool, name, reserve, 1)
+            batch += await self._batches.lease_items(pool, name, reserve, None)
         free -= len(batch)
-        inter = await self._queue.lease(pool, name, min(free, step), min(self._block_ms, 100)) if free > 0 else []
+        inter = await self._interactive(free, min(self._block_ms, 100)) if free > 0 else []
         free -= len(inter)
         room = min(free, cap - len(self._batch_running) - len(batch), step)
-        if room > 0:
-            batch += await self._batches.lease_items(pool, name, room, 1)
+        if room > 0:  # not blocking: an idle Redis ends a short BLOCK only at its next tick (100 ms)
+            batch += await self._batches.lease_items(pool, name, room, None)
         return [*taken, *inter, *batch]
+
+    async def _interactive(self, free: int, block_ms: int) -> list[Lease]:
+        """Up to ``free`` interactive jobs, keeping ``tenant_headroom`` slots for tenants with
+        nothing running here: when only those are left, a non-blocking look at the other tenants'
+        streams (``_polling``: the lease loop looks again every ``headroom_poll_s``)."""
+        pool, name, step = self._s.pool, self.name, max(1, self._s.lease_batch)
+        busy = {x.tenant for x in self._running.values()}
+        headroom = min(self._s.tenant_headroom, self._s.max_inflight - 1)
+        self._polling = 0 < free <= headroom
+        if self._polling:
+            return await self._queue.lease(pool, name, min(free, step), 0, exclude=busy)
+        return await self._queue.lease(pool, name, min(free - headroom, step), block_ms)
 
     async def _reclaim_jobs(self, free: int) -> list[Lease]:
         """Every claim_idle_s / 2: jobs untouched for claim_idle_s (of workers that died, or its own

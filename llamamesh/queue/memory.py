@@ -46,11 +46,11 @@ class _Pool:
         """Every tenant's waiting jobs, in the order they were submitted."""
         return sorted((e for q in self.tenants.values() for e in q), key=lambda e: _seq(e[0]))
 
-    def take(self, count: int) -> list[tuple[str, GenerationRequest]]:
-        """Up to ``count`` jobs, one per tenant with work per turn (round robin)."""
+    def take(self, count: int, exclude: Collection[str] = ()) -> list[tuple[str, GenerationRequest]]:
+        """Up to ``count`` jobs, one per tenant with work per turn (round robin), none of ``exclude``."""
         taken: list[tuple[str, GenerationRequest]] = []
         while len(taken) < count:
-            ready = sorted(t for t, q in self.tenants.items() if q)
+            ready = sorted(t for t, q in self.tenants.items() if q and t not in exclude)
             if not ready:
                 break
             tenant = next((t for t in ready if self.last is None or t > self.last), ready[0])
@@ -204,16 +204,25 @@ class MemoryQueue:
         self._check()
         self._pool(pool)
 
-    async def lease(self, pool: str, consumer: str, count: int, block_ms: int) -> list[Lease]:
+    async def lease(
+        self, pool: str, consumer: str, count: int, block_ms: int, exclude: Collection[str] = ()
+    ) -> list[Lease]:
         self._check()
         p = self._pool(pool)
-        if not any(p.tenants.values()):
+        left_out = {stream_tenant(t) for t in exclude}
+
+        def waiting() -> bool:
+            return any(q for t, q in p.tenants.items() if t not in left_out)
+
+        if not waiting():
+            if block_ms <= 0:
+                return []
             async with self._changed:
                 try:
-                    await asyncio.wait_for(self._changed.wait_for(lambda: any(p.tenants.values())), block_ms / 1000)
+                    await asyncio.wait_for(self._changed.wait_for(waiting), block_ms / 1000)
                 except asyncio.TimeoutError:
                     return []
-        taken = p.take(count)
+        taken = p.take(count, left_out)
         for entry_id, req in taken:
             p.pending[entry_id] = (consumer, req)
         return [Lease(pool=pool, entry_id=i, request=r, cancelled=self._is_cancelled(r),

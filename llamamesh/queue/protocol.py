@@ -151,9 +151,12 @@ class WorkQueue(Protocol):
     async def join(self, pool: str) -> None:
         """Create the pool's work stream and consumer group if missing."""
 
-    async def lease(self, pool: str, consumer: str, count: int, block_ms: int) -> list[Lease]:
-        """Take up to ``count`` new jobs, waiting at most ``block_ms`` for the first; shared
-        between the tenants with jobs waiting by their weights (fair share)."""
+    async def lease(
+        self, pool: str, consumer: str, count: int, block_ms: int, exclude: Collection[str] = ()
+    ) -> list[Lease]:
+        """Take up to ``count`` new jobs, waiting at most ``block_ms`` for the first (0: not at all);
+        shared between the tenants with jobs waiting by their weights (fair share), none of the
+        tenants in ``exclude`` (as ``Lease.tenant`` names them)."""
         ...
 
     async def reclaim(

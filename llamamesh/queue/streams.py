@@ -354,24 +354,26 @@ class RedisQueue:
     async def join(self, pool: str) -> None:
         await create_group(self._r, self.keys.jobs(pool))
 
-    async def lease(self, pool: str, consumer: str, count: int, block_ms: int) -> list[Lease]:
+    async def lease(
+        self, pool: str, consumer: str, count: int, block_ms: int, exclude: Collection[str] = ()
+    ) -> list[Lease]:
         """Rounds of non-blocking reads, one pipeline each, of the streams of the tenants that may
-        have jobs waiting, asking each what the fair share plans (``fair.FairShare``), until
-        ``count`` jobs are leased or every stream came up short; only when nothing was leased, one
-        blocking read of every stream for ``block_ms``. Never more than ``count`` jobs. A stream or
-        group Redis lost is made again (NOGROUP: logged as an error for the default stream).
-        Raises QueueUnavailable."""
+        have jobs waiting (less ``exclude``), asking each what the fair share plans
+        (``fair.FairShare``), until ``count`` jobs are leased or every stream came up short; only
+        when nothing was leased and ``block_ms`` > 0, one blocking read of those streams for
+        ``block_ms``. Never more than ``count`` jobs. A stream or group Redis lost is made again
+        (NOGROUP: logged as an error for the default stream). Raises QueueUnavailable."""
         if count <= 0:
             return []
         fair = await self._fair_share(pool)
-        got = await self._rounds(pool, consumer, count, fair, set(fair.tenants))
+        got = await self._rounds(pool, consumer, count, fair, set(fair.tenants) - set(exclude))
         if not got:  # before blocking, a tenant that came meanwhile gets its read first
             before = set(fair.tenants)
             await self._refresh_tenants(pool, fair)
-            if fresh := set(fair.tenants) - before:
+            if fresh := set(fair.tenants) - before - set(exclude):
                 got = await self._rounds(pool, consumer, count, fair, fresh)
-        if not got:
-            got = await self._block(pool, consumer, count, block_ms, fair)
+        if not got and block_ms > 0:
+            got = await self._block(pool, consumer, count, block_ms, fair, exclude)
         leased: list[tuple[str, str, GenerationRequest]] = []
         bad: dict[str, list[str]] = {}
         for tenant, eid, fields in got:
@@ -436,11 +438,14 @@ class RedisQueue:
         return got
 
     async def _block(
-        self, pool: str, consumer: str, count: int, block_ms: int, fair: FairShare
+        self, pool: str, consumer: str, count: int, block_ms: int, fair: FairShare, exclude: Collection[str] = ()
     ) -> list[tuple[str, str, Any]]:
-        """One blocking read of every tenant's stream, a few jobs of each (``count`` shared out); a
-        race that fills several streams at once may return more than ``count``: those go back."""
-        streams = {self.keys.jobs(pool, t): t for t in fair.tenants}
+        """One blocking read of every tenant's stream (but ``exclude``'s), a few jobs of each
+        (``count`` shared out); a race that fills several streams at once may return more than
+        ``count``: those go back."""
+        streams = {self.keys.jobs(pool, t): t for t in fair.tenants if t not in exclude}
+        if not streams:
+            return []
         each = max(1, count // len(streams))
         with unreachable("cannot read the work stream"):
             try:

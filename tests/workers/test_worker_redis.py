@@ -210,8 +210,8 @@ async def test_leases_at_most_lease_batch_jobs_per_read(redis_settings: RedisSet
     counts: list[int] = []
 
     class Counting(RedisQueue):
-        async def lease(self, pool: str, consumer: str, count: int, block_ms: int):  # type: ignore[no-untyped-def]
-            got = await super().lease(pool, consumer, count, block_ms)
+        async def lease(self, pool: str, consumer: str, count: int, block_ms: int, exclude=()):  # type: ignore[no-untyped-def]
+            got = await super().lease(pool, consumer, count, block_ms, exclude)
             if got:
                 counts.append(count)
                 assert len(got) <= count
@@ -299,4 +299,33 @@ async def test_a_dead_workers_job_is_taken_over_and_a_long_healthy_one_never_is(
             await asyncio.wait_for(task, 10)
             await engine.shutdown()
             await q.close()
+        await queue.close()
+
+
+async def test_a_tenant_behind_anothers_backlog_starts_in_the_headroom_at_once(redis_settings: RedisSettings) -> None:
+    """Tenant A's backlog holds every slot but the headroom; tenant B's job takes that slot at once,
+    long before any of A's ends, and A never takes it."""
+    ws = WorkerSettings(pool="cpu", engine="fake", max_inflight=4, fake_step_s=0.05, consumer="w-headroom",
+                        tenant_headroom=1)  # fmt: skip
+    worker, engine, queue, stop, task = await _start_worker(redis_settings, ws)
+    try:
+        backlog = [dataclasses.replace(req(f"a{i}", n=40), request_id=f"acme/a{i}", tenant="acme") for i in range(8)]
+        for r in backlog:
+            await queue.submit("cpu", r)
+        deadline = time.monotonic() + 5
+        while len(worker._running) < 3:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)  # polling the worker's admission, bounded by the deadline
+        await asyncio.sleep(0.2)  # several headroom polls: A still holds 3 of 4
+        assert len(worker._running) == 3
+        t0 = time.monotonic()
+        await queue.submit("cpu", dataclasses.replace(req("b0", n=2), request_id="beta/b0", tenant="beta"))
+        got = await asyncio.wait_for(events(queue, "beta/b0"), 5)
+        assert got[-1].finished is not None
+        assert time.monotonic() - t0 < 1.0  # an A job takes 2 s: B did not wait for one to end
+        assert not any(ev.terminal for _i, ev in await queue.read_events("acme/a0"))
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        await engine.shutdown()
         await queue.close()
