@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 
+from tests.redisproc import RedisProcess
 from tests.security.certs import CA, Pair, issue, make_ca
 
 
@@ -31,3 +34,13 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
         client=issue(ca, d, "client", "tenant-a", server=False),
         other_client=issue(other, d, "other-client", "tenant-a", server=False),
     )
+
+
+@pytest.fixture(scope="session")
+def security_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
+    """One real server for the secured nodes (each node has its own key prefix)."""
+    kind = "redis" if shutil.which("redis-server") else "valkey"
+    server = RedisProcess(kind, tmp_path_factory.mktemp("security-redis"))
+    server.start()
+    yield server
+    server.stop()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import subprocess
 import time
 import uuid
@@ -46,18 +45,10 @@ ALL_RPCS = [
 
 
 @pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
-    server = RedisProcess("redis" if shutil.which("redis-server") else "valkey", tmp_path_factory.mktemp("sec-redis"))
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def secured(
-    tmp_path_factory: pytest.TempPathFactory, redis_server: RedisProcess, pki: PKI
+    tmp_path_factory: pytest.TempPathFactory, security_redis: RedisProcess, pki: PKI
 ) -> Iterator[tuple[SecuredNode, Tenants]]:
-    yield from start_node(tmp_path_factory, redis_server, pki, "secured", {
+    yield from start_node(tmp_path_factory, security_redis, pki, "secured", {
         "alpha": {"limits": {"max_priority": 5}},
         "beta": {},
         "ops": {"admin": True},
@@ -72,6 +63,19 @@ def code_of(exc: pytest.ExceptionInfo[grpc.aio.AioRpcError]) -> grpc.StatusCode:
 async def answer(client: Client, **fields: object) -> tuple[str, list[pb.GenerateResponse]]:
     msgs = [m async for m in client.generate(**fields)]  # type: ignore[arg-type]
     return "".join(m.text for m in msgs), msgs
+
+
+async def refused_soon(c: Client, within_s: float = 10) -> grpc.aio.AioRpcError:
+    """The error of the first ListModels refused within ``within_s`` (the gateway reads its
+    tenants file again within a second)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            await c.list_models()
+        except grpc.aio.AioRpcError as err:
+            return err
+        assert time.monotonic() < deadline, "still accepted"
+        await asyncio.sleep(0.1)  # polling the reload, bounded by the deadline
 
 
 def run_grpcurl(node: SecuredNode, *args: str) -> subprocess.CompletedProcess[str]:
@@ -130,15 +134,7 @@ async def test_no_key_bad_key_and_revoked_key_are_unauthenticated(secured: tuple
                     raise
             await asyncio.sleep(0.1)  # polling the reload, bounded by the deadline
         tenants.revoke(fresh)  # the gateway reads the file again within a second, no restart
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                await c.list_models()
-            except grpc.aio.AioRpcError as err:
-                refused = err
-                break
-            assert time.monotonic() < deadline, "the revoked key still works"
-            await asyncio.sleep(0.1)  # polling the reload, bounded by the deadline
+        refused = await refused_soon(c)
         assert refused.code() == grpc.StatusCode.UNAUTHENTICATED and "revoked" in (refused.details() or "")
 
 
@@ -188,16 +184,8 @@ async def test_mutual_tls_identity_maps_to_a_tenant(pki: PKI, tmp_path: Path) ->
         doc["tenants"]["alpha"]["certificates"] = ["someone-else"]
         auth.write_text(json.dumps(doc))
         os.utime(auth, (time.time() + 5, time.time() + 5))  # a new mtime even within one tick
-        deadline = time.monotonic() + 10
         async with Client(f"127.0.0.1:{gw.port}", **opts) as c:
-            while True:
-                try:
-                    await c.list_models()
-                except grpc.aio.AioRpcError as err:
-                    refused = err
-                    break
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.1)  # polling the reload, bounded by the deadline
+            refused = await refused_soon(c)
             assert refused.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         await gw.stop(0)
@@ -323,10 +311,10 @@ async def test_priority_and_pools_come_from_the_tenant(secured: tuple[SecuredNod
 
 
 async def test_an_oversized_generate_is_refused_before_it_reaches_redis(
-    secured: tuple[SecuredNode, Tenants], redis_server: RedisProcess
+    secured: tuple[SecuredNode, Tenants], security_redis: RedisProcess
 ) -> None:
     node, tenants = secured
-    r = redis.Redis(port=redis_server.port)
+    r = redis.Redis(port=security_redis.port)
     before = set(r.scan_iter(f"{node.prefix}:*"))
     async with node.client(tenants.keys["alpha"]) as a:
         for size, code in ((5 << 20, grpc.StatusCode.INVALID_ARGUMENT), (65 << 20, None)):

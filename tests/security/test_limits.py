@@ -4,7 +4,6 @@ RESOURCE_EXHAUSTED and RetryInfo, queues nothing, and recovers."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
 import uuid
 from collections.abc import Iterator
@@ -26,18 +25,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
-    server = RedisProcess("redis" if shutil.which("redis-server") else "valkey", tmp_path_factory.mktemp("lim-redis"))
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def limited(
-    tmp_path_factory: pytest.TempPathFactory, redis_server: RedisProcess, pki: PKI
+    tmp_path_factory: pytest.TempPathFactory, security_redis: RedisProcess, pki: PKI
 ) -> Iterator[tuple[SecuredNode, Tenants]]:
-    yield from start_node(tmp_path_factory, redis_server, pki, "limited", {
+    yield from start_node(tmp_path_factory, security_redis, pki, "limited", {
         "rps": {"limits": {"requests_per_s": 2, "burst": 2}},
         "tokens": {"limits": {"tokens_per_min": 120}},
         "streams": {"limits": {"max_streams": 2}},
@@ -67,16 +58,16 @@ async def generate(c: Client, rid: str = "", **fields: object) -> list[pb.Genera
     return [m async for m in c.generate(request_id=rid or uuid.uuid4().hex, prompt="p", **fields)]  # type: ignore[arg-type]
 
 
-def queued_ever(node: SecuredNode, redis_server: RedisProcess, tenant: str, rid: str) -> bool:
+def queued_ever(node: SecuredNode, security_redis: RedisProcess, tenant: str, rid: str) -> bool:
     """Whether a request id reached Redis at all (its attempts record) or a worker."""
-    r = redis.Redis(port=redis_server.port)
+    r = redis.Redis(port=security_redis.port)
     try:
         return bool(r.exists(f"{node.prefix}:req:{{{tenant}/{rid}}}:attempts")) or rid in node.log("worker")
     finally:
         r.close()
 
 
-async def test_requests_per_second(limited: tuple[SecuredNode, Tenants], redis_server: RedisProcess) -> None:
+async def test_requests_per_second(limited: tuple[SecuredNode, Tenants], security_redis: RedisProcess) -> None:
     node, tenants = limited
     async with node.client(tenants.keys["rps"]) as c:
         await generate(c, max_tokens=1)
@@ -85,7 +76,7 @@ async def test_requests_per_second(limited: tuple[SecuredNode, Tenants], redis_s
             await generate(c, "refused-rps", max_tokens=1)
         wait = retry_after(exc.value)
         assert 0 < wait <= 0.5 and "LLAMAMESH_LIMITS_REQUESTS_PER_S" in (exc.value.details() or "")
-        assert not queued_ever(node, redis_server, "rps", "refused-rps")
+        assert not queued_ever(node, security_redis, "rps", "refused-rps")
         await asyncio.sleep(wait)  # what RetryInfo says: then it passes
         await generate(c, max_tokens=1)
     async with node.client(tenants.keys["free"]) as other:  # another tenant's budget is its own
@@ -113,7 +104,7 @@ async def test_one_budget_across_gateways(limited: tuple[SecuredNode, Tenants]) 
             retry_after(exc.value)
 
 
-async def test_tokens_per_minute(limited: tuple[SecuredNode, Tenants], redis_server: RedisProcess) -> None:
+async def test_tokens_per_minute(limited: tuple[SecuredNode, Tenants], security_redis: RedisProcess) -> None:
     node, tenants = limited
     async with node.client(tenants.keys["tokens"]) as c:
         got = await generate(c, max_tokens=130)  # within budget when it starts; 10 tokens of debt after
@@ -122,12 +113,12 @@ async def test_tokens_per_minute(limited: tuple[SecuredNode, Tenants], redis_ser
             await generate(c, "refused-tokens", max_tokens=1)
         wait = retry_after(exc.value)
         assert 4 < wait <= 6 and "LLAMAMESH_LIMITS_TOKENS_PER_MIN" in (exc.value.details() or "")
-        assert not queued_ever(node, redis_server, "tokens", "refused-tokens")
+        assert not queued_ever(node, security_redis, "tokens", "refused-tokens")
         await asyncio.sleep(wait)
         await generate(c, max_tokens=1)
 
 
-async def test_concurrent_streams(limited: tuple[SecuredNode, Tenants], redis_server: RedisProcess) -> None:
+async def test_concurrent_streams(limited: tuple[SecuredNode, Tenants], security_redis: RedisProcess) -> None:
     node, tenants = limited
     async with node.client(tenants.keys["streams"]) as c:
         held = [c.stub.Generate(pb.GenerateRequest(request_id=f"long-{i}-{uuid.uuid4().hex[:4]}", prompt="p",
@@ -141,7 +132,7 @@ async def test_concurrent_streams(limited: tuple[SecuredNode, Tenants], redis_se
             async for _m in c.stub.Attach(pb.AttachRequest(request_id="long-0")):
                 pass
         retry_after(exc.value)
-        assert not queued_ever(node, redis_server, "streams", "refused-stream")
+        assert not queued_ever(node, security_redis, "streams", "refused-stream")
         held[0].cancel()
         deadline = time.monotonic() + 10
         while True:  # the slot is given back as the cancelled stream ends
