@@ -440,7 +440,7 @@ class QueueRelay:
         detach timer); a retried Generate following its own request is not one."""
         records = await self._queue.attempts(request_id)
         if not records:
-            raise errors.NotFound(f"no request {request_id!r} (unknown, or its events expired)")
+            raise errors.NotFound(f"no request {public_id(request_id)!r} (unknown, or its events expired)")
         if count:
             await self._queue.attach(request_id)
             log.info("request_attached", request_id=request_id, offset=offset)

@@ -208,6 +208,12 @@ async def test_another_tenant_cannot_attach_cancel_or_see_a_request(secured: tup
                 async for _m in b.stub.Attach(pb.AttachRequest(request_id=only_alpha), metadata=header):
                     pass
             assert code_of(exc) == grpc.StatusCode.NOT_FOUND  # the same answer as for an id nobody used
+            with pytest.raises(grpc.aio.AioRpcError) as never:
+                async for _m in b.stub.Attach(pb.AttachRequest(request_id="never-used"), metadata=header):
+                    pass
+            assert (exc.value.details() or "").replace(only_alpha, "ID") == (never.value.details() or "").replace(
+                "never-used", "ID"
+            )
             await b.stub.Cancel(pb.CancelRequest(request_id=only_alpha), metadata=header)  # no error, no effect
         rest = [m async for m in stream]
         assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH  # not cancelled by beta
