@@ -28,11 +28,12 @@ from typing import IO
 import grpc
 import structlog
 
+from llamamesh import metrics
 from llamamesh.client import Client
 from llamamesh.embedded import EmbeddedRedis
 from llamamesh.errors import QueueUnavailable
 from llamamesh.queue.streams import RedisQueue
-from llamamesh.settings import Settings
+from llamamesh.settings import Settings, prometheus_multiproc_dir
 from llamamesh.supervisor import Child, ChildState, Supervisor
 from llamamesh.types import WorkerState, WorkerStatus
 from llamamesh.v1 import admin_pb2
@@ -65,6 +66,7 @@ class Node:
         self._embedded: EmbeddedRedis | None = None
         self._log_handle: IO[bytes] | None = None
         self.supervisor: Supervisor | None = None
+        self._metrics: metrics.Aggregate | None = None
         # Stable consumer names: a restarted worker takes its own leased jobs first and replaces
         # its own heartbeat.
         base = settings.worker.consumer or f"{socket.gethostname()}-{os.getpid()}"
@@ -74,6 +76,17 @@ class Node:
     def address(self) -> str:
         g = self.settings.gateway
         return f"{g.host}:{g.port}"
+
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        """Where the gateway's and the workers' /metrics are (empty before start)."""
+        g, w = self.settings.gateway, self.settings.worker
+        out = {}
+        if g.metrics_port:
+            out["gateway"] = f"http://{g.host}:{g.metrics_port}/metrics"
+        if w.metrics_port:
+            out["workers"] = f"http://{w.metrics_host}:{w.metrics_port}/metrics"
+        return out
 
     def client(self) -> Client:
         """A client of the node's gateway with the client settings (LLAMAMESH_CLIENT_*: API key, CA,
@@ -91,24 +104,37 @@ class Node:
             self._embedded = EmbeddedRedis(self.settings.redis.embedded_dir)
             url = self._embedded.start()
             self.settings = replace(self.settings, redis=replace(self.settings.redis, url=url))
+        # Metrics on: the gateway serves its own (all its processes'), this process the workers'
+        # (they write into one directory); a port left 0 is a free one.
+        g, w = self.settings.gateway, self.settings.worker
+        self.settings = self.settings.with_overrides(
+            gateway={"metrics_port": g.metrics_port or _free_port(g.host)},
+            worker={"metrics_port": w.metrics_port or _free_port(w.metrics_host)},
+        )
+        w = self.settings.worker
+        self._metrics = metrics.Aggregate(w.metrics_port, w.metrics_host, "worker", prometheus_multiproc_dir())
         env = self.settings.to_env()
+        worker_env = {**env, "LLAMAMESH_WORKER_METRICS_PORT": "0", **self._metrics.children_env()}
         if self._log_file is not None:
             self._log_file.parent.mkdir(parents=True, exist_ok=True)
             self._log_handle = self._log_file.open("ab")
         children = [Child("gateway", (sys.executable, "-m", "services"), env, essential=True)]
         children += [
-            Child(f"worker-{i}", (sys.executable, "-m", "workers"), {**env, "LLAMAMESH_WORKER_CONSUMER": name})
+            Child(f"worker-{i}", (sys.executable, "-m", "workers"), {**worker_env, "LLAMAMESH_WORKER_CONSUMER": name})
             for i, name in enumerate(self.worker_names)
         ]
         self.supervisor = Supervisor(children, output=self._log_handle, on_exit=self._worker_exited)
         self.supervisor.start()
         if self._embedded is not None and self._embedded.process is not None:
             self.supervisor.watch("redis", self._embedded.process)
-        log.info("node_started", address=self.address, redis=self.settings.redis.url, workers=self._n_workers)
+        log.info("node_started", address=self.address, redis=self.settings.redis.url, workers=self._n_workers,
+                 metrics=self.metrics_urls)  # fmt: skip
 
     def _worker_exited(self, state: ChildState) -> None:
         """Write the exit into the worker's heartbeat (keeping the reason it gave, if it failed to
         start), for as long as it waits to restart."""
+        if self._metrics is not None and state.name.startswith("worker-"):
+            self._metrics.process_dead(state.pid)
         if not state.name.startswith("worker-") or state.restart_at is None:
             return
         name = self.worker_names[int(state.name.removeprefix("worker-"))]
@@ -181,6 +207,8 @@ class Node:
                 views = await self.workers(client)
                 if views is not None and all(v.state == WorkerState.READY.value for v in views):
                     show.done(f"ready: {len(views)} worker(s) serving on {self.address}")
+                    for role, url in self.metrics_urls.items():
+                        show.done(f"metrics ({role}): {url}")
                     return time.monotonic() - t0
                 for v in views or ():
                     if v.state == WorkerState.FAILED.value:
@@ -206,10 +234,19 @@ class Node:
         if self._embedded is not None:
             self._embedded.stop()
             self._embedded = None
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
         if self._log_handle is not None:
             self._log_handle.close()
             self._log_handle = None
         log.info("node_stopped")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def _doing(views: list[WorkerView] | None, took: bool = True) -> str:

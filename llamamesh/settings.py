@@ -131,6 +131,9 @@ class GatewaySettings:
     max_prompt_chars: int = 1_000_000
     # RPCs one gateway process serves at once (health checks aside); past it: RESOURCE_EXHAUSTED.
     max_concurrent_rpcs: int = 10_000
+    # Prometheus /metrics on this port (host: ``host``); with ``processes`` > 1 the supervising
+    # process serves every gateway process's metrics in one scrape (llamamesh/metrics.py). 0: off.
+    metrics_port: int = 0
 
     def fallback_table(self) -> dict[str, str]:
         out: dict[str, str] = {}
@@ -216,6 +219,10 @@ class WorkerSettings:
     # takes it for wedged: it withdraws its heartbeat (its streams fail over elsewhere) and exits
     # non-zero for its supervisor to restart it. 0: never.
     wedge_timeout_s: float = 60.0
+    # Prometheus /metrics on this port, on 127.0.0.1 unless ``metrics_host`` says otherwise; the
+    # supervisor of several workers (a node, replicas) serves them all in one scrape. 0: off.
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
 
     def consumer_name(self) -> str:
         return self.consumer or f"{socket.gethostname()}-{os.getpid()}"
@@ -453,6 +460,14 @@ class Settings:
             for f in fields(section):
                 out[env_name(sec.name, f.name)] = str(getattr(section, f.name))
         return out
+
+
+def prometheus_multiproc_dir(environ: Mapping[str, str] | None = None) -> str:
+    """``PROMETHEUS_MULTIPROC_DIR`` (prometheus_client's own variable, which it reads itself when
+    imported): set by a supervisor that serves this process's metrics with its siblings'
+    (llamamesh/metrics.py); empty otherwise."""
+    env = os.environ if environ is None else environ
+    return env.get("PROMETHEUS_MULTIPROC_DIR", "")
 
 
 def env_name(section: str, name: str) -> str:

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 
 import structlog
 
-from llamamesh import errors
+from llamamesh import errors, metrics
 from llamamesh.queue.quotas import STREAM_LEASE_MS, Quotas
 from llamamesh.tenants import Identity
 from services.routing import Access
@@ -35,6 +35,7 @@ def access_of(who: Identity) -> Access:
 def check_priority(who: Identity, priority: int) -> None:
     most = who.limits.max_priority
     if priority > most:
+        metrics.rejected(reason="permission_denied")
         raise errors.PermissionDenied(
             f"priority {priority} is above tenant {who.tenant!r}'s highest, {most} (LLAMAMESH_LIMITS_MAX_PRIORITY)"
         )
@@ -67,7 +68,11 @@ class Admission:
 
     async def request(self, who: Identity) -> None:
         if self.quotas is not None:
-            await self.quotas.admit(who.tenant, who.limits)
+            try:
+                await self.quotas.admit(who.tenant, who.limits)
+            except errors.RateLimited as exc:
+                metrics.rejected(exc)
+                raise
 
     @contextlib.asynccontextmanager
     async def stream(self, who: Identity) -> AsyncIterator[None]:
@@ -75,7 +80,11 @@ class Admission:
             yield
             return
         stream_id = uuid.uuid4().hex
-        await self.quotas.open_stream(who.tenant, who.limits, stream_id)
+        try:
+            await self.quotas.open_stream(who.tenant, who.limits, stream_id)
+        except errors.RateLimited as exc:
+            metrics.rejected(exc)
+            raise
         self._held[stream_id] = who.tenant
         try:
             yield

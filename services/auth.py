@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 import structlog
 
-from llamamesh import errors
+from llamamesh import errors, metrics
 from llamamesh.settings import LimitsSettings
 from llamamesh.tenants import Identity, TenantsFile
 from llamamesh.types import DEFAULT_TENANT, TENANT_NAME
@@ -130,6 +130,7 @@ class Gatekeeper(grpc.aio.ServerInterceptor):
             if method.startswith(ADMIN_PREFIX) and not who.admin:
                 raise errors.PermissionDenied("AdminService needs an admin key or an admin tenant")
         except errors.LlamameshError as exc:
+            metrics.rejected(exc)
             outcome = status.code_for(exc).name.lower()
             log.info("auth_decided", method=method, outcome=outcome, tenant=who.tenant if who else None,
                      key_id=who.key_id if who else None, reason=exc.message)  # fmt: skip
@@ -141,6 +142,7 @@ class Gatekeeper(grpc.aio.ServerInterceptor):
         if isinstance(request, _Refused):
             raise request.why
         if self.active >= self._max_concurrent:
+            metrics.rejected(reason="max_concurrent_rpcs")
             raise errors.RateLimited(
                 f"this gateway process is serving {self.active} calls, its most "
                 "(LLAMAMESH_GATEWAY_MAX_CONCURRENT_RPCS); retry shortly or through another gateway",

@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 import structlog
 
-from llamamesh import errors
+from llamamesh import errors, metrics
 from llamamesh.queue.protocol import ProbeQueue
 from llamamesh.settings import BreakerSettings
-from llamamesh.types import GenerationRequest, SamplingParams, WorkerStatus
+from llamamesh.types import GenerationRequest, SamplingParams, WorkerState, WorkerStatus
 from services.breaker import Breaker, State
 
 log = structlog.get_logger(__name__)
@@ -129,6 +129,8 @@ class Backends:
         names = list(dict.fromkeys([*pools, *self.fallback, *self.fallback.values()]))
         self._clock = clock
         self.pools = {p: Pool(p, Breaker(p, settings, clock=clock), empty_since=clock()) for p in names}
+        for p in names:
+            metrics.BREAKER_STATE.labels(p).set(0)
         self._on_health = on_health
         self._serving: dict[str, bool] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -272,6 +274,7 @@ class Backends:
             p.workers = seen + kept
             p.unreachable = False
             self.saw_queue(True)
+            metrics.workers_seen(p.name, (w.state for w in p.workers), (s.value for s in WorkerState))
         if was_present and not p.present:
             p.empty_since = self._clock()
         if p.starting and not was_starting:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from llamamesh import metrics
 from llamamesh.settings import BreakerSettings
 
 log = structlog.get_logger(__name__)
@@ -63,6 +64,7 @@ class Breaker:
         self.transitions.append(Transition(self.wall(), old, new, reason))
         del self.transitions[:-20]
         log.warning("breaker_transition", pool=self.pool, old=old.value, new=new.value, reason=reason)
+        metrics.breaker_moved(self.pool, new.value)
         self._probe_failures = 0
         self._outcomes.clear()
         self._in_flight = 0

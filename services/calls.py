@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import grpc
 import structlog
 
-from llamamesh import errors
+from llamamesh import errors, metrics
 from services import status
 
 log = structlog.get_logger(__name__)
@@ -40,9 +40,11 @@ def note(**fields: Any) -> None:
 
 
 def _finished(method: str, outcome: str, t0: float, fields: dict[str, Any]) -> None:
+    seconds = time.perf_counter() - t0
     extra = {k: v for k, v in fields.items() if v is not None}
-    log.info("rpc_finished", method=method, status=outcome, duration_ms=round((time.perf_counter() - t0) * 1000, 2),
-             **extra)  # fmt: skip
+    log.info("rpc_finished", method=method, status=outcome, duration_ms=round(seconds * 1000, 2), **extra)
+    metrics.REQUESTS.labels(method, "OK" if outcome == "ok" else outcome, str(extra.get("pool", ""))).inc()
+    metrics.REQUEST_DURATION.labels(method).observe(seconds)
 
 
 def _other(exc: BaseException) -> str:
@@ -58,6 +60,7 @@ async def _call(method: str, context: grpc.aio.ServicerContext) -> AsyncIterator
     t0, fields = time.perf_counter(), dict[str, Any]()
     token = _fields.set(fields)
     outcome = "ok"  # as it always was; failures carry the gRPC code name
+    metrics.INFLIGHT.inc()
     try:
         yield
     except errors.LlamameshError as exc:
@@ -68,6 +71,7 @@ async def _call(method: str, context: grpc.aio.ServicerContext) -> AsyncIterator
         outcome = _other(exc)
         raise
     finally:
+        metrics.INFLIGHT.dec()
         _finished(method, outcome, t0, fields)
         _fields.reset(token)
         structlog.contextvars.unbind_contextvars("request_id")

@@ -35,7 +35,7 @@ from typing import Protocol
 
 import structlog
 
-from llamamesh import errors
+from llamamesh import errors, metrics
 from llamamesh.queue.protocol import RelayQueue
 from llamamesh.settings import GatewaySettings
 from llamamesh.types import Attempt, Finished, FinishReason, GenerationRequest, JobEvent, Usage, public_id
@@ -229,6 +229,8 @@ class QueueRelay:
         submitted = finished = False
         attempts = deaths = 0
         failure: BaseException | None = None
+        recorder: metrics.PoolRecorder | None = None
+        last_token_at = 0.0
         try:
             while True:
                 pool = self._backends.route(target) if self._backends else target
@@ -257,10 +259,13 @@ class QueueRelay:
                 try:
                     await self._queue.submit(pool, attempt, max_waiting=self._s.max_queue, weight=who.weight)
                 except errors.QueueFull as exc:
+                    metrics.rejected(exc)
                     if attempts == 0:
                         await self._queue.forget(req.request_id)
                     raise errors.QueueFull(exc.message, retry_after_s=self._s.retry_after_s) from None
                 submitted, finished = True, False
+                if recorder is None or recorder.pool != pool:
+                    recorder = metrics.pool_recorder(pool)
                 try:
                     async for raw in self._watched(pool, attempt):
                         finished = raw.terminal
@@ -270,10 +275,17 @@ class QueueRelay:
                         if accepted is None:
                             continue
                         ev = accepted
-                        if ev.token_ids and progress.ttft_ms is None:
-                            progress.ttft_ms = round((time.perf_counter() - t0) * 1000, 2)
-                            first_token_ns = time.time_ns()
+                        if ev.token_ids:
+                            now = time.perf_counter()
+                            if progress.ttft_ms is None:
+                                progress.ttft_ms = round((now - t0) * 1000, 2)
+                                first_token_ns = time.time_ns()
+                                recorder.ttft.observe(now - t0)
+                            else:
+                                recorder.itl.observe(now - last_token_at)
+                            last_token_at = now
                         if ev.finished is not None:
+                            recorder.prompt.inc(ev.finished.usage.prompt_tokens)
                             progress.finish = ev.finished.finish_reason.value
                             self._observe_wait(pool, attempt, ev.finished, attempts)
                         yield ev
@@ -290,12 +302,17 @@ class QueueRelay:
             failure = exc
             raise
         finally:
+            if recorder is not None and cursor.sent:
+                recorder.generated.inc(len(cursor.sent))
             if submitted and not finished and attempt is not None:
                 gone = failure is None or isinstance(failure, asyncio.CancelledError | GeneratorExit)
                 if resumable and gone:  # the caller's connection dropped: it may Attach again
                     await asyncio.shield(self._detached(req.request_id, attempt.request_id))
                 else:  # disconnect, deadline or a failed read: the worker must stop generating
+                    gone_at = time.perf_counter()
                     await asyncio.shield(self._cancel(attempt.request_id))
+                    if gone:
+                        metrics.DISCONNECT_CANCEL.observe(time.perf_counter() - gone_at)
             if self._backends is not None and progress.pool and (submitted or failure is not None):
                 # The caller going away (GeneratorExit: it stopped reading) is its doing, not the pool's.
                 outcome = asyncio.CancelledError() if isinstance(failure, GeneratorExit) else failure
@@ -321,6 +338,7 @@ class QueueRelay:
         if not isinstance(exc, errors.EventsLost):
             await self._backends.record(pool, exc)
         await asyncio.shield(self._cancel(attempt.request_id))
+        metrics.FAILOVERS.labels(pool).inc()
         log.warning("request_failed_over", pool=pool, error=str(exc), attempt=attempts + 1,
                     resumed_tokens=len(sent))  # fmt: skip
 
@@ -335,8 +353,12 @@ class QueueRelay:
             )
 
     def _observe_wait(self, pool: str, attempt: GenerationRequest, f: Finished, attempts: int) -> None:
-        if self._backends is not None and f.started_unix_ns and not attempts:
-            self._backends.observe_queue_wait(pool, max(0, f.started_unix_ns - attempt.accepted_unix_ns) / 1e9)
+        if f.started_unix_ns and not attempts:
+            wait_s = max(0, f.started_unix_ns - attempt.accepted_unix_ns) / 1e9
+            if attempt.accepted_unix_ns:
+                metrics.QUEUE_WAIT.labels(pool).observe(wait_s)
+            if self._backends is not None:
+                self._backends.observe_queue_wait(pool, wait_s)
 
     async def _watched(self, pool: str, attempt: GenerationRequest) -> AsyncIterator[JobEvent]:
         """The attempt's events; every probe interval without one, check that its worker is still alive
@@ -404,6 +426,7 @@ class QueueRelay:
     async def _set_aside(self, pool: str, req: GenerationRequest, deliveries: int, exc: BaseException) -> None:
         try:
             await self._queue.set_aside(pool, req, f"{deliveries} workers were lost running it: {exc}", deliveries)
+            metrics.DEAD_LETTERS.labels(pool).inc()
         except errors.QueueUnavailable:
             log.warning("set_aside_failed", request_id=req.request_id)
 

@@ -12,12 +12,20 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from llamamesh import logs
+from llamamesh import logs, metrics
 from llamamesh.queue.batches import RedisBatches
 from llamamesh.queue.protocol import BatchStore, JobQueue
 from llamamesh.queue.quotas import Quotas, RedisQuotas
 from llamamesh.queue.streams import RedisQueue
-from llamamesh.settings import AuthSettings, BatchSettings, BreakerSettings, GatewaySettings, LimitsSettings, Settings
+from llamamesh.settings import (
+    AuthSettings,
+    BatchSettings,
+    BreakerSettings,
+    GatewaySettings,
+    LimitsSettings,
+    Settings,
+    prometheus_multiproc_dir,
+)
 from llamamesh.supervisor import Child, Supervisor
 from llamamesh.tenants import TenantsFile
 from llamamesh.v1 import admin_pb2, admin_pb2_grpc, batch_pb2, batch_pb2_grpc, generation_pb2, generation_pb2_grpc
@@ -150,6 +158,8 @@ async def serve(settings: Settings, share_port: bool = False) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    g = settings.gateway
+    metrics.serve(g.metrics_port, g.host, "gateway", prometheus_multiproc_dir())
     queue = RedisQueue.from_settings(settings.redis)
     batches = RedisBatches.from_settings(queue.client, queue.keys, settings.batch)
     gateway = await start_gateway(
@@ -173,18 +183,25 @@ def supervise(settings: Settings) -> int:
     n = settings.gateway.processes
     if settings.gateway.port == 0:
         raise ValueError("LLAMAMESH_GATEWAY_PROCESSES > 1 needs a fixed LLAMAMESH_GATEWAY_PORT")
-    env = settings.with_overrides(gateway={"processes": 1, "share_port": True}).to_env()
+    # One scrape for all of them: the children write their metrics into one directory, served here.
+    g = settings.gateway
+    agg = metrics.Aggregate(g.metrics_port, g.host, "gateway", prometheus_multiproc_dir())
+    env = settings.with_overrides(gateway={"processes": 1, "share_port": True, "metrics_port": 0}).to_env()
+    env.update(agg.children_env())
     children = [
         Child(f"gateway-{i}", (sys.executable, "-m", "services"), {**env, "LLAMAMESH_LOG_PROCESS": f"gateway-{i}"})
         for i in range(n)
     ]
-    sup = Supervisor(children)
-    sup.start()
-    log.info("gateways_started", processes=n, port=settings.gateway.port, pids=[s.pid for s in sup.states.values()])
+    sup = Supervisor(children, on_exit=lambda state: agg.process_dead(state.pid))
     try:
-        sup.run()
+        sup.start()
+        log.info("gateways_started", processes=n, port=g.port, pids=[s.pid for s in sup.states.values()])
+        try:
+            sup.run()
+        finally:
+            code = sup.stop(g.grace_s + 10)
     finally:
-        code = sup.stop(settings.gateway.grace_s + 10)
+        agg.close()
     return code
 
 

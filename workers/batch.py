@@ -12,6 +12,7 @@ import asyncio
 
 import structlog
 
+from llamamesh import metrics
 from llamamesh.backoff import Delays
 from llamamesh.errors import EngineDead, LlamameshError, QueueUnavailable
 from llamamesh.queue.protocol import BatchStore, Lease
@@ -40,6 +41,8 @@ async def record(batches: BatchStore, lease: Lease, result: ItemResult) -> None:
             log.warning("batch_record_failed", retry_in_s=round(await delays.wait(), 3))
     log.info("batch_item_finished", batch_id=lease.request.batch_id, custom_id=result.custom_id,
              status=result.status.value, duplicate=not fresh)  # fmt: skip
+    if fresh:
+        metrics.BATCH_ITEMS.labels(result.status.value).inc()
 
 
 async def run_batch_item(lease: Lease, engine: Engine, batches: BatchStore) -> None:

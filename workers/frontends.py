@@ -8,13 +8,14 @@ AsyncLLM client, leasing and event publishing.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
 import structlog
 
-from llamamesh import logs
-from llamamesh.settings import Settings
+from llamamesh import logs, metrics
+from llamamesh.settings import Settings, prometheus_multiproc_dir
 from workers.engines.vllm import CoreClient, VllmEngine
 from workers.engines.vllm_frontends import run_with_frontends, split_inflight
 from workers.process import run, serve
@@ -45,7 +46,16 @@ def run_frontends(settings: Settings) -> int:
     """The supervising process: the engine core plus ``vllm.frontends`` frontends; returns the exit code."""
     structlog.contextvars.bind_contextvars(worker=settings.worker.consumer_name(), pool=settings.worker.pool)
     log.info("engine_starting", engine="vllm", model=settings.worker.model, frontends=settings.vllm.frontends)
-    # Frontends drain for grace_s after SIGTERM; the rest is their engine shutdown.
-    return run_with_frontends(
-        settings.worker, settings.vllm, run_frontend, settings, shutdown_timeout_s=settings.worker.grace_s + 15
-    )
+    # One scrape for all frontends: vLLM spawns them with this process's environment, so the
+    # directory they write into goes there (prometheus_client reads it when they import it).
+    ws = settings.worker
+    agg = metrics.Aggregate(ws.metrics_port, ws.metrics_host, "worker", prometheus_multiproc_dir())
+    os.environ.update(agg.children_env())
+    settings = settings.with_overrides(worker={"metrics_port": 0})
+    try:
+        # Frontends drain for grace_s after SIGTERM; the rest is their engine shutdown.
+        return run_with_frontends(
+            settings.worker, settings.vllm, run_frontend, settings, shutdown_timeout_s=settings.worker.grace_s + 15
+        )
+    finally:
+        agg.close()

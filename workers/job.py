@@ -7,6 +7,7 @@ import time
 
 import structlog
 
+from llamamesh import metrics
 from llamamesh.errors import DeadlineExceeded, EngineDead, InternalError, LlamameshError, WorkerLost, field_of
 from llamamesh.queue.protocol import Lease
 from llamamesh.types import (
@@ -21,6 +22,9 @@ from workers.engines.base import Engine
 from workers.outbox import Outbox
 
 log = structlog.get_logger(__name__)
+
+# Request ids of the gateways' probes (services/backends.py) start with it ("~" is in no caller's id).
+PROBE_PREFIX = "probe~"
 
 
 def failure_of(exc: LlamameshError) -> Failure:
@@ -53,6 +57,10 @@ async def run_job(
     dead: EngineDead | None = None
     structlog.contextvars.bind_contextvars(request_id=req.request_id)
     timer: asyncio.TimerHandle | None = None
+    probe = req.request_id.startswith(PROBE_PREFIX)  # the gateways' health probes: not counted as jobs
+    if not probe:
+        metrics.JOBS_STARTED.labels(lease.pool).inc()
+    generated = metrics.WORKER_TOKENS.labels(lease.pool)
     try:
         if req.deadline_unix_ns:
             left_s = (req.deadline_unix_ns - started) / 1e9
@@ -66,8 +74,11 @@ async def run_job(
             return
         outbox.watch(lease)
         async for delta in engine.stream(req):
-            if delta.token_ids and not first_token:
-                first_token = time.time_ns()
+            if delta.token_ids:
+                if not probe:
+                    generated.inc(len(delta.token_ids))
+                if not first_token:
+                    first_token = time.time_ns()
             if delta.finish_reason is FinishReason.CANCELLED and 0 < req.deadline_unix_ns <= time.time_ns():
                 raise DeadlineExceeded(f"aborted at the request's deadline after {index} tokens")
             if delta.finish_reason is FinishReason.CANCELLED and stopping is not None and stopping.is_set():
@@ -123,7 +134,7 @@ async def run_job(
             timer.cancel()
         if terminal is not None:
             await asyncio.shield(outbox.finish(lease, terminal))
-            _log_finished(lease, terminal, started, first_token, engine_timings)
+            _log_finished(lease, terminal, started, first_token, engine_timings, probe)
         structlog.contextvars.unbind_contextvars("request_id")
     if dead is not None:
         raise dead
@@ -139,7 +150,8 @@ _aborts: set[asyncio.Future[None]] = set()
 
 
 def _log_finished(
-    lease: Lease, event: JobEvent, started: int, first_token: int, engine_timings: tuple[tuple[str, float], ...]
+    lease: Lease, event: JobEvent, started: int, first_token: int, engine_timings: tuple[tuple[str, float], ...],
+    probe: bool = False,
 ) -> None:
     req = lease.request
     fields: dict[str, object] = {
@@ -165,3 +177,7 @@ def _log_finished(
     else:
         fields.update(status="ok")
     log.info("job_finished", **fields)
+    if probe:
+        return
+    cancelled = event.finished is not None and event.finished.finish_reason is FinishReason.CANCELLED
+    metrics.JOBS_FINISHED.labels(lease.pool, "cancelled" if cancelled else str(fields["status"])).inc()

@@ -15,11 +15,11 @@ from typing import Any
 
 import structlog
 
-from llamamesh import logs
+from llamamesh import logs, metrics
 from llamamesh.errors import EngineDead, InvalidRequest, QueueUnavailable
 from llamamesh.queue.batches import RedisBatches
 from llamamesh.queue.streams import RedisQueue
-from llamamesh.settings import Settings
+from llamamesh.settings import Settings, prometheus_multiproc_dir
 from llamamesh.types import WorkerState, WorkerStatus
 from workers.engines import registry
 from workers.engines.base import Engine
@@ -39,6 +39,7 @@ async def serve(settings: Settings, engine: Engine | None = None) -> int:
         loop.add_signal_handler(sig, stop.set)
     ws = settings.worker
     structlog.contextvars.bind_contextvars(worker=ws.consumer_name(), pool=ws.pool)
+    metrics.serve(ws.metrics_port, ws.metrics_host, "worker", prometheus_multiproc_dir())
     queue = RedisQueue.from_settings(settings.redis)
     code = 0
     worker: Worker | None = None

@@ -22,8 +22,9 @@ from collections.abc import Mapping
 
 import structlog
 
+from llamamesh import metrics
 from llamamesh.errors import InvalidRequest
-from llamamesh.settings import Settings
+from llamamesh.settings import Settings, prometheus_multiproc_dir
 from llamamesh.supervisor import Child, Supervisor
 
 log = structlog.get_logger(__name__)
@@ -79,12 +80,16 @@ def run_replicas(settings: Settings, groups: list[list[str]]) -> int:
     """Run one ``python -m workers`` per GPU group until a signal (forwarded: they drain), restarting
     any that dies. Returns 0, or 1 if one had to be killed at the end."""
     base = settings.worker.consumer_name()
+    ws = settings.worker
+    # One scrape for all replicas: they write into one directory, served here.
+    agg = metrics.Aggregate(ws.metrics_port, ws.metrics_host, "worker", prometheus_multiproc_dir())
     children = []
     for i, group in enumerate(groups):
         consumer = f"{base}-r{i}"
-        child_env = {"CUDA_VISIBLE_DEVICES": ",".join(group), "LLAMAMESH_WORKER_CONSUMER": consumer}
+        child_env = {"CUDA_VISIBLE_DEVICES": ",".join(group), "LLAMAMESH_WORKER_CONSUMER": consumer,
+                     "LLAMAMESH_WORKER_METRICS_PORT": "0", **agg.children_env()}  # fmt: skip
         children.append(Child(f"replica-{i}", (sys.executable, "-m", "workers"), child_env))
-    sup = Supervisor(children)
+    sup = Supervisor(children, on_exit=lambda state: agg.process_dead(state.pid))
     sup.start()
     for i, (group, state) in enumerate(zip(groups, sup.states.values(), strict=True)):
         log.info("replica_started", replica=i, pid=state.pid, gpus=",".join(group),
@@ -93,5 +98,6 @@ def run_replicas(settings: Settings, groups: list[list[str]]) -> int:
         sup.run()
     finally:
         code = sup.stop(settings.worker.grace_s + 15)
+        agg.close()
     log.info("replicas_stopped", exit_code=code)
     return code

@@ -30,6 +30,7 @@ from typing import Any
 
 import structlog
 
+from llamamesh import metrics
 from llamamesh.backoff import Delays
 from llamamesh.errors import EngineDead, InvalidRequest, QueueUnavailable, WorkerDied
 from llamamesh.queue.protocol import BatchStore, Lease, WorkQueue
@@ -362,6 +363,11 @@ class Worker:
             doing = self._engine.starting or "starting the engine"
             if doing != self._detail:
                 self._detail, self._since = doing, time.time()
+        pool = self._s.pool
+        metrics.WORKER_INFLIGHT.labels(pool).set(len(self._tasks))
+        metrics.ENGINE_RUNNING.labels(pool).set(stats.running)
+        metrics.ENGINE_WAITING.labels(pool).set(stats.waiting)
+        metrics.KV_CACHE_USAGE.labels(pool).set(stats.kv_cache_usage)
         return WorkerStatus(
             worker=self.name,
             pool=self._s.pool,

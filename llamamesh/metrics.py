@@ -1,0 +1,202 @@
+"""Every Prometheus metric of llamamesh, defined once, and the /metrics endpoint of each process.
+
+Names are ``llamamesh_*`` in base units (``_seconds``, ``_total`` counters, ratios in [0, 1]); labels
+are bounded: pool, method, code, reason, state, to, status. Never a request id or a tenant.
+
+A gateway process updates the gateway metrics, a worker process the worker ones; nothing below
+``services/`` and ``workers/`` touches them but through the names here.
+
+One process (``LLAMAMESH_GATEWAY_METRICS_PORT`` / ``LLAMAMESH_WORKER_METRICS_PORT`` set, nothing
+else) serves its own registry. A process that supervises others of one role (the gateway's
+``LLAMAMESH_GATEWAY_PROCESSES``, the node's gateway and workers) aggregates them in one scrape with
+prometheus_client's multiprocess mode: it makes a fresh directory, gives its children
+``PROMETHEUS_MULTIPROC_DIR`` (:meth:`Aggregate.children_env`; prometheus_client reads that variable itself when
+it is imported, the one variable no setting carries) and the metrics port 0, and serves a
+``MultiProcessCollector`` over the directory (:class:`Aggregate`). Gauges then add the live
+processes' values (``livesum``), or keep the largest (``livemax``).
+
+The hot path stays cheap: per-request histograms are observed once per request (the inter-token
+latency once per streamed message that carries tokens), token counts are added at a request's end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess, start_http_server
+
+from llamamesh import errors
+
+log = structlog.get_logger(__name__)
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's own name for it
+
+# Latencies from a millisecond to ten minutes; token gaps finer.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+                   300.0, 600.0)  # fmt: skip
+TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+# --- gateway
+
+REQUESTS = Counter("llamamesh_requests", "RPCs finished, by method, gRPC status code and pool ('' if none)",
+                   ["method", "code", "pool"])  # fmt: skip
+REQUEST_DURATION = Histogram("llamamesh_request_duration_seconds", "RPC duration, accept to end", ["method"],
+                             buckets=LATENCY_BUCKETS)  # fmt: skip
+INFLIGHT = Gauge("llamamesh_inflight_requests", "RPCs being served now", multiprocess_mode="livesum")
+TTFT = Histogram("llamamesh_time_to_first_token_seconds", "Gateway accept to the first token relayed", ["pool"],
+                 buckets=LATENCY_BUCKETS)  # fmt: skip
+ITL = Histogram("llamamesh_inter_token_latency_seconds", "Gap between successive relayed messages carrying tokens",
+                ["pool"], buckets=TOKEN_GAP_BUCKETS)  # fmt: skip
+QUEUE_WAIT = Histogram("llamamesh_queue_wait_seconds", "Gateway accept to a worker starting the request", ["pool"],
+                       buckets=LATENCY_BUCKETS)  # fmt: skip
+PROMPT_TOKENS = Counter("llamamesh_prompt_tokens", "Prompt tokens of finished requests", ["pool"])
+GENERATION_TOKENS = Counter("llamamesh_generation_tokens", "Tokens relayed to callers", ["pool"])
+QUEUE_DEPTH = Gauge("llamamesh_queue_depth", "Jobs waiting unleased in the pool's work streams", ["pool"],
+                    multiprocess_mode="livemax")  # fmt: skip
+QUEUE_PENDING = Gauge("llamamesh_queue_pending", "Jobs leased by a worker and not yet acked", ["pool"],
+                      multiprocess_mode="livemax")  # fmt: skip
+BREAKER_STATE = Gauge("llamamesh_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open", ["pool"],
+                      multiprocess_mode="livemax")  # fmt: skip
+BREAKER_TRANSITIONS = Counter("llamamesh_breaker_transitions", "Breaker transitions, by the state moved to",
+                              ["pool", "to"])  # fmt: skip
+FAILOVERS = Counter("llamamesh_failovers", "Requests moved to another worker or pool after a loss", ["pool"])
+DEAD_LETTERS = Counter("llamamesh_dead_letters", "Requests set aside in the pool's dead-letter stream", ["pool"])
+ADMISSION_REJECTED = Counter("llamamesh_admission_rejected", "Requests refused before queueing, by reason",
+                             ["reason"])  # fmt: skip
+WORKERS = Gauge("llamamesh_workers", "Workers of the pool by heartbeat state, as the gateway sees them",
+                ["pool", "state"], multiprocess_mode="livemax")  # fmt: skip
+DISCONNECT_CANCEL = Histogram("llamamesh_disconnect_cancel_seconds",
+                              "Caller gone to the cancel flag written for its worker", buckets=LATENCY_BUCKETS)
+
+# --- worker
+
+JOBS_STARTED = Counter("llamamesh_jobs_started", "Jobs a worker started", ["pool"])
+JOBS_FINISHED = Counter("llamamesh_jobs_finished", "Jobs a worker finished, by status (ok or the failure code)",
+                        ["pool", "status"])  # fmt: skip
+WORKER_TOKENS = Counter("llamamesh_worker_generated_tokens", "Tokens the worker's engine generated", ["pool"])
+WORKER_INFLIGHT = Gauge("llamamesh_worker_inflight_jobs", "Jobs the worker runs now", ["pool"],
+                        multiprocess_mode="livesum")  # fmt: skip
+ENGINE_RUNNING = Gauge("llamamesh_engine_running_requests", "Requests running in the engine", ["pool"],
+                       multiprocess_mode="livesum")  # fmt: skip
+ENGINE_WAITING = Gauge("llamamesh_engine_waiting_requests", "Requests waiting inside the engine", ["pool"],
+                       multiprocess_mode="livesum")  # fmt: skip
+BATCH_ITEMS = Counter("llamamesh_batch_items", "Batch item results recorded by workers, by status", ["state"])
+KV_CACHE_USAGE = Gauge("llamamesh_engine_kv_cache_usage_ratio", "Fraction of the KV cache in use (largest worker)",
+                       ["pool"], multiprocess_mode="livemax")  # fmt: skip
+
+BREAKER_VALUES = {"closed": 0, "half_open": 1, "open": 2}
+
+# Admission refusals: the domain error's class -> the reason label.
+_REASONS: tuple[tuple[type[errors.LlamameshError], str], ...] = (
+    (errors.QueueFull, "queue_full"),
+    (errors.RateLimited, "rate_limited"),
+    (errors.Unauthenticated, "unauthenticated"),
+    (errors.PermissionDenied, "permission_denied"),
+)
+
+
+def rejected(exc: BaseException | None = None, reason: str = "") -> None:
+    """Count a refusal of admission (``reason``, else the one of ``exc``'s class; other errors: nothing)."""
+    if not reason:
+        reason = next((r for cls, r in _REASONS if isinstance(exc, cls)), "")
+    if reason:
+        ADMISSION_REJECTED.labels(reason).inc()
+
+
+def breaker_moved(pool: str, state: str) -> None:
+    BREAKER_STATE.labels(pool).set(BREAKER_VALUES.get(state, 0))
+    BREAKER_TRANSITIONS.labels(pool, state).inc()
+
+
+def workers_seen(pool: str, states: Iterable[str], known: Iterable[str]) -> None:
+    """The pool's workers counted by state; every state of ``known`` is set (0 when none is in it)."""
+    counts = dict.fromkeys(known, 0)
+    for s in states:
+        counts[s] = counts.get(s, 0) + 1
+    for s, n in counts.items():
+        WORKERS.labels(pool, s).set(n)
+
+
+@dataclass
+class PoolRecorder:
+    """A pool's gateway metrics with their label children bound once (the relay's hot path)."""
+
+    pool: str
+    ttft: Any = field(init=False)
+    itl: Any = field(init=False)
+    generated: Any = field(init=False)
+    prompt: Any = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ttft = TTFT.labels(self.pool)
+        self.itl = ITL.labels(self.pool)
+        self.generated = GENERATION_TOKENS.labels(self.pool)
+        self.prompt = PROMPT_TOKENS.labels(self.pool)
+
+
+_recorders: dict[str, PoolRecorder] = {}
+
+
+def pool_recorder(pool: str) -> PoolRecorder:
+    r = _recorders.get(pool)
+    if r is None:
+        r = _recorders[pool] = PoolRecorder(pool)
+    return r
+
+
+# --- serving
+
+
+def serve(port: int, host: str, role: str, directory: str = "") -> int:
+    """Serve /metrics on ``host:port`` (0: nothing) in a daemon thread; returns the port.
+    ``directory``: this process is one of a multiprocess set (settings.prometheus_multiproc_dir), the
+    scrape aggregates every process of it. Raises OSError when the port is taken."""
+    if port <= 0:
+        return 0
+    registry: Any
+    if directory:
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=directory)
+    else:
+        from prometheus_client import REGISTRY
+
+        registry = REGISTRY
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    bound = int(server.server_address[1])
+    log.info("metrics_serving", role=role, url=f"http://{host}:{bound}/metrics", multiprocess=bool(directory))
+    return bound
+
+
+class Aggregate:
+    """The metrics of a set of child processes of one role, served by their supervisor in one
+    scrape: a fresh directory (or the one this process writes into already, when it is itself a
+    child of such a set), removed at :meth:`close` if it made it."""
+
+    def __init__(self, port: int, host: str, role: str, inherited: str = "") -> None:
+        self.port = port
+        self.directory = inherited or tempfile.mkdtemp(prefix=f"llamamesh-metrics-{role}-")
+        self._owned = not inherited
+        self.bound = 0
+        if port > 0 and not inherited:
+            self.bound = serve(port, host, role, self.directory)
+
+    def children_env(self) -> dict[str, str]:
+        """What each child's environment gets: the directory to write into."""
+        return {MULTIPROC_ENV: self.directory}
+
+    def process_dead(self, pid: int | None) -> None:
+        """A child exited: its live gauges leave the sums."""
+        if pid is not None:
+            with contextlib.suppress(OSError):
+                multiprocess.mark_process_dead(pid, self.directory)
+
+    def close(self) -> None:
+        if self._owned:
+            shutil.rmtree(self.directory, ignore_errors=True)
+

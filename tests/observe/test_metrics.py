@@ -1,0 +1,187 @@
+"""Prometheus metrics end to end: real processes (redis-server, the gateway, a worker on the fake
+engine) with their metrics ports on, scraped by a real Prometheus (Debian's ``prometheus``), and
+PromQL over its HTTP API after N known requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+
+from llamamesh.v1 import generation_pb2 as pb
+from llamamesh.v1 import generation_pb2_grpc
+from tests.e2e.conftest import ProcessNode, e2e_redis, wait_until
+from tests.redisproc import RedisProcess, free_port
+
+__all__ = ["e2e_redis"]  # the session's Redis fixture
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+PROMETHEUS = shutil.which("prometheus")
+N = 7
+MAX_TOKENS = 5
+
+
+class Prometheus:
+    """A Prometheus server scraping ``targets`` every second, its data in ``workdir``."""
+
+    def __init__(self, workdir: Path, targets: list[str]) -> None:
+        assert PROMETHEUS is not None
+        self.port = free_port()
+        config = workdir / "prometheus.yml"
+        config.write_text(
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+            "scrape_configs:\n  - job_name: llamamesh\n    static_configs:\n"
+            f"      - targets: {json.dumps(targets)}\n"
+        )
+        self.log = workdir / "prometheus.log"
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'tsdb'}",
+                 f"--web.listen-address=127.0.0.1:{self.port}"],
+                stdout=out, stderr=out,
+            )  # fmt: skip
+        wait_until(self._ready, 30, "Prometheus to be ready")
+
+    def _ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"prometheus exited:\n{self.log.read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=1) as r:
+                return bool(r.status == 200)
+        except OSError:
+            return False
+
+    def query(self, promql: str) -> float | None:
+        """The instant value of a scalar-ish PromQL query (None: no series)."""
+        url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+        with urllib.request.urlopen(url, timeout=5) as r:
+            body = json.load(r)
+        assert body["status"] == "success", body
+        result = body["data"]["result"]
+        return float(result[0]["value"][1]) if result else None
+
+    def wait_for(self, promql: str, want: float, timeout_s: float = 30) -> None:
+        """Poll until ``promql`` gives ``want`` (Prometheus scraped after the requests), bounded."""
+        deadline = time.monotonic() + timeout_s
+        got = self.query(promql)
+        while got != want and time.monotonic() < deadline:
+            time.sleep(0.25)  # polling another process's scrape, bounded by the deadline
+            got = self.query(promql)
+        assert got == want, f"{promql} = {got}, expected {want}"
+
+    def up(self) -> float | None:
+        return self.query("sum(up)")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def metrics_text(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        return str(r.read().decode())
+
+
+async def generate(address: str, n: int, channels: int = 1) -> None:
+    """``n`` Generates of MAX_TOKENS tokens each, over ``channels`` channels of their own connection."""
+    chans = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+             for _ in range(channels)]  # fmt: skip
+    try:
+        stubs = [generation_pb2_grpc.GenerationServiceStub(c) for c in chans]
+
+        async def one(i: int) -> int:
+            req = pb.GenerateRequest(prompt=f"count {i}", max_tokens=MAX_TOKENS, ignore_eos=True)
+            tokens = 0
+            async for m in stubs[i % len(stubs)].Generate(req, timeout=30):
+                tokens += len(m.token_ids)
+            return tokens
+
+        got = await asyncio.gather(*(one(i) for i in range(n)))
+        assert got == [MAX_TOKENS] * n
+    finally:
+        for c in chans:
+            await c.close()
+
+
+def node_with_metrics(tmp_path: Path, redis: RedisProcess, **extra: str) -> tuple[ProcessNode, int, int]:
+    gw, wk = free_port(), free_port()
+    env = {"LLAMAMESH_GATEWAY_METRICS_PORT": str(gw), "LLAMAMESH_WORKER_METRICS_PORT": str(wk), **extra}
+    return ProcessNode(tmp_path, redis, engine="fake", extra_env=env), gw, wk
+
+
+@pytest.fixture
+def prometheus_bin() -> str:
+    if PROMETHEUS is None:
+        pytest.skip("no prometheus binary on PATH (Debian: apt-get install prometheus)")
+    return PROMETHEUS
+
+
+async def test_prometheus_counts_exactly_the_requests_served(
+    prometheus_bin: str, e2e_redis: RedisProcess, tmp_path: Path
+) -> None:
+    node, gw, wk = node_with_metrics(tmp_path, e2e_redis)
+    prom: Prometheus | None = None
+    try:
+        node.start(timeout_s=60)
+        prom = Prometheus(tmp_path, [f"127.0.0.1:{gw}", f"127.0.0.1:{wk}"])
+        prom.wait_for("sum(up)", 2)
+        await generate(node.address, N)
+        prom.wait_for('sum(llamamesh_requests_total{method="Generate",code="OK"})', N)
+        prom.wait_for('sum(llamamesh_request_duration_seconds_count{method="Generate"})', N)
+        prom.wait_for("sum(llamamesh_time_to_first_token_seconds_count)", N)
+        prom.wait_for("sum(llamamesh_queue_wait_seconds_count)", N)
+        prom.wait_for("sum(llamamesh_generation_tokens_total)", N * MAX_TOKENS)
+        # a gap per streamed message after a request's first (a fast engine step may carry several tokens)
+        itl = prom.query("sum(llamamesh_inter_token_latency_seconds_count)")
+        assert itl is not None and 0 <= itl <= N * (MAX_TOKENS - 1)
+        prom.wait_for('sum(llamamesh_jobs_finished_total{status="ok"})', N)
+        prom.wait_for("sum(llamamesh_jobs_started_total)", N)
+        prom.wait_for("sum(llamamesh_worker_generated_tokens_total)", N * MAX_TOKENS)
+        prom.wait_for("sum(llamamesh_inflight_requests)", 0)
+        prom.wait_for('llamamesh_breaker_state{pool="cpu"}', 0)
+        prom.wait_for('llamamesh_workers{pool="cpu",state="ready"}', 1)
+        prom.wait_for('llamamesh_engine_running_requests{pool="cpu"}', 0)
+    finally:
+        if prom is not None:
+            prom.stop()
+        node.stop()
+
+
+async def test_two_gateway_processes_give_one_scrape_of_both(
+    prometheus_bin: str, e2e_redis: RedisProcess, tmp_path: Path
+) -> None:
+    node, gw, _wk = node_with_metrics(tmp_path, e2e_redis, LLAMAMESH_GATEWAY_PROCESSES="2")
+    prom: Prometheus | None = None
+    try:
+        node.start(timeout_s=60)
+        wait_until(lambda: node.log("gateway").count('"gateway_started"') == 2, 30, "both gateways listening")
+        prom = Prometheus(tmp_path, [f"127.0.0.1:{gw}"])
+        prom.wait_for("sum(up)", 1)
+        # Channels with connections of their own: the kernel spreads them over both processes.
+        await generate(node.address, 4 * N, channels=16)
+        prom.wait_for('sum(llamamesh_requests_total{method="Generate",code="OK"})', 4 * N)
+        prom.wait_for("sum(llamamesh_generation_tokens_total)", 4 * N * MAX_TOKENS)
+        prom.wait_for("sum(llamamesh_time_to_first_token_seconds_count)", 4 * N)
+        # Both processes served some of them, and the scrape holds both processes' counts.
+        served = [line for line in node.log("gateway").splitlines() if '"rpc_finished"' in line and "Generate" in line]
+        procs = {json.loads(line).get("process") for line in served}
+        assert len(procs) == 2, procs
+        text = metrics_text(gw)
+        assert 'llamamesh_requests_total{code="OK",method="Generate",pool="cpu"}' in text
+    finally:
+        if prom is not None:
+            prom.stop()
+        node.stop()
