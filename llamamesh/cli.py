@@ -5,6 +5,7 @@
   llamamesh generate "..."        stream an answer to the terminal
   llamamesh demo "..."            start a node, stream one answer, stop
   llamamesh models | tokenize     the models served; a prompt's token ids
+  llamamesh top [--once]          each pool: workers, requests in flight / slots, queue, tokens/s (AdminService)
   llamamesh batch submit FILE.jsonl [--summarise]   submit a durable batch, show its progress
   llamamesh batch status | results | cancel | list  follow it (JSONL formats: llamamesh/batchfile.py)
   llamamesh auth create-key TENANT [--admin] | revoke-key KEY_ID | list-keys   the tenants file
@@ -26,10 +27,11 @@ from typing import Any
 
 import grpc
 
-from llamamesh import batchfile, logs, tenants
+from llamamesh import batchfile, logs, tenants, top
 from llamamesh.client import DEFAULT_ADDRESS, Client, field_violations
 from llamamesh.node import Node, StartFailed
 from llamamesh.settings import ClientSettings, Settings
+from llamamesh.v1 import admin_pb2 as admin_pb
 from llamamesh.v1 import batch_pb2 as bpb
 from llamamesh.v1 import generation_pb2 as pb
 
@@ -209,6 +211,33 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 
     asyncio.run(run())
     return 0
+
+
+async def _top(args: argparse.Namespace, out: Any) -> int:
+    clear = "\x1b[H\x1b[2J" if out.isatty() else ""  # home and clear; a pipe gets plain frames
+    async with _client(args.address, args) as c:
+        while True:
+            title = f"llamamesh top  {args.address}  {time.strftime('%H:%M:%S')}"
+            try:
+                frame = top.render(await c.admin.ListBackends(admin_pb.ListBackendsRequest(), timeout=10), title)
+            except grpc.aio.AioRpcError as err:
+                if args.once:
+                    print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+                    return 1
+                frame = f"{title}\nerror: {err.code().name}: {err.details()}\n"
+            out.write(clear + frame if clear else frame + ("" if args.once else "\n"))
+            out.flush()
+            if args.once:
+                return 0
+            await asyncio.sleep(args.interval)
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    """Frames until Ctrl-C (which ends it with 0), or one with --once."""
+    try:
+        return asyncio.run(_top(args, sys.stdout))
+    except KeyboardInterrupt:
+        return 0
 
 
 # --- batches
@@ -409,6 +438,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--address", default=DEFAULT_ADDRESS)
     _client_flags(p)
     p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("top", help="each pool's workers, requests in flight, queue and tokens/s, refreshed")
+    p.add_argument("--address", default=DEFAULT_ADDRESS)
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between frames (default 1)")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    _client_flags(p)
+    p.set_defaults(func=cmd_top)
 
     _batch_flags(sub)
 

@@ -1,17 +1,21 @@
-"""AdminService: what this gateway knows about its backend pools (breakers, live workers)."""
+"""AdminService: what this gateway knows about its backend pools (breakers, live workers, queue depth,
+tokens per second)."""
 
 from __future__ import annotations
+
+import asyncio
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from llamamesh.queue.protocol import QueueDepth
 from llamamesh.v1 import admin_pb2 as pb
 from llamamesh.v1 import admin_pb2_grpc
 from services.backends import Backends, Pool
 from services.calls import rpc
 
 
-def backend_pb(pool: Pool, fallback: str) -> pb.Backend:
+def backend_pb(pool: Pool, fallback: str, depth: QueueDepth | None = None) -> pb.Backend:
     out = pb.Backend(
         pool=pool.name,
         breaker_state=pool.breaker.state.value,
@@ -19,7 +23,11 @@ def backend_pb(pool: Pool, fallback: str) -> pb.Backend:
         fallback=fallback,
         probes=pool.probes,
         last_probe_error=pool.last_probe_error,
+        queue_wait_s=pool.queue_wait_s if pool.waits else 0.0,
+        tokens_per_s=pool.tokens.per_s(),
     )
+    if depth is not None:
+        out.queue_depth, out.queue_pending = depth.waiting, depth.leased
     for w in pool.workers:
         added = out.workers.add(
             name=w.worker, model=w.model, engine=w.engine, inflight=w.inflight, max_inflight=w.max_inflight,
@@ -43,6 +51,8 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         self, request: pb.ListBackendsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListBackendsResponse:
         b = self._backends
-        return pb.ListBackendsResponse(
-            backends=[backend_pb(p, b.fallback.get(name, "")) for name, p in sorted(b.pools.items())]
-        )
+        pools = sorted(b.pools.items())
+        depths = await asyncio.gather(*(b.queue_depth(name) for name, _p in pools))
+        return pb.ListBackendsResponse(backends=[
+            backend_pb(p, b.fallback.get(name, ""), d) for (name, p), d in zip(pools, depths, strict=True)
+        ])  # fmt: skip

@@ -31,12 +31,12 @@ import contextlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
 from llamamesh import errors, metrics
-from llamamesh.queue.protocol import ProbeQueue
+from llamamesh.queue.protocol import ProbeQueue, QueueDepth
 from llamamesh.settings import BreakerSettings
 from llamamesh.types import GenerationRequest, SamplingParams, WorkerState, WorkerStatus
 from services.breaker import Breaker, State
@@ -62,6 +62,30 @@ def counts_against_backend(exc: BaseException | None) -> bool | None:
     return True
 
 
+class TokenRate:
+    """Tokens per second over the last ``window_s`` whole seconds: one counter per second in a ring,
+    so that counting an event is an integer add (and a clock read)."""
+
+    def __init__(self, clock: Callable[[], float], window_s: int = 5) -> None:
+        self._clock = clock
+        self._window = window_s
+        self._second = [-1] * (window_s + 1)  # the second each slot counts (the current one too)
+        self._tokens = [0] * (window_s + 1)
+
+    def add(self, tokens: int) -> None:
+        now = int(self._clock())
+        i = now % len(self._second)
+        if self._second[i] != now:
+            self._second[i], self._tokens[i] = now, 0
+        self._tokens[i] += tokens
+
+    def per_s(self) -> float:
+        """The mean over the last ``window_s`` whole seconds (the current one is not over yet)."""
+        now = int(self._clock())
+        n = sum(t for s, t in zip(self._second, self._tokens, strict=True) if now - self._window <= s < now)
+        return n / self._window
+
+
 @dataclass
 class Pool:
     name: str
@@ -85,6 +109,8 @@ class Pool:
     # Recent queue wait (accepted -> a worker started it), an exponential average, and its samples.
     queue_wait_s: float = 0.0
     waits: int = 0
+    # Tokens relayed to callers from this pool (services/relay.py), per second of late.
+    tokens: TokenRate = field(default_factory=lambda: TokenRate(time.monotonic))
 
     @property
     def live(self) -> bool:
@@ -128,7 +154,8 @@ class Backends:
         self.fallback = dict(fallback)
         names = list(dict.fromkeys([*pools, *self.fallback, *self.fallback.values()]))
         self._clock = clock
-        self.pools = {p: Pool(p, Breaker(p, settings, clock=clock), empty_since=clock()) for p in names}
+        self.pools = {p: Pool(p, Breaker(p, settings, clock=clock), empty_since=clock(), tokens=TokenRate(clock))
+                      for p in names}  # fmt: skip
         for p in names:
             metrics.BREAKER_STATE.labels(p).set(0)
         self._on_health = on_health
@@ -188,6 +215,20 @@ class Backends:
         if p is not None:
             p.queue_wait_s = seconds if not p.waits else 0.8 * p.queue_wait_s + 0.2 * seconds
             p.waits += 1
+
+    def count_tokens(self, pool: str, n: int) -> None:
+        """``n`` tokens of ``pool`` reached a caller (for ``tokens_per_s``)."""
+        p = self.pools.get(pool)
+        if p is not None:
+            p.tokens.add(n)
+
+    async def queue_depth(self, pool: str) -> QueueDepth | None:
+        """The pool's jobs waiting and leased now; None while the queue is unreachable."""
+        try:
+            return await self._queue.queue_depth(pool)
+        except errors.QueueUnavailable:
+            self.saw_queue(False)
+            return None
 
     def expected_queue_wait(self, pool: str) -> float:
         """The pool's recent queue wait in seconds (0 until it has a few samples)."""

@@ -271,6 +271,8 @@ class QueueRelay:
                         finished = raw.terminal
                         _raise_failure(raw)
                         accepted = cursor.accept(_shifted(raw, base, first_token_ns) if base else raw)
+                        if self._backends is not None and len(cursor.sent) > progress.tokens:
+                            self._backends.count_tokens(pool, len(cursor.sent) - progress.tokens)
                         progress.tokens = len(cursor.sent)
                         if accepted is None:
                             continue

@@ -19,7 +19,7 @@ from types import MappingProxyType
 
 from llamamesh.errors import AlreadyExists, QueueFull, QueueUnavailable
 from llamamesh.queue.keys import stream_tenant
-from llamamesh.queue.protocol import Lease
+from llamamesh.queue.protocol import Lease, QueueDepth
 from llamamesh.types import (
     Attempt,
     BatchInfo,
@@ -195,6 +195,11 @@ class MemoryQueue:
         for name in [n for n, (until, _s) in beats.items() if until <= now]:
             del beats[name]
         return [s for _n, (_u, s) in sorted(beats.items())]
+
+    async def queue_depth(self, pool: str) -> QueueDepth:
+        self._check()
+        p = self._pool(pool)
+        return QueueDepth(sum(len(q) for q in p.tenants.values()), len(p.pending))
 
     async def close(self) -> None:
         return None

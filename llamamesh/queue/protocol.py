@@ -111,11 +111,24 @@ class RequestLog(Protocol):
     async def attach_count(self, caller_id: str) -> int: ...
 
 
+@dataclass(frozen=True)
+class QueueDepth:
+    """A pool's interactive jobs now, over all its tenants' work streams."""
+
+    waiting: int  # queued, not leased by any worker yet
+    leased: int  # leased by a worker (running, or about to), not yet acked
+
+
 class Registry(Protocol):
-    """The workers of each pool, as their heartbeats say."""
+    """The workers of each pool, as their heartbeats say, and the work waiting for them."""
 
     async def workers(self, pool: str) -> list[WorkerStatus]:
         """The live workers of a pool: those whose last heartbeat has not expired."""
+        ...
+
+    async def queue_depth(self, pool: str) -> QueueDepth:
+        """The pool's jobs waiting unleased and leased, summed over its tenants' work streams (batch
+        items not included). Raises QueueUnavailable."""
         ...
 
 

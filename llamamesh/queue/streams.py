@@ -40,7 +40,7 @@ from llamamesh.queue import codec
 from llamamesh.queue.fair import FairShare
 from llamamesh.queue.follow import EventFollower, Item
 from llamamesh.queue.keys import EVENT_FIELD, JOB_FIELD, SUBMITTED_TTL_S, WORKER_GROUP, Keys, stream_tenant
-from llamamesh.queue.protocol import Lease, entry_ref, parse_ref
+from llamamesh.queue.protocol import Lease, QueueDepth, entry_ref, parse_ref
 from llamamesh.queue.redisio import connect, unreachable
 from llamamesh.settings import RedisSettings
 from llamamesh.types import Attempt, Failure, GenerationRequest, JobEvent, WorkerStatus
@@ -321,6 +321,32 @@ class RedisQueue:
             if gone:  # their heartbeats expired: forget the names too
                 await self._r.srem(names_key, *gone)
         return [codec.decode_status(v) for v in raw if v is not None]
+
+    async def queue_depth(self, pool: str) -> QueueDepth:
+        """The pool's tenants (``keys.tenants``), then one pipeline of XLEN and the group's XPENDING
+        summary of each of their work streams: an entry stays in its stream until acked, so waiting
+        = length - leased. A stream or group not there counts as empty. Raises QueueUnavailable."""
+        tenants = sorted((await self._read_tenants(pool)).keys() | {""})
+        with unreachable():
+            async with self._r.pipeline(transaction=False) as pipe:
+                for t in tenants:
+                    stream = self.keys.jobs(pool, t)
+                    pipe.xlen(stream)
+                    pipe.xpending(stream, WORKER_GROUP)
+                replies = await pipe.execute(raise_on_error=False)
+        waiting = leased = 0
+        for length, summary in zip(replies[::2], replies[1::2], strict=True):
+            if isinstance(length, BaseException):
+                raise QueueUnavailable("cannot read the work stream") from length
+            held = 0
+            if isinstance(summary, BaseException):
+                if not _gone(summary):  # NOGROUP: the stream or its group is not there
+                    raise QueueUnavailable("cannot read the work stream") from summary
+            else:
+                held = int(summary["pending"])
+            waiting += max(0, int(length) - held)
+            leased += held
+        return QueueDepth(waiting, leased)
 
     async def prune_consumers(self, pool: str) -> int:
         """Remove the consumers of the pool's work streams (every tenant's) and batch stream that

@@ -20,7 +20,7 @@ class ListBackendsResponse(_message.Message):
     def __init__(self, backends: _Optional[_Iterable[_Union[Backend, _Mapping]]] = ...) -> None: ...
 
 class Backend(_message.Message):
-    __slots__ = ("pool", "breaker_state", "serving", "fallback", "workers", "transitions", "probes", "last_probe_error")
+    __slots__ = ("pool", "breaker_state", "serving", "fallback", "workers", "transitions", "probes", "last_probe_error", "queue_depth", "queue_pending", "queue_wait_s", "tokens_per_s")
     POOL_FIELD_NUMBER: _ClassVar[int]
     BREAKER_STATE_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,10 @@ class Backend(_message.Message):
     TRANSITIONS_FIELD_NUMBER: _ClassVar[int]
     PROBES_FIELD_NUMBER: _ClassVar[int]
     LAST_PROBE_ERROR_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_PENDING_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     pool: str
     breaker_state: str
     serving: bool
@@ -37,7 +41,11 @@ class Backend(_message.Message):
     transitions: _containers.RepeatedCompositeFieldContainer[BreakerTransition]
     probes: int
     last_probe_error: str
-    def __init__(self, pool: _Optional[str] = ..., breaker_state: _Optional[str] = ..., serving: _Optional[bool] = ..., fallback: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., transitions: _Optional[_Iterable[_Union[BreakerTransition, _Mapping]]] = ..., probes: _Optional[int] = ..., last_probe_error: _Optional[str] = ...) -> None: ...
+    queue_depth: int
+    queue_pending: int
+    queue_wait_s: float
+    tokens_per_s: float
+    def __init__(self, pool: _Optional[str] = ..., breaker_state: _Optional[str] = ..., serving: _Optional[bool] = ..., fallback: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., transitions: _Optional[_Iterable[_Union[BreakerTransition, _Mapping]]] = ..., probes: _Optional[int] = ..., last_probe_error: _Optional[str] = ..., queue_depth: _Optional[int] = ..., queue_pending: _Optional[int] = ..., queue_wait_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class Worker(_message.Message):
     __slots__ = ("name", "model", "engine", "inflight", "max_inflight", "running", "waiting", "kv_cache_usage", "state", "detail", "since")

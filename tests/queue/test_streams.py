@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 from llamamesh.errors import QueueFull, QueueUnavailable
 from llamamesh.queue.keys import WORKER_GROUP, Keys
 from llamamesh.queue.memory import MemoryQueue
+from llamamesh.queue.protocol import QueueDepth
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import RedisSettings
 from llamamesh.types import (
@@ -281,3 +282,18 @@ async def test_a_job_that_keeps_killing_workers_is_dead_lettered(rq: RedisQueue,
         assert await r.xlen(keys.jobs("cpu")) == 0
     finally:
         await r.aclose()
+
+
+async def test_queue_depth_counts_waiting_and_leased_jobs_of_every_tenant(queue) -> None:
+    assert await queue.queue_depth("cpu") == QueueDepth(0, 0)  # no stream yet
+    await queue.join("cpu")
+    for i in range(3):
+        await queue.submit("cpu", req(f"a{i}"))
+    for i in range(2):
+        await queue.submit("cpu", dataclasses.replace(req(f"b{i}"), tenant="b"))
+    leased = await queue.lease("cpu", "w-1", 2, 0)
+    assert len(leased) == 2
+    assert await queue.queue_depth("cpu") == QueueDepth(3, 2)
+    await queue.publish([(leased[0], done(1))], [])  # its end acks it
+    assert await queue.queue_depth("cpu") == QueueDepth(3, 1)
+    assert await queue.queue_depth("gpu") == QueueDepth(0, 0)
