@@ -97,6 +97,9 @@ class GenerationRequest:
     # The tenant that submitted it (empty: the default tenant); its ids are namespaced by it
     # (``scoped_id``) and it waits in the tenant's sub-stream of its pool.
     tenant: str = ""
+    # The W3C trace context (``traceparent``/``tracestate``) of the gateway span that submitted it
+    # (llamamesh/tracing.py); empty: not traced.
+    trace: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def caller_id(self) -> str:

@@ -47,6 +47,7 @@ def encode_job(req: GenerationRequest) -> bytes:
         deadline_unix_ns=req.deadline_unix_ns,
         origin_id=req.origin_id,
         tenant=req.tenant,
+        trace=dict(req.trace),
     )
     if req.prompt is not None:
         job.prompt = req.prompt
@@ -95,6 +96,7 @@ def decode_job(data: bytes) -> GenerationRequest:
         deadline_unix_ns=job.deadline_unix_ns,
         origin_id=job.origin_id,
         tenant=job.tenant,
+        trace=MappingProxyType(dict(job.trace)),
     )
 
 
