@@ -470,6 +470,14 @@ def prometheus_multiproc_dir(environ: Mapping[str, str] | None = None) -> str:
     return env.get("PROMETHEUS_MULTIPROC_DIR", "")
 
 
+def otlp_endpoint(environ: Mapping[str, str] | None = None) -> str:
+    """Where spans go (``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_ENDPOINT``,
+    OpenTelemetry's own variables, which its exporter reads itself with the other ``OTEL_*``);
+    empty: tracing is off (llamamesh/tracing.py)."""
+    env = os.environ if environ is None else environ
+    return env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+
+
 def env_name(section: str, name: str) -> str:
     return f"LLAMAMESH_{section}_{name}".upper()
 

@@ -6,6 +6,8 @@
 
 A ``LlamameshError`` ends the call with its status (services/status.py); a cancelled call (the
 caller went away) logs CANCELLED and re-raises; anything else is INTERNAL with a fixed message.
+Each call is a span (llamamesh/tracing.py) continuing the caller's W3C ``traceparent``; its log
+lines carry its ``trace_id``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any, TypeVar
 import grpc
 import structlog
 
-from llamamesh import errors, metrics
+from llamamesh import errors, metrics, tracing
 from services import status
 
 log = structlog.get_logger(__name__)
@@ -61,20 +63,22 @@ async def _call(method: str, context: grpc.aio.ServicerContext) -> AsyncIterator
     token = _fields.set(fields)
     outcome = "ok"  # as it always was; failures carry the gRPC code name
     metrics.INFLIGHT.inc()
-    try:
-        yield
-    except errors.LlamameshError as exc:
-        outcome = status.code_for(exc).name
-        fields["error"] = exc.message
-        await status.abort(context, exc)  # raises
-    except BaseException as exc:  # logged with its status, then re-raised
-        outcome = _other(exc)
-        raise
-    finally:
-        metrics.INFLIGHT.dec()
-        _finished(method, outcome, t0, fields)
-        _fields.reset(token)
-        structlog.contextvars.unbind_contextvars("request_id")
+    with tracing.server_span(method, context.invocation_metadata()) as span:
+        try:
+            yield
+        except errors.LlamameshError as exc:
+            outcome = status.code_for(exc).name
+            fields["error"] = exc.message
+            await status.abort(context, exc)  # raises
+        except BaseException as exc:  # logged with its status, then re-raised
+            outcome = _other(exc)
+            raise
+        finally:
+            metrics.INFLIGHT.dec()
+            tracing.ended(span, outcome)
+            _finished(method, outcome, t0, fields)
+            _fields.reset(token)
+            structlog.contextvars.unbind_contextvars("request_id")
 
 
 def rpc(method: str) -> Callable[[F], F]:

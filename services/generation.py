@@ -12,7 +12,7 @@ from dataclasses import replace
 import grpc
 import structlog
 
-from llamamesh import errors
+from llamamesh import errors, tracing
 from llamamesh.settings import GatewaySettings
 from llamamesh.types import DEFAULT_TENANT, ModelInfo, scoped_id
 from llamamesh.v1 import generation_pb2 as pb
@@ -63,7 +63,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         deadline = time.time_ns() + int(remaining * 1e9) if remaining is not None else 0
         # The caller's deadline is the job's: workers drop or abort it then.
         req = replace(req, request_id=scoped_id(who.tenant, public), deadline_unix_ns=deadline,
-                      tenant="" if who.tenant == DEFAULT_TENANT else who.tenant)  # fmt: skip
+                      tenant="" if who.tenant == DEFAULT_TENANT else who.tenant,
+                      trace=tracing.carrier())  # fmt: skip  # the RPC's span: the worker's parent
         caller = Caller(_fingerprint(request), access_of(who), who.limits.weight)
         structlog.contextvars.bind_contextvars(request_id=public)
         note(tenant=who.tenant)
@@ -118,4 +119,5 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         """Tokenize on a worker of the model's pool (the engine owns the tokenizer)."""
         identity(context)  # a bad tenant header is refused here too
         req, model = convert.tokenize_request(request, self._models, self._s.max_prompt_chars)
+        req = replace(req, trace=tracing.carrier())
         return convert.tokenize_response(req, await self._relay.tokenize(req, model.pool))

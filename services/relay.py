@@ -35,7 +35,7 @@ from typing import Protocol
 
 import structlog
 
-from llamamesh import errors, metrics
+from llamamesh import errors, metrics, tracing
 from llamamesh.queue.protocol import RelayQueue
 from llamamesh.settings import GatewaySettings
 from llamamesh.types import Attempt, Finished, FinishReason, GenerationRequest, JobEvent, Usage, public_id
@@ -264,6 +264,7 @@ class QueueRelay:
                         await self._queue.forget(req.request_id)
                     raise errors.QueueFull(exc.message, retry_after_s=self._s.retry_after_s) from None
                 submitted, finished = True, False
+                tracing.event("job_submitted", pool=pool, job=attempt.request_id, attempt=attempts)
                 if recorder is None or recorder.pool != pool:
                     recorder = metrics.pool_recorder(pool)
                 try:
@@ -283,6 +284,7 @@ class QueueRelay:
                                 progress.ttft_ms = round((now - t0) * 1000, 2)
                                 first_token_ns = time.time_ns()
                                 recorder.ttft.observe(now - t0)
+                                tracing.event("first_token", ttft_ms=progress.ttft_ms)
                             else:
                                 recorder.itl.observe(now - last_token_at)
                             last_token_at = now
@@ -298,6 +300,7 @@ class QueueRelay:
                     # resumed from what the caller has, like a lost worker, but nobody died.
                     deaths += isinstance(exc, errors.EngineDead) or (isinstance(exc, errors.WorkerLost) and exc.running)
                     await self._give_up_or_fail_over(pool, req, attempt, attempts, deaths, exc, cursor.sent)
+                    tracing.event("failover", pool=pool, error=exc.code, tokens=len(cursor.sent))
                     attempts = progress.failovers = attempts + 1
                     submitted = False
         except BaseException as exc:  # recorded for the pool, and to tell a caller gone from an error
@@ -309,9 +312,11 @@ class QueueRelay:
             if submitted and not finished and attempt is not None:
                 gone = failure is None or isinstance(failure, asyncio.CancelledError | GeneratorExit)
                 if resumable and gone:  # the caller's connection dropped: it may Attach again
+                    tracing.event("detached", job=attempt.request_id)
                     await asyncio.shield(self._detached(req.request_id, attempt.request_id))
                 else:  # disconnect, deadline or a failed read: the worker must stop generating
                     gone_at = time.perf_counter()
+                    tracing.event("job_cancelled", job=attempt.request_id)
                     await asyncio.shield(self._cancel(attempt.request_id))
                     if gone:
                         metrics.DISCONNECT_CANCEL.observe(time.perf_counter() - gone_at)

@@ -12,7 +12,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from llamamesh import logs, metrics
+from llamamesh import logs, metrics, tracing
 from llamamesh.queue.batches import RedisBatches
 from llamamesh.queue.protocol import BatchStore, JobQueue
 from llamamesh.queue.quotas import Quotas, RedisQuotas
@@ -208,6 +208,7 @@ def supervise(settings: Settings) -> int:
 def main() -> None:
     settings = Settings.from_env()
     logs.configure(settings.log, "gateway")
+    tracing.configure("gateway")
     if settings.gateway.processes > 1:
         sys.exit(supervise(settings))
     asyncio.run(serve(settings, share_port=settings.gateway.share_port))

@@ -7,7 +7,7 @@ import time
 
 import structlog
 
-from llamamesh import metrics
+from llamamesh import metrics, tracing
 from llamamesh.errors import DeadlineExceeded, EngineDead, InternalError, LlamameshError, WorkerLost, field_of
 from llamamesh.queue.protocol import Lease
 from llamamesh.types import (
@@ -56,6 +56,9 @@ async def run_job(
     engine_timings: tuple[tuple[str, float], ...] = ()
     dead: EngineDead | None = None
     structlog.contextvars.bind_contextvars(request_id=req.request_id)
+    traced = tracing.JobSpan(req.trace, req.accepted_unix_ns, started, **{
+        "llamamesh.request_id": req.request_id, "llamamesh.pool": lease.pool, "llamamesh.worker": worker,
+        "llamamesh.kind": req.kind.value})  # fmt: skip
     timer: asyncio.TimerHandle | None = None
     probe = req.request_id.startswith(PROBE_PREFIX)  # the gateways' health probes: not counted as jobs
     if not probe:
@@ -135,9 +138,20 @@ async def run_job(
         if terminal is not None:
             await asyncio.shield(outbox.finish(lease, terminal))
             _log_finished(lease, terminal, started, first_token, engine_timings, probe)
+        traced.end(_outcome(terminal), first_token)
         structlog.contextvars.unbind_contextvars("request_id")
     if dead is not None:
         raise dead
+
+
+def _outcome(event: JobEvent | None) -> str:
+    """How a job ended, for its span: ok, cancelled or the failure's code."""
+    if event is None:
+        return "internal"
+    if event.failed is not None:
+        return event.failed.code
+    cancelled = event.finished is not None and event.finished.finish_reason is FinishReason.CANCELLED
+    return "cancelled" if cancelled else "ok"
 
 
 def _abort_soon(engine: Engine, request_id: str) -> None:

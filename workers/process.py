@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from llamamesh import logs, metrics
+from llamamesh import logs, metrics, tracing
 from llamamesh.errors import EngineDead, InvalidRequest, QueueUnavailable
 from llamamesh.queue.batches import RedisBatches
 from llamamesh.queue.streams import RedisQueue
@@ -101,6 +101,7 @@ def run(coro: Coroutine[Any, Any, int]) -> int:
 def main() -> None:
     settings = Settings.from_env()
     logs.configure(settings.log, "worker")
+    tracing.configure("worker")
     code = run_replicas_if_needed(settings)
     if code is not None:  # more GPUs than one engine spans: this process supervised one worker per group
         sys.exit(code)
