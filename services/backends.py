@@ -343,6 +343,9 @@ class Backends:
         await self.refresh(p)
         if p.unreachable:  # Redis is out: nothing to learn about the pool
             return
+        if (depth := await self.queue_depth(p.name)) is not None:  # for the metrics, once a probe
+            metrics.QUEUE_DEPTH.labels(p.name).set(depth.waiting)
+            metrics.QUEUE_PENDING.labels(p.name).set(depth.leased)
         if p.starting:  # coming up: nothing to hold against it
             p.last_probe_error = f"starting: {p.what_is_wrong()}"
             await self._publish(p)

@@ -153,6 +153,7 @@ async def test_prometheus_counts_exactly_the_requests_served(
         prom.wait_for("sum(llamamesh_inflight_requests)", 0)
         prom.wait_for('llamamesh_breaker_state{pool="cpu"}', 0)
         prom.wait_for('llamamesh_workers{pool="cpu",state="ready"}', 1)
+        prom.wait_for('llamamesh_queue_depth{pool="cpu"}', 0)
         prom.wait_for('llamamesh_engine_running_requests{pool="cpu"}', 0)
     finally:
         if prom is not None:
