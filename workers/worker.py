@@ -32,7 +32,7 @@ import structlog
 
 from llamamesh import metrics
 from llamamesh.backoff import Delays
-from llamamesh.errors import EngineDead, InvalidRequest, QueueUnavailable, WorkerDied
+from llamamesh.errors import EngineDead, InvalidRequest, QueueUnavailable, WorkerDied, WorkerLost
 from llamamesh.queue.protocol import BatchStore, Lease, WorkQueue
 from llamamesh.settings import BatchSettings, WorkerSettings
 from llamamesh.types import JobEvent, WorkerState, WorkerStatus
@@ -197,10 +197,23 @@ class Worker:
                 self._last_job_reclaim = self._last_reclaim = time.monotonic()
                 log.warning("lease_failed", retry_in_s=round(await delays.wait(stop), 3))
                 continue
+            if self.engine_died is not None and leases:
+                await self._hand_back(leases)  # its engine died while it was waiting for them
+                break
             for lease in leases:
                 await self._admit(lease)
             if not leases and self._polling:  # only the headroom is free: look again soon
                 await _wait_any(self._slot_free, stop, timeout=self._s.headroom_poll_s)
+
+    async def _hand_back(self, leases: list[Lease]) -> None:
+        """Jobs leased after the engine died, never started: each ends ``worker_lost`` (not a death:
+        nothing ran), so the gateway sends it to another worker at once."""
+        lost = WorkerLost(f"worker {self.name!r} lost its engine before it started the job")
+        for lease in leases:
+            if lease.request.batch_id:
+                continue  # left leased: another worker reclaims it once idle (claim_idle_s)
+            await self._outbox.finish(lease, JobEvent(worker=self.name, failed=failure_of(lost)))
+        log.warning("jobs_handed_back", count=len(leases), reason="engine_died")
 
     def _set_state(self, state: WorkerState, detail: str = "") -> None:
         self.state, self._detail, self._since = state, detail, time.time()
