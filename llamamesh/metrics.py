@@ -71,6 +71,12 @@ ADMISSION_REJECTED = Counter("llamamesh_admission_rejected", "Requests refused b
                              ["reason"])  # fmt: skip
 WORKERS = Gauge("llamamesh_workers", "Workers of the pool by heartbeat state, as the gateway sees them",
                 ["pool", "state"], multiprocess_mode="livemax")  # fmt: skip
+# At risk: open (not cancelling) batches with unfinished items and less than AT_RISK_FRACTION of their
+# completion window left before their deadline (expires_at); set by the gateway's batch sweeper.
+AT_RISK_FRACTION = 0.1
+BATCHES_AT_RISK = Gauge("llamamesh_batches_at_risk",
+                        "Open batches with unfinished items and under 10% of their completion window left",
+                        multiprocess_mode="livemax")  # fmt: skip
 DISCONNECT_CANCEL = Histogram("llamamesh_disconnect_cancel_seconds",
                               "Caller gone to the cancel flag written for its worker", buckets=LATENCY_BUCKETS)
 
@@ -86,7 +92,8 @@ ENGINE_RUNNING = Gauge("llamamesh_engine_running_requests", "Requests running in
                        multiprocess_mode="livesum")  # fmt: skip
 ENGINE_WAITING = Gauge("llamamesh_engine_waiting_requests", "Requests waiting inside the engine", ["pool"],
                        multiprocess_mode="livesum")  # fmt: skip
-BATCH_ITEMS = Counter("llamamesh_batch_items", "Batch item results recorded by workers, by status", ["state"])
+BATCH_ITEMS = Counter("llamamesh_batch_items", "Batch item results recorded by workers, by state (the item's status)",
+                      ["state"])  # fmt: skip
 KV_CACHE_USAGE = Gauge("llamamesh_engine_kv_cache_usage_ratio", "Fraction of the KV cache in use (largest worker)",
                        ["pool"], multiprocess_mode="livemax")  # fmt: skip
 
@@ -199,4 +206,3 @@ class Aggregate:
     def close(self) -> None:
         if self._owned:
             shutil.rmtree(self.directory, ignore_errors=True)
-

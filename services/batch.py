@@ -27,7 +27,7 @@ import grpc
 import structlog
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from llamamesh import errors
+from llamamesh import errors, metrics
 from llamamesh.errors import FieldViolation, InvalidRequest, QueueUnavailable
 from llamamesh.queue.protocol import BatchStore
 from llamamesh.queue.quotas import UNSTORED_GRACE_S, Quotas
@@ -349,6 +349,7 @@ class BatchSweeper:
         while True:
             try:
                 await self._store.sweep()
+                metrics.BATCHES_AT_RISK.set(await self._store.at_risk(metrics.AT_RISK_FRACTION))
                 if self._quotas is not None:  # what ended batches held of their tenants' budgets
                     await self._quotas.give_back(self._grace_s)
             except QueueUnavailable:

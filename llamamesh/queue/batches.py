@@ -39,7 +39,7 @@ from llamamesh.errors import AlreadyExists, InvalidRequest, QueueUnavailable
 from llamamesh.queue import codec
 from llamamesh.queue.follow import EventFollower, Item
 from llamamesh.queue.keys import JOB_FIELD, RESULT_FIELD, WORKER_GROUP, Keys
-from llamamesh.queue.protocol import Lease
+from llamamesh.queue.protocol import Lease, batch_at_risk
 from llamamesh.queue.redisio import UNREACHABLE, unreachable
 from llamamesh.queue.streams import create_group, touch_entries
 from llamamesh.settings import BatchSettings
@@ -378,6 +378,18 @@ class RedisBatches:
                     await self._r.zadd(key, {raw: time.time() + (self.claim_idle_s or 60)})
         await self.forget_purged(limit)
         return len(due)
+
+    async def at_risk(self, fraction: float, limit: int = 1000) -> int:
+        with unreachable():
+            ids: Any = await self._r.zrange(self.keys.batches_open(), 0, limit - 1)
+            if not ids:
+                return 0
+            async with self._r.pipeline(transaction=False) as pipe:
+                for raw_id in ids:
+                    pipe.hgetall(self.keys.batch(raw_id.decode()))
+                found: Any = await pipe.execute()
+        now = time.time()
+        return sum(1 for raw in found if raw and b"state" in raw and batch_at_risk(info_of(raw), now, fraction))
 
     async def forget_purged(self, limit: int = 100) -> int:
         """Take up to ``limit`` batches whose record expired (their retention ended) off their owners'

@@ -19,7 +19,7 @@ from types import MappingProxyType
 
 from llamamesh.errors import AlreadyExists, QueueFull, QueueUnavailable
 from llamamesh.queue.keys import stream_tenant
-from llamamesh.queue.protocol import Lease, QueueDepth
+from llamamesh.queue.protocol import Lease, QueueDepth, batch_at_risk
 from llamamesh.types import (
     Attempt,
     BatchInfo,
@@ -368,6 +368,11 @@ class MemoryBatches:
         for b in due[:limit]:
             await self.settle(b.info.batch_id)
         return len(due[:limit])
+
+    async def at_risk(self, fraction: float, limit: int = 1000) -> int:
+        now = time.time()
+        infos = [b.info for b in self._batches.values() if not b.info.state.ended][:limit]
+        return sum(1 for i in infos if batch_at_risk(i, now, fraction))
 
     async def results(self, batch_id: str, after: str, block_ms: int | None) -> list[tuple[str, ItemResult]]:
         b = self._batches.get(batch_id)

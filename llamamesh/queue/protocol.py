@@ -10,7 +10,7 @@ from collections.abc import AsyncGenerator, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from llamamesh.types import Attempt, BatchInfo, GenerationRequest, ItemResult, JobEvent, WorkerStatus
+from llamamesh.types import Attempt, BatchInfo, BatchState, GenerationRequest, ItemResult, JobEvent, WorkerStatus
 
 
 @dataclass(frozen=True)
@@ -206,6 +206,15 @@ class WorkQueue(Protocol):
     async def close(self) -> None: ...
 
 
+def batch_at_risk(info: BatchInfo, now: float, fraction: float) -> bool:
+    """An open (not cancelling) batch with unfinished items, before its deadline, with less than
+    ``fraction`` of its completion window left (``llamamesh_batches_at_risk``)."""
+    if info.state.ended or info.state is BatchState.CANCELLING or info.processing <= 0:
+        return False
+    left = info.expires_at - now
+    return 0 < left < fraction * info.completion_window_s
+
+
 class BatchStore(Protocol):
     """Durable batches: the gateway's side (create, get, owned, cancel, results) and the worker's
     (join, lease_items, reclaim, touch, record, discard). ``batches.RedisBatches`` on Redis;
@@ -235,6 +244,11 @@ class BatchStore(Protocol):
 
     async def sweep(self, limit: int = 100) -> int:
         """Settle open batches past their deadline; how many were looked at."""
+        ...
+
+    async def at_risk(self, fraction: float, limit: int = 1000) -> int:
+        """How many of (up to ``limit``) open batches, not cancelling, not yet past their deadline,
+        have unfinished items and less than ``fraction`` of their completion window left."""
         ...
 
     async def results(self, batch_id: str, after: str, block_ms: int | None) -> list[tuple[str, ItemResult]]:
