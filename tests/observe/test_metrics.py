@@ -9,9 +9,11 @@ import json
 import shutil
 import subprocess
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -19,6 +21,7 @@ import pytest
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc
 from tests.e2e.conftest import ProcessNode, e2e_redis, wait_until
+from tests.observe.test_rules import RATE_INTERVAL, alert_rules, dashboard_exprs, metric_names
 from tests.redisproc import RedisProcess, free_port
 
 __all__ = ["e2e_redis"]  # the session's Redis fixture
@@ -68,6 +71,15 @@ class Prometheus:
         assert body["status"] == "success", body
         result = body["data"]["result"]
         return float(result[0]["value"][1]) if result else None
+
+    def answer(self, promql: str) -> dict[str, Any]:
+        """Prometheus's whole JSON answer to an instant query, an error (4xx with a JSON body) too."""
+        url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                return json.load(r)  # type: ignore[no-any-return]
+        except urllib.error.HTTPError as exc:
+            return json.load(exc)  # type: ignore[no-any-return]
 
     def wait_for(self, promql: str, want: float, timeout_s: float = 30) -> None:
         """Poll until ``promql`` gives ``want`` (Prometheus scraped after the requests), bounded."""
@@ -182,6 +194,68 @@ async def test_two_gateway_processes_give_one_scrape_of_both(
         assert len(procs) == 2, procs
         text = metrics_text(gw)
         assert 'llamamesh_requests_total{code="OK",method="Generate",pool="cpu"}' in text
+    finally:
+        if prom is not None:
+            prom.stop()
+        node.stop()
+
+
+# Series a healthy node serving Generates has none of: nothing failed over, was dead-lettered, refused,
+# moved a breaker or ran a batch item (these counters have a series only once one happened). Their
+# expressions must still evaluate.
+NO_DATA_WHEN_HEALTHY = {
+    "llamamesh_failovers_total", "llamamesh_dead_letters_total", "llamamesh_admission_rejected_total",
+    "llamamesh_breaker_transitions_total", "llamamesh_batch_items_total",
+}  # fmt: skip
+
+
+def dashboard_query(expr: str, pool: str) -> str:
+    return expr.replace("$__rate_interval", RATE_INTERVAL).replace("$pool", pool)
+
+
+def evaluate(prom: Prometheus) -> tuple[list[Any], list[str]]:
+    """(the expressions Prometheus refused, with its answers; those without the series they should have)."""
+    failed: list[Any] = []
+    empty: list[str] = []
+    for expr in dashboard_exprs():
+        query = dashboard_query(expr, "cpu")
+        answer = prom.answer(query)
+        if answer.get("status") != "success":
+            failed.append((query, answer))
+        elif not answer["data"]["result"] and not metric_names(expr) <= NO_DATA_WHEN_HEALTHY:
+            empty.append(query)
+    for rule in alert_rules():
+        answer = prom.answer(rule["expr"])
+        if answer.get("status") != "success":
+            failed.append((rule["alert"], answer))
+        for name in metric_names(rule["expr"]) - NO_DATA_WHEN_HEALTHY:
+            if prom.query(f'count({{__name__=~"{name}(_bucket)?"}})') is None:
+                empty.append(f"{rule['alert']}: {name}")
+    return failed, empty
+
+
+async def test_every_dashboard_and_alert_expression_evaluates_against_a_real_node(
+    prometheus_bin: str, e2e_redis: RedisProcess, tmp_path: Path
+) -> None:
+    """Issue 16 part 4: each PromQL expression of deploy/monitoring, run against the Prometheus that
+    scraped a real node after it served requests: no error; the dashboard's return series (but for
+    NO_DATA_WHEN_HEALTHY); the metrics the alerts read are there."""
+    node, gw, wk = node_with_metrics(tmp_path, e2e_redis)
+    prom: Prometheus | None = None
+    try:
+        node.start(timeout_s=60)
+        prom = Prometheus(tmp_path, [f"127.0.0.1:{gw}", f"127.0.0.1:{wk}"])
+        prom.wait_for("sum(up)", 2)
+        await generate(node.address, N)
+        prom.wait_for('sum(llamamesh_requests_total{method="Generate",code="OK"})', N)
+        # rate() over RATE_INTERVAL needs two samples of each served count, from both scrapes: poll
+        deadline = time.monotonic() + 30
+        failed, empty = evaluate(prom)
+        while (failed or empty) and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)  # polling another process's scrapes, bounded by the deadline
+            failed, empty = evaluate(prom)
+        assert not failed, failed
+        assert not empty, f"no series on a real node: {empty}"
     finally:
         if prom is not None:
             prom.stop()

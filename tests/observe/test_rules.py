@@ -56,19 +56,21 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "llamamesh_dead_letters_total": ("counter", ("pool",)),
     "llamamesh_admission_rejected_total": ("counter", ("reason",)),
     "llamamesh_workers": ("gauge", ("pool", "state")),
-    "llamamesh_batch_items": ("gauge", ("state",)),
+    "llamamesh_disconnect_cancel_seconds": ("histogram", ()),
     "llamamesh_batches_at_risk": ("gauge", ()),
     # worker
     "llamamesh_jobs_started_total": ("counter", ("pool",)),
+    "llamamesh_worker_inflight_jobs": ("gauge", ("pool",)),
+    "llamamesh_batch_items_total": ("counter", ("state",)),
     "llamamesh_jobs_finished_total": ("counter", ("pool", "status")),
     "llamamesh_engine_running_requests": ("gauge", ("pool",)),
     "llamamesh_engine_waiting_requests": ("gauge", ("pool",)),
-    "llamamesh_kv_cache_usage_ratio": ("gauge", ("pool",)),
-    "llamamesh_engine_generated_tokens_total": ("counter", ("pool",)),
+    "llamamesh_engine_kv_cache_usage_ratio": ("gauge", ("pool",)),
+    "llamamesh_worker_generated_tokens_total": ("counter", ("pool",)),
 }
 SAMPLE_LABELS = {
     "pool": "chat", "method": "Generate", "code": "OK", "to": "open", "reason": "queue_full",
-    "state": "ready", "status": "succeeded",
+    "state": "ready", "status": "ok",
 }
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 RATE_INTERVAL = "1m"  # what $__rate_interval stands for in the dashboard's expressions
@@ -217,6 +219,21 @@ def test_provisioning_points_at_the_dashboard_and_prometheus() -> None:
     providers = yaml.safe_load((PROVISIONING / "dashboards" / "dashboards.yaml").read_text())["providers"]
     assert [p["type"] for p in providers] == ["file"]
     assert providers[0]["options"]["path"]
+
+
+def test_metrics_table_is_what_the_code_exports() -> None:
+    """METRICS (names with their exposition suffix, types, label names) is llamamesh/metrics.py's."""
+    from prometheus_client import Counter, Gauge, Histogram
+
+    from llamamesh import metrics
+
+    exported = {}
+    for value in vars(metrics).values():
+        if isinstance(value, Counter | Gauge | Histogram):
+            kind = value._type  # prometheus_client keeps them private
+            name = value._name + ("_total" if kind == "counter" else "")
+            exported[name] = (kind, tuple(value._labelnames))
+    assert exported == METRICS
 
 
 def test_expressions_name_only_exported_metrics() -> None:
