@@ -161,6 +161,7 @@ class Backends:
         self._on_health = on_health
         self._serving: dict[str, bool] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
         # When the queue was last seen unreachable (monotonic), by anyone: None while it answers
         # since start. ``queue_down``: it is out now.
         self._down_at: float | None = None
@@ -174,6 +175,9 @@ class Backends:
         self._tasks = [asyncio.create_task(self._probe_loop(p), name=f"probe-{p.name}") for p in self.pools.values()]
 
     async def stop(self) -> None:
+        # The flag as well as the cancel: on Python < 3.12 asyncio.wait_for can swallow a cancel
+        # that lands as the awaited probe finishes (gh-86296), and the loop would probe on forever.
+        self._stopping = True
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -329,8 +333,10 @@ class Backends:
         await self._publish(p)
 
     async def _probe_loop(self, p: Pool) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self._s.probe_interval_s)
+            if self._stopping:
+                return
             try:
                 await self.probe(p)
             except Exception as exc:  # a probe must never take the gateway down

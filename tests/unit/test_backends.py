@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from llamamesh import errors
@@ -117,3 +119,28 @@ async def test_a_starting_pool_is_coming_up_not_failing() -> None:
     for _ in range(3):  # only a failed worker: absent, and the probes say why
         await b.probe(trt)
     assert trt.breaker.state is State.OPEN and "no model" in trt.last_probe_error
+
+
+@pytest.mark.timeout(10)
+async def test_stop_ends_the_probe_loops_even_when_a_probe_swallows_the_cancel() -> None:
+    """Python 3.11's asyncio.wait_for can swallow a cancel that lands as the awaited probe ends
+    (gh-86296): the loop must still end, or the gateway never exits after SIGTERM."""
+    q = MemoryQueue()
+    b = Backends(q, ["cpu"], {}, BreakerSettings(probe_interval_s=0.01))
+    probing = asyncio.Event()
+    swallowed: list[bool] = []
+
+    async def probe(_p: object) -> None:
+        probing.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            if swallowed:
+                raise
+            swallowed.append(True)  # the first cancel is lost, as in the race
+
+    b.probe = probe  # type: ignore[method-assign,assignment]
+    await b.start()
+    await asyncio.wait_for(probing.wait(), 5)
+    await asyncio.wait_for(b.stop(), 5)
+    assert swallowed
