@@ -104,7 +104,7 @@ class HealthReporter:
             seen(reachable)
 
     async def _loop(self) -> None:
-        while True:
+        while self._task is not None:  # None once shutdown began (a cancel swallowed by wait_for ends it too)
             await asyncio.sleep(self._interval_s if self.reachable else min(self._interval_s, OUTAGE_CHECK_S))
             await self.check_now()
 
@@ -114,9 +114,9 @@ class HealthReporter:
 
     async def shutdown(self) -> None:
         """Report NOT_SERVING for good and stop probing."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        if (task := self._task) is not None:
             self._task = None
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await self.servicer.enter_graceful_shutdown()
