@@ -86,6 +86,9 @@ JOBS_STARTED = Counter("llamamesh_jobs_started", "Jobs a worker started", ["pool
 JOBS_FINISHED = Counter("llamamesh_jobs_finished", "Jobs a worker finished, by status (ok or the failure code)",
                         ["pool", "status"])  # fmt: skip
 WORKER_TOKENS = Counter("llamamesh_worker_generated_tokens", "Tokens the worker's engine generated", ["pool"])
+ENGINE_STEPS = Counter("llamamesh_engine_steps", "Engine steps run (transformers: batched forward passes; vLLM: "
+                       "engine-core output batches this worker received; fake: tokens); rate() is the step "
+                       "throughput, generated tokens over steps the tokens per step", ["pool"])  # fmt: skip
 WORKER_INFLIGHT = Gauge("llamamesh_worker_inflight_jobs", "Jobs the worker runs now", ["pool"],
                         multiprocess_mode="livesum")  # fmt: skip
 ENGINE_RUNNING = Gauge("llamamesh_engine_running_requests", "Requests running in the engine", ["pool"],

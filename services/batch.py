@@ -27,7 +27,7 @@ import grpc
 import structlog
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from llamamesh import errors, metrics
+from llamamesh import errors, metrics, tracing
 from llamamesh.errors import FieldViolation, InvalidRequest, QueueUnavailable
 from llamamesh.queue.protocol import BatchStore
 from llamamesh.queue.quotas import UNSTORED_GRACE_S, Quotas
@@ -246,7 +246,8 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
         )  # fmt: skip
         fingerprint = hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest()
         access = access_of(who)
-        queued = [(self._policy.choose(req, model.pool, access)[0], req) for model, req in items]
+        trace = tracing.carrier()  # this RPC's span: every item's job span is its child
+        queued = [(self._policy.choose(req, model.pool, access)[0], replace(req, trace=trace)) for model, req in items]
         await self._admission.request(who)
         quotas = self._admission.quotas
         held = False

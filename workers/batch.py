@@ -9,10 +9,11 @@ it stays leased, and another worker claims it once this one stops touching it.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import structlog
 
-from llamamesh import metrics
+from llamamesh import metrics, tracing
 from llamamesh.backoff import Delays
 from llamamesh.errors import EngineDead, LlamameshError, QueueUnavailable
 from llamamesh.queue.protocol import BatchStore, Lease
@@ -51,22 +52,35 @@ async def run_batch_item(lease: Lease, engine: Engine, batches: BatchStore) -> N
     req = lease.request
     text: list[str] = []
     n_tokens = 0
+    first_token = 0
     result: ItemResult | None = None
+    outcome = "cancelled"  # (for the span) unless it records a result or the engine dies
+    # A span under the BatchGenerate RPC's: queue_wait from the batch's acceptance, then the item.
+    traced = tracing.JobSpan(req.trace, req.accepted_unix_ns, time.time_ns(), **{
+        "llamamesh.request_id": req.request_id, "llamamesh.pool": lease.pool, "llamamesh.kind": "batch_item",
+        "llamamesh.batch_id": req.batch_id})  # fmt: skip
     try:
         async for delta in engine.stream(req):
             text.append(delta.text)
             n_tokens += len(delta.token_ids)
+            if delta.token_ids and not first_token:
+                first_token = time.time_ns()
             if delta.finish_reason is FinishReason.CANCELLED:
                 return  # aborted by this worker's drain: another worker redoes it
             if delta.finish_reason is not None:
                 result = ItemResult(req.custom_id, ItemStatus.SUCCEEDED, "".join(text), delta.finish_reason,
                                     Usage(delta.prompt_tokens or 0, n_tokens))  # fmt: skip
     except EngineDead:
+        outcome = "engine_dead"
         raise
     except LlamameshError as exc:
         result = ItemResult(req.custom_id, ItemStatus.ERRORED, error_code=exc.code, error_message=exc.message)
     except Exception:
         log.exception("batch_item_crashed", batch_id=req.batch_id, custom_id=req.custom_id)
         result = ItemResult(req.custom_id, ItemStatus.ERRORED, error_code="internal", error_message="internal error")
+    finally:
+        if result is not None:
+            outcome = "ok" if result.status is ItemStatus.SUCCEEDED else (result.error_code or result.status.value)
+        traced.end(outcome, first_token)
     if result is not None:
         await asyncio.shield(record(batches, lease, result))

@@ -83,6 +83,7 @@ class Worker:
         self.join_failures = 0
         self.state = WorkerState.STARTING
         self._detail = ""
+        self._steps_counted = 0  # of the engine's step counter, added to llamamesh_engine_steps_total
         self._since = time.time()
         # Set by the watchdog: the engine stopped making progress; the worker leaves without draining.
         self.wedged = False
@@ -381,6 +382,9 @@ class Worker:
         metrics.ENGINE_RUNNING.labels(pool).set(stats.running)
         metrics.ENGINE_WAITING.labels(pool).set(stats.waiting)
         metrics.KV_CACHE_USAGE.labels(pool).set(stats.kv_cache_usage)
+        if stats.steps > self._steps_counted:  # -1: the engine does not count
+            metrics.ENGINE_STEPS.labels(pool).inc(stats.steps - self._steps_counted)
+            self._steps_counted = stats.steps
         return WorkerStatus(
             worker=self.name,
             pool=self._s.pool,

@@ -45,6 +45,10 @@ class ProcessNode:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    def metrics_url(self, role: str) -> str:
+        """The /metrics URL of ``role`` ("gateway" or "worker"), when the node was given its port."""
+        return f"http://127.0.0.1:{self.env[f'LLAMAMESH_{role.upper()}_METRICS_PORT']}/metrics"
+
     def log_path(self, name: str) -> Path:
         return self.dir / f"{name}.log"
 
@@ -128,12 +132,15 @@ def node(
     """Gateway + a worker serving the real SmolLM2-135M-Instruct: on the CPU (transformers engine), or
     on a GPU with vLLM as two frontend processes sharing one engine core (skipped without CUDA)."""
     workdir = tmp_path_factory.mktemp(f"{request.param}-node")
+    # Both /metrics endpoints on (test_node.py reads them); the node's only worker process, or the
+    # supervisor of the vLLM frontends, serves the worker's.
+    metrics = {"LLAMAMESH_GATEWAY_METRICS_PORT": str(free_port()), "LLAMAMESH_WORKER_METRICS_PORT": str(free_port())}
     if request.param == "cpu":
         node = ProcessNode(
             workdir,
             e2e_redis,
             engine="transformers",
-            extra_env={"LLAMAMESH_WORKER_THREADS": "1", "LLAMAMESH_WORKER_MAX_INFLIGHT": "8"},
+            extra_env={"LLAMAMESH_WORKER_THREADS": "1", "LLAMAMESH_WORKER_MAX_INFLIGHT": "8", **metrics},
         )
     else:
         why = _cuda_and_vllm()
@@ -156,6 +163,7 @@ def node(
                 "LLAMAMESH_VLLM_TENSOR_PARALLEL_SIZE": "1",
                 # Start-up in seconds rather than a minute of torch.compile; the benchmark runs compiled.
                 "LLAMAMESH_VLLM_ENFORCE_EAGER": "true",
+                **metrics,
             },
         )
     try:

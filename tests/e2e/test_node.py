@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -23,7 +24,7 @@ from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import RedisSettings
 from llamamesh.types import JobEvent
 from llamamesh.v1 import generation_pb2 as pb
-from tests.e2e.conftest import ProcessNode
+from tests.e2e.conftest import ProcessNode, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -210,3 +211,73 @@ def _json_objects(stream: str) -> list[dict]:
             return out
         obj, i = dec.raw_decode(stream, i)
         out.append(obj)
+
+
+def scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Every sample of one /metrics page: sample name -> [(labels, value)]."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def total(page: dict[str, list[tuple[dict[str, str], float]]], name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels`` (0 when there is none)."""
+    return sum(v for ls, v in page.get(name, []) if all(ls.get(k) == x for k, x in labels.items()))
+
+
+async def test_metrics_endpoints_count_one_generate(node: ProcessNode) -> None:
+    """After one Generate, the gateway's /metrics counts it (its tokens exactly: probes are not
+    relayed) and the worker's shows the job, the engine's state and steps; the vLLM worker also
+    re-exports vLLM's own vllm:* metrics, its two frontends in one scrape."""
+    gw_url, wk_url = node.metrics_url("gateway"), node.metrics_url("worker")
+    gw0, wk0 = await asyncio.to_thread(scrape, gw_url), await asyncio.to_thread(scrape, wk_url)
+    async with Client(node.address) as c:
+        msgs = [m async for m in c.generate(messages=QUESTION, max_tokens=8, temperature=0)]
+    tokens = sum(len(m.token_ids) for m in msgs)
+    ok = {"method": "Generate", "code": "OK", "pool": node.pool}
+
+    def counted() -> bool:
+        gw = scrape(gw_url)
+        return total(gw, "llamamesh_requests_total", **ok) > total(gw0, "llamamesh_requests_total", **ok)
+
+    await asyncio.to_thread(wait_until, counted, 10, "the gateway to count the request")
+    gw = await asyncio.to_thread(scrape, gw_url)
+    assert total(gw, "llamamesh_requests_total", **ok) - total(gw0, "llamamesh_requests_total", **ok) == 1
+    gen = "llamamesh_generation_tokens_total"
+    assert total(gw, gen, pool=node.pool) - total(gw0, gen, pool=node.pool) == tokens
+    for hist in ("llamamesh_time_to_first_token_seconds", "llamamesh_queue_wait_seconds"):
+        assert total(gw, f"{hist}_count", pool=node.pool) - total(gw0, f"{hist}_count", pool=node.pool) == 1, hist
+    for name in ("llamamesh_inflight_requests", "llamamesh_breaker_state", "llamamesh_workers",
+                 "llamamesh_queue_depth", "llamamesh_request_duration_seconds_bucket"):  # fmt: skip
+        assert name in gw, name
+
+    wtok = "llamamesh_worker_generated_tokens_total"
+
+    def worker_counted() -> bool:
+        wk = scrape(wk_url)
+        return total(wk, wtok, pool=node.pool) - total(wk0, wtok, pool=node.pool) >= tokens and total(
+            wk, "llamamesh_engine_steps_total", pool=node.pool
+        ) > total(wk0, "llamamesh_engine_steps_total", pool=node.pool)
+
+    await asyncio.to_thread(wait_until, worker_counted, 15, "the worker to count the job and its steps")
+    wk = await asyncio.to_thread(scrape, wk_url)
+    started = "llamamesh_jobs_started_total"
+    assert total(wk, started, pool=node.pool) > total(wk0, started, pool=node.pool)
+    assert total(wk, "llamamesh_jobs_finished_total", pool=node.pool, status="ok") > 0
+    for name in ("llamamesh_engine_running_requests", "llamamesh_engine_waiting_requests",
+                 "llamamesh_engine_kv_cache_usage_ratio", "llamamesh_worker_inflight_jobs"):  # fmt: skip
+        assert name in wk, name
+    if node.pool == "gpu":
+        vllm_names = sorted(n for n in wk if n.startswith("vllm:"))
+        print("vLLM metrics re-exported:", len(vllm_names), vllm_names[:40])
+        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                     "vllm:time_to_first_token_seconds_count", "vllm:generation_tokens_total"):  # fmt: skip
+            assert name in wk, (name, vllm_names)
+        # both frontends' engines in one scrape: the request's tokens are there whichever served it
+        assert total(wk, "vllm:generation_tokens_total") - total(wk0, "vllm:generation_tokens_total") >= tokens

@@ -67,6 +67,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "llamamesh_engine_waiting_requests": ("gauge", ("pool",)),
     "llamamesh_engine_kv_cache_usage_ratio": ("gauge", ("pool",)),
     "llamamesh_worker_generated_tokens_total": ("counter", ("pool",)),
+    "llamamesh_engine_steps_total": ("counter", ("pool",)),
 }
 SAMPLE_LABELS = {
     "pool": "chat", "method": "Generate", "code": "OK", "to": "open", "reason": "queue_full",
