@@ -163,11 +163,44 @@ def pool_recorder(pool: str) -> PoolRecorder:
 # --- serving
 
 
+class _Off:
+    """Stands for every metric of a process whose metrics nobody reads: each call does nothing."""
+
+    def labels(self, *_values: str) -> _Off:
+        return self
+
+    def inc(self, _amount: float = 1) -> None:
+        pass
+
+    def dec(self, _amount: float = 1) -> None:
+        pass
+
+    def set(self, _value: float) -> None:
+        pass
+
+    def observe(self, _value: float) -> None:
+        pass
+
+
+def disable() -> None:
+    """Record nothing from now on in this process (its metrics are neither served nor aggregated):
+    every metric above becomes a no-op. Callers reach them as ``metrics.NAME`` at each use."""
+    g = globals()
+    off = _Off()
+    for name, value in list(g.items()):
+        if isinstance(value, Counter | Gauge | Histogram):
+            g[name] = off
+    _recorders.clear()
+
+
 def serve(port: int, host: str, role: str, directory: str = "") -> int:
-    """Serve /metrics on ``host:port`` (0: nothing) in a daemon thread; returns the port.
-    ``directory``: this process is one of a multiprocess set (settings.prometheus_multiproc_dir), the
-    scrape aggregates every process of it. Raises OSError when the port is taken."""
+    """Serve /metrics on ``host:port`` in a daemon thread; returns the port. ``directory``: this
+    process is one of a multiprocess set (settings.prometheus_multiproc_dir), the scrape aggregates
+    every process of it. Port 0 outside a set: nothing is served and nothing recorded (``disable``),
+    so metrics off cost nothing. Raises OSError when the port is taken."""
     if port <= 0:
+        if not directory:
+            disable()
         return 0
     registry: Any
     if directory:
@@ -190,19 +223,20 @@ class Aggregate:
 
     def __init__(self, port: int, host: str, role: str, inherited: str = "") -> None:
         self.port = port
-        self.directory = inherited or tempfile.mkdtemp(prefix=f"llamamesh-metrics-{role}-")
-        self._owned = not inherited
+        self._owned = not inherited and port > 0
+        # Port 0 and no set above: no directory, so the children record nothing (metrics off).
+        self.directory = inherited or (tempfile.mkdtemp(prefix=f"llamamesh-metrics-{role}-") if self._owned else "")
         self.bound = 0
-        if port > 0 and not inherited:
+        if self._owned:
             self.bound = serve(port, host, role, self.directory)
 
     def children_env(self) -> dict[str, str]:
-        """What each child's environment gets: the directory to write into."""
-        return {MULTIPROC_ENV: self.directory}
+        """What each child's environment gets: the directory to write into (none: metrics off)."""
+        return {MULTIPROC_ENV: self.directory} if self.directory else {}
 
     def process_dead(self, pid: int | None) -> None:
         """A child exited: its live gauges leave the sums."""
-        if pid is not None:
+        if pid is not None and self.directory:
             with contextlib.suppress(OSError):
                 multiprocess.mark_process_dead(pid, self.directory)
 

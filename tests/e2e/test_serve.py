@@ -6,6 +6,7 @@ node keeps running; SIGTERM stops everything cleanly. And a node that cannot sta
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -52,10 +53,17 @@ def workers_of(pid: int) -> list[int]:
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[Served]:
+    with serve_node(tmp_path) as s:
+        yield s
+
+
+@contextlib.contextmanager
+def serve_node(tmp_path: Path, **env: str) -> Iterator[Served]:
+    """`llamamesh serve` ready to answer (its output in ``serve.log``), stopped with SIGTERM after."""
     port = free_port()
     log = tmp_path / "serve.log"
     with log.open("w") as out:
-        proc = subprocess.Popen([str(CLI), "serve", "--port", str(port)], env=clean_env(tmp_path), stdout=out,
+        proc = subprocess.Popen([str(CLI), "serve", "--port", str(port)], env=clean_env(tmp_path, **env), stdout=out,
                                 stderr=subprocess.STDOUT, text=True)  # fmt: skip
     s = Served(proc, f"127.0.0.1:{port}", log)
     try:

@@ -1,0 +1,70 @@
+"""The embedded node as a user runs it (`llamamesh serve`, then `llamamesh generate`), observed: the
+metrics endpoints it prints show the metric names after one generate, and with the standard
+OTEL_EXPORTER_OTLP_ENDPOINT set its gateway and worker send one trace per request."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_serve import CLI, clean_env, serve_node
+from tests.observe.test_tracing import Receiver, receiver
+
+__all__ = ["receiver"]  # the OTLP receiver fixture
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+GATEWAY_NAMES = (
+    "llamamesh_requests_total", "llamamesh_time_to_first_token_seconds_bucket",
+    "llamamesh_inter_token_latency_seconds_bucket", "llamamesh_request_duration_seconds_bucket",
+    "llamamesh_queue_wait_seconds_bucket", "llamamesh_prompt_tokens_total", "llamamesh_generation_tokens_total",
+    "llamamesh_inflight_requests", "llamamesh_queue_depth", "llamamesh_queue_pending", "llamamesh_breaker_state",
+    "llamamesh_workers",
+)  # fmt: skip
+WORKER_NAMES = (
+    "llamamesh_jobs_started_total", "llamamesh_jobs_finished_total", "llamamesh_worker_generated_tokens_total",
+    "llamamesh_engine_running_requests", "llamamesh_engine_waiting_requests",
+    "llamamesh_engine_kv_cache_usage_ratio", "llamamesh_engine_steps_total",
+)  # fmt: skip
+
+
+def page(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+def test_serve_prints_metrics_urls_that_show_the_names_and_traces_reach_otlp(
+    receiver: tuple[Receiver, int], tmp_path: Path
+) -> None:
+    rec, port = receiver
+    otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_EXPORTER_OTLP_INSECURE": "true",
+            "OTEL_BSP_SCHEDULE_DELAY": "100"}  # fmt: skip
+    with serve_node(tmp_path, **otel) as served:
+        urls = dict(re.findall(r"metrics \((\w+)\): (http://\S+/metrics)", served.text()))
+        assert set(urls) == {"gateway", "workers"}, served.text()[-2000:]
+        out = subprocess.run([str(CLI), "generate", "--address", served.address, "--max-tokens", "4", "Hi"],
+                             env=clean_env(tmp_path), capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        deadline = time.monotonic() + 15
+        while True:  # bounded poll: the RPC's end and the worker's heartbeat update them
+            gw, wk = page(urls["gateway"]), page(urls["workers"])
+            missing = [n for n in GATEWAY_NAMES if n not in gw] + [n for n in WORKER_NAMES if n not in wk]
+            if not missing or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)  # polling the endpoints, bounded by the deadline
+        assert not missing, missing
+        assert 'llamamesh_requests_total{code="OK",method="Generate",pool="cpu"} 1.0' in gw, gw[:3000]
+        deadline = time.monotonic() + 30
+        while True:  # bounded poll: both processes export within their schedule delay
+            gen = next((s for svc, s in rec.spans if (svc, s.name) == ("gateway", "Generate")), None)
+            job = gen and next((s for svc, s in rec.spans if (svc, s.name) == ("worker", "job")
+                                and s.trace_id == gen.trace_id), None)  # fmt: skip
+            if job is not None:
+                break
+            assert time.monotonic() < deadline, sorted({(svc, s.name) for svc, s in rec.spans})
+            time.sleep(0.1)  # polling the receiver, bounded by the deadline
