@@ -18,8 +18,13 @@ A sampling field the request leaves unset takes the service's documented default
 top_p 1, top_k -1, min_p 0); a missing ``meta.`` key is the empty string. Numbers compare as numbers,
 anything else as text (only ``==`` and ``!=``).
 
-A rule naming a pool the tenant may not use (``LLAMAMESH_LIMITS_POOLS``) is skipped; a request
-whose own model's pool is not allowed is refused (PERMISSION_DENIED).
+A rule's target may be a split by weight, a canary: ``model == llama -> vllm=95, vllm-canary=5``
+sends 5 % of the model's requests to the pool ``vllm-canary``. The side is chosen by a hash of the
+request id, so a retry with the same id (and a batch item, whose id is fixed) lands on the same side
+in every gateway process; the pools' metrics (``pool`` label) compare the two.
+
+A rule naming a pool the tenant may not use (``LLAMAMESH_LIMITS_POOLS``) is skipped (a split keeps
+the sides it may use); a request whose own model's pool is not allowed is refused (PERMISSION_DENIED).
 
 The shipped example (:data:`EXAMPLE_ROUTES`) sends a premium tenant to its dedicated pool first (it
 pays for isolation, whatever it asks), short greedy prompts to TensorRT-LLM, and very long prompts or
@@ -28,6 +33,7 @@ narrow nucleus sampling to vLLM. The breaker-driven fallback then applies to the
 
 from __future__ import annotations
 
+import hashlib
 import math
 import operator
 from collections.abc import Callable
@@ -87,6 +93,56 @@ class Rule:
     conditions: tuple[Condition, ...]
     pool: str
     text: str
+    # A weighted split (a canary): (pool, weight) pairs, ``pool`` the first; empty: all to ``pool``.
+    split: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def pools(self) -> tuple[str, ...]:
+        return tuple(p for p, _w in self.split) if self.split else (self.pool,)
+
+    def target(self, request_id: str, access: Access) -> str | None:
+        """The pool for ``request_id`` among the ones ``access`` allows (None: none): the split's
+        side is chosen by a hash of the id, so one id (a retry) always lands on the same side."""
+        sides = [(p, w) for p, w in self.split or ((self.pool, 1.0),) if access.allows(p)]
+        if not sides:
+            return None
+        if len(sides) == 1:
+            return sides[0][0]
+        total = sum(w for _p, w in sides)
+        at = bucket(request_id) * total
+        for p, w in sides:
+            at -= w
+            if at < 0:
+                return p
+        return sides[-1][0]
+
+
+def bucket(request_id: str) -> float:
+    """A number in [0, 1) fixed by ``request_id``, the same in every gateway process and release."""
+    digest = hashlib.blake2b(request_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
+def _split(target: str, rule: str) -> tuple[str, tuple[tuple[str, float], ...]]:
+    """``pool`` or ``pool=weight, pool=weight, ...`` (a split by weight; at least two pools)."""
+    if "=" not in target and "," not in target:
+        return target, ()
+    sides: list[tuple[str, float]] = []
+    for part in (x.strip() for x in target.split(",")):
+        pool, eq, weight = part.partition("=")
+        pool = pool.strip()
+        try:
+            w = float(weight)
+        except ValueError:
+            w = -1.0
+        if not eq or not pool or not math.isfinite(w) or w <= 0:
+            raise ValueError(f"routing rule {rule!r}: {part!r} is not 'pool=weight' with a weight > 0")
+        if pool in (p for p, _w in sides):
+            raise ValueError(f"routing rule {rule!r}: pool {pool!r} twice in one split")
+        sides.append((pool, w))
+    if len(sides) < 2:
+        raise ValueError(f"routing rule {rule!r}: a split names two pools or more ('a=95, b=5')")
+    return sides[0][0], tuple(sides)
 
 
 def _condition(text: str, rule: str) -> Condition:
@@ -124,17 +180,17 @@ class RoutingPolicy:
         for raw in (r.strip() for r in text.split(";")):
             if not raw:
                 continue
-            conds, arrow, pool = raw.partition("->")
-            if not arrow or not pool.strip() or not conds.strip():
+            conds, arrow, target = raw.partition("->")
+            if not arrow or not target.strip() or not conds.strip():
                 raise ValueError(f"routing rule {raw!r}: expected 'condition & ... -> pool'")
-            rules.append(
-                Rule(tuple(_condition(c.strip(), raw) for c in conds.split("&")), pool.strip(), " ".join(raw.split()))
-            )
+            pool, split = _split(target.strip(), raw)
+            conditions = tuple(_condition(c.strip(), raw) for c in conds.split("&"))
+            rules.append(Rule(conditions, pool, " ".join(raw.split()), split))
         return cls(tuple(rules), count_tokens)
 
     @property
     def pools(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(r.pool for r in self.rules))
+        return tuple(dict.fromkeys(p for r in self.rules for p in r.pools))
 
     def prompt_tokens(self, req: GenerationRequest) -> int:
         text = req.prompt if req.prompt is not None else "\n".join(m.content for m in req.messages or ())
@@ -165,8 +221,10 @@ class RoutingPolicy:
             facts["prompt_tokens"] = self.prompt_tokens(req)
         meta = dict(req.metadata)
         for rule in self.rules:
-            if access.allows(rule.pool) and all(c.holds(facts, meta) for c in rule.conditions):
-                return rule.pool, rule
+            if all(c.holds(facts, meta) for c in rule.conditions):
+                pool = rule.target(req.request_id, access)
+                if pool is not None:
+                    return pool, rule
         return self._allowed(default_pool, access), None
 
     @staticmethod

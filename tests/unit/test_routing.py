@@ -99,3 +99,49 @@ def test_bad_rules_are_rejected_naming_the_rule(text: str, message: str) -> None
     with pytest.raises(ValueError, match="routing rule") as exc:
         RoutingPolicy.parse(f"top_p < 0.8 -> vllm; {text}")
     assert message in str(exc.value)
+
+
+CANARY = "model == m -> vllm=95, vllm-canary=5"
+
+
+def with_id(request_id: str) -> GenerationRequest:
+    return GenerationRequest(request_id=request_id, model="m", prompt="hi")
+
+
+def test_a_split_sends_each_side_its_weight_and_one_id_always_one_way() -> None:
+    policy = RoutingPolicy.parse(CANARY)
+    assert policy.pools == ("vllm", "vllm-canary")
+    picks = [policy.choose(with_id(f"req-{i}"), "d")[0] for i in range(10_000)]
+    assert abs(picks.count("vllm-canary") / 10_000 - 0.05) <= 0.01
+    assert picks.count("vllm") + picks.count("vllm-canary") == 10_000
+    again = [policy.choose(with_id(f"req-{i}"), "d")[0] for i in range(10_000)]
+    assert again == picks  # a retry with the same id lands on the same side
+    other = RoutingPolicy.parse("model == m -> a=1, b=1, c=2")
+    counts = [other.choose(with_id(f"x{i}"), "d")[0] for i in range(10_000)]
+    for pool, share in (("a", 0.25), ("b", 0.25), ("c", 0.5)):
+        assert abs(counts.count(pool) / 10_000 - share) <= 0.01, (pool, counts.count(pool))
+
+
+def test_a_split_keeps_only_the_sides_the_tenant_may_use() -> None:
+    policy = RoutingPolicy.parse(CANARY)
+    only_stable = Access(pools=frozenset({"vllm", "d"}))
+    assert {policy.choose(with_id(f"r{i}"), "d", only_stable)[0] for i in range(500)} == {"vllm"}
+    neither = Access(pools=frozenset({"d"}))
+    assert policy.choose(with_id("r1"), "d", neither) == ("d", None)
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("model == m -> vllm=95", "two pools or more"),
+        ("model == m -> vllm=95, canary", "'canary' is not 'pool=weight'"),
+        ("model == m -> vllm=95, canary=0", "weight > 0"),
+        ("model == m -> vllm=95, canary=-5", "weight > 0"),
+        ("model == m -> vllm=1, vllm=2", "twice"),
+        ("model == m -> vllm=x, canary=1", "weight > 0"),
+        ("model == m -> vllm=inf, canary=1", "weight > 0"),
+    ],
+)
+def test_a_bad_split_is_refused_naming_the_rule(text: str, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        RoutingPolicy.parse(text)
