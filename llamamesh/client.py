@@ -11,12 +11,21 @@ gateway's certificate is checked against), or ``tls=True`` (the system's CAs); `
 gateway's certificate must carry (when dialling an address it is not issued for). A file that
 cannot be read raises ValueError. A gateway refusing the handshake (an untrusted certificate
 either way, a missing client certificate) fails calls with UNAVAILABLE.
+
+Every call is retried on UNAVAILABLE before its first response message (``retries`` times, 3 by
+default, with gRPC's exponential backoff from 0.2 s: a gateway stopping or restarting, a refused
+connection), gRPC's own retry policy from the channel's service config; a stream that has
+delivered a message is never retried. ``load_balancing="round_robin"`` spreads calls over every
+address the target resolves to (``dns:///gateway-headless.ns:50051`` for a Kubernetes headless
+Service, or ``ipv4:10.0.0.1:50051,10.0.0.2:50051``), watching each gateway's health so one that
+turns NOT_SERVING (draining) gets no new calls; the default, ``pick_first``, keeps one connection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -70,6 +79,8 @@ class Connection:
     tls_cert: str = ""
     tls_key: str = ""
     tls_server_name: str = ""
+    retries: int = 3
+    load_balancing: str = "pick_first"
 
     @property
     def secure(self) -> bool:
@@ -85,7 +96,10 @@ class Connection:
         )
 
     def options(self) -> list[tuple[str, Any]]:
-        return [("grpc.ssl_target_name_override", self.tls_server_name)] if self.tls_server_name else []
+        opts: list[tuple[str, Any]] = [("grpc.service_config", service_config(self.retries, self.load_balancing))]
+        if self.tls_server_name:
+            opts.append(("grpc.ssl_target_name_override", self.tls_server_name))
+        return opts
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
@@ -103,6 +117,29 @@ class Connection:
             ch = grpc.insecure_channel(address, self.options())
         extra = self.metadata()
         return grpc.intercept_channel(ch, _SyncMetadata(extra)) if extra else ch
+
+
+LOAD_BALANCING = ("pick_first", "round_robin")
+RETRIED_SERVICES = ("llamamesh.v1.GenerationService", "llamamesh.v1.BatchService", "llamamesh.v1.AdminService")
+
+
+def service_config(retries: int, load_balancing: str) -> str:
+    """The channel's gRPC service config: ``load_balancing`` (round_robin also watches each
+    backend's overall health), and a retry policy on UNAVAILABLE for llamamesh's services."""
+    if load_balancing not in LOAD_BALANCING:
+        raise ValueError(f"load_balancing: {load_balancing!r} is not one of {', '.join(LOAD_BALANCING)}")
+    if retries < 0:
+        raise ValueError(f"retries: {retries} < 0")
+    config: dict[str, Any] = {"loadBalancingConfig": [{load_balancing: {}}]}
+    if load_balancing == "round_robin":
+        config["healthCheckConfig"] = {"serviceName": ""}
+    if retries:
+        config["methodConfig"] = [{
+            "name": [{"service": s} for s in RETRIED_SERVICES],
+            "retryPolicy": {"maxAttempts": min(retries + 1, 5), "initialBackoff": "0.2s", "maxBackoff": "2s",
+                            "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
+        }]  # fmt: skip
+    return json.dumps(config)
 
 
 def _read(path: str, what: str) -> bytes | None:
@@ -228,9 +265,11 @@ class Client:
         tls_cert: str = "",
         tls_key: str = "",
         tls_server_name: str = "",
+        retries: int = 3,
+        load_balancing: str = "pick_first",
     ) -> None:
         """``channel``: use this one as it is (then no connection option may be given)."""
-        conn = Connection(api_key, tls, tls_ca, tls_cert, tls_key, tls_server_name)
+        conn = Connection(api_key, tls, tls_ca, tls_cert, tls_key, tls_server_name, retries, load_balancing)
         if channel is not None and conn != Connection():
             raise ValueError("Client: give either a channel or connection options, not both")
         self._channel = channel or conn.aio_channel(address)
@@ -243,7 +282,8 @@ class Client:
     def from_settings(cls, address: str, settings: ClientSettings, tls: bool = False) -> Client:
         """A client with ``settings``' API key and TLS files (``tls``: TLS even without a CA file)."""
         return cls(address, api_key=settings.api_key, tls=tls, tls_ca=settings.tls_ca, tls_cert=settings.tls_cert,
-                   tls_key=settings.tls_key, tls_server_name=settings.tls_server_name)  # fmt: skip
+                   tls_key=settings.tls_key, tls_server_name=settings.tls_server_name, retries=settings.retries,
+                   load_balancing=settings.load_balancing)  # fmt: skip
 
     async def __aenter__(self) -> Client:
         return self
@@ -314,15 +354,19 @@ class SyncClient:
         tls_cert: str = "",
         tls_key: str = "",
         tls_server_name: str = "",
+        retries: int = 3,
+        load_balancing: str = "pick_first",
     ) -> None:
-        self._channel = Connection(api_key, tls, tls_ca, tls_cert, tls_key, tls_server_name).channel(address)
+        conn = Connection(api_key, tls, tls_ca, tls_cert, tls_key, tls_server_name, retries, load_balancing)
+        self._channel = conn.channel(address)
         self.stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
 
     @classmethod
     def from_settings(cls, address: str, settings: ClientSettings, tls: bool = False) -> SyncClient:
         """A client with ``settings``' API key and TLS files (``tls``: TLS even without a CA file)."""
         return cls(address, api_key=settings.api_key, tls=tls, tls_ca=settings.tls_ca, tls_cert=settings.tls_cert,
-                   tls_key=settings.tls_key, tls_server_name=settings.tls_server_name)  # fmt: skip
+                   tls_key=settings.tls_key, tls_server_name=settings.tls_server_name, retries=settings.retries,
+                   load_balancing=settings.load_balancing)  # fmt: skip
 
     def close(self) -> None:
         self._channel.close()

@@ -72,6 +72,14 @@ class GatewaySettings:
     models: str = f"{DEFAULT_MODEL}={DEFAULT_POOL}"
     # Seconds open streams get to finish on shutdown.
     grace_s: float = 10.0
+    # On SIGTERM: seconds the gateway keeps serving new requests while its health says NOT_SERVING,
+    # so load balancers, Kubernetes endpoints and round_robin clients watching health move away
+    # before it stops accepting (then open streams get grace_s). Shutdown takes settle_s + grace_s
+    # at most: a pod's terminationGracePeriodSeconds must exceed both. A second signal skips it.
+    settle_s: float = 2.0
+    # A second, plaintext port (on ``host``) serving grpc.health.v1 alone, with the main port's
+    # statuses: for Kubernetes' native gRPC probes, which cannot speak TLS. 0: none.
+    health_port: int = 0
     # Gateway processes sharing the port (SO_REUSEPORT: the kernel spreads client connections over
     # them), as `vllm serve --api-server-count`. One Python process relays about 5k streamed
     # messages a second before its latency grows; 1: this process serves.
@@ -223,6 +231,9 @@ class WorkerSettings:
     # supervisor of several workers (a node, replicas) serves them all in one scrape. 0: off.
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
+    # HTTP health for probes on this port (host: ``metrics_host``): /livez (the engine has not died)
+    # and /readyz (the worker leases jobs) (workers/health.py). 0: off.
+    health_port: int = 0
 
     def consumer_name(self) -> str:
         return self.consumer or f"{socket.gethostname()}-{os.getpid()}"
@@ -409,6 +420,11 @@ class ClientSettings:
     tls_key: str = ""
     # Override of the name checked against the gateway's certificate (e.g. when dialling an IP).
     tls_server_name: str = ""
+    # Times a call is retried on UNAVAILABLE before its first response (0: never), with backoff.
+    retries: int = 3
+    # pick_first (one connection) or round_robin (every address the name resolves to, e.g. a
+    # Kubernetes headless Service as dns:///name:port, skipping gateways whose health is NOT_SERVING).
+    load_balancing: str = "pick_first"
 
 
 @dataclass(frozen=True)

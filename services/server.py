@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import sys
 from dataclasses import dataclass
@@ -56,9 +57,13 @@ class Gateway:
     port: int
     sweeper: BatchSweeper | None = None
     admission: Admission | None = None
+    # The plaintext health-only port (settings.health_port), and where it listens (0: none).
+    health_server: grpc.aio.Server | None = None
+    health_port: int = 0
 
     async def stop(self, grace_s: float) -> None:
-        """Health NOT_SERVING, stop accepting, give open streams ``grace_s``, then close."""
+        """Health NOT_SERVING, stop accepting, give open streams ``grace_s``, then close (the
+        health-only port last: probes see NOT_SERVING through the drain)."""
         await self.health.shutdown()
         await self.server.stop(grace_s)
         await self.relay.close()
@@ -67,6 +72,22 @@ class Gateway:
             await self.admission.stop()
         if self.sweeper is not None:
             await self.sweeper.stop()
+        if self.health_server is not None:
+            await self.health_server.stop(0)
+
+
+async def health_only_server(
+    reporter: HealthReporter, host: str, port: int, share_port: bool
+) -> tuple[grpc.aio.Server, int]:
+    """A plaintext server of grpc.health.v1 alone (the same statuses as the main port): Kubernetes'
+    native gRPC probes cannot speak TLS, so with TLS on the main port they probe this one."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 1 if share_port else 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(reporter.servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if not bound:
+        raise OSError(f"cannot listen on {host}:{port} (LLAMAMESH_GATEWAY_HEALTH_PORT)")
+    await server.start()
+    return server, bound
 
 
 async def start_gateway(
@@ -138,6 +159,9 @@ async def start_gateway(
             server,
         )
     bound = tls.bind(server, settings, port)
+    health_server, health_port = None, 0
+    if settings.health_port:
+        health_server, health_port = await health_only_server(reporter, settings.host, settings.health_port, share_port)
     await server.start()
     await reporter.start()
     await backends.start()
@@ -145,19 +169,25 @@ async def start_gateway(
     if sweeper is not None:
         sweeper.start()
     mtls = bool(settings.tls_client_ca)
-    log.info("gateway_started", host=settings.host, port=bound, tls=bool(settings.tls_cert), mtls=mtls)
+    log.info("gateway_started", host=settings.host, port=bound, tls=bool(settings.tls_cert), mtls=mtls,
+             health_port=health_port or None)  # fmt: skip
     if tenants is not None:
         log.info("gateway_auth", tenants=len(tenants.current().tenants), file=tenants.path)
     return Gateway(server=server, health=reporter, backends=backends, relay=relay, port=bound, sweeper=sweeper,
-                   admission=admission)  # fmt: skip
+                   admission=admission, health_server=health_server, health_port=health_port)  # fmt: skip
 
 
 async def serve(settings: Settings, share_port: bool = False) -> None:
-    """Run the gateway until SIGTERM/SIGINT, then drain."""
-    stop = asyncio.Event()
+    """Run the gateway until SIGTERM/SIGINT, then settle (NOT_SERVING, still serving, for
+    ``settle_s``; a second signal ends it), then drain open streams for ``grace_s``."""
+    stop, again = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def signalled() -> None:
+        (again if stop.is_set() else stop).set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, signalled)
     g = settings.gateway
     metrics.serve(g.metrics_port, g.host, "gateway", prometheus_multiproc_dir())
     queue = RedisQueue.from_settings(settings.redis)
@@ -168,6 +198,12 @@ async def serve(settings: Settings, share_port: bool = False) -> None:
     )  # fmt: skip
     try:
         await stop.wait()
+        if g.settle_s > 0:
+            # Health first: balancers and clients watching it move away while this one still serves.
+            await gateway.health.shutdown()
+            log.info("gateway_settling", settle_s=g.settle_s)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(again.wait(), g.settle_s)
     finally:
         log.info("gateway_stopping", grace_s=settings.gateway.grace_s)
         await gateway.stop(settings.gateway.grace_s)
@@ -199,7 +235,7 @@ def supervise(settings: Settings) -> int:
         try:
             sup.run()
         finally:
-            code = sup.stop(g.grace_s + 10)
+            code = sup.stop(g.settle_s + g.grace_s + 10)
     finally:
         agg.close()
     return code

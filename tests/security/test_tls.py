@@ -10,11 +10,12 @@ import os
 import shutil
 import sys
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 from structlog.testing import capture_logs
 
 from llamamesh.client import Client, Connection, SyncClient, serving
@@ -378,3 +379,31 @@ async def test_a_node_with_a_mutual_tls_gateway_becomes_ready(pki: PKI, tmp_path
             assert [m.id for m in await c.list_models()] == ["smollm2-135m-instruct"]
     finally:
         node.stop()
+
+
+async def test_a_plaintext_health_only_port_answers_probes_while_the_main_port_is_mutual_tls(pki: PKI) -> None:
+    """LLAMAMESH_GATEWAY_HEALTH_PORT: Kubernetes' gRPC probes (no TLS) read the gateway's health
+    there; nothing but grpc.health.v1 is served on it, and it says NOT_SERVING through a drain."""
+    health_port = free_port()
+    gw = await start_gateway(MemoryQueue(), replace(server_tls(pki, mutual=True), health_port=health_port), port=0)
+    stopped = False
+    try:
+        assert gw.health_port == health_port
+        assert await asyncio.to_thread(serving, f"127.0.0.1:{health_port}")
+        assert await asyncio.to_thread(serving, f"127.0.0.1:{health_port}", "llamamesh.liveness")
+        assert not await asyncio.to_thread(serving, f"127.0.0.1:{gw.port}")  # plaintext: refused there
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{health_port}") as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await ch.unary_unary("/llamamesh.v1.GenerationService/ListModels")(b"", timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            await gw.health.shutdown()  # as at the start of a drain
+            check = ch.unary_unary("/grpc.health.v1.Health/Check", health_pb2.HealthCheckRequest.SerializeToString,
+                                   health_pb2.HealthCheckResponse.FromString)  # fmt: skip
+            reply = await check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        await gw.stop(0)
+        stopped = True
+        assert not await asyncio.to_thread(serving, f"127.0.0.1:{health_port}")  # closed with the gateway
+    finally:
+        if not stopped:
+            await gw.stop(0)

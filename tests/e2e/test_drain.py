@@ -1,0 +1,118 @@
+"""A rolling restart as a load balancer sees it: two gateway processes on their own ports, one
+fake-engine worker, a client spreading calls over both with round_robin (as over a Kubernetes
+headless Service) and sending without pause. The first gateway is SIGTERMed: it turns NOT_SERVING,
+keeps serving for its settle window while the client's health watch moves calls away, then stops
+accepting and drains. Not one call fails."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+
+from llamamesh.client import Client
+from tests.e2e.conftest import ProcessNode, wait_until
+from tests.redisproc import RedisProcess, free_port
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+SENDERS = 8
+
+
+def served(node: ProcessNode, name: str) -> int:
+    return node.log(name).count('"rpc_finished"')
+
+
+async def test_a_sigtermed_gateway_fails_no_call_of_a_client_sending_through_both(
+    e2e_redis: RedisProcess, tmp_path: Path
+) -> None:
+    env = {"LLAMAMESH_GATEWAY_SETTLE_S": "2", "LLAMAMESH_WORKER_MAX_INFLIGHT": "64",
+           "LLAMAMESH_WORKER_FAKE_STEP_S": "0.01"}  # fmt: skip
+    node = ProcessNode(tmp_path, e2e_redis, engine="fake", extra_env=env)
+    port2 = free_port()
+    try:
+        node.start(timeout_s=60)
+        node.spawn("gateway2", "services", LLAMAMESH_GATEWAY_PORT=str(port2))
+        wait_until(lambda: '"gateway_started"' in node.log("gateway2"), 30, "the second gateway")
+        target = f"ipv4:127.0.0.1:{node.port},127.0.0.1:{port2}"
+        ok: list[float] = []
+        failed: list[str] = []
+        stop = asyncio.Event()
+        async with Client(target, load_balancing="round_robin") as c:
+            await c.wait_ready(30)
+
+            async def sender() -> None:
+                while not stop.is_set():
+                    try:
+                        msgs = [m async for m in c.generate("x", max_tokens=5, ignore_eos=True, timeout=30)]
+                        assert msgs[-1].usage.completion_tokens == 5
+                        ok.append(time.monotonic())
+                    except grpc.aio.AioRpcError as exc:
+                        failed.append(f"{exc.code().name}: {exc.details()}")
+
+            senders = [asyncio.create_task(sender()) for _ in range(SENDERS)]
+            await asyncio.sleep(1.0)  # both gateways serve
+            before = served(node, "gateway")
+            assert before > 0 and len(ok) > SENDERS, (before, len(ok))
+            node.procs["gateway"].send_signal(signal.SIGTERM)
+            t_term = time.monotonic()
+            code = await asyncio.to_thread(node.procs["gateway"].wait, 30)
+            t_exit = time.monotonic()
+            await asyncio.sleep(1.0)  # and on through the second alone
+            stop.set()
+            await asyncio.wait_for(asyncio.gather(*senders), 30)
+        assert code == 0
+        assert not failed, failed[:5]
+        assert '"gateway_settling"' in node.log("gateway")
+        assert t_exit - t_term >= 2.0  # it settled before it stopped accepting
+        assert sum(1 for t in ok if t > t_exit) > SENDERS  # the second gateway took them all
+        print(f"{len(ok)} calls, 0 failed; the first gateway served {served(node, 'gateway')}, "
+              f"the second {served(node, 'gateway2')}; SIGTERM to exit {t_exit - t_term:.2f} s")
+    finally:
+        node.stop()
+
+
+async def test_a_draining_worker_says_not_ready_and_alive_on_its_health_port(
+    e2e_redis: RedisProcess, tmp_path: Path
+) -> None:
+    """The worker's /readyz is 200 while it leases, 503 once SIGTERM made it drain (its open job
+    still finishing), /livez 200 all along; then it exits 0."""
+    port = free_port()
+    env = {"LLAMAMESH_WORKER_HEALTH_PORT": str(port), "LLAMAMESH_WORKER_FAKE_STEP_S": "0.02"}
+    node = ProcessNode(tmp_path, e2e_redis, engine="fake", extra_env=env)
+    try:
+        node.start(timeout_s=60)
+        assert get(port, "/readyz")[0] == 200 and get(port, "/livez")[0] == 200
+        async with Client(node.address) as c:
+            stream = asyncio.create_task(_collect(c.generate("x", max_tokens=100, ignore_eos=True, timeout=30)))
+            await asyncio.sleep(0.5)  # it runs on the worker
+            node.procs["worker"].send_signal(signal.SIGTERM)
+            await asyncio.to_thread(wait_until, lambda: get(port, "/readyz")[0] == 503, 10, "readyz 503")
+            _status, body = get(port, "/readyz")
+            assert "stopping" in body, body
+            assert get(port, "/livez")[0] == 200
+            msgs = await asyncio.wait_for(stream, 30)
+        assert msgs[-1].usage.completion_tokens == 100  # drained, not cut
+        assert await asyncio.to_thread(node.procs["worker"].wait, 30) == 0
+    finally:
+        node.stop()
+
+
+async def _collect(stream) -> list:  # type: ignore[no-untyped-def]
+    return [m async for m in stream]
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except OSError as exc:  # the process is gone
+        return 0, str(exc)
