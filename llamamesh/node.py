@@ -114,7 +114,8 @@ class Node:
         w = self.settings.worker
         self._metrics = metrics.Aggregate(w.metrics_port, w.metrics_host, "worker", prometheus_multiproc_dir())
         env = self.settings.to_env()
-        worker_env = {**env, "LLAMAMESH_WORKER_METRICS_PORT": "0", **self._metrics.children_env()}
+        worker_env = {**env, "LLAMAMESH_WORKER_METRICS_PORT": "0", "LLAMAMESH_WORKER_HEALTH_PORT": "0",
+                      **self._metrics.children_env()}  # fmt: skip
         if self._log_file is not None:
             self._log_file.parent.mkdir(parents=True, exist_ok=True)
             self._log_handle = self._log_file.open("ab")

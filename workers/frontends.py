@@ -18,6 +18,7 @@ from llamamesh import logs, metrics
 from llamamesh.settings import Settings, prometheus_multiproc_dir
 from workers.engines.vllm import CoreClient, VllmEngine
 from workers.engines.vllm_frontends import run_with_frontends, split_inflight
+from workers.health import supervisor_health
 from workers.process import run, serve
 
 log = structlog.get_logger(__name__)
@@ -51,7 +52,9 @@ def run_frontends(settings: Settings) -> int:
     ws = settings.worker
     agg = metrics.Aggregate(ws.metrics_port, ws.metrics_host, "worker", prometheus_multiproc_dir())
     os.environ.update(agg.children_env())
-    settings = settings.with_overrides(worker={"metrics_port": 0})
+    health = supervisor_health(settings, [frontend_settings(settings, settings.vllm.frontends, i).worker.consumer_name()
+                                          for i in range(settings.vllm.frontends)])  # fmt: skip
+    settings = settings.with_overrides(worker={"metrics_port": 0, "health_port": 0})
     try:
         # Frontends drain for grace_s after SIGTERM; the rest is their engine shutdown.
         return run_with_frontends(
@@ -59,3 +62,5 @@ def run_frontends(settings: Settings) -> int:
         )
     finally:
         agg.close()
+        if health is not None:
+            health.close()

@@ -23,6 +23,7 @@ from llamamesh.settings import Settings, prometheus_multiproc_dir
 from llamamesh.types import WorkerState, WorkerStatus
 from workers.engines import registry
 from workers.engines.base import Engine
+from workers.health import HealthServer
 from workers.replicas import run_replicas_if_needed
 from workers.worker import FAILED_TTL_S, Worker
 
@@ -43,6 +44,16 @@ async def serve(settings: Settings, engine: Engine | None = None) -> int:
     queue = RedisQueue.from_settings(settings.redis)
     code = 0
     worker: Worker | None = None
+
+    def probe() -> tuple[bool, bool, str]:
+        if worker is None:
+            return True, False, "starting: the engine is being built"
+        dead = worker.engine_died
+        ready = worker.state is WorkerState.READY and not stop.is_set() and dead is None
+        what = worker.state.value + (": stopping" if stop.is_set() else "") + (f": {dead.message}" if dead else "")
+        return dead is None, ready, what
+
+    health = HealthServer(ws.health_port, ws.metrics_host, probe).start() if ws.health_port else None
     try:
         if engine is None:
             engine = await _create_engine(settings, queue)
@@ -63,6 +74,8 @@ async def serve(settings: Settings, engine: Engine | None = None) -> int:
                     log.info("worker_stopped", exit_code=1, wedged=True)
                     os._exit(1)  # its torch thread cannot be joined
         await queue.close()
+        if health is not None:
+            health.close()
     log.info("worker_stopped", exit_code=code)
     return code
 

@@ -26,6 +26,7 @@ from llamamesh import metrics
 from llamamesh.errors import InvalidRequest
 from llamamesh.settings import Settings, prometheus_multiproc_dir
 from llamamesh.supervisor import Child, Supervisor
+from workers.health import supervisor_health
 
 log = structlog.get_logger(__name__)
 
@@ -87,9 +88,11 @@ def run_replicas(settings: Settings, groups: list[list[str]]) -> int:
     for i, group in enumerate(groups):
         consumer = f"{base}-r{i}"
         child_env = {"CUDA_VISIBLE_DEVICES": ",".join(group), "LLAMAMESH_WORKER_CONSUMER": consumer,
-                     "LLAMAMESH_WORKER_METRICS_PORT": "0", **agg.children_env()}  # fmt: skip
+                     "LLAMAMESH_WORKER_METRICS_PORT": "0", "LLAMAMESH_WORKER_HEALTH_PORT": "0",
+                     **agg.children_env()}  # fmt: skip
         children.append(Child(f"replica-{i}", (sys.executable, "-m", "workers"), child_env))
     sup = Supervisor(children, on_exit=lambda state: agg.process_dead(state.pid))
+    health = supervisor_health(settings, [c.env["LLAMAMESH_WORKER_CONSUMER"] for c in children])
     sup.start()
     for i, (group, state) in enumerate(zip(groups, sup.states.values(), strict=True)):
         log.info("replica_started", replica=i, pid=state.pid, gpus=",".join(group),
@@ -99,5 +102,7 @@ def run_replicas(settings: Settings, groups: list[list[str]]) -> int:
     finally:
         code = sup.stop(settings.worker.grace_s + 15)
         agg.close()
+        if health is not None:
+            health.close()
     log.info("replicas_stopped", exit_code=code)
     return code
