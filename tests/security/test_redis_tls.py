@@ -4,7 +4,6 @@ gateway and a worker (fake engine) talking to it through ``rediss://``, and clie
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import shutil
 import subprocess
 import time
@@ -23,6 +22,7 @@ from llamamesh.settings import GatewaySettings, RedisSettings, WorkerSettings
 from services.server import start_gateway
 from tests.redisproc import free_port
 from tests.security.conftest import PKI
+from tests.stacks import stop_in_process
 from workers.engines.fake import FakeEngine
 from workers.worker import Worker
 
@@ -110,13 +110,7 @@ async def test_a_generation_through_a_tls_queue(tls_redis: TLSRedis, pki: PKI) -
         assert replies[-1].usage.completion_tokens == 5
         assert len("".join(m.text for m in replies).split()) == 5
     finally:
-        stop.set()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 10)
-        await gw.stop(0)
-        await engine.shutdown()
-        await gw_queue.close()
-        await w_queue.close()
+        await stop_in_process(stop, task, gw, engine, gw_queue, w_queue)
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,6 @@ requests in flight, the jobs queued behind them and a closed breaker."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import sys
 import time
 
@@ -17,6 +16,7 @@ from llamamesh.settings import GatewaySettings, RedisSettings, WorkerSettings
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc
 from services.server import start_gateway
+from tests.stacks import stop_in_process
 from workers.engines.fake import FakeEngine
 from workers.worker import Worker
 
@@ -93,10 +93,4 @@ async def test_top_shows_a_busy_pool(redis_settings: RedisSettings) -> None:
             c.cancel()
         await asyncio.gather(*calls, return_exceptions=True)
         await channel.close()
-        stop.set()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 10)
-        await gw.stop(0)
-        await engine.shutdown()
-        await gw_queue.close()
-        await w_queue.close()
+        await stop_in_process(stop, task, gw, engine, gw_queue, w_queue)
