@@ -89,6 +89,7 @@ class _NoGateway:
         pass
 
 
+@pytest.mark.parametrize("redis_server", ["redis"], indirect=True)  # routing is the gateway's: one server kind
 async def test_ten_thousand_requests_split_by_weight_and_each_id_always_one_way(redis_settings: RedisSettings) -> None:
     ids = [f"canary-{i}" for i in range(10_000)]
     pools = await served_by(redis_settings, ids)
