@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -19,6 +17,7 @@ import pytest
 from llamamesh.client import Client
 from tests.e2e.conftest import ProcessNode, wait_until
 from tests.redisproc import RedisProcess, free_port
+from tests.workers.test_health_http import get
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -107,12 +106,3 @@ async def test_a_draining_worker_says_not_ready_and_alive_on_its_health_port(
 async def _collect(stream) -> list:  # type: ignore[no-untyped-def]
     return [m async for m in stream]
 
-
-def get(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-    except OSError as exc:  # the process is gone
-        return 0, str(exc)

@@ -25,6 +25,7 @@ from llamamesh.settings import RedisSettings
 from llamamesh.types import JobEvent
 from llamamesh.v1 import generation_pb2 as pb
 from tests.e2e.conftest import ProcessNode, wait_until
+from tests.workers.test_health_http import get
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -281,3 +282,14 @@ async def test_metrics_endpoints_count_one_generate(node: ProcessNode) -> None:
             assert name in wk, (name, vllm_names)
         # both frontends' engines in one scrape: the request's tokens are there whichever served it
         assert total(wk, "vllm:generation_tokens_total") - total(wk0, "vllm:generation_tokens_total") >= tokens
+
+
+def test_the_worker_health_endpoint_says_ready(node: ProcessNode) -> None:
+    """/readyz and /livez of the node's worker: the CPU worker's own, or (vLLM, two frontends) the
+    supervisor's, read from both frontends' heartbeats."""
+    port = int(node.env["LLAMAMESH_WORKER_HEALTH_PORT"])
+    assert get(port, "/livez")[0] == 200
+    status, body = get(port, "/readyz")
+    assert status == 200, body
+    if node.pool == "gpu":
+        assert body.strip() == "2/2 workers ready", body

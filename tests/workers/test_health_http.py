@@ -18,11 +18,14 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def get(port: int, path: str) -> tuple[int, str]:
+    """(status, body) of ``GET path`` on the local ``port``; (0, why) when nothing answers."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
+    except OSError as exc:  # no process listens (it is gone)
+        return 0, str(exc)
 
 
 def test_livez_and_readyz_follow_the_probe() -> None:
