@@ -53,6 +53,10 @@ class RedisSettings:
     health_check_s: int = 1
     # Times a command is retried on a fresh connection after a connection error (jittered backoff).
     retries: int = 1
+    # How many Redis Cluster slots the requests' event streams are spread over (evenly over the
+    # slot space): a gateway keeps one blocking read per shard it relays from. Every gateway and
+    # worker must agree. On a single Redis it changes nothing.
+    event_shards: int = 16
     # Redis over TLS (a rediss:// url): the CA that signed the server's certificate (empty: the
     # system's), and this client's certificate and key when the server asks for one (mutual TLS).
     tls_ca: str = ""

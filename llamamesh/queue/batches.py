@@ -40,7 +40,7 @@ from llamamesh.queue import codec
 from llamamesh.queue.follow import EventFollower, Item
 from llamamesh.queue.keys import JOB_FIELD, RESULT_FIELD, WORKER_GROUP, Keys
 from llamamesh.queue.protocol import Lease, batch_at_risk
-from llamamesh.queue.redisio import UNREACHABLE, unreachable
+from llamamesh.queue.redisio import UNREACHABLE, call_scripts, unreachable
 from llamamesh.queue.streams import create_group, touch_entries
 from llamamesh.settings import BatchSettings
 from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, ItemStatus, public_id
@@ -572,14 +572,15 @@ class RedisBatches:
             by_batch.setdefault(req.batch_id, []).append(req.custom_id)
         now = time.time()
         with unreachable():
-            async with self._r.pipeline(transaction=False) as pipe:
-                for bid, cids in by_batch.items():
-                    keys = [self.keys.batch(bid), self.keys.batch_started(bid)]
-                    await self._start(keys=keys, args=[now, *cids], client=pipe)  # queued: the reply comes below
-                if bad:
+            replies = await call_scripts(self._r, [
+                (self._start, [self.keys.batch(bid), self.keys.batch_started(bid)], [now, *cids])
+                for bid, cids in by_batch.items()
+            ])  # fmt: skip
+            if bad:
+                async with self._r.pipeline(transaction=False) as pipe:
                     pipe.xack(stream, WORKER_GROUP, *bad)
                     pipe.xdel(stream, *bad)
-                replies = await pipe.execute()
+                    await pipe.execute()
         gate = {bid: r.decode() if isinstance(r, bytes) else str(r) for bid, r in zip(by_batch, replies, strict=False)}
         return [
             Lease(

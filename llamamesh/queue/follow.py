@@ -11,6 +11,13 @@ Registrations that find a wake-up already on its way since the loop last built i
 of their own: that one returns the read, and the next includes them (so a burst of registrations
 costs one write and one connection, not one each).
 
+On a Redis Cluster one XREAD may only name keys of one slot (else CROSSSLOT), so the loop is one
+*lane* per slot: each lane has its own wake stream in that slot (named with the hash tag of a key
+it follows) and its own blocking read. Request event streams are spread over a fixed number of
+slots (``Keys.event_shards``, evenly over the slot space, so over the masters), so a gateway holds
+at most that many event reads whatever the number of requests it relays (plus one per batch whose
+results it follows). On a single Redis there is one lane for everything.
+
 While Redis is unreachable the loop backs off and retries, and the followers keep their place: when
 it answers again (a restart from its AOF, a failover) they read on from their last entry. Only an
 outage longer than ``outage_grace_s`` reaches every follower, as ``QueueUnavailable``.
@@ -27,12 +34,13 @@ from typing import Any  # redis-py types stream replies loosely
 
 import redis.asyncio as aioredis
 import structlog
+from redis.crc import key_slot
 from redis.exceptions import RedisError
 
 from llamamesh.backoff import Delays
 from llamamesh.errors import QueueUnavailable
 from llamamesh.queue.keys import WAKE_FIELD, Keys
-from llamamesh.queue.redisio import unreachable
+from llamamesh.queue.redisio import is_cluster, unreachable
 
 log = structlog.get_logger(__name__)
 
@@ -53,15 +61,77 @@ class Follower:
     queue: asyncio.Queue[Item] = field(default_factory=asyncio.Queue)
 
 
+def hash_tag(key: str) -> str:
+    """What Redis Cluster hashes of ``key``: the text between the first ``{`` and the next ``}``
+    when not empty, else the whole key."""
+    start = key.find("{")
+    if start >= 0:
+        end = key.find("}", start + 1)
+        if end > start + 1:
+            return key[start + 1 : end]
+    return key
+
+
 class EventFollower:
     def __init__(
         self, client: aioredis.Redis, keys: Keys, block_ms: int, wake_ttl_s: int = 3600, outage_grace_s: float = 0.0
     ) -> None:
         self._r = client
+        self._keys = keys
+        self._id = uuid.uuid4().hex
+        self._cluster = is_cluster(client)
         self._outage_grace_s = outage_grace_s
         self._block_ms = block_ms
-        self._wake_key = keys.wake(uuid.uuid4().hex)
         self._wake_ttl_s = wake_ttl_s
+        # slot (cluster) or 0 -> its lane
+        self._lanes: dict[int, _Lane] = {}
+        self._closing = False
+
+    @property
+    def reads(self) -> int:
+        """How many XREADs returned, over every lane."""
+        return sum(lane.reads for lane in self._lanes.values())
+
+    @property
+    def followers(self) -> int:
+        """How many followers are registered."""
+        return sum(lane.followers for lane in self._lanes.values())
+
+    @property
+    def lanes(self) -> int:
+        """How many blocking reads this follower keeps (one per slot on a cluster)."""
+        return len(self._lanes)
+
+    async def follow(self, key: str, after: str = "0-0") -> Follower:
+        """Start following ``key`` after ``after``. Raises QueueUnavailable if the wake-up cannot be sent."""
+        if self._closing:
+            raise QueueUnavailable("the event follower is closed")
+        slot = key_slot(key.encode()) if self._cluster else 0
+        lane = self._lanes.get(slot)
+        if lane is None:
+            wake = self._keys.wake(self._id, hash_tag(key) if self._cluster else "")
+            lane = self._lanes[slot] = _Lane(self, wake)
+        return await lane.follow(key, after)
+
+    def unfollow(self, sub: Follower) -> None:
+        slot = key_slot(sub.key.encode()) if self._cluster else 0
+        lane = self._lanes.get(slot)
+        if lane is not None:
+            lane.unfollow(sub)
+
+    async def close(self) -> None:
+        self._closing = True
+        lanes, self._lanes = list(self._lanes.values()), {}
+        for lane in lanes:
+            await lane.close()
+
+
+class _Lane:
+    """The followers of one slot (of everything, on a single Redis): one loop, one blocking XREAD."""
+
+    def __init__(self, owner: EventFollower, wake_key: str) -> None:
+        self._o = owner
+        self._wake_key = wake_key
         self._wake_last = "0-0"
         self._subs: dict[str, list[Follower]] = {}
         self._reading = False
@@ -72,8 +142,11 @@ class EventFollower:
         self._closing = False
         self.reads = 0
 
-    async def follow(self, key: str, after: str = "0-0") -> Follower:
-        """Start following ``key`` after ``after``. Raises QueueUnavailable if the wake-up cannot be sent."""
+    @property
+    def followers(self) -> int:
+        return sum(len(subs) for subs in self._subs.values())
+
+    async def follow(self, key: str, after: str) -> Follower:
         sub = Follower(key, after)
         self._subs.setdefault(key, []).append(sub)
         if self._task is None:
@@ -84,9 +157,9 @@ class EventFollower:
             self._woken = True
             try:
                 with unreachable():
-                    async with self._r.pipeline(transaction=False) as pipe:
+                    async with self._o._r.pipeline(transaction=False) as pipe:
                         pipe.xadd(self._wake_key, {WAKE_FIELD: b"1"}, maxlen=16, approximate=True)
-                        pipe.expire(self._wake_key, self._wake_ttl_s)
+                        pipe.expire(self._wake_key, self._o._wake_ttl_s)
                         await pipe.execute()
             except QueueUnavailable:
                 self._woken = False
@@ -95,11 +168,6 @@ class EventFollower:
         else:
             self._idle.set()
         return sub
-
-    @property
-    def followers(self) -> int:
-        """How many followers are registered."""
-        return sum(len(subs) for subs in self._subs.values())
 
     def unfollow(self, sub: Follower) -> None:
         subs = self._subs.get(sub.key)
@@ -114,15 +182,17 @@ class EventFollower:
         self._idle.set()
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            # redis-py's cluster client may raise from a read cancelled while it connects.
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
             self._task = None
         with contextlib.suppress(RedisError):
-            await self._r.delete(self._wake_key)
+            await self._o._r.delete(self._wake_key)
 
     async def _run(self) -> None:
         delays = Delays()
         down_since: float | None = None
+        r = self._o._r
         while not self._closing:
             if not self._subs:
                 self._reading = False
@@ -135,18 +205,18 @@ class EventFollower:
             for key, subs in self._subs.items():
                 streams[key] = min((s.last for s in subs), key=_id)
             try:
-                reply: Any = await self._r.xread(streams, count=1024, block=self._block_ms)
+                reply: Any = await r.xread(streams, count=1024, block=self._o._block_ms)
                 delays.reset()
                 if down_since is not None:
                     down_s = round(time.monotonic() - down_since, 2)
                     log.info("event_read_recovered", followers=len(self._subs), down_s=down_s)
                     down_since = None
-            except RedisError as exc:
+            except Exception as exc:  # RedisError, or a client's own fault mid-failover: a lane never dies of it
                 if self._closing:
                     return
                 now = time.monotonic()
                 down_since = now if down_since is None else down_since
-                if now - down_since >= self._outage_grace_s:  # too long: tell every follower
+                if now - down_since >= self._o._outage_grace_s:  # too long: tell every follower
                     log.warning("event_read_failed", followers=len(self._subs), error=str(exc))
                     for subs in list(self._subs.values()):
                         for s in subs:

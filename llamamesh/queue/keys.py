@@ -1,16 +1,25 @@
 """Every Redis key, stream, group and field name llamamesh uses, under one versioned prefix.
 
-Per-request keys share a hash tag (``{<request_id>}``) so that a request's
-event stream and cancel flag live in one Redis Cluster slot; each pool's work
-streams (one per tenant with work there, ``jobs``) share the pool's slot, so that one XREADGROUP
-or one script may touch all of them.
+Per-request keys share a hash tag (``{<request_id>}``: the cancel flags, the attempts record);
+each pool's work streams (one per tenant with work there, ``jobs``) share the pool's slot, so that
+one XREADGROUP or one script may touch all of them. A request's event stream is the exception: it
+lives in one of ``event_shards`` slots picked by a hash of its id (``events``), spread evenly over
+the slot space, so that on a Redis Cluster a gateway reads the events of all its requests with one
+blocking XREAD per shard (follow.py) instead of one per request.
 """
 
 from __future__ import annotations
 
+import functools
+import zlib
 from dataclasses import dataclass
 
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
+
 from llamamesh.types import DEFAULT_TENANT
+
+# How many slots request event streams are spread over (LLAMAMESH_REDIS_EVENT_SHARDS).
+EVENT_SHARDS = 16
 
 # Consumer group every worker of a pool joins on the pool's work stream.
 WORKER_GROUP = "workers"
@@ -33,9 +42,27 @@ def stream_tenant(tenant: str) -> str:
     return "" if tenant == DEFAULT_TENANT else tenant
 
 
+@functools.lru_cache(maxsize=8)
+def shard_tags(shards: int) -> tuple[str, ...]:
+    """A hash tag for each event shard: shard k's hashes into the k-th of ``shards`` equal ranges
+    of the slot space, so that a cluster whose masters own equal ranges (``redis-cli --cluster
+    create``) gets an even share of the shards on each. Deterministic: every process agrees."""
+    if not 1 <= shards <= REDIS_CLUSTER_HASH_SLOTS:
+        raise ValueError(f"event shards must be 1..{REDIS_CLUSTER_HASH_SLOTS}, not {shards}")
+    tags: list[str] = []
+    for k in range(shards):
+        low, high = k * REDIS_CLUSTER_HASH_SLOTS // shards, (k + 1) * REDIS_CLUSTER_HASH_SLOTS // shards
+        n = 0
+        while not low <= key_slot(f"e{k}.{n}".encode()) < high:
+            n += 1
+        tags.append(f"e{k}.{n}")
+    return tuple(tags)
+
+
 @dataclass(frozen=True)
 class Keys:
     prefix: str = "llamamesh:v1"
+    event_shards: int = EVENT_SHARDS
 
     def jobs(self, pool: str, tenant: str = "") -> str:
         """The work stream of one pool's tenant: the default tenant's is the pool's plain work
@@ -58,11 +85,16 @@ class Keys:
         return f"{self.prefix}:pool:{{{pool}}}:submitted:{request_id}"
 
     def events(self, request_id: str) -> str:
-        """The event stream of one request, written by its worker, read by its gateway."""
-        return f"{self.prefix}:req:{{{request_id}}}:events"
+        """The event stream of one request, written by its worker, read by its gateway: in the slot
+        of its shard (a CRC-32 of the id)."""
+        tag = shard_tags(self.event_shards)[zlib.crc32(request_id.encode()) % self.event_shards]
+        return f"{self.prefix}:ev:{{{tag}}}:{request_id}"
 
-    def wake(self, follower_id: str) -> str:
-        """A gateway event follower's private stream: an entry returns its blocked XREAD."""
+    def wake(self, follower_id: str, tag: str = "") -> str:
+        """A gateway event follower's private stream: an entry returns its blocked XREAD. With
+        ``tag``, the wake stream of its lane for that hash tag's slot (follow.py)."""
+        if tag:
+            return f"{self.prefix}:follower:{{{tag}}}:{follower_id}:wake"
         return f"{self.prefix}:follower:{{{follower_id}}}:wake"
 
     def cancel(self, request_id: str) -> str:

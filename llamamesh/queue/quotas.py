@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 
 from llamamesh.errors import RateLimited
 from llamamesh.queue.keys import Keys
-from llamamesh.queue.redisio import unreachable
+from llamamesh.queue.redisio import call_scripts, unreachable
 from llamamesh.settings import LimitsSettings
 
 # A stream's lease: a gateway renews its open streams every third of it.
@@ -208,11 +208,8 @@ class RedisQuotas:
         if not by_tenant:
             return
         with unreachable():
-            async with self._r.pipeline(transaction=False) as pipe:
-                for tenant, ids in by_tenant.items():
-                    await self._renew(keys=[self.keys.tenant_streams(tenant)], args=[STREAM_LEASE_MS, *ids],
-                                      client=pipe)  # fmt: skip
-                await pipe.execute()
+            await call_scripts(self._r, [(self._renew, [self.keys.tenant_streams(tenant)], [STREAM_LEASE_MS, *ids])
+                                         for tenant, ids in by_tenant.items()])  # fmt: skip
 
     async def reserve_batch(self, tenant: str, limits: LimitsSettings, batch_id: str, items: int, size: int) -> bool:
         k = self.keys
@@ -237,10 +234,12 @@ class RedisQuotas:
             f"{limits.max_batch_bytes} (LLAMAMESH_LIMITS_MAX_BATCH_BYTES)", retry_after_s=BATCH_BYTES_RETRY_S,
         )  # fmt: skip
 
-    async def _give(self, tenant: str, batch_id: str, what: str, client: Any = None) -> Any:
+    def _give_call(self, tenant: str, batch_id: str, what: str) -> tuple[Any, list[str], list[str]]:
         k = self.keys
-        return await self._give_back(keys=[k.tenant_batch_quota(tenant), k.tenant_batches_held(tenant)],
-                                     args=[batch_id, what], client=client)  # fmt: skip
+        return self._give_back, [k.tenant_batch_quota(tenant), k.tenant_batches_held(tenant)], [batch_id, what]
+
+    async def _give(self, tenant: str, batch_id: str, what: str) -> Any:
+        return (await call_scripts(self._r, [self._give_call(tenant, batch_id, what)]))[0]
 
     async def unreserve_batch(self, tenant: str, batch_id: str) -> None:
         with unreachable():
@@ -264,16 +263,14 @@ class RedisQuotas:
                     for bid, _v in ids:
                         pipe.hget(k.batch(bid), "state")
                     states = await pipe.execute()
-                async with self._r.pipeline(transaction=False) as pipe:
-                    for (bid, v), state in zip(ids, states, strict=True):
-                        if state is None and now_s - int(v.split()[2]) / 1000 >= grace_s:
-                            # purged (or never stored: its BatchGenerate died between reserving
-                            # and storing; a younger hold may be a batch being stored right now)
-                            await self._give(tenant, bid, "all", pipe)
-                        elif state is not None and state in _ENDED and not v.startswith("0 "):
-                            await self._give(tenant, bid, "items", pipe)
-                        else:
-                            continue
-                        changed += 1
-                    await pipe.execute()
+                gives = []
+                for (bid, v), state in zip(ids, states, strict=True):
+                    if state is None and now_s - int(v.split()[2]) / 1000 >= grace_s:
+                        # purged (or never stored: its BatchGenerate died between reserving
+                        # and storing; a younger hold may be a batch being stored right now)
+                        gives.append(self._give_call(tenant, bid, "all"))
+                    elif state is not None and state in _ENDED and not v.startswith("0 "):
+                        gives.append(self._give_call(tenant, bid, "items"))
+                await call_scripts(self._r, gives)
+                changed += len(gives)
         return changed

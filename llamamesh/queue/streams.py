@@ -41,7 +41,7 @@ from llamamesh.queue.fair import FairShare
 from llamamesh.queue.follow import EventFollower, Item
 from llamamesh.queue.keys import EVENT_FIELD, JOB_FIELD, SUBMITTED_TTL_S, WORKER_GROUP, Keys, stream_tenant
 from llamamesh.queue.protocol import Lease, QueueDepth, entry_ref, parse_ref
-from llamamesh.queue.redisio import connect, unreachable
+from llamamesh.queue.redisio import call_scripts, connect, is_cluster, unreachable
 from llamamesh.settings import RedisSettings
 from llamamesh.types import Attempt, Failure, GenerationRequest, JobEvent, WorkerStatus
 
@@ -200,7 +200,7 @@ class RedisQueue:
     ) -> None:
         self._r = client
         self._s = settings
-        self.keys = Keys(settings.prefix)
+        self.keys = Keys(settings.prefix, settings.event_shards)
         self._clock = clock
         # pool -> when its consumers were last pruned (clock seconds)
         self._pruned: dict[str, float] = {}
@@ -218,6 +218,7 @@ class RedisQueue:
         self._remake = client.register_script(_REMAKE)
         self._begin = client.register_script(_BEGIN)
         self._ended = client.register_script(_ENDED)
+        self._cluster = is_cluster(client)
 
     @property
     def client(self) -> aioredis.Redis:
@@ -706,6 +707,8 @@ class RedisQueue:
         stream while it runs; renewals count only once the pipeline went through."""
         now = self._clock()
         renewed: set[str] = set()
+        # On a cluster (its pipelines refuse scripts) the attempts' scripts run after the pipeline.
+        ended: list[tuple[Any, list[str], list[Any]]] = []
         with unreachable():
             async with self._r.pipeline(transaction=False) as pipe:
                 for lease, event in events:
@@ -715,8 +718,11 @@ class RedisQueue:
                     if event.terminal:
                         pipe.expire(key, self._s.event_ttl_s)
                         req = lease.request
-                        await self._ended(keys=[self.keys.attempts(req.caller_id)],
-                                          args=[req.request_id, self._s.event_ttl_s], client=pipe)  # fmt: skip
+                        call = (self._ended, [self.keys.attempts(req.caller_id)], [req.request_id, self._s.event_ttl_s])
+                        if self._cluster:
+                            ended.append(call)
+                        else:
+                            await self._ended(keys=call[1], args=call[2], client=pipe)
                         stream = self.keys.jobs(lease.pool, lease.tenant)
                         pipe.xack(stream, WORKER_GROUP, lease.entry_id)
                         pipe.xdel(stream, lease.entry_id)
@@ -729,6 +735,7 @@ class RedisQueue:
                         renewed.add(rid)
                 self._check_cancelled(pipe, watch)
                 replies = await pipe.execute()
+            await call_scripts(self._r, ended)
         self._renewed(now, renewed, [lease.request.request_id for lease, event in events if event.terminal])
         return self._cancelled(watch, replies[len(replies) - 2 * len(watch) :])
 

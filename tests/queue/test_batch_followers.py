@@ -17,6 +17,7 @@ from llamamesh.queue.protocol import Lease
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import RedisSettings
 from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, ItemStatus
+from tests.queue.conftest import raw_client
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
 
@@ -58,8 +59,8 @@ class Stores:
 @pytest.fixture
 async def stores(redis_settings: RedisSettings) -> AsyncIterator[Stores]:
     name = f"followers-{uuid.uuid4().hex[:8]}"
-    reader_client = aioredis.Redis.from_url(redis_settings.url, client_name=name, socket_timeout=30)
-    observer = aioredis.Redis.from_url(redis_settings.url, socket_timeout=30)
+    reader_client = raw_client(redis_settings, client_name=name, socket_timeout=30)
+    observer = raw_client(redis_settings, socket_timeout=30)
     q = RedisQueue.from_settings(redis_settings)
     reader = RedisBatches(reader_client, q.keys, retention_s=60, follow_block_ms=2000)
     writer = RedisBatches(q.client, q.keys, retention_s=60)

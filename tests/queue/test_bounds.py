@@ -32,6 +32,7 @@ from llamamesh.types import (
     JobEvent,
     Usage,
 )
+from tests.queue.conftest import raw_client
 from tests.queue.jobs import req
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(30)]
@@ -55,7 +56,7 @@ class Clock:
 
 @pytest.fixture
 async def raw(redis_settings: RedisSettings) -> AsyncIterator[aioredis.Redis]:
-    r = aioredis.Redis.from_url(redis_settings.url)
+    r = raw_client(redis_settings)
     yield r
     await r.aclose()
 

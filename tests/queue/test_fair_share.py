@@ -20,6 +20,7 @@ from llamamesh.queue.protocol import Lease, entry_ref, parse_ref
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import RedisSettings
 from llamamesh.types import Finished, FinishReason, GenerationRequest, JobEvent, Usage, WorkerStatus
+from tests.queue.conftest import raw_client
 from tests.queue.jobs import req
 
 pytestmark = [pytest.mark.timeout(30)]
@@ -39,7 +40,7 @@ def tenants_of(leases: list[Lease]) -> list[str]:
 
 @pytest.fixture
 async def raw(redis_settings: RedisSettings):
-    r = aioredis.Redis.from_url(redis_settings.url)
+    r = raw_client(redis_settings)
     yield r
     await r.aclose()
 

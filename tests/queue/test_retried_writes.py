@@ -8,6 +8,7 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
+from llamamesh.queue.redisio import is_cluster
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.types import Attempt, Finished, FinishReason, JobEvent, Usage
 from services.relay import Cursor
@@ -59,20 +60,24 @@ async def test_pooled_connections_redis_dropped_are_replaced_not_failed_on(redis
     q = redis_queue
     await q.join("cpu")
     await asyncio.gather(*(q.ping() for _ in range(10)))  # ten connections in the pool
-    killer = aioredis.Redis.from_url(q.client.connection_pool.connection_kwargs.get("url") or _url(q))
-    try:
-        killed = await killer.client_kill_filter(_type="normal", skipme=True)
-        assert killed >= 10
-    finally:
-        await killer.aclose()
+    killed = 0
+    for url in _urls(q):  # every node of a cluster
+        killer = aioredis.Redis.from_url(url)
+        try:
+            killed += await killer.client_kill_filter(_type="normal", skipme=True)
+        finally:
+            await killer.aclose()
+    assert killed >= 10
     # Every pooled connection is dead now: each command notices before or on use and goes on a fresh one.
     await asyncio.gather(*(q.submit("cpu", req(f"k{i}")) for i in range(10)))
     assert await q.client.xlen(q.keys.jobs("cpu")) == 10
 
 
-def _url(q: RedisQueue) -> str:
+def _urls(q: RedisQueue) -> list[str]:
+    if is_cluster(q.client):
+        return [f"redis://{n.host}:{n.port}" for n in q.client.get_nodes()]  # type: ignore[attr-defined]
     kw = q.client.connection_pool.connection_kwargs
-    return f"redis://{kw['host']}:{kw['port']}"
+    return [f"redis://{kw['host']}:{kw['port']}"]
 
 
 async def test_a_worker_takes_back_its_own_idle_job_unless_it_runs_it(redis_queue: RedisQueue) -> None:

