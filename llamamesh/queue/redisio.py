@@ -111,12 +111,12 @@ def cluster_nodes(url: str) -> tuple[list[tuple[str, int]], dict[str, str]]:
 
 def _cluster(settings: RedisSettings) -> aioredis.Redis:
     nodes, creds = cluster_nodes(settings.url)
-    tls = tls_options(settings)
+    tls: dict[str, Any] = tls_options(settings)
+    options: dict[str, Any] = {**creds, **({"ssl": True, **tls} if settings.url.startswith("rediss+") else {})}
     # One type for the callers: a cluster client offers the same commands (redis-py types them apart).
     return _Cluster(  # type: ignore[return-value]
         startup_nodes=[ClusterNode(host, port) for host, port in nodes],
-        **creds,
-        **({"ssl": True, **tls} if settings.url.startswith("rediss+") else {}),
+        **options,
         socket_timeout=settings.block_ms / 1000 + 10,
         socket_connect_timeout=5,
         health_check_interval=settings.health_check_s,

@@ -718,11 +718,12 @@ class RedisQueue:
                     if event.terminal:
                         pipe.expire(key, self._s.event_ttl_s)
                         req = lease.request
-                        call = (self._ended, [self.keys.attempts(req.caller_id)], [req.request_id, self._s.event_ttl_s])
+                        ended_keys = [self.keys.attempts(req.caller_id)]
+                        ended_args: list[Any] = [req.request_id, self._s.event_ttl_s]
                         if self._cluster:
-                            ended.append(call)
+                            ended.append((self._ended, ended_keys, ended_args))
                         else:
-                            await self._ended(keys=call[1], args=call[2], client=pipe)
+                            await self._ended(keys=ended_keys, args=ended_args, client=pipe)
                         stream = self.keys.jobs(lease.pool, lease.tenant)
                         pipe.xack(stream, WORKER_GROUP, lease.entry_id)
                         pipe.xdel(stream, lease.entry_id)
