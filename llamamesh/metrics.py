@@ -1,7 +1,8 @@
 """Every Prometheus metric of llamamesh, defined once, and the /metrics endpoint of each process.
 
 Names are ``llamamesh_*`` in base units (``_seconds``, ``_total`` counters, ratios in [0, 1]); labels
-are bounded: pool, method, code, reason, state, to, status. Never a request id or a tenant.
+are bounded: pool, method, code, reason, state, to, status, rule (the configured normalisation rules).
+Never a request id or a tenant.
 
 A gateway process updates the gateway metrics, a worker process the worker ones; nothing below
 ``services/`` and ``workers/`` touches them but through the names here.
@@ -77,6 +78,10 @@ AT_RISK_FRACTION = 0.1
 BATCHES_AT_RISK = Gauge("llamamesh_batches_at_risk",
                         "Open batches with unfinished items and under 10% of their completion window left",
                         multiprocess_mode="livemax")  # fmt: skip
+# Counted once per request (a Generate, a Tokenize, a batch item) and rule that changed its text,
+# however many matches the rule rewrote in it (services/normalize.py).
+PROMPT_REWRITES = Counter("llamamesh_prompt_rewrites", "Requests whose prompt or messages a normalisation rule "
+                          "changed, by rule", ["rule"])  # fmt: skip
 DISCONNECT_CANCEL = Histogram("llamamesh_disconnect_cancel_seconds",
                               "Caller gone to the cancel flag written for its worker", buckets=LATENCY_BUCKETS)
 

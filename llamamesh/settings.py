@@ -106,6 +106,11 @@ class GatewaySettings:
     routes: str = ""
     # A tokenizer.json the routing rules count prompt tokens with. Empty: estimated (UTF-8 bytes / 4).
     tokenizer: str = ""
+    # Prompt normalisation: regex rewrites of prompts and chat messages before routing and queueing,
+    # a JSON list of {"name", "pattern", "replacement", optional "flags", "applies_to", "roles"},
+    # inline (starting with "[") or the path of a JSON file read at start (format:
+    # services/normalize.py). A bad rule stops the start. Empty: requests are left as sent.
+    normalize_rules: str = ""
     # Requests of one tenant that may wait unleased in a pool (its own work stream there: one
     # tenant's burst cannot fill the pool for the others); past it Generate answers
     # RESOURCE_EXHAUSTED with RetryInfo (retry_after_s) at once. 0: no bound.

@@ -49,6 +49,7 @@ from services import convert
 from services.admission import Admission, access_of, check_priority
 from services.auth import identity
 from services.calls import note, rpc
+from services.normalize import Normalizer
 from services.routing import RoutingPolicy
 
 log = structlog.get_logger(__name__)
@@ -206,8 +207,10 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
         policy: RoutingPolicy | None = None,
         block_ms: int = 2000,
         admission: Admission | None = None,
+        normalizer: Normalizer | None = None,
     ) -> None:
         self._store = store
+        self._normalizer = normalizer or Normalizer()
         self._admission = admission or Admission(None)
         self._gw = gateway
         self._s = settings
@@ -231,12 +234,18 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
     async def BatchGenerate(self, request: bpb.BatchGenerateRequest, context: grpc.aio.ServicerContext) -> bpb.Batch:
         who = identity(context)
         batch_id, window, items = batch_requests(request, self._gw, self._s, self._models, who.tenant)
+        # Normalised (services/normalize.py) before routing and storing; the fingerprint is of what was sent.
+        rewritten = 0
+        for n, (model, req) in enumerate(items):
+            out = self._normalizer.apply(req)
+            rewritten += out is not req
+            items[n] = (model, out)
         for n, (_model, req) in enumerate(items):
             try:
                 check_priority(who, req.priority)
             except errors.PermissionDenied as exc:
                 raise errors.PermissionDenied(f"item {n} ({req.custom_id!r}): {exc.message}") from None
-        note(tenant=who.tenant)
+        note(tenant=who.tenant, normalized_items=rewritten or None)
         scoped = scoped_id(who.tenant, batch_id)
         now = time.time()
         info = BatchInfo(

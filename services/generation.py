@@ -14,13 +14,14 @@ import structlog
 
 from llamamesh import errors, tracing
 from llamamesh.settings import GatewaySettings
-from llamamesh.types import DEFAULT_TENANT, ModelInfo, scoped_id
+from llamamesh.types import DEFAULT_TENANT, GenerationRequest, ModelInfo, scoped_id
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc
 from services import convert
 from services.admission import Admission, access_of, check_priority
 from services.auth import identity
 from services.calls import note, rpc
+from services.normalize import Normalizer
 from services.relay import Caller, Progress, Relay
 
 log = structlog.get_logger(__name__)
@@ -42,21 +43,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     here (NOT_FOUND, never "exists")."""
 
     def __init__(
-        self, relay: Relay, settings: GatewaySettings, models: Sequence[ModelInfo], admission: Admission | None = None
-    ) -> None:
+        self, relay: Relay, settings: GatewaySettings, models: Sequence[ModelInfo], admission: Admission | None = None,
+        normalizer: Normalizer | None = None,
+    ) -> None:  # fmt: skip
         self._relay = relay
         self._s = settings
         self._models = tuple(models)
         self._admission = admission or Admission(None)
+        self._normalizer = normalizer or Normalizer()
 
     @rpc("Generate")
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Stream one generation (failover, resume and liveness: the relay's), within the tenant's
-        budgets (services/admission.py)."""
+        budgets (services/admission.py). The prompt is normalised (services/normalize.py) before
+        routing and queueing; the idempotency fingerprint is of what the caller sent."""
         who = identity(context)
         req, model = convert.generate_request(request, self._s, self._models)
+        req = self._normalized(req)
         check_priority(who, req.priority)
         public = req.request_id
         remaining = context.time_remaining()
@@ -82,6 +87,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             note(pool=progress.pool or None, route=progress.route, failovers=progress.failovers or None,
                  finish_reason=progress.finish or None, completion_tokens=progress.tokens,
                  ttft_ms=progress.ttft_ms)  # fmt: skip
+
+    def _normalized(self, req: GenerationRequest) -> GenerationRequest:
+        out = self._normalizer.apply(req)
+        if out is not req:
+            note(normalized=True)
+        return out
 
     @rpc("Attach")
     async def Attach(
@@ -116,8 +127,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
-        """Tokenize on a worker of the model's pool (the engine owns the tokenizer)."""
+        """Tokenize on a worker of the model's pool (the engine owns the tokenizer), after the
+        same normalisation as Generate, so the count is that of the text generation would see."""
         identity(context)  # a bad tenant header is refused here too
         req, model = convert.tokenize_request(request, self._models, self._s.max_prompt_chars)
-        req = replace(req, trace=tracing.carrier())
+        req = replace(self._normalized(req), trace=tracing.carrier())
         return convert.tokenize_response(req, await self._relay.tokenize(req, model.pool))

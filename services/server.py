@@ -38,6 +38,7 @@ from services.backends import Backends, backend_service
 from services.batch import BatchServicer, BatchSweeper
 from services.generation import GenerationServicer
 from services.health import HealthReporter
+from services.normalize import Normalizer
 from services.relay import QueueRelay
 from services.routing import RoutingPolicy, tokenizer_counter
 
@@ -108,6 +109,7 @@ async def start_gateway(
     enforced (none: unlimited, e.g. over the in-memory queue of unit tests)."""
     models = settings.model_table()
     policy = RoutingPolicy.parse(settings.routes, tokenizer_counter(settings.tokenizer) if settings.tokenizer else None)
+    normalizer = Normalizer.parse(settings.normalize_rules)  # a bad rule: ValueError, nothing started
     batch = batch or BatchSettings()
     limits = limits or LimitsSettings()
     tenants = TenantsFile((auth or AuthSettings()).file, limits) if (auth or AuthSettings()).file else None
@@ -141,14 +143,14 @@ async def start_gateway(
     reporter.watch(backends.saw_queue)
     relay = QueueRelay(queue, settings, backends, policy, reporter.queue_generation)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(
-        GenerationServicer(relay, settings, models, admission), server
+        GenerationServicer(relay, settings, models, admission, normalizer), server
     )
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(backends), server)
     services = [GENERATION_SERVICE, ADMIN_SERVICE]
     sweeper = None
     if batches is not None:  # the batch store needs Redis (the in-memory queue of unit tests has none)
         batch_pb2_grpc.add_BatchServiceServicer_to_server(
-            BatchServicer(batches, settings, batch, models, policy, admission=admission), server
+            BatchServicer(batches, settings, batch, models, policy, admission=admission, normalizer=normalizer), server
         )
         services.append(BATCH_SERVICE)
         sweeper = BatchSweeper(batches, batch.sweep_interval_s, quotas, batch.retention_s)
@@ -171,6 +173,8 @@ async def start_gateway(
     mtls = bool(settings.tls_client_ca)
     log.info("gateway_started", host=settings.host, port=bound, tls=bool(settings.tls_cert), mtls=mtls,
              health_port=health_port or None)  # fmt: skip
+    if normalizer:
+        log.info("normalize_rules_loaded", rules=[r.name for r in normalizer.rules])
     if tenants is not None:
         log.info("gateway_auth", tenants=len(tenants.current().tenants), file=tenants.path)
     return Gateway(server=server, health=reporter, backends=backends, relay=relay, port=bound, sweeper=sweeper,
@@ -219,6 +223,7 @@ def supervise(settings: Settings) -> int:
     n = settings.gateway.processes
     if settings.gateway.port == 0:
         raise ValueError("LLAMAMESH_GATEWAY_PROCESSES > 1 needs a fixed LLAMAMESH_GATEWAY_PORT")
+    Normalizer.parse(settings.gateway.normalize_rules)  # a bad rule fails here, not as children crash-looping
     # One scrape for all of them: the children write their metrics into one directory, served here.
     g = settings.gateway
     agg = metrics.Aggregate(g.metrics_port, g.host, "gateway", prometheus_multiproc_dir())

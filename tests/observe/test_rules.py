@@ -55,6 +55,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "llamamesh_failovers_total": ("counter", ("pool",)),
     "llamamesh_dead_letters_total": ("counter", ("pool",)),
     "llamamesh_admission_rejected_total": ("counter", ("reason",)),
+    "llamamesh_prompt_rewrites_total": ("counter", ("rule",)),
     "llamamesh_workers": ("gauge", ("pool", "state")),
     "llamamesh_disconnect_cancel_seconds": ("histogram", ()),
     "llamamesh_batches_at_risk": ("gauge", ()),
@@ -71,7 +72,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 SAMPLE_LABELS = {
     "pool": "chat", "method": "Generate", "code": "OK", "to": "open", "reason": "queue_full",
-    "state": "ready", "status": "ok",
+    "state": "ready", "status": "ok", "rule": "html-ids",
 }
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 RATE_INTERVAL = "1m"  # what $__rate_interval stands for in the dashboard's expressions

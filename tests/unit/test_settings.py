@@ -90,3 +90,11 @@ def test_trtllm_section_reads_its_env_vars() -> None:
     assert (d.backend, d.tensor_parallel_size, d.max_seq_len, d.free_gpu_memory_fraction) == ("pytorch", 0, 0, 0.0)
     with pytest.raises(ValueError, match="LLAMAMESH_TRTLLM_MAX_BATCH_SIZE"):
         Settings.from_env({"LLAMAMESH_TRTLLM_MAX_BATCH_SIZE": "lots"})
+
+
+def test_normalize_rules_come_from_their_env_var() -> None:
+    rules = '[{"name": "html-ids", "pattern": "id=\\"[a-z0-9-]+\\"", "replacement": "id=\\"REDACTED\\""}]'
+    s = Settings.from_env({"LLAMAMESH_GATEWAY_NORMALIZE_RULES": rules})
+    assert s.gateway.normalize_rules == rules
+    assert Settings.from_env(s.to_env()) == s
+    assert Settings.from_env({}).gateway.normalize_rules == ""
