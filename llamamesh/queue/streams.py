@@ -176,6 +176,11 @@ RENEW_FRACTION = 0.25
 TENANTS_REFRESH_S = 0.5
 
 
+def _id_order(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
 def _gone(exc: BaseException) -> bool:
     """A read of a work stream that is not there (deleted with its group: Redis lost its data, or
     the tenant was forgotten, ``_FORGET``; a blocked read learns it as UNBLOCKED)."""
@@ -499,27 +504,34 @@ class RedisQueue:
         """Affinity on: the fair share's rounds over the tenants' partitions this consumer owns
         (its last heartbeat says which); only if they gave nothing, one round over the others' (a
         steal: the oldest jobs waiting there); only if that gave nothing either, a blocking read of
-        its own for at most ``affinity_steal_after_ms`` (owning none: a wait as long)."""
+        its own for at most ``affinity_steal_after_ms`` (owning none: a wait as long), and again
+        from the start until ``block_ms`` is over: a busy owner's queued job is stolen by an idle
+        worker within about ``affinity_steal_after_ms``."""
         owned = self._owned.get((pool, consumer), [])
         others = [k for k in range(self._parts) if k not in owned]
-        got: list[tuple[str, int | None, str, Any, bool]] = []
-        if owned:
-            got = await self._part_rounds(pool, consumer, count, fair, set(fair.tenants) - set(exclude), owned)
-        if not got:  # a tenant that came meanwhile gets its read first
-            before = set(fair.tenants)
-            await self._refresh_tenants(pool, fair)
-            if owned and (fresh := set(fair.tenants) - before - set(exclude)):
-                got = await self._part_rounds(pool, consumer, count, fair, fresh, owned)
-        if not got and others:
-            got = await self._part_rounds(pool, consumer, count, fair, set(fair.tenants) - set(exclude), others,
-                                          stolen=True)  # fmt: skip
-        if not got and block_ms > 0:
-            wait = min(block_ms, max(1, self._s.affinity_steal_after_ms))
+        deadline = self._clock() + block_ms / 1000
+        while True:
+            got: list[tuple[str, int | None, str, Any, bool]] = []
+            if owned:
+                got = await self._part_rounds(pool, consumer, count, fair, set(fair.tenants) - set(exclude), owned)
+            if not got:  # a tenant that came meanwhile gets its read first
+                before = set(fair.tenants)
+                await self._refresh_tenants(pool, fair)
+                if owned and (fresh := set(fair.tenants) - before - set(exclude)):
+                    got = await self._part_rounds(pool, consumer, count, fair, fresh, owned)
+            if not got and others:
+                got = await self._part_rounds(pool, consumer, count, fair, set(fair.tenants) - set(exclude),
+                                              others, stolen=True)  # fmt: skip
+            left_ms = int((deadline - self._clock()) * 1000)
+            if got or block_ms <= 0 or left_ms <= 0:
+                return got
+            wait = min(left_ms, max(1, self._s.affinity_steal_after_ms))
             if owned:
                 got = await self._part_block(pool, consumer, count, wait, fair, exclude, owned)
             else:  # nothing of its own to wait on: look at the others' again after as long
                 await asyncio.sleep(wait / 1000)
-        return got
+            if got:
+                return got
 
     async def _part_rounds(
         self, pool: str, consumer: str, count: int, fair: FairShare, candidates: set[str], partitions: list[int],
@@ -545,6 +557,7 @@ class RedisQueue:
                     lost.add(tenant)
                 entries = [(tenant, partitions[int(i) - 1], eid.decode(), dict(zip(f[::2], f[1::2], strict=True)),
                             stolen) for i, eid, f in taken]  # fmt: skip
+                entries.sort(key=lambda e: _id_order(e[2]))  # oldest first (ids of one ms: any order)
                 fair.served(tenant, n, len(entries))
                 if len(entries) < n:
                     candidates.discard(tenant)
@@ -876,7 +889,7 @@ class RedisQueue:
         if isinstance(last, BaseException):
             raise QueueUnavailable(f"cannot record the worker's partitions: {last}") from last
         if self._parts and int(last[0]) == 0:
-            self._owned[(pool, status.worker)] = [int(k) for k in last[1:]]
+            self._owned[(pool, status.worker)] = sorted(int(k) for k in last[1:])
         elif self._parts or int(last):
             self._owned.pop((pool, status.worker), None)
             await self._misconfigured(pool)
