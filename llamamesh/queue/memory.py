@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import time
 import uuid
@@ -271,10 +272,10 @@ class MemoryQueue:
         """Affinity on: own partitions first, then a steal, waiting on its own ``steal_after_ms`` at
         a time until ``block_ms`` is over."""
         p = self._pool(pool)
-        owned = set(self.owned(pool, consumer))
-        others = set(range(self._parts)) - owned
         deadline = time.monotonic() + block_ms / 1000
         while True:
+            owned = set(self.owned(pool, consumer))
+            others = set(range(self._parts)) - owned
             stolen = False
             taken = p.take(count, left_out, owned) if owned else []
             if not taken and others:
@@ -285,7 +286,7 @@ class MemoryQueue:
             async with self._changed:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(
-                        self._changed.wait_for(lambda: p._head_any(owned, left_out)),
+                        self._changed.wait_for(functools.partial(p._head_any, owned, left_out)),
                         min(left, self._steal_after_ms / 1000),
                     )
         for entry_id, req in taken:

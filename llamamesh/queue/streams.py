@@ -507,10 +507,10 @@ class RedisQueue:
         its own for at most ``affinity_steal_after_ms`` (owning none: a wait as long), and again
         from the start until ``block_ms`` is over: a busy owner's queued job is stolen by an idle
         worker within about ``affinity_steal_after_ms``."""
-        owned = self._owned.get((pool, consumer), [])
-        others = [k for k in range(self._parts) if k not in owned]
         deadline = self._clock() + block_ms / 1000
-        while True:
+        while True:  # its partitions as its latest heartbeat left them
+            owned = self._owned.get((pool, consumer), [])
+            others = [k for k in range(self._parts) if k not in owned]
             got: list[tuple[str, int | None, str, Any, bool]] = []
             if owned:
                 got = await self._part_rounds(pool, consumer, count, fair, set(fair.tenants) - set(exclude), owned)
