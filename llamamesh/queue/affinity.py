@@ -11,8 +11,10 @@ giving back extras so that a worker that joins gets its share. A dead worker's p
 with its heartbeat TTL and go to the others at their next heartbeats.
 
 A worker leases from its own partitions first (the tenants' fair share over them), then, only when
-that gave nothing, takes the oldest jobs waiting in the others' (a steal), and blocks on its own
-for at most ``affinity_steal_after_ms``: affinity never leaves a worker idle while work waits.
+that gave nothing, takes the oldest jobs that waited at least ``affinity_steal_after_ms`` in the
+others' (a steal: a job younger than that is left to its owner, which takes it at once if it has
+room), and blocks on its own for at most that long: affinity never leaves a worker idle while work
+waits for longer than about twice ``affinity_steal_after_ms``.
 docs/affinity.md has the design and its trade-offs.
 """
 
@@ -137,12 +139,19 @@ end
 return tonumber(stored) or -1
 """
 
-# KEYS: work streams (of one tenant: some of its partitions). ARGV: group, consumer, n. Leases the
-# n oldest new entries among them (by entry id, so one tenant's jobs go in submission order across
-# its partitions) in one step. Returns {{index of the stream in KEYS, entry id, fields}...} and the
-# indexes of streams (or groups) that are not there.
+# KEYS: work streams (of one tenant: some of its partitions). ARGV: group, consumer, n, least age
+# (ms; a steal's: entries younger than that are left to their owner). Leases the n oldest new
+# entries among them (by entry id, so one tenant's jobs go in submission order across its
+# partitions) in one step. Returns {{index of the stream in KEYS, entry id, fields}...} and the
+# indexes of streams (or groups) that are not there. An entry's age is Redis's clock (``TIME``)
+# less its id's time (XADD's, also Redis's).
 TAKE = """
 local n = tonumber(ARGV[3])
+local newest = math.huge
+if tonumber(ARGV[4]) > 0 then
+  local t = redis.call('TIME')
+  newest = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) - tonumber(ARGV[4])
+end
 local heads, lost = {}, {}
 for i, k in ipairs(KEYS) do
   local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', k)
@@ -159,7 +168,9 @@ for i, k in ipairs(KEYS) do
   else
     for _, e in ipairs(redis.call('XRANGE', k, '(' .. last, '+', 'COUNT', n)) do
       local dash = string.find(e[1], '-', 1, true)
-      table.insert(heads, {tonumber(string.sub(e[1], 1, dash - 1)), tonumber(string.sub(e[1], dash + 1)), i})
+      local ms = tonumber(string.sub(e[1], 1, dash - 1))
+      if ms > newest then break end
+      table.insert(heads, {ms, tonumber(string.sub(e[1], dash + 1)), i})
     end
   end
 end

@@ -51,6 +51,7 @@ class _Pool:
     # Prefix affinity: entry id -> its partition; partition -> (owner, expiry ms); ready worker ->
     # its membership's expiry (ms).
     part: dict[str, int] = field(default_factory=dict)
+    born: dict[str, float] = field(default_factory=dict)  # entry id -> when it was queued (monotonic s)
     owners: dict[int, tuple[str, int]] = field(default_factory=dict)
     members: dict[str, int] = field(default_factory=dict)
 
@@ -59,14 +60,16 @@ class _Pool:
         return sorted((e for q in self.tenants.values() for e in q), key=lambda e: _seq(e[0]))
 
     def take(
-        self, count: int, exclude: Collection[str] = (), partitions: Collection[int] | None = None
-    ) -> list[tuple[str, GenerationRequest]]:
+        self, count: int, exclude: Collection[str] = (), partitions: Collection[int] | None = None,
+        queued_before: float | None = None,
+    ) -> list[tuple[str, GenerationRequest]]:  # fmt: skip
         """Up to ``count`` jobs, one per tenant with work per turn (round robin), none of ``exclude``;
-        only of ``partitions`` when given (each tenant's oldest job there)."""
+        only of ``partitions`` when given (each tenant's oldest job there), queued before
+        ``queued_before`` (monotonic s) when given."""
         taken: list[tuple[str, GenerationRequest]] = []
         while len(taken) < count:
             heads = {t: i for t, q in self.tenants.items() if t not in exclude
-                     if (i := self._head(q, partitions)) is not None}  # fmt: skip
+                     if (i := self._head(q, partitions, queued_before)) is not None}  # fmt: skip
             ready = sorted(heads)
             if not ready:
                 break
@@ -79,10 +82,18 @@ class _Pool:
         """Whether a job of ``partitions`` waits (of a tenant not in ``exclude``)."""
         return any(self._head(q, partitions) is not None for t, q in self.tenants.items() if t not in exclude)
 
-    def _head(self, queue: list[tuple[str, GenerationRequest]], partitions: Collection[int] | None) -> int | None:
+    def _head(
+        self, queue: list[tuple[str, GenerationRequest]], partitions: Collection[int] | None,
+        queued_before: float | None = None,
+    ) -> int | None:  # fmt: skip
         if partitions is None:
             return 0 if queue else None
-        return next((i for i, (eid, _r) in enumerate(queue) if self.part.get(eid) in partitions), None)
+        for i, (eid, _r) in enumerate(queue):
+            if queued_before is not None and self.born.get(eid, 0.0) > queued_before:
+                return None  # the rest came later still
+            if self.part.get(eid) in partitions:
+                return i
+        return None
 
 
 class MemoryQueue:
@@ -146,6 +157,7 @@ class MemoryQueue:
         entry_id = f"{next(self._ids)}-0"
         if self._parts:
             self._pool(pool).part[entry_id] = partition_of(request, self._parts)
+            self._pool(pool).born[entry_id] = time.monotonic()
         waiting.append((entry_id, request))
         await self._notify()
 
@@ -278,8 +290,9 @@ class MemoryQueue:
             others = set(range(self._parts)) - owned
             stolen = False
             taken = p.take(count, left_out, owned) if owned else []
-            if not taken and others:
-                taken, stolen = p.take(count, left_out, others), True
+            if not taken and others:  # a steal: only jobs that waited steal_after_ms
+                steal_before = time.monotonic() - self._steal_after_ms / 1000
+                taken, stolen = p.take(count, left_out, others, steal_before), True
             left = deadline - time.monotonic()
             if taken or block_ms <= 0 or left <= 0:
                 break
@@ -336,6 +349,7 @@ class MemoryQueue:
             if event.terminal:
                 self._pool(lease.pool).pending.pop(lease.entry_id, None)
                 self._pool(lease.pool).part.pop(lease.entry_id, None)
+                self._pool(lease.pool).born.pop(lease.entry_id, None)
         await self._notify()
         return {r.request_id for r in watch if self._is_cancelled(r)}
 

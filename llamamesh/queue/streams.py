@@ -503,10 +503,11 @@ class RedisQueue:
     ) -> list[tuple[str, int | None, str, Any, bool]]:
         """Affinity on: the fair share's rounds over the tenants' partitions this consumer owns
         (its last heartbeat says which); only if they gave nothing, one round over the others' (a
-        steal: the oldest jobs waiting there); only if that gave nothing either, a blocking read of
-        its own for at most ``affinity_steal_after_ms`` (owning none: a wait as long), and again
-        from the start until ``block_ms`` is over: a busy owner's queued job is stolen by an idle
-        worker within about ``affinity_steal_after_ms``."""
+        steal: the oldest jobs that waited there ``affinity_steal_after_ms`` or more, so an owner
+        with room gets its own first); only if that gave nothing either, a blocking read of its own
+        for at most ``affinity_steal_after_ms`` (owning none: a wait as long), and again from the
+        start until ``block_ms`` is over: a busy owner's queued job is stolen by an idle worker
+        within about twice ``affinity_steal_after_ms``."""
         deadline = self._clock() + block_ms / 1000
         while True:  # its partitions as its latest heartbeat left them
             owned = self._owned.get((pool, consumer), [])
@@ -538,16 +539,18 @@ class RedisQueue:
         stolen: bool = False,
     ) -> list[tuple[str, int | None, str, Any, bool]]:  # fmt: skip
         """``_rounds`` over the ``partitions`` of each tenant's stream: what the plan asks of a
-        tenant is the oldest jobs among those partitions (``affinity.TAKE``, one script a tenant)."""
+        tenant is the oldest jobs among those partitions (``affinity.TAKE``, one script a tenant);
+        ``stolen`` (others' partitions): only jobs that waited ``affinity_steal_after_ms``."""
         got: list[tuple[str, int | None, str, Any, bool]] = []
         lost: set[str] = set()
+        age = max(1, self._s.affinity_steal_after_ms) if stolen else 0
         while len(got) < count and candidates:
             asks = fair.plan(count - len(got), candidates)
             with unreachable("cannot read the work stream"):
                 async with self._r.pipeline(transaction=False) as pipe:
                     for tenant, n in asks.items():
                         await self._take(keys=[self.keys.jobs_part(pool, tenant, k) for k in partitions],
-                                         args=[WORKER_GROUP, consumer, n], client=pipe)  # fmt: skip
+                                         args=[WORKER_GROUP, consumer, n, age], client=pipe)  # fmt: skip
                     replies = await pipe.execute(raise_on_error=False)
             for (tenant, n), reply in zip(asks.items(), replies, strict=True):
                 if isinstance(reply, BaseException):

@@ -72,7 +72,8 @@ async def test_an_explicit_prefix_key_over_grpc_reaches_the_job_and_its_owners_p
         await asyncio.wait_for(worker.ready.wait(), 5)
         while len(queue.owned("cpu", "w1")) < 4:  # noqa: ASYNC110  # bounded: its first ready heartbeat
             await asyncio.sleep(0.01)
-        before = own._value.get()
+        stolen = metrics.AFFINITY_LEASES.labels("cpu", "stolen")
+        before = own._value.get(), stolen._value.get()
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         msgs = [m async for m in stub.Generate(pb.GenerateRequest(prompt="hi", max_tokens=2, prefix_key="conv-7"))]
         assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
@@ -80,8 +81,8 @@ async def test_an_explicit_prefix_key_over_grpc_reaches_the_job_and_its_owners_p
         assert sent.prefix_key == "conv-7" and partition_of(sent, 4) == partition_of(
             GenerationRequest(request_id="other", model="tiny", prefix_key="conv-7"), 4
         )
-        stolen = metrics.AFFINITY_LEASES.labels("cpu", "stolen")._value.get()
-        assert (own._value.get(), stolen) == (before + 1, 0)  # from its own partition, not stolen
+        after = own._value.get(), stolen._value.get()
+        assert after == (before[0] + 1, before[1])  # from its own partition, not stolen
     finally:
         await channel.close()
         stop.set()
