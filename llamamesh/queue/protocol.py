@@ -183,7 +183,9 @@ class WorkQueue(Protocol):
     ) -> list[Lease]:
         """Take up to ``count`` new jobs, waiting at most ``block_ms`` for the first (0: not at all);
         shared between the tenants with jobs waiting by their weights (fair share), none of the
-        tenants in ``exclude`` (as ``Lease.tenant`` names them)."""
+        tenants in ``exclude`` (as ``Lease.tenant`` names them). With prefix affinity on
+        (docs/affinity.md): from the partitions this consumer owns first, others' (``stolen``) only
+        when it has nothing of its own and they waited ``affinity_steal_after_ms``."""
         ...
 
     async def reclaim(
@@ -202,7 +204,9 @@ class WorkQueue(Protocol):
 
     async def heartbeat(self, status: WorkerStatus, ttl_s: float, touch: Sequence[str] = ()) -> None:
         """Say this worker is alive (with its figures) for the next ``ttl_s`` seconds, and reset
-        the idle time of the jobs it runs (``touch``: their ``Lease.ref``) so nobody reclaims them."""
+        the idle time of the jobs it runs (``touch``: their ``Lease.ref``) so nobody reclaims them.
+        With prefix affinity on, a ready worker's heartbeat also renews and rebalances its share of
+        the pool's partitions for ``ttl_s`` (any other state gives its share up)."""
 
     async def leave(self, pool: str, worker: str) -> None:
         """Withdraw this worker's heartbeat (a clean stop)."""

@@ -19,6 +19,11 @@
   tenant's work stream that holds nothing leaves with its entry in ``keys.tenants`` (its next
   submission makes it again).
 
+- Prefix affinity (``affinity_partitions`` > 0; llamamesh/queue/affinity.py, docs/affinity.md):
+  each tenant's stream is split into partitions (``keys.jobs_part``) by the hash of the job's prefix
+  key; the ready workers' heartbeats share out their ownership (``keys.owners``); a lease reads its
+  own first and steals from the others only when idle. Off, nothing of it is made or read.
+
 Redis errors become ``QueueUnavailable`` here and nowhere else.
 """
 
