@@ -7,7 +7,8 @@ pool's owners hash (``Keys.owners``): ``"<k>" -> "<worker> <expiry ms>"``, besid
 worker's membership ``"m:<worker>" -> <expiry ms>``. Every heartbeat of a ready worker runs
 ``assign`` (``OWN``, its Lua twin, on Redis): it renews its membership and its partitions, takes
 partitions that are unowned or whose owner's lease expired, and holds about ceil(P / members),
-giving back extras so that a worker that joins gets its share. A dead worker's partitions expire
+giving back extras so that a worker that joins gets its share (``share``: P // members each, the
+remainder one more each). A dead worker's partitions expire
 with its heartbeat TTL and go to the others at their next heartbeats.
 
 A worker leases from its own partitions first (the tenants' fair share over them), then, only when
@@ -21,7 +22,6 @@ docs/affinity.md has the design and its trade-offs.
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Mapping
 
 from llamamesh.types import GenerationRequest
@@ -38,6 +38,14 @@ def partition_of(request: GenerationRequest, partitions: int) -> int:
     return int.from_bytes(digest, "big") % partitions
 
 
+def share(partitions: int, live: int, short: bool) -> int:
+    """How many partitions a worker may hold among ``live`` members: P // live, or one more while
+    they do not divide evenly and no other member holds fewer than P // live (``short``), so that
+    every member gets at least P // live and none waits with nothing while another holds extra."""
+    quota, extra = divmod(partitions, live)
+    return quota + 1 if extra and not short else quota
+
+
 def assign(
     owners: Mapping[int, tuple[str, int]], members: Mapping[str, int], me: str, now_ms: int, ttl_ms: int,
     partitions: int,
@@ -47,10 +55,10 @@ def assign(
     partitions ``me`` owns now, in order. ``OWN`` is the same step on Redis."""
     live = {w: until for w, until in members.items() if until > now_ms}
     live[me] = now_ms + ttl_ms
-    target = math.ceil(partitions / len(live))
     new: dict[int, tuple[str, int]] = {}
     mine: list[int] = []
     free: list[int] = []
+    held: dict[str, int] = {}
     for k in range(partitions):
         owner = owners.get(k)
         if owner is not None and owner[0] == me:
@@ -59,6 +67,8 @@ def assign(
             free.append(k)
         else:
             new[k] = owner
+            held[owner[0]] = held.get(owner[0], 0) + 1
+    target = share(partitions, len(live), any(held.get(w, 0) < partitions // len(live) for w in live if w != me))
     kept = mine[:target] + free[: max(0, target - len(mine))]
     for k in sorted(kept):
         new[k] = (me, now_ms + ttl_ms)
@@ -93,19 +103,29 @@ else
   live = live + 1
   redis.call('HSET', KEYS[1], 'm:' .. me, now + ttl)
 end
-local target = 0
-if not leaving then target = math.ceil(P / live) end
-local mine, free = {}, {}
+local mine, free, held = {}, {}, {}
 for k = 0, P - 1 do
   local v = h[tostring(k)]
   if v then
     local sp = string.find(v, ' ', 1, true)
     local w, exp = string.sub(v, 1, sp - 1), tonumber(string.sub(v, sp + 1))
     if w == me then table.insert(mine, k)
-    elseif exp <= now then table.insert(free, k) end
+    elseif exp <= now then table.insert(free, k)
+    else held[w] = (held[w] or 0) + 1 end
   else
     table.insert(free, k)
   end
+end
+local target = 0
+if not leaving then
+  local quota, extra = math.floor(P / live), P % live
+  local short = false
+  for f, v in pairs(h) do
+    if string.sub(f, 1, 2) == 'm:' and string.sub(f, 3) ~= me and tonumber(v) > now
+       and (held[string.sub(f, 3)] or 0) < quota then short = true end
+  end
+  target = quota
+  if extra > 0 and not short then target = quota + 1 end
 end
 local out = {0}
 local held = 0

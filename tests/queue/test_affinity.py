@@ -101,6 +101,17 @@ def test_the_ownership_step_shares_the_partitions_and_takes_a_dead_owners() -> N
     assert mine == [0, 1, 2, 3] and set(members) == {"b"}
 
 
+def test_uneven_shares_converge_and_nobody_is_left_with_none() -> None:
+    owners: dict[int, tuple[str, int]] = {}
+    members: dict[str, int] = {}
+    workers = ["a", "b", "c", "d", "e"]
+    for now in range(0, 200, 10):  # heartbeats in turn, all alive
+        for w in workers:
+            owners, members, _mine = assign(owners, members, w, now, 1000, 16)
+    counts = Counter(o for o, _u in owners.values())
+    assert sorted(counts.values()) == [3, 3, 3, 3, 4] and set(counts) == set(workers)
+
+
 def test_a_partition_follows_the_prefix_key_or_else_the_request_id() -> None:
     assert partition_of(job("a", "k"), 16) == partition_of(job("b", "k"), 16)
     assert len({partition_of(job(f"r{i}"), 16) for i in range(200)}) == 16
@@ -116,6 +127,12 @@ async def test_a_new_worker_gets_its_share_and_a_starting_one_none(queue: Any) -
     await beat(queue, "w0", state=WorkerState.STARTING)  # not leasing yet: takes nothing
     await beat(queue, "w1")
     assert queue.owned("cpu", "w1") == list(range(P))
+    await share(queue)
+    for _ in range(3):  # a third: P = 4 shares out as 2 / 1 / 1, none left with nothing
+        for w in ("w1", "w2", "w3"):
+            await beat(queue, w)
+    assert sorted(len(queue.owned("cpu", w)) for w in ("w1", "w2", "w3")) == [1, 1, 2]
+    await queue.leave("cpu", "w3")
     await share(queue)
     await queue.leave("cpu", "w2")  # a clean stop gives its share back at once
     await beat(queue, "w1")
