@@ -107,6 +107,13 @@ class QueueUnavailable(Unavailable):
     code = "queue_unavailable"
 
 
+class QueueMisconfigured(QueueUnavailable):
+    """The pool is partitioned (prefix affinity) otherwise than this process is set up for: its
+    gateways and workers disagree on LLAMAMESH_REDIS_AFFINITY_PARTITIONS."""
+
+    code = "queue_misconfigured"
+
+
 class EventsLost(QueueUnavailable):
     """Redis came back without some of a request's events (its last second of writes): the caller
     has tokens up to a point, the next events start past it."""

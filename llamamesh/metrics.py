@@ -1,8 +1,8 @@
 """Every Prometheus metric of llamamesh, defined once, and the /metrics endpoint of each process.
 
 Names are ``llamamesh_*`` in base units (``_seconds``, ``_total`` counters, ratios in [0, 1]); labels
-are bounded: pool, method, code, reason, state, to, status, rule (the configured normalisation rules).
-Never a request id or a tenant.
+are bounded: pool, method, code, reason, state, to, status, kind, rule (the configured normalisation
+rules). Never a request id or a tenant.
 
 A gateway process updates the gateway metrics, a worker process the worker ones; nothing below
 ``services/`` and ``workers/`` touches them but through the names here.
@@ -91,6 +91,9 @@ JOBS_STARTED = Counter("llamamesh_jobs_started", "Jobs a worker started", ["pool
 JOBS_FINISHED = Counter("llamamesh_jobs_finished", "Jobs a worker finished, by status (ok or the failure code)",
                         ["pool", "status"])  # fmt: skip
 WORKER_TOKENS = Counter("llamamesh_worker_generated_tokens", "Tokens the worker's engine generated", ["pool"])
+AFFINITY_LEASES = Counter("llamamesh_affinity_leases", "Jobs a worker leased with prefix affinity on, by kind: own "
+                          "(from a partition it owns: its prefix cache may hold it) or stolen (another's, "
+                          "taken while it had nothing of its own)", ["pool", "kind"])  # fmt: skip
 ENGINE_STEPS = Counter("llamamesh_engine_steps", "Engine steps run (transformers: batched forward passes; vLLM: "
                        "engine-core output batches this worker received; fake: tokens); rate() is the step "
                        "throughput, generated tokens over steps the tokens per step", ["pool"])  # fmt: skip

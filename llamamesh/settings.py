@@ -62,6 +62,17 @@ class RedisSettings:
     tls_ca: str = ""
     tls_cert: str = ""
     tls_key: str = ""
+    # Prefix affinity (docs/affinity.md): each pool's work streams split into this many partition
+    # streams (a request's by the hash of its prefix key), each owned by one of the pool's workers,
+    # which leases from its own first and takes others' only when it has nothing of its own: requests
+    # sharing a prefix meet the engine that cached it. 16 suits pools of up to ~8 workers. Gateways
+    # and workers of a pool must agree: the first to use a pool records it there, and a gateway or
+    # worker with another value is refused (QueueUnavailable). 0: off (one stream per tenant).
+    affinity_partitions: int = 0
+    # With affinity on, a worker's blocking read waits on its own partitions at most this long
+    # before it looks at the others' again: an idle worker takes a busy owner's queued job within
+    # about this (plus a round trip), and an idle pool costs each worker about 1000 / this reads a second.
+    affinity_steal_after_ms: int = 50
 
 
 @dataclass(frozen=True)
@@ -151,6 +162,10 @@ class GatewaySettings:
     # Prometheus /metrics on this port (host: ``host``); with ``processes`` > 1 the supervising
     # process serves every gateway process's metrics in one scrape (llamamesh/metrics.py). 0: off.
     metrics_port: int = 0
+    # Prefix affinity: a request without GenerateRequest.prefix_key gets a hash of its prompt's
+    # (or its rendered chat messages') first this-many characters as its key. 0: none (the request
+    # id's hash places it: no affinity).
+    affinity_prefix_chars: int = 1024
 
     def fallback_table(self) -> dict[str, str]:
         out: dict[str, str] = {}

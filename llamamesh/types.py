@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -100,11 +101,36 @@ class GenerationRequest:
     # The W3C trace context (``traceparent``/``tracestate``) of the gateway span that submitted it
     # (llamamesh/tracing.py); empty: not traced.
     trace: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # Prefix affinity: the key whose hash picks its partition stream of the pool (docs/affinity.md):
+    # the caller's GenerateRequest.prefix_key, else ``affinity_key`` of its input. Empty: its
+    # request id's (no affinity).
+    prefix_key: str = ""
 
     @property
     def caller_id(self) -> str:
         """The request id the caller knows (and may cancel)."""
         return self.origin_id or self.request_id
+
+
+# Longest GenerateRequest.prefix_key, in characters.
+MAX_PREFIX_KEY_CHARS = 256
+
+
+def affinity_key(prompt: str | None, messages: tuple[ChatMessage, ...] | None, chars: int) -> str:
+    """The prefix key of a request that names none: a hash (blake2b, hex) of the first ``chars``
+    characters of its prompt, or of its chat messages rendered as role and content in order (the
+    system prompt first, as the caller sent it), so that requests sharing that start share a key.
+    ``chars`` <= 0 or no input: "" (no affinity)."""
+    if chars <= 0:
+        return ""
+    if prompt is not None:
+        text = prompt
+    elif messages:
+        ordered = [m for m in messages if m.role == "system"] + [m for m in messages if m.role != "system"]
+        text = "".join(f"{m.role}\x1f{m.content}\x1e" for m in ordered)
+    else:
+        return ""
+    return hashlib.blake2b(text[:chars].encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from llamamesh.queue import codec
 from llamamesh.settings import GatewaySettings
 from llamamesh.types import (
     CHAT_ROLES,
+    MAX_PREFIX_KEY_CHARS,
     ChatMessage,
     FinishReason,
     GenerationRequest,
@@ -27,6 +28,7 @@ from llamamesh.types import (
     JobKind,
     ModelInfo,
     SamplingParams,
+    affinity_key,
 )
 from llamamesh.v1 import generation_pb2 as pb
 
@@ -139,6 +141,7 @@ def generate_request(
     prompt, messages = _input(r.prompt if r.HasField("prompt") else None, r.messages, bad, s.max_prompt_chars)
     sampling = _sampling(r, s, bad)
     meta = _metadata(r.metadata.items(), bad)
+    key = _prefix_key(r, prompt, messages, s, bad)
     if bad:
         raise InvalidRequest(bad)
     model = resolve_model(r.model, models)
@@ -151,8 +154,21 @@ def generate_request(
         priority=r.priority,
         metadata=meta,
         accepted_unix_ns=time.time_ns(),
+        prefix_key=key,
     )
     return req, model
+
+
+def _prefix_key(
+    r: pb.GenerateRequest, prompt: str | None, messages: tuple[ChatMessage, ...] | None, s: GatewaySettings,
+    bad: list[FieldViolation],
+) -> str:  # fmt: skip
+    """The caller's prefix_key (bounded), else a hash of the input's start (prefix affinity)."""
+    if r.HasField("prefix_key"):
+        if len(r.prefix_key) > MAX_PREFIX_KEY_CHARS:
+            bad.append(FieldViolation("prefix_key", f"at most {MAX_PREFIX_KEY_CHARS} characters"))
+        return r.prefix_key
+    return affinity_key(prompt, messages, s.affinity_prefix_chars)
 
 
 def tokenize_request(

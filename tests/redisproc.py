@@ -112,6 +112,8 @@ class RedisClusterProcs:
             node.extra_args = [
                 "--cluster-enabled", "yes", "--cluster-config-file", str(node.dir / "nodes.conf"),
                 "--cluster-node-timeout", str(node_timeout_ms), "--cluster-port", str(free_port()),
+                # A replica's first sync at once, not after diskless sync's 5-s wait for more replicas.
+                "--repl-diskless-sync-delay", "0",
             ]  # fmt: skip
 
     @property
@@ -130,7 +132,8 @@ class RedisClusterProcs:
         self.wait_ok(timeout_s)
 
     def wait_ok(self, timeout_s: float = 30.0) -> None:
-        """Until every live node says cluster_state:ok with all slots served (bounded poll)."""
+        """Until every live node says cluster_state:ok with all slots served, and every replica of
+        a live master has its copy (a replica that never synced cannot take over; bounded poll)."""
         deadline = time.monotonic() + timeout_s
         while True:
             states = []
@@ -140,7 +143,11 @@ class RedisClusterProcs:
                 client = redis.Redis(port=node.port, socket_connect_timeout=0.5, socket_timeout=1)
                 try:
                     info = client.execute_command("CLUSTER", "INFO").decode()
-                    states.append("cluster_state:ok" in info and "cluster_slots_ok:16384" in info)
+                    replication = client.info("replication")
+                    synced = replication["role"] != "slave" or replication.get("master_link_status") == "up" or not any(
+                        n.proc is not None and n.port == replication.get("master_port") for n in self.nodes
+                    )
+                    states.append("cluster_state:ok" in info and "cluster_slots_ok:16384" in info and synced)
                 except redis.RedisError:
                     states.append(False)
                 finally:

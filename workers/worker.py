@@ -355,8 +355,13 @@ class Worker:
         headroom = min(self._s.tenant_headroom, self._s.max_inflight - 1)
         self._polling = 0 < free <= headroom
         if self._polling:
-            return await self._queue.lease(pool, name, min(free, step), 0, exclude=busy)
-        return await self._queue.lease(pool, name, min(free - headroom, step), block_ms)
+            leases = await self._queue.lease(pool, name, min(free, step), 0, exclude=busy)
+        else:
+            leases = await self._queue.lease(pool, name, min(free - headroom, step), block_ms)
+        for x in leases:  # prefix affinity on: from its own partitions, or stolen from another's
+            if x.partition is not None:
+                metrics.AFFINITY_LEASES.labels(pool, "stolen" if x.stolen else "own").inc()
+        return leases
 
     async def _reclaim_jobs(self, free: int) -> list[Lease]:
         """Every claim_idle_s / 2: jobs untouched for claim_idle_s (of workers that died, or its own

@@ -48,6 +48,7 @@ def encode_job(req: GenerationRequest) -> bytes:
         origin_id=req.origin_id,
         tenant=req.tenant,
         trace=dict(req.trace),
+        prefix_key=req.prefix_key,
     )
     if req.prompt is not None:
         job.prompt = req.prompt
@@ -97,6 +98,7 @@ def decode_job(data: bytes) -> GenerationRequest:
         origin_id=job.origin_id,
         tenant=job.tenant,
         trace=MappingProxyType(dict(job.trace)),
+        prefix_key=job.prefix_key,
     )
 
 

@@ -187,3 +187,23 @@ class Keys:
     def tenants_holding(self) -> str:
         """Tenants whose batches hold quota (a set): the sweep gives back what ended batches held."""
         return f"{self.prefix}:tenants:holding"
+
+    # --- prefix affinity (llamamesh/queue/affinity.py): in the pool's slot, beside its work streams
+
+    def jobs_part(self, pool: str, tenant: str, partition: int) -> str:
+        """Partition ``partition`` of a tenant's work stream of the pool (affinity on)."""
+        return f"{self.jobs(pool, tenant)}:p{partition}"
+
+    def work(self, pool: str, tenant: str, partition: int | None) -> str:
+        """The work stream that holds a tenant's entry: its partition's (affinity on), else ``jobs``."""
+        return self.jobs(pool, tenant) if partition is None else self.jobs_part(pool, tenant, partition)
+
+    def owners(self, pool: str) -> str:
+        """Who owns each partition of the pool (a hash: ``"<k>" -> "<worker> <expiry ms>"``, and
+        ``"m:<worker>" -> <expiry ms>`` for each ready worker that takes a share)."""
+        return f"{self.prefix}:pool:{{{pool}}}:owners"
+
+    def partitions(self, pool: str) -> str:
+        """The pool's number of affinity partitions, recorded by the first gateway or worker that
+        uses the pool with affinity on: all of them must agree."""
+        return f"{self.prefix}:pool:{{{pool}}}:partitions"

@@ -3,6 +3,11 @@
 For unit and in-process tests of one layer; never the only proof of anything. Fair share is
 simpler here: a FIFO per tenant, leased in plain round robin (one job per tenant with work per
 turn), weights kept but unused (``weights``); Redis does weighted deficit round robin.
+
+Prefix affinity (``partitions`` > 0) as on Redis (llamamesh/queue/affinity.py): each job has its
+partition, a ready worker's heartbeat takes its share of the partitions (``affinity.assign``), a
+lease takes from the worker's own partitions first, then the oldest of the others' (a steal), and
+waits on its own for at most ``steal_after_ms`` at a time. No reclaim here (one process).
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import time
 import uuid
@@ -18,6 +24,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from llamamesh.errors import AlreadyExists, QueueFull, QueueUnavailable
+from llamamesh.queue.affinity import assign, partition_of
 from llamamesh.queue.keys import stream_tenant
 from llamamesh.queue.protocol import Lease, QueueDepth, batch_at_risk
 from llamamesh.types import (
@@ -41,28 +48,60 @@ class _Pool:
     # Jobs only (batch items use ``waiting``): tenant -> its FIFO, and the tenant served last.
     tenants: dict[str, list[tuple[str, GenerationRequest]]] = field(default_factory=dict)
     last: str | None = None
+    # Prefix affinity: entry id -> its partition; partition -> (owner, expiry ms); ready worker ->
+    # its membership's expiry (ms).
+    part: dict[str, int] = field(default_factory=dict)
+    born: dict[str, float] = field(default_factory=dict)  # entry id -> when it was queued (monotonic s)
+    owners: dict[int, tuple[str, int]] = field(default_factory=dict)
+    members: dict[str, int] = field(default_factory=dict)
 
     def queued(self) -> list[tuple[str, GenerationRequest]]:
         """Every tenant's waiting jobs, in the order they were submitted."""
         return sorted((e for q in self.tenants.values() for e in q), key=lambda e: _seq(e[0]))
 
-    def take(self, count: int, exclude: Collection[str] = ()) -> list[tuple[str, GenerationRequest]]:
-        """Up to ``count`` jobs, one per tenant with work per turn (round robin), none of ``exclude``."""
+    def take(
+        self, count: int, exclude: Collection[str] = (), partitions: Collection[int] | None = None,
+        queued_before: float | None = None,
+    ) -> list[tuple[str, GenerationRequest]]:  # fmt: skip
+        """Up to ``count`` jobs, one per tenant with work per turn (round robin), none of ``exclude``;
+        only of ``partitions`` when given (each tenant's oldest job there), queued before
+        ``queued_before`` (monotonic s) when given."""
         taken: list[tuple[str, GenerationRequest]] = []
         while len(taken) < count:
-            ready = sorted(t for t, q in self.tenants.items() if q and t not in exclude)
+            heads = {t: i for t, q in self.tenants.items() if t not in exclude
+                     if (i := self._head(q, partitions, queued_before)) is not None}  # fmt: skip
+            ready = sorted(heads)
             if not ready:
                 break
             tenant = next((t for t in ready if self.last is None or t > self.last), ready[0])
-            taken.append(self.tenants[tenant].pop(0))
+            taken.append(self.tenants[tenant].pop(heads[tenant]))
             self.last = tenant
         return taken
+
+    def _head_any(self, partitions: Collection[int], exclude: Collection[str]) -> bool:
+        """Whether a job of ``partitions`` waits (of a tenant not in ``exclude``)."""
+        return any(self._head(q, partitions) is not None for t, q in self.tenants.items() if t not in exclude)
+
+    def _head(
+        self, queue: list[tuple[str, GenerationRequest]], partitions: Collection[int] | None,
+        queued_before: float | None = None,
+    ) -> int | None:  # fmt: skip
+        if partitions is None:
+            return 0 if queue else None
+        for i, (eid, _r) in enumerate(queue):
+            if queued_before is not None and self.born.get(eid, 0.0) > queued_before:
+                return None  # the rest came later still
+            if self.part.get(eid) in partitions:
+                return i
+        return None
 
 
 class MemoryQueue:
     """JobQueue and WorkQueue in one process. ``down = True`` makes every call fail."""
 
-    def __init__(self) -> None:
+    def __init__(self, partitions: int = 0, steal_after_ms: int = 50) -> None:
+        self._parts = partitions
+        self._steal_after_ms = steal_after_ms
         self._pools: dict[str, _Pool] = {}
         self._events: dict[str, list[tuple[str, JobEvent]]] = {}
         self._cancelled: set[str] = set()
@@ -115,7 +154,11 @@ class MemoryQueue:
             n = len(waiting)
             raise QueueFull(f"pool {pool!r} {whose} {n} requests waiting (at most {max_waiting}); retry later")
         self.weights.setdefault(pool, {})[tenant] = weight
-        waiting.append((f"{next(self._ids)}-0", request))
+        entry_id = f"{next(self._ids)}-0"
+        if self._parts:
+            self._pool(pool).part[entry_id] = partition_of(request, self._parts)
+            self._pool(pool).born[entry_id] = time.monotonic()
+        waiting.append((entry_id, request))
         await self._notify()
 
     async def events(self, request_id: str, after: str = "0-0") -> AsyncGenerator[tuple[str, JobEvent], None]:
@@ -215,6 +258,8 @@ class MemoryQueue:
         self._check()
         p = self._pool(pool)
         left_out = {stream_tenant(t) for t in exclude}
+        if self._parts:
+            return await self._lease_parts(pool, consumer, count, block_ms, left_out)
 
         def waiting() -> bool:
             return any(q for t, q in p.tenants.items() if t not in left_out)
@@ -233,6 +278,39 @@ class MemoryQueue:
         return [Lease(pool=pool, entry_id=i, request=r, cancelled=self._is_cancelled(r),
                       tenant=stream_tenant(r.tenant)) for i, r in taken]  # fmt: skip
 
+    async def _lease_parts(
+        self, pool: str, consumer: str, count: int, block_ms: int, left_out: set[str]
+    ) -> list[Lease]:
+        """Affinity on: own partitions first, then a steal, waiting on its own ``steal_after_ms`` at
+        a time until ``block_ms`` is over."""
+        p = self._pool(pool)
+        deadline = time.monotonic() + block_ms / 1000
+        while True:
+            owned = set(self.owned(pool, consumer))
+            others = set(range(self._parts)) - owned
+            stolen = False
+            taken = p.take(count, left_out, owned) if owned else []
+            if not taken and others:  # a steal: only jobs that waited steal_after_ms
+                steal_before = time.monotonic() - self._steal_after_ms / 1000
+                taken, stolen = p.take(count, left_out, others, steal_before), True
+            left = deadline - time.monotonic()
+            if taken or block_ms <= 0 or left <= 0:
+                break
+            async with self._changed:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(
+                        self._changed.wait_for(functools.partial(p._head_any, owned, left_out)),
+                        min(left, self._steal_after_ms / 1000),
+                    )
+        for entry_id, req in taken:
+            p.pending[entry_id] = (consumer, req)
+        return [Lease(pool=pool, entry_id=i, request=r, cancelled=self._is_cancelled(r), tenant=stream_tenant(r.tenant),
+                      partition=p.part.get(i), stolen=stolen) for i, r in taken]  # fmt: skip
+
+    def owned(self, pool: str, worker: str) -> list[int]:
+        """The partitions the worker owns now (affinity on; an owner's lease may have expired)."""
+        return sorted(k for k, (w, _u) in self._pool(pool).owners.items() if w == worker)
+
     async def reclaim(
         self, pool: str, consumer: str, min_idle_ms: int, count: int, max_deliveries: int, own: bool = False,
         running: Collection[str] = (),
@@ -243,10 +321,24 @@ class MemoryQueue:
     async def heartbeat(self, status: WorkerStatus, ttl_s: float, touch: Sequence[str] = ()) -> None:
         self._check()
         self._beats.setdefault(status.pool, {})[status.worker] = (time.monotonic() + ttl_s, status)
+        if self._parts:
+            p = self._pool(status.pool)
+            if status.ready:
+                now_ms = int(time.monotonic() * 1000)
+                p.owners, p.members, _mine = assign(p.owners, p.members, status.worker, now_ms, int(ttl_s * 1000),
+                                                    self._parts)  # fmt: skip
+            else:
+                self._release(p, status.worker)
 
     async def leave(self, pool: str, worker: str) -> None:
         self._check()
         self._beats.get(pool, {}).pop(worker, None)
+        self._release(self._pool(pool), worker)
+
+    @staticmethod
+    def _release(p: _Pool, worker: str) -> None:
+        p.members.pop(worker, None)
+        p.owners = {k: o for k, o in p.owners.items() if o[0] != worker}
 
     async def publish(
         self, events: Sequence[tuple[Lease, JobEvent]], watch: Sequence[GenerationRequest]
@@ -256,6 +348,8 @@ class MemoryQueue:
             self._events.setdefault(lease.request.request_id, []).append((f"{next(self._ids)}-0", event))
             if event.terminal:
                 self._pool(lease.pool).pending.pop(lease.entry_id, None)
+                self._pool(lease.pool).part.pop(lease.entry_id, None)
+                self._pool(lease.pool).born.pop(lease.entry_id, None)
         await self._notify()
         return {r.request_id for r in watch if self._is_cancelled(r)}
 

@@ -30,24 +30,38 @@ class Lease:
     # The tenant whose work stream of the pool holds the entry (``Keys.jobs(pool, tenant)``; "":
     # the default tenant's): where it is acked, touched and reclaimed.
     tenant: str = ""
+    # Prefix affinity on: the partition of the tenant's work stream that holds it
+    # (``Keys.jobs_part``), and whether the worker took it from a partition another owns (a steal).
+    # None: the tenant's one stream (affinity off).
+    partition: int | None = None
+    stolen: bool = False
 
     @property
     def ref(self) -> str:
         """The entry among all the pool's work streams (entry ids repeat across streams): its entry
-        id for the default tenant's stream, else ``<entry id>@<tenant>``. What ``heartbeat``'s
-        ``touch`` and ``reclaim``'s ``running`` take."""
-        return entry_ref(self.tenant, self.entry_id)
+        id for the default tenant's stream, else ``<entry id>@<tenant>``, and ``#<partition>`` after
+        it with affinity on. What ``heartbeat``'s ``touch`` and ``reclaim``'s ``running`` take."""
+        return entry_ref(self.tenant, self.entry_id, self.partition)
 
 
-def entry_ref(tenant: str, entry_id: str) -> str:
-    """``Lease.ref`` of the entry ``entry_id`` of ``tenant``'s work stream."""
+def entry_ref(tenant: str, entry_id: str, partition: int | None = None) -> str:
+    """``Lease.ref`` of the entry ``entry_id`` of ``tenant``'s work stream (or of its partition)."""
+    if partition is not None:
+        return f"{entry_id}@{tenant}#{partition}"
     return f"{entry_id}@{tenant}" if tenant else entry_id
 
 
 def parse_ref(ref: str) -> tuple[str, str]:
     """(tenant, entry id) of a ``Lease.ref``."""
-    entry_id, _, tenant = ref.partition("@")
+    tenant, _partition, entry_id = split_ref(ref)
     return tenant, entry_id
+
+
+def split_ref(ref: str) -> tuple[str, int | None, str]:
+    """(tenant, partition or None, entry id) of a ``Lease.ref``."""
+    entry_id, _, where = ref.partition("@")
+    tenant, sep, partition = where.partition("#")
+    return tenant, int(partition) if sep else None, entry_id
 
 
 class Jobs(Protocol):
@@ -169,7 +183,9 @@ class WorkQueue(Protocol):
     ) -> list[Lease]:
         """Take up to ``count`` new jobs, waiting at most ``block_ms`` for the first (0: not at all);
         shared between the tenants with jobs waiting by their weights (fair share), none of the
-        tenants in ``exclude`` (as ``Lease.tenant`` names them)."""
+        tenants in ``exclude`` (as ``Lease.tenant`` names them). With prefix affinity on
+        (docs/affinity.md): from the partitions this consumer owns first, others' (``stolen``) only
+        when it has nothing of its own and they waited ``affinity_steal_after_ms``."""
         ...
 
     async def reclaim(
@@ -188,7 +204,9 @@ class WorkQueue(Protocol):
 
     async def heartbeat(self, status: WorkerStatus, ttl_s: float, touch: Sequence[str] = ()) -> None:
         """Say this worker is alive (with its figures) for the next ``ttl_s`` seconds, and reset
-        the idle time of the jobs it runs (``touch``: their ``Lease.ref``) so nobody reclaims them."""
+        the idle time of the jobs it runs (``touch``: their ``Lease.ref``) so nobody reclaims them.
+        With prefix affinity on, a ready worker's heartbeat also renews and rebalances its share of
+        the pool's partitions for ``ttl_s`` (any other state gives its share up)."""
 
     async def leave(self, pool: str, worker: str) -> None:
         """Withdraw this worker's heartbeat (a clean stop)."""

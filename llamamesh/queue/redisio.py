@@ -25,7 +25,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -128,11 +128,24 @@ def _cluster(settings: RedisSettings) -> aioredis.Redis:
     )
 
 
+# What redis-py's cluster client raises, besides RedisError, from a connection a failover or a map
+# refresh closed under a command in flight (a closed transport, a writer that is None, a socket).
+_CLIENT_FAULTS = (RuntimeError, AttributeError, OSError)
+
+
+def _fault(exc: BaseException) -> RedisConnectionError:
+    return RedisConnectionError(f"the cluster client lost its connection mid-command: {exc!r}")
+
+
 class _Cluster(RedisCluster):
-    """redis-py's cluster client, learning the cluster's map before its first command runs. Left
-    lazy, the commands of a burst at start (a gateway's event lanes, each a blocking read on its own
-    node) race the map being learnt: connections in use get recycled under them ("Connection closed
-    by server", a writer that is None), seen as a few lanes failing on their first read."""
+    """redis-py's cluster client, with two of its faults mended at the seam:
+
+    - it learns the cluster's map before its first command runs. Left lazy, the commands of a burst
+      at start (a gateway's event lanes, each a blocking read on its own node) race the map being
+      learnt: connections in use get recycled under them, and a few lanes fail their first read;
+    - a connection closed under a command in flight (a master killed, the map refreshed) raises
+      RuntimeError or AttributeError from inside the client: those become the ConnectionError they
+      are, so that the queue's callers retry as for any outage instead of dying of it."""
 
     _ready: asyncio.Lock | None = None
 
@@ -144,9 +157,32 @@ class _Cluster(RedisCluster):
                 await self.initialize()
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        if self._initialize:
-            await self._learn_map()
-        return await super().execute_command(*args, **kwargs)
+        try:
+            if self._initialize:
+                await self._learn_map()
+            return await super().execute_command(*args, **kwargs)
+        except RedisError:
+            raise
+        except _CLIENT_FAULTS as exc:
+            raise _fault(exc) from exc
+
+    def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> ClusterPipeline:
+        if shard_hint:
+            raise ValueError("shard_hint is not supported on a cluster")
+        return _ClusterPipeline(self, transaction)  # type: ignore[abstract]  # as redis-py makes its own
+
+
+class _ClusterPipeline(ClusterPipeline):
+    async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> list[Any]:
+        client: Any = self.cluster_client
+        try:
+            if client._initialize:
+                await client._learn_map()
+            return await super().execute(raise_on_error, allow_redirections)
+        except RedisError:
+            raise
+        except _CLIENT_FAULTS as exc:
+            raise _fault(exc) from exc
 
 
 def is_cluster(client: Any) -> bool:

@@ -19,11 +19,17 @@
   tenant's work stream that holds nothing leaves with its entry in ``keys.tenants`` (its next
   submission makes it again).
 
+- Prefix affinity (``affinity_partitions`` > 0; llamamesh/queue/affinity.py, docs/affinity.md):
+  each tenant's stream is split into partitions (``keys.jobs_part``) by the hash of the job's prefix
+  key; the ready workers' heartbeats share out their ownership (``keys.owners``); a lease reads its
+  own first and steals from the others only when idle. Off, nothing of it is made or read.
+
 Redis errors become ``QueueUnavailable`` here and nowhere else.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
@@ -35,12 +41,12 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import ResponseError
 
-from llamamesh.errors import InvalidRequest, QueueFull, QueueUnavailable
-from llamamesh.queue import codec
+from llamamesh.errors import InvalidRequest, QueueFull, QueueMisconfigured, QueueUnavailable
+from llamamesh.queue import affinity, codec
 from llamamesh.queue.fair import FairShare
 from llamamesh.queue.follow import EventFollower, Item
 from llamamesh.queue.keys import EVENT_FIELD, JOB_FIELD, SUBMITTED_TTL_S, WORKER_GROUP, Keys, stream_tenant
-from llamamesh.queue.protocol import Lease, QueueDepth, entry_ref, parse_ref
+from llamamesh.queue.protocol import Lease, QueueDepth, entry_ref, split_ref
 from llamamesh.queue.redisio import call_scripts, connect, is_cluster, unreachable
 from llamamesh.settings import RedisSettings
 from llamamesh.types import Attempt, Failure, GenerationRequest, JobEvent, WorkerStatus
@@ -61,22 +67,39 @@ async def create_group(client: aioredis.Redis, stream: str) -> bool:
     return True
 
 
-# KEYS: the tenant's work stream, the request's submitted marker, the pool's tenants hash. ARGV: job
-# field, encoded job, max waiting (0: no bound), group, the marker's ttl, tenant, weight. Returns -1
-# (queued), -2 (queued before: a retried write whose first try was applied; nothing queued again),
-# or how many wait unleased (the tenant's stream is full: nothing queued). A new stream gets the
-# workers' group here (from its start), so no job is queued where no worker reads.
+# KEYS: the tenant's work stream (affinity on: the job's partition of it), the request's submitted
+# marker, the pool's tenants hash, the pool's partitions key, and (affinity on) every partition of
+# the tenant's stream. ARGV: job field, encoded job, max waiting (0: no bound), group, the marker's
+# ttl, tenant, weight, the partitions P (0: off). Returns -1 (queued), -2 (queued before: a retried
+# write whose first try was applied; nothing queued again), -3 (the pool is partitioned otherwise:
+# nothing queued), or how many wait unleased (the tenant's streams are full: nothing queued). A new
+# stream gets the workers' group here (from its start; affinity on: every partition's at once), so
+# no job is queued where no worker reads.
 _SUBMIT = """
+local stored = redis.call('GET', KEYS[4])
+if ARGV[8] ~= '0' and not stored then redis.call('SET', KEYS[4], ARGV[8]); stored = ARGV[8] end
+if (stored or '0') ~= ARGV[8] then return -3 end
 if redis.call('EXISTS', KEYS[2]) == 1 then return -2 end
+local streams = {KEYS[1]}
+if #KEYS > 4 then
+  streams = {}
+  for i = 5, #KEYS do table.insert(streams, KEYS[i]) end
+end
 local most = tonumber(ARGV[3])
 if most > 0 then
-  local n = redis.call('XLEN', KEYS[1])
+  local n = 0
+  for _, s in ipairs(streams) do n = n + redis.call('XLEN', s) end
   if n >= most then
-    local ok, summary = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[4])
     local leased = 0
-    if ok then leased = tonumber(summary[1]) end
+    for _, s in ipairs(streams) do
+      local ok, summary = pcall(redis.call, 'XPENDING', s, ARGV[4])
+      if ok then leased = leased + tonumber(summary[1]) end
+    end
     if n - leased >= most then return n - leased end
   end
+end
+if #KEYS > 4 and redis.call('EXISTS', KEYS[1]) == 0 then
+  for _, s in ipairs(streams) do pcall(redis.call, 'XGROUP', 'CREATE', s, ARGV[4], '0', 'MKSTREAM') end
 end
 pcall(redis.call, 'XGROUP', 'CREATE', KEYS[1], ARGV[4], '0', 'MKSTREAM')
 redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
@@ -85,25 +108,32 @@ redis.call('SET', KEYS[2], '1', 'EX', ARGV[5])
 return -1
 """
 
-# KEYS: the pool's tenants hash, a tenant's work stream. ARGV: the tenant, group. Forgets a tenant
-# whose stream holds nothing (no entry, none leased); returns 1 if it did. One script, like
-# _SUBMIT: a submission lands either before the look (kept) or after the delete (made again).
+# KEYS: the pool's tenants hash, a tenant's work stream (affinity on: each of its partitions).
+# ARGV: the tenant, group. Forgets a tenant whose streams hold nothing (no entry, none leased);
+# returns 1 if it did. One script, like _SUBMIT: a submission lands either before the look (kept)
+# or after the delete (made again).
 _FORGET = """
-if redis.call('XLEN', KEYS[2]) > 0 then return 0 end
-local ok, summary = pcall(redis.call, 'XPENDING', KEYS[2], ARGV[2])
-if ok and tonumber(summary[1]) > 0 then return 0 end
+for i = 2, #KEYS do
+  if redis.call('XLEN', KEYS[i]) > 0 then return 0 end
+  local ok, summary = pcall(redis.call, 'XPENDING', KEYS[i], ARGV[2])
+  if ok and tonumber(summary[1]) > 0 then return 0 end
+end
 redis.call('HDEL', KEYS[1], ARGV[1])
-redis.call('DEL', KEYS[2])
+for i = 2, #KEYS do redis.call('DEL', KEYS[i]) end
 return 1
 """
 
-# KEYS: the pool's tenants hash, a tenant's work stream. ARGV: the tenant, group. Makes the stream
-# and group of a tenant still listed (the default tenant always) when a read found them missing;
-# returns 1 if it made them. One script, like _FORGET: a forgotten tenant's stream stays gone.
+# KEYS: the pool's tenants hash, a tenant's work stream (affinity on: each of its partitions). ARGV:
+# the tenant, group. Makes the streams and groups of a tenant still listed (the default tenant
+# always) when a read found them missing; returns 1 if it made any. One script, like _FORGET: a
+# forgotten tenant's stream stays gone.
 _REMAKE = """
 if ARGV[1] ~= '' and redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
-if pcall(redis.call, 'XGROUP', 'CREATE', KEYS[2], ARGV[2], '0', 'MKSTREAM') then return 1 end
-return 0
+local made = 0
+for i = 2, #KEYS do
+  if pcall(redis.call, 'XGROUP', 'CREATE', KEYS[i], ARGV[2], '0', 'MKSTREAM') then made = 1 end
+end
+return made
 """
 
 # KEYS: a work stream. ARGV: group, entry id. A job leased past the lease's count (a blocking read
@@ -138,6 +168,9 @@ end
 return n
 """
 
+# A leased entry as the lease path carries it: (tenant, entry id, request, partition or None, stolen).
+_Leased = tuple[str, str, GenerationRequest, int | None, bool]
+
 # A gateway prunes each pool's consumers at most this often (the pool's workers() is asked every
 # probe interval).
 PRUNE_EVERY_S = 60.0
@@ -146,6 +179,11 @@ RENEW_FRACTION = 0.25
 # A worker reads its pool's tenants (``keys.tenants``) at most this often while it finds work, and
 # again before each blocking read: a new tenant is seen within this, or within one block.
 TENANTS_REFRESH_S = 0.5
+
+
+def _id_order(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
 
 
 def _gone(exc: BaseException) -> bool:
@@ -219,6 +257,15 @@ class RedisQueue:
         self._begin = client.register_script(_BEGIN)
         self._ended = client.register_script(_ENDED)
         self._cluster = is_cluster(client)
+        if settings.affinity_partitions < 0:
+            raise ValueError(f"affinity_partitions must be 0 (off) or more, not {settings.affinity_partitions}")
+        # Prefix affinity (llamamesh/queue/affinity.py): partitions per work stream (0: off), and
+        # (pool, worker) -> the partitions it owned at its last heartbeat.
+        self._parts = settings.affinity_partitions
+        self._owned: dict[tuple[str, str], list[int]] = {}
+        self._own = client.register_script(affinity.OWN)
+        self._check_parts = client.register_script(affinity.CHECK)
+        self._take = client.register_script(affinity.TAKE)
 
     @property
     def client(self) -> aioredis.Redis:
@@ -234,13 +281,17 @@ class RedisQueue:
         if not weight > 0:
             raise ValueError(f"a tenant's weight must be positive, not {weight!r}")
         tenant = stream_tenant(request.tenant)
+        partition = affinity.partition_of(request, self._parts) if self._parts else None
+        every = self._streams_of(pool, tenant) if self._parts else []
         with unreachable():
             waiting = int(await self._submit(
-                keys=[self.keys.jobs(pool, tenant), self.keys.submitted(pool, request.request_id),
-                      self.keys.tenants(pool)],
+                keys=[self.keys.work(pool, tenant, partition), self.keys.submitted(pool, request.request_id),
+                      self.keys.tenants(pool), self.keys.partitions(pool), *every],
                 args=[JOB_FIELD, codec.encode_job(request), max_waiting, WORKER_GROUP,
-                      min(SUBMITTED_TTL_S, self._s.event_idle_ttl_s), tenant, repr(float(weight))],
+                      min(SUBMITTED_TTL_S, self._s.event_idle_ttl_s), tenant, repr(float(weight)), self._parts],
             ))  # fmt: skip
+        if waiting == -3:
+            await self._misconfigured(pool)
         if waiting >= 0:
             whose = f"tenant {tenant!r} has" if tenant else "has"
             raise QueueFull(f"pool {pool!r} {whose} {waiting} requests waiting (at most {max_waiting}); retry later")
@@ -330,8 +381,8 @@ class RedisQueue:
         tenants = sorted((await self._read_tenants(pool)).keys() | {""})
         with unreachable():
             async with self._r.pipeline(transaction=False) as pipe:
-                for t in tenants:
-                    stream = self.keys.jobs(pool, t)
+                for t, k in self._where(tenants):
+                    stream = self.keys.work(pool, t, k)
                     pipe.xlen(stream)
                     pipe.xpending(stream, WORKER_GROUP)
                 replies = await pipe.execute(raise_on_error=False)
@@ -357,14 +408,14 @@ class RedisQueue:
         idle_ms = self._s.consumer_idle_s * 1000
         tenants = sorted((await self._read_tenants(pool)).keys() | {""})
         n = 0
-        for stream in (*(self.keys.jobs(pool, t) for t in tenants), self.keys.batch_items(pool)):
+        for stream in (*(self.keys.work(pool, t, k) for t, k in self._where(tenants)), self.keys.batch_items(pool)):
             n += await prune_consumers(self._r, stream, idle_ms)
         if n:
             log.info("consumers_pruned", pool=pool, count=n, idle_s=self._s.consumer_idle_s)
         forgotten = []
         with unreachable():
             for t in tenants:
-                if t and int(await self._forget(keys=[self.keys.tenants(pool), self.keys.jobs(pool, t)],
+                if t and int(await self._forget(keys=[self.keys.tenants(pool), *self._streams_of(pool, t)],
                                                 args=[t, WORKER_GROUP])):  # fmt: skip
                     forgotten.append(t)
         if forgotten:
@@ -379,7 +430,36 @@ class RedisQueue:
 
     # ---- worker side --------------------------------------------------------
     async def join(self, pool: str) -> None:
-        await create_group(self._r, self.keys.jobs(pool))
+        """Also records the pool's affinity partitions (affinity on), or checks that it has none
+        recorded (off): QueueMisconfigured when they differ."""
+        with unreachable():
+            stored = int(await self._check_parts(keys=[self.keys.partitions(pool)], args=[self._parts]))
+        if stored != self._parts:
+            await self._misconfigured(pool)
+        for stream in self._streams_of(pool, ""):
+            await create_group(self._r, stream)
+
+    def _streams_of(self, pool: str, tenant: str) -> list[str]:
+        """Every work stream of a tenant of the pool: its partitions (affinity on), else its one."""
+        if not self._parts:
+            return [self.keys.jobs(pool, tenant)]
+        return [self.keys.jobs_part(pool, tenant, k) for k in range(self._parts)]
+
+    def _where(self, tenants: Sequence[str]) -> list[tuple[str, int | None]]:
+        """(tenant, partition or None) of every work stream of ``tenants``."""
+        parts: Sequence[int | None] = range(self._parts) if self._parts else [None]
+        return [(t, k) for t in tenants for k in parts]
+
+    async def _misconfigured(self, pool: str) -> None:
+        """Raise QueueMisconfigured: the pool's recorded partitions are not this process's."""
+        with unreachable():
+            raw: Any = await self._r.get(self.keys.partitions(pool))
+        stored = raw.decode() if raw else "0"
+        log.error("affinity_mismatch", pool=pool, recorded=stored, configured=self._parts)
+        raise QueueMisconfigured(
+            f"pool {pool!r} is split into {stored} affinity partitions, this process into {self._parts} "
+            "(LLAMAMESH_REDIS_AFFINITY_PARTITIONS must be the same on the pool's gateways and workers)"
+        )
 
     async def lease(
         self, pool: str, consumer: str, count: int, block_ms: int, exclude: Collection[str] = ()
@@ -393,6 +473,27 @@ class RedisQueue:
         if count <= 0:
             return []
         fair = await self._fair_share(pool)
+        if self._parts:
+            got = await self._lease_parts(pool, consumer, count, block_ms, fair, exclude)
+        else:
+            plain = await self._lease_streams(pool, consumer, count, block_ms, fair, exclude)
+            got = [(t, None, eid, f, False) for t, eid, f in plain]
+        leased: list[_Leased] = []
+        bad: dict[tuple[str, int | None], list[str]] = {}
+        for tenant, k, eid, fields, stolen in got:
+            try:
+                leased.append((tenant, eid, codec.decode_job(fields[JOB_FIELD.encode()]), k, stolen))
+            except (InvalidRequest, KeyError):
+                log.error("job_undecodable", pool=pool, tenant=tenant, entry_id=eid)
+                bad.setdefault((tenant, k), []).append(eid)
+        for (tenant, k), eids in bad.items():
+            await self._drop(self.keys.work(pool, tenant, k), eids)
+        return await self._with_cancel_flags(pool, leased)
+
+    async def _lease_streams(
+        self, pool: str, consumer: str, count: int, block_ms: int, fair: FairShare, exclude: Collection[str]
+    ) -> list[tuple[str, str, Any]]:
+        """Affinity off: the rounds over every tenant's stream, then one blocking read."""
         got = await self._rounds(pool, consumer, count, fair, set(fair.tenants) - set(exclude))
         if not got:  # before blocking, a tenant that came meanwhile gets its read first
             before = set(fair.tenants)
@@ -401,17 +502,107 @@ class RedisQueue:
                 got = await self._rounds(pool, consumer, count, fair, fresh)
         if not got and block_ms > 0:
             got = await self._block(pool, consumer, count, block_ms, fair, exclude)
-        leased: list[tuple[str, str, GenerationRequest]] = []
-        bad: dict[str, list[str]] = {}
-        for tenant, eid, fields in got:
+        return got
+
+    async def _lease_parts(
+        self, pool: str, consumer: str, count: int, block_ms: int, fair: FairShare, exclude: Collection[str]
+    ) -> list[tuple[str, int | None, str, Any, bool]]:
+        """Affinity on: the fair share's rounds over the tenants' partitions this consumer owns
+        (its last heartbeat says which); only if they gave nothing, one round over the others' (a
+        steal: the oldest jobs that waited there ``affinity_steal_after_ms`` or more, so an owner
+        with room gets its own first); only if that gave nothing either, a blocking read of its own
+        for at most ``affinity_steal_after_ms`` (owning none: a wait as long), and again from the
+        start until ``block_ms`` is over: a busy owner's queued job is stolen by an idle worker
+        within about twice ``affinity_steal_after_ms``."""
+        deadline = self._clock() + block_ms / 1000
+        while True:  # its partitions as its latest heartbeat left them
+            owned = self._owned.get((pool, consumer), [])
+            others = [k for k in range(self._parts) if k not in owned]
+            got: list[tuple[str, int | None, str, Any, bool]] = []
+            if owned:
+                got = await self._part_rounds(pool, consumer, count, fair, set(fair.tenants) - set(exclude), owned)
+            if not got:  # a tenant that came meanwhile gets its read first
+                before = set(fair.tenants)
+                await self._refresh_tenants(pool, fair)
+                if owned and (fresh := set(fair.tenants) - before - set(exclude)):
+                    got = await self._part_rounds(pool, consumer, count, fair, fresh, owned)
+            if not got and others:
+                got = await self._part_rounds(pool, consumer, count, fair, set(fair.tenants) - set(exclude),
+                                              others, stolen=True)  # fmt: skip
+            left_ms = int((deadline - self._clock()) * 1000)
+            if got or block_ms <= 0 or left_ms <= 0:
+                return got
+            wait = min(left_ms, max(1, self._s.affinity_steal_after_ms))
+            if owned:
+                got = await self._part_block(pool, consumer, count, wait, fair, exclude, owned)
+            else:  # nothing of its own to wait on: look at the others' again after as long
+                await asyncio.sleep(wait / 1000)
+            if got:
+                return got
+
+    async def _part_rounds(
+        self, pool: str, consumer: str, count: int, fair: FairShare, candidates: set[str], partitions: list[int],
+        stolen: bool = False,
+    ) -> list[tuple[str, int | None, str, Any, bool]]:  # fmt: skip
+        """``_rounds`` over the ``partitions`` of each tenant's stream: what the plan asks of a
+        tenant is the oldest jobs among those partitions (``affinity.TAKE``, one script a tenant);
+        ``stolen`` (others' partitions): only jobs that waited ``affinity_steal_after_ms``."""
+        got: list[tuple[str, int | None, str, Any, bool]] = []
+        lost: set[str] = set()
+        age = max(1, self._s.affinity_steal_after_ms) if stolen else 0
+        while len(got) < count and candidates:
+            asks = fair.plan(count - len(got), candidates)
+            with unreachable("cannot read the work stream"):
+                replies = await call_scripts(self._r, [
+                    (self._take, [self.keys.jobs_part(pool, tenant, k) for k in partitions],
+                     [WORKER_GROUP, consumer, n, age])
+                    for tenant, n in asks.items()
+                ])  # fmt: skip
+            for (tenant, n), reply in zip(asks.items(), replies, strict=True):
+                if isinstance(reply, BaseException):
+                    raise QueueUnavailable(f"cannot read the work stream: {reply}") from reply
+                taken, missing = reply
+                if missing:
+                    lost.add(tenant)
+                entries = [(tenant, partitions[int(i) - 1], eid.decode(), dict(zip(f[::2], f[1::2], strict=True)),
+                            stolen) for i, eid, f in taken]  # fmt: skip
+                entries.sort(key=lambda e: _id_order(e[2]))  # oldest first (ids of one ms: any order)
+                fair.served(tenant, n, len(entries))
+                if len(entries) < n:
+                    candidates.discard(tenant)
+                got += entries
+        if lost:
+            await self._recover(pool, fair, lost)
+        return got
+
+    async def _part_block(
+        self, pool: str, consumer: str, count: int, block_ms: int, fair: FairShare, exclude: Collection[str],
+        partitions: list[int],
+    ) -> list[tuple[str, int | None, str, Any, bool]]:  # fmt: skip
+        """``_block`` over the ``partitions`` of every tenant's stream (but ``exclude``'s)."""
+        streams = {self.keys.jobs_part(pool, t, k): (t, k) for t in fair.tenants if t not in exclude
+                   for k in partitions}  # fmt: skip
+        if not streams:
+            return []
+        each = max(1, count // len(streams))
+        with unreachable("cannot read the work stream"):
             try:
-                leased.append((tenant, eid, codec.decode_job(fields[JOB_FIELD.encode()])))
-            except (InvalidRequest, KeyError):
-                log.error("job_undecodable", pool=pool, tenant=tenant, entry_id=eid)
-                bad.setdefault(tenant, []).append(eid)
-        for tenant, eids in bad.items():
-            await self._drop(self.keys.jobs(pool, tenant), eids)
-        return await self._with_cancel_flags(pool, leased)
+                reply: Any = await self._r.xreadgroup(WORKER_GROUP, consumer, dict.fromkeys(streams, ">"),
+                                                      count=each, block=block_ms)  # fmt: skip
+            except ResponseError as exc:
+                if not _gone(exc):
+                    raise
+                await self._recover(pool, fair, set(fair.tenants))
+                return []
+        got: list[tuple[str, int | None, str, Any, bool]] = [
+            (*streams[s.decode()], e.decode(), f, False) for s, es in reply or () for e, f in es
+        ]
+        if len(got) > count:
+            with unreachable():
+                for tenant, k, eid, _f, _s in got[count:]:
+                    await self._give_back(keys=[self.keys.work(pool, tenant, k)], args=[WORKER_GROUP, eid])
+            got = got[:count]
+        return got
 
     async def _fair_share(self, pool: str) -> FairShare:
         """The pool's fair share, its tenants read again if older than ``TENANTS_REFRESH_S``."""
@@ -497,20 +688,18 @@ class RedisQueue:
         without its data: the gateways' readiness goes NOT_SERVING on the same loss)."""
         for tenant in sorted(lost):
             with unreachable("cannot create the consumer group"):
-                made = int(await self._remake(keys=[self.keys.tenants(pool), self.keys.jobs(pool, tenant)],
+                made = int(await self._remake(keys=[self.keys.tenants(pool), *self._streams_of(pool, tenant)],
                                               args=[tenant, WORKER_GROUP]))  # fmt: skip
             if made and not tenant:
                 log.error("consumer_group_missing", pool=pool, detail="Redis lost the work stream; recreating it")
         await self._refresh_tenants(pool, fair)
 
-    async def _with_cancel_flags(
-        self, pool: str, leased: list[tuple[str, str, GenerationRequest]], reclaimed: bool = False
-    ) -> list[Lease]:
-        """Leases of (tenant, entry id, request) with their cancel flags; ``reclaimed``: also
-        whether each had begun (events exist)."""
+    async def _with_cancel_flags(self, pool: str, leased: list[_Leased], reclaimed: bool = False) -> list[Lease]:
+        """Leases of (tenant, entry id, request, partition, stolen) with their cancel flags;
+        ``reclaimed``: also whether each had begun (events exist)."""
         if not leased:
             return []
-        requests = [req for _t, _eid, req in leased]
+        requests = [req for _t, _eid, req, _k, _s in leased]
         with unreachable():
             async with self._r.pipeline(transaction=False) as pipe:
                 self._check_cancelled(pipe, requests)
@@ -521,8 +710,8 @@ class RedisQueue:
         gone = self._cancelled(requests, flags[: 2 * len(requests)])
         begun = flags[2 * len(requests) :]
         return [Lease(pool=pool, entry_id=eid, request=req, cancelled=req.request_id in gone,
-                      started=bool(begun[i]) if reclaimed else False, tenant=tenant)
-                for i, (tenant, eid, req) in enumerate(leased)]  # fmt: skip
+                      started=bool(begun[i]) if reclaimed else False, tenant=tenant, partition=k, stolen=stolen)
+                for i, (tenant, eid, req, k, stolen) in enumerate(leased)]  # fmt: skip
 
     def _check_cancelled(self, pipe: Any, requests: Sequence[GenerationRequest]) -> None:
         """Queue the commands that tell whether each request is cancelled (two replies each)."""
@@ -541,19 +730,19 @@ class RedisQueue:
     ) -> list[Lease]:  # fmt: skip
         """Each of the pool's work streams (every tenant's): XPENDING, then XCLAIM of up to ``count``
         stale entries in all, one pipeline each."""
-        tenants = (await self._fair_share(pool)).tenants
+        where = self._where((await self._fair_share(pool)).tenants)
         with unreachable("cannot reclaim from the work stream"):
             async with self._r.pipeline(transaction=False) as pipe:
-                for t in tenants:
+                for t, k in where:
                     pipe.xpending_range(
-                        self.keys.jobs(pool, t), WORKER_GROUP, min="-", max="+", count=count,
+                        self.keys.work(pool, t, k), WORKER_GROUP, min="-", max="+", count=count,
                         consumername=consumer if own else None, idle=None if own else min_idle_ms,
                     )  # fmt: skip
                 pending = await pipe.execute(raise_on_error=False)
-            # tenant -> entry id -> its delivery count once claimed
-            delivered: dict[str, dict[str, int]] = {}
+            # (tenant, partition) -> entry id -> its delivery count once claimed
+            delivered: dict[tuple[str, int | None], dict[str, int]] = {}
             n = 0
-            for t, stale in zip(tenants, pending, strict=True):
+            for (t, k), stale in zip(where, pending, strict=True):
                 if isinstance(stale, BaseException):
                     if not _gone(stale):
                         raise stale
@@ -561,45 +750,49 @@ class RedisQueue:
                 for p in stale:
                     eid = p["message_id"].decode()
                     # its own idle ones too, unless it runs them (a lease whose reply was lost)
-                    if n < count and (own or entry_ref(t, eid) not in running):
-                        delivered.setdefault(t, {})[eid] = int(p["times_delivered"]) + 1
+                    if n < count and (own or entry_ref(t, eid, k) not in running):
+                        delivered.setdefault((t, k), {})[eid] = int(p["times_delivered"]) + 1
                         n += 1
             if not delivered:
                 return []
             # XCLAIM with a minimum idle time: of several reclaimers, the first one resets the
             # idle time and takes the job; the others get nothing for it.
             async with self._r.pipeline(transaction=False) as pipe:
-                for t, ids in delivered.items():
-                    pipe.xclaim(self.keys.jobs(pool, t), WORKER_GROUP, consumer, 0 if own else min_idle_ms, list(ids))
+                for (t, k), ids in delivered.items():
+                    pipe.xclaim(self.keys.work(pool, t, k), WORKER_GROUP, consumer, 0 if own else min_idle_ms,
+                                list(ids))  # fmt: skip
                 claims = await pipe.execute(raise_on_error=False)
-        entries: list[tuple[str, str, Any]] = []
-        for t, claimed in zip(delivered, claims, strict=True):
+        entries: list[tuple[str, int | None, str, Any]] = []
+        for (t, k), claimed in zip(delivered, claims, strict=True):
             if isinstance(claimed, BaseException):
                 if not _gone(claimed):
                     raise QueueUnavailable(f"cannot reclaim from the work stream: {claimed}") from claimed
                 continue
-            entries += [(t, eid.decode(), fields) for eid, fields in claimed if fields]
-        leases: list[tuple[str, str, GenerationRequest]] = []
-        for t, eid, fields in entries:
+            entries += [(t, k, eid.decode(), fields) for eid, fields in claimed if fields]
+        leases: list[_Leased] = []
+        for t, k, eid, fields in entries:
             try:
                 req = codec.decode_job(fields[JOB_FIELD.encode()])
             except (InvalidRequest, KeyError):
-                await self._drop(self.keys.jobs(pool, t), [eid])
+                await self._drop(self.keys.work(pool, t, k), [eid])
                 continue
-            times = delivered[t].get(eid, 1)
+            times = delivered[(t, k)].get(eid, 1)
             if times > max_deliveries:
-                await self.dead_letter(pool, eid, req, f"the {times - 1} workers that took it died", times, tenant=t)
+                await self.dead_letter(pool, eid, req, f"the {times - 1} workers that took it died", times, tenant=t,
+                                       partition=k)  # fmt: skip
             else:
-                leases.append((t, eid, req))
+                leases.append((t, eid, req, k, False))
         log.info("jobs_reclaimed", pool=pool, count=len(leases), dead=len(entries) - len(leases), own=own)
         return await self._with_cancel_flags(pool, leases, reclaimed=True)
 
     async def dead_letter(
-        self, pool: str, entry_id: str, request: GenerationRequest, reason: str, deliveries: int, tenant: str = ""
-    ) -> None:
+        self, pool: str, entry_id: str, request: GenerationRequest, reason: str, deliveries: int, tenant: str = "",
+        partition: int | None = None,
+    ) -> None:  # fmt: skip
         """Move a poison job to the pool's dead-letter stream (with ``reason``), tell its caller
-        (a terminal failure on its events), and drop it from its work stream (``tenant``'s)."""
-        stream = self.keys.jobs(pool, tenant)
+        (a terminal failure on its events), and drop it from its work stream (``tenant``'s, or its
+        ``partition`` of it)."""
+        stream = self.keys.work(pool, tenant, partition)
         failed = JobEvent(failed=Failure(code="set_aside", message=f"the job was set aside: {reason}", retryable=False))
         with unreachable():
             async with self._r.pipeline(transaction=False) as pipe:
@@ -676,28 +869,61 @@ class RedisQueue:
                 await pipe.execute()
 
     async def heartbeat(self, status: WorkerStatus, ttl_s: float, touch: Sequence[str] = ()) -> None:
+        """Affinity on, in the same round trip: a ready worker renews and rebalances its partitions
+        (``affinity.OWN``, for ``ttl_s``), any other gives them up; off: the pool must have no
+        partitions recorded. Either way a mismatch raises QueueMisconfigured."""
+        pool = status.pool
         with unreachable():
             async with self._r.pipeline(transaction=False) as pipe:
-                key = self.keys.worker(status.pool, status.worker)
+                key = self.keys.worker(pool, status.worker)
                 pipe.set(key, codec.encode_status(status), px=int(ttl_s * 1000))
-                pipe.sadd(self.keys.workers(status.pool), status.worker)
-                by_tenant: dict[str, list[Any]] = {}
+                pipe.sadd(self.keys.workers(pool), status.worker)
+                by_stream: dict[tuple[str, int | None], list[Any]] = {}
                 for ref in touch:  # the jobs it runs, in the same round trip
-                    tenant, eid = parse_ref(ref)
-                    by_tenant.setdefault(tenant, []).append(eid)
-                for tenant, eids in by_tenant.items():
-                    pipe.xclaim(self.keys.jobs(status.pool, tenant), WORKER_GROUP, status.worker, 0, eids, justid=True)
+                    tenant, k, eid = split_ref(ref)
+                    by_stream.setdefault((tenant, k), []).append(eid)
+                for (tenant, k), eids in by_stream.items():
+                    pipe.xclaim(self.keys.work(pool, tenant, k), WORKER_GROUP, status.worker, 0, eids, justid=True)
+                own_keys = [self.keys.owners(pool), self.keys.partitions(pool)]
+                own_args: list[Any] = [status.worker, int(ttl_s * 1000), self._parts,
+                                       "own" if status.ready else "leave"]
+                if not self._parts:
+                    pipe.exists(self.keys.partitions(pool))
+                elif not self._cluster:
+                    await self._own(keys=own_keys, args=own_args, client=pipe)
                 replies = await pipe.execute(raise_on_error=False)
-            for reply in replies:  # a stream gone (its jobs with it) has nothing to touch
+            if self._parts and self._cluster:  # a cluster pipeline refuses scripts: its own call
+                try:
+                    replies.append(await self._own(keys=own_keys, args=own_args))
+                except ResponseError as exc:
+                    replies.append(exc)
+            for reply in replies[:-1]:  # a stream gone (its jobs with it) has nothing to touch
                 if isinstance(reply, BaseException) and not _gone(reply):
                     raise reply
+        last = replies[-1]
+        if isinstance(last, BaseException):
+            raise QueueUnavailable(f"cannot record the worker's partitions: {last}") from last
+        if self._parts and int(last[0]) == 0:
+            self._owned[(pool, status.worker)] = sorted(int(k) for k in last[1:])
+        elif self._parts or int(last):
+            self._owned.pop((pool, status.worker), None)
+            await self._misconfigured(pool)
+
+    def owned(self, pool: str, worker: str) -> list[int]:
+        """The partitions the worker owned at its last heartbeat through this queue (affinity on)."""
+        return list(self._owned.get((pool, worker), ()))
 
     async def leave(self, pool: str, worker: str) -> None:
+        """Also gives up the worker's partitions (affinity on): the others take them at once."""
         with unreachable():
             async with self._r.pipeline(transaction=False) as pipe:
                 pipe.delete(self.keys.worker(pool, worker))
                 pipe.srem(self.keys.workers(pool), worker)
                 await pipe.execute()
+            if self._parts:
+                await self._own(keys=[self.keys.owners(pool), self.keys.partitions(pool)],
+                                args=[worker, 0, self._parts, "leave"])  # fmt: skip
+        self._owned.pop((pool, worker), None)
 
     async def publish(
         self, events: Sequence[tuple[Lease, JobEvent]], watch: Sequence[GenerationRequest]
@@ -724,7 +950,7 @@ class RedisQueue:
                             ended.append((self._ended, ended_keys, ended_args))
                         else:
                             await self._ended(keys=ended_keys, args=ended_args, client=pipe)
-                        stream = self.keys.jobs(lease.pool, lease.tenant)
+                        stream = self.keys.work(lease.pool, lease.tenant, lease.partition)
                         pipe.xack(stream, WORKER_GROUP, lease.entry_id)
                         pipe.xdel(stream, lease.entry_id)
                     elif rid not in renewed and now >= self._renew_at.get(rid, now):

@@ -57,7 +57,7 @@ class Sampling(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("kind", "request_id", "model", "prompt", "messages", "sampling", "priority", "metadata", "accepted_unix_ns", "resume_token_ids", "batch_id", "custom_id", "deadline_unix_ns", "origin_id", "tenant", "trace")
+    __slots__ = ("kind", "request_id", "model", "prompt", "messages", "sampling", "priority", "metadata", "accepted_unix_ns", "resume_token_ids", "batch_id", "custom_id", "deadline_unix_ns", "origin_id", "tenant", "trace", "prefix_key")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class Job(_message.Message):
     ORIGIN_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_KEY_FIELD_NUMBER: _ClassVar[int]
     kind: JobKind
     request_id: str
     model: str
@@ -104,7 +105,8 @@ class Job(_message.Message):
     origin_id: str
     tenant: str
     trace: _containers.ScalarMap[str, str]
-    def __init__(self, kind: _Optional[_Union[JobKind, str]] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[Messages, _Mapping]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., priority: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., accepted_unix_ns: _Optional[int] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., batch_id: _Optional[str] = ..., custom_id: _Optional[str] = ..., deadline_unix_ns: _Optional[int] = ..., origin_id: _Optional[str] = ..., tenant: _Optional[str] = ..., trace: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    prefix_key: str
+    def __init__(self, kind: _Optional[_Union[JobKind, str]] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[Messages, _Mapping]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., priority: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., accepted_unix_ns: _Optional[int] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., batch_id: _Optional[str] = ..., custom_id: _Optional[str] = ..., deadline_unix_ns: _Optional[int] = ..., origin_id: _Optional[str] = ..., tenant: _Optional[str] = ..., trace: _Optional[_Mapping[str, str]] = ..., prefix_key: _Optional[str] = ...) -> None: ...
 
 class ItemResult(_message.Message):
     __slots__ = ("custom_id", "status", "text", "finish_reason", "prompt_tokens", "completion_tokens", "error_code", "error_message")

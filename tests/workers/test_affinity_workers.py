@@ -1,0 +1,103 @@
+"""Prefix affinity with two real Workers (fake engine) on real Redis: a prefix key's jobs run on the
+worker that owns its partition while it has room; a busy owner's queued job runs on the idle one."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+from collections.abc import AsyncIterator
+
+import pytest
+
+from llamamesh.queue.affinity import partition_of
+from llamamesh.queue.streams import RedisQueue
+from llamamesh.settings import RedisSettings, WorkerSettings
+from llamamesh.types import GenerationRequest, JobEvent, SamplingParams
+from workers.engines.fake import FakeEngine
+from workers.worker import Worker
+
+pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
+
+P = 4
+
+
+def job(rid: str, key: str, n: int = 2) -> GenerationRequest:
+    return GenerationRequest(request_id=rid, model="m", prompt="p", sampling=SamplingParams(max_tokens=n),
+                             prefix_key=key)  # fmt: skip
+
+
+def key_in(partitions: list[int]) -> str:
+    return next(k for i in itertools.count() if partition_of(job("x", k := f"conv-{i}"), P) in partitions)
+
+
+async def finished(q: RedisQueue, rid: str) -> list[JobEvent]:
+    out = []
+    async for _i, e in q.events(rid):
+        out.append(e)
+    assert out[-1].finished is not None
+    return out
+
+
+@dataclasses.dataclass
+class Pool:
+    queue: RedisQueue  # the gateway's
+    workers: dict[str, tuple[Worker, FakeEngine, RedisQueue]]
+
+
+@pytest.fixture
+async def pool(redis_settings: RedisSettings) -> AsyncIterator[Pool]:
+    settings = dataclasses.replace(redis_settings, affinity_partitions=P, affinity_steal_after_ms=50)
+    gateway = RedisQueue.from_settings(settings)
+    started: dict[str, tuple[Worker, FakeEngine, RedisQueue]] = {}
+    stops: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
+    for name, slots in (("w1", 1), ("w2", 4)):  # w1 has one slot: it is busy with one job
+        ws = WorkerSettings(pool="cpu", engine="fake", max_inflight=slots, fake_step_s=0.05, consumer=name,
+                            heartbeat_s=0.1)  # fmt: skip
+        q = RedisQueue.from_settings(settings)
+        engine = FakeEngine(ws)
+        await engine.start()
+        worker = Worker(ws, q, engine, block_ms=200)
+        stop = asyncio.Event()
+        stops.append((stop, asyncio.create_task(worker.run(stop))))
+        await asyncio.wait_for(worker.ready.wait(), 5)
+        started[name] = (worker, engine, q)
+    try:
+        async def shared() -> None:
+            while sorted(len(q.owned("cpu", n)) for n, (_w, _e, q) in started.items()) != [2, 2]:  # noqa: ASYNC110
+                await asyncio.sleep(0.02)  # bounded: a few heartbeats of 0.1 s
+
+        await asyncio.wait_for(shared(), 10)
+        yield Pool(gateway, started)
+    finally:
+        for stop, task in stops:
+            stop.set()
+            await asyncio.wait_for(task, 10)
+        for _w, engine, q in started.values():
+            await engine.shutdown()
+            await q.close()
+        await gateway.close()
+
+
+async def test_a_prefix_keys_jobs_run_on_its_owner_while_it_has_room(pool: Pool) -> None:
+    keys = {name: key_in(q.owned("cpu", name)) for name, (_w, _e, q) in pool.workers.items()}
+    for i in range(4):
+        for name, key in keys.items():
+            await pool.queue.submit("cpu", job(f"{name}-{i}", key))
+            evs = await asyncio.wait_for(finished(pool.queue, f"{name}-{i}"), 10)
+            assert {e.worker for e in evs if e.worker} == {name}
+    for name, (_w, engine, _q) in pool.workers.items():
+        assert sorted(engine.served) == [f"{name}-{i}" for i in range(4)]
+
+
+async def test_a_busy_owners_queued_job_runs_on_the_idle_worker(pool: Pool) -> None:
+    _w1, e1, q1 = pool.workers["w1"]
+    key = key_in(q1.owned("cpu", "w1"))
+    await pool.queue.submit("cpu", job("long", key, n=20))  # 20 steps of 50 ms on w1's one slot
+    while "long" not in e1.served:  # noqa: ASYNC110  # bounded by the test's timeout
+        await asyncio.sleep(0.01)
+    await pool.queue.submit("cpu", job("next", key))
+    evs = await asyncio.wait_for(finished(pool.queue, "next"), 5)
+    assert {e.worker for e in evs if e.worker} == {"w2"}  # stolen: it did not wait for the long one
+    long = await asyncio.wait_for(finished(pool.queue, "long"), 10)
+    assert {e.worker for e in long if e.worker} == {"w1"}
