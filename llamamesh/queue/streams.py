@@ -45,7 +45,7 @@ from llamamesh.errors import InvalidRequest, QueueFull, QueueMisconfigured, Queu
 from llamamesh.queue import affinity, codec
 from llamamesh.queue.fair import FairShare
 from llamamesh.queue.follow import EventFollower, Item
-from llamamesh.queue.keys import EVENT_FIELD, JOB_FIELD, SUBMITTED_TTL_S, WORKER_GROUP, Keys, stream_tenant
+from llamamesh.queue.keys import EVENT_FIELD, JOB_FIELD, SUBMITTED_TTL_S, WORKER_GROUP, Keys, shard_tags, stream_tenant
 from llamamesh.queue.protocol import Lease, QueueDepth, entry_ref, split_ref
 from llamamesh.queue.redisio import call_scripts, connect, is_cluster, unreachable
 from llamamesh.settings import RedisSettings
@@ -239,6 +239,7 @@ class RedisQueue:
         self._r = client
         self._s = settings
         self.keys = Keys(settings.prefix, settings.event_shards)
+        shard_tags(settings.event_shards)  # a bad count fails here, at start, not at the first request
         self._clock = clock
         # pool -> when its consumers were last pruned (clock seconds)
         self._pruned: dict[str, float] = {}
