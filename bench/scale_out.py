@@ -99,12 +99,11 @@ async def closed_loop(address: str, concurrency: int, tokens: int, seconds: floa
         async def one_client() -> None:
             while time.monotonic() < t_end:
                 try:
-                    n = 0
-                    async for m in stub.Generate(pb.GenerateRequest(prompt="bench", max_tokens=tokens, ignore_eos=True)):
+                    request = pb.GenerateRequest(prompt="bench", max_tokens=tokens, ignore_eos=True)
+                    async for m in stub.Generate(request):
                         now = time.monotonic()
                         if t_measure <= now < t_end:
                             counted["tokens"] += len(m.token_ids)
-                        n += len(m.token_ids)
                     if t_measure <= time.monotonic() < t_end:
                         counted["requests"] += 1
                 except grpc.aio.AioRpcError:
@@ -151,7 +150,8 @@ def main() -> None:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     rows = []
-    print(f"{os.cpu_count()} cores; {args.concurrency} streams of {args.tokens} tokens; fake engine, {args.step_s} s a step")
+    print(f"{os.cpu_count()} cores; {args.concurrency} streams of {args.tokens} tokens; "
+          f"fake engine, {args.step_s} s a step")
     print(f"{'redis':8} {'workers':>7} {'tok/s':>9} {'req/s':>7} {'err':>4}  cpu s / 1k tokens: gateway workers redis")
     for workers in args.workers:
         for kind in args.redis:  # side by side at each size
