@@ -35,7 +35,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Collection, Sequence
-from typing import Any  # redis-py types stream replies loosely
+from typing import Any, TypeVar  # redis-py types stream replies loosely
 
 import redis.asyncio as aioredis
 import structlog
@@ -52,6 +52,7 @@ from llamamesh.settings import RedisSettings
 from llamamesh.types import Attempt, Failure, GenerationRequest, JobEvent, WorkerStatus
 
 log = structlog.get_logger(__name__)
+_T = TypeVar("_T")
 
 
 async def create_group(client: aioredis.Redis, stream: str) -> bool:
@@ -190,6 +191,15 @@ def _gone(exc: BaseException) -> bool:
     """A read of a work stream that is not there (deleted with its group: Redis lost its data, or
     the tenant was forgotten, ``_FORGET``; a blocked read learns it as UNBLOCKED)."""
     return isinstance(exc, ResponseError) and ("NOGROUP" in str(exc) or "UNBLOCKED" in str(exc))
+
+
+def _served(fair: FairShare, tenant: str, asked: int, entries: list[_T], candidates: set[str]) -> list[_T]:
+    """A round's read of one tenant: the fair share learns what it gave; a tenant that gave fewer
+    than asked is empty and leaves the round's candidates. Returns ``entries``."""
+    fair.served(tenant, asked, len(entries))
+    if len(entries) < asked:
+        candidates.discard(tenant)
+    return entries
 
 
 async def prune_consumers(client: aioredis.Redis, stream: str, idle_ms: int) -> int:
@@ -565,13 +575,12 @@ class RedisQueue:
                 taken, missing = reply
                 if missing:
                     lost.add(tenant)
-                entries = [(tenant, partitions[int(i) - 1], eid.decode(), dict(zip(f[::2], f[1::2], strict=True)),
-                            stolen) for i, eid, f in taken]  # fmt: skip
+                entries: list[tuple[str, int | None, str, Any, bool]] = [
+                    (tenant, partitions[int(i) - 1], eid.decode(), dict(zip(f[::2], f[1::2], strict=True)), stolen)
+                    for i, eid, f in taken
+                ]
                 entries.sort(key=lambda e: _id_order(e[2]))  # oldest first (ids of one ms: any order)
-                fair.served(tenant, n, len(entries))
-                if len(entries) < n:
-                    candidates.discard(tenant)
-                got += entries
+                got += _served(fair, tenant, n, entries, candidates)
         if lost:
             await self._recover(pool, fair, lost)
         return got
@@ -647,11 +656,8 @@ class RedisQueue:
                         raise QueueUnavailable(f"cannot read the work stream: {reply}") from reply
                     lost.add(tenant)
                     reply = None
-                entries = [(tenant, e.decode(), f) for _s, es in reply or () for e, f in es]
-                fair.served(tenant, n, len(entries))
-                if len(entries) < n:
-                    candidates.discard(tenant)
-                got += entries
+                got += _served(fair, tenant, n, [(tenant, e.decode(), f) for _s, es in reply or () for e, f in es],
+                               candidates)  # fmt: skip
         if lost:
             await self._recover(pool, fair, lost)
         return got

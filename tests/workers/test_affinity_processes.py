@@ -6,7 +6,6 @@ and its keys' next jobs run on the survivor."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 import signal
 import subprocess
@@ -18,25 +17,15 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from llamamesh.queue.affinity import partition_of
 from llamamesh.queue.keys import WORKER_GROUP, Keys
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import RedisSettings
-from llamamesh.types import GenerationRequest, JobEvent, SamplingParams
+from llamamesh.types import JobEvent
 from tests.redisproc import RedisProcess
+from tests.workers.test_affinity_workers import P, job, key_in
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(120)]
 
-P = 4
-
-
-def job(rid: str, key: str, n: int = 2) -> GenerationRequest:
-    return GenerationRequest(request_id=rid, model="m", prompt="p", sampling=SamplingParams(max_tokens=n),
-                             prefix_key=key)  # fmt: skip
-
-
-def key_in(partitions: list[int]) -> str:
-    return next(k for i in itertools.count() if partition_of(job("x", k := f"conv-{i}"), P) in partitions)
 
 
 async def until(ok, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
