@@ -41,7 +41,7 @@ from llamamesh.queue.fair import FairShare
 from llamamesh.queue.follow import EventFollower, Item
 from llamamesh.queue.keys import EVENT_FIELD, JOB_FIELD, SUBMITTED_TTL_S, WORKER_GROUP, Keys, stream_tenant
 from llamamesh.queue.protocol import Lease, QueueDepth, entry_ref, parse_ref
-from llamamesh.queue.redisio import connect, unreachable
+from llamamesh.queue.redisio import Replicas, connect, unreachable
 from llamamesh.settings import RedisSettings
 from llamamesh.types import Attempt, Failure, GenerationRequest, JobEvent, WorkerStatus
 
@@ -63,11 +63,15 @@ async def create_group(client: aioredis.Redis, stream: str) -> bool:
 
 # KEYS: the tenant's work stream, the request's submitted marker, the pool's tenants hash. ARGV: job
 # field, encoded job, max waiting (0: no bound), group, the marker's ttl, tenant, weight. Returns -1
-# (queued), -2 (queued before: a retried write whose first try was applied; nothing queued again),
-# or how many wait unleased (the tenant's stream is full: nothing queued). A new stream gets the
-# workers' group here (from its start), so no job is queued where no worker reads.
+# (queued), -2 (queued before: a retried write whose first try was applied; nothing queued again,
+# the marker's ttl set again: a write, so a WAIT after this one covers the first try's), or how
+# many wait unleased (the tenant's stream is full: nothing queued). A new stream gets the workers'
+# group here (from its start), so no job is queued where no worker reads.
 _SUBMIT = """
-if redis.call('EXISTS', KEYS[2]) == 1 then return -2 end
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.call('EXPIRE', KEYS[2], ARGV[5])
+  return -2
+end
 local most = tonumber(ARGV[3])
 if most > 0 then
   local n = redis.call('XLEN', KEYS[1])
@@ -201,6 +205,7 @@ class RedisQueue:
         self._r = client
         self._s = settings
         self.keys = Keys(settings.prefix)
+        self.replicas = Replicas.of(settings)
         self._clock = clock
         # pool -> when its consumers were last pruned (clock seconds)
         self._pruned: dict[str, float] = {}
@@ -234,15 +239,18 @@ class RedisQueue:
             raise ValueError(f"a tenant's weight must be positive, not {weight!r}")
         tenant = stream_tenant(request.tenant)
         with unreachable():
-            waiting = int(await self._submit(
+            replies = await self.replicas.script(
+                self._r, self._submit,
                 keys=[self.keys.jobs(pool, tenant), self.keys.submitted(pool, request.request_id),
                       self.keys.tenants(pool)],
                 args=[JOB_FIELD, codec.encode_job(request), max_waiting, WORKER_GROUP,
                       min(SUBMITTED_TTL_S, self._s.event_idle_ttl_s), tenant, repr(float(weight))],
-            ))  # fmt: skip
+            )  # fmt: skip
+        waiting = int(replies[0])
         if waiting >= 0:
             whose = f"tenant {tenant!r} has" if tenant else "has"
             raise QueueFull(f"pool {pool!r} {whose} {waiting} requests waiting (at most {max_waiting}); retry later")
+        self.replicas.check(replies, "the submission")
 
     async def events(self, request_id: str, after: str = "0-0") -> AsyncGenerator[tuple[str, JobEvent], None]:
         if self._follower is None:
@@ -290,7 +298,11 @@ class RedisQueue:
 
     async def call_off(self, caller_id: str) -> None:
         with unreachable():
-            await self._r.set(self.keys.called_off(caller_id), b"1", ex=self._s.event_idle_ttl_s)
+            async with self._r.pipeline(transaction=False) as pipe:
+                pipe.set(self.keys.called_off(caller_id), b"1", ex=self._s.event_idle_ttl_s)
+                self.replicas.wait(pipe)
+                replies = await pipe.execute()
+        self.replicas.check(replies, "the cancel")
 
     async def epoch(self) -> str:
         with unreachable():
