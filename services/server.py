@@ -195,7 +195,7 @@ async def serve(settings: Settings, share_port: bool = False) -> None:
     g = settings.gateway
     metrics.serve(g.metrics_port, g.host, "gateway", prometheus_multiproc_dir())
     queue = RedisQueue.from_settings(settings.redis)
-    batches = RedisBatches.from_settings(queue.client, queue.keys, settings.batch)
+    batches = RedisBatches.from_settings(queue.client, queue.keys, settings.batch, replicas=queue.replicas)
     gateway = await start_gateway(
         queue, settings.gateway, share_port=share_port, breaker=settings.breaker, batches=batches, batch=settings.batch,
         auth=settings.auth, limits=settings.limits, quotas=RedisQuotas(queue.client, queue.keys),

@@ -10,7 +10,9 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -35,16 +37,18 @@ def binary(kind: str) -> str:
 
 
 class RedisProcess:
-    def __init__(self, kind: str, workdir: Path, appendonly: bool = False, appendfsync: str = "everysec") -> None:
+    def __init__(
+        self, kind: str, workdir: Path, appendonly: bool = False, appendfsync: str = "everysec",
+        extra: Sequence[str] = (),
+    ) -> None:  # fmt: skip
         self.kind = kind
+        self.extra = tuple(extra)  # more redis-server arguments, e.g. ("--replicaof", host, port)
         self.appendfsync = appendfsync
         self.dir = workdir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.appendonly = appendonly
         self.proc: subprocess.Popen[bytes] | None = None
-        # More server arguments (cluster mode, replication).
-        self.extra_args: list[str] = []
 
     @property
     def url(self) -> str:
@@ -61,7 +65,7 @@ class RedisProcess:
             "--appendfsync", self.appendfsync,
             "--daemonize", "no",
             "--logfile", str(self.dir / "server.log"),
-            *self.extra_args,
+            *self.extra,
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
@@ -109,12 +113,12 @@ class RedisClusterProcs:
         self.nodes = [RedisProcess("redis", workdir / f"node{i}") for i in range(masters * (1 + replicas))]
         for node in self.nodes:
             # The bus port is set, not port + 10000 (which may be taken, or past 65535).
-            node.extra_args = [
+            node.extra = (
                 "--cluster-enabled", "yes", "--cluster-config-file", str(node.dir / "nodes.conf"),
                 "--cluster-node-timeout", str(node_timeout_ms), "--cluster-port", str(free_port()),
                 # A replica's first sync at once, not after diskless sync's 5-s wait for more replicas.
                 "--repl-diskless-sync-delay", "0",
-            ]  # fmt: skip
+            )  # fmt: skip
 
     @property
     def url(self) -> str:
@@ -183,3 +187,164 @@ class RedisClusterProcs:
     def stop(self) -> None:
         for node in self.nodes:
             node.stop()
+
+
+class SentinelGroup:
+    """A primary, ``replicas`` replicas of it (``--replicaof``) and ``sentinels`` Sentinels watching
+    them as ``service`` (``redis-server <conf> --sentinel``, which is what Debian's redis-sentinel
+    runs), each a process on a free loopback port in its own folder under ``workdir``. Sentinels
+    take a primary for down after ``down_after_ms`` without a reply; a failover then takes a few
+    seconds. Not less than 2000: at 1000 (Sentinel's ping period) a Sentinel that has just moved to
+    the new primary may not have its first ping answered in time, and a loaded machine then sees a
+    second, spurious failover. ``servers[0]`` is the first primary; after a failover ``primary()``
+    says which is."""
+
+    def __init__(
+        self, kind: str, workdir: Path, replicas: int = 1, sentinels: int = 3, service: str = "llamamesh",
+        down_after_ms: int = 2000, failover_timeout_ms: int = 3000,
+    ) -> None:  # fmt: skip
+        self.kind, self.dir, self.service = kind, workdir, service
+        self.down_after_ms, self.failover_timeout_ms = down_after_ms, failover_timeout_ms
+        # A replica's first sync starts at once (not after the default 5 s wait for others to join).
+        fast = ("--repl-diskless-sync-delay", "0")
+        first = RedisProcess(kind, workdir / "redis-0", extra=fast)
+        self.servers = [first] + [
+            RedisProcess(kind, workdir / f"redis-{i}", extra=(*fast, "--replicaof", "127.0.0.1", str(first.port)))
+            for i in range(1, replicas + 1)
+        ]
+        self.sentinel_ports = [free_port() for _ in range(sentinels)]
+        self.sentinel_procs: list[subprocess.Popen[bytes] | None] = [None] * sentinels
+
+    @property
+    def url(self) -> str:
+        """``redis+sentinel://`` with every Sentinel, the service, db 0 (as RedisProcess.url)."""
+        hosts = ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports)
+        return f"redis+sentinel://{hosts}/{self.service}/0"
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Start the servers, wait for every replica to be in sync, then the Sentinels, and wait for
+        each to know the primary, every replica and every other Sentinel (a failover needs their
+        quorum)."""
+        deadline = time.monotonic() + timeout_s
+        for server in self.servers:
+            server.start()
+        for replica in self.servers[1:]:
+            self._wait(lambda r=replica: _info(r.port).get("master_link_status") == "up", deadline,
+                       f"replica {replica.port} in sync")  # fmt: skip
+        for i in range(len(self.sentinel_ports)):
+            self.start_sentinel(i)
+        replicas, others = len(self.servers) - 1, len(self.sentinel_ports) - 1
+        for port in self.sentinel_ports:
+            self._wait(lambda p=port: self._knows(p, replicas, others), deadline, f"sentinel {port} to see the group")
+
+    def start_sentinel(self, i: int) -> None:
+        port, folder = self.sentinel_ports[i], self.dir / f"sentinel-{i}"
+        folder.mkdir(parents=True, exist_ok=True)
+        conf = folder / "sentinel.conf"  # Sentinel rewrites it: one of its own each
+        s = self.service
+        conf.write_text(
+            f"port {port}\nbind 127.0.0.1\ndir {folder}\nlogfile {folder / 'sentinel.log'}\ndaemonize no\n"
+            f"sentinel monitor {s} 127.0.0.1 {self.servers[0].port} {len(self.sentinel_ports) // 2 + 1}\n"
+            f"sentinel down-after-milliseconds {s} {self.down_after_ms}\n"
+            f"sentinel failover-timeout {s} {self.failover_timeout_ms}\n"
+            f"sentinel parallel-syncs {s} {max(1, len(self.servers) - 1)}\n"
+        )
+        exe = shutil.which("redis-sentinel") if self.kind == "redis" else None
+        args = [exe, str(conf)] if exe else [binary(self.kind), str(conf), "--sentinel"]
+        self.sentinel_procs[i] = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def _knows(self, port: int, replicas: int, others: int) -> bool:
+        try:
+            with redis.Redis(port=port, socket_timeout=1) as r:
+                m: Any = r.sentinel_master(self.service)
+        except redis.RedisError:
+            return False
+        return bool(m["num-slaves"] >= replicas and m["num-other-sentinels"] >= others)
+
+    def primary(self) -> RedisProcess:
+        """The server every Sentinel names as the primary, and that says it is one (polls at most
+        a second for them to agree)."""
+        found: RedisProcess | None = None
+
+        def agreed() -> bool:
+            nonlocal found
+            found = self._agreed_primary()
+            return found is not None
+
+        self._wait(agreed, time.monotonic() + 1, "the sentinels to agree on a primary")
+        assert found is not None
+        return found
+
+    def _agreed_primary(self) -> RedisProcess | None:
+        ports = set()
+        for port in self.sentinel_ports:
+            try:
+                # SENTINEL MASTER, as clients ask (GET-MASTER-ADDR-BY-NAME names the promoted
+                # replica sooner, while the failover still reconfigures the other replicas).
+                with redis.Redis(port=port, socket_timeout=1) as r:
+                    m: Any = r.sentinel_master(self.service)
+            except redis.RedisError:
+                continue  # a Sentinel that is down has no say
+            ports.add(int(m["port"]))
+        if len(ports) != 1:
+            return None
+        server = next((s for s in self.servers if s.port in ports), None)
+        if server is None or server.proc is None or _info(server.port).get("role") != "master":
+            return None
+        return server
+
+    def wait_failover(self, old: RedisProcess, replicas_online: int = 0, timeout_s: float = 30.0) -> RedisProcess:
+        """Wait until every Sentinel names another primary than ``old``, it says it is the primary,
+        and ``replicas_online`` replicas are in sync with it; return it."""
+        found: RedisProcess | None = None
+
+        def moved() -> bool:
+            nonlocal found
+            found = self._agreed_primary()
+            if found is None or found is old:
+                return False
+            return self.online(found) >= replicas_online
+
+        self._wait(moved, time.monotonic() + timeout_s, f"a failover away from {old.port}")
+        assert found is not None
+        return found
+
+    @staticmethod
+    def online(server: RedisProcess) -> int:
+        """How many replicas are in sync with ``server``."""
+        return sum(1 for k, v in _info(server.port).items()
+                   if k.startswith("slave") and isinstance(v, dict) and v.get("state") == "online")  # fmt: skip
+
+    def failover(self) -> None:
+        """SENTINEL FAILOVER: the primary (still up) hands over to a replica, without the others'
+        agreement."""
+        with redis.Redis(port=self.sentinel_ports[0], socket_timeout=5) as r:
+            r.sentinel_failover(self.service)
+
+    def logs(self, tail: int = 1500) -> str:
+        """The end of every server's and Sentinel's log, for a failure's message."""
+        return "\n".join(f"{p}: {p.read_text()[-tail:]}" for p in sorted(self.dir.glob("*/*.log")))
+
+    def _wait(self, ok: Any, deadline: float, what: str) -> None:
+        while not ok():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out waiting for {what}\n{self.logs()}")
+            time.sleep(0.05)  # polling other processes, bounded by the deadline
+
+    def stop(self) -> None:
+        for i, p in enumerate(self.sentinel_procs):
+            if p is not None and p.poll() is None:
+                p.terminate()
+                p.wait(10)
+            self.sentinel_procs[i] = None
+        for server in self.servers:
+            server.stop()
+
+
+def _info(port: int) -> dict[str, Any]:
+    """INFO replication of the server on ``port`` (empty if it does not answer)."""
+    try:
+        with redis.Redis(port=port, socket_timeout=1, socket_connect_timeout=0.5) as r:
+            return dict(r.info("replication"))
+    except redis.RedisError:
+        return {}

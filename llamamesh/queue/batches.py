@@ -18,6 +18,10 @@
 - Waiting for results (``results`` with a block) goes through the store's one ``EventFollower``:
   every caller waiting on any batch shares its one blocking XREAD, so open StreamBatchResults
   streams hold no Redis connection each.
+- With ``replicas`` (``RedisSettings.wait_replicas``), a batch's creation and its cancel are on
+  that many replicas before the caller is answered (WAIT); a result needs no WAIT: its ack comes
+  after it, so a failover that loses it loses the ack too and the item runs again (redisio.py says
+  what a failover can lose, and what WAIT guarantees).
 
 Redis errors become ``QueueUnavailable`` here.
 """
@@ -40,7 +44,7 @@ from llamamesh.queue import codec
 from llamamesh.queue.follow import EventFollower, Item
 from llamamesh.queue.keys import JOB_FIELD, RESULT_FIELD, WORKER_GROUP, Keys
 from llamamesh.queue.protocol import Lease, batch_at_risk
-from llamamesh.queue.redisio import UNREACHABLE, call_scripts, unreachable
+from llamamesh.queue.redisio import UNREACHABLE, Replicas, call_scripts, unreachable
 from llamamesh.queue.streams import create_group, touch_entries
 from llamamesh.settings import BatchSettings
 from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, ItemStatus, public_id
@@ -137,7 +141,9 @@ redis.call('HSET', KEYS[1], unpack(ARGV))
 return 1
 """
 
-# KEYS: meta. ARGV: now. Returns the state after the call ('' if there is no such batch).
+# KEYS: meta. ARGV: now. Returns the state after the call ('' if there is no such batch). A batch
+# cancelling already (a retry) gets its state written again: a WAIT after this call covers the
+# first call's write.
 _CANCEL = """
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return '' end
@@ -145,6 +151,7 @@ if state == 'in_progress' or state == 'validating' then
   redis.call('HSET', KEYS[1], 'state', 'cancelling', 't:cancelling', ARGV[1])
   return 'cancelling'
 end
+if state == 'cancelling' then redis.call('HSET', KEYS[1], 'state', state) end
 return state
 """
 
@@ -209,9 +216,11 @@ class RedisBatches:
         fail_after: int = 0,
         claim_idle_s: float = 0.0,
         follow_block_ms: int = 2000,
+        replicas: Replicas | None = None,
     ) -> None:
         self._r = client
         self.keys = keys
+        self._replicas = replicas or Replicas()
         self.retention_s = retention_s
         self.fail_after = fail_after
         # The sweep's: items leased this long without a touch belong to a dead worker (0: never
@@ -227,8 +236,11 @@ class RedisBatches:
         self._follower: EventFollower | None = None
 
     @classmethod
-    def from_settings(cls, client: aioredis.Redis, keys: Keys, settings: BatchSettings) -> RedisBatches:
-        return cls(client, keys, settings.retention_s, settings.fail_after, claim_idle_s=settings.claim_idle_s)
+    def from_settings(
+        cls, client: aioredis.Redis, keys: Keys, settings: BatchSettings, replicas: Replicas | None = None
+    ) -> RedisBatches:
+        return cls(client, keys, settings.retention_s, settings.fail_after, claim_idle_s=settings.claim_idle_s,
+                   replicas=replicas)  # fmt: skip
 
     def _item_keys(self, batch_id: str) -> list[str]:
         k = self.keys
@@ -272,6 +284,11 @@ class RedisBatches:
                         "resubmit it unchanged, or use a new id"
                     )
                 if stored[1] is not None:
+                    if self._replicas.count:  # a write of this connection's, for WAIT to cover the stored one
+                        async with self._r.pipeline(transaction=False) as pipe:
+                            pipe.hset(meta, "enqueued", 1)
+                            self._replicas.wait(pipe)
+                            self._replicas.check(await pipe.execute(), "the batch")
                     return await self._require(info.batch_id), False
             async with self._r.pipeline(transaction=False) as pipe:
                 ids = [request.custom_id for _pool, request in items]
@@ -280,7 +297,9 @@ class RedisBatches:
                 for pool, request in items:
                     pipe.xadd(self.keys.batch_items(pool), {JOB_FIELD: codec.encode_job(request)})
                 pipe.hset(meta, "enqueued", 1)
-                await pipe.execute()
+                self._replicas.wait(pipe)  # the record (written before) and every item
+                replies = await pipe.execute()
+        self._replicas.check(replies, "the batch")
         return await self._require(info.batch_id), bool(created)
 
     async def _require(self, batch_id: str) -> BatchInfo:
@@ -315,7 +334,11 @@ class RedisBatches:
         finish; the batch is cancelled with the last); an ended one is returned as it is. None if
         unknown."""
         with unreachable():
-            state = await self._cancel(keys=[self.keys.batch(batch_id)], args=[time.time()])
+            replies = await self._replicas.script(self._r, self._cancel, keys=[self.keys.batch(batch_id)],
+                                                  args=[time.time()])  # fmt: skip
+        state = replies[0]
+        if state:
+            self._replicas.check(replies, "the cancel")
         if state == b"cancelling":
             await self.settle(batch_id)
             await self._look_again_soon(batch_id)

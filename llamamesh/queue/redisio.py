@@ -1,33 +1,95 @@
-"""The queue's one way to talk to Redis: how a client is made, and what a Redis error becomes.
+"""The queue's one way to talk to Redis: how a client is made, what a Redis error becomes, and which
+writes wait for replicas.
 
-- ``connect``: for ``redis://`` / ``rediss://`` a client whose pooled connections are checked before use once idle for
-  ``health_check_s`` (a PING, so a connection Redis dropped while restarting is replaced, not
-  failed on), and whose commands are retried once on a fresh connection after a connection error,
-  with a jittered backoff (so a fleet does not reconnect in lockstep). A retried write may have
-  been applied the first time; every write of the queue is safe to repeat (see streams.py and
-  batches.py: submissions and attempt records are idempotent scripts, events are dropped by index
-  by their reader). A ``rediss://`` url speaks TLS, with the CA and client certificate of the settings.
-  ``redis+cluster://host:port[,host:port...]`` (``rediss+cluster://``: TLS) is a Redis Cluster: the
-  nodes listed are where the client learns the cluster's map; it follows MOVED and ASK and, after a
-  connection error (a master killed, a replica promoted), learns the map again and retries.
-  Every multi-key command and script of the queue names keys of one hash tag (keys.py), so one
-  slot; a pipeline is split per node by the client. A cluster pipeline cannot hold scripts:
-  ``call_scripts`` runs a set of them in one round trip where Redis allows it.
+- ``connect``: a client for ``LLAMAMESH_REDIS_URL``, by its scheme: ``redis://`` / ``rediss://``
+  (TLS, with the CA and client certificate of the settings) one server; ``redis+sentinel://`` /
+  ``rediss+sentinel://`` the primary the Sentinels name (``_sentinel``). Either way its pooled
+  connections are checked before use once idle for ``health_check_s`` (a PING, so a connection
+  Redis dropped while restarting is replaced, not failed on), and its commands are retried once on
+  a fresh connection after a connection error, with a jittered backoff (so a fleet does not
+  reconnect in lockstep). A retried write may have been applied the first time; every write of the
+  queue is safe to repeat (see streams.py and batches.py: submissions and attempt records are
+  idempotent scripts, events are dropped by index by their reader).
+- Sentinel: each new connection asks the Sentinels (in the url's order, the last one that answered
+  first) for the primary; so does the pool at most every ``PRIMARY_RECHECK_S`` while commands flow,
+  dropping its connections to a primary that is no longer the one (a failover while the old one
+  stays up: SENTINEL FAILOVER, a partition) instead of writing on to it until Sentinel demotes it
+  (about 10 s later). A connection that finds its server demoted (READONLY) is dropped and the
+  command retried on the new primary. While no primary is reachable (a failover takes a few
+  seconds) commands fail as a restart makes them fail: QueueUnavailable, which every loop of
+  gateways and workers waits through (open streams up to ``outage_grace_s``).
+- ``redis+cluster://host:port[,host:port...]`` (``rediss+cluster://``: TLS) is a Redis Cluster
+  (``_cluster``): the nodes listed are where the client learns the cluster's map; it follows MOVED
+  and ASK and, after a connection error (a master killed, a replica promoted), learns the map again
+  and retries. Every multi-key command and script of the queue names keys of one hash tag
+  (keys.py), so one slot; a pipeline is split per node by the client. A cluster pipeline cannot
+  hold scripts: ``call_scripts`` runs a set of them in one round trip where Redis allows it. WAIT
+  (below) is for one primary and its replicas: refused with a cluster url.
 - ``unreachable``: Redis errors become ``QueueUnavailable`` here; callers see nothing of redis-py.
+- ``Replicas``: ``WAIT <wait_replicas> <wait_timeout_ms>`` on the same connection right after a
+  write (in the write's pipeline).
+
+What a failover can lose, and what WAIT changes. Replication is asynchronous: a replica has a
+prefix of what the primary applied, so the one promoted may lack the primary's last writes. A
+prefix never holds a later write without the earlier ones, hence:
+
+- A submission (the job, its marker, and the attempt record written before it) lost is a stream
+  that waits for a job nobody will run. With ``wait_replicas`` the submission is on that many
+  replicas before the gateway answers (fewer within the timeout, or a connection lost meanwhile:
+  the call fails UNAVAILABLE, which a client retries; the write stays on the primary and a retry
+  finds it: the scripts are idempotent, and one that finds its write done writes again, so its own
+  WAIT covers the first). Likewise a Cancel (``call_off``), a batch's creation (its record and every
+  item: the batch id it answers with names a batch that survives) and a batch's cancel.
+- A batch item's result and its ack: the ack is written after the result, so it never survives
+  without it. A lost result (and its ack) leaves the item pending or unleased on the new primary:
+  it runs again and its result is recorded once there (``_RECORD`` writes only the first).
+  Execution is at least once; the batch completes with every item exactly once.
+- Events: a lost event the gateway had relayed is followed by the worker's next ones with the next
+  indexes (the worker does not know), so the caller's stream goes on; one it had not relayed is a
+  gap, which the relay resumes from what the caller has (services/relay.py); a lost terminal event
+  (and its ack) leaves the job pending, taken over after ``claim_idle_s`` and resumed the same way.
+  A lost lease makes a job run twice, the repeats dropped by index. So events and leases do not
+  WAIT (a round trip to a replica per engine step).
+
+How much WAIT guarantees depends on the failover and on the replicas:
+
+- A crash of the primary (kill -9, a lost host): Sentinel promotes the replica with the most of
+  the stream (as it last saw them). With one replica, or ``wait_replicas`` = every replica, each
+  acknowledged write is on the one promoted.
+- SENTINEL FAILOVER, or a partition that leaves the old primary reachable: the old primary stays a
+  primary (about 10 s, until Sentinel demotes it and drops what it holds), and the Sentinels name
+  the new one only about a second after promoting it; meanwhile clients write to the old one. With
+  one replica, the promoted one was its only replica: WAIT refuses those writes. With two or more,
+  a replica not moved yet acknowledges them, and they are lost (measured here: about a second of
+  acknowledged submissions). ``wait_replicas`` = every replica closes that too.
+- The price: an acknowledged write needs ``wait_replicas`` replicas up. After a failover there is
+  one fewer: with one replica (or WAIT on every replica), submissions, Cancels and batch creations
+  fail UNAVAILABLE until the old primary is back as a replica; with more replicas than
+  ``wait_replicas`` they go on.
+
+Other limits: WAIT does not keep others from reading a write before it is replicated (a results
+reader may see an item's result that is then lost, and later its second run's); quotas, heartbeats
+and the sweep's bookkeeping do not WAIT (after a failover a tenant may get a little more of its
+budget, a worker may look lost for a heartbeat, and its streams are resumed); with
+``wait_replicas`` 0 a submission in the last moments before a failover may be lost, its stream
+waiting for its deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialWithJitterBackoff
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
@@ -35,6 +97,10 @@ from llamamesh.errors import QueueUnavailable
 from llamamesh.settings import RedisSettings
 
 UNREACHABLE = "the queue is unreachable"
+# A Sentinel client's pool asks the Sentinels for the primary at most this often while it is used.
+PRIMARY_RECHECK_S = 1.0
+# How long one question to one Sentinel may take before the next one is asked.
+SENTINEL_TIMEOUT_S = 1.0
 
 
 @contextlib.contextmanager
@@ -52,13 +118,15 @@ def unreachable(refused: str = "") -> Iterator[None]:
 
 
 def tls_options(settings: RedisSettings) -> dict[str, Any]:
-    """redis-py's TLS arguments for a ``rediss://`` url: the CA to verify the server with (else the
-    system's) and this client's certificate and key (mutual TLS). Empty for any other url; a TLS
-    file set for one raises ValueError (it would silently go unused)."""
+    """redis-py's TLS arguments for a ``rediss://`` (or ``rediss+sentinel://``: to the data nodes)
+    url: the CA to verify the server with (else the system's) and this client's certificate and key
+    (mutual TLS). Empty for any other url; a TLS file set for one raises ValueError (it would
+    silently go unused)."""
     files = {"ssl_ca_certs": settings.tls_ca, "ssl_certfile": settings.tls_cert, "ssl_keyfile": settings.tls_key}
-    if not settings.url.startswith(("rediss://", "rediss+")):
+    if not settings.url.startswith(("rediss://", "rediss+sentinel://", "rediss+cluster://")):
         if any(files.values()):
-            raise ValueError("LLAMAMESH_REDIS_TLS_* are set but LLAMAMESH_REDIS_URL is not rediss://")
+            raise ValueError("LLAMAMESH_REDIS_TLS_* are set but LLAMAMESH_REDIS_URL is not rediss:// "
+                             "(or rediss+sentinel://, rediss+cluster://)")  # fmt: skip
         return {}
     if bool(settings.tls_cert) != bool(settings.tls_key):
         raise ValueError("LLAMAMESH_REDIS_TLS_CERT and LLAMAMESH_REDIS_TLS_KEY must be set together")
@@ -69,21 +137,81 @@ CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 
 
 def connect(settings: RedisSettings) -> aioredis.Redis:
-    """A client for ``settings.url`` (see the module docstring for the schemes); connects lazily."""
+    """A client for ``settings.url``, by its scheme (``rediss://``: TLS, see ``tls_options``;
+    ``redis+sentinel://``: through Sentinel, see ``_sentinel``; ``redis+cluster://``: a cluster, see
+    ``_cluster``); connects lazily. Raises ValueError for a url it cannot use."""
     if not settings.url:
         raise ValueError("RedisSettings.url is empty: start the embedded server first")
+    if settings.sentinel() is not None:
+        return _sentinel(settings)
     if urlsplit(settings.url).scheme in CLUSTER_SCHEMES:
         return _cluster(settings)
-    return aioredis.Redis.from_url(
-        settings.url,
-        **tls_options(settings),
+    return aioredis.Redis.from_url(settings.url, **tls_options(settings), **_options(settings))
+
+
+def _options(settings: RedisSettings) -> dict[str, Any]:
+    """What every client's connections share: timeouts, the health check, the retry."""
+    return {
         # Blocking reads hold a connection each; the socket timeout must outlast them.
-        socket_timeout=settings.block_ms / 1000 + 10,
-        socket_connect_timeout=5,
-        health_check_interval=settings.health_check_s,
-        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), retries=settings.retries),
-        retry_on_error=[RedisConnectionError],
-    )
+        "socket_timeout": settings.block_ms / 1000 + 10,
+        "socket_connect_timeout": 5,
+        "health_check_interval": settings.health_check_s,
+        "retry": Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), retries=settings.retries),
+        "retry_on_error": [RedisConnectionError],
+    }
+
+
+def _sentinel(settings: RedisSettings) -> aioredis.Redis:
+    """A client of the primary the Sentinels of a ``redis+sentinel://`` url name for its service,
+    with the url's db and credentials (for the data nodes; the Sentinels are asked without) and,
+    for ``rediss+sentinel://``, TLS to the data nodes. Closing it closes its Sentinel clients."""
+    url = settings.sentinel()
+    assert url is not None
+    tls = {"ssl": True, **tls_options(settings)} if url.tls else tls_options(settings)
+    # A Sentinel that does not answer is skipped for the next one, at once.
+    asking = {"socket_timeout": SENTINEL_TIMEOUT_S, "socket_connect_timeout": SENTINEL_TIMEOUT_S,
+              "retry": Retry(NoBackoff(), 0)}  # fmt: skip
+    sentinels = Sentinel(list(url.sentinels), sentinel_kwargs=asking)
+    client: aioredis.Redis = sentinels.master_for(
+        url.service, redis_class=_SentinelRedis, connection_pool_class=_SentinelPool,
+        db=url.db, username=url.username, password=url.password, **tls, **_options(settings),
+    )  # fmt: skip
+    return client
+
+
+class _SentinelPool(SentinelConnectionPool):
+    """redis-py's pool of the Sentinels' primary, which asks them again at most every
+    ``PRIMARY_RECHECK_S`` when a connection is taken (idle connections to an old primary are then
+    dropped), and drops a connection given back to an old primary."""
+
+    def __init__(self, service_name: str, sentinel_manager: Sentinel, **kwargs: Any) -> None:
+        super().__init__(service_name, sentinel_manager, **kwargs)
+        self._checked_at = time.monotonic()
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        now = time.monotonic()
+        if self.master_address is not None and now - self._checked_at >= PRIMARY_RECHECK_S:
+            self._checked_at = now
+            # Unanswered (no Sentinel reachable, or none names a primary: a failover is on): go on
+            # with the connections there are; a new one asks the Sentinels itself and fails then.
+            with contextlib.suppress(RedisError):
+                await self.get_master_address()
+        return await super().get_connection(*args, **kwargs)
+
+    async def release(self, connection: Any) -> None:
+        if self.master_address is not None and (connection.host, connection.port) != tuple(self.master_address):
+            await connection.disconnect()  # it was busy when the primary moved: the next use reconnects
+        await super().release(connection)
+
+
+class _SentinelRedis(aioredis.Redis):
+    """The Sentinel client's ``Redis``: closing it closes its connections to the Sentinels too."""
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await super().aclose(close_connection_pool)
+        pool = self.connection_pool
+        if isinstance(pool, SentinelConnectionPool):
+            await pool.sentinel_manager.aclose()
 
 
 def cluster_nodes(url: str) -> tuple[list[tuple[str, int]], dict[str, str]]:
@@ -200,3 +328,45 @@ async def call_scripts(client: aioredis.Redis, calls: Sequence[tuple[Any, Sequen
         for script, k, a in calls:
             await script(keys=list(k), args=list(a), client=pipe)  # queued: the replies come below
         return list(await pipe.execute())
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """How many replicas must acknowledge a write a client is told about, before it is told
+    (``RedisSettings.wait_replicas``; 0: none, nothing waits), and for how long at most."""
+
+    count: int = 0
+    timeout_ms: int = 1000
+
+    @classmethod
+    def of(cls, settings: RedisSettings) -> Replicas:
+        return cls(settings.wait_replicas, settings.wait_timeout_ms)
+
+    def wait(self, pipe: Any) -> None:
+        """Queue ``WAIT`` as ``pipe``'s last command (nothing when ``count`` is 0): it runs on the
+        pipeline's connection right after the writes before it, and covers every write Redis
+        applied before them (replication keeps their order)."""
+        if self.count:
+            pipe.wait(self.count, self.timeout_ms)
+
+    def check(self, replies: Sequence[Any], what: str) -> list[Any]:
+        """The pipeline's ``replies`` less WAIT's; raises QueueUnavailable when fewer than ``count``
+        replicas acknowledged ``what`` (it stays on the primary)."""
+        if not self.count:
+            return list(replies)
+        *rest, acked = replies
+        if int(acked) < self.count:
+            raise QueueUnavailable(
+                f"{what} reached {int(acked)} of the {self.count} Redis replicas it needs within {self.timeout_ms} ms"
+            )
+        return rest
+
+    async def script(self, client: aioredis.Redis, script: Any, keys: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+        """Run a registered ``script``: ``[its reply]``, or with ``count``, ``[its reply, WAIT's]``
+        from one pipeline (the same connection); ``check`` them once the reply is judged."""
+        if not self.count:
+            return [await script(keys=list(keys), args=list(args))]
+        async with client.pipeline(transaction=False) as pipe:
+            await script(keys=list(keys), args=list(args), client=pipe)
+            self.wait(pipe)
+            return list(await pipe.execute())

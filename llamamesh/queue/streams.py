@@ -47,7 +47,7 @@ from llamamesh.queue.fair import FairShare
 from llamamesh.queue.follow import EventFollower, Item
 from llamamesh.queue.keys import EVENT_FIELD, JOB_FIELD, SUBMITTED_TTL_S, WORKER_GROUP, Keys, shard_tags, stream_tenant
 from llamamesh.queue.protocol import Lease, QueueDepth, entry_ref, split_ref
-from llamamesh.queue.redisio import call_scripts, connect, is_cluster, unreachable
+from llamamesh.queue.redisio import Replicas, call_scripts, connect, is_cluster, unreachable
 from llamamesh.settings import RedisSettings
 from llamamesh.types import Attempt, Failure, GenerationRequest, JobEvent, WorkerStatus
 
@@ -72,7 +72,8 @@ async def create_group(client: aioredis.Redis, stream: str) -> bool:
 # marker, the pool's tenants hash, the pool's partitions key, and (affinity on) every partition of
 # the tenant's stream. ARGV: job field, encoded job, max waiting (0: no bound), group, the marker's
 # ttl, tenant, weight, the partitions P (0: off). Returns -1 (queued), -2 (queued before: a retried
-# write whose first try was applied; nothing queued again), -3 (the pool is partitioned otherwise:
+# write whose first try was applied; nothing queued again, the marker's ttl set again: a write,
+# so a WAIT after this one covers the first try's), -3 (the pool is partitioned otherwise:
 # nothing queued), or how many wait unleased (the tenant's streams are full: nothing queued). A new
 # stream gets the workers' group here (from its start; affinity on: every partition's at once), so
 # no job is queued where no worker reads.
@@ -80,7 +81,10 @@ _SUBMIT = """
 local stored = redis.call('GET', KEYS[4])
 if ARGV[8] ~= '0' and not stored then redis.call('SET', KEYS[4], ARGV[8]); stored = ARGV[8] end
 if (stored or '0') ~= ARGV[8] then return -3 end
-if redis.call('EXISTS', KEYS[2]) == 1 then return -2 end
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.call('EXPIRE', KEYS[2], ARGV[5])
+  return -2
+end
 local streams = {KEYS[1]}
 if #KEYS > 4 then
   streams = {}
@@ -250,6 +254,7 @@ class RedisQueue:
         self._s = settings
         self.keys = Keys(settings.prefix, settings.event_shards)
         shard_tags(settings.event_shards)  # a bad count fails here, at start, not at the first request
+        self.replicas = Replicas.of(settings)
         self._clock = clock
         # pool -> when its consumers were last pruned (clock seconds)
         self._pruned: dict[str, float] = {}
@@ -295,17 +300,21 @@ class RedisQueue:
         partition = affinity.partition_of(request, self._parts) if self._parts else None
         every = self._streams_of(pool, tenant) if self._parts else []
         with unreachable():
-            waiting = int(await self._submit(
+            replies = await self.replicas.script(
+                self._r, self._submit,
                 keys=[self.keys.work(pool, tenant, partition), self.keys.submitted(pool, request.request_id),
                       self.keys.tenants(pool), self.keys.partitions(pool), *every],
                 args=[JOB_FIELD, codec.encode_job(request), max_waiting, WORKER_GROUP,
                       min(SUBMITTED_TTL_S, self._s.event_idle_ttl_s), tenant, repr(float(weight)), self._parts],
-            ))  # fmt: skip
+            )  # fmt: skip
+        waiting = int(replies[0])
         if waiting == -3:
             await self._misconfigured(pool)
         if waiting >= 0:
             whose = f"tenant {tenant!r} has" if tenant else "has"
             raise QueueFull(f"pool {pool!r} {whose} {waiting} requests waiting (at most {max_waiting}); retry later")
+        self.replicas.check(replies, "the submission")
+        self.replicas.check(replies, "the submission")
 
     async def events(self, request_id: str, after: str = "0-0") -> AsyncGenerator[tuple[str, JobEvent], None]:
         if self._follower is None:
@@ -353,7 +362,11 @@ class RedisQueue:
 
     async def call_off(self, caller_id: str) -> None:
         with unreachable():
-            await self._r.set(self.keys.called_off(caller_id), b"1", ex=self._s.event_idle_ttl_s)
+            async with self._r.pipeline(transaction=False) as pipe:
+                pipe.set(self.keys.called_off(caller_id), b"1", ex=self._s.event_idle_ttl_s)
+                self.replicas.wait(pipe)
+                replies = await pipe.execute()
+        self.replicas.check(replies, "the cancel")
 
     async def epoch(self) -> str:
         with unreachable():

@@ -1,0 +1,99 @@
+"""LLAMAMESH_REDIS_URL for Sentinel: parsed in one place (settings.py), refused at start when
+malformed, and the client redisio.connect makes of it (lazily: nothing here connects)."""
+
+from __future__ import annotations
+
+import pytest
+from redis.asyncio.sentinel import SentinelManagedConnection, SentinelManagedSSLConnection
+
+from llamamesh.errors import QueueUnavailable
+from llamamesh.queue.redisio import Replicas, connect, tls_options
+from llamamesh.settings import RedisSettings, SentinelUrl, Settings, parse_sentinel_url
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def test_the_parts_of_a_sentinel_url() -> None:
+    assert parse_sentinel_url("redis+sentinel://a:1,b,[::1]:3/mymaster/2") == SentinelUrl(
+        sentinels=(("a", 1), ("b", 26379), ("::1", 3)), service="mymaster", db=2
+    )
+    u = parse_sentinel_url("rediss+sentinel://me:p%40ss%2Fw@h:26380/svc/")
+    assert (u.username, u.password, u.tls, u.db, u.sentinels) == ("me", "p@ss/w", True, 0, (("h", 26380),))
+    u = parse_sentinel_url("redis+sentinel://:secret@h/svc")
+    assert (u.username, u.password) == (None, "secret")
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("redis+sentinel:///svc", "no Sentinel host:port"),
+        ("redis+sentinel://,/svc", "no Sentinel host:port"),
+        ("redis+sentinel://h:1", "no service name"),
+        ("redis+sentinel://h:1/", "no service name"),
+        ("redis+sentinel://h:x/svc", "bad port"),
+        ("redis+sentinel://h:70000/svc", "bad port"),
+        ("redis+sentinel://::1/svc", "IPv6 goes in"),
+        ("redis+sentinel://[::1/svc", "cannot read Sentinel address"),
+        ("redis+sentinel://h/svc/zero", "the db must be a number"),
+        ("redis+sentinel://h/svc/0/1", "too many path parts"),
+        ("redis+sentinel://h/svc?ssl=1", "no query"),
+    ],
+)
+def test_a_malformed_sentinel_url_is_refused_at_start_saying_why(url: str, says: str) -> None:
+    with pytest.raises(ValueError, match=says) as caught:
+        Settings.from_env({"LLAMAMESH_REDIS_URL": url})
+    assert "LLAMAMESH_REDIS_URL" in str(caught.value)
+
+
+def test_an_error_never_quotes_the_password() -> None:
+    with pytest.raises(ValueError, match="bad port") as caught:
+        RedisSettings(url="redis+sentinel://u:hunter2@h:x/svc")
+    assert "hunter2" not in str(caught.value)
+
+
+def test_the_wait_settings_are_checked() -> None:
+    s = Settings.from_env({"LLAMAMESH_REDIS_WAIT_REPLICAS": "1", "LLAMAMESH_REDIS_WAIT_TIMEOUT_MS": "250"})
+    assert Replicas.of(s.redis) == Replicas(1, 250)
+    with pytest.raises(ValueError, match="WAIT_REPLICAS"):
+        RedisSettings(wait_replicas=-1)
+    with pytest.raises(ValueError, match="WAIT_TIMEOUT_MS"):
+        RedisSettings(wait_replicas=1, wait_timeout_ms=0)  # WAIT n 0 would block forever
+
+
+def test_replicas_check_the_reply_of_wait() -> None:
+    assert Replicas().check([1, 2], "x") == [1, 2]  # off: nothing was queued
+    assert Replicas(1).check(["a", 1], "x") == ["a"]
+    with pytest.raises(QueueUnavailable, match="the submission reached 0 of the 2 Redis replicas"):
+        Replicas(2, 100).check(["a", 0], "the submission")
+
+
+async def test_connect_dispatches_a_sentinel_url_to_a_sentinel_client() -> None:
+    s = RedisSettings(url="redis+sentinel://u:pw@127.0.0.1:1,127.0.0.1:2/svc/3", block_ms=500, retries=2)
+    client = connect(s)
+    try:
+        pool = client.connection_pool
+        kw = pool.connection_kwargs
+        assert pool.service_name == "svc" and pool.connection_class is SentinelManagedConnection  # type: ignore[attr-defined]
+        assert (kw["db"], kw["username"], kw["password"]) == (3, "u", "pw")
+        # the same options as the plain client's connections
+        assert kw["socket_timeout"] == 10.5 and kw["health_check_interval"] == 1 and kw["retry"].get_retries() == 2
+        sentinels = pool.sentinel_manager.sentinels  # type: ignore[attr-defined]
+        assert [c.connection_pool.connection_kwargs["port"] for c in sentinels] == [1, 2]
+        assert all(c.connection_pool.connection_kwargs.get("password") is None for c in sentinels)
+    finally:
+        await client.aclose()
+
+
+async def test_rediss_sentinel_speaks_tls_to_the_data_nodes(tmp_path) -> None:
+    ca = tmp_path / "ca.pem"
+    ca.write_text("")
+    s = RedisSettings(url="rediss+sentinel://127.0.0.1:1/svc", tls_ca=str(ca))
+    client = connect(s)
+    try:
+        pool = client.connection_pool
+        assert pool.connection_class is SentinelManagedSSLConnection
+        assert pool.connection_kwargs["ssl_ca_certs"] == str(ca)
+    finally:
+        await client.aclose()
+    with pytest.raises(ValueError, match="not rediss://"):
+        tls_options(RedisSettings(url="redis+sentinel://127.0.0.1:1/svc", tls_ca=str(ca)))
