@@ -28,6 +28,7 @@ What the relay owns:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -263,6 +264,15 @@ class QueueRelay:
                     if attempts == 0:
                         await self._queue.forget(req.request_id)
                     raise errors.QueueFull(exc.message, retry_after_s=self._s.retry_after_s) from None
+                except errors.QueueUnavailable:
+                    # Queued or not (a lost reply): the caller's retry must not find an attempt
+                    # record and wait on a job that may never have been queued. Without the record
+                    # it submits again, and a submission that did land is not queued twice (its
+                    # submitted marker); so the record goes, if Redis lets it.
+                    if attempts == 0:
+                        with contextlib.suppress(errors.QueueUnavailable):
+                            await self._queue.forget(req.request_id)
+                    raise
                 submitted, finished = True, False
                 tracing.event("job_submitted", pool=pool, job=attempt.request_id, attempt=attempts)
                 if recorder is None or recorder.pool != pool:

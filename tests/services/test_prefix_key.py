@@ -90,3 +90,4 @@ async def test_an_explicit_prefix_key_over_grpc_reaches_the_job_and_its_owners_p
             await asyncio.wait_for(task, 10)
         await gateway.stop(0)
         await engine.shutdown()
+
