@@ -60,6 +60,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "llamamesh_disconnect_cancel_seconds": ("histogram", ()),
     "llamamesh_batches_at_risk": ("gauge", ()),
     # worker
+    "llamamesh_affinity_leases_total": ("counter", ("pool", "kind")),
     "llamamesh_jobs_started_total": ("counter", ("pool",)),
     "llamamesh_worker_inflight_jobs": ("gauge", ("pool",)),
     "llamamesh_batch_items_total": ("counter", ("state",)),
@@ -72,7 +73,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 SAMPLE_LABELS = {
     "pool": "chat", "method": "Generate", "code": "OK", "to": "open", "reason": "queue_full",
-    "state": "ready", "status": "ok", "rule": "html-ids",
+    "state": "ready", "status": "ok", "rule": "html-ids", "kind": "own",
 }
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 RATE_INTERVAL = "1m"  # what $__rate_interval stands for in the dashboard's expressions
