@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from llamamesh import metrics
-from llamamesh.types import CHAT_ROLES, ChatMessage, GenerationRequest
+from llamamesh.types import CHAT_ROLES, ChatMessage, GenerationRequest, affinity_key
 
 SETTING = "LLAMAMESH_GATEWAY_NORMALIZE_RULES"
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -135,18 +135,21 @@ def _rule(n: int, obj: Any, seen: dict[str, int]) -> Rule:
 class Normalizer:
     """The configured rules, compiled once. :meth:`apply` never raises."""
 
-    def __init__(self, rules: Sequence[Rule] = ()) -> None:
+    def __init__(self, rules: Sequence[Rule] = (), prefix_chars: int = 0) -> None:
         self.rules = tuple(rules)
+        # LLAMAMESH_GATEWAY_AFFINITY_PREFIX_CHARS: a prefix key hashed from the input is hashed again
+        # from the rewritten input, so routing sees what the engine's cache sees.
+        self.prefix_chars = prefix_chars
         self._prompt = tuple(r for r in self.rules if r.applies_to != "messages")
         self._messages = tuple(r for r in self.rules if r.applies_to != "prompt")
 
     @classmethod
-    def parse(cls, text: str) -> Normalizer:
+    def parse(cls, text: str, prefix_chars: int = 0) -> Normalizer:
         """Rules from ``LLAMAMESH_GATEWAY_NORMALIZE_RULES``: inline JSON (starts with ``[`` or
         ``{``), else the path of a JSON file; empty: none. Raises ValueError (one line, naming the rule)."""
         text = text.strip()
         if not text:
-            return cls()
+            return cls(prefix_chars=prefix_chars)
         source = "the inline value"
         if not text.startswith(("[", "{")):
             source = repr(text)
@@ -161,7 +164,7 @@ class Normalizer:
         if not isinstance(raw, list):
             raise ValueError(f"{SETTING}: expected a JSON list of rules, got {type(raw).__name__}")
         seen: dict[str, int] = {}
-        return cls([_rule(n, obj, seen) for n, obj in enumerate(raw, 1)])
+        return cls([_rule(n, obj, seen) for n, obj in enumerate(raw, 1)], prefix_chars)
 
     def __bool__(self) -> bool:
         return bool(self.rules)
@@ -187,4 +190,7 @@ class Normalizer:
                     messages = rewritten
         if prompt == req.prompt and messages == req.messages:
             return req
-        return replace(req, prompt=prompt, messages=messages)
+        key = req.prefix_key
+        if key and self.prefix_chars and key == affinity_key(req.prompt, req.messages, self.prefix_chars):
+            key = affinity_key(prompt, messages, self.prefix_chars)  # hashed from the input, not the caller's
+        return replace(req, prompt=prompt, messages=messages, prefix_key=key)

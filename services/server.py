@@ -109,7 +109,7 @@ async def start_gateway(
     enforced (none: unlimited, e.g. over the in-memory queue of unit tests)."""
     models = settings.model_table()
     policy = RoutingPolicy.parse(settings.routes, tokenizer_counter(settings.tokenizer) if settings.tokenizer else None)
-    normalizer = Normalizer.parse(settings.normalize_rules)  # a bad rule: ValueError, nothing started
+    normalizer = Normalizer.parse(settings.normalize_rules, settings.affinity_prefix_chars)  # bad rule: ValueError
     batch = batch or BatchSettings()
     limits = limits or LimitsSettings()
     tenants = TenantsFile((auth or AuthSettings()).file, limits) if (auth or AuthSettings()).file else None

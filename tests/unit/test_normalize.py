@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
-from llamamesh.types import ChatMessage, GenerationRequest, JobKind
+from llamamesh.types import ChatMessage, GenerationRequest, JobKind, affinity_key
 from services.normalize import Normalizer
 
 pytestmark = pytest.mark.timeout(10)
@@ -152,3 +152,17 @@ def test_a_rules_file_that_is_not_json_is_named(tmp_path: Path) -> None:
     path.write_text("name: html-ids\n")
     with pytest.raises(ValueError, match=f"^LLAMAMESH_GATEWAY_NORMALIZE_RULES: '{path}' is not JSON"):
         Normalizer.parse(str(path))
+
+
+def test_a_prefix_key_hashed_from_the_input_is_hashed_again_from_the_rewritten_input() -> None:
+    """Routing (prefix affinity) must see what the engine's cache sees: two prompts that differ only
+    in ids the rule redacts get one key; a key the caller chose is left alone."""
+    norm = Normalizer.parse('[{"name": "ids", "pattern": "id=\\"[a-z0-9-]+\\"", "replacement": "id=\\"X\\""}]', 64)
+    a, b = ('<td id="a1-b2">doc one</td>', '<td id="c3-d4">doc one</td>')
+    ra, rb = (GenerationRequest(request_id=p, model="m", prompt=p, prefix_key=affinity_key(p, None, 64))
+              for p in (a, b))  # fmt: skip
+    assert ra.prefix_key != rb.prefix_key
+    na, nb = norm.apply(ra), norm.apply(rb)
+    assert na.prefix_key == nb.prefix_key == affinity_key('<td id="X">doc one</td>', None, 64)
+    mine = GenerationRequest(request_id="m", model="m", prompt=a, prefix_key="conversation-7")
+    assert norm.apply(mine).prefix_key == "conversation-7"
