@@ -13,10 +13,11 @@ invocation, so drift on the machine hits both sides alike. Two workloads:
   ``--max-tokens`` with ignore_eos), after ``--warmups`` short unrelated ones. A: affinity off
   (LLAMAMESH_REDIS_AFFINITY_PARTITIONS=0 on the gateway and the workers); B: on (``--partitions``).
 - ``html``: the same prompts with an HTML table of random ids (``<td id="a3f9-...">``, new ids in
-  every request, the same cells for a document's every question) between the document and the
-  question (``--html-at start``: before the document), so the region a document's questions share
-  differs per request unless normalised. Affinity on in both runs. A: no normalisation; B:
-  LLAMAMESH_GATEWAY_NORMALIZE_RULES rewriting ``id="..."`` to ``id="REDACTED"``.
+  every request, the same cells for a document's every question) before the document
+  (``--html-at question``: between the document and the question), so the region a document's
+  questions share, and the gateway's prefix key, differ per request unless normalised. Affinity on
+  in both runs. A: no normalisation; B: LLAMAMESH_GATEWAY_NORMALIZE_RULES rewriting ``id="..."`` to
+  ``id="REDACTED"``.
 
 ``--engine vllm``: both workers on the one GPU (LLAMAMESH_VLLM_GPU_MEMORY_UTILIZATION 0.45 each,
 prefix caching on, one frontend each), started one after the other: vLLM's memory profile assumes
@@ -67,6 +68,7 @@ from llamamesh.queue.affinity import partition_of
 from llamamesh.queue.keys import Keys
 from llamamesh.settings import Settings
 from llamamesh.types import GenerationRequest, affinity_key
+from services.normalize import Normalizer
 
 POOL = "prefix"
 WORKERS = 2
@@ -196,15 +198,16 @@ class Fleet(Node):
 
     def predicted(self, prompts: list[str], partitions: int) -> list[int]:
         """Jobs each worker starts if every job meets its partition's owner (no steals): the gateway's
-        key of each prompt (its first GATEWAY_AFFINITY_PREFIX_CHARS characters as the caller sent
-        them; normalisation rewrites the prompt after the key is taken) through the queue's own
-        partition function, against the ownership seen before the load."""
-        chars = Settings.from_env(self.env).gateway.affinity_prefix_chars
-        per = collections.Counter(
-            self.owners.get(partition_of(GenerationRequest("p", "m", prompt=p, prefix_key=affinity_key(p, None, chars)),
-                                         partitions), "?")
-            for p in prompts
-        )  # fmt: skip
+        key of each prompt (a hash of its first GATEWAY_AFFINITY_PREFIX_CHARS characters, hashed again
+        after the normalisation rules rewrote the prompt, as services/normalize.py does) through the
+        queue's own partition function, against the ownership seen before the load."""
+        gw = Settings.from_env(self.env).gateway
+        rules = Normalizer.parse(self.env.get("LLAMAMESH_GATEWAY_NORMALIZE_RULES", ""), gw.affinity_prefix_chars)
+        per: collections.Counter[str] = collections.Counter()
+        for p in prompts:
+            key = affinity_key(p, None, gw.affinity_prefix_chars)
+            req = rules.apply(GenerationRequest("p", "m", prompt=p, prefix_key=key))
+            per[self.owners.get(partition_of(req, partitions), "?")] += 1
         return [per[name] for name in self.names]
 
     def stop(self) -> None:
@@ -352,8 +355,8 @@ def main() -> None:
     ap.add_argument("--doc-tokens", type=int, default=2000)
     ap.add_argument("--questions", type=int, default=8)
     ap.add_argument("--html-rows", type=int, default=16, help="rows of two id-carrying cells each")
-    ap.add_argument("--html-at", choices=["question", "start"], default="question",
-                    help="the table between document and question, or before the document")
+    ap.add_argument("--html-at", choices=["question", "start"], default="start",
+                    help="the table before the document (the default), or between document and question")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--warmups", type=int, default=16)
