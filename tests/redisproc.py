@@ -11,6 +11,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,37 @@ class RedisProcess:
         self.proc = None
 
 
+@dataclass
+class SlotMigration:
+    """One slot on its way from ``source`` to ``target`` (RedisClusterProcs.start_migration)."""
+
+    source: RedisProcess
+    target: RedisProcess
+    others: list[RedisProcess]
+    source_id: str
+    target_id: str
+    slot: int = -1
+
+    def move(self, keys: Sequence[str] = (), key_pause_s: float = 0.0) -> None:
+        """MIGRATE ``keys`` (default: every key left in the slot, one at a time) to the target."""
+        with redis.Redis(port=self.source.port, socket_timeout=10) as src:
+            if keys:
+                src.execute_command("MIGRATE", "127.0.0.1", self.target.port, "", 0, 5000, "KEYS", *keys)
+                return
+            while batch := src.execute_command("CLUSTER", "GETKEYSINSLOT", self.slot, 1):
+                src.execute_command("MIGRATE", "127.0.0.1", self.target.port, "", 0, 5000, "KEYS", *batch)
+                if key_pause_s:
+                    time.sleep(key_pause_s)  # holds the migration open while clients run (not a wait)
+
+    def finish(self) -> None:
+        """Move what is left, then SETSLOT NODE on the target, the source and the other masters
+        (who would otherwise learn it by gossip): MOVED from then on."""
+        self.move()
+        for node in (self.target, self.source, *self.others):
+            with redis.Redis(port=node.port, socket_timeout=10) as c:
+                c.execute_command("CLUSTER", "SETSLOT", self.slot, "NODE", self.target_id)
+
+
 class RedisClusterProcs:
     """A real Redis Cluster: ``masters`` redis-server processes in cluster mode with ``replicas``
     replica each, made by ``redis-cli --cluster create`` (so 6 processes by default: three masters,
@@ -183,6 +215,35 @@ class RedisClusterProcs:
         node = self.master_of(key)
         node.kill()
         return node
+
+    def node_id(self, node: RedisProcess) -> str:
+        client = redis.Redis(port=node.port, socket_timeout=2)
+        try:
+            return client.execute_command("CLUSTER", "MYID").decode()
+        finally:
+            client.close()
+
+    def start_migration(self, key: str) -> SlotMigration:
+        """Begin moving ``key``'s slot to another live master, as ``redis-cli --cluster reshard``
+        does: IMPORTING on the target, MIGRATING on the source. Clients meanwhile get ASK for keys
+        already moved (and for new keys), TRYAGAIN for a multi-key command whose keys are split."""
+        source = self.master_of(key)
+        masters = [n for n in self.nodes
+                   if n.proc is not None and n is not source and _info(n.port).get("role") == "master"]  # fmt: skip
+        m = SlotMigration(source, masters[0], masters[1:], self.node_id(source), self.node_id(masters[0]))
+        with redis.Redis(port=source.port, socket_timeout=10) as src, redis.Redis(port=m.target.port) as dst:
+            m.slot = int(src.execute_command("CLUSTER", "KEYSLOT", key))
+            dst.execute_command("CLUSTER", "SETSLOT", m.slot, "IMPORTING", m.source_id)
+            src.execute_command("CLUSTER", "SETSLOT", m.slot, "MIGRATING", m.target_id)
+        return m
+
+    def migrate_slot(self, key: str, key_pause_s: float = 0.0) -> SlotMigration:
+        """Move ``key``'s slot to another live master, one key at a time, ``key_pause_s`` between
+        keys (holding the ASK window open while clients run); MOVED from then on."""
+        m = self.start_migration(key)
+        m.move(key_pause_s=key_pause_s)
+        m.finish()
+        return m
 
     def stop(self) -> None:
         for node in self.nodes:

@@ -20,8 +20,10 @@ writes wait for replicas.
   gateways and workers waits through (open streams up to ``outage_grace_s``).
 - ``redis+cluster://host:port[,host:port...]`` (``rediss+cluster://``: TLS) is a Redis Cluster
   (``_cluster``): the nodes listed are where the client learns the cluster's map; it follows MOVED
-  and ASK and, after a connection error (a master killed, a replica promoted), learns the map again
-  and retries. Every multi-key command and script of the queue names keys of one hash tag
+  and ASK (``_AskingNode`` sends the ASKING on the command's own connection; a command still
+  redirected after the client's tries, a slot in migration, is tried again for ``RESHARD_WAIT_S``)
+  and, after a connection error (a master killed, a replica promoted), learns the map again and
+  retries. Every multi-key command and script of the queue names keys of one hash tag
   (keys.py), so one slot; a pipeline is split per node by the client. A cluster pipeline cannot
   hold scripts: ``call_scripts`` runs a set of them in one round trip where Redis allows it. WAIT
   (below) is for one primary and its replicas: refused with a cluster url.
@@ -79,6 +81,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -86,12 +89,13 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as aioredis
+import redis.asyncio.cluster as _redis_cluster
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
+from redis.exceptions import ClusterError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
 
 from llamamesh.errors import QueueUnavailable
 from llamamesh.settings import RedisSettings
@@ -243,7 +247,7 @@ def _cluster(settings: RedisSettings) -> aioredis.Redis:
     options: dict[str, Any] = {**creds, **({"ssl": True, **tls} if settings.url.startswith("rediss+") else {})}
     # One type for the callers: a cluster client offers the same commands (redis-py types them apart).
     return _Cluster(  # type: ignore[return-value]
-        startup_nodes=[ClusterNode(host, port) for host, port in nodes],
+        startup_nodes=[_AskingNode(host, port) for host, port in nodes],
         **options,
         socket_timeout=settings.block_ms / 1000 + 10,
         socket_connect_timeout=5,
@@ -263,6 +267,54 @@ _CLIENT_FAULTS = (RuntimeError, AttributeError, OSError)
 
 def _fault(exc: BaseException) -> RedisConnectionError:
     return RedisConnectionError(f"the cluster client lost its connection mid-command: {exc!r}")
+
+
+# How long a cluster command keeps being redirected (a slot on its way between masters: TRYAGAIN
+# while a multi-key command's keys are split, ASK/MOVED) before its caller sees the queue unreachable.
+RESHARD_WAIT_S = 10.0
+# The node an ASK sent the current task to: its ASKING goes out with the next command (_AskingNode).
+_ASKED: contextvars.ContextVar[ClusterNode | None] = contextvars.ContextVar("llamamesh_asked", default=None)
+
+
+class _AskingNode(ClusterNode):
+    """redis-py's cluster node (8.1), sending ASKING on the connection of the command it allows.
+
+    After an ASK its client sends ASKING to the new node as a command of its own, on the first free
+    pooled connection, and the redirected command on the next free one. With two connections or
+    more to that node, the command arrives without ASKING; the node answers MOVED back to the old
+    master, which answers ASK again, until the client's tries are spent ("TTL exhausted"): every
+    command on a key already moved fails for as long as its slot migrates. Here ASKING is held back
+    and sent with the command, on one connection, as Redis requires."""
+
+    async def execute_command(self, *args: Any, asking: bool = False, **kwargs: Any) -> Any:
+        if args == ("ASKING",):
+            _ASKED.set(self)  # the client awaits this node's next command right after, in this task
+            return True
+        if _ASKED.get() is not self:
+            return await super().execute_command(*args, asking=asking, **kwargs)
+        _ASKED.set(None)
+        connection = self.acquire_connection()
+        try:
+            await self.disconnect_if_needed(connection)
+            await connection.send_packed_command(connection.pack_commands([("ASKING",), args]))
+            refused: ResponseError | None = None
+            try:
+                await self.parse_response(connection, "ASKING")
+            except ResponseError as exc:  # read the command's reply anyway: the connection stays in step
+                refused = exc
+            reply = await self.parse_response(connection, args[0], **kwargs)
+            if refused is not None:
+                raise refused
+            return reply
+        finally:
+            try:
+                await self.disconnect_if_needed(connection)
+            finally:
+                self.release(connection)
+
+
+# The client makes the nodes it learns from the cluster's map by this module-level name.
+_redis_cluster.ClusterNode = _AskingNode  # type: ignore[misc]
 
 
 class _Cluster(RedisCluster):
@@ -285,14 +337,24 @@ class _Cluster(RedisCluster):
                 await self.initialize()
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            if self._initialize:
-                await self._learn_map()
-            return await super().execute_command(*args, **kwargs)
-        except RedisError:
-            raise
-        except _CLIENT_FAULTS as exc:
-            raise _fault(exc) from exc
+        deadline = time.monotonic() + RESHARD_WAIT_S
+        pause = 0.05
+        while True:
+            try:
+                if self._initialize:
+                    await self._learn_map()
+                return await super().execute_command(*args, **kwargs)
+            except ClusterError as exc:
+                # Only redirections (MOVED, ASK, TRYAGAIN: never run) spend the client's tries: a
+                # slot in migration. Try again until it has moved, within RESHARD_WAIT_S.
+                if str(exc) != "TTL exhausted." or time.monotonic() + pause > deadline:
+                    raise
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.5)
+            except RedisError:
+                raise
+            except _CLIENT_FAULTS as exc:
+                raise _fault(exc) from exc
 
     def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> ClusterPipeline:
         if shard_hint:

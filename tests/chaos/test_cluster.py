@@ -9,6 +9,9 @@ its tokens 0, 1, 2, ... with no gap or duplicate).
 - kill -9 of a master mid-stream (the one holding the pool's work stream): its replica is promoted
   by the cluster, the gateway and the workers find it, and every stream completes or ends with a
   status; a batch submitted before the kill completes with each item once; new requests run.
+- a live resharding mid-stream: the slot of the pool's work stream and those of every event shard
+  move to other masters key by key (ASK, TRYAGAIN, then MOVED) while streams run and new ones start:
+  every stream completes whole, and the batch loses nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from llamamesh.queue.keys import Keys
+from llamamesh.queue.keys import Keys, shard_tags
 from llamamesh.v1 import batch_pb2 as bpb
 from llamamesh.v1 import batch_pb2_grpc
 from llamamesh.v1 import generation_pb2 as pb
@@ -167,5 +170,42 @@ async def test_kill_minus_nine_of_a_master_mid_stream(cluster: RedisClusterProcs
             got = await batch_results(batches, "before-the-kill", 120)
             assert got == Counter({f"doc-{i}": 1 for i in range(16)}), got
         assert killed.proc is None
+        for name, p in f.procs.items():  # nobody died of it
+            assert p.poll() is None, (name, f.log(name)[-2000:])
+
+
+async def test_slots_move_to_another_master_mid_stream(cluster: RedisClusterProcs, tmp_path: Path) -> None:
+    """A resharding (``redis-cli --cluster reshard``'s steps, one key at a time) of the slot of the
+    pool's work stream and of every event shard while streams run and new ones start: clients follow
+    ASK, TRYAGAIN and then MOVED, and moving slots is not a fault: every stream completes whole."""
+    with fleet(tmp_path, cluster, gateways=2, workers=2) as f:
+        channels = [grpc.aio.insecure_channel(a) for a in f.addresses()]
+        stubs = [pb_grpc.GenerationServiceStub(ch) for ch in channels]
+        batches = batch_pb2_grpc.BatchServiceStub(channels[0])
+        try:
+            await batches.BatchGenerate(documents("before-the-move", 16))
+            ledger = Ledger()
+            calls = await ledger.open_streams(stubs[0], 20, tokens=120)  # ~6 s each at 0.05 s a step
+            keys = Keys(f.prefix)
+            moving = [keys.jobs(f.pool)] + [f"{{{tag}}}" for tag in shard_tags(keys.event_shards)]
+            before = {k: cluster.master_of(k).port for k in moving}
+            move = asyncio.create_task(asyncio.to_thread(lambda: [cluster.migrate_slot(k, 0.02) for k in moving]))
+            during = [asyncio.create_task(ledger.stream(stubs[1], 30, None)) for _ in range(10)]
+            await asyncio.wait_for(move, 90)
+            await asyncio.wait_for(asyncio.gather(*calls, *during), 120)
+            assert all(cluster.master_of(k).port != port for k, port in before.items())
+            ledger.ended_once()
+            assert len(ledger.entries) == 30
+            for e in ledger.entries:
+                assert not e.error and e.finish == "FINISH_REASON_LENGTH" and len(e.indexes) in (30, 120), e
+            # After the move: new requests, and the batch submitted before it, each item once.
+            after = Ledger()
+            await asyncio.wait_for(asyncio.gather(*(after.stream(stubs[i % 2], 5, None) for i in range(4))), 60)
+            after.check(accepted=4, tokens=5)
+            got = await batch_results(batches, "before-the-move", 120)
+            assert got == Counter({f"doc-{i}": 1 for i in range(16)}), got
+        finally:
+            for ch in channels:
+                await ch.close()
         for name, p in f.procs.items():  # nobody died of it
             assert p.poll() is None, (name, f.log(name)[-2000:])

@@ -1,0 +1,81 @@
+"""The cluster client while a slot moves between masters (a live resharding, as ``redis-cli
+--cluster reshard`` does it), on a real cluster of six redis-server processes.
+
+While a slot migrates, a key already moved answers ``ASK`` from the old master, and the client
+must send ``ASKING`` on the connection that then carries the command; a command whose keys are
+split between the two answers ``TRYAGAIN`` until the slot has moved (llamamesh/queue/redisio.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from llamamesh.queue.redisio import connect
+from llamamesh.settings import RedisSettings
+from tests.redisproc import RedisClusterProcs
+
+pytestmark = pytest.mark.timeout(60)
+
+# A script over two keys of one slot: it can only run where both are.
+BOTH = "return {redis.call('GET', KEYS[1]), redis.call('GET', KEYS[2])}"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterProcs]:
+    c = RedisClusterProcs(tmp_path_factory.mktemp("resharding"))
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture
+async def client(cluster: RedisClusterProcs) -> AsyncIterator[aioredis.Redis]:
+    c = connect(RedisSettings(url=cluster.url))
+    try:
+        yield c
+    finally:
+        await c.aclose()
+
+
+def a_tag_on(cluster: RedisClusterProcs, port: int, not_: str = "") -> str:
+    """A hash tag whose slot the master on ``port`` serves."""
+    return next(t for t in (f"t{i}" for i in range(1000)) if t != not_ and cluster.master_of(f"{{{t}}}").port == port)
+
+
+async def test_commands_follow_ask_and_tryagain_while_a_slot_moves(
+    cluster: RedisClusterProcs, client: aioredis.Redis
+) -> None:
+    c = client
+    tag = a_tag_on(cluster, cluster.master_of("{t0}").port)
+    a, b = f"{{{tag}}}:a", f"{{{tag}}}:b"
+    await c.set(a, "1")
+    await c.set(b, "2")
+    migration = cluster.start_migration(a)
+    # Several pooled connections to the target (commands at once on one of its own slots): the
+    # ASKING that an ASK calls for must go on the connection of the command it allows.
+    busy = a_tag_on(cluster, migration.target.port)
+    await asyncio.gather(*(c.blpop([f"{{{busy}}}:q{i}"], 0.2) for i in range(8)))
+    migration.move([a])
+
+    # a moved: ASK, then ASKING + GET on the target; a new key is made on the target.
+    assert await asyncio.gather(*(c.get(a) for _ in range(8))) == [b"1"] * 8
+    assert await c.set(f"{{{tag}}}:new", "3")
+    assert await c.get(f"{{{tag}}}:new") == b"3"
+    assert await c.get(b) == b"2"  # still on the source
+
+    # a script over a and b: TRYAGAIN while they are split, then it runs where both are.
+    script = c.register_script(BOTH)
+    both = asyncio.create_task(script(keys=[a, b]))
+    await asyncio.sleep(1.0)  # the split lasts a second: longer than redis-py's own 16 tries
+    assert not both.done()
+    await asyncio.to_thread(migration.finish)
+    assert await asyncio.wait_for(both, 10) == [b"1", b"2"]
+
+    # Moved: MOVED teaches the client the new owner.
+    assert cluster.master_of(a).port == migration.target.port
+    assert await asyncio.gather(c.get(a), c.get(b), c.get(f"{{{tag}}}:new")) == [b"1", b"2", b"3"]
