@@ -1,0 +1,112 @@
+"""The relay on a small CPU machine at GPU-like token rates (issue 19 part 4): gateway, Redis, one
+worker on the fake engine and the load client all on this machine, in rotating runs (A B C A B C
+...) in one invocation, so drift hits every side alike.
+
+Each run starts a fresh node (bench/soak.py's: redis-server, the gateway, one worker process with
+``LLAMAMESH_WORKER_FAKE_STEP_S`` = ``--step-s``: 0.02 is 50 tokens/s per stream, so 256 streams
+offer 12.8 k tokens/s; 0 is a zero-cost engine, where the relay alone sets the rate) and runs
+``bench/load.py --concurrency 256 --input-len 64 --output-len 128``. A side is
+``PARSER:GATEWAYS``: ``python`` hides the hiredis module (redis-py then parses the Redis protocol in
+pure Python, as before hiredis was a dependency), ``hiredis`` uses it; GATEWAYS is
+``LLAMAMESH_GATEWAY_PROCESSES``. Reported per run (a JSON line) and as medians per side: output
+tokens/s (and its share of the offered rate when paced), TTFT p50/p99, ITL p50/p99 at the client,
+and the gateway's and worker's CPU cores.
+
+  python bench/cpu_relay.py --step-s 0.02 --pairs 2      # docs/benchmarks.md
+  python bench/cpu_relay.py --step-s 0 --sides python:1 hiredis:2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from metrics_cost import start, tokenizer_dir  # bench/ is on the path of `python bench/cpu_relay.py`
+from soak import Node
+
+HERE = Path(__file__).resolve().parent
+KEYS = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "gateway_cores", "worker_cores")
+
+
+def no_hiredis(root: Path) -> str:
+    """A folder whose ``hiredis`` fails to import, to put first on PYTHONPATH (redis-py falls back)."""
+    shim = root / "no-hiredis" / "hiredis"
+    shim.mkdir(parents=True, exist_ok=True)
+    (shim / "__init__.py").write_text('raise ImportError("hidden by bench/cpu_relay.py")\n')
+    return str(shim.parent)
+
+
+def one_run(args: argparse.Namespace, tokenizer: str, side: str, workdir: Path) -> dict:
+    parser, gateways = side.split(":")
+    workdir.mkdir(parents=True)
+    env = {"LLAMAMESH_WORKER_MAX_INFLIGHT": str(max(args.concurrency, 16)),
+           "LLAMAMESH_WORKER_FAKE_STEP_S": str(args.step_s), "LLAMAMESH_GATEWAY_PROCESSES": gateways}  # fmt: skip
+    if parser == "python":
+        env["PYTHONPATH"] = os.pathsep.join([no_hiredis(workdir), os.environ.get("PYTHONPATH", "")])
+    node = Node(workdir, env)
+    start(node, False)
+    try:
+        out = workdir / "load.json"
+        cmd = [sys.executable, str(HERE / "load.py"), "--address", node.address, "--tokenizer", tokenizer,
+               "--concurrency", str(args.concurrency), "--num-requests", str(args.num_requests),
+               "--warmups", str(args.concurrency), "--input-len", str(args.input_len),
+               "--output-len", str(args.output_len), "--label", side, "--json", str(out),
+               "--watch", f"gateway={node.procs['gateway'].pid}",
+               "--watch", f"worker={node.procs['worker'].pid}"]  # fmt: skip
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=args.run_timeout_s)
+        res = json.loads(out.read_text().splitlines()[-1])
+    finally:
+        node.stop()
+    cores = res.get("cpu_cores", {})
+    row = {"side": side, "tok_s": round(res["output_tok_per_s"], 1),
+           "ttft_p50_ms": round(res["ttft_ms_p50"], 1), "ttft_p99_ms": round(res["ttft_ms_p99"], 1),
+           "itl_p50_ms": round(res["itl_ms_p50"], 2), "itl_p99_ms": round(res["itl_ms_p99"], 2),
+           "gateway_cores": cores.get("gateway", {}).get("total"),
+           "worker_cores": cores.get("worker", {}).get("total")}  # fmt: skip
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sides", nargs="+", default=["python:1", "hiredis:1", "hiredis:2"], help="PARSER:GATEWAYS")
+    ap.add_argument("--pairs", type=int, default=2, help="rounds of every side")
+    ap.add_argument("--step-s", type=float, default=0.02, help="the fake engine's step (0: no cost)")
+    ap.add_argument("--concurrency", type=int, default=256)
+    ap.add_argument("--num-requests", type=int, default=1024)
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--tokenizer", default="", help="a folder with SmolLM2's tokenizer (default: converted)")
+    ap.add_argument("--run-timeout-s", type=float, default=300)
+    ap.add_argument("--json", default="", help="write the runs and the medians here")
+    args = ap.parse_args()
+    tokenizer = args.tokenizer or tokenizer_dir()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="cpu-relay-") as tmp:
+        for n in range(args.pairs):
+            for side in args.sides:
+                rows.append(one_run(args, tokenizer, side, Path(tmp) / f"{n}-{side.replace(':', '-')}"))
+    offered = args.concurrency / args.step_s if args.step_s else 0.0
+    print(f"\n{args.concurrency} streams, {args.input_len} in / {args.output_len} out, fake engine step "
+          f"{args.step_s * 1e3:.0f} ms" + (f" (offered {offered:.0f} tok/s)" if offered else " (zero cost)")
+          + f", {os.cpu_count()} cores, {args.pairs} round(s), medians")  # fmt: skip
+    print(f"{'side':12}" + "".join(f"{k:>15}" for k in KEYS) + ("   share of offered" if offered else ""))
+    medians = {}
+    for side in args.sides:
+        rs = [r for r in rows if r["side"] == side]
+        med = {k: statistics.median(r[k] for r in rs if r[k] is not None) for k in KEYS}
+        medians[side] = med
+        share = f"   {med['tok_s'] / offered:.3f}" if offered else ""
+        print(f"{side:12}" + "".join(f"{med[k]:>15.2f}" for k in KEYS) + share)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": rows, "medians": medians}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
