@@ -6,14 +6,15 @@ Each run starts a fresh node (bench/soak.py's: redis-server, the gateway, one wo
 ``LLAMAMESH_WORKER_FAKE_STEP_S`` = ``--step-s``: 0.02 is 50 tokens/s per stream, so 256 streams
 offer 12.8 k tokens/s; 0 is a zero-cost engine, where the relay alone sets the rate) and runs
 ``bench/load.py --concurrency 256 --input-len 64 --output-len 128``. A side is
-``PARSER:GATEWAYS``: ``python`` hides the hiredis module (redis-py then parses the Redis protocol in
-pure Python, as before hiredis was a dependency), ``hiredis`` uses it; GATEWAYS is
-``LLAMAMESH_GATEWAY_PROCESSES``. Reported per run (a JSON line) and as medians per side: output
-tokens/s (and its share of the offered rate when paced), TTFT p50/p99, ITL p50/p99 at the client,
-and the gateway's and worker's CPU cores.
+``PARSER:GATEWAYS[:LOOP]``: ``python`` hides the hiredis module (redis-py then parses the Redis
+protocol in pure Python, as before hiredis was a dependency), ``hiredis`` uses it; GATEWAYS is
+``LLAMAMESH_GATEWAY_PROCESSES``; LOOP is ``LLAMAMESH_GATEWAY_EVENT_LOOP`` (default uvloop).
+Reported per run (a JSON line) and as medians per side: output tokens/s (and its share of the
+offered rate when paced), TTFT p50/p99, ITL p50/p99 at the client, and the gateway's and worker's
+CPU cores.
 
   python bench/cpu_relay.py --step-s 0.02 --pairs 2      # docs/benchmarks.md
-  python bench/cpu_relay.py --step-s 0 --sides python:1 hiredis:2
+  python bench/cpu_relay.py --step-s 0 --sides python:1:asyncio hiredis:1
 """
 
 from __future__ import annotations
@@ -43,10 +44,11 @@ def no_hiredis(root: Path) -> str:
 
 
 def one_run(args: argparse.Namespace, tokenizer: str, side: str, workdir: Path) -> dict:
-    parser, gateways = side.split(":")
+    parser, gateways, event_loop = [*side.split(":"), "uvloop"][:3]
     workdir.mkdir(parents=True)
     env = {"LLAMAMESH_WORKER_MAX_INFLIGHT": str(max(args.concurrency, 16)),
-           "LLAMAMESH_WORKER_FAKE_STEP_S": str(args.step_s), "LLAMAMESH_GATEWAY_PROCESSES": gateways}  # fmt: skip
+           "LLAMAMESH_WORKER_FAKE_STEP_S": str(args.step_s), "LLAMAMESH_GATEWAY_PROCESSES": gateways,
+           "LLAMAMESH_GATEWAY_EVENT_LOOP": event_loop}  # fmt: skip
     if parser == "python":
         env["PYTHONPATH"] = os.pathsep.join([no_hiredis(workdir), os.environ.get("PYTHONPATH", "")])
     node = Node(workdir, env)
@@ -75,7 +77,8 @@ def one_run(args: argparse.Namespace, tokenizer: str, side: str, workdir: Path) 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sides", nargs="+", default=["python:1", "hiredis:1", "hiredis:2"], help="PARSER:GATEWAYS")
+    ap.add_argument("--sides", nargs="+", default=["python:1:asyncio", "hiredis:1:asyncio", "hiredis:1", "hiredis:2"],
+                    help="PARSER:GATEWAYS[:LOOP]")
     ap.add_argument("--pairs", type=int, default=2, help="rounds of every side")
     ap.add_argument("--step-s", type=float, default=0.02, help="the fake engine's step (0: no cost)")
     ap.add_argument("--concurrency", type=int, default=256)
@@ -96,14 +99,14 @@ def main() -> None:
     print(f"\n{args.concurrency} streams, {args.input_len} in / {args.output_len} out, fake engine step "
           f"{args.step_s * 1e3:.0f} ms" + (f" (offered {offered:.0f} tok/s)" if offered else " (zero cost)")
           + f", {os.cpu_count()} cores, {args.pairs} round(s), medians")  # fmt: skip
-    print(f"{'side':12}" + "".join(f"{k:>15}" for k in KEYS) + ("   share of offered" if offered else ""))
+    print(f"{'side':20}" + "".join(f"{k:>15}" for k in KEYS) + ("   share of offered" if offered else ""))
     medians = {}
     for side in args.sides:
         rs = [r for r in rows if r["side"] == side]
         med = {k: statistics.median(r[k] for r in rs if r[k] is not None) for k in KEYS}
         medians[side] = med
         share = f"   {med['tok_s'] / offered:.3f}" if offered else ""
-        print(f"{side:12}" + "".join(f"{med[k]:>15.2f}" for k in KEYS) + share)
+        print(f"{side:20}" + "".join(f"{med[k]:>15.2f}" for k in KEYS) + share)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "runs": rows, "medians": medians}, indent=1))
 

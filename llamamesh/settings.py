@@ -197,6 +197,9 @@ class GatewaySettings:
     # them), as `vllm serve --api-server-count`. One Python process relays about 5k streamed
     # messages a second before its latency grows; 1: this process serves.
     processes: int = 1
+    # The gateway process's event loop: "uvloop" (where installed, else asyncio's) or "asyncio".
+    # uvloop's cheaper callbacks cut the relay's CPU per message (docs/benchmarks.md, issue 19).
+    event_loop: str = "uvloop"
     # Bind the port with SO_REUSEPORT, sharing it with other gateway processes (set for each of the
     # `processes` children; also for several gateways of one host started by other means).
     share_port: bool = False

@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from llamamesh import logs, metrics, tracing
+from llamamesh.loop import EVENT_LOOPS, run_main
 from llamamesh.queue.batches import RedisBatches
 from llamamesh.queue.protocol import BatchStore, JobQueue
 from llamamesh.queue.quotas import Quotas, RedisQuotas
@@ -248,11 +249,14 @@ def supervise(settings: Settings) -> int:
 
 def main() -> None:
     settings = Settings.from_env()
+    if settings.gateway.event_loop not in EVENT_LOOPS:
+        sys.exit(f"LLAMAMESH_GATEWAY_EVENT_LOOP: expected one of {', '.join(EVENT_LOOPS)}, "
+                 f"got {settings.gateway.event_loop!r}")  # fmt: skip
     logs.configure(settings.log, "gateway")
     tracing.configure("gateway")
     if settings.gateway.processes > 1:
         sys.exit(supervise(settings))
-    asyncio.run(serve(settings, share_port=settings.gateway.share_port))
+    run_main(serve(settings, share_port=settings.gateway.share_port), settings.gateway.event_loop)
 
 
 if __name__ == "__main__":

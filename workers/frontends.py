@@ -15,11 +15,12 @@ from typing import Any
 import structlog
 
 from llamamesh import logs, metrics
+from llamamesh.loop import run_main
 from llamamesh.settings import Settings, prometheus_multiproc_dir
 from workers.engines.vllm import CoreClient, VllmEngine
 from workers.engines.vllm_frontends import run_with_frontends, split_inflight
 from workers.health import supervisor_health
-from workers.process import run, serve
+from workers.process import serve
 
 log = structlog.get_logger(__name__)
 
@@ -40,7 +41,7 @@ def run_frontend(listen_address: str, sock: Any, settings: Settings, client_conf
     settings = frontend_settings(settings, count, index)
     logs.configure(settings.log, f"worker-{index}")
     engine = VllmEngine(settings.worker, settings.vllm, core=CoreClient(config, count, index))
-    sys.exit(run(serve(settings, engine)))
+    sys.exit(run_main(serve(settings, engine)))
 
 
 def run_frontends(settings: Settings) -> int:

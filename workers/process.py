@@ -10,13 +10,12 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Coroutine
-from typing import Any
 
 import structlog
 
 from llamamesh import logs, metrics, tracing
 from llamamesh.errors import EngineDead, InvalidRequest, QueueUnavailable
+from llamamesh.loop import run_main
 from llamamesh.queue.batches import RedisBatches
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import Settings, prometheus_multiproc_dir
@@ -101,16 +100,6 @@ async def _create_engine(settings: Settings, queue: RedisQueue) -> Engine:
         raise EngineDead(why) from exc
 
 
-def run(coro: Coroutine[Any, Any, int]) -> int:
-    """Run the worker's loop on uvloop where it is installed (the per-step work of hundreds of job
-    tasks is loop-bound), else on asyncio's."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
 def main() -> None:
     settings = Settings.from_env()
     logs.configure(settings.log, "worker")
@@ -122,7 +111,7 @@ def main() -> None:
         from workers.frontends import run_frontends
 
         sys.exit(run_frontends(settings))
-    sys.exit(run(serve(settings)))
+    sys.exit(run_main(serve(settings)))
 
 
 if __name__ == "__main__":

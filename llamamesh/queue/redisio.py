@@ -318,14 +318,18 @@ _redis_cluster.ClusterNode = _AskingNode  # type: ignore[misc]
 
 
 class _Cluster(RedisCluster):
-    """redis-py's cluster client, with two of its faults mended at the seam:
+    """redis-py's cluster client, with three of its faults mended at the seam (a fourth, ASKING on
+    the wrong connection, in _AskingNode):
 
     - it learns the cluster's map before its first command runs. Left lazy, the commands of a burst
       at start (a gateway's event lanes, each a blocking read on its own node) race the map being
       learnt: connections in use get recycled under them, and a few lanes fail their first read;
     - a connection closed under a command in flight (a master killed, the map refreshed) raises
       RuntimeError or AttributeError from inside the client: those become the ConnectionError they
-      are, so that the queue's callers retry as for any outage instead of dying of it."""
+      are, so that the queue's callers retry as for any outage instead of dying of it;
+    - it gives a command up after 16 redirections (about 0.4 s of TRYAGAIN while a slot's keys are
+      split between two masters): such a command never ran, so it is tried again for
+      RESHARD_WAIT_S."""
 
     _ready: asyncio.Lock | None = None
 

@@ -1,0 +1,37 @@
+"""llamamesh/loop.py: the loop a gateway or worker process runs on (LLAMAMESH_GATEWAY_EVENT_LOOP)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+import uvloop
+
+from llamamesh.loop import run_main
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def loop_type() -> type:
+    await asyncio.sleep(0)
+    return type(asyncio.get_running_loop())
+
+
+def test_uvloop_by_default_and_asyncio_on_request() -> None:
+    assert run_main(loop_type()) is uvloop.Loop
+    assert run_main(loop_type(), "uvloop") is uvloop.Loop
+    assert not issubclass(run_main(loop_type(), "asyncio"), uvloop.Loop)
+
+
+def test_an_unknown_loop_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="uvloop, asyncio, not 'trio'"):
+        run_main(loop_type(), "trio")
+
+
+def test_a_gateway_with_an_unknown_loop_stops_at_start_naming_the_setting() -> None:
+    env = {"LLAMAMESH_GATEWAY_EVENT_LOOP": "gevent", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-m", "services"], env=env, capture_output=True, text=True, timeout=50)
+    assert done.returncode != 0
+    assert "LLAMAMESH_GATEWAY_EVENT_LOOP" in done.stderr and "'gevent'" in done.stderr, done.stderr
