@@ -249,6 +249,18 @@ class RedisClusterProcs:
         for node in self.nodes:
             node.stop()
 
+    def __enter__(self) -> RedisClusterProcs:
+        """Started (and stopped again if it could not be made), for ``with``: stopped on leaving."""
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
 
 class SentinelGroup:
     """A primary, ``replicas`` replicas of it (``--replicaof``) and ``sentinels`` Sentinels watching

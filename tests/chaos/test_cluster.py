@@ -77,12 +77,8 @@ def fleet(tmp_path: Path, cluster: RedisClusterProcs, gateways: int, workers: in
 
 @pytest.fixture
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterProcs]:
-    c = RedisClusterProcs(tmp_path_factory.mktemp("cluster"))
-    c.start()
-    try:
+    with RedisClusterProcs(tmp_path_factory.mktemp("cluster")) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def documents(batch_id: str, n: int) -> bpb.BatchGenerateRequest:
@@ -98,9 +94,12 @@ def documents(batch_id: str, n: int) -> bpb.BatchGenerateRequest:
 async def batch_results(stub: batch_pb2_grpc.BatchServiceStub, batch_id: str, timeout_s: float) -> Counter[str]:
     """custom_id -> how many results the batch's stream gave for it (the stream ends with the batch)."""
     got: Counter[str] = Counter()
-    async with asyncio.timeout(timeout_s):
+
+    async def read() -> None:
         async for r in stub.StreamBatchResults(bpb.StreamBatchResultsRequest(batch_id=batch_id)):
             got[r.custom_id] += 1
+
+    await asyncio.wait_for(read(), timeout_s)  # asyncio.timeout is 3.11+; the code supports 3.10
     return got
 
 

@@ -25,12 +25,8 @@ BOTH = "return {redis.call('GET', KEYS[1]), redis.call('GET', KEYS[2])}"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterProcs]:
-    c = RedisClusterProcs(tmp_path_factory.mktemp("resharding"))
-    c.start()
-    try:
+    with RedisClusterProcs(tmp_path_factory.mktemp("resharding")) as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture
