@@ -25,7 +25,10 @@ from llamamesh.v1 import generation_pb2 as pb
 ENDED = (bpb.BATCH_STATE_COMPLETED, bpb.BATCH_STATE_FAILED, bpb.BATCH_STATE_EXPIRED, bpb.BATCH_STATE_CANCELLED)
 
 
-async def run_batch(c: Client, name: str, prompts: list[str], output_len: int) -> dict:
+async def run_batch(
+    c: Client, name: str, prompts: list[str], output_len: int, done: asyncio.Event | None = None
+) -> dict:
+    """Submit one batch and wait for its end (``done`` is set then, before its results are read)."""
     req = bpb.BatchGenerateRequest(batch_id=name, items=[
         bpb.BatchItem(custom_id=f"p{i}", request=pb.GenerateRequest(
             prompt=p, max_tokens=output_len, ignore_eos=True, temperature=1.0))
@@ -37,6 +40,8 @@ async def run_batch(c: Client, name: str, prompts: list[str], output_len: int) -
         await asyncio.sleep(0.05)  # another process does the work; bounded by the batch's end
         b = await c.batches.GetBatch(bpb.GetBatchRequest(batch_id=name))
     elapsed = time.perf_counter() - t0
+    if done is not None:
+        done.set()
     out_tokens = in_tokens = 0
     async for r in c.batches.StreamBatchResults(bpb.StreamBatchResultsRequest(batch_id=name, follow=False)):
         out_tokens += r.usage.completion_tokens

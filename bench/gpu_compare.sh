@@ -14,7 +14,10 @@
 #   serve4dp2    --data-parallel-size 2 --api-server-count 4 (two engine replicas)
 #   batch        the llamamesh stack + bench/batch_gpu.py: $NUM_PROMPTS (1000) prompts as one BatchGenerate
 #   offline      the device's bench_offline.py: the same prompts through offline LLM.generate
+#   batchworker  batch on a batch worker (LLAMAMESH_BATCH_MAX_SHARE=1: the step budget it then chooses)
 #   pair:A,B     batch on GPU A while offline runs on GPU B (two-GPU hosts)
+#   mixed        interactive Generate under a BatchGenerate (bench/interactive_under_batch.py), and bursts
+#   mixedserve   the same against `vllm serve --api-server-count 4 --scheduling-policy priority`
 # A stage may end in @TP and /GPUS: llamamesh@2 (one worker, TP 2), llamamesh@1 (one worker per GPU),
 # llamamesh@1/0 (one worker on GPU 0).
 # Env: TP (the worker's tensor_parallel_size; with more GPUs visible, one worker per group), GATEWAYS,
@@ -133,8 +136,9 @@ stage_llamamesh() {
 stage_batch() {
   MAX_INFLIGHT=${MAX_INFLIGHT:-2048} llamamesh_up "${1:-4}" || return 1
   python3 bench/batch_gpu.py --address 127.0.0.1:50051 --tokenizer "$M" --num-prompts "${NUM_PROMPTS:-1000}" \
-    --label "batch-gpu${CUDA_VISIBLE_DEVICES:-all}-bt${BATCHED_TOKENS:-default}" --json "$R/batch.jsonl" 2>&1 | tail -3
+    --label "batch-gpu${CUDA_VISIBLE_DEVICES:-all}-bt${BATCHED_TOKENS:-default}-share${LLAMAMESH_BATCH_MAX_SHARE:-default}" --json "$R/batch.jsonl" 2>&1 | tail -3
   llamamesh_down
+  grep -m1 -o "max_num_batched_tokens=[0-9]*" "$L/worker.log"  # the step budget vLLM ran with
 }
 
 stage_offline() {
@@ -152,6 +156,42 @@ stage_pair() {
   op=$!
   CUDA_VISIBLE_DEVICES=$a FREE_GPU_ID=$a stage_batch
   wait $op
+  free_gpu
+}
+
+# Issue 19 part 2: interactive Generate at $MIXED_CONC (32) while a $BATCH_ITEMS (2000) BatchGenerate runs
+# (bench/interactive_under_batch.py), then a closed loop at $BURST_CONC (256) measuring how clustered
+# request starts are (part 1). stage_mixedserve: the same load against `vllm serve --api-server-count 4
+# --scheduling-policy priority` (interactive at priority 0, the batch at 1 through its own client).
+mixed_args() {
+  echo --tokenizer "$M" --concurrency "${MIXED_CONC:-32}" --batch-items "${BATCH_ITEMS:-2000}" \
+    --burst-concurrency "${BURST_CONC:-256}" --json "$R/mixed.jsonl"
+}
+
+stage_mixed() {
+  llamamesh_up "${1:-4}" || return 1
+  python3 bench/interactive_under_batch.py --target llamamesh --address 127.0.0.1:50051 $(mixed_args) \
+    --label "llamamesh-f${1:-4}-g${GATEWAYS:-4}${LABEL:+-$LABEL}" 2>&1 | grep -v '^\s*$' | tail -6
+  llamamesh_down
+}
+
+stage_mixedserve() {
+  local n dir sp
+  n=$(ls -d "$R"/mixedserve-* 2>/dev/null | wc -l)
+  dir="$R/mixedserve-$n"
+  mkdir -p "$dir"
+  vllm serve "$M" --load-format dummy --dtype bfloat16 --seed 0 --host 127.0.0.1 --port 8000 \
+    --api-server-count 4 --scheduling-policy priority > "$dir/serve.log" 2>&1 &
+  sp=$!
+  for i in $(seq 1 300); do
+    python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2)" 2>/dev/null && break
+    kill -0 $sp 2>/dev/null || { echo "[mixedserve] vllm serve exited"; tail -30 "$dir/serve.log"; return 1; }
+    sleep 1
+  done
+  echo "[mixedserve] ready after $i s"
+  python3 bench/interactive_under_batch.py --target openai --url http://127.0.0.1:8000 --model "$M" $(mixed_args) \
+    --label "serve4-priority${LABEL:+-$LABEL}" 2>&1 | grep -v '^\s*$' | tail -6
+  kill -INT $sp; wait $sp 2>/dev/null
   free_gpu
 }
 
@@ -218,6 +258,10 @@ for s in "$@"; do
     serve4tp2) SERVE_ARGS="--tensor-parallel-size 2 --api-server-count 4" stage_serve serve4tp2 ;;
     serve4dp2) SERVE_ARGS="--data-parallel-size 2 --api-server-count 4" stage_serve serve4dp2 ;;
     batch) stage_batch ;;
+    batchworker) LLAMAMESH_BATCH_MAX_SHARE=1 stage_batch ;;  # a batch worker: its step budget by default
+    mixed) stage_mixed 4 ;;
+    mixed:*) stage_mixed "${s#mixed:}" ;;
+    mixedserve) stage_mixedserve ;;
     batch:*) stage_batch "${s#batch:}" ;;
     offline) stage_offline ;;
     pair:*) p=${s#pair:}; stage_pair "${p%%,*}" "${p##*,}" ;;

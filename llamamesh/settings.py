@@ -400,8 +400,16 @@ class VllmSettings:
     enforce_eager: bool = False
     # Sequences in one engine step. 0: vLLM's default for the GPU.
     max_num_seqs: int = 0
-    # Tokens in one engine step. 0: vLLM's default for the GPU.
+    # Tokens in one engine step. 0: chosen from what the worker serves: 16384 (offline ``LLM``'s budget
+    # on an H100/H200) for a batch worker (LLAMAMESH_BATCH_MAX_SHARE = 1: batch items may take every
+    # slot), else vLLM's server default for the GPU (8192 on an H100/H200), whose shorter steps keep
+    # interactive tokens flowing.
     max_num_batched_tokens: int = 0
+    # vLLM's scheduler: priority (the default here) admits waiting requests by priority (higher
+    # GenerateRequest.priority first; every batch item after every interactive request), first come
+    # first served within one priority, and preempts the lowest first when memory runs out; fcfs is
+    # vLLM's own default (priorities are then not passed).
+    scheduling_policy: str = "priority"
     # GiB of CPU swap per GPU. vLLM 0.26 has no such argument (the V1 engine recomputes
     # preempted requests); any non-zero value is refused at start.
     swap_space: float = 0.0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -17,7 +18,7 @@ import structlog
 from llamamesh import logs, metrics
 from llamamesh.loop import run_main
 from llamamesh.settings import Settings, prometheus_multiproc_dir
-from workers.engines.vllm import CoreClient, VllmEngine
+from workers.engines.vllm import CoreClient, VllmEngine, for_worker
 from workers.engines.vllm_frontends import run_with_frontends, split_inflight
 from workers.health import supervisor_health
 from workers.process import serve
@@ -47,6 +48,8 @@ def run_frontend(listen_address: str, sock: Any, settings: Settings, client_conf
 def run_frontends(settings: Settings) -> int:
     """The supervising process: the engine core plus ``vllm.frontends`` frontends; returns the exit code."""
     structlog.contextvars.bind_contextvars(worker=settings.worker.consumer_name(), pool=settings.worker.pool)
+    # The step budget from what the worker serves, once: the core and every frontend see the same.
+    settings = replace(settings, vllm=for_worker(settings.vllm, settings.batch))
     log.info("engine_starting", engine="vllm", model=settings.worker.model, frontends=settings.vllm.frontends)
     # One scrape for all frontends: vLLM spawns them with this process's environment, so the
     # directory they write into goes there (prometheus_client reads it when they import it).

@@ -17,12 +17,14 @@ import pytest
 from structlog.testing import capture_logs
 
 from llamamesh.errors import EngineDead, InternalError, InvalidRequest, PromptTooLong
-from llamamesh.settings import Settings, VllmSettings, WorkerSettings
+from llamamesh.settings import BatchSettings, Settings, VllmSettings, WorkerSettings
 from llamamesh.types import ChatMessage, FinishReason, GenerationRequest, JobKind, SamplingParams, TokenDelta
 from workers.engines import registry
 from workers.engines.base import EngineStats
 from workers.engines.params import DEFAULT_MAX_TOKENS
 from workers.engines.vllm import (
+    BATCH_PRIORITY_OFFSET,
+    BATCH_STEP_TOKENS,
     SWAP_SPACE_GONE,
     SchedulerSnapshot,
     VllmEngine,
@@ -31,8 +33,10 @@ from workers.engines.vllm import (
     delta_of,
     engine_error_field,
     engine_kwargs,
+    engine_priority,
     engine_timings,
     finish_reason_of,
+    for_worker,
     invalid_from_vllm,
     render_prompt_ids,
     sampling_kwargs,
@@ -56,6 +60,7 @@ def test_minimal_engine_args_pass_only_the_model_and_the_gpus() -> None:
         "model": "/models/llama",
         "served_model_name": "llama-8b",
         "tensor_parallel_size": 1,
+        "scheduling_policy": "priority",
     }
 
 
@@ -81,6 +86,7 @@ def test_every_engine_setting_is_forwarded_verbatim() -> None:
         max_num_batched_tokens=16384,
         swap_space=4.0,
         seed=7,
+        scheduling_policy="fcfs",
         extra_args='{"kv_cache_dtype": "fp8", "compilation_config": {"level": 3}}',
     )
     assert engine_kwargs(WORKER, settings, device_count=8) == {
@@ -100,6 +106,7 @@ def test_every_engine_setting_is_forwarded_verbatim() -> None:
         "max_num_batched_tokens": 16384,
         "swap_space": 4.0,
         "seed": 7,
+        "scheduling_policy": "fcfs",
         "kv_cache_dtype": "fp8",
         "compilation_config": {"level": 3},
     }
@@ -115,6 +122,35 @@ def test_unset_sentinels_keep_vllms_defaults() -> None:
                  "load_format", "enforce_eager", "max_num_seqs", "max_num_batched_tokens", "swap_space", "seed",
                  "enable_prefix_caching"):  # fmt: skip
         assert name not in kwargs
+
+
+@pytest.mark.parametrize(("share", "budget", "expected"), [
+    (1.0, 0, BATCH_STEP_TOKENS),  # a batch worker: offline LLM's step budget
+    (0.5, 0, 0),                  # a mixed worker: vLLM's server default (shorter steps)
+    (0.99, 0, 0),
+    (1.0, 4096, 4096),            # set: kept
+])  # fmt: skip
+def test_the_step_budget_follows_what_the_worker_serves(share: float, budget: int, expected: int) -> None:
+    chosen = for_worker(VllmSettings(max_num_batched_tokens=budget), BatchSettings(max_share=share))
+    assert chosen.max_num_batched_tokens == expected
+    assert engine_kwargs(WORKER, chosen, 1).get("max_num_batched_tokens", 0) == expected
+
+
+def test_batch_items_come_after_every_interactive_request_under_the_priority_policy() -> None:
+    interactive = [request(priority=p) for p in (-5, 0, 10)]
+    batch = [dataclasses.replace(request(priority=p), batch_id="b1", custom_id="c") for p in (-5, 0, 10)]
+    # vLLM schedules lower values first: ours higher first, and any interactive before any batch item.
+    assert [engine_priority(r, "priority") for r in interactive] == [5, 0, -10]
+    assert min(engine_priority(r, "priority") for r in batch) > max(engine_priority(r, "priority") for r in interactive)
+    assert engine_priority(batch[0], "priority") == 5 + BATCH_PRIORITY_OFFSET
+    # fcfs: vLLM refuses any priority but 0.
+    assert {engine_priority(r, "fcfs") for r in interactive + batch} == {0}
+
+
+def test_an_unknown_scheduling_policy_names_its_setting() -> None:
+    with pytest.raises(InvalidRequest) as exc:
+        engine_kwargs(WORKER, VllmSettings(scheduling_policy="lifo"), 1)
+    assert field_of(exc) == "vllm.scheduling_policy"
 
 
 @pytest.mark.parametrize(("raw", "expected"), [("true", True), ("TRUE", True), (" false ", False), ("", None)])

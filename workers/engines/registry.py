@@ -23,9 +23,9 @@ def _transformers(settings: Settings) -> Engine:
 
 
 def _vllm(settings: Settings) -> Engine:
-    from workers.engines.vllm import VllmEngine
+    from workers.engines.vllm import VllmEngine, for_worker
 
-    return VllmEngine(settings.worker, settings.vllm)
+    return VllmEngine(settings.worker, for_worker(settings.vllm, settings.batch))
 
 
 def _trtllm(settings: Settings) -> Engine:

@@ -47,7 +47,7 @@ from typing import Any
 import structlog
 
 from llamamesh.errors import EngineDead, InternalError, InvalidRequest, PromptTooLong
-from llamamesh.settings import VllmSettings, WorkerSettings, env_name
+from llamamesh.settings import BatchSettings, VllmSettings, WorkerSettings, env_name
 from llamamesh.types import (
     FinishReason,
     GenerationRequest,
@@ -74,7 +74,16 @@ SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 _ENGINE_FIELDS = (
     "tokenizer", "dtype", "max_model_len", "gpu_memory_utilization", "block_size", "quantization",
     "load_format", "enforce_eager", "max_num_seqs", "max_num_batched_tokens", "swap_space", "seed",
+    "scheduling_policy",
 )  # fmt: skip
+SCHEDULING_POLICIES = ("priority", "fcfs")
+# The step budget of a batch worker (max_num_batched_tokens 0 with LLAMAMESH_BATCH_MAX_SHARE 1): what
+# offline ``LLM`` uses on an H100/H200. A 1000-prompt batch at 512 in / 128 out reached 1.012x of
+# offline LLM.generate with it and 0.94x with the server default, 8192 (docs/benchmarks.md, issue 5).
+BATCH_STEP_TOKENS = 16384
+# Added to a batch item's vLLM priority (lower runs first) so that every interactive request, whatever
+# its own priority, is admitted before any batch item.
+BATCH_PRIORITY_OFFSET = 1 << 20
 # AsyncEngineArgs fields that come from WorkerSettings.
 _FROM_WORKER = {"model": "model_path", "served_model_name": "model"}
 SWAP_SPACE_GONE = (
@@ -110,6 +119,25 @@ def parse_extra_args(raw: str) -> dict[str, Any]:
     return value
 
 
+def for_worker(settings: VllmSettings, batch: BatchSettings) -> VllmSettings:
+    """The vLLM settings with the step budget chosen from what the worker serves, when left 0: a
+    batch worker (batch items may take all its slots: ``batch.max_share`` >= 1) gets offline LLM's
+    BATCH_STEP_TOKENS; any other keeps vLLM's server default (shorter steps, steadier interactive
+    tokens)."""
+    if settings.max_num_batched_tokens or batch.max_share < 1.0:
+        return settings
+    return dataclasses.replace(settings, max_num_batched_tokens=BATCH_STEP_TOKENS)
+
+
+def engine_priority(request: GenerationRequest, policy: str) -> int:
+    """vLLM's priority for a request (lower is scheduled first): ours negated (higher GenerateRequest
+    priority first), and every batch item after every interactive request. 0 under fcfs, where vLLM
+    refuses any other value."""
+    if policy != "priority":
+        return 0
+    return -request.priority + (BATCH_PRIORITY_OFFSET if request.batch_id else 0)
+
+
 def engine_kwargs(worker: WorkerSettings, settings: VllmSettings, device_count: int) -> dict[str, Any]:
     """The AsyncEngineArgs keyword arguments for these settings: only the set ones, plus extra_args.
 
@@ -131,6 +159,8 @@ def engine_kwargs(worker: WorkerSettings, settings: VllmSettings, device_count: 
         value = getattr(settings, name)
         if value:
             kwargs[name] = value
+    if settings.scheduling_policy not in SCHEDULING_POLICIES:
+        raise InvalidRequest.field("vllm.scheduling_policy", f"must be one of {', '.join(SCHEDULING_POLICIES)}")
     prefix_caching = settings.enable_prefix_caching.strip().lower()
     if prefix_caching in ("true", "false"):
         kwargs["enable_prefix_caching"] = prefix_caching == "true"
@@ -392,6 +422,7 @@ class VllmEngine:
     ) -> None:
         self._settings = settings
         self._vllm_settings = vllm
+        self._policy = vllm.scheduling_policy
         self._device_count = device_count
         self._core = core
         self._llm: Any = None
@@ -614,7 +645,7 @@ class VllmEngine:
             ids += request.resume_token_ids  # a resumed request: prefill what an earlier attempt generated
             if not state.aborted:
                 check_prompt_len(len(ids), self._max_model_len, input_field)
-            outputs = llm.generate(api.tokens_input(ids), params, rid, priority=-request.priority)
+            outputs = llm.generate(api.tokens_input(ids), params, rid, priority=engine_priority(request, self._policy))
             try:
                 while not state.aborted:
                     try:
