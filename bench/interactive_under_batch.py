@@ -74,8 +74,11 @@ class Llamamesh:
 
         self.a = a
         self.client = Client(a.address)
-        self.channel = grpc.aio.insecure_channel(a.address, options=[("grpc.use_local_subchannel_pool", 1)])
-        self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
+        # One connection per 32 streams (as bench/load.py): one gateway process serves each connection.
+        n = max(1, max(a.concurrency, a.burst_concurrency) // 32) if a.spread else 1
+        self.channels = [grpc.aio.insecure_channel(a.address, options=[("grpc.use_local_subchannel_pool", 1)])
+                         for _ in range(n)]  # fmt: skip
+        self.stubs = [generation_pb2_grpc.GenerationServiceStub(c) for c in self.channels]
         self._sem = asyncio.Semaphore(1 << 30)
 
     async def start(self) -> None:
@@ -83,12 +86,14 @@ class Llamamesh:
         await self.client.wait_ready(300)
 
     async def close(self) -> None:
-        await self.channel.close()
+        for c in self.channels:
+            await c.close()
         await self.client.__aexit__(None, None, None)
 
     def interactive(self, prompts: list[str]) -> One:
         async def one(i: int, rec: list[dict]) -> None:
-            await _one(self.stub, prompts[i % len(prompts)], self.a.output_len, self._sem, rec)
+            stub = self.stubs[i % len(self.stubs)]
+            await _one(stub, prompts[i % len(prompts)], self.a.output_len, self._sem, rec)
 
         return one
 
@@ -282,6 +287,8 @@ def main() -> None:
         help="then a closed loop at this concurrency (no batch): how clustered are request starts",
     )
     ap.add_argument("--burst-window-s", type=float, default=0.005)
+    ap.add_argument("--spread", action=argparse.BooleanOptionalAction, default=True,
+                    help="llamamesh: one channel per 32 streams (--no-spread: one channel, as on 2026-12-02)")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
