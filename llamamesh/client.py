@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -104,11 +105,14 @@ class Connection:
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
 
-    def aio_channel(self, address: str) -> grpc.aio.Channel:
+    def aio_channel(self, address: str, own_connection: bool = False) -> grpc.aio.Channel:
+        """``own_connection``: this channel's connections are its own, not shared with other channels to
+        the same address (gRPC shares them by default)."""
         interceptors = _aio_interceptors(self.metadata())
+        opts = self.options() + ([("grpc.use_local_subchannel_pool", 1)] if own_connection else [])
         if self.secure:
-            return grpc.aio.secure_channel(address, self.credentials(), self.options(), interceptors=interceptors)
-        return grpc.aio.insecure_channel(address, self.options(), interceptors=interceptors)
+            return grpc.aio.secure_channel(address, self.credentials(), opts, interceptors=interceptors)
+        return grpc.aio.insecure_channel(address, opts, interceptors=interceptors)
 
     def channel(self, address: str) -> grpc.Channel:
         if self.secure:
@@ -267,13 +271,25 @@ class Client:
         tls_server_name: str = "",
         retries: int = 3,
         load_balancing: str = "pick_first",
+        connections: int = 1,
     ) -> None:
-        """``channel``: use this one as it is (then no connection option may be given)."""
+        """``channel``: use this one as it is (then no connection option may be given).
+
+        ``connections``: ``generate`` spreads its streams over this many connections, in turn. Each
+        connection is served by one gateway process, so a client relaying hundreds of concurrent
+        streams should open about one per 32 streams (``LLAMAMESH_GATEWAY_PROCESSES`` > 1 then serves
+        them all); the other calls, and ``stub``, use the first."""
         conn = Connection(api_key, tls, tls_ca, tls_cert, tls_key, tls_server_name, retries, load_balancing)
-        if channel is not None and conn != Connection():
+        if channel is not None and (conn != Connection() or connections != 1):
             raise ValueError("Client: give either a channel or connection options, not both")
-        self._channel = channel or conn.aio_channel(address)
-        self.stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
+        if connections < 1:
+            raise ValueError(f"Client: connections must be >= 1, got {connections}")
+        self._channels = [channel] if channel is not None else [
+            conn.aio_channel(address, own_connection=connections > 1) for _ in range(connections)]  # fmt: skip
+        self._channel = self._channels[0]
+        self._streams = [generation_pb2_grpc.GenerationServiceStub(c) for c in self._channels]
+        self._turn = itertools.count()
+        self.stub = self._streams[0]
         self.batches = batch_pb2_grpc.BatchServiceStub(self._channel)
         self.admin = admin_pb2_grpc.AdminServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -283,7 +299,7 @@ class Client:
         """A client with ``settings``' API key and TLS files (``tls``: TLS even without a CA file)."""
         return cls(address, api_key=settings.api_key, tls=tls, tls_ca=settings.tls_ca, tls_cert=settings.tls_cert,
                    tls_key=settings.tls_key, tls_server_name=settings.tls_server_name, retries=settings.retries,
-                   load_balancing=settings.load_balancing)  # fmt: skip
+                   load_balancing=settings.load_balancing, connections=settings.connections)  # fmt: skip
 
     async def __aenter__(self) -> Client:
         return self
@@ -292,7 +308,8 @@ class Client:
         await self.close()
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._channels:
+            await channel.close()
 
     async def generate(
         self,
@@ -301,7 +318,8 @@ class Client:
         timeout: float | None = None,
         **fields: Any,
     ) -> AsyncIterator[pb.GenerateResponse]:
-        call = self.stub.Generate(build_request(prompt, messages, **fields), timeout=timeout)
+        stub = self._streams[next(self._turn) % len(self._streams)]
+        call = stub.Generate(build_request(prompt, messages, **fields), timeout=timeout)
         try:
             async for msg in call:
                 yield msg

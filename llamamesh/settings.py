@@ -558,6 +558,9 @@ class ClientSettings:
     # pick_first (one connection) or round_robin (every address the name resolves to, e.g. a
     # Kubernetes headless Service as dns:///name:port, skipping gateways whose health is NOT_SERVING).
     load_balancing: str = "pick_first"
+    # Connections the async client spreads its Generate streams over (one gateway process serves
+    # each connection): about one per 32 concurrent streams for a client that relays many.
+    connections: int = 1
 
 
 @dataclass(frozen=True)

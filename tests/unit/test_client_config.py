@@ -1,5 +1,5 @@
-"""The Python client's channel config: retries on UNAVAILABLE before a first response, and the
-load-balancing policy (round_robin watching each gateway's health)."""
+"""The Python client's channel config: retries on UNAVAILABLE before a first response, the
+load-balancing policy (round_robin watching each gateway's health), and its connections."""
 
 from __future__ import annotations
 
@@ -39,4 +39,56 @@ def test_bad_options_are_refused(retries: int, lb: str, error: str) -> None:
 
 async def test_a_round_robin_channel_over_several_addresses_is_accepted_by_grpc() -> None:
     channel = Connection(load_balancing="round_robin").aio_channel("ipv4:127.0.0.1:1,127.0.0.1:2")
+    await channel.close()
+
+
+async def test_generate_streams_take_the_clients_connections_in_turn() -> None:
+    """Each connection is served by one gateway process: with connections=3, six streams arrive over
+    three distinct connections (peers), two each; the other calls use the first connection."""
+    import grpc
+
+    from llamamesh.client import Client
+    from llamamesh.v1 import generation_pb2 as pb
+    from llamamesh.v1 import generation_pb2_grpc
+
+    peers: list[str] = []
+
+    class Service(generation_pb2_grpc.GenerationServiceServicer):
+        async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+            peers.append(context.peer())
+            yield pb.GenerateResponse(text="x", finish_reason=pb.FINISH_REASON_LENGTH)
+
+        async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):
+            peers.append(context.peer())
+            return pb.ListModelsResponse()
+
+    server = grpc.aio.server()
+    generation_pb2_grpc.add_GenerationServiceServicer_to_server(Service(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with Client(f"127.0.0.1:{port}", retries=0, connections=3) as c:
+            for _ in range(6):
+                assert await c.complete("hi") == "x"
+            await c.list_models()
+        streams, other = peers[:6], peers[6]
+        assert len(set(streams)) == 3 and all(streams.count(p) == 2 for p in streams)
+        assert other == streams[0]
+        peers.clear()
+        async with Client(f"127.0.0.1:{port}", retries=0) as c:  # the default: one connection
+            for _ in range(3):
+                await c.complete("hi")
+        assert len(set(peers)) == 1
+    finally:
+        await server.stop(None)
+
+
+async def test_connections_must_be_positive_and_not_given_with_a_channel() -> None:
+    from llamamesh.client import Client
+
+    with pytest.raises(ValueError, match="connections"):
+        Client("127.0.0.1:1", connections=0)
+    channel = Connection().aio_channel("127.0.0.1:1")
+    with pytest.raises(ValueError, match="either a channel"):
+        Client(channel=channel, connections=2)
     await channel.close()
