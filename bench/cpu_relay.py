@@ -8,13 +8,17 @@ offer 12.8 k tokens/s; 0 is a zero-cost engine, where the relay alone sets the r
 ``bench/load.py --concurrency 256 --input-len 64 --output-len 128``. A side is
 ``PARSER:GATEWAYS[:LOOP]``: ``python`` hides the hiredis module (redis-py then parses the Redis
 protocol in pure Python, as before hiredis was a dependency), ``hiredis`` uses it; GATEWAYS is
-``LLAMAMESH_GATEWAY_PROCESSES``; LOOP is ``LLAMAMESH_GATEWAY_EVENT_LOOP`` (default uvloop).
+``LLAMAMESH_GATEWAY_PROCESSES``; LOOP is ``LLAMAMESH_GATEWAY_EVENT_LOOP`` (default uvloop); CLOCK is
+``LLAMAMESH_WORKER_FAKE_CLOCK`` (default deadline: the engine steps on its own clock, as a GPU's
+does; ``sleep``: the clock before 2026-12, whose step stretches when the worker's loop is busy, so
+the offered rate drops below 12.8 k under load).
 Reported per run (a JSON line) and as medians per side: output tokens/s (and its share of the
 offered rate when paced), TTFT p50/p99, ITL p50/p99 at the client, and the gateway's and worker's
 CPU cores.
 
   python bench/cpu_relay.py --step-s 0.02 --pairs 2      # docs/benchmarks.md
   python bench/cpu_relay.py --step-s 0 --sides python:1:asyncio hiredis:1
+  python bench/cpu_relay.py --step-s 0.02 --sides hiredis:1:uvloop:sleep hiredis:1
 """
 
 from __future__ import annotations
@@ -44,11 +48,12 @@ def no_hiredis(root: Path) -> str:
 
 
 def one_run(args: argparse.Namespace, tokenizer: str, side: str, workdir: Path) -> dict:
-    parser, gateways, event_loop = [*side.split(":"), "uvloop"][:3]
+    parts = side.split(":")
+    parser, gateways, event_loop, clock = parts + ["uvloop", "deadline"][len(parts) - 2 :]
     workdir.mkdir(parents=True)
     env = {"LLAMAMESH_WORKER_MAX_INFLIGHT": str(max(args.concurrency, 16)),
            "LLAMAMESH_WORKER_FAKE_STEP_S": str(args.step_s), "LLAMAMESH_GATEWAY_PROCESSES": gateways,
-           "LLAMAMESH_GATEWAY_EVENT_LOOP": event_loop}  # fmt: skip
+           "LLAMAMESH_GATEWAY_EVENT_LOOP": event_loop, "LLAMAMESH_WORKER_FAKE_CLOCK": clock}  # fmt: skip
     if parser == "python":
         env["PYTHONPATH"] = os.pathsep.join([no_hiredis(workdir), os.environ.get("PYTHONPATH", "")])
     node = Node(workdir, env)
@@ -78,7 +83,7 @@ def one_run(args: argparse.Namespace, tokenizer: str, side: str, workdir: Path) 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sides", nargs="+", default=["python:1:asyncio", "hiredis:1:asyncio", "hiredis:1", "hiredis:2"],
-                    help="PARSER:GATEWAYS[:LOOP]")
+                    help="PARSER:GATEWAYS[:LOOP[:CLOCK]]")
     ap.add_argument("--pairs", type=int, default=2, help="rounds of every side")
     ap.add_argument("--step-s", type=float, default=0.02, help="the fake engine's step (0: no cost)")
     ap.add_argument("--concurrency", type=int, default=256)
