@@ -317,15 +317,37 @@ class RedisQueue:
         self.replicas.check(replies, "the submission")
 
     async def events(self, request_id: str, after: str = "0-0") -> AsyncGenerator[tuple[str, JobEvent], None]:
+        async for item in self._followed(request_id, after, None):
+            if item is not None:
+                yield item
+
+    def events_within(
+        self, request_id: str, idle_s: float, after: str = "0-0"
+    ) -> AsyncGenerator[tuple[str, JobEvent] | None, None]:
+        return self._followed(request_id, after, idle_s)
+
+    async def _followed(
+        self, request_id: str, after: str, idle_s: float | None
+    ) -> AsyncGenerator[tuple[str, JobEvent] | None, None]:
         if self._follower is None:
             self._follower = EventFollower(
                 self._r, self.keys, self._s.block_ms, self._s.event_idle_ttl_s, self._s.outage_grace_s
             )
         sub = await self._follower.follow(self.keys.events(request_id), after)
+        inbox = sub.queue
         held: Item | None = None
         try:
             while True:
-                item, held = (held, None) if held is not None else (await sub.queue.get(), None)
+                if held is not None:
+                    item, held = held, None
+                elif idle_s is None:
+                    item = await inbox.get()
+                else:
+                    got = await inbox.get_within(idle_s)
+                    if got is None:
+                        yield None
+                        continue
+                    item = got
                 entry_id, event = self._decoded(item)
                 # A reader that fell behind gets what queued up meanwhile as one event (as vLLM's
                 # output collector merges deltas), so it catches up instead of lagging further.
