@@ -8,13 +8,21 @@ offer 12.8 k tokens/s; 0 is a zero-cost engine, where the relay alone sets the r
 ``bench/load.py --concurrency 256 --input-len 64 --output-len 128``. A side is
 ``PARSER:GATEWAYS[:LOOP]``: ``python`` hides the hiredis module (redis-py then parses the Redis
 protocol in pure Python, as before hiredis was a dependency), ``hiredis`` uses it; GATEWAYS is
-``LLAMAMESH_GATEWAY_PROCESSES``; LOOP is ``LLAMAMESH_GATEWAY_EVENT_LOOP`` (default uvloop).
+``LLAMAMESH_GATEWAY_PROCESSES``; LOOP is ``LLAMAMESH_GATEWAY_EVENT_LOOP`` (default uvloop); CLOCK is
+``LLAMAMESH_WORKER_FAKE_CLOCK`` (default deadline: the engine steps on its own clock, as a GPU's
+does; ``sleep``: the clock before 2026-12, whose step stretches when the worker's loop is busy, so
+the offered rate drops below 12.8 k under load). A side may end in ``@DIR``: the node's gateway
+and worker run from the checkout DIR instead of this one (e.g. the code before a change, unpacked
+with ``git archive REF | tar -x -C DIR``), against the same client, in the same rotation; then the
+clock is set only when the side names it (older code has no such setting).
 Reported per run (a JSON line) and as medians per side: output tokens/s (and its share of the
 offered rate when paced), TTFT p50/p99, ITL p50/p99 at the client, and the gateway's and worker's
 CPU cores.
 
   python bench/cpu_relay.py --step-s 0.02 --pairs 2      # docs/benchmarks.md
   python bench/cpu_relay.py --step-s 0 --sides python:1:asyncio hiredis:1
+  python bench/cpu_relay.py --step-s 0.02 --sides hiredis:1:uvloop:sleep hiredis:1
+  python bench/cpu_relay.py --step-s 0.02 --sides hiredis:1@/tmp/before hiredis:1
 """
 
 from __future__ import annotations
@@ -32,7 +40,8 @@ from metrics_cost import start, tokenizer_dir  # bench/ is on the path of `pytho
 from soak import Node
 
 HERE = Path(__file__).resolve().parent
-KEYS = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "gateway_cores", "worker_cores")
+KEYS = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "gateway_cores", "worker_cores",
+        "queue_p50_ms", "srv_ttft_p50_ms")
 
 
 def no_hiredis(root: Path) -> str:
@@ -44,15 +53,24 @@ def no_hiredis(root: Path) -> str:
 
 
 def one_run(args: argparse.Namespace, tokenizer: str, side: str, workdir: Path) -> dict:
-    parser, gateways, event_loop = [*side.split(":"), "uvloop"][:3]
+    spec, _, code = side.partition("@")
+    parts = spec.split(":")
+    parser, gateways, event_loop, clock = parts + ["uvloop", "deadline"][len(parts) - 2 :]
     workdir.mkdir(parents=True)
     env = {"LLAMAMESH_WORKER_MAX_INFLIGHT": str(max(args.concurrency, 16)),
            "LLAMAMESH_WORKER_FAKE_STEP_S": str(args.step_s), "LLAMAMESH_GATEWAY_PROCESSES": gateways,
            "LLAMAMESH_GATEWAY_EVENT_LOOP": event_loop}  # fmt: skip
+    if not code or len(parts) >= 4:
+        env["LLAMAMESH_WORKER_FAKE_CLOCK"] = clock
     if parser == "python":
         env["PYTHONPATH"] = os.pathsep.join([no_hiredis(workdir), os.environ.get("PYTHONPATH", "")])
     node = Node(workdir, env)
-    start(node, False)
+    here = os.getcwd()
+    os.chdir(code or here)  # `python -m services` (and workers) import from the working directory first
+    try:
+        start(node, False)
+    finally:
+        os.chdir(here)
     try:
         out = workdir / "load.json"
         cmd = [sys.executable, str(HERE / "load.py"), "--address", node.address, "--tokenizer", tokenizer,
@@ -70,7 +88,10 @@ def one_run(args: argparse.Namespace, tokenizer: str, side: str, workdir: Path) 
            "ttft_p50_ms": round(res["ttft_ms_p50"], 1), "ttft_p99_ms": round(res["ttft_ms_p99"], 1),
            "itl_p50_ms": round(res["itl_ms_p50"], 2), "itl_p99_ms": round(res["itl_ms_p99"], 2),
            "gateway_cores": cores.get("gateway", {}).get("total"),
-           "worker_cores": cores.get("worker", {}).get("total")}  # fmt: skip
+           "worker_cores": cores.get("worker", {}).get("total"),
+           # The server's view of TTFT: gateway accept -> worker start (queue), -> first token.
+           "queue_p50_ms": round(res["server_queue_ms_p50"], 1),
+           "srv_ttft_p50_ms": round(res["server_ttft_ms_p50"], 1)}  # fmt: skip
     print(json.dumps(row), flush=True)
     return row
 
@@ -78,7 +99,7 @@ def one_run(args: argparse.Namespace, tokenizer: str, side: str, workdir: Path) 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sides", nargs="+", default=["python:1:asyncio", "hiredis:1:asyncio", "hiredis:1", "hiredis:2"],
-                    help="PARSER:GATEWAYS[:LOOP]")
+                    help="PARSER:GATEWAYS[:LOOP[:CLOCK]]")
     ap.add_argument("--pairs", type=int, default=2, help="rounds of every side")
     ap.add_argument("--step-s", type=float, default=0.02, help="the fake engine's step (0: no cost)")
     ap.add_argument("--concurrency", type=int, default=256)
@@ -94,19 +115,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="cpu-relay-") as tmp:
         for n in range(args.pairs):
             for side in args.sides:
-                rows.append(one_run(args, tokenizer, side, Path(tmp) / f"{n}-{side.replace(':', '-')}"))
+                name = side.replace(":", "-").replace("@", "-at-").replace("/", "_")
+                rows.append(one_run(args, tokenizer, side, Path(tmp) / f"{n}-{name}"))
     offered = args.concurrency / args.step_s if args.step_s else 0.0
     print(f"\n{args.concurrency} streams, {args.input_len} in / {args.output_len} out, fake engine step "
           f"{args.step_s * 1e3:.0f} ms" + (f" (offered {offered:.0f} tok/s)" if offered else " (zero cost)")
           + f", {os.cpu_count()} cores, {args.pairs} round(s), medians")  # fmt: skip
-    print(f"{'side':20}" + "".join(f"{k:>15}" for k in KEYS) + ("   share of offered" if offered else ""))
+    width = max(20, *(len(s) + 2 for s in args.sides))
+    print(f"{'side':{width}}" + "".join(f"{k:>16}" for k in KEYS) + ("   share of offered" if offered else ""))
     medians = {}
     for side in args.sides:
         rs = [r for r in rows if r["side"] == side]
         med = {k: statistics.median(r[k] for r in rs if r[k] is not None) for k in KEYS}
         medians[side] = med
         share = f"   {med['tok_s'] / offered:.3f}" if offered else ""
-        print(f"{side:20}" + "".join(f"{med[k]:>15.2f}" for k in KEYS) + share)
+        print(f"{side:{width}}" + "".join(f"{med[k]:>16.2f}" for k in KEYS) + share)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "runs": rows, "medians": medians}, indent=1))
 

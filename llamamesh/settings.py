@@ -289,6 +289,9 @@ class GatewaySettings:
         return tuple(out)
 
 
+FAKE_CLOCKS = ("deadline", "sleep")
+
+
 @dataclass(frozen=True)
 class WorkerSettings:
     pool: str = DEFAULT_POOL
@@ -332,6 +335,11 @@ class WorkerSettings:
     grace_s: float = 10.0
     # Fake engine only: seconds per step (lets tests hold a request in flight).
     fake_step_s: float = 0.0
+    # Fake engine only: "deadline": step k is due at start + k x fake_step_s, like a GPU's engine
+    # core stepping on its own clock, so a busy event loop delays tokens but never loses steps (a
+    # late loop delivers the steps it missed at once); "sleep": each step sleeps fake_step_s after
+    # the last one, so a busy loop stretches the step and lowers the offered rate (before 2026-12).
+    fake_clock: str = "deadline"
     # Seconds between heartbeats, and how long one keeps the worker alive in the gateways' eyes.
     heartbeat_s: float = 1.0
     heartbeat_ttl_s: float = 3.0
@@ -359,6 +367,11 @@ class WorkerSettings:
     # HTTP health for probes on this port (host: ``metrics_host``): /livez (the engine has not died)
     # and /readyz (the worker leases jobs) (workers/health.py). 0: off.
     health_port: int = 0
+
+    def __post_init__(self) -> None:
+        if self.fake_clock not in FAKE_CLOCKS:
+            clocks = ", ".join(FAKE_CLOCKS)
+            raise ValueError(f"LLAMAMESH_WORKER_FAKE_CLOCK must be one of {clocks}, not {self.fake_clock!r}")
 
     def consumer_name(self) -> str:
         return self.consumer or f"{socket.gethostname()}-{os.getpid()}"

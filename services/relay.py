@@ -382,17 +382,17 @@ class QueueRelay:
         (or, before any worker took it, that its pool can still serve it better than the fallback).
         Otherwise raise WorkerLost, after which the request may go elsewhere."""
         backends = self._backends
-        events = self._queue.events(attempt.request_id)
-        nxt: asyncio.Future[tuple[str, JobEvent]] = asyncio.ensure_future(anext(events))
+        # One read of the events with an idle signal, not a task and a timed wait per event: at one
+        # event per token per stream that was a tenth of the gateway's CPU (docs/benchmarks.md).
+        idle_s = backends.check_interval_s if backends is not None else 1.0
+        events = self._queue.events_within(attempt.request_id, idle_s)
         worker = ""
         generation = self._queue_generation()
         try:
-            while True:
-                timeout = backends.check_interval_s if backends is not None else 1.0
-                done, _ = await asyncio.wait({nxt}, timeout=timeout)
+            async for item in events:
                 if self._queue_generation() != generation:  # its events and job may be gone: never wait on
                     raise errors.QueueUnavailable("Redis came back without its data: this request was lost")
-                if not done:
+                if item is None:  # nothing for idle_s
                     if backends is not None and worker and not backends.worker_alive(pool, worker):
                         raise errors.WorkerLost(f"worker {worker!r} of pool {pool!r} stopped answering", running=True)
                     if backends is not None and not worker and backends.stranded(pool):
@@ -400,18 +400,13 @@ class QueueRelay:
                     if not worker:
                         self._check_pool(pool)
                     continue
-                try:
-                    _eid, ev = nxt.result()
-                except StopAsyncIteration:
-                    raise errors.WorkerLost("the event stream ended without a terminal event") from None
+                ev = item[1]
                 worker = ev.worker or worker
                 yield ev
                 if ev.terminal:
                     return
-                nxt = asyncio.ensure_future(anext(events))
+            raise errors.WorkerLost("the event stream ended without a terminal event")
         finally:
-            nxt.cancel()
-            await asyncio.gather(nxt, return_exceptions=True)
             await events.aclose()
 
     def _check_pool(self, pool: str) -> None:

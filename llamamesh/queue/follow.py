@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any  # redis-py types stream replies loosely
 
@@ -52,13 +53,88 @@ def _id(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
+class Inbox:
+    """A follower's entries as they arrive: asyncio.Queue's put_nowait / get / get_nowait / empty,
+    plus ``get_within``, which also returns (None) when nothing came for a while without a timer
+    or a task per entry: one timer per idle period, re-armed lazily (a relayed request waits for
+    hundreds of entries per liveness check; wait_for would cost a timer and a task each)."""
+
+    __slots__ = ("_got_at", "_items", "_loop", "_timer", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[Item] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._got_at = 0.0  # loop time of the last entry (or of the last idle return)
+
+    def put_nowait(self, item: Item) -> None:
+        self._items.append(item)
+        if self._loop is not None:
+            self._got_at = self._loop.time()
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def get_nowait(self) -> Item:
+        if not self._items:
+            raise asyncio.QueueEmpty
+        return self._items.popleft()
+
+    async def get(self) -> Item:
+        while not self._items:
+            await self._wait()
+        return self._items.popleft()
+
+    async def get_within(self, idle_s: float) -> Item | None:
+        """The next entry, or None when ``idle_s`` passed since the last one (or the last None)."""
+        if not self._items:
+            loop = self._loop = self._loop or asyncio.get_running_loop()
+            if not self._got_at:
+                self._got_at = loop.time()
+            if self._timer is None:
+                self._timer = loop.call_at(self._got_at + idle_s, self._idle, idle_s)
+            await self._wait()
+            if not self._items:
+                return None
+        return self._items.popleft()
+
+    async def _wait(self) -> None:
+        fut = self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await fut
+        finally:
+            self._waiter = None
+
+    def _idle(self, idle_s: float) -> None:
+        self._timer = None
+        w = self._waiter
+        if w is None or w.done() or self._loop is None:
+            return  # nobody waits: the next get_within arms it again
+        left = self._got_at + idle_s - self._loop.time()
+        if left > 0:  # an entry came meanwhile: the idle period starts from it
+            self._timer = self._loop.call_later(left, self._idle, idle_s)
+        else:
+            self._got_at = self._loop.time()
+            w.set_result(None)
+
+    def close(self) -> None:
+        """Drop the idle timer (the reader is done)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
 @dataclass(eq=False)
 class Follower:
     """One reader of one stream: entries after ``last`` arrive on ``queue``."""
 
     key: str
     last: str
-    queue: asyncio.Queue[Item] = field(default_factory=asyncio.Queue)
+    queue: Inbox = field(default_factory=Inbox)
 
 
 def hash_tag(key: str) -> str:
@@ -170,6 +246,7 @@ class _Lane:
         return sub
 
     def unfollow(self, sub: Follower) -> None:
+        sub.queue.close()
         subs = self._subs.get(sub.key)
         if subs is not None and sub in subs:
             subs.remove(sub)

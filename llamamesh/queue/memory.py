@@ -162,7 +162,16 @@ class MemoryQueue:
         await self._notify()
 
     async def events(self, request_id: str, after: str = "0-0") -> AsyncGenerator[tuple[str, JobEvent], None]:
+        async for item in self.events_within(request_id, None, after):
+            if item is not None:
+                yield item
+
+    async def events_within(
+        self, request_id: str, idle_s: float | None, after: str = "0-0"
+    ) -> AsyncGenerator[tuple[str, JobEvent] | None, None]:
+        loop = asyncio.get_running_loop()
         seen = _seq(after)
+        idle_at = loop.time() + (idle_s or 0.0)  # idle: none of this request's events since then
         while True:
             self._check()
             fresh = [(i, e) for i, e in self._events.get(request_id, []) if _seq(i) > seen]
@@ -171,9 +180,18 @@ class MemoryQueue:
                 yield entry_id, event
                 if event.terminal:
                     return
-            if not fresh:
-                async with self._changed:
-                    await self._changed.wait()
+            if fresh:
+                idle_at = loop.time() + (idle_s or 0.0)
+                continue
+            idle = False
+            async with self._changed:
+                try:
+                    await asyncio.wait_for(self._changed.wait(), None if idle_s is None else idle_at - loop.time())
+                except asyncio.TimeoutError:
+                    idle = True
+            if idle:
+                idle_at = loop.time() + (idle_s or 0.0)
+                yield None
 
     async def cancel(self, request_id: str) -> None:
         self._check()

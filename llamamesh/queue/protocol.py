@@ -85,6 +85,13 @@ class Jobs(Protocol):
         """
         ...
 
+    def events_within(
+        self, request_id: str, idle_s: float, after: str = "0-0"
+    ) -> AsyncGenerator[tuple[str, JobEvent] | None, None]:
+        """``events``, and None each time ``idle_s`` passes without one (the relay checks its
+        worker's liveness then), without a timer or a task per event."""
+        ...
+
     async def cancel(self, request_id: str) -> None:
         """Mark the request cancelled: a queued job is skipped, a running one aborted."""
 

@@ -244,6 +244,34 @@ return 0
 """
 
 
+# A worker's events of one step in one command (a single server; a cluster's keys span slots):
+# ARGV[1] is the field, then per event (payload, ttl, attempt id): XADD, then EXPIRE when ttl > 0;
+# a terminal event (attempt id set) also has its caller's attempts record as its next key, which
+# then gets _ENDED's treatment. One reply instead of one per command: in the pipeline of a few
+# hundred XADDs every step, the client's per-reply cost was most of the worker's publishing.
+_APPEND = """
+local k = 1
+for a = 2, #ARGV, 3 do
+  local key = KEYS[k]
+  k = k + 1
+  redis.call('XADD', key, '*', ARGV[1], ARGV[a])
+  local ttl = tonumber(ARGV[a + 1])
+  if ttl > 0 then
+    redis.call('EXPIRE', key, ttl)
+  end
+  local attempt = ARGV[a + 2]
+  if attempt ~= '' then
+    local last = redis.call('LINDEX', KEYS[k], -1)
+    if last and string.find(last, '"attempt_id": "' .. attempt .. '"', 1, true) then
+      redis.call('EXPIRE', KEYS[k], ttl)
+    end
+    k = k + 1
+  end
+end
+return k - 1
+"""
+
+
 class RedisQueue:
     """Both faces of the queue (JobQueue and WorkQueue) on one Redis connection pool."""
 
@@ -317,15 +345,37 @@ class RedisQueue:
         self.replicas.check(replies, "the submission")
 
     async def events(self, request_id: str, after: str = "0-0") -> AsyncGenerator[tuple[str, JobEvent], None]:
+        async for item in self._followed(request_id, after, None):
+            if item is not None:
+                yield item
+
+    def events_within(
+        self, request_id: str, idle_s: float, after: str = "0-0"
+    ) -> AsyncGenerator[tuple[str, JobEvent] | None, None]:
+        return self._followed(request_id, after, idle_s)
+
+    async def _followed(
+        self, request_id: str, after: str, idle_s: float | None
+    ) -> AsyncGenerator[tuple[str, JobEvent] | None, None]:
         if self._follower is None:
             self._follower = EventFollower(
                 self._r, self.keys, self._s.block_ms, self._s.event_idle_ttl_s, self._s.outage_grace_s
             )
         sub = await self._follower.follow(self.keys.events(request_id), after)
+        inbox = sub.queue
         held: Item | None = None
         try:
             while True:
-                item, held = (held, None) if held is not None else (await sub.queue.get(), None)
+                if held is not None:
+                    item, held = held, None
+                elif idle_s is None:
+                    item = await inbox.get()
+                else:
+                    got = await inbox.get_within(idle_s)
+                    if got is None:
+                        yield None
+                        continue
+                    item = got
                 entry_id, event = self._decoded(item)
                 # A reader that fell behind gets what queued up meanwhile as one event (as vLLM's
                 # output collector merges deltas), so it catches up instead of lagging further.
@@ -722,27 +772,38 @@ class RedisQueue:
         requests = [req for _t, _eid, req, _k, _s in leased]
         with unreachable():
             async with self._r.pipeline(transaction=False) as pipe:
-                self._check_cancelled(pipe, requests)
+                n_flags = self._check_cancelled(pipe, requests)
                 if reclaimed:
                     for req in requests:
                         pipe.exists(self.keys.events(req.request_id))
                 flags = await pipe.execute()
-        gone = self._cancelled(requests, flags[: 2 * len(requests)])
-        begun = flags[2 * len(requests) :]
+        gone = self._cancelled(requests, flags[:n_flags])
+        begun = flags[n_flags:]
         return [Lease(pool=pool, entry_id=eid, request=req, cancelled=req.request_id in gone,
                       started=bool(begun[i]) if reclaimed else False, tenant=tenant, partition=k, stolen=stolen)
                 for i, (tenant, eid, req, k, stolen) in enumerate(leased)]  # fmt: skip
 
-    def _check_cancelled(self, pipe: Any, requests: Sequence[GenerationRequest]) -> None:
-        """Queue the commands that tell whether each request is cancelled (two replies each)."""
+    def _check_cancelled(self, pipe: Any, requests: Sequence[GenerationRequest]) -> int:
+        """Queue the commands that tell whether each request is cancelled; return how many replies
+        they make. One MGET of both flags of every request (the flags are strings: SET ... 1); on a
+        cluster, whose keys span slots, two EXISTS each."""
+        if not requests:
+            return 0
+        if not self._cluster:
+            k = self.keys
+            pipe.mget([key for req in requests for key in (k.cancel(req.request_id), k.called_off(req.caller_id))])
+            return 1
         for req in requests:
             pipe.exists(self.keys.cancel(req.request_id))
             pipe.exists(self.keys.called_off(req.caller_id))
+        return 2 * len(requests)
 
-    @staticmethod
-    def _cancelled(requests: Sequence[GenerationRequest], replies: Sequence[Any]) -> set[str]:
+    def _cancelled(self, requests: Sequence[GenerationRequest], replies: Sequence[Any]) -> set[str]:
         """The request ids among ``requests`` that are cancelled, from _check_cancelled's replies."""
-        return {req.request_id for i, req in enumerate(requests) if replies[2 * i] or replies[2 * i + 1]}
+        if not requests:
+            return set()
+        flags = replies if self._cluster else replies[0]
+        return {req.request_id for i, req in enumerate(requests) if flags[2 * i] or flags[2 * i + 1]}
 
     async def reclaim(
         self, pool: str, consumer: str, min_idle_ms: int, count: int, max_deliveries: int, own: bool = False,
@@ -950,7 +1011,10 @@ class RedisQueue:
     ) -> set[str]:
         """Also (re)sets a stream's idle TTL on its request's first event here and then at most
         every quarter of it (with the caller's attempts record), so that a long request keeps its
-        stream while it runs; renewals count only once the pipeline went through."""
+        stream while it runs; renewals count only once the pipeline went through. A cluster (this
+        path) gets one command per event; a single server, one script (_publish_one_script)."""
+        if not self._cluster:
+            return await self._publish_one_script(events, watch)
         now = self._clock()
         renewed: set[str] = set()
         # On a cluster (its pipelines refuse scripts) the attempts' scripts run after the pipeline.
@@ -966,10 +1030,7 @@ class RedisQueue:
                         req = lease.request
                         ended_keys = [self.keys.attempts(req.caller_id)]
                         ended_args: list[Any] = [req.request_id, self._s.event_ttl_s]
-                        if self._cluster:
-                            ended.append((self._ended, ended_keys, ended_args))
-                        else:
-                            await self._ended(keys=ended_keys, args=ended_args, client=pipe)
+                        ended.append((self._ended, ended_keys, ended_args))
                         stream = self.keys.work(lease.pool, lease.tenant, lease.partition)
                         pipe.xack(stream, WORKER_GROUP, lease.entry_id)
                         pipe.xdel(stream, lease.entry_id)
@@ -980,11 +1041,54 @@ class RedisQueue:
                         if rid in self._renew_at:  # a renewal: the caller's attempts record too
                             pipe.expire(self.keys.attempts(lease.request.caller_id), self._s.event_idle_ttl_s)
                         renewed.add(rid)
-                self._check_cancelled(pipe, watch)
+                n_flags = self._check_cancelled(pipe, watch)
                 replies = await pipe.execute()
             await call_scripts(self._r, ended)
         self._renewed(now, renewed, [lease.request.request_id for lease, event in events if event.terminal])
-        return self._cancelled(watch, replies[len(replies) - 2 * len(watch) :])
+        return self._cancelled(watch, replies[len(replies) - n_flags :])
+
+    async def _publish_one_script(
+        self, events: Sequence[tuple[Lease, JobEvent]], watch: Sequence[GenerationRequest]
+    ) -> set[str]:
+        """``publish`` on a single server: every event's XADD and TTLs in one _APPEND, then the
+        terminal events' acks and the renewals of callers' records, then the cancel flags."""
+        now = self._clock()
+        renewed: set[str] = set()
+        keys: list[str] = []
+        args: list[Any] = [EVENT_FIELD]
+        with unreachable():
+            async with self._r.pipeline(transaction=False) as pipe:
+                after: list[Lease] = []  # acked after the script wrote their terminal events
+                records: list[str] = []  # callers' attempts records whose TTL is renewed
+                for lease, event in events:
+                    req = lease.request
+                    rid = req.request_id
+                    keys.append(self.keys.events(rid))
+                    if event.terminal:
+                        keys.append(self.keys.attempts(req.caller_id))
+                        args += [codec.encode_event(event), self._s.event_ttl_s, rid]
+                        after.append(lease)
+                    elif rid not in renewed and now >= self._renew_at.get(rid, now):
+                        # The first event creates the stream: bound its life in case no terminal
+                        # follows; later ones push that bound on while the request runs.
+                        args += [codec.encode_event(event), self._s.event_idle_ttl_s, ""]
+                        if rid in self._renew_at:  # a renewal: the caller's attempts record too
+                            records.append(self.keys.attempts(req.caller_id))
+                        renewed.add(rid)
+                    else:
+                        args += [codec.encode_event(event), 0, ""]
+                if keys:
+                    pipe.eval(_APPEND, len(keys), *keys, *args)
+                for lease in after:
+                    stream = self.keys.work(lease.pool, lease.tenant, lease.partition)
+                    pipe.xack(stream, WORKER_GROUP, lease.entry_id)
+                    pipe.xdel(stream, lease.entry_id)
+                for record in records:
+                    pipe.expire(record, self._s.event_idle_ttl_s)
+                n_flags = self._check_cancelled(pipe, watch)
+                replies = await pipe.execute() if len(pipe) else []
+        self._renewed(now, renewed, [lease.request.request_id for lease in after])
+        return self._cancelled(watch, replies[len(replies) - n_flags :])
 
     def _renewed(self, now: float, renewed: set[str], ended: Sequence[str]) -> None:
         """Note the streams whose idle TTL was just renewed and forget the requests that ended. An

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -164,6 +165,12 @@ async def test_terminal_event_acks_expires_and_deletes(redis_settings: RedisSett
         await q.close()
 
 
+async def command_calls(r: Any) -> dict[str, int]:
+    """Calls per command name since the server started (INFO commandstats)."""
+    stats = await r.info("commandstats")
+    return {name.removeprefix("cmdstat_"): v["calls"] for name, v in stats.items()}
+
+
 async def test_publish_sends_one_pipeline_of_known_size(redis_settings: RedisSettings) -> None:
     """Events of many requests in one step go out in one pipeline on one connection."""
     single_server_only(redis_settings, "counts one server's commands (a cluster splits the pipeline per master)")
@@ -175,17 +182,24 @@ async def test_publish_sends_one_pipeline_of_known_size(redis_settings: RedisSet
             await q.submit("cpu", req(f"s{i}"))
         leases = await q.lease("cpu", "w1", 20, 500)
         info_before = (await r.info("clients"))["connected_clients"]
+        calls_before = await command_calls(r)
         before = (await r.info("stats"))["total_commands_processed"]
         await q.publish([(lease, JobEvent(text="z", token_ids=(1,))) for lease in leases],
                         [x.request for x in leases])
         after = (await r.info("stats"))["total_commands_processed"]
-        # 20 XADD + 20 EXPIRE (first events) + 2 x 20 EXISTS (the job's and its caller's cancel;
-        # watched at most every 100 ms) + 1 for the INFO call itself
-        assert after - before == 81
+        calls = await command_calls(r)
+        sent = {cmd: n - calls_before.get(cmd, 0) for cmd, n in calls.items() if n != calls_before.get(cmd, 0)}
+        # One EVAL running 20 XADD + 20 EXPIRE (first events; Redis counts a script's commands
+        # too), one MGET of the 2 x 20 cancel flags (the job's and its caller's; watched at most
+        # every 100 ms), + 1 for the INFO call itself
+        assert after - before == 43
+        # What came over the wire: the EVAL and the MGET (and INFO calls), no command per request.
+        assert {cmd: n for cmd, n in sent.items() if cmd not in ("info",)} == {
+            "eval": 1, "xadd": 20, "expire": 20, "mget": 1}
         before = (await r.info("stats"))["total_commands_processed"]
         await q.publish([(lease, JobEvent(text="y", token_ids=(2,), index=1)) for lease in leases], [])
         after = (await r.info("stats"))["total_commands_processed"]
-        assert after - before == 21  # later events: XADD only
+        assert after - before == 22  # later events: the EVAL and its XADDs only
         assert (await r.info("clients"))["connected_clients"] == info_before
     finally:
         await r.aclose()

@@ -6,6 +6,14 @@ prompt (or the request's seed), and its text is ``" w<id>"``; a resumed request
 ``settings.fake_step_s`` seconds, and like a real engine every running request
 advances on the same step (one shared clock). Aborts are recorded in ``aborted``.
 
+The clock (``settings.fake_clock``): "deadline" makes step k due at start + k x step, as a GPU's
+engine core steps whatever its frontend does; when the event loop was busy past one or more
+steps, the steps it missed are not skipped: each running request gets the tokens of every step
+it missed at once (the outbox then publishes them as one event, as vLLM's output processor
+merges what queued up). So the offered rate is exactly running / step, and CPU contention shows
+as later and fuller messages. "sleep" sleeps a step after each tick (the clock before 2026-12):
+under load its period stretches beyond the step, so the offered rate itself drops.
+
 Poison, for fault tests, by the prompt's first word: ``__raise__`` makes the engine raise after
 its first token; ``__die__`` kills the engine after its first token (EngineDead, as a lost GPU);
 ``__crash__`` ends the whole worker process before the first token (exit code 70), as a
@@ -43,6 +51,8 @@ class FakeEngine:
         self._running: dict[str, asyncio.Event] = {}
         self._ticker: asyncio.Task[None] | None = None
         self._tick: asyncio.Future[None] | None = None
+        self.steps = 0  # the clock's steps so far
+        self._clock_start = 0.0
         self.dead = False
         self.aborted: list[str] = []
         self.served: list[str] = []
@@ -61,21 +71,44 @@ class FakeEngine:
     async def start(self) -> None:
         if self._settings.fake_step_s and self._ticker is None:
             self._tick = asyncio.get_running_loop().create_future()
+            self._clock_start = asyncio.get_running_loop().time()
             self._ticker = asyncio.create_task(self._run_clock(), name="fake-engine-clock")
 
     async def _run_clock(self) -> None:
         loop = asyncio.get_running_loop()
+        step = self._settings.fake_step_s
+        deadline = self._settings.fake_clock == "deadline"
+        start = self._clock_start
         while True:
-            await asyncio.sleep(self._settings.fake_step_s)
+            if deadline:
+                await asyncio.sleep(max(0.0, start + (self.steps + 1) * step - loop.time()))
+                # Every step due by now has happened, however late this loop woke.
+                self.steps = max(self.steps + 1, self._due())
+            else:
+                await asyncio.sleep(step)
+                self.steps += 1
             tick, self._tick = self._tick, loop.create_future()
             if tick is not None:
                 tick.set_result(None)
 
-    async def _next_step(self) -> None:
+    def _due(self) -> int:
+        """The steps the deadline clock has made by now (its task may not have run yet)."""
+        elapsed = asyncio.get_running_loop().time() - self._clock_start
+        return int(elapsed / self._settings.fake_step_s)
+
+    async def _next_step(self, last: int) -> int:
+        """Wait for the step after ``last`` (the one the request's previous token came from) and
+        return it. On the deadline clock a step already made returns at once (a missed step is
+        delivered, not skipped); on the sleep clock every token waits for the next tick."""
         if self._tick is None:
             await asyncio.sleep(0)
-        else:
+            return last
+        if self._settings.fake_clock == "sleep":
             await asyncio.shield(self._tick)
+            return self.steps
+        while self.steps <= last:
+            await asyncio.shield(self._tick)
+        return last + 1
 
     async def tokenize(self, request: GenerationRequest) -> list[int]:
         return [zlib.crc32(w.encode()) % VOCAB for w in _input_text(request).split()]
@@ -101,9 +134,11 @@ class FakeEngine:
         abort = self._running[request.request_id] = asyncio.Event()
         remember(self.served, request.request_id)
         poison = _input_text(request).split(" ", 1)[0]
+        # Its first token comes from the clock's next step (by the time it arrived, not by a late tick).
+        at = self._due() if self._tick is not None and self._settings.fake_clock == "deadline" else self.steps
         try:
             for i in range(max_tokens):
-                await self._next_step()
+                at = await self._next_step(at)
                 if abort.is_set():
                     yield TokenDelta(finish_reason=FinishReason.CANCELLED, prompt_tokens=n_prompt)
                     return
