@@ -1006,41 +1006,54 @@ class RedisQueue:
                                 args=[worker, 0, self._parts, "leave"])  # fmt: skip
         self._owned.pop((pool, worker), None)
 
+    def _ttls(self, events: Sequence[tuple[Lease, JobEvent]], now: float) -> tuple[list[tuple[int, bool]], set[str]]:
+        """Per event: the TTL its stream gets now (0: none) and whether its caller's attempts record
+        is renewed with it; and the requests whose idle TTL this renews. A terminal event gives its
+        stream the ended TTL; the first event of a request creates its stream and bounds its life in
+        case no terminal follows, and later ones push that bound on at most every quarter of it."""
+        renewed: set[str] = set()
+        out: list[tuple[int, bool]] = []
+        for lease, event in events:
+            rid = lease.request.request_id
+            if event.terminal:
+                out.append((self._s.event_ttl_s, False))
+            elif rid not in renewed and now >= self._renew_at.get(rid, now):
+                out.append((self._s.event_idle_ttl_s, rid in self._renew_at))  # a renewal: the record too
+                renewed.add(rid)
+            else:
+                out.append((0, False))
+        return out, renewed
+
+    def _ack(self, pipe: Any, lease: Lease) -> None:
+        stream = self.keys.work(lease.pool, lease.tenant, lease.partition)
+        pipe.xack(stream, WORKER_GROUP, lease.entry_id)
+        pipe.xdel(stream, lease.entry_id)
+
     async def publish(
         self, events: Sequence[tuple[Lease, JobEvent]], watch: Sequence[GenerationRequest]
     ) -> set[str]:
-        """Also (re)sets a stream's idle TTL on its request's first event here and then at most
-        every quarter of it (with the caller's attempts record), so that a long request keeps its
-        stream while it runs; renewals count only once the pipeline went through. A cluster (this
-        path) gets one command per event; a single server, one script (_publish_one_script)."""
+        """Also (re)sets a stream's idle TTL (``_ttls``), so that a long request keeps its stream while
+        it runs; renewals count only once the pipeline went through. A single server gets one script
+        for all the step's events (_publish_one_script); a cluster one command per event (this)."""
         if not self._cluster:
             return await self._publish_one_script(events, watch)
         now = self._clock()
-        renewed: set[str] = set()
+        ttls, renewed = self._ttls(events, now)
         # On a cluster (its pipelines refuse scripts) the attempts' scripts run after the pipeline.
         ended: list[tuple[Any, list[str], list[Any]]] = []
         with unreachable():
             async with self._r.pipeline(transaction=False) as pipe:
-                for lease, event in events:
-                    rid = lease.request.request_id
-                    key = self.keys.events(rid)
+                for (lease, event), (ttl, record) in zip(events, ttls, strict=True):
+                    req = lease.request
+                    key = self.keys.events(req.request_id)
                     pipe.xadd(key, {EVENT_FIELD: codec.encode_event(event)})
+                    if ttl:
+                        pipe.expire(key, ttl)
+                    if record:
+                        pipe.expire(self.keys.attempts(req.caller_id), self._s.event_idle_ttl_s)
                     if event.terminal:
-                        pipe.expire(key, self._s.event_ttl_s)
-                        req = lease.request
-                        ended_keys = [self.keys.attempts(req.caller_id)]
-                        ended_args: list[Any] = [req.request_id, self._s.event_ttl_s]
-                        ended.append((self._ended, ended_keys, ended_args))
-                        stream = self.keys.work(lease.pool, lease.tenant, lease.partition)
-                        pipe.xack(stream, WORKER_GROUP, lease.entry_id)
-                        pipe.xdel(stream, lease.entry_id)
-                    elif rid not in renewed and now >= self._renew_at.get(rid, now):
-                        # The first event creates the stream: bound its life in case no terminal
-                        # follows; later ones push that bound on while the request runs.
-                        pipe.expire(key, self._s.event_idle_ttl_s)
-                        if rid in self._renew_at:  # a renewal: the caller's attempts record too
-                            pipe.expire(self.keys.attempts(lease.request.caller_id), self._s.event_idle_ttl_s)
-                        renewed.add(rid)
+                        ended.append((self._ended, [self.keys.attempts(req.caller_id)], [req.request_id, ttl]))
+                        self._ack(pipe, lease)
                 n_flags = self._check_cancelled(pipe, watch)
                 replies = await pipe.execute()
             await call_scripts(self._r, ended)
@@ -1053,41 +1066,31 @@ class RedisQueue:
         """``publish`` on a single server: every event's XADD and TTLs in one _APPEND, then the
         terminal events' acks and the renewals of callers' records, then the cancel flags."""
         now = self._clock()
-        renewed: set[str] = set()
+        ttls, renewed = self._ttls(events, now)
         keys: list[str] = []
         args: list[Any] = [EVENT_FIELD]
+        ended: list[Lease] = []  # acked after the script wrote their terminal events
+        records: list[str] = []  # callers' attempts records whose TTL is renewed
+        for (lease, event), (ttl, record) in zip(events, ttls, strict=True):
+            req = lease.request
+            keys.append(self.keys.events(req.request_id))
+            args += [codec.encode_event(event), ttl, req.request_id if event.terminal else ""]
+            if event.terminal:
+                keys.append(self.keys.attempts(req.caller_id))
+                ended.append(lease)
+            if record:
+                records.append(self.keys.attempts(req.caller_id))
         with unreachable():
             async with self._r.pipeline(transaction=False) as pipe:
-                after: list[Lease] = []  # acked after the script wrote their terminal events
-                records: list[str] = []  # callers' attempts records whose TTL is renewed
-                for lease, event in events:
-                    req = lease.request
-                    rid = req.request_id
-                    keys.append(self.keys.events(rid))
-                    if event.terminal:
-                        keys.append(self.keys.attempts(req.caller_id))
-                        args += [codec.encode_event(event), self._s.event_ttl_s, rid]
-                        after.append(lease)
-                    elif rid not in renewed and now >= self._renew_at.get(rid, now):
-                        # The first event creates the stream: bound its life in case no terminal
-                        # follows; later ones push that bound on while the request runs.
-                        args += [codec.encode_event(event), self._s.event_idle_ttl_s, ""]
-                        if rid in self._renew_at:  # a renewal: the caller's attempts record too
-                            records.append(self.keys.attempts(req.caller_id))
-                        renewed.add(rid)
-                    else:
-                        args += [codec.encode_event(event), 0, ""]
                 if keys:
                     pipe.eval(_APPEND, len(keys), *keys, *args)
-                for lease in after:
-                    stream = self.keys.work(lease.pool, lease.tenant, lease.partition)
-                    pipe.xack(stream, WORKER_GROUP, lease.entry_id)
-                    pipe.xdel(stream, lease.entry_id)
-                for record in records:
-                    pipe.expire(record, self._s.event_idle_ttl_s)
+                for lease in ended:
+                    self._ack(pipe, lease)
+                for attempts in records:
+                    pipe.expire(attempts, self._s.event_idle_ttl_s)
                 n_flags = self._check_cancelled(pipe, watch)
                 replies = await pipe.execute() if len(pipe) else []
-        self._renewed(now, renewed, [lease.request.request_id for lease in after])
+        self._renewed(now, renewed, [lease.request.request_id for lease in ended])
         return self._cancelled(watch, replies[len(replies) - n_flags :])
 
     def _renewed(self, now: float, renewed: set[str], ended: Sequence[str]) -> None:
