@@ -57,7 +57,10 @@ def one_run(args: argparse.Namespace, tokenizer: str, side: str, workdir: Path) 
     parts = spec.split(":")
     parser, gateways, event_loop, clock = parts + ["uvloop", "deadline"][len(parts) - 2 :]
     workdir.mkdir(parents=True)
-    env = {"LLAMAMESH_WORKER_MAX_INFLIGHT": str(max(args.concurrency, 16)),
+    # Room for every stream: the worker keeps LLAMAMESH_WORKER_TENANT_HEADROOM (1) slot for other
+    # tenants, so with max_inflight = concurrency one stream of the client's (one tenant) waited a
+    # whole request for a slot each round (before 2026-12-02 the figures ran 255 streams).
+    env = {"LLAMAMESH_WORKER_MAX_INFLIGHT": str(max(2 * args.concurrency, 16)),
            "LLAMAMESH_WORKER_FAKE_STEP_S": str(args.step_s), "LLAMAMESH_GATEWAY_PROCESSES": gateways,
            "LLAMAMESH_GATEWAY_EVENT_LOOP": event_loop}  # fmt: skip
     if not code or len(parts) >= 4:

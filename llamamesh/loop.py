@@ -1,10 +1,12 @@
 """The event loop of llamamesh's processes: uvloop where it is installed (a dependency everywhere
 but Windows), else asyncio's own. The gateway's relay and a worker's hundreds of job tasks are
-loop-bound: every relayed message is a few loop callbacks on each side."""
+loop-bound: every relayed message is a few loop callbacks on each side, and a pause of the loop
+(a garbage collection of the whole heap) delays every stream at once."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -25,3 +27,18 @@ def run_main(coro: Coroutine[Any, Any, T], kind: str = "uvloop") -> T:
         else:
             return uvloop.run(coro)
     return asyncio.run(coro)
+
+
+def freeze_heap() -> int:
+    """Once a process has started serving: collect, then move every object alive now (modules,
+    grpc, protobuf descriptors, the engine's objects) out of the garbage collector's reach, so a
+    full collection scans only what serving allocated since. Returns the objects frozen.
+
+    The heap after start-up is almost all long-lived; without this each full collection walked it
+    all, and the gateway stopped every stream for 50-70 ms about every 1.5 s at 12.8 k messages a
+    second (issue 19 part 4; vLLM's API server freezes its heap after start-up the same way).
+    Garbage made before the call is collected first; what is frozen is never freed, so call it
+    once, after start-up, not per request."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

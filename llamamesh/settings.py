@@ -129,6 +129,10 @@ class RedisSettings:
     health_check_s: int = 1
     # Times a command is retried on a fresh connection after a connection error (jittered backoff).
     retries: int = 1
+    # Connections one process's client opens to the Redis server at most (one server or the
+    # Sentinels' primary); a command that finds them all busy waits for one. A blocking read holds
+    # one while it waits. A Redis Cluster client keeps redis-py's per-node bound (1024).
+    max_connections: int = 256
     # How many Redis Cluster slots the requests' event streams are spread over (evenly over the
     # slot space): a gateway keeps one blocking read per shard it relays from. Every gateway and
     # worker must agree. On a single Redis it changes nothing.
@@ -197,6 +201,10 @@ class GatewaySettings:
     # them), as `vllm serve --api-server-count`. One Python process relays about 5k streamed
     # messages a second before its latency grows; 1: this process serves.
     processes: int = 1
+    # Extra requests for new calls each gateway process keeps outstanding per method, beyond
+    # grpc.aio's one (services/accept.py): a burst of new calls is accepted together instead of one
+    # per turn of a busy event loop. 0: grpc's own accept loop alone.
+    acceptors: int = 8
     # The gateway process's event loop: "uvloop" (where installed, else asyncio's) or "asyncio".
     # uvloop's cheaper callbacks cut the relay's CPU per message (docs/benchmarks.md, issue 19).
     event_loop: str = "uvloop"

@@ -170,14 +170,21 @@ class Gatekeeper(grpc.aio.ServerInterceptor):
 
         if streaming:
 
-            async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async def stream(request: Any, context: grpc.aio.ServicerContext) -> None:
                 await enter(request, context)
                 gate.active += 1
                 try:
                     result = behavior(screened(request, context) if request_streaming else request, context)
                     if inspect.isasyncgen(result):
-                        async for msg in result:
-                            yield msg
+                        # Written here and closed here, in the call's task, on every way out. Given to
+                        # grpc, a generator it stops iterating (its write failed: the caller went
+                        # away) is closed later by the garbage collector's hook, in another task and
+                        # context: its clean-up then ran late, and failed resetting context variables.
+                        try:
+                            async for msg in result:
+                                await context.write(msg)
+                        finally:
+                            await result.aclose()
                     else:  # a handler that writes with context.write
                         await result
                 finally:

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from llamamesh import logs, metrics, tracing
-from llamamesh.loop import EVENT_LOOPS, run_main
+from llamamesh.loop import EVENT_LOOPS, freeze_heap, run_main
 from llamamesh.queue.batches import RedisBatches
 from llamamesh.queue.protocol import BatchStore, JobQueue
 from llamamesh.queue.quotas import Quotas, RedisQuotas
@@ -32,6 +32,7 @@ from llamamesh.supervisor import Child, Supervisor
 from llamamesh.tenants import TenantsFile
 from llamamesh.v1 import admin_pb2, admin_pb2_grpc, batch_pb2, batch_pb2_grpc, generation_pb2, generation_pb2_grpc
 from services import tls
+from services.accept import Acceptors
 from services.admin import AdminServicer
 from services.admission import Admission
 from services.auth import Gatekeeper
@@ -57,6 +58,7 @@ class Gateway:
     backends: Backends
     relay: QueueRelay
     port: int
+    acceptors: Acceptors | None = None
     sweeper: BatchSweeper | None = None
     admission: Admission | None = None
     # The plaintext health-only port (settings.health_port), and where it listens (0: none).
@@ -68,6 +70,8 @@ class Gateway:
         health-only port last: probes see NOT_SERVING through the drain)."""
         await self.health.shutdown()
         await self.server.stop(grace_s)
+        if self.acceptors is not None:
+            await self.acceptors.stop()
         await self.relay.close()
         await self.backends.stop()
         if self.admission is not None:
@@ -127,6 +131,7 @@ async def start_gateway(
             ("grpc.max_receive_message_length", max(batch_bytes, settings.max_request_bytes)),
         ],
     )
+    acceptors = Acceptors(server, [gatekeeper], settings.acceptors)  # before any service is added
     admission = Admission(quotas)
     reporter = HealthReporter(
         queue,
@@ -166,6 +171,7 @@ async def start_gateway(
     if settings.health_port:
         health_server, health_port = await health_only_server(reporter, settings.host, settings.health_port, share_port)
     await server.start()
+    acceptors.start()
     await reporter.start()
     await backends.start()
     admission.start()
@@ -173,13 +179,14 @@ async def start_gateway(
         sweeper.start()
     mtls = bool(settings.tls_client_ca)
     log.info("gateway_started", host=settings.host, port=bound, tls=bool(settings.tls_cert), mtls=mtls,
-             health_port=health_port or None)  # fmt: skip
+             health_port=health_port or None, acceptors=acceptors.n)  # fmt: skip
     if normalizer:
         log.info("normalize_rules_loaded", rules=[r.name for r in normalizer.rules])
     if tenants is not None:
         log.info("gateway_auth", tenants=len(tenants.current().tenants), file=tenants.path)
     return Gateway(server=server, health=reporter, backends=backends, relay=relay, port=bound, sweeper=sweeper,
-                   admission=admission, health_server=health_server, health_port=health_port)  # fmt: skip
+                   admission=admission, health_server=health_server, health_port=health_port,
+                   acceptors=acceptors)  # fmt: skip
 
 
 async def serve(settings: Settings, share_port: bool = False) -> None:
@@ -201,6 +208,7 @@ async def serve(settings: Settings, share_port: bool = False) -> None:
         queue, settings.gateway, share_port=share_port, breaker=settings.breaker, batches=batches, batch=settings.batch,
         auth=settings.auth, limits=settings.limits, quotas=RedisQuotas(queue.client, queue.keys),
     )  # fmt: skip
+    log.info("heap_frozen", objects=freeze_heap())
     try:
         await stop.wait()
         if g.settle_s > 0:

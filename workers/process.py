@@ -57,7 +57,7 @@ async def serve(settings: Settings, engine: Engine | None = None) -> int:
         if engine is None:
             engine = await _create_engine(settings, queue)
         batches = RedisBatches.from_settings(queue.client, queue.keys, settings.batch)
-        worker = Worker(ws, queue, engine, settings.redis.block_ms, batches, settings.batch)
+        worker = Worker(ws, queue, engine, settings.redis.block_ms, batches, settings.batch, freeze=True)
         await worker.run(stop)
     except EngineDead as exc:
         log.error("worker_exiting_engine_dead", error=str(exc))

@@ -150,12 +150,20 @@ def connect(settings: RedisSettings) -> aioredis.Redis:
         return _sentinel(settings)
     if urlsplit(settings.url).scheme in CLUSTER_SCHEMES:
         return _cluster(settings)
-    return aioredis.Redis.from_url(settings.url, **tls_options(settings), **_options(settings))
+    pool = aioredis.BlockingConnectionPool.from_url(settings.url, **tls_options(settings), **_options(settings))
+    return aioredis.Redis.from_pool(pool)  # closing the client closes its pool
 
 
 def _options(settings: RedisSettings) -> dict[str, Any]:
-    """What every client's connections share: timeouts, the health check, the retry."""
+    """What every client's connections share: timeouts, the health check, the retry, and the
+    bound on connections (a blocking pool: a command that finds every connection busy waits for
+    one, as long as a command may take, instead of failing at once, as redis-py's default pool
+    does past 100: a burst of 256 new calls on one gateway process failed UNAVAILABLE)."""
+    if settings.max_connections < 8:
+        raise ValueError(f"LLAMAMESH_REDIS_MAX_CONNECTIONS must be 8 or more, not {settings.max_connections}")
     return {
+        "max_connections": settings.max_connections,
+        "timeout": settings.block_ms / 1000 + 10,
         # Blocking reads hold a connection each; the socket timeout must outlast them.
         "socket_timeout": settings.block_ms / 1000 + 10,
         "socket_connect_timeout": 5,
@@ -183,10 +191,11 @@ def _sentinel(settings: RedisSettings) -> aioredis.Redis:
     return client
 
 
-class _SentinelPool(SentinelConnectionPool):
+class _SentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
     """redis-py's pool of the Sentinels' primary, which asks them again at most every
     ``PRIMARY_RECHECK_S`` when a connection is taken (idle connections to an old primary are then
-    dropped), and drops a connection given back to an old primary."""
+    dropped), and drops a connection given back to an old primary; bounded and waiting for a free
+    connection as the single server's pool (``_options``)."""
 
     def __init__(self, service_name: str, sentinel_manager: Sentinel, **kwargs: Any) -> None:
         super().__init__(service_name, sentinel_manager, **kwargs)

@@ -342,7 +342,6 @@ class RedisQueue:
             whose = f"tenant {tenant!r} has" if tenant else "has"
             raise QueueFull(f"pool {pool!r} {whose} {waiting} requests waiting (at most {max_waiting}); retry later")
         self.replicas.check(replies, "the submission")
-        self.replicas.check(replies, "the submission")
 
     async def events(self, request_id: str, after: str = "0-0") -> AsyncGenerator[tuple[str, JobEvent], None]:
         async for item in self._followed(request_id, after, None):

@@ -234,6 +234,33 @@ async def test_unreachable_redis_is_queue_unavailable() -> None:
         await q.close()
 
 
+async def test_a_burst_past_the_connection_bound_waits_for_connections_instead_of_failing(
+    redis_settings: RedisSettings,
+) -> None:
+    """256 submissions at once through a client bounded to 16 connections all go through, on at
+    most 16 connections (redis-py's default pool refused past 100: UNAVAILABLE for a burst of new
+    calls on one gateway process)."""
+    single_server_only(redis_settings, "counts one server's clients")
+    q = RedisQueue.from_settings(dataclasses.replace(redis_settings, max_connections=16))
+    raw = raw_client(redis_settings)
+    try:
+        before = len(await raw.client_list())
+        await asyncio.gather(*(q.submit("cpu", req(f"burst-{i}")) for i in range(256)))
+        assert len(await raw.client_list()) - before <= 16
+        leases = await q.lease("cpu", "w1", 300, 100)
+        assert sorted(lease.request.request_id for lease in leases) == sorted(f"burst-{i}" for i in range(256))
+    finally:
+        await q.close()
+        await raw.aclose()
+
+
+def test_a_connection_bound_below_eight_is_refused_naming_the_setting() -> None:
+    from llamamesh.queue.redisio import connect
+
+    with pytest.raises(ValueError, match="LLAMAMESH_REDIS_MAX_CONNECTIONS"):
+        connect(RedisSettings(url="redis://127.0.0.1:1/0", max_connections=4))
+
+
 @pytest.fixture
 async def rq(redis_settings: RedisSettings):
     q = RedisQueue.from_settings(redis_settings)

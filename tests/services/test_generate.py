@@ -2,11 +2,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+import structlog
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
@@ -382,3 +384,46 @@ async def test_a_gap_in_a_streams_tokens_resumes_it_and_never_passes_silently(st
     with pytest.raises(grpc.aio.AioRpcError) as ei:
         await call.read()
     assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "lost tokens 3..5" in (ei.value.details() or "")
+
+
+_STREAMING_CLIENT = """
+import asyncio, sys, grpc
+from llamamesh.v1 import generation_pb2 as pb, generation_pb2_grpc
+async def main():
+    stub = generation_pb2_grpc.GenerationServiceStub(grpc.aio.insecure_channel(sys.argv[1]))
+    calls = [stub.Generate(pb.GenerateRequest(request_id=f"gone-{i}", prompt=f"x {i}", max_tokens=500))
+             for i in range(7)]
+    for c in calls:
+        await c.read()
+    print("streaming", flush=True)
+    await asyncio.sleep(60)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.fake_step_s(0.001)
+async def test_a_client_process_killed_mid_stream_ends_each_call_cancelled_at_once(
+    stack: Stack, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The caller's process dies while the gateway writes tokens at full speed: each call's write
+    fails, and its handler is closed in its own task right then (the job aborted in the engine,
+    one rpc_finished CANCELLED line), not later by the garbage collector in another task, whose
+    clean-up failed resetting the call's context variables (logged as errors)."""
+    import sys
+
+    client = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _STREAMING_CLIENT, f"127.0.0.1:{stack.gateway.port}", stdout=asyncio.subprocess.PIPE
+    )
+    assert client.stdout is not None
+    with structlog.testing.capture_logs() as logs:
+        assert await asyncio.wait_for(client.stdout.readline(), 20) == b"streaming\n"
+        client.kill()
+        await client.wait()
+        for i in range(7):
+            await aborted_and_acked(stack, f"gone-{i}")
+    finished = [e for e in logs if e["event"] == "rpc_finished" and e["method"] == "Generate"]
+    assert sorted(e["status"] for e in finished) == ["CANCELLED"] * 7, finished
+    assert [e for e in logs if e.get("log_level") == "error"] == []
+    # asyncio's "Task exception was never retrieved", OpenTelemetry's "Failed to detach context"
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    assert stack.worker.inflight == 0
