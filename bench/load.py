@@ -28,7 +28,7 @@ from typing import Any
 
 import grpc
 
-from llamamesh.loop import freeze_heap
+from llamamesh.loop import serving_heap
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc
 
@@ -112,9 +112,10 @@ def _worker(args: tuple) -> dict:
         uvloop.install()
     except ImportError:
         pass
-    # Out of the collector's reach: the tokenizer's and grpc's objects (a full collection of them
-    # paused every stream of this client for 100-200 ms, as the gateway's did; llamamesh/loop.py).
-    freeze_heap()
+    # The tokenizer's and grpc's objects out of the collector's reach, and young objects collected
+    # less often (full collections paused every stream of this client for 100-200 ms, as the
+    # gateway's did; llamamesh/loop.py).
+    serving_heap()
     while time.time() < barrier_t:  # all client processes start together
         time.sleep(0.001)
     return asyncio.run(_run(address, prompts, concurrency, output_len, warm))

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from llamamesh import logs, metrics, tracing
-from llamamesh.loop import EVENT_LOOPS, freeze_heap, run_main
+from llamamesh.loop import EVENT_LOOPS, run_main, serving_heap
 from llamamesh.queue.batches import RedisBatches
 from llamamesh.queue.protocol import BatchStore, JobQueue
 from llamamesh.queue.quotas import Quotas, RedisQuotas
@@ -208,7 +208,7 @@ async def serve(settings: Settings, share_port: bool = False) -> None:
         queue, settings.gateway, share_port=share_port, breaker=settings.breaker, batches=batches, batch=settings.batch,
         auth=settings.auth, limits=settings.limits, quotas=RedisQuotas(queue.client, queue.keys),
     )  # fmt: skip
-    log.info("heap_frozen", objects=freeze_heap())
+    log.info("heap_frozen", objects=serving_heap())
     try:
         await stop.wait()
         if g.settle_s > 0:

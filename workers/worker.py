@@ -33,7 +33,7 @@ import structlog
 from llamamesh import metrics
 from llamamesh.backoff import Delays
 from llamamesh.errors import EngineDead, InvalidRequest, QueueUnavailable, WorkerDied, WorkerLost
-from llamamesh.loop import freeze_heap
+from llamamesh.loop import serving_heap
 from llamamesh.queue.protocol import BatchStore, Lease, WorkQueue
 from llamamesh.settings import BatchSettings, WorkerSettings
 from llamamesh.types import JobEvent, WorkerState, WorkerStatus
@@ -60,7 +60,7 @@ class Worker:
         freeze: bool = False,
     ) -> None:
         """``freeze``: once the engine is ready, freeze the process's heap (llamamesh/loop.py:
-        freeze_heap; the worker process does, in-process tests do not)."""
+        serving_heap; the worker process does, in-process tests do not)."""
         self._s = settings
         self._freeze = freeze
         self._queue = queue
@@ -148,7 +148,7 @@ class Worker:
             if await self._start_engine(stop):
                 watchdog = await self._become_ready(stop)
                 if self._freeze:
-                    log.info("heap_frozen", objects=freeze_heap())
+                    log.info("heap_frozen", objects=serving_heap())
                 await self._lease_loop(stop)
         finally:
             if watchdog is not None:

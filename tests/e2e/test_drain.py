@@ -69,6 +69,10 @@ async def test_a_sigtermed_gateway_fails_no_call_of_a_client_sending_through_bot
         assert code == 0
         assert not failed, failed[:5]
         assert '"gateway_settling"' in node.log("gateway")
+        # Both processes froze their start-up heap once serving (llamamesh/loop.py: serving_heap),
+        # and the gateway accepted with its extra call requests (services/accept.py).
+        assert '"heap_frozen"' in node.log("gateway") and '"heap_frozen"' in node.log("worker")
+        assert '"acceptors": 8' in node.log("gateway")
         assert t_exit - t_term >= 2.0  # it settled before it stopped accepting
         assert sum(1 for t in ok if t > t_exit) > SENDERS  # the second gateway took them all
         print(f"{len(ok)} calls, 0 failed; the first gateway served {served(node, 'gateway')}, "

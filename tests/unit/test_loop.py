@@ -35,3 +35,17 @@ def test_a_gateway_with_an_unknown_loop_stops_at_start_naming_the_setting() -> N
     done = subprocess.run([sys.executable, "-m", "services"], env=env, capture_output=True, text=True, timeout=50)
     assert done.returncode != 0
     assert "LLAMAMESH_GATEWAY_EVENT_LOOP" in done.stderr and "'gevent'" in done.stderr, done.stderr
+
+
+def test_serving_heap_freezes_the_start_up_heap_and_collects_young_objects_less_often() -> None:
+    """In a fresh process (the test runner's heap stays as it is)."""
+    code = (
+        "import gc; from llamamesh.loop import serving_heap, SERVING_GC_THRESHOLD as T\n"
+        "before = gc.get_threshold()\n"
+        "n = serving_heap()\n"
+        "assert n > 1000 and gc.get_freeze_count() == n, n\n"
+        "assert gc.get_threshold() == (T, *before[1:]) and T > before[0], gc.get_threshold()\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert done.stdout.strip() == "ok", done.stderr
