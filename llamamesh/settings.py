@@ -198,8 +198,9 @@ class GatewaySettings:
     # statuses: for Kubernetes' native gRPC probes, which cannot speak TLS. 0: none.
     health_port: int = 0
     # Gateway processes sharing the port (SO_REUSEPORT: the kernel spreads client connections over
-    # them), as `vllm serve --api-server-count`. One Python process relays about 5k streamed
-    # messages a second before its latency grows; 1: this process serves.
+    # them), as `vllm serve --api-server-count`. One Python process relayed 12 k streamed messages
+    # a second on 2 shared cores within the latency targets (docs/benchmarks.md, issue 19 part 4);
+    # on a GPU node, where each stream also carries more work, use one per core. 1: this process.
     processes: int = 1
     # Extra requests for new calls each gateway process keeps outstanding per method, beyond
     # grpc.aio's one (services/accept.py): a burst of new calls is accepted together instead of one

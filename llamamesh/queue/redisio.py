@@ -161,11 +161,13 @@ def _options(settings: RedisSettings) -> dict[str, Any]:
     does past 100: a burst of 256 new calls on one gateway process failed UNAVAILABLE)."""
     if settings.max_connections < 8:
         raise ValueError(f"LLAMAMESH_REDIS_MAX_CONNECTIONS must be 8 or more, not {settings.max_connections}")
+    # Blocking reads hold a connection each: the socket timeout must outlast them, and a command
+    # waiting for a free connection waits as long as one command may take.
+    longest_s = settings.block_ms / 1000 + 10
     return {
         "max_connections": settings.max_connections,
-        "timeout": settings.block_ms / 1000 + 10,
-        # Blocking reads hold a connection each; the socket timeout must outlast them.
-        "socket_timeout": settings.block_ms / 1000 + 10,
+        "timeout": longest_s,
+        "socket_timeout": longest_s,
         "socket_connect_timeout": 5,
         "health_check_interval": settings.health_check_s,
         "retry": Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), retries=settings.retries),

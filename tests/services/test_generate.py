@@ -3,6 +3,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator
 
@@ -409,8 +410,6 @@ async def test_a_client_process_killed_mid_stream_ends_each_call_cancelled_at_on
     fails, and its handler is closed in its own task right then (the job aborted in the engine,
     one rpc_finished CANCELLED line), not later by the garbage collector in another task, whose
     clean-up failed resetting the call's context variables (logged as errors)."""
-    import sys
-
     client = await asyncio.create_subprocess_exec(
         sys.executable, "-c", _STREAMING_CLIENT, f"127.0.0.1:{stack.gateway.port}", stdout=asyncio.subprocess.PIPE
     )
