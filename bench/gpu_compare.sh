@@ -21,7 +21,8 @@
 # A stage may end in @TP and /GPUS: llamamesh@2 (one worker, TP 2), llamamesh@1 (one worker per GPU),
 # llamamesh@1/0 (one worker on GPU 0).
 # Env: TP (the worker's tensor_parallel_size; with more GPUs visible, one worker per group), GATEWAYS,
-#      MAX_INFLIGHT, BATCHED_TOKENS (LLAMAMESH_VLLM_MAX_NUM_BATCHED_TOKENS), CONCS, LABEL.
+#      MAX_INFLIGHT, BATCHED_TOKENS (LLAMAMESH_VLLM_MAX_NUM_BATCHED_TOKENS), CONCS, LABEL,
+#      SAME_CLIENT (0: serve stages without bench/load.py's run after `vllm bench serve`).
 #   async        vLLM's AsyncLLM driven in-process (the device's bench_async.py), as a reference
 #
 # .devwheels/ is not committed; build it on the dev machine with
@@ -128,7 +129,7 @@ stage_llamamesh() {
   for c in $CONCS; do
     ts=$(date +%s.%N)
     python3 bench/load.py --address 127.0.0.1:50051 --tokenizer "$M" --concurrency "$c" \
-      --processes "${CLIENT_PROCS:-4}" --json "$R/llamamesh.jsonl" --label "$label" \
+      --processes "${CLIENT_PROCS:-4}" --json "$R/llamamesh.jsonl" --records "$R/records.jsonl" --label "$label" \
       --watch gateway=$gp --watch worker=$wp --watch valkey=$vp 2>&1 | tail -3
     python3 bench/ttft_split.py worker "$L/worker.log" --since "$ts" --until "$(date +%s.%N)" --label "$label-c$c" \
       | tee -a "$R/llamamesh.jsonl"
@@ -180,32 +181,44 @@ stage_mixed() {
 }
 
 stage_mixedserve() {
-  local n dir sp
-  n=$(ls -d "$R"/mixedserve-* 2>/dev/null | wc -l)
-  dir="$R/mixedserve-$n"
+  serve_up mixedserve --api-server-count 4 --scheduling-policy priority || return 1
+  python3 bench/interactive_under_batch.py --target openai --url http://127.0.0.1:8000 --model "$M" $(mixed_args) \
+    --label "serve4-priority${LABEL:+-$LABEL}" 2>&1 | grep -v '^\s*$' | tail -6
+  serve_down
+}
+
+# `vllm serve "$M"` with the arguments given, in a fresh $R/NAME-<n>/ (its log there). Sets dir, sp.
+serve_up() {
+  local name=$1 n
+  shift
+  n=$(ls -d "$R/$name-"* 2>/dev/null | wc -l)
+  dir="$R/$name-$n"
   mkdir -p "$dir"
-  vllm serve "$M" --load-format dummy --dtype bfloat16 --seed 0 --host 127.0.0.1 --port 8000 \
-    --api-server-count 4 --scheduling-policy priority > "$dir/serve.log" 2>&1 &
+  vllm serve "$M" --load-format dummy --dtype bfloat16 --seed 0 --host 127.0.0.1 --port 8000 "$@" \
+    > "$dir/serve.log" 2>&1 &
   sp=$!
   for i in $(seq 1 300); do
     python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2)" 2>/dev/null && break
-    kill -0 $sp 2>/dev/null || { echo "[mixedserve] vllm serve exited"; tail -30 "$dir/serve.log"; return 1; }
+    kill -0 $sp 2>/dev/null || { echo "[$name] vllm serve exited"; tail -30 "$dir/serve.log"; return 1; }
     sleep 1
   done
-  echo "[mixedserve] ready after $i s"
-  python3 bench/interactive_under_batch.py --target openai --url http://127.0.0.1:8000 --model "$M" $(mixed_args) \
-    --label "serve4-priority${LABEL:+-$LABEL}" 2>&1 | grep -v '^\s*$' | tail -6
+  echo "[$name] ready after $i s"
+}
+
+serve_down() {
   kill -INT $sp; wait $sp 2>/dev/null
+  grep -E "Traceback" -A5 "$dir/serve.log" | head -12
   free_gpu
 }
 
-# `vllm serve` + `vllm bench serve` (the device's serve_bench.sh), with vLLM's own TTFT split polled
-# from its /metrics every second (bench/ttft_split.py prom cuts it into the load phases).
+# `vllm serve` + `vllm bench serve` (the arguments of the device's serve_bench.sh, plus --save-detailed:
+# each request's start and TTFT), then the same load from bench/load.py (SAME_CLIENT=1, the default: the
+# client of the llamamesh stages, streaming /v1/completions), with vLLM's own TTFT split polled from its
+# /metrics every second (bench/ttft_split.py prom cuts it into the load phases).
 stage_serve() {
-  local name=$1 n poller
-  n=$(ls -d "$R/$name-"* 2>/dev/null | wc -l)
-  local dir="$R/$name-$n"
-  mkdir -p "$dir"
+  local name=$1 poller c
+  shift
+  serve_up "$name" "$@" || return 1
   python3 - "$dir/metrics.txt" <<'PY' &
 import re, sys, time, urllib.request
 keep = re.compile(r"^vllm:(time_to_first_token_seconds|request_queue_time_seconds|request_prefill_time_seconds)_(sum|count)")
@@ -221,10 +234,23 @@ with open(sys.argv[1], "a") as out:
         time.sleep(max(0.0, 1.0 - (time.time() - t)))
 PY
   poller=$!
-  timeout 420 bash /tmp/vllmdev/bench/serve_bench.sh "$M" "$dir" $CONCS
+  for c in $CONCS; do
+    vllm bench serve --backend openai --base-url http://127.0.0.1:8000 --endpoint /v1/completions \
+      --model "$M" --dataset-name random --random-input-len 512 --random-output-len 128 --random-range-ratio 0 \
+      --ignore-eos --num-prompts $(( 8 * c )) --max-concurrency "$c" --num-warmups 32 --seed 0 \
+      --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 --save-result --save-detailed \
+      --result-dir "$dir" --result-filename "serve_c$c.json" --disable-tqdm > "$dir/bench_c$c.log" 2>&1
+    echo "[$name] vllm bench serve rc=$? concurrency=$c"
+    grep -E "Output token throughput|Median TTFT|P99 TTFT" "$dir/bench_c$c.log"
+    if [ "${SAME_CLIENT:-1}" = 1 ]; then
+      python3 bench/load.py --openai-url http://127.0.0.1:8000 --model "$M" --tokenizer "$M" --concurrency "$c" \
+        --processes "${CLIENT_PROCS:-4}" --json "$R/serve-load.jsonl" --records "$R/records.jsonl" \
+        --label "$name-loadpy" 2>&1 | tail -1 | cut -c1-400
+    fi
+  done
   kill $poller 2>/dev/null
+  serve_down
   python3 bench/ttft_split.py prom "$dir/metrics.txt" --label "$name" | tee -a "$R/serve-split.jsonl"
-  free_gpu
 }
 
 # Nothing of a stage may hold the GPU when the next one starts.
@@ -258,9 +284,9 @@ for s in "$@"; do
     llamamesh:*) stage_llamamesh "${s#llamamesh:}" ;;
     async) OUT=$R CONCS="$CONCS" bash /tmp/vllmdev/bench/run_anchors.sh async; free_gpu ;;
     serve) stage_serve serve ;;
-    serve4) SERVE_ARGS="--api-server-count 4" stage_serve serve4 ;;
-    serve4tp2) SERVE_ARGS="--tensor-parallel-size 2 --api-server-count 4" stage_serve serve4tp2 ;;
-    serve4dp2) SERVE_ARGS="--data-parallel-size 2 --api-server-count 4" stage_serve serve4dp2 ;;
+    serve4) stage_serve serve4 --api-server-count 4 ;;
+    serve4tp2) stage_serve serve4tp2 --tensor-parallel-size 2 --api-server-count 4 ;;
+    serve4dp2) stage_serve serve4dp2 --data-parallel-size 2 --api-server-count 4 ;;
     batch) stage_batch ;;
     batchworker) LLAMAMESH_BATCH_MAX_SHARE=1 stage_batch ;;  # a batch worker: its step budget by default
     mixed) stage_mixed 4 ;;

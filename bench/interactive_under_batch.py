@@ -33,7 +33,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from bench.load import _one, make_prompts, pct
+from bench.load import _one, _one_openai, completion_body, make_prompts, pct
 
 One = Callable[[int, list[dict]], Awaitable[None]]
 
@@ -118,39 +118,13 @@ class OpenAI:
     async def close(self) -> None:
         await self.session.close()
 
-    def _body(self, prompt: str, priority: int, stream: bool) -> dict:
-        body = {"model": self.a.model, "prompt": prompt, "max_tokens": self.a.output_len, "ignore_eos": True,
-                "temperature": 1.0, "stream": stream, "priority": priority}  # fmt: skip
-        if stream:
-            body["stream_options"] = {"include_usage": True}
-        return body
-
     def interactive(self, prompts: list[str]) -> One:
         url = self.a.url.rstrip("/") + "/v1/completions"
+        sem = asyncio.Semaphore(1 << 30)
 
         async def one(i: int, rec: list[dict]) -> None:
-            body = self._body(prompts[i % len(prompts)], self.a.priority, True)
-            t0 = time.perf_counter()
-            first = last = 0.0
-            itl: list[float] = []
-            ntok = 0
-            async with self.session.post(url, json=body) as resp:
-                resp.raise_for_status()
-                async for raw in resp.content:  # SSE: one "data: {...}" line per chunk
-                    line = raw.strip()
-                    if not line.startswith(b"data:") or line == b"data: [DONE]":
-                        continue
-                    chunk = json.loads(line[5:])
-                    if chunk.get("usage"):
-                        ntok = chunk["usage"]["completion_tokens"]
-                    if chunk.get("choices") and chunk["choices"][0].get("text"):
-                        now = time.perf_counter()
-                        if first:
-                            itl.append(now - last)
-                        else:
-                            first = now
-                        last = now
-            rec.append({"start": t0, "ttft": first - t0, "itl": itl, "ntok": ntok, "e2e": last - t0, "end": last})
+            body = completion_body(self.a.model, prompts[i % len(prompts)], self.a.output_len, self.a.priority)
+            await _one_openai(self.session, url, body, sem, rec)
 
         return one
 
@@ -160,7 +134,8 @@ class OpenAI:
         tokens: list[int] = []
 
         async def item(p: str) -> None:
-            async with sem, self.session.post(url, json=self._body(p, self.a.batch_priority, False)) as resp:
+            body = completion_body(self.a.model, p, self.a.output_len, self.a.batch_priority, stream=False)
+            async with sem, self.session.post(url, json=body) as resp:
                 resp.raise_for_status()
                 tokens.append((await resp.json())["usage"]["completion_tokens"])
 

@@ -11,6 +11,10 @@ between SSE chunks).
 
   python bench/load.py --address 127.0.0.1:50051 --tokenizer MODEL_DIR --concurrency 64 \
       --num-requests 512 --warmups 32 --json out.json
+
+``--openai-url URL --model NAME`` drives an OpenAI-compatible server (``vllm serve``) with the same
+loop, prompts and processes instead, streaming ``/v1/completions``: the same client on both sides.
+``--records FILE`` keeps each request's start, TTFT and end, to see how the loop's requests bunch.
 """
 
 from __future__ import annotations
@@ -84,28 +88,91 @@ async def _one(stub: Any, prompt: str, output_len: int, sem: asyncio.Semaphore, 
                     "prompt_tokens": usage[0] if usage else 0, "queue_ms": timings[0], "server_ttft_ms": timings[1]})
 
 
-async def _run(address: str, prompts: list[str], concurrency: int, output_len: int, warm: list[str]) -> dict:
-    # One channel per 32 streams: HTTP/2 flow control and one TCP connection per channel.
-    channels = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
-                for _ in range(max(1, concurrency // 32))]
-    stubs = [generation_pb2_grpc.GenerationServiceStub(c) for c in channels]
+async def _one_openai(session: Any, url: str, body: dict, sem: asyncio.Semaphore, rec: list[dict]) -> None:
+    """One streaming request to an OpenAI-compatible ``/v1/completions`` (``vllm serve``), recorded as
+    ``_one`` records a Generate call (the server's own timings are not in its response: NaN)."""
+    async with sem:
+        t0 = time.perf_counter()
+        first = last = 0.0
+        itl: list[float] = []
+        ntok = n_prompt = 0
+        async with session.post(url, json=body) as resp:
+            resp.raise_for_status()
+            async for raw in resp.content:  # SSE: one "data: {...}" line per chunk
+                line = raw.strip()
+                if not line.startswith(b"data:") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if chunk.get("usage"):
+                    ntok, n_prompt = chunk["usage"]["completion_tokens"], chunk["usage"]["prompt_tokens"]
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    now = time.perf_counter()
+                    if first:
+                        itl.append(now - last)
+                    else:
+                        first = now
+                    last = now
+        rec.append({"start": t0, "ttft": first - t0, "itl": itl, "ntok": ntok, "e2e": last - t0, "end": last,
+                    "prompt_tokens": n_prompt, "queue_ms": float("nan"), "server_ttft_ms": float("nan")})
+
+
+def completion_body(model: str, prompt: str, output_len: int, priority: int | None = None,
+                    stream: bool = True) -> dict:
+    """A ``/v1/completions`` body of the same request as ``_one``'s Generate."""
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True,
+                            "temperature": 1.0, "stream": stream}  # fmt: skip
+    if priority is not None:
+        body["priority"] = priority
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+async def _run(target: str, prompts: list[str], concurrency: int, output_len: int, warm: list[str]) -> dict:
+    """Warm-ups, then the closed loop. ``target``: a gateway address, or ``openai:URL|MODEL`` for an
+    OpenAI-compatible server driven by the same loop."""
+    if target.startswith("openai:"):
+        import aiohttp
+
+        url, model = target[len("openai:") :].rsplit("|", 1)
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                        timeout=aiohttp.ClientTimeout(total=3600))  # fmt: skip
+        endpoint = url.rstrip("/") + "/v1/completions"
+
+        def one(i: int, p: str, sem: asyncio.Semaphore, rec: list[dict]) -> Any:
+            return _one_openai(session, endpoint, completion_body(model, p, output_len), sem, rec)
+
+        async def close() -> None:
+            await session.close()
+    else:
+        # One channel per 32 streams: HTTP/2 flow control and one TCP connection per channel.
+        channels = [grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+                    for _ in range(max(1, concurrency // 32))]  # fmt: skip
+        stubs = [generation_pb2_grpc.GenerationServiceStub(c) for c in channels]
+
+        def one(i: int, p: str, sem: asyncio.Semaphore, rec: list[dict]) -> Any:
+            return _one(stubs[i % len(stubs)], p, output_len, sem, rec)
+
+        async def close() -> None:
+            for c in channels:
+                await c.close()
+
     try:
         if warm:
             wrec: list[dict] = []
             wsem = asyncio.Semaphore(min(concurrency, len(warm)))
-            await asyncio.gather(*(_one(stubs[i % len(stubs)], p, output_len, wsem, wrec) for i, p in enumerate(warm)))
+            await asyncio.gather(*(one(i, p, wsem, wrec) for i, p in enumerate(warm)))
         rec: list[dict] = []
         sem = asyncio.Semaphore(concurrency)
         t0 = time.perf_counter()
-        await asyncio.gather(*(_one(stubs[i % len(stubs)], p, output_len, sem, rec) for i, p in enumerate(prompts)))
+        await asyncio.gather(*(one(i, p, sem, rec) for i, p in enumerate(prompts)))
         return {"t0": t0, "rec": rec}
     finally:
-        for c in channels:
-            await c.close()
+        await close()
 
 
 def _worker(args: tuple) -> dict:
-    address, prompts, concurrency, output_len, warm, barrier_t = args
+    target, prompts, concurrency, output_len, warm, barrier_t = args
     try:
         import uvloop
 
@@ -118,7 +185,7 @@ def _worker(args: tuple) -> dict:
     serving_heap()
     while time.time() < barrier_t:  # all client processes start together
         time.sleep(0.001)
-    return asyncio.run(_run(address, prompts, concurrency, output_len, warm))
+    return asyncio.run(_run(target, prompts, concurrency, output_len, warm))
 
 
 def _proc_tree_cpu(root: int) -> dict[str, float]:
@@ -187,6 +254,9 @@ def summarise(rec: list[dict], duration: float, label: str, concurrency: int) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--address", default="127.0.0.1:50051")
+    ap.add_argument("--openai-url", default="",
+                    help="drive an OpenAI-compatible server (vllm serve) at this URL instead, with the same loop")
+    ap.add_argument("--model", default="", help="with --openai-url: the model name it serves")
     ap.add_argument("--tokenizer", required=True, help="folder with the model's tokenizer")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--num-requests", type=int, default=0, help="default: 8 x concurrency")
@@ -197,9 +267,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--label", default="llamamesh")
     ap.add_argument("--json", help="append the result as one JSON line to this file")
+    ap.add_argument("--records", help="append each request's start, TTFT and end (s from the first start) "
+                    "as one JSON line to this file")
     ap.add_argument("--watch", action="append", default=[], metavar="NAME=PID",
                     help="report the CPU cores this process and its children used while measuring")
     a = ap.parse_args()
+    if a.openai_url and not a.model:
+        ap.error("--model is needed with --openai-url")
+    target = f"openai:{a.openai_url}|{a.model}" if a.openai_url else a.address
     n = a.num_requests or 8 * a.concurrency
     prompts = make_prompts(a.tokenizer, n + a.warmups, a.input_len, a.seed)
     warm, main_prompts = prompts[: a.warmups], prompts[a.warmups :]
@@ -221,10 +296,10 @@ def main() -> None:
     if watch:
         sampler.start()
     if p == 1:
-        outs = [_worker((a.address, parts[0], concs[0], a.output_len, wparts[0], 0.0))]
+        outs = [_worker((target, parts[0], concs[0], a.output_len, wparts[0], 0.0))]
     else:
         with mp.get_context("spawn").Pool(p) as pool:
-            outs = pool.map(_worker, [(a.address, parts[i], concs[i], a.output_len, wparts[i], start_at)
+            outs = pool.map(_worker, [(target, parts[i], concs[i], a.output_len, wparts[i], start_at)
                                       for i in range(p)])
     rec = [r for o in outs for r in o["rec"]]
     t0 = min(r["start"] for r in rec) if p == 1 else min(o["t0"] for o in outs)
@@ -238,6 +313,10 @@ def main() -> None:
     if a.json:
         with open(a.json, "a") as f:
             f.write(json.dumps(res) + "\n")
+    if a.records:
+        rows = sorted([round(r["start"] - t0, 4), round(r["ttft"], 4), round(r["end"] - t0, 4)] for r in rec)
+        with open(a.records, "a") as f:
+            f.write(json.dumps({"label": a.label, "concurrency": a.concurrency, "start_ttft_end": rows}) + "\n")
 
 
 if __name__ == "__main__":

@@ -31,8 +31,9 @@ def skipped_result(lease: Lease) -> ItemResult:
     return ItemResult.unrun(cid, ItemStatus.EXPIRED, "the batch's completion window ended before this item started")
 
 
-async def record(batches: BatchStore, lease: Lease, result: ItemResult) -> None:
-    """Record ``result``, retrying while Redis is unreachable (a result is never dropped here)."""
+async def record(batches: BatchStore, lease: Lease, result: ItemResult, **timings: float | None) -> None:
+    """Record ``result``, retrying while Redis is unreachable (a result is never dropped here).
+    ``timings`` (milliseconds) go into its log line."""
     delays = Delays()
     while True:
         try:
@@ -41,7 +42,7 @@ async def record(batches: BatchStore, lease: Lease, result: ItemResult) -> None:
         except QueueUnavailable:
             log.warning("batch_record_failed", retry_in_s=round(await delays.wait(), 3))
     log.info("batch_item_finished", batch_id=lease.request.batch_id, custom_id=result.custom_id,
-             status=result.status.value, duplicate=not fresh)  # fmt: skip
+             status=result.status.value, duplicate=not fresh, **timings)  # fmt: skip
     if fresh:
         metrics.BATCH_ITEMS.labels(result.status.value).inc()
 
@@ -53,10 +54,12 @@ async def run_batch_item(lease: Lease, engine: Engine, batches: BatchStore) -> N
     text: list[str] = []
     n_tokens = 0
     first_token = 0
+    engine_timings: tuple[tuple[str, float], ...] = ()
     result: ItemResult | None = None
     outcome = "cancelled"  # (for the span) unless it records a result or the engine dies
     # A span under the BatchGenerate RPC's: queue_wait from the batch's acceptance, then the item.
-    traced = tracing.JobSpan(req.trace, req.accepted_unix_ns, time.time_ns(), **{
+    started = time.time_ns()
+    traced = tracing.JobSpan(req.trace, req.accepted_unix_ns, started, **{
         "llamamesh.request_id": req.request_id, "llamamesh.pool": lease.pool, "llamamesh.kind": "batch_item",
         "llamamesh.batch_id": req.batch_id})  # fmt: skip
     try:
@@ -65,6 +68,8 @@ async def run_batch_item(lease: Lease, engine: Engine, batches: BatchStore) -> N
             n_tokens += len(delta.token_ids)
             if delta.token_ids and not first_token:
                 first_token = time.time_ns()
+            if delta.engine_timings_ms:
+                engine_timings = delta.engine_timings_ms
             if delta.finish_reason is FinishReason.CANCELLED:
                 return  # aborted by this worker's drain: another worker redoes it
             if delta.finish_reason is not None:
@@ -83,4 +88,10 @@ async def run_batch_item(lease: Lease, engine: Engine, batches: BatchStore) -> N
             outcome = "ok" if result.status is ItemStatus.SUCCEEDED else (result.error_code or result.status.value)
         traced.end(outcome, first_token)
     if result is not None:
-        await asyncio.shield(record(batches, lease, result))
+        # When the item started after the batch was accepted, how long it ran, its first token, and
+        # the engine's own split (bench/ttft_split.py reads them, as job_finished's).
+        timings = {"start_ms": round((started - req.accepted_unix_ns) / 1e6, 2) if req.accepted_unix_ns else None,
+                   "duration_ms": round((time.time_ns() - started) / 1e6, 2),
+                   "first_token_ms": round((first_token - started) / 1e6, 2) if first_token else None,
+                   **{f"{name}_ms": ms for name, ms in engine_timings}}  # fmt: skip
+        await asyncio.shield(record(batches, lease, result, **timings))

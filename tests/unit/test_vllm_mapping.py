@@ -455,9 +455,11 @@ def test_deltas_carry_prompt_tokens_on_the_final_one_only() -> None:
 
 
 def test_engine_timings_split_vllms_time_to_first_token() -> None:
-    stats = SimpleNamespace(first_token_latency=0.5, queued_ts=10.0, scheduled_ts=10.3, first_token_ts=10.45)
-    timed = dict(engine_timings(SimpleNamespace(metrics=stats), 1.234))
-    assert timed == {"tokenize": 1.23, "vllm_ttft": 500.0, "vllm_queue": 300.0, "vllm_prefill": 150.0}
+    stats = SimpleNamespace(first_token_latency=0.5, queued_ts=10.0, scheduled_ts=10.3, first_token_ts=10.45,
+                            last_token_ts=11.45)  # fmt: skip
+    timed = dict(engine_timings(SimpleNamespace(metrics=stats), 1.234, now=11.5))
+    assert timed == {"tokenize": 1.23, "vllm_ttft": 500.0, "vllm_queue": 300.0, "vllm_prefill": 150.0,
+                     "vllm_decode": 1000.0, "vllm_delivery": 50.0}  # fmt: skip
     # Stats off (metrics None), or a request that never produced a token: our part only.
     assert engine_timings(SimpleNamespace(metrics=None), 2.0) == (("tokenize", 2.0),)
     unscheduled = SimpleNamespace(first_token_latency=0.0, queued_ts=1.0, scheduled_ts=0.0, first_token_ts=0.0)

@@ -314,10 +314,12 @@ def delta_of(output: Any, n_logprobs: int | None) -> TokenDelta:
     )
 
 
-def engine_timings(output: Any, tokenize_ms: float) -> tuple[tuple[str, float], ...]:
-    """Where a finished request's time to first token went: our tokenisation, then vLLM's own view
+def engine_timings(output: Any, tokenize_ms: float, now: float | None = None) -> tuple[tuple[str, float], ...]:
+    """Where a finished request's time went: our tokenisation, then vLLM's own view
     (``RequestOutput.metrics``, a ``RequestStateStats`` when stats are on): arrival in vLLM → first
-    token, waiting in the scheduler's queue, and prefill (first scheduled → first token)."""
+    token, waiting in the scheduler's queue, prefill (first scheduled → first token), decode (first →
+    last token), and delivery: from the engine core's last token to ``now`` (``time.monotonic()``,
+    when this frontend handed over the final output; one clock for every process of the host)."""
     out = [("tokenize", round(tokenize_ms, 2))]
     m = getattr(output, "metrics", None)
     if m is not None and getattr(m, "first_token_ts", None):
@@ -326,6 +328,12 @@ def engine_timings(output: Any, tokenize_ms: float) -> tuple[tuple[str, float], 
             ("vllm_queue", round((m.scheduled_ts - m.queued_ts) * 1e3, 2)),
             ("vllm_prefill", round((m.first_token_ts - m.scheduled_ts) * 1e3, 2)),
         ]
+        if getattr(m, "last_token_ts", None):
+            now = time.monotonic() if now is None else now
+            out += [
+                ("vllm_decode", round((m.last_token_ts - m.first_token_ts) * 1e3, 2)),
+                ("vllm_delivery", round((now - m.last_token_ts) * 1e3, 2)),
+            ]
     return tuple(out)
 
 
