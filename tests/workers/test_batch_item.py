@@ -23,8 +23,8 @@ async def test_a_finished_item_logs_when_it_started_how_long_it_ran_and_its_firs
     accepted = time.time_ns()
     info = BatchInfo(batch_id="b", state=BatchState.VALIDATING, owner="t", model="m", total=1,
                      completion_window_s=3600, created_at=now, expires_at=now + 3600)  # fmt: skip
-    req = GenerationRequest(request_id="b:b:0", model="m", prompt="hello there", sampling=SamplingParams(max_tokens=4), batch_id="b",
-                            custom_id="c0", accepted_unix_ns=accepted)  # fmt: skip
+    req = GenerationRequest(request_id="b:b:0", model="m", prompt="hello there", sampling=SamplingParams(max_tokens=4),
+                            batch_id="b", custom_id="c0", accepted_unix_ns=accepted)  # fmt: skip
     await store.create(info, "fp", [("cpu", req)])
     (lease,) = await store.lease_items("cpu", "w", 1, None)
     engine = FakeEngine(WorkerSettings(pool="cpu", engine="fake", fake_step_s=0.01))
