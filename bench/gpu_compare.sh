@@ -38,6 +38,8 @@
 #
 # Same model (Llama-3.1-8B-shaped, dummy weights, bf16), 512 random tokens in, 128 out with
 # ignore_eos, 8 x concurrency requests after 32 warm-ups, at each of $CONCS (default "64 256").
+# Every level and client draws its prompts from its own seed: until 2026-12-02 both clients used seed 0
+# at every level, so on one server the 256 run's first 512 prompts were the 64 run's, prefix-cache hits.
 # Results go to $OUT (they come back from the device).
 set -u
 # LOCAL=1: a smoke test of this script on a machine without GPU (fake engine, the venv's Valkey).
@@ -128,7 +130,7 @@ stage_llamamesh() {
   label="llamamesh-f$frontends-g${GATEWAYS:-4}-tp${TP:-all}-gpu${CUDA_VISIBLE_DEVICES:-all}${LABEL:+-$LABEL}"
   for c in $CONCS; do
     ts=$(date +%s.%N)
-    python3 bench/load.py --address 127.0.0.1:50051 --tokenizer "$M" --concurrency "$c" \
+    python3 bench/load.py --address 127.0.0.1:50051 --tokenizer "$M" --concurrency "$c" --seed "$c" \
       --processes "${CLIENT_PROCS:-4}" --json "$R/llamamesh.jsonl" --records "$R/records.jsonl" --label "$label" \
       --watch gateway=$gp --watch worker=$wp --watch valkey=$vp 2>&1 | tail -3
     python3 bench/ttft_split.py worker "$L/worker.log" --since "$ts" --until "$(date +%s.%N)" --label "$label-c$c" \
@@ -237,13 +239,13 @@ PY
   for c in $CONCS; do
     vllm bench serve --backend openai --base-url http://127.0.0.1:8000 --endpoint /v1/completions \
       --model "$M" --dataset-name random --random-input-len 512 --random-output-len 128 --random-range-ratio 0 \
-      --ignore-eos --num-prompts $(( 8 * c )) --max-concurrency "$c" --num-warmups 32 --seed 0 \
+      --ignore-eos --num-prompts $(( 8 * c )) --max-concurrency "$c" --num-warmups 32 --seed "$c" \
       --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 --save-result --save-detailed \
       --result-dir "$dir" --result-filename "serve_c$c.json" --disable-tqdm > "$dir/bench_c$c.log" 2>&1
     echo "[$name] vllm bench serve rc=$? concurrency=$c"
     grep -E "Output token throughput|Median TTFT|P99 TTFT" "$dir/bench_c$c.log"
     if [ "${SAME_CLIENT:-1}" = 1 ]; then
-      python3 bench/load.py --openai-url http://127.0.0.1:8000 --model "$M" --tokenizer "$M" --concurrency "$c" \
+      python3 bench/load.py --openai-url http://127.0.0.1:8000 --model "$M" --tokenizer "$M" --concurrency "$c" --seed "$c" \
         --processes "${CLIENT_PROCS:-4}" --json "$R/serve-load.jsonl" --records "$R/records.jsonl" \
         --label "$name-loadpy" 2>&1 | tail -1 | cut -c1-400
     fi

@@ -264,7 +264,8 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--processes", type=int, default=1, help="client processes sharing the load")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="of the prompts; give each run on one server its own: a repeated prompt is a prefix-cache hit")
     ap.add_argument("--label", default="llamamesh")
     ap.add_argument("--json", help="append the result as one JSON line to this file")
     ap.add_argument("--records", help="append each request's start, TTFT and end (s from the first start) "
