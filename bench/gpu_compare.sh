@@ -270,8 +270,15 @@ free_gpu() {
 pack() {
   [ -n "${OUT:-}" ] && tar czf "$OUT/results-$(printf %s "$STAGES" | tr -c 'a-zA-Z0-9' '_' | head -c 100).tgz" -C "$R" . && ls -l "$OUT"
 }
+# A stage cut by the call's limit (TERM) must not leave its stack running into the next call's stages.
+cleanup() {
+  [ -n "${pids:-}" ] && kill -TERM $pids 2>/dev/null
+  [ -n "${wp:-}" ] && kill -9 -- -$wp 2>/dev/null
+  [ -n "${sp:-}" ] && kill -INT $sp 2>/dev/null
+  pkill -9 -f "VLLM::" 2>/dev/null
+}
 STAGES="$*"
-trap pack EXIT
+trap 'cleanup; pack' EXIT
 trap 'exit 143' TERM
 TP0=${TP:-} CVD0=${CUDA_VISIBLE_DEVICES-unset}
 for s in "$@"; do
