@@ -16,22 +16,32 @@ follow vLLM's ``SamplingParams``:
   for (seen tokens favoured without bound) and nothing else is affected.
 - presence / frequency penalties in [-2, 2], top_p in (0, 1], min_p in [0, 1], top_k -1 or 0
   (off) or positive, every float finite.
+- a response constraint is checked for what needs no engine (:func:`constraint_violations`: a JSON
+  schema parses as JSON, a regex compiles, a choice has options, sizes are bounded); each engine
+  then compiles it for its tokenizer and refuses what it cannot, naming the same field. It cannot
+  be combined with ignore_eos or min_tokens, which would keep the end of sequence from the output
+  the format has completed.
 
 Pure Python on the domain types; no I/O.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import replace
 
 from llamamesh.errors import FieldViolation
-from llamamesh.types import SamplingParams
+from llamamesh.types import ConstraintKind, ResponseConstraint, SamplingParams
 
 SAMPLING_EPS = 1e-5
 MIN_TEMPERATURE = 1e-2
 MAX_REPETITION_PENALTY = 10.0
 MAX_LOGPROBS = 20
+# A response constraint's text (schema, regex, grammar) and a choice's options, at most.
+MAX_CONSTRAINT_CHARS = 64 * 1024
+MAX_CHOICES = 1024
 
 
 def _float(out: list[FieldViolation], name: str, value: float | None, ok: bool, why: str) -> None:
@@ -76,7 +86,49 @@ def violations(p: SamplingParams, max_tokens_cap: int | None = None) -> list[Fie
             out.append(FieldViolation("min_tokens", f"must be in {limit}, got {p.min_tokens}"))
     if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
         out.append(FieldViolation("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {p.logprobs}"))
+    if p.constraint is not None:
+        out += constraint_violations(p.constraint)
+        if p.ignore_eos:
+            out.append(FieldViolation("ignore_eos", "cannot be combined with response_format"))
+        if p.min_tokens:
+            out.append(FieldViolation("min_tokens", "cannot be combined with response_format"))
     return out
+
+
+def constraint_violations(c: ResponseConstraint) -> list[FieldViolation]:
+    """What is wrong with a response constraint before any engine compiles it."""
+    name = c.field
+    if c.kind is ConstraintKind.JSON_OBJECT:
+        return []
+    if c.kind is ConstraintKind.CHOICE:
+        if not c.options:
+            return [FieldViolation(name, "give at least one option")]
+        if len(c.options) > MAX_CHOICES:
+            return [FieldViolation(name, f"at most {MAX_CHOICES} options, got {len(c.options)}")]
+        if any(not o for o in c.options):
+            return [FieldViolation(name, "options must not be empty")]
+        if sum(len(o) for o in c.options) > MAX_CONSTRAINT_CHARS:
+            return [FieldViolation(name, f"the options hold at most {MAX_CONSTRAINT_CHARS} characters")]
+        return []
+    if not c.text.strip():
+        return [FieldViolation(name, "must not be empty")]
+    if len(c.text) > MAX_CONSTRAINT_CHARS:
+        return [FieldViolation(name, f"at most {MAX_CONSTRAINT_CHARS} characters, got {len(c.text)}")]
+    if c.kind is ConstraintKind.JSON_SCHEMA:
+        try:
+            schema = json.loads(c.text)
+        except ValueError as exc:
+            return [FieldViolation(name, f"is not JSON: {exc}")]
+        if not isinstance(schema, (dict, bool)):
+            return [FieldViolation(name, f"a JSON schema is an object (or a boolean), got {type(schema).__name__}")]
+    elif c.kind is ConstraintKind.REGEX:
+        try:
+            re.compile(c.text)
+        except re.error as exc:
+            return [FieldViolation(name, f"is not a regular expression: {exc}")]
+    elif c.kind is ConstraintKind.GRAMMAR and "::=" not in c.text:
+        return [FieldViolation(name, "an EBNF grammar of rules `name ::= ...`, with a `root` rule")]
+    return []
 
 
 def normalized(p: SamplingParams) -> SamplingParams:

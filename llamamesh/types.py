@@ -31,6 +31,31 @@ class ChatMessage:
     content: str
 
 
+class ConstraintKind(str, enum.Enum):
+    """The kinds of GenerateRequest.response_format, named as its fields."""
+
+    JSON_SCHEMA = "json_schema"
+    JSON_OBJECT = "json_object"
+    REGEX = "regex"
+    CHOICE = "choice"
+    GRAMMAR = "grammar"
+
+
+@dataclass(frozen=True)
+class ResponseConstraint:
+    """What the output must follow: ``text`` is the JSON schema, regex or grammar; ``options`` the
+    choice's strings; a JSON object needs neither."""
+
+    kind: ConstraintKind
+    text: str = ""
+    options: tuple[str, ...] = ()
+
+    @property
+    def field(self) -> str:
+        """The public field it came from, for errors: ``response_format.json_schema``, ..."""
+        return f"response_format.{self.kind.value}"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling parameters; ``None`` means "the engine's default"."""
@@ -49,6 +74,8 @@ class SamplingParams:
     ignore_eos: bool | None = None
     min_tokens: int | None = None
     logprobs: int | None = None
+    # Constrained decoding (GenerateRequest.response_format); None: free text.
+    constraint: ResponseConstraint | None = None
 
 
 # Tenant names: what the tenants file and the x-llamamesh-tenant header may hold (no "/": it

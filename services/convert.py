@@ -107,6 +107,7 @@ def _sampling(r: pb.GenerateRequest, s: GatewaySettings, bad: list[FieldViolatio
         ignore_eos=opt("ignore_eos"),  # type: ignore[arg-type]
         min_tokens=opt("min_tokens"),  # type: ignore[arg-type]
         logprobs=opt("logprobs"),  # type: ignore[arg-type]
+        constraint=codec.constraint_from_pb(r.response_format, "format") if r.HasField("response_format") else None,
     )
     found = sampling.violations(params, s.max_tokens_cap)
     if len(r.stop) > MAX_STOP_STRINGS:

@@ -12,6 +12,7 @@ from llamamesh.errors import InvalidRequest
 from llamamesh.internal.v1 import job_pb2 as pb
 from llamamesh.types import (
     ChatMessage,
+    ConstraintKind,
     Failure,
     Finished,
     FinishReason,
@@ -20,6 +21,7 @@ from llamamesh.types import (
     ItemStatus,
     JobEvent,
     JobKind,
+    ResponseConstraint,
     SamplingParams,
     TokenLogprob,
     TopLogprob,
@@ -31,6 +33,30 @@ _M = TypeVar("_M")
 _KIND_TO_PB = {JobKind.GENERATE: pb.JOB_KIND_GENERATE, JobKind.TOKENIZE: pb.JOB_KIND_TOKENIZE}
 _KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
 _REPEATED = {"stop", "stop_token_ids"}
+
+
+def constraint_from_pb(msg: Any, oneof: str) -> ResponseConstraint | None:
+    """The constraint set in ``msg``'s oneof ``oneof`` (the public ResponseFormat's ``format`` or the
+    job's ``constraint``: the same field names), or None."""
+    which = msg.WhichOneof(oneof)
+    if which is None:
+        return None
+    kind = ConstraintKind(which)
+    if kind is ConstraintKind.CHOICE:
+        return ResponseConstraint(kind, options=tuple(msg.choice.options))
+    if kind is ConstraintKind.JSON_OBJECT:
+        return ResponseConstraint(kind)
+    return ResponseConstraint(kind, text=getattr(msg, which))
+
+
+def constraint_to_pb(c: ResponseConstraint, msg: Any) -> None:
+    """Set ``c`` in ``msg`` (a ResponseFormat or a job's Sampling)."""
+    if c.kind is ConstraintKind.CHOICE:
+        msg.choice.options.extend(c.options)
+    elif c.kind is ConstraintKind.JSON_OBJECT:
+        msg.json_object = True
+    else:
+        setattr(msg, c.kind.value, c.text)
 
 
 def encode_job(req: GenerationRequest) -> bytes:
@@ -56,7 +82,10 @@ def encode_job(req: GenerationRequest) -> bytes:
         job.messages.messages.extend(pb.Message(role=m.role, content=m.content) for m in req.messages)
     for f in dataclasses.fields(SamplingParams):
         value = getattr(req.sampling, f.name)
-        if f.name in _REPEATED:
+        if f.name == "constraint":
+            if value is not None:
+                constraint_to_pb(value, job.sampling)
+        elif f.name in _REPEATED:
             getattr(job.sampling, f.name).extend(value)
         elif value is not None:
             setattr(job.sampling, f.name, value)
@@ -72,7 +101,9 @@ def decode_job(data: bytes) -> GenerationRequest:
         raise InvalidRequest.field("job", "undecodable job entry") from exc
     values: dict[str, object] = {}
     for f in dataclasses.fields(SamplingParams):
-        if f.name in _REPEATED:
+        if f.name == "constraint":
+            values[f.name] = constraint_from_pb(job.sampling, "constraint")
+        elif f.name in _REPEATED:
             values[f.name] = tuple(getattr(job.sampling, f.name))
         elif job.sampling.HasField(f.name):
             values[f.name] = getattr(job.sampling, f.name)

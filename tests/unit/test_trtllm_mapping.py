@@ -18,9 +18,18 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from llamamesh.errors import EngineDead, InternalError, InvalidRequest, PromptTooLong
+from llamamesh.errors import EngineDead, InternalError, InvalidRequest, PromptTooLong, Unavailable
 from llamamesh.settings import Settings, TrtllmSettings, WorkerSettings
-from llamamesh.types import ChatMessage, FinishReason, GenerationRequest, JobKind, SamplingParams, TokenDelta
+from llamamesh.types import (
+    ChatMessage,
+    ConstraintKind,
+    FinishReason,
+    GenerationRequest,
+    JobKind,
+    ResponseConstraint,
+    SamplingParams,
+    TokenDelta,
+)
 from workers.engines import registry
 from workers.engines.base import EngineStats
 from workers.engines.trtllm import (
@@ -56,6 +65,7 @@ def test_minimal_llm_kwargs_pass_the_model_the_gpus_and_iteration_stats() -> Non
         "model": "/models/llama",
         "tensor_parallel_size": 1,
         "enable_iter_perf_stats": True,
+        "guided_decoding_backend": "xgrammar",
     }
     assert kv_cache_kwargs(TrtllmSettings()) == {}
 
@@ -96,6 +106,7 @@ def test_every_setting_is_forwarded_verbatim() -> None:
         "max_num_tokens": 16384,
         "trust_remote_code": True,
         "enable_iter_perf_stats": True,
+        "guided_decoding_backend": "xgrammar",
     }
     assert kv_cache_kwargs(settings) == {"free_gpu_memory_fraction": 0.85, "enable_block_reuse": False}
     # Every TrtllmSettings field lands somewhere (backend picks the LLM class).
@@ -187,7 +198,8 @@ def test_every_sampling_field_is_mapped() -> None:
         "logprobs": 5,
     }
     # Same names on both sides (TensorRT-LLM's SamplingParams calls the seed `seed`), none forgotten.
-    assert set(kwargs) == {f.name for f in dataclasses.fields(SamplingParams)}
+    # (constraint: stream() adds it as the library's own parameter object; tests/unit/test_constraints.py)
+    assert set(kwargs) | {"constraint"} == {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 @pytest.mark.parametrize(("top_k", "expected"), [(-1, 0), (0, 0), (1, 1), (50, 50)])
@@ -340,6 +352,14 @@ class FakeKvCacheConfig:
         self.kwargs = kwargs
 
 
+class FakeGuidedDecodingParams:
+    """The documented fields: one of json, json_object, regex, grammar (structural_tag not used)."""
+
+    def __init__(self, json: Any = None, regex: Any = None, grammar: Any = None, json_object: bool = False) -> None:
+        self.kwargs = {k: v for k, v in {"json": json, "regex": regex, "grammar": grammar,
+                                         "json_object": json_object}.items() if v}  # fmt: skip
+
+
 class HfTokenizer:
     """The Hugging Face surface: one id per word, BOS=1 with special tokens."""
 
@@ -471,6 +491,7 @@ def trt(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimpleNamespace]:
     llmapi.LLM = FakeLLM  # type: ignore[attr-defined]
     llmapi.SamplingParams = FakeSamplingParams  # type: ignore[attr-defined]
     llmapi.KvCacheConfig = FakeKvCacheConfig  # type: ignore[attr-defined]
+    llmapi.GuidedDecodingParams = FakeGuidedDecodingParams  # type: ignore[attr-defined]
     llmapi.RequestError = FakeRequestError  # type: ignore[attr-defined]
     engine_mod.LLM = FakeEngineLLM  # type: ignore[attr-defined]
     pkg.llmapi = llmapi  # type: ignore[attr-defined]
@@ -525,7 +546,7 @@ async def test_start_builds_the_llm_from_the_settings(trt: SimpleNamespace) -> N
     kv = llm.kwargs.pop("kv_cache_config")
     assert isinstance(kv, FakeKvCacheConfig) and kv.kwargs == {"free_gpu_memory_fraction": 0.8}
     assert llm.kwargs == {"model": "/m", "tensor_parallel_size": 1, "max_num_tokens": 4096,
-                          "enable_iter_perf_stats": True}  # fmt: skip
+                          "enable_iter_perf_stats": True, "guided_decoding_backend": "xgrammar"}  # fmt: skip
     assert type(llm) is FakeLLM
     # Prompts are rendered with the HF tokenizer inside TensorRT-LLM's wrapper (chat_template lives there).
     assert isinstance(engine._tokenizer, HfTokenizer)
@@ -833,3 +854,18 @@ def test_registry_builds_the_trtllm_engine_without_importing_tensorrt_llm() -> N
     assert isinstance(engine, TrtllmEngine) and engine.model_name == settings.worker.model
     assert engine._trtllm_settings.max_batch_size == 64
     assert "tensorrt_llm" not in sys.modules
+
+
+async def test_a_response_format_goes_as_guided_decoding_and_a_resume_of_one_is_refused(trt: SimpleNamespace) -> None:
+    engine, llm = await started()
+    choice = ResponseConstraint(ConstraintKind.CHOICE, options=("yes", "no"))
+    task = asyncio.create_task(collect(engine, request(prompt="x", sampling=SamplingParams(constraint=choice)), []))
+    await until(lambda: bool(llm.results))
+    guided = llm.results[0].sampling_params.kwargs["guided_decoding"]
+    assert isinstance(guided, FakeGuidedDecodingParams) and guided.kwargs == {"grammar": 'root ::= "yes" | "no"'}
+    llm.results[0].respond("", (), finish="stop")
+    await asyncio.wait_for(task, 5)
+    resumed = request(request_id="r2", prompt="x", resume_token_ids=(5,), sampling=SamplingParams(constraint=choice))
+    with pytest.raises(Unavailable, match="cannot resume"):
+        await anext_of(engine.stream(resumed))
+    await engine.shutdown()

@@ -16,9 +16,18 @@ from typing import Any, NamedTuple
 import pytest
 from structlog.testing import capture_logs
 
-from llamamesh.errors import EngineDead, InternalError, InvalidRequest, PromptTooLong
+from llamamesh.errors import EngineDead, InternalError, InvalidRequest, PromptTooLong, Unavailable
 from llamamesh.settings import BatchSettings, Settings, VllmSettings, WorkerSettings
-from llamamesh.types import ChatMessage, FinishReason, GenerationRequest, JobKind, SamplingParams, TokenDelta
+from llamamesh.types import (
+    ChatMessage,
+    ConstraintKind,
+    FinishReason,
+    GenerationRequest,
+    JobKind,
+    ResponseConstraint,
+    SamplingParams,
+    TokenDelta,
+)
 from workers.engines import registry
 from workers.engines.base import EngineStats
 from workers.engines.params import DEFAULT_MAX_TOKENS
@@ -266,7 +275,8 @@ def test_every_sampling_field_is_mapped() -> None:
         "logprobs": 5,
     }
     # Same names on both sides, and none forgotten if a field is added to SamplingParams.
-    assert set(kwargs) == {f.name for f in dataclasses.fields(SamplingParams)}
+    # (constraint: stream() adds it as the library's own parameter object; tests/unit/test_constraints.py)
+    assert set(kwargs) | {"constraint"} == {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 @pytest.mark.parametrize(("top_k", "expected"), [(-1, 0), (0, 0), (1, 1), (50, 50)])
@@ -580,6 +590,7 @@ def started(llm: FakeAsyncLLM, tokenizer: Any = None, max_model_len: int = 4096)
     engine._api = SimpleNamespace(  # type: ignore[assignment]
         tokens_input=lambda ids: {"type": "token", "prompt_token_ids": ids},
         SamplingParams=fake_sampling_params,
+        StructuredOutputsParams=lambda **kw: ("structured", kw),
         DELTA="delta",
         EngineDeadError=FakeEngineDeadError,
         EngineGenerateError=FakeEngineGenerateError,
@@ -807,3 +818,20 @@ def test_frontends_split_max_inflight_and_name_their_consumers() -> None:
     with pytest.raises(InvalidRequest) as ei:
         engine_kwargs(WORKER, VllmSettings(frontends=0), device_count=1)
     assert field_of(ei) == "vllm.frontends"
+
+
+async def test_a_response_format_goes_as_structured_outputs_and_a_resume_of_one_is_refused() -> None:
+    llm = FakeAsyncLLM()
+    engine = started(llm)
+    schema = ResponseConstraint(ConstraintKind.JSON_SCHEMA, text='{"type": "object"}')
+    task = asyncio.create_task(collect(engine, request(prompt="x", sampling=SamplingParams(constraint=schema)), []))
+    await until(lambda: "r1" in llm.queues)
+    _prompt, params, _priority = llm.seen["r1"]
+    structured = {"json": '{"type": "object"}', "disable_any_whitespace": True}
+    assert params["structured_outputs"] == ("structured", structured)
+    llm.emit("r1", output("{}", [5], finish="stop", prompt_ids=[1, 103]))
+    await asyncio.wait_for(task, 5)
+    resumed = request(request_id="r2", prompt="x", sampling=SamplingParams(constraint=schema), resume_token_ids=(5,))
+    with pytest.raises(Unavailable, match="vLLM cannot resume"):
+        await collect(engine, resumed, [])
+    await engine.shutdown()

@@ -9,7 +9,7 @@ from typing import Any
 
 from llamamesh import sampling
 from llamamesh.errors import FieldViolation, InvalidRequest
-from llamamesh.types import SamplingParams
+from llamamesh.types import ResponseConstraint, SamplingParams
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_TEMPERATURE = 1.0
@@ -36,6 +36,8 @@ class ResolvedSampling:
     min_tokens: int = 0
     # None: no logprobs; N >= 0: the sampled token's logprob and N alternatives.
     logprobs: int | None = None
+    # None: free text.
+    constraint: ResponseConstraint | None = None
 
     @property
     def greedy(self) -> bool:
@@ -79,6 +81,7 @@ def resolve_sampling(params: SamplingParams, vocab_size: int) -> ResolvedSamplin
         ignore_eos=bool(p.ignore_eos),
         min_tokens=p.min_tokens or 0,
         logprobs=p.logprobs,
+        constraint=p.constraint,
     )
 
 

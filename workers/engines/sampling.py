@@ -2,14 +2,16 @@
 
 Pure torch on small tensors, no model: the processors take ``[n, vocab]`` float logits and
 return processed logits; :class:`SequenceSampler` holds one sequence's state (its generator,
-token counts for the penalties, the tokens ``min_tokens`` bans) and :func:`sample_batch`
-picks one token per row of a batch, with one ``argmax`` for all plain greedy rows.
+token counts for the penalties, the tokens ``min_tokens`` bans, the grammar matcher of a response
+constraint) and :func:`sample_batch` picks one token per row of a batch, with one ``argmax`` for all
+plain greedy rows.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Collection, Sequence
+from typing import Any
 
 import torch
 
@@ -97,8 +99,14 @@ class SequenceSampler:
         vocab_size: int,
         prompt_ids: Sequence[int],
         eos_ids: Collection[int],
+        matcher: Any = None,
     ) -> None:
+        """``matcher``: an ``xgrammar.GrammarMatcher`` for the request's response constraint
+        (workers/engines/constraints.py); only tokens it allows are sampled, and every token of the
+        output (resumed ones included) goes through it."""
         self.params = params
+        self.matcher = matcher
+        self._bitmask: torch.Tensor | None = None
         self.generated = 0
         self.generator: torch.Generator | None = None
         if params.seed is not None and not params.greedy:
@@ -120,7 +128,7 @@ class SequenceSampler:
     @property
     def plain_greedy(self) -> bool:
         """True when the next token is simply the argmax of the raw logits."""
-        return self.params.greedy and not self.params.penalised and not self._banning
+        return self.params.greedy and not self.params.penalised and not self._banning and self.matcher is None
 
     @property
     def _banning(self) -> bool:
@@ -129,6 +137,8 @@ class SequenceSampler:
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """Apply min_tokens, the penalties, temperature, top-k, top-p and min-p to ``[1, vocab]`` logits."""
         p = self.params
+        if self.matcher is not None:
+            logits = self._constrained(logits)
         if self._banning:
             assert self.banned is not None
             logits = ban_tokens(logits, self.banned)
@@ -144,6 +154,18 @@ class SequenceSampler:
         logits = apply_top_p(logits, p.top_p)
         return apply_min_p(logits, p.min_p)
 
+    def _constrained(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` with every token the grammar does not allow next at -inf (a copy: the batch's
+        logits also give the logprobs)."""
+        import xgrammar as xgr
+
+        if self._bitmask is None:
+            self._bitmask = xgr.allocate_token_bitmask(1, logits.shape[-1])
+        self.matcher.fill_next_token_bitmask(self._bitmask)
+        logits = logits.float().clone()
+        xgr.apply_token_bitmask_inplace(logits, self._bitmask)
+        return logits
+
     def choose(self, logits: torch.Tensor) -> int:
         """The next token for ``[1, vocab]`` raw logits."""
         processed = self.process(logits)
@@ -155,6 +177,10 @@ class SequenceSampler:
         """Record a token of the output (for the penalties, and min_tokens unless ``generated`` is
         False: a resumed token an earlier attempt generated, which the budget no longer counts)."""
         self.generated += int(generated)
+        # Resumed tokens went through the matcher when the request was admitted.
+        m = self.matcher
+        if generated and m is not None and not m.is_terminated() and not m.accept_token(token_id):
+            raise ValueError(f"token {token_id} does not follow the response format")
         if self.counts is not None:
             self.counts[token_id] += 1
         if self.seen is not None:

@@ -37,6 +37,7 @@ from transformers import DynamicCache
 
 from llamamesh.errors import InternalError, InvalidRequest, LlamameshError, PromptTooLong
 from llamamesh.types import FinishReason, GenerationRequest, TokenLogprob
+from workers.engines.constraints import Grammars
 from workers.engines.detokenizer import IncrementalDetokenizer, StopStrings
 from workers.engines.sampling import ResolvedSampling, SequenceSampler, sample_batch, token_logprobs
 from workers.engines.transformers_kv import RaggedKV, check_supported, use_aligned_attention
@@ -135,6 +136,7 @@ class Batch:
             elif source is not None:
                 eos.update(source)
         self.eos_ids = frozenset(eos)
+        self._grammars = Grammars(tokenizer, self.vocab_size, self.eos_ids)
         self._seqs: list[_Sequence] = []
         self._kv: RaggedKV | None = None
         # [B]: tokens in the cache per row, which is also the position of each pending token.
@@ -187,7 +189,15 @@ class Batch:
                 input_field, f"{len(ids)} tokens, limit {limit} (max_model_len {self.max_model_len} counts the output)"
             )
         replay = resumed if 0 < len(resumed) <= self._replay_max else []
-        sampler = SequenceSampler(admission.params, self.vocab_size, ids[: len(ids) - len(replay)], self.eos_ids)
+        matcher = None
+        if admission.params.constraint is not None:
+            matcher = self._grammars.matcher(admission.params.constraint)
+            # A resumed request: the grammar continues from what the earlier attempt generated.
+            if not all(matcher.accept_token(t) for t in resumed):
+                raise InvalidRequest.field("resume_token_ids", "they do not follow the response_format")
+        sampler = SequenceSampler(
+            admission.params, self.vocab_size, ids[: len(ids) - len(replay)], self.eos_ids, matcher
+        )
         seq = _Sequence(admission, ids, sampler, self.tokenizer, n_prompt, replay)
         seq.detok.seed(resumed)
         return seq

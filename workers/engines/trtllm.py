@@ -40,8 +40,10 @@ TensorRT-LLM APIs used, and nothing else:
   from a background thread or process, and TensorRT-LLM shuts the LLM down before raising it
   (tensorrt_llm/executor/executor.py ``_handle_background_error``, executor/utils.py).
 - ``SamplingParams(max_tokens, temperature, top_p, top_k, min_p, presence_penalty, frequency_penalty,
-  repetition_penalty, stop, stop_token_ids, seed, ignore_eos, min_tokens, logprobs)``; ValueError from
-  its ``_validate`` (tensorrt_llm/sampling_params.py).
+  repetition_penalty, stop, stop_token_ids, seed, ignore_eos, min_tokens, logprobs, guided_decoding)``;
+  ValueError from its ``_validate`` (tensorrt_llm/sampling_params.py).
+- ``GuidedDecodingParams(json | json_object | regex | grammar)`` and ``LLM(guided_decoding_backend=
+  "xgrammar")`` for a response_format (the LLM API's guided decoding example); never run here.
 - ``LLM.get_stats_async(timeout)``: an ``IterationResult``, async iterable of per-iteration dicts, that
   ends after ``timeout`` seconds without one (llm.py; executor/executor.py ``aget_stats``;
   executor/result.py ``IterationResult``); keys ``numActiveRequests``, ``numQueuedRequests``,
@@ -79,12 +81,14 @@ from llamamesh.types import (
     FinishReason,
     GenerationRequest,
     JobKind,
+    ResponseConstraint,
     SamplingParams,
     TokenDelta,
     TokenLogprob,
     TopLogprob,
 )
 from workers.engines.base import EngineStats, remember
+from workers.engines.constraints import constraint_error, library_constraint, trtllm_guided
 from workers.engines.params import library_sampling_kwargs
 
 # vllm.py imports vllm lazily, so this import pulls in no GPU library: the two engines share the
@@ -143,6 +147,9 @@ def llm_kwargs(worker: WorkerSettings, settings: TrtllmSettings, device_count: i
         # stats() needs TensorRT-LLM's iteration stats; the PyTorch backend keeps them only when asked
         # (the docs warn of a slight cost). The TensorRT backend has them on and no such field.
         kwargs["enable_iter_perf_stats"] = True
+        # response_format: guided decoding needs its backend chosen when the LLM is built (the LLM API
+        # docs' guided decoding example); unverified here, like the rest of this adapter.
+        kwargs["guided_decoding_backend"] = "xgrammar"
     return kwargs
 
 
@@ -329,6 +336,7 @@ class _Api:
             raise EngineDead(f"cannot import tensorrt_llm: {type(exc).__name__}: {exc}") from exc
         self.LLM = LLM
         self.SamplingParams = llmapi.SamplingParams
+        self.GuidedDecodingParams = llmapi.GuidedDecodingParams
         self.KvCacheConfig = llmapi.KvCacheConfig
         self.RequestError: type[BaseException] = llmapi.RequestError
 
@@ -512,12 +520,14 @@ class TrtllmEngine:
         except Exception as exc:  # the executor may be gone already; its streams fail on their own
             log.warning("trtllm_abort_failed", error=f"{type(exc).__name__}: {exc}")
 
-    def _submit(self, llm: Any, api: _Api, ids: list[int], params: Any, input_field: str) -> Any:
+    def _submit(
+        self, llm: Any, api: _Api, ids: list[int], params: Any, input_field: str, constraint: ResponseConstraint | None
+    ) -> Any:
         self._submitted = True
         try:
             return llm.generate_async({"prompt_token_ids": ids}, sampling_params=params, streaming=True)
         except (TypeError, ValueError) as exc:
-            raise invalid_from_trtllm(str(exc), input_field) from exc
+            raise constraint_error(str(exc), constraint) or invalid_from_trtllm(str(exc), input_field) from exc
         except api.RequestError as exc:
             raise InternalError(f"TensorRT-LLM refused the request: {exc}") from exc
         except RuntimeError as exc:  # "LLM is shutting down"
@@ -541,10 +551,14 @@ class TrtllmEngine:
             raise InvalidRequest.field("request_id", f"request {rid!r} is already in flight")
         input_field = "messages" if request.messages is not None else "prompt"
         n_logprobs = request.sampling.logprobs
+        constraint = library_constraint(request, "TensorRT-LLM")
         try:
-            params = api.SamplingParams(**sampling_kwargs(request.sampling))
+            kwargs = sampling_kwargs(request.sampling)
+            if constraint is not None:
+                kwargs["guided_decoding"] = api.GuidedDecodingParams(**trtllm_guided(constraint))
+            params = api.SamplingParams(**kwargs)
         except (TypeError, ValueError) as exc:
-            raise invalid_from_trtllm(str(exc), input_field) from exc
+            raise constraint_error(str(exc), constraint) or invalid_from_trtllm(str(exc), input_field) from exc
         state = self._streams[rid] = _Stream()
         finished = False
         try:
@@ -559,7 +573,7 @@ class TrtllmEngine:
             ids += request.resume_token_ids
             if not state.aborted:
                 check_prompt_tokens(len(ids), self._trtllm_settings.max_seq_len, input_field)
-                state.result = self._submit(llm, api, ids, params, input_field)
+                state.result = self._submit(llm, api, ids, params, input_field, constraint)
                 sent = Sent()
                 while True:
                     try:

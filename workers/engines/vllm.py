@@ -15,7 +15,8 @@ vLLM 0.26.0 APIs used, and nothing else:
   ``abort``, ``check_health``, ``errored``, ``get_tokenizer``, ``do_log_stats``, ``shutdown``,
   ``model_config.max_model_len``, ``model_config.get_vocab_size()``,
   ``vllm_config.scheduler_config.max_num_seqs``
-- ``vllm.sampling_params.SamplingParams`` and ``RequestOutputKind.DELTA``
+- ``vllm.sampling_params.SamplingParams``, ``StructuredOutputsParams`` (a response_format) and
+  ``RequestOutputKind.DELTA``
 - ``vllm.inputs.tokens_input`` (an already-tokenized prompt; vLLM does no tokenization of its own)
 - ``vllm.outputs.RequestOutput`` / ``CompletionOutput`` fields: ``finished``, ``prompt_token_ids``,
   ``outputs[0]`` ``.text`` / ``.token_ids`` / ``.logprobs`` (``{token_id: Logprob(logprob, rank, ...)}``
@@ -52,12 +53,14 @@ from llamamesh.types import (
     FinishReason,
     GenerationRequest,
     JobKind,
+    ResponseConstraint,
     SamplingParams,
     TokenDelta,
     TokenLogprob,
     TopLogprob,
 )
 from workers.engines.base import EngineStats, remember
+from workers.engines.constraints import constraint_error, library_constraint, vllm_structured
 from workers.engines.params import library_sampling_kwargs
 
 log = structlog.get_logger(__name__)
@@ -406,11 +409,12 @@ class _Vllm:
     def __init__(self) -> None:
         import vllm.envs
         from vllm.inputs import tokens_input
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
+        from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
         self.tokens_input = tokens_input
         self.SamplingParams = SamplingParams
+        self.StructuredOutputsParams = StructuredOutputsParams
         self.DELTA = RequestOutputKind.DELTA
         self.EngineDeadError: type[BaseException] = EngineDeadError
         self.EngineGenerateError: type[BaseException] = EngineGenerateError
@@ -616,9 +620,11 @@ class VllmEngine:
             self._executor, render_prompt_ids, request, self._tokenizer
         )
 
-    def _invalid(self, exc: BaseException, input_field: str) -> InvalidRequest:
+    def _invalid(self, exc: BaseException, input_field: str, constraint: ResponseConstraint | None) -> InvalidRequest:
         message = exc.args[0] if exc.args and isinstance(exc.args[0], str) else str(exc)
-        return invalid_from_vllm(message, getattr(exc, "parameter", None), input_field)
+        return constraint_error(message, constraint) or invalid_from_vllm(
+            message, getattr(exc, "parameter", None), input_field
+        )
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         """Generate for ``request`` with ``AsyncLLM.generate``, one delta per vLLM output.
@@ -636,10 +642,14 @@ class VllmEngine:
             raise InvalidRequest.field("request_id", f"request {rid!r} is already in flight")
         input_field = "messages" if request.messages is not None else "prompt"
         n_logprobs = request.sampling.logprobs
+        constraint = library_constraint(request, "vLLM")
         try:
-            params = api.SamplingParams(**sampling_kwargs(request.sampling, self._vocab_size), output_kind=api.DELTA)
+            kwargs = sampling_kwargs(request.sampling, self._vocab_size)
+            if constraint is not None:
+                kwargs["structured_outputs"] = api.StructuredOutputsParams(**vllm_structured(constraint))
+            params = api.SamplingParams(**kwargs, output_kind=api.DELTA)
         except (TypeError, ValueError) as exc:
-            raise self._invalid(exc, input_field) from exc
+            raise self._invalid(exc, input_field, constraint) from exc
         state = self._streams[rid] = _Stream()
         finished = False
         entered = time.perf_counter()
@@ -663,7 +673,7 @@ class VllmEngine:
                     except api.EngineDeadError as exc:
                         raise EngineDead(f"vLLM died: {exc}") from exc
                     except ValueError as exc:
-                        raise self._invalid(exc, input_field) from exc
+                        raise self._invalid(exc, input_field, constraint) from exc
                     except api.EngineGenerateError as exc:
                         cause = exc.__cause__ or exc
                         if llm.errored:
