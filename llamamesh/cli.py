@@ -28,7 +28,7 @@ from typing import Any
 import grpc
 
 from llamamesh import batchfile, logs, tenants, top
-from llamamesh.client import DEFAULT_ADDRESS, Client, field_violations
+from llamamesh.client import DEFAULT_ADDRESS, Client, build_request, field_violations
 from llamamesh.node import Node, StartFailed
 from llamamesh.settings import ClientSettings, Settings
 from llamamesh.v1 import admin_pb2 as admin_pb
@@ -57,6 +57,22 @@ def _gen_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    _format_flags(p)
+    p.add_argument("--regex", help="the answer matches this regular expression")
+    p.add_argument("--choice", action="append", help="the answer is one of these (repeatable)")
+
+
+def _format_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json-schema", metavar="FILE", type=_file_text,
+                   help="the answer is JSON that validates against the JSON schema in FILE")  # fmt: skip
+
+
+def _file_text(path: str) -> str:
+    """A file's text, read while the arguments are parsed (sent as it is: the gateway checks it)."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc}") from exc
 
 
 def _client_flags(p: argparse.ArgumentParser) -> None:
@@ -116,6 +132,9 @@ async def _generate(address: str, args: argparse.Namespace, wait_s: float, out: 
                 top_p=args.top_p,
                 seed=args.seed,
                 stop=args.stop,
+                json_schema=args.json_schema,
+                regex=args.regex,
+                choice=args.choice,
             ):
                 out.write(msg.text)
                 out.flush()
@@ -136,7 +155,6 @@ async def _generate(address: str, args: argparse.Namespace, wait_s: float, out: 
 
 
 def _finish(value: int) -> str:
-    from llamamesh.v1 import generation_pb2 as pb
 
     return pb.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
 
@@ -288,9 +306,13 @@ async def _batch(args: argparse.Namespace, lines: list[str], out: Any) -> int:
                 if args.window:
                     req.completion_window_s = args.window
                 if args.summarise:
-                    params = pb.GenerateRequest(model=args.model, max_tokens=args.max_tokens,
-                                                temperature=args.temperature)  # fmt: skip
+                    params = build_request(model=args.model, max_tokens=args.max_tokens,
+                                           temperature=args.temperature, json_schema=args.json_schema)  # fmt: skip
                     req.summarise.CopyFrom(batchfile.summarise_request(lines, params, args.template or ""))
+                elif args.json_schema:
+                    print("error: --json-schema goes with --summarise (items carry their own response_format)",
+                          file=sys.stderr)  # fmt: skip
+                    return 2
                 else:
                     req.items.extend(batchfile.items(lines))
                 b = await stub.BatchGenerate(req, metadata=meta)
@@ -342,6 +364,7 @@ def _batch_flags(sub: Any) -> None:
             a.add_argument("file", help="JSONL: {custom_id, text} with --summarise, else {custom_id, request}")
             a.add_argument("--summarise", action="store_true", help="each line is a document to summarise")
             a.add_argument("--template", help="the summarisation prompt; {document} is replaced")
+            _format_flags(a)
             a.add_argument("--model", default="")
             a.add_argument("--max-tokens", type=int, default=128)
             a.add_argument("--temperature", type=float, default=0.0)

@@ -47,10 +47,34 @@ DEFAULT_ADDRESS = "127.0.0.1:50051"
 Messages = Sequence[tuple[str, str]] | Sequence[pb.ChatMessage]
 
 
+_FORMATS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+def response_format(**given: Any) -> pb.ResponseFormat | None:
+    """A ResponseFormat from at most one of ``json_schema`` (a dict, or JSON text), ``json_object``
+    (True), ``regex``, ``choice`` (a list of strings) or ``grammar`` (EBNF); None if none is set."""
+    set_ = {k: v for k, v in given.items() if v is not None and v is not False}
+    if len(set_) > 1:
+        raise ValueError(f"give one response format, got {sorted(set_)}")
+    if not set_:
+        return None
+    ((kind, value),) = set_.items()
+    if kind == "json_schema" and not isinstance(value, str):
+        value = json.dumps(value)
+    if kind == "choice":
+        return pb.ResponseFormat(choice=pb.Choice(options=list(value)))
+    return pb.ResponseFormat(**{kind: value})
+
+
 def build_request(
     prompt: str | None = None, messages: Messages | None = None, **fields: Any
 ) -> pb.GenerateRequest:
-    """A GenerateRequest from a prompt or (role, content) pairs plus any request fields."""
+    """A GenerateRequest from a prompt or (role, content) pairs plus any request fields. A response
+    format can be given as one of ``json_schema=`` (a dict or JSON text), ``json_object=True``,
+    ``regex=``, ``choice=[...]`` or ``grammar=`` (or as ``response_format=`` itself)."""
+    fmt = response_format(**{k: fields.pop(k, None) for k in _FORMATS})
+    if fmt is not None:
+        fields["response_format"] = fmt
     req = pb.GenerateRequest(**{k: v for k, v in fields.items() if v is not None})
     if prompt is not None:
         req.prompt = prompt

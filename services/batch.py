@@ -94,6 +94,16 @@ def _requests_of(r: bpb.BatchGenerateRequest, bad: list[FieldViolation]) -> list
     return [(f"items[{i}]", item.custom_id, item.request) for i, item in enumerate(r.items)]
 
 
+def _item_violation(path: str, v: FieldViolation) -> FieldViolation:
+    """A violation of one item's request, named where the caller wrote it: under the item, or for a
+    summarisation, once under summarise.params (the documents share it), except the document itself."""
+    if not path.startswith("summarise"):
+        return FieldViolation(f"{path}.request.{v.field}", v.description)
+    if v.field.startswith("messages"):
+        return FieldViolation(f"{path}.text", v.description)
+    return FieldViolation(f"summarise.params.{v.field}", v.description)
+
+
 def batch_requests(
     r: bpb.BatchGenerateRequest, gw: GatewaySettings, b: BatchSettings, models: Sequence[ModelInfo],
     tenant: str = DEFAULT_TENANT,
@@ -130,8 +140,7 @@ def batch_requests(
         try:
             req, model = convert.generate_request(request, gw, models)
         except InvalidRequest as exc:
-            prefix = path if path.startswith("summarise") else f"{path}.request"
-            bad.extend(FieldViolation(f"{prefix}.{v.field}", v.description) for v in exc.violations)
+            bad.extend(v for v in (_item_violation(path, v) for v in exc.violations) if v not in bad)
             continue
         if out and model.id != out[0][0].id:
             bad.append(FieldViolation(f"{path}.request.model", f"every item must use one model ({out[0][0].id})"))

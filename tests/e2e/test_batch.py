@@ -139,6 +139,9 @@ async def test_bad_batches_are_rejected_with_nothing_queued(stub: batch_pb2_grpc
             bpb.BatchItem(custom_id="a", request=pb.GenerateRequest(prompt="hi", max_tokens=2)),
             bpb.BatchItem(custom_id="b", request=pb.GenerateRequest(prompt="hi", temperature=-1)),
         ]), "items[1].request.temperature"),
+        (bpb.BatchGenerateRequest(batch_id="bad-schema", items=[bpb.BatchItem(custom_id="a", request=pb.GenerateRequest(
+            prompt="hi", response_format=pb.ResponseFormat(json_schema="{not json"))),
+        ]), "items[0].request.response_format.json_schema"),
     ]  # fmt: skip
     for request, field in cases:
         with pytest.raises(grpc.aio.AioRpcError) as exc:
@@ -269,6 +272,45 @@ async def test_a_batch_whose_first_items_all_fail_ends_failed(stub: batch_pb2_gr
     one_each(got, 40)
     errored = [r for r in got if r.status == bpb.BATCH_ITEM_STATUS_ERRORED]
     assert all("tokens, limit" in r.error_message for r in errored), errored[0]
+
+
+SUMMARY = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 60},
+        "summary": {"type": "string", "maxLength": 240},
+        "year": {"type": "integer", "minimum": 1800, "maximum": 2100},
+    },
+    "required": ["title", "summary", "year"],
+    "additionalProperties": False,
+}
+
+
+def test_the_cli_summarises_documents_into_a_json_schema_every_result_valid(node: ProcessNode, tmp_path: Path) -> None:
+    """`llamamesh batch submit --summarise --json-schema FILE` on the real model: each result parses and
+    validates; a bad schema is refused naming the field, with nothing stored."""
+    import jsonschema
+
+    docs, schema = tmp_path / "docs.jsonl", tmp_path / "summary.schema.json"
+    docs.write_text("".join(json.dumps({"custom_id": f"doc-{i}", "text": DOCS[i]}) + "\n" for i in range(5)))
+    schema.write_text(json.dumps(SUMMARY))
+    cli, addr = [sys.executable, "-m", "llamamesh.cli", "batch"], ["--address", node.address]
+    sub = subprocess.run([*cli, "submit", str(docs), "--summarise", "--json-schema", str(schema), "--max-tokens", "120",
+                          "--batch-id", "json", *addr], capture_output=True, text=True, timeout=200)  # fmt: skip
+    assert sub.returncode == 0, sub.stderr
+    out = tmp_path / "out.jsonl"
+    res = subprocess.run([*cli, "results", "json", "-o", str(out), *addr], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["custom_id"] for r in rows) == [f"doc-{i}" for i in range(5)]
+    for r in rows:
+        assert r["status"] == "succeeded" and r["finish_reason"] == "stop", r
+        jsonschema.validate(json.loads(r["text"]), SUMMARY)
+    schema.write_text('{"type": "object", "properties": ')
+    bad = subprocess.run([*cli, "submit", str(docs), "--summarise", "--json-schema", str(schema), "--batch-id", "bad",
+                          *addr], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
+    assert "summarise.params.response_format.json_schema" in bad.stderr, bad.stderr
 
 
 def test_the_cli_submits_waits_and_writes_results(node: ProcessNode, tmp_path: Path) -> None:

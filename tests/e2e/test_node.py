@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import grpc
 import pytest
 import redis
 
-from llamamesh.client import Client, field_violations
+from llamamesh.client import Client, SyncClient, field_violations
 from llamamesh.queue import codec
 from llamamesh.queue.keys import JOB_FIELD, WORKER_GROUP, Keys
 from llamamesh.queue.streams import RedisQueue
@@ -49,6 +50,41 @@ async def test_chat_stream_is_coherent_and_greedy_is_repeatable(node: ProcessNod
     assert last.usage.prompt_tokens > 10
     assert last.usage.completion_tokens == sum(len(m.token_ids) for m in first)
     assert 0 < last.timings.time_to_first_token.ToNanoseconds() <= last.timings.total.ToNanoseconds()
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+async def test_response_formats_hold_through_the_whole_path(node: ProcessNode) -> None:
+    """A JSON schema, a regex and a choice through both clients; a constraint the gateway can refuse
+    is INVALID_ARGUMENT naming the field before anything is queued, and one only the engine can
+    compile is refused by the worker, naming the same field."""
+    import jsonschema
+
+    ask = [("user", "Describe a person as JSON.")]
+    async with Client(node.address) as c:
+        for seed in range(3):
+            text = await c.complete(messages=ask, max_tokens=64, temperature=0.8, seed=seed, json_schema=PERSON)
+            jsonschema.validate(json.loads(text), PERSON)
+        date = await c.complete(messages=[("user", "A date?")], max_tokens=16, regex=r"\d{4}-\d{2}-\d{2}")
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", date), date
+        bad = [(pb.ResponseFormat(regex="a("), "response_format.regex"),
+               (pb.ResponseFormat(json_schema="{not json"), "response_format.json_schema"),
+               (pb.ResponseFormat(choice=pb.Choice()), "response_format.choice"),
+               (pb.ResponseFormat(grammar="root ::= undefined_rule"), "response_format.grammar")]  # the worker's
+        for fmt, field in bad:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await c.complete(messages=ask, max_tokens=8, response_format=fmt)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+            assert field in field_violations(err.value), err.value.details()
+    with SyncClient(node.address) as s:
+        label = s.complete(messages=[("user", "Is the sky blue?")], max_tokens=8, choice=["yes", "no"])
+    assert label in ("yes", "no")
 
 
 def pending_requests(r: redis.Redis, stream: str) -> list[str]:

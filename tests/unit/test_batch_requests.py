@@ -62,6 +62,12 @@ def test_every_bad_field_is_named_and_nothing_passes() -> None:
     assert fields(bpb.BatchGenerateRequest(summarise=summ)) == [
         "summarise.template", "summarise.params", "summarise.documents[0].text"
     ]
+    # a summarisation's shared parameters are named once, under summarise.params
+    shared = bpb.Summarise(params=pb.GenerateRequest(temperature=-1, response_format=pb.ResponseFormat(regex="a(")),
+                           documents=[bpb.Document(custom_id=f"d{i}", text="t") for i in range(3)])  # fmt: skip
+    assert fields(bpb.BatchGenerateRequest(summarise=shared)) == [
+        "summarise.params.temperature", "summarise.params.response_format.regex"
+    ]
     many = bpb.BatchGenerateRequest(items=[item(str(i)) for i in range(3)])
     assert fields(many, BatchSettings(max_items=2)) == ["items"]
     assert fields(many, BatchSettings(max_bytes=10)) == ["items"]

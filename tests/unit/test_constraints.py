@@ -129,3 +129,18 @@ def test_xgrammar_compile_errors_are_invalid_naming_the_field_without_its_source
     v = err.value.violations[0]
     assert v.field == "response_format.grammar" and not re.search(r"\.cc:\d+", v.description)
     assert json.dumps(v.description)  # plain text
+
+
+def test_the_python_client_builds_one_response_format_from_keywords() -> None:
+    from llamamesh.client import build_request
+
+    req = build_request("p", json_schema={"type": "object"}, max_tokens=8)
+    assert req.response_format.json_schema == '{"type": "object"}' and req.max_tokens == 8
+    assert build_request("p", json_schema='{"type": "string"}').response_format.json_schema == '{"type": "string"}'
+    assert list(build_request("p", choice=["a", "b"]).response_format.choice.options) == ["a", "b"]
+    assert build_request("p", json_object=True).response_format.json_object
+    assert build_request("p", regex="x+").response_format.regex == "x+"
+    assert build_request("p", grammar='root ::= "a"').response_format.grammar == 'root ::= "a"'
+    assert not build_request("p").HasField("response_format")
+    with pytest.raises(ValueError, match="one response format"):
+        build_request("p", regex="x", choice=["a"])
