@@ -81,3 +81,31 @@ async def test_kill_mid_stream_continues_with_the_same_tokens(node: ProcessNode)
     done = [json.loads(x) for x in node.log("gateway").splitlines() if '"rpc_finished"' in x]
     mine = [x for x in done if x.get("request_id") == last.request_id]
     assert mine and mine[0]["pool"] == "backup" and mine[0]["failovers"] == 1 and mine[0]["status"] == "ok"
+
+
+async def test_kill_mid_stream_of_a_json_schema_request_resumes_inside_the_grammar(node: ProcessNode) -> None:
+    """The resumed attempt feeds the tokens already sent through the schema's grammar first: the
+    caller's text is one JSON value that validates, the same as an uninterrupted run's (greedy)."""
+    import jsonschema
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age", "hobbies"],
+              "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"},
+                             "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 16},
+                                         "maxItems": 3}}}  # fmt: skip
+    kwargs = {"messages": [("user", "Describe a person as JSON.")], "max_tokens": 96, "temperature": 0.0,
+              "json_schema": schema}  # fmt: skip
+    async with Client(node.address) as c:
+        await wait_for(lambda: _is(c, "llamamesh.backend.backup", SERVING), 120, "the backup pool to be SERVING")
+        reference = "".join([m.text async for m in c.generate(**kwargs)])
+        jsonschema.validate(json.loads(reference), schema)
+        got: list[pb.GenerateResponse] = []
+        async for m in c.generate(**kwargs):
+            got.append(m)
+            if len(got) == 6:  # a few deltas in: mid-value
+                node.procs["worker"].send_signal(signal.SIGKILL)
+                node.procs["worker"].wait(10)
+    text = "".join(m.text for m in got)
+    jsonschema.validate(json.loads(text), schema)
+    assert text == reference and got[-1].finish_reason == pb.FINISH_REASON_STOP
+    moved = [json.loads(x) for x in node.log("gateway").splitlines() if '"request_failed_over"' in x]
+    assert len(moved) == 1 and moved[0]["resumed_tokens"] >= 5
