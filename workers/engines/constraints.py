@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -79,26 +80,28 @@ def _reason(exc: BaseException) -> str:
 
 
 class Grammars:
-    """xgrammar compilation for one tokenizer (compiled grammars cached by xgrammar); the CPU
-    engine's torch thread uses it. xgrammar is imported on the first constrained request."""
+    """xgrammar compilation for one tokenizer (compiled grammars cached by xgrammar), from any thread
+    (xgrammar's compiler is thread-safe). xgrammar is imported on the first constrained request."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._stop = sorted(stop_token_ids)
         self._compiler: Any = None
+        self._lock = threading.Lock()
 
     def matcher(self, c: ResponseConstraint) -> Any:
         """A fresh ``xgrammar.GrammarMatcher`` for ``c``; InvalidRequest naming its field if xgrammar
         cannot compile it."""
         import xgrammar as xgr
 
-        if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(
-                self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop
-            )
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-        compiler = self._compiler
+        with self._lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop
+                )
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            compiler = self._compiler
         try:
             if c.kind is ConstraintKind.JSON_SCHEMA:
                 compiled = compiler.compile_json_schema(c.text, any_whitespace=False)

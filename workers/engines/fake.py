@@ -4,7 +4,9 @@ Token ``i`` of a request is ``(seed + i) % 1000`` where ``seed`` is derived from
 prompt (or the request's seed), and its text is ``" w<id>"``; a resumed request
 (``resume_token_ids``) goes on from position ``len(resume_token_ids)``. Each step takes
 ``settings.fake_step_s`` seconds, and like a real engine every running request
-advances on the same step (one shared clock). Aborts are recorded in ``aborted``.
+advances on the same step (one shared clock). Aborts are recorded in ``aborted``. A
+response_format is checked like every sampling field but not followed: the fake has no grammar
+(the real engines' tests cover it).
 
 The clock (``settings.fake_clock``): "deadline" makes step k due at start + k x step, as a GPU's
 engine core steps whatever its frontend does; when the event loop was busy past one or more

@@ -36,6 +36,8 @@ _Item = TokenDelta | BaseException
 class _Request:
     request: GenerationRequest
     params: ResolvedSampling
+    # The response constraint's grammar matcher, compiled before the request waits (None: free text).
+    matcher: Any = None
     queue: asyncio.Queue[_Item] = field(default_factory=asyncio.Queue)
     # waiting -> running (handed to a step) -> done (its last item is on the queue).
     state: str = "waiting"
@@ -170,7 +172,14 @@ class TransformersEngine:
         rid = request.request_id
         if rid in self._requests:
             raise InvalidRequest.field("request_id", f"request {rid!r} is already in flight")
-        entry = _Request(request, params)
+        matcher = None
+        if params.constraint is not None:
+            # Compiled here, off the torch thread: a large schema's compilation never stalls a step,
+            # and one that does not compile fails before the request waits.
+            matcher = await asyncio.to_thread(batch.grammars.matcher, params.constraint)
+            if rid in self._requests:
+                raise InvalidRequest.field("request_id", f"request {rid!r} is already in flight")
+        entry = _Request(request, params, matcher)
         self._requests[rid] = entry
         self._enqueue(entry)
         self._wakeup.set()
@@ -247,7 +256,7 @@ class TransformersEngine:
             while self._waiting and len(admit) < capacity:
                 entry = self._waiting.popleft()
                 entry.state = "running"
-                admit.append(Admission(entry.request, entry.params))
+                admit.append(Admission(entry.request, entry.params, entry.matcher))
             result = await loop.run_in_executor(self._executor, batch.step, admit, aborts)
             self._apply(result)
 

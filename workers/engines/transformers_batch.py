@@ -50,6 +50,8 @@ log = structlog.get_logger(__name__)
 class Admission:
     request: GenerationRequest
     params: ResolvedSampling
+    # The constraint's xgrammar matcher when compiled already (else the batch compiles it).
+    matcher: Any = None
 
 
 @dataclass
@@ -136,7 +138,7 @@ class Batch:
             elif source is not None:
                 eos.update(source)
         self.eos_ids = frozenset(eos)
-        self._grammars = Grammars(tokenizer, self.vocab_size, self.eos_ids)
+        self.grammars = Grammars(tokenizer, self.vocab_size, self.eos_ids)
         self._seqs: list[_Sequence] = []
         self._kv: RaggedKV | None = None
         # [B]: tokens in the cache per row, which is also the position of each pending token.
@@ -191,7 +193,7 @@ class Batch:
         replay = resumed if 0 < len(resumed) <= self._replay_max else []
         matcher = None
         if admission.params.constraint is not None:
-            matcher = self._grammars.matcher(admission.params.constraint)
+            matcher = admission.matcher or self.grammars.matcher(admission.params.constraint)
             # A resumed request: the grammar continues from what the earlier attempt generated.
             if not all(matcher.accept_token(t) for t in resumed):
                 raise InvalidRequest.field("resume_token_ids", "they do not follow the response_format")
