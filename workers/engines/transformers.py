@@ -177,6 +177,8 @@ class TransformersEngine:
             # Compiled here, off the torch thread: a large schema's compilation never stalls a step,
             # and one that does not compile fails before the request waits.
             matcher = await asyncio.to_thread(batch.grammars.matcher, params.constraint)
+            if self._dead is not None:
+                raise EngineDead(self._dead)
             if rid in self._requests:
                 raise InvalidRequest.field("request_id", f"request {rid!r} is already in flight")
         entry = _Request(request, params, matcher)
