@@ -36,16 +36,13 @@ from workers.engines.trtllm import (
     NOT_INSTALLED,
     Sent,
     TrtllmEngine,
-    check_prompt_tokens,
     delta_of,
-    finish_reason_of,
     invalid_from_trtllm,
     kv_cache_kwargs,
     llm_kwargs,
     sampling_kwargs,
     setting_of,
     stat_figures,
-    token_logprobs,
 )
 
 pytestmark = pytest.mark.timeout(10)
@@ -234,17 +231,6 @@ def test_trtllm_argument_errors_name_our_field(message: str, field: str, too_lon
     assert err.violations[0].description == message
 
 
-def test_prompt_length_is_checked_only_against_a_known_max_seq_len() -> None:
-    check_prompt_tokens(10_000, 0, "prompt")  # unknown limit: TensorRT-LLM checks
-    check_prompt_tokens(4095, 4096, "prompt")
-    with pytest.raises(PromptTooLong) as exc:
-        check_prompt_tokens(4096, 4096, "messages")
-    assert exc.value.violations[0].field == "messages"
-    with pytest.raises(InvalidRequest) as empty:
-        check_prompt_tokens(0, 0, "prompt")
-    assert not isinstance(empty.value, PromptTooLong)
-
-
 # --- outputs
 
 
@@ -253,27 +239,6 @@ class Lp(NamedTuple):
 
     logprob: float
     rank: int | None = None
-
-
-@pytest.mark.parametrize(
-    ("reason", "stop_reason", "expected"),
-    [
-        (None, None, None),
-        ("stop", None, FinishReason.STOP),  # the end token
-        ("stop", 128009, FinishReason.STOP),  # a stop token id
-        ("stop", "###", FinishReason.STOP_SEQUENCE),  # a stop string
-        ("length", None, FinishReason.LENGTH),
-        ("cancelled", None, FinishReason.CANCELLED),
-    ],
-)
-def test_finish_reasons_map_to_ours(reason: str | None, stop_reason: Any, expected: FinishReason | None) -> None:
-    assert finish_reason_of(reason, stop_reason) is expected
-
-
-@pytest.mark.parametrize("reason", ["timeout", "not_finished"])
-def test_other_endings_are_internal_errors(reason: str) -> None:
-    with pytest.raises(InternalError):
-        finish_reason_of(reason, None)
 
 
 @dataclasses.dataclass
@@ -302,13 +267,9 @@ def test_cumulative_outputs_become_deltas_without_repeats() -> None:
     assert delta_of(SimpleNamespace(outputs=[]), Sent(), None) == TokenDelta()
 
 
-def test_logprobs_of_either_shape_keep_n_alternatives() -> None:
+def test_logprobs_come_with_the_delta_they_belong_to() -> None:
+    """The mapping itself: tests/unit/test_adapter_mapping.py."""
     positions = [{5: Lp(-0.1, 1), 6: Lp(-2.0, 2)}, {9: Lp(-0.3, 2), 8: Lp(-0.2, 1)}]
-    got = token_logprobs([5, 9], positions, 1)
-    assert [(t.token_id, t.logprob, [a.token_id for a in t.top]) for t in got] == [(5, -0.1, [5]), (9, -0.3, [8])]
-    assert [t.top for t in token_logprobs([5, 9], positions, 0)] == [(), ()]
-    assert token_logprobs([5], [-0.5], 3)[0].logprob == -0.5  # floats: the sampled token's only
-    assert token_logprobs([5], positions[:1], None) == ()
     sent = Sent()
     out = SimpleNamespace(outputs=[Completion(" a b", [5, 9], positions)])
     assert [lp.token_id for lp in delta_of(out, sent, 1).logprobs] == [5, 9]

@@ -38,18 +38,15 @@ from workers.engines.vllm import (
     SchedulerSnapshot,
     VllmEngine,
     check_engine_fields,
-    check_prompt_len,
     delta_of,
     engine_error_field,
     engine_kwargs,
     engine_priority,
     engine_timings,
-    finish_reason_of,
     for_worker,
     invalid_from_vllm,
     render_prompt_ids,
     sampling_kwargs,
-    token_logprobs,
 )
 
 pytestmark = pytest.mark.timeout(10)
@@ -376,16 +373,6 @@ def test_unusable_input_names_its_field(kw: dict[str, Any], tok: StubTokenizer, 
     assert field_of(exc) == field
 
 
-def test_prompt_length_leaves_room_for_one_output_token() -> None:
-    check_prompt_len(4095, 4096, "prompt")
-    with pytest.raises(PromptTooLong) as exc:
-        check_prompt_len(4096, 4096, "messages")
-    assert exc.value.violations[0].field == "messages"
-    with pytest.raises(InvalidRequest) as empty:
-        check_prompt_len(0, 4096, "prompt")
-    assert not isinstance(empty.value, PromptTooLong)
-
-
 # --- outputs
 
 
@@ -395,50 +382,6 @@ class Lp(NamedTuple):
     logprob: float
     rank: int | None
     decoded_token: str | None = None
-
-
-@pytest.mark.parametrize(
-    ("reason", "stop_reason", "expected"),
-    [
-        (None, None, None),
-        ("stop", None, FinishReason.STOP),  # EOS
-        ("stop", 128009, FinishReason.STOP),  # a stop token id
-        ("stop", "###", FinishReason.STOP_SEQUENCE),  # a stop string
-        ("length", None, FinishReason.LENGTH),
-        ("abort", None, FinishReason.CANCELLED),
-        ("repetition", "repetition_detected", FinishReason.STOP),
-    ],
-)
-def test_finish_reasons(reason: str | None, stop_reason: int | str | None, expected: FinishReason | None) -> None:
-    assert finish_reason_of(reason, stop_reason) is expected
-
-
-@pytest.mark.parametrize("reason", ["error", "something-new"])
-def test_engine_side_request_failures_are_internal_errors(reason: str) -> None:
-    with pytest.raises(InternalError):
-        finish_reason_of(reason, None)
-
-
-def test_logprobs_keep_the_sampled_token_and_the_top_n_by_rank() -> None:
-    positions = [
-        # Sampled token 7 ranked 3rd; dict order is not rank order.
-        {7: Lp(-2.0, 3), 4: Lp(-1.5, 2), 9: Lp(-0.1, 1)},
-        # Sampled token 5 is outside the top 2 (rank 40): it is not an alternative.
-        {5: Lp(-6.0, 40), 3: Lp(-0.2, 1), 8: Lp(-1.9, 2)},
-    ]
-    out = token_logprobs([7, 5], positions, n=2)
-    assert [(t.token_id, t.logprob) for t in out] == [(7, -2.0), (5, -6.0)]
-    assert [(a.token_id, a.logprob) for a in out[0].top] == [(9, -0.1), (4, -1.5)]
-    assert [(a.token_id, a.logprob) for a in out[1].top] == [(3, -0.2), (8, -1.9)]
-    # n = 3 includes the sampled token at its rank.
-    assert [a.token_id for a in token_logprobs([7], positions[:1], n=3)[0].top] == [9, 4, 7]
-
-
-def test_logprobs_zero_alternatives_and_not_requested() -> None:
-    only = token_logprobs([7], [{7: Lp(-0.3, 1)}], n=0)
-    assert len(only) == 1 and only[0].logprob == -0.3 and only[0].top == ()
-    assert token_logprobs([7], [{7: Lp(-0.3, 1)}], n=None) == ()
-    assert token_logprobs([7], None, n=2) == ()
 
 
 def output(

@@ -35,8 +35,9 @@ import structlog
 import torch
 from transformers import DynamicCache
 
-from llamamesh.errors import InternalError, InvalidRequest, LlamameshError, PromptTooLong
+from llamamesh.errors import InternalError, InvalidRequest, LlamameshError
 from llamamesh.types import FinishReason, GenerationRequest, TokenLogprob
+from workers.engines.adapter import check_prompt_tokens, render_prompt_ids
 from workers.engines.constraints import Grammars
 from workers.engines.detokenizer import IncrementalDetokenizer, StopStrings
 from workers.engines.sampling import ResolvedSampling, SequenceSampler, sample_batch, token_logprobs
@@ -156,23 +157,9 @@ class Batch:
     # --- input
 
     def encode(self, request: GenerationRequest) -> list[int]:
-        """Token ids for the request's prompt (as is) or messages (chat template); InvalidRequest if neither."""
-        if request.prompt is not None and request.messages is not None:
-            raise InvalidRequest.field("messages", "set prompt or messages, not both")
-        if request.messages is not None:
-            if not request.messages:
-                raise InvalidRequest.field("messages", "at least one message is required")
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise InvalidRequest.field("messages", "this model has no chat template; send a prompt")
-            chat = [{"role": m.role, "content": m.content} for m in request.messages]
-            try:
-                text = self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-            except Exception as exc:  # jinja raises whatever the template author chose
-                raise InvalidRequest.field("messages", f"the chat template rejected them: {exc}") from exc
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
-        if request.prompt is None:
-            raise InvalidRequest.field("prompt", "either prompt or messages is required")
-        return list(self.tokenizer.encode(request.prompt))
+        """Token ids for the request's prompt (as is) or messages (chat template); InvalidRequest if
+        neither (the GPU adapters' rendering: the same request gives the same ids on every engine)."""
+        return render_prompt_ids(request, self.tokenizer)
 
     def _admit(self, admission: Admission) -> _Sequence:
         request = admission.request
@@ -185,11 +172,7 @@ class Batch:
         if any(not 0 <= t < self.vocab_size for t in resumed):
             raise InvalidRequest.field("resume_token_ids", f"token ids must be in [0, {self.vocab_size})")
         ids += resumed
-        if len(ids) >= self.max_model_len:
-            limit = self.max_model_len - 1
-            raise PromptTooLong.field(
-                input_field, f"{len(ids)} tokens, limit {limit} (max_model_len {self.max_model_len} counts the output)"
-            )
+        check_prompt_tokens(len(ids), self.max_model_len, input_field, "max_model_len")
         replay = resumed if 0 < len(resumed) <= self._replay_max else []
         matcher = None
         if admission.params.constraint is not None:

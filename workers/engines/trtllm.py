@@ -85,15 +85,12 @@ from llamamesh.types import (
     SamplingParams,
     TokenDelta,
     TokenLogprob,
-    TopLogprob,
 )
+from workers.engines import adapter
+from workers.engines.adapter import SAMPLING_FIELDS, render_prompt_ids, token_logprobs
 from workers.engines.base import EngineStats, remember
 from workers.engines.constraints import constraint_error, library_constraint, trtllm_guided
 from workers.engines.params import library_sampling_kwargs
-
-# vllm.py imports vllm lazily, so this import pulls in no GPU library: the two engines share the
-# prompt rendering (the same prompt gives the same ids on both).
-from workers.engines.vllm import render_prompt_ids
 
 log = structlog.get_logger(__name__)
 
@@ -109,7 +106,6 @@ _OPTIONAL_SAMPLING = (
     "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
     "ignore_eos", "min_tokens",
 )  # fmt: skip
-SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 # TrtllmSettings fields forwarded to LLM(...) under their own name when non-empty / non-zero / true.
 _LLM_FIELDS = ("tokenizer", "dtype", "max_seq_len", "max_batch_size", "max_num_tokens", "trust_remote_code")
 _PROMPT_TOO_LONG = re.compile(r"prompt length|prompt_len|input length", re.I)
@@ -212,54 +208,16 @@ def invalid_from_trtllm(message: str, input_field: str) -> InvalidRequest:
 def check_prompt_tokens(n_tokens: int, max_seq_len: int, input_field: str) -> None:
     """Refuse an empty prompt, and (when LLAMAMESH_TRTLLM_MAX_SEQ_LEN is set, the only limit known here)
     one that leaves no room for an output token; else TensorRT-LLM checks the length itself."""
-    if n_tokens == 0:
-        raise InvalidRequest.field(input_field, "the prompt has no tokens")
-    if max_seq_len and n_tokens >= max_seq_len:
-        raise PromptTooLong.field(
-            input_field, f"{n_tokens} tokens, limit {max_seq_len - 1} (max_seq_len {max_seq_len} counts the output)"
-        )
+    adapter.check_prompt_tokens(n_tokens, max_seq_len, input_field, "max_seq_len")
 
 
 # --- outputs
 
 
 def finish_reason_of(reason: str | None, stop_reason: int | str | None) -> FinishReason | None:
-    """TensorRT-LLM's finish_reason/stop_reason as ours: a stop string (str stop_reason) is STOP_SEQUENCE;
-    the end token or a stop token id is STOP. 'timeout' (a request timeout, which we never set) and
-    anything else raise InternalError."""
-    if reason is None:
-        return None
-    if reason == "stop":
-        return FinishReason.STOP_SEQUENCE if isinstance(stop_reason, str) else FinishReason.STOP
-    if reason == "length":
-        return FinishReason.LENGTH
-    if reason == "cancelled":
-        return FinishReason.CANCELLED
-    raise InternalError(f"TensorRT-LLM ended the request with finish_reason {reason!r}")
-
-
-def token_logprobs(
-    token_ids: Sequence[int], positions: Sequence[Any] | None, n: int | None
-) -> tuple[TokenLogprob, ...]:
-    """TensorRT-LLM's per-token logprobs as TokenLogprobs: the sampled token's logprob and at most ``n``
-    alternatives by rank. result.py types ``CompletionOutput.logprobs`` as ``TokenLogprobs`` (a list of
-    ``{token_id: Logprob(logprob, rank)}``) or a list of floats (the sampled token's only); both are read."""
-    if n is None or not positions:
-        return ()
-    keep = max(n, 0)
-    out = []
-    for token, position in zip(token_ids, positions, strict=False):
-        if isinstance(position, Mapping):
-            chosen = position.get(token)
-            ranked = sorted(
-                position.items(),
-                key=lambda kv: (kv[1].rank if kv[1].rank is not None else float("inf"), -kv[1].logprob),
-            )
-            top = tuple(TopLogprob(int(t), float(lp.logprob)) for t, lp in ranked[:keep])
-            out.append(TokenLogprob(int(token), float(chosen.logprob) if chosen is not None else float("nan"), top))
-        else:
-            out.append(TokenLogprob(int(token), float(position)))
-    return tuple(out)
+    """TensorRT-LLM's finish_reason/stop_reason as ours (adapter.finish_reason_of): "cancelled" is
+    CANCELLED; "timeout" (a request timeout, which we never set) and anything else raise InternalError."""
+    return adapter.finish_reason_of(reason, stop_reason, engine="TensorRT-LLM", cancelled="cancelled")
 
 
 @dataclasses.dataclass

@@ -56,9 +56,9 @@ from llamamesh.types import (
     ResponseConstraint,
     SamplingParams,
     TokenDelta,
-    TokenLogprob,
-    TopLogprob,
 )
+from workers.engines import adapter
+from workers.engines.adapter import SAMPLING_FIELDS, check_prompt_tokens, render_prompt_ids, token_logprobs
 from workers.engines.base import EngineStats, remember
 from workers.engines.constraints import constraint_error, library_constraint, vllm_structured
 from workers.engines.params import library_sampling_kwargs
@@ -71,7 +71,6 @@ _OPTIONAL_SAMPLING = (
     "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "seed", "ignore_eos", "min_tokens", "logprobs",
 )  # fmt: skip
-SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 # VllmSettings fields forwarded when non-empty / non-zero / true.
 _ENGINE_FIELDS = (
@@ -226,78 +225,19 @@ def invalid_from_vllm(message: str, parameter: str | None, input_field: str) -> 
     return InvalidRequest.field("request", message)
 
 
-def render_prompt_ids(request: GenerationRequest, tokenizer: Any) -> list[int]:
-    """The token ids for ``request``: the prompt as is (with the tokenizer's special tokens, as vLLM's
-    completions path), or the messages through the chat template (no extra special tokens, as its chat
-    path). InvalidRequest if neither or both are set, or the template fails."""
-    if request.prompt is not None and request.messages is not None:
-        raise InvalidRequest.field("messages", "set prompt or messages, not both")
-    if request.messages is not None:
-        if not request.messages:
-            raise InvalidRequest.field("messages", "at least one message is required")
-        if not getattr(tokenizer, "chat_template", None):
-            raise InvalidRequest.field("messages", "this model has no chat template; send a prompt")
-        chat = [{"role": m.role, "content": m.content} for m in request.messages]
-        try:
-            text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # jinja raises whatever the template author chose
-            raise InvalidRequest.field("messages", f"the chat template rejected them: {exc}") from exc
-        return list(tokenizer.encode(text, add_special_tokens=False))
-    if request.prompt is None:
-        raise InvalidRequest.field("prompt", "either prompt or messages is required")
-    return list(tokenizer.encode(request.prompt))
-
-
 def check_prompt_len(n_tokens: int, max_model_len: int, input_field: str) -> None:
     """vLLM needs at least one token of room for the output (it checks too; this names our field)."""
-    if n_tokens == 0:
-        raise InvalidRequest.field(input_field, "the prompt has no tokens")
-    if n_tokens >= max_model_len:
-        limit = max_model_len - 1
-        raise PromptTooLong.field(
-            input_field, f"{n_tokens} tokens, limit {limit} (max_model_len {max_model_len} counts the output)"
-        )
+    check_prompt_tokens(n_tokens, max_model_len, input_field, "max_model_len")
 
 
 # --- outputs
 
 
 def finish_reason_of(reason: str | None, stop_reason: int | str | None) -> FinishReason | None:
-    """vLLM's finish_reason/stop_reason as ours: a stop string (str stop_reason) is STOP_SEQUENCE; EOS or
-    a stop token id is STOP. vLLM's "error" (a request-level engine failure) raises InternalError."""
-    if reason is None:
-        return None
-    if reason == "stop":
-        return FinishReason.STOP_SEQUENCE if isinstance(stop_reason, str) else FinishReason.STOP
-    if reason == "length":
-        return FinishReason.LENGTH
-    if reason == "abort":
-        return FinishReason.CANCELLED
-    if reason == "repetition":  # only with repetition_detection, which we never set
-        return FinishReason.STOP
-    raise InternalError(f"vLLM ended the request with finish_reason {reason!r}")
-
-
-def token_logprobs(
-    token_ids: Sequence[int], positions: Sequence[Mapping[int, Any] | None] | None, n: int | None
-) -> tuple[TokenLogprob, ...]:
-    """vLLM's per-token ``{token_id: Logprob}`` (the sampled token plus the top ``n``) as TokenLogprobs:
-    the sampled token's logprob, and at most ``n`` alternatives by rank (the sampled one among them
-    when it ranks in the top ``n``)."""
-    if n is None or not positions:
-        return ()
-    keep = max(n, 0)
-    out = []
-    for token, position in zip(token_ids, positions, strict=False):
-        entries = position or {}
-        chosen = entries.get(token)
-        ranked = sorted(
-            entries.items(),
-            key=lambda kv: (kv[1].rank if kv[1].rank is not None else float("inf"), -kv[1].logprob),
-        )
-        top = tuple(TopLogprob(int(t), float(lp.logprob)) for t, lp in ranked[:keep])
-        out.append(TokenLogprob(int(token), float(chosen.logprob) if chosen is not None else float("nan"), top))
-    return tuple(out)
+    """vLLM's finish_reason/stop_reason as ours (adapter.finish_reason_of): "abort" is CANCELLED,
+    "repetition" (only with repetition_detection, which we never set) STOP; "error" (a request-level
+    engine failure) raises InternalError."""
+    return adapter.finish_reason_of(reason, stop_reason, engine="vLLM", cancelled="abort", also_stop=("repetition",))
 
 
 def delta_of(output: Any, n_logprobs: int | None) -> TokenDelta:
