@@ -132,7 +132,6 @@ def test_every_engine_renders_the_same_request_to_the_same_ids() -> None:
     for req, ids in [(request(prompt="hi there"), [1, 102, 105]),
                      (request(messages=(ChatMessage("user", "hi"),)), [106, 102, 111])]:  # fmt: skip
         assert adapter.render_prompt_ids(req, tok) == ids
-        assert vllm.render_prompt_ids(req, tok) == ids and trtllm.render_prompt_ids(req, tok) == ids
         assert batch.encode(req) == ids
     for kw, field in [({}, "prompt"), ({"messages": ()}, "messages"),
                       ({"prompt": "a", "messages": (ChatMessage("user", "b"),)}, "messages")]:  # fmt: skip

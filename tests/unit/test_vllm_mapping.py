@@ -31,6 +31,7 @@ from llamamesh.types import (
 from workers.engines import registry
 from workers.engines.base import EngineStats
 from workers.engines.params import DEFAULT_MAX_TOKENS
+from workers.engines.adapter import render_prompt_ids
 from workers.engines.vllm import (
     BATCH_PRIORITY_OFFSET,
     BATCH_STEP_TOKENS,
@@ -45,7 +46,6 @@ from workers.engines.vllm import (
     engine_timings,
     for_worker,
     invalid_from_vllm,
-    render_prompt_ids,
     sampling_kwargs,
 )
 

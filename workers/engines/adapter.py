@@ -1,19 +1,38 @@
 """What the engine adapters share: rendering a request's prompt to token ids, the prompt-length check,
-finish reasons and logprobs as ours. Pure Python (no torch, vLLM or TensorRT-LLM import), so each
-adapter imports it without pulling in another's library. Each adapter names its own library's
-words (its finish reasons, its length limit) where they differ.
+finish reasons and logprobs as ours, and :class:`LibraryEngine`, the skeleton of ``tokenize`` /
+``stream`` / ``abort`` around a GPU library's own calls. Pure Python (no torch, vLLM or TensorRT-LLM
+import), so each adapter imports it without pulling in another's library. Each adapter names its own
+library's words (its finish reasons, its length limit, its errors) where they differ.
 
 Used by: vllm.py and trtllm.py (all of it), transformers_batch.py (the prompt and its length).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
 import dataclasses
-from collections.abc import Collection, Mapping, Sequence
+import time
+from collections.abc import AsyncIterator, Awaitable, Collection, Mapping, Sequence
 from typing import Any
 
-from llamamesh.errors import InternalError, InvalidRequest, PromptTooLong
-from llamamesh.types import FinishReason, GenerationRequest, SamplingParams, TokenLogprob, TopLogprob
+import structlog
+
+from llamamesh.errors import EngineDead, InternalError, InvalidRequest, PromptTooLong
+from llamamesh.settings import WorkerSettings
+from llamamesh.types import (
+    FinishReason,
+    GenerationRequest,
+    JobKind,
+    SamplingParams,
+    TokenDelta,
+    TokenLogprob,
+    TopLogprob,
+)
+from workers.engines.base import remember
+
+log = structlog.get_logger(__name__)
 
 # Our SamplingParams field names, which the libraries' errors may name.
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -95,3 +114,156 @@ def token_logprobs(
         top = tuple(TopLogprob(int(t), float(lp.logprob)) for t, lp in ranked[:keep])
         out.append(TokenLogprob(int(token), float(chosen.logprob) if chosen is not None else float("nan"), top))
     return tuple(out)
+
+
+async def cancel_task(task: asyncio.Task[Any] | None) -> None:
+    """Cancel a background task (if any) and wait until it has ended."""
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+class LibraryEngine:
+    """The skeleton both GPU adapters (vllm.py, trtllm.py) share: ``tokenize``, ``stream`` and
+    ``abort`` around their library's own calls (the hooks below). The adapter sets ``_llm``, ``_api``
+    and ``_tokenizer`` at start, ``_dead`` (why it is dead) when it dies, and counts ``_outputs`` (the
+    engine's step count for the wedge watch); ``_streams`` maps request ids to their state (with
+    ``aborted``), ``aborted`` lists the ids it aborted.
+
+    ``stream`` gives: invalid input raises InvalidRequest (PromptTooLong for a long prompt) before any
+    delta, a dead engine EngineDead; deltas without text or tokens are skipped; the final delta carries
+    prompt_tokens (without resumed tokens); :meth:`abort` ends the stream with one CANCELLED delta; a
+    consumer that goes away (cancelled, or stops iterating) has the request stopped in the library."""
+
+    library = ""  # its name in errors: "vLLM", "TensorRT-LLM"
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        self._settings = settings
+        self._llm: Any = None  # the library's engine, once started
+        self._api: Any = None  # the library's names, imported at start
+        self._tokenizer: Any = None
+        self._streams: dict[str, Any] = {}
+        # Chat templates and tokenization run here, off the event loop (one thread: HF tokenizers).
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamamesh-tok")
+        self._dead: str | None = None
+        self._starting = ""
+        # Library outputs delivered to our streams (the watchdog's sign of progress).
+        self._outputs = 0
+        self.aborted: list[str] = []
+
+    @property
+    def model_name(self) -> str:
+        return self._settings.model
+
+    def _started(self) -> tuple[Any, Any]:
+        """(the library's engine, its imported names); EngineDead if not running."""
+        if self._dead is not None:
+            raise EngineDead(self._dead)
+        if self._llm is None or self._api is None:
+            raise EngineDead("the engine is not started")
+        return self._llm, self._api
+
+    # --- hooks
+
+    def _new_stream(self) -> Any:
+        """A fresh per-request state with an ``aborted`` flag."""
+        raise NotImplementedError
+
+    def _library_params(self, request: GenerationRequest, api: Any, input_field: str) -> Any:
+        """The library's sampling parameters for ``request``; InvalidRequest naming our field."""
+        raise NotImplementedError
+
+    def _check_length(self, n_tokens: int, input_field: str) -> None:
+        """Refuse a prompt (resumed tokens included) that leaves no room for output, where known."""
+        raise NotImplementedError
+
+    def _deltas(
+        self, llm: Any, api: Any, request: GenerationRequest, ids: list[int], params: Any, state: Any,
+        input_field: str, tokenize_ms: float,
+    ) -> AsyncIterator[TokenDelta]:  # fmt: skip
+        """Run ``ids`` in the library and map each output to a delta; the last one has a finish reason
+        (and ends the iteration), or the iteration ends without one when the request was aborted.
+        Closing it early must stop the request in the library where the library does not."""
+        raise NotImplementedError
+
+    def _abort_in_library(self, request_id: str, state: Any) -> Awaitable[None] | None:
+        """Stop a running request in the library (:meth:`abort`)."""
+        raise NotImplementedError
+
+    def _left(self, state: Any) -> None:
+        """A stream ended without its final delta (consumer gone, or an error): stop it where needed."""
+
+    # --- the skeleton
+
+    async def tokenize(self, request: GenerationRequest) -> list[int]:
+        """The ids :meth:`stream` would prefill for ``request``; InvalidRequest if it has no usable input."""
+        self._started()
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, render_prompt_ids, request, self._tokenizer
+        )
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        llm, api = self._started()
+        if request.kind is JobKind.TOKENIZE:
+            raise InvalidRequest.field("kind", "tokenize jobs go through tokenize(), not stream()")
+        rid = request.request_id
+        if rid in self._streams:
+            raise InvalidRequest.field("request_id", f"request {rid!r} is already in flight")
+        input_field = "messages" if request.messages is not None else "prompt"
+        params = self._library_params(request, api, input_field)
+        state = self._streams[rid] = self._new_stream()
+        finished = False
+        entered = time.perf_counter()
+        try:
+            ids = await asyncio.get_running_loop().run_in_executor(
+                self._executor, render_prompt_ids, request, self._tokenizer
+            )
+            tokenize_ms = (time.perf_counter() - entered) * 1e3
+            if self._dead is not None:  # shut down while tokenizing
+                raise EngineDead(self._dead)
+            n_prompt = len(ids)
+            # A resumed request: prefill what an earlier attempt generated (the library's output holds
+            # only what it generates from there).
+            ids += request.resume_token_ids
+            if not state.aborted:
+                self._check_length(len(ids), input_field)
+                deltas = self._deltas(llm, api, request, ids, params, state, input_field, tokenize_ms)
+                async with contextlib.aclosing(deltas):  # type: ignore[type-var]
+                    async for delta in deltas:
+                        if delta.finish_reason is None:
+                            if delta.token_ids or delta.text:
+                                yield delta
+                            continue
+                        if delta.finish_reason is FinishReason.CANCELLED and not state.aborted and self._dead:
+                            raise EngineDead(self._dead)
+                        finished = True
+                        del self._streams[rid]  # from here on, abort(rid) is a no-op
+                        yield dataclasses.replace(delta, prompt_tokens=n_prompt)
+                        return
+            if not state.aborted:
+                raise InternalError(f"{self.library} ended the stream without a finish_reason")
+            finished = True
+            del self._streams[rid]
+            yield TokenDelta(finish_reason=FinishReason.CANCELLED, prompt_tokens=n_prompt)
+        except (asyncio.CancelledError, GeneratorExit):
+            if not finished and not state.aborted:
+                remember(self.aborted, rid)
+                log.info("engine_aborted", request_id=rid, reason="consumer_gone")
+            raise
+        finally:
+            if not finished:
+                self._left(state)
+            self._streams.pop(rid, None)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a running request; its stream ends with one CANCELLED delta. Unknown or finished ids are
+        ignored."""
+        state = self._streams.get(request_id)
+        if state is None or state.aborted:
+            return
+        state.aborted = True
+        remember(self.aborted, request_id)
+        log.info("engine_aborted", request_id=request_id, reason="abort")
+        pending = self._abort_in_library(request_id, state)
+        if pending is not None:
+            await pending

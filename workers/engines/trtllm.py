@@ -7,9 +7,10 @@ the unit tests drive it against a fake ``tensorrt_llm`` built from the same read
 (tests/unit/test_trtllm_mapping.py). Where the sources were ambiguous a comment says so.
 
 The mapping between llamamesh and TensorRT-LLM is pure functions over plain data (:func:`llm_kwargs`,
-:func:`kv_cache_kwargs`, :func:`sampling_kwargs`, :func:`finish_reason_of`, :func:`token_logprobs`,
-:func:`delta_of`, :func:`invalid_from_trtllm`, :func:`stat_figures`); :class:`TrtllmEngine` is the thin
-layer that builds TensorRT-LLM objects from them. ``tensorrt_llm`` is imported only by :class:`_Api`,
+:func:`kv_cache_kwargs`, :func:`sampling_kwargs`, :func:`finish_reason_of`, :func:`delta_of`,
+:func:`invalid_from_trtllm`, :func:`stat_figures`; what both GPU adapters share, in adapter.py);
+:class:`TrtllmEngine` is the thin layer that builds TensorRT-LLM objects from them, on the stream
+skeleton it shares with vLLM's (adapter.LibraryEngine). ``tensorrt_llm`` is imported only by :class:`_Api`,
 from :meth:`TrtllmEngine.start` (and this module only when the registry picks the engine).
 
 TensorRT-LLM APIs used, and nothing else:
@@ -66,11 +67,10 @@ the loop until the model is loaded; the worker does not lease before that.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import json
 import re
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from typing import Any
 
 import structlog
@@ -80,15 +80,14 @@ from llamamesh.settings import TrtllmSettings, WorkerSettings
 from llamamesh.types import (
     FinishReason,
     GenerationRequest,
-    JobKind,
     ResponseConstraint,
     SamplingParams,
     TokenDelta,
     TokenLogprob,
 )
 from workers.engines import adapter
-from workers.engines.adapter import SAMPLING_FIELDS, render_prompt_ids, token_logprobs
-from workers.engines.base import EngineStats, remember
+from workers.engines.adapter import SAMPLING_FIELDS, LibraryEngine, cancel_task, token_logprobs
+from workers.engines.base import EngineStats
 from workers.engines.constraints import constraint_error, library_constraint, trtllm_guided
 from workers.engines.params import library_sampling_kwargs
 
@@ -306,9 +305,15 @@ def _prompt_tokenizer(tokenizer: Any) -> Any:
     return inner if inner is not None and hasattr(inner, "encode") else tokenizer
 
 
-class TrtllmEngine:
+class TrtllmEngine(LibraryEngine):
     """Serves one model with TensorRT-LLM's LLM API. Attributes tests can assert: ``aborted`` (request
-    ids aborted, by :meth:`abort` or by a consumer that went away)."""
+    ids aborted, by :meth:`abort` or by a consumer that went away). ``tokenize``, ``stream`` and
+    ``abort`` are adapter.LibraryEngine's, around ``LLM.generate_async(streaming=True)`` (cumulative
+    outputs). Unlike vLLM's generate(), it does not abort a request whose consumer went away by
+    itself: :meth:`_left` does. ``request.priority`` is not passed: no per-request priority was found
+    in the LLM API."""
+
+    library = "TensorRT-LLM"
 
     def __init__(
         self,
@@ -317,37 +322,16 @@ class TrtllmEngine:
         device_count: int | None = None,
         stats_interval_s: float = STATS_INTERVAL_S,
     ) -> None:
-        self._settings = settings
+        super().__init__(settings)
         self._trtllm_settings = trtllm
         self._device_count = device_count
         self._stats_interval_s = stats_interval_s
-        self._llm: Any = None
-        self._api: _Api | None = None
-        self._tokenizer: Any = None
         self._running = self._waiting = 0
         self._kv_cache_usage = 0.0
-        self._streams: dict[str, _Stream] = {}
         self._stats_task: asyncio.Task[None] | None = None
-        # Chat templates and tokenization run here, off the event loop (one thread: HF tokenizers).
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamamesh-tok")
-        self._dead: str | None = None
-        self._starting = ""
-        # TensorRT-LLM outputs delivered to our streams (the watchdog's sign of progress).
-        self._outputs = 0
         # TensorRT-LLM has no stats before the first request, and says so on stdout at every poll.
         self._submitted = False
-        self.aborted: list[str] = []
 
-    @property
-    def model_name(self) -> str:
-        return self._settings.model
-
-    def _started(self) -> tuple[Any, _Api]:
-        if self._dead is not None:
-            raise EngineDead(self._dead)
-        if self._llm is None or self._api is None:
-            raise EngineDead("the engine is not started")
-        return self._llm, self._api
 
     # --- lifecycle
 
@@ -427,10 +411,8 @@ class TrtllmEngine:
         EngineDead. Safe if never started."""
         if self._dead is None:
             self._dead = "the engine was shut down"
-        if self._stats_task is not None:
-            self._stats_task.cancel()
-            await asyncio.gather(self._stats_task, return_exceptions=True)
-            self._stats_task = None
+        await cancel_task(self._stats_task)
+        self._stats_task = None
         llm, self._llm = self._llm, None
         if llm is not None:
             for state in self._streams.values():
@@ -461,13 +443,6 @@ class TrtllmEngine:
 
     # --- requests
 
-    async def tokenize(self, request: GenerationRequest) -> list[int]:
-        """The ids :meth:`stream` would prefill for ``request``; InvalidRequest if it has no usable input."""
-        self._started()
-        return await asyncio.get_running_loop().run_in_executor(
-            self._executor, render_prompt_ids, request, self._tokenizer
-        )
-
     def _abort_result(self, state: _Stream) -> None:
         result = state.result
         if result is None or state.abort_sent or result.finished:
@@ -492,94 +467,55 @@ class TrtllmEngine:
             self._dead = f"TensorRT-LLM is not running: {exc}"
             raise EngineDead(self._dead) from exc
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
-        """Generate for ``request`` with ``LLM.generate_async(streaming=True)``, one delta per response.
+    # --- requests (adapter.LibraryEngine's hooks)
 
-        Invalid input (ours or TensorRT-LLM's validation) raises InvalidRequest (PromptTooLong for a long
-        prompt) before any delta; a dead engine raises EngineDead. :meth:`abort` ends the stream with one
-        CANCELLED delta. If the consumer stops iterating or its task is cancelled, the request is aborted
-        in TensorRT-LLM (which, unlike vLLM's generate(), does not do it by itself) and the cancellation
-        propagates. ``request.priority`` is not passed: no per-request priority was found in the LLM API.
-        """
-        llm, api = self._started()
-        if request.kind is JobKind.TOKENIZE:
-            raise InvalidRequest.field("kind", "tokenize jobs go through tokenize(), not stream()")
-        rid = request.request_id
-        if rid in self._streams:
-            raise InvalidRequest.field("request_id", f"request {rid!r} is already in flight")
-        input_field = "messages" if request.messages is not None else "prompt"
-        n_logprobs = request.sampling.logprobs
-        constraint = library_constraint(request, "TensorRT-LLM")
+    def _new_stream(self) -> _Stream:
+        return _Stream()
+
+    def _library_params(self, request: GenerationRequest, api: Any, input_field: str) -> Any:
+        constraint = library_constraint(request, self.library)
         try:
             kwargs = sampling_kwargs(request.sampling)
             if constraint is not None:
                 kwargs["guided_decoding"] = api.GuidedDecodingParams(**trtllm_guided(constraint))
-            params = api.SamplingParams(**kwargs)
+            return api.SamplingParams(**kwargs)
         except (TypeError, ValueError) as exc:
             raise constraint_error(str(exc), constraint) or invalid_from_trtllm(str(exc), input_field) from exc
-        state = self._streams[rid] = _Stream()
-        finished = False
-        try:
-            loop = asyncio.get_running_loop()
-            ids = await loop.run_in_executor(self._executor, render_prompt_ids, request, self._tokenizer)
-            if self._dead is not None:  # shut down while tokenizing
-                raise EngineDead(self._dead)
-            n_prompt = len(ids)
-            # A resumed request: prefill what an earlier attempt generated; TensorRT-LLM's outputs hold
-            # only what it generates (SamplingParams.exclude_input_from_output defaults to True). Its
-            # detokenizer starts at the output, without the resumed tokens as context.
-            ids += request.resume_token_ids
-            if not state.aborted:
-                check_prompt_tokens(len(ids), self._trtllm_settings.max_seq_len, input_field)
-                state.result = self._submit(llm, api, ids, params, input_field, constraint)
-                sent = Sent()
-                while True:
-                    try:
-                        output = await state.result.__anext__()
-                    except StopAsyncIteration:
-                        break
-                    except api.RequestError as exc:
-                        raise InternalError(f"TensorRT-LLM failed the request: {exc}") from exc
-                    except Exception as exc:  # a background error: TensorRT-LLM has shut itself down
-                        self._dead = f"TensorRT-LLM died: {type(exc).__name__}: {exc}"
-                        raise EngineDead(self._dead) from exc
-                    self._outputs += 1
-                    delta = delta_of(output, sent, n_logprobs)
-                    if delta.finish_reason is None:
-                        if output.finished:
-                            raise InternalError("TensorRT-LLM finished the request without a finish_reason")
-                        if delta.token_ids or delta.text:
-                            yield delta
-                        continue
-                    if delta.finish_reason is FinishReason.CANCELLED and not state.aborted and self._dead:
-                        raise EngineDead(self._dead)
-                    finished = True
-                    del self._streams[rid]  # from here on, abort(rid) is a no-op
-                    yield dataclasses.replace(delta, prompt_tokens=n_prompt)
-                    return
-            if not state.aborted:
-                raise InternalError("TensorRT-LLM ended the stream without a finish_reason")
-            finished = True
-            del self._streams[rid]
-            yield TokenDelta(finish_reason=FinishReason.CANCELLED, prompt_tokens=n_prompt)
-        except (asyncio.CancelledError, GeneratorExit):
-            if not finished and not state.aborted:
-                remember(self.aborted, rid)
-                log.info("engine_aborted", request_id=rid, reason="consumer_gone")
-            raise
-        finally:
-            if not finished and self._dead is None:
-                # The consumer went away, or we raised: TensorRT-LLM would go on generating for no one.
-                self._abort_result(state)
-            self._streams.pop(rid, None)
 
-    async def abort(self, request_id: str) -> None:
-        """Stop a running request; its stream ends with one CANCELLED delta. Unknown or finished ids are
-        ignored."""
-        state = self._streams.get(request_id)
-        if state is None or state.aborted:
-            return
-        state.aborted = True
-        remember(self.aborted, request_id)
-        log.info("engine_aborted", request_id=request_id, reason="abort")
+    def _check_length(self, n_tokens: int, input_field: str) -> None:
+        check_prompt_tokens(n_tokens, self._trtllm_settings.max_seq_len, input_field)
+
+    async def _deltas(
+        self, llm: Any, api: Any, request: GenerationRequest, ids: list[int], params: Any, state: Any,
+        input_field: str, tokenize_ms: float,
+    ) -> AsyncIterator[TokenDelta]:  # fmt: skip
+        # TensorRT-LLM's outputs hold only what it generates (SamplingParams.exclude_input_from_output
+        # defaults to True); its detokenizer starts at the output, without resumed tokens as context.
+        state.result = self._submit(llm, api, ids, params, input_field, request.sampling.constraint)
+        sent = Sent()
+        while True:
+            try:
+                output = await state.result.__anext__()
+            except StopAsyncIteration:
+                return
+            except api.RequestError as exc:
+                raise InternalError(f"TensorRT-LLM failed the request: {exc}") from exc
+            except Exception as exc:  # a background error: TensorRT-LLM has shut itself down
+                self._dead = f"TensorRT-LLM died: {type(exc).__name__}: {exc}"
+                raise EngineDead(self._dead) from exc
+            self._outputs += 1
+            delta = delta_of(output, sent, request.sampling.logprobs)
+            if delta.finish_reason is None and output.finished:
+                raise InternalError("TensorRT-LLM finished the request without a finish_reason")
+            yield delta
+            if delta.finish_reason is not None:
+                return
+
+    def _abort_in_library(self, request_id: str, state: Any) -> Awaitable[None] | None:
         self._abort_result(state)
+        return None
+
+    def _left(self, state: Any) -> None:
+        if self._dead is None:  # TensorRT-LLM would go on generating for no one
+            self._abort_result(state)
+

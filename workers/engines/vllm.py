@@ -1,9 +1,10 @@
 """The GPU engine: vLLM 0.26's ``AsyncLLM`` in this process, streaming DELTA outputs.
 
 The mapping between llamamesh and vLLM is pure functions over plain data (:func:`engine_kwargs`,
-:func:`sampling_kwargs`, :func:`delta_of`, :func:`finish_reason_of`, :func:`token_logprobs`,
-:func:`render_prompt_ids`, the error classifiers), testable without vLLM; :class:`VllmEngine` is the
-thin layer that builds vLLM objects from them. ``vllm`` is imported only inside :meth:`VllmEngine.start`
+:func:`sampling_kwargs`, :func:`delta_of`, :func:`finish_reason_of`, the error classifiers; what both
+GPU adapters share, in adapter.py), testable without vLLM; :class:`VllmEngine` is the thin layer that
+builds vLLM objects from them, on the stream skeleton it shares with TensorRT-LLM's
+(adapter.LibraryEngine). ``vllm`` is imported only inside :meth:`VllmEngine.start`
 (this module itself is imported only when the registry picks the engine).
 
 vLLM 0.26.0 APIs used, and nothing else:
@@ -37,12 +38,11 @@ until the model is loaded (the worker does not lease before that).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Collection, Mapping, Sequence
 from typing import Any
 
 import structlog
@@ -52,14 +52,19 @@ from llamamesh.settings import BatchSettings, VllmSettings, WorkerSettings, env_
 from llamamesh.types import (
     FinishReason,
     GenerationRequest,
-    JobKind,
     ResponseConstraint,
     SamplingParams,
     TokenDelta,
 )
 from workers.engines import adapter
-from workers.engines.adapter import SAMPLING_FIELDS, check_prompt_tokens, render_prompt_ids, token_logprobs
-from workers.engines.base import EngineStats, remember
+from workers.engines.adapter import (
+    SAMPLING_FIELDS,
+    LibraryEngine,
+    cancel_task,
+    check_prompt_tokens,
+    token_logprobs,
+)
+from workers.engines.base import EngineStats
 from workers.engines.constraints import constraint_error, library_constraint, vllm_structured
 from workers.engines.params import library_sampling_kwargs
 
@@ -361,9 +366,13 @@ class _Vllm:
         self.log_stats_interval_s = float(vllm.envs.VLLM_LOG_STATS_INTERVAL)
 
 
-class VllmEngine:
+class VllmEngine(LibraryEngine):
     """Serves one model with vLLM's AsyncLLM. Attributes tests can assert: ``aborted`` (request ids
-    aborted, by :meth:`abort` or by a consumer that went away)."""
+    aborted, by :meth:`abort` or by a consumer that went away). ``tokenize``, ``stream`` and ``abort``
+    are adapter.LibraryEngine's, around ``AsyncLLM.generate`` (one DELTA output per step): if the
+    consumer goes away, closing generate() makes vLLM abort the request itself."""
+
+    library = "vLLM"
 
     def __init__(
         self,
@@ -372,26 +381,15 @@ class VllmEngine:
         device_count: int | None = None,
         core: CoreClient | None = None,
     ) -> None:
-        self._settings = settings
+        super().__init__(settings)
         self._vllm_settings = vllm
         self._policy = vllm.scheduling_policy
         self._device_count = device_count
         self._core = core
-        self._llm: Any = None
-        self._api: _Vllm | None = None
-        self._tokenizer: Any = None
         self._max_model_len = 0
         self._vocab_size: int | None = None
         self._snapshot = SchedulerSnapshot()
-        self._streams: dict[str, _Stream] = {}
         self._log_task: asyncio.Task[None] | None = None
-        # Chat templates and tokenization run here, off the event loop (one thread: HF tokenizers).
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamamesh-tok")
-        self._dead: str | None = None
-        self._starting = ""
-        # vLLM outputs delivered to our streams (the watchdog's sign of progress).
-        self._outputs = 0
-        self.aborted: list[str] = []
         if vllm.max_num_seqs:
             self._warn_if_underfed(vllm.max_num_seqs)
 
@@ -399,16 +397,6 @@ class VllmEngine:
     def starting(self) -> str:
         return self._starting
 
-    @property
-    def model_name(self) -> str:
-        return self._settings.model
-
-    def _started(self) -> tuple[Any, _Vllm]:
-        if self._dead is not None:
-            raise EngineDead(self._dead)
-        if self._llm is None or self._api is None:
-            raise EngineDead("the engine is not started")
-        return self._llm, self._api
 
     # --- lifecycle
 
@@ -528,10 +516,8 @@ class VllmEngine:
         """Shut vLLM down; streams still pending end with EngineDead. Safe if never started."""
         if self._dead is None:
             self._dead = "the engine was shut down"
-        if self._log_task is not None:
-            self._log_task.cancel()
-            await asyncio.gather(self._log_task, return_exceptions=True)
-            self._log_task = None
+        await cancel_task(self._log_task)
+        self._log_task = None
         llm, self._llm = self._llm, None
         if llm is not None:
             if self._streams:
@@ -551,14 +537,10 @@ class VllmEngine:
     def stats(self) -> EngineStats:
         return dataclasses.replace(self._snapshot.stats(), steps=self._outputs)
 
-    # --- requests
+    # --- requests (adapter.LibraryEngine's hooks)
 
-    async def tokenize(self, request: GenerationRequest) -> list[int]:
-        """The ids :meth:`stream` would prefill for ``request``; InvalidRequest if it has no usable input."""
-        self._started()
-        return await asyncio.get_running_loop().run_in_executor(
-            self._executor, render_prompt_ids, request, self._tokenizer
-        )
+    def _new_stream(self) -> _Stream:
+        return _Stream()
 
     def _invalid(self, exc: BaseException, input_field: str, constraint: ResponseConstraint | None) -> InvalidRequest:
         message = exc.args[0] if exc.args and isinstance(exc.args[0], str) else str(exc)
@@ -566,101 +548,56 @@ class VllmEngine:
             message, getattr(exc, "parameter", None), input_field
         )
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
-        """Generate for ``request`` with ``AsyncLLM.generate``, one delta per vLLM output.
-
-        Invalid input (ours or vLLM's validation) raises InvalidRequest (PromptTooLong for a long
-        prompt) before any delta; a dead engine raises EngineDead. :meth:`abort` ends the stream with
-        one CANCELLED delta. If the consumer stops iterating or its task is cancelled, vLLM's generate()
-        aborts the request itself (on CancelledError / GeneratorExit) and the cancellation propagates.
-        """
-        llm, api = self._started()
-        if request.kind is JobKind.TOKENIZE:
-            raise InvalidRequest.field("kind", "tokenize jobs go through tokenize(), not stream()")
-        rid = request.request_id
-        if rid in self._streams:
-            raise InvalidRequest.field("request_id", f"request {rid!r} is already in flight")
-        input_field = "messages" if request.messages is not None else "prompt"
-        n_logprobs = request.sampling.logprobs
-        constraint = library_constraint(request, "vLLM")
+    def _library_params(self, request: GenerationRequest, api: Any, input_field: str) -> Any:
+        constraint = library_constraint(request, self.library)
         try:
             kwargs = sampling_kwargs(request.sampling, self._vocab_size)
             if constraint is not None:
                 kwargs["structured_outputs"] = api.StructuredOutputsParams(**vllm_structured(constraint))
-            params = api.SamplingParams(**kwargs, output_kind=api.DELTA)
+            return api.SamplingParams(**kwargs, output_kind=api.DELTA)
         except (TypeError, ValueError) as exc:
             raise self._invalid(exc, input_field, constraint) from exc
-        state = self._streams[rid] = _Stream()
-        finished = False
-        entered = time.perf_counter()
-        try:
-            loop = asyncio.get_running_loop()
-            ids = await loop.run_in_executor(self._executor, render_prompt_ids, request, self._tokenizer)
-            tokenize_ms = (time.perf_counter() - entered) * 1e3
-            if self._dead is not None:  # shut down while tokenizing
-                raise EngineDead(self._dead)
-            n_prompt = len(ids)
-            ids += request.resume_token_ids  # a resumed request: prefill what an earlier attempt generated
-            if not state.aborted:
-                check_prompt_len(len(ids), self._max_model_len, input_field)
-            outputs = llm.generate(api.tokens_input(ids), params, rid, priority=engine_priority(request, self._policy))
-            try:
-                while not state.aborted:
-                    try:
-                        output = await outputs.__anext__()
-                    except StopAsyncIteration:
-                        break
-                    except api.EngineDeadError as exc:
-                        raise EngineDead(f"vLLM died: {exc}") from exc
-                    except ValueError as exc:
-                        raise self._invalid(exc, input_field, constraint) from exc
-                    except api.EngineGenerateError as exc:
-                        cause = exc.__cause__ or exc
-                        if llm.errored:
-                            raise EngineDead(f"vLLM died: {type(cause).__name__}: {cause}") from exc
-                        raise InternalError(f"vLLM failed the request: {type(cause).__name__}: {cause}") from exc
-                    self._outputs += 1
-                    delta = delta_of(output, n_logprobs)
-                    if delta.finish_reason is None:
-                        if delta.token_ids or delta.text:
-                            yield delta
-                        continue
-                    if output.finished:  # let generate() end by itself (closing it would abort)
-                        async for _ in outputs:
-                            pass
-                    if delta.finish_reason is FinishReason.CANCELLED and not state.aborted and self._dead:
-                        raise EngineDead(self._dead)
-                    finished = True
-                    del self._streams[rid]  # from here on, abort(rid) is a no-op
-                    yield dataclasses.replace(
-                        delta, prompt_tokens=n_prompt, engine_timings_ms=engine_timings(output, tokenize_ms)
-                    )
-                    return
-            finally:
-                # Closing generate() before it finished aborts the request in vLLM (its GeneratorExit
-                # handler): abort() came before vLLM knew the request, or the consumer went away.
-                await outputs.aclose()
-            if not state.aborted:
-                raise InternalError("vLLM ended the stream without a finish_reason")
-            finished = True
-            del self._streams[rid]
-            yield TokenDelta(finish_reason=FinishReason.CANCELLED, prompt_tokens=n_prompt)
-        except (asyncio.CancelledError, GeneratorExit):
-            if not finished and not state.aborted:
-                remember(self.aborted, rid)
-                log.info("engine_aborted", request_id=rid, reason="consumer_gone")
-            raise
-        finally:
-            self._streams.pop(rid, None)
 
-    async def abort(self, request_id: str) -> None:
-        """Stop a running request; its stream ends with one CANCELLED delta. Unknown or finished ids are
-        ignored."""
-        state = self._streams.get(request_id)
-        if state is None or state.aborted:
-            return
-        state.aborted = True
-        remember(self.aborted, request_id)
-        log.info("engine_aborted", request_id=request_id, reason="abort")
-        if self._llm is not None:
-            await self._llm.abort(request_id)
+    def _check_length(self, n_tokens: int, input_field: str) -> None:
+        check_prompt_len(n_tokens, self._max_model_len, input_field)
+
+    async def _deltas(
+        self, llm: Any, api: Any, request: GenerationRequest, ids: list[int], params: Any, state: Any,
+        input_field: str, tokenize_ms: float,
+    ) -> AsyncIterator[TokenDelta]:  # fmt: skip
+        n_logprobs = request.sampling.logprobs
+        priority = engine_priority(request, self._policy)
+        outputs = llm.generate(api.tokens_input(ids), params, request.request_id, priority=priority)
+        try:
+            while not state.aborted:
+                try:
+                    output = await outputs.__anext__()
+                except StopAsyncIteration:
+                    return
+                except api.EngineDeadError as exc:
+                    raise EngineDead(f"vLLM died: {exc}") from exc
+                except ValueError as exc:
+                    raise self._invalid(exc, input_field, request.sampling.constraint) from exc
+                except api.EngineGenerateError as exc:
+                    cause = exc.__cause__ or exc
+                    if llm.errored:
+                        raise EngineDead(f"vLLM died: {type(cause).__name__}: {cause}") from exc
+                    raise InternalError(f"vLLM failed the request: {type(cause).__name__}: {cause}") from exc
+                self._outputs += 1
+                delta = delta_of(output, n_logprobs)
+                if delta.finish_reason is None:
+                    yield delta
+                    continue
+                if output.finished:  # let generate() end by itself (closing it would abort)
+                    async for _ in outputs:
+                        pass
+                yield dataclasses.replace(delta, engine_timings_ms=engine_timings(output, tokenize_ms))
+                return
+        finally:
+            # Closing generate() before it finished aborts the request in vLLM (its GeneratorExit
+            # handler): abort() came before vLLM knew the request, or the consumer went away.
+            await outputs.aclose()
+
+    def _abort_in_library(self, request_id: str, state: Any) -> Awaitable[None] | None:
+        return self._llm.abort(request_id) if self._llm is not None else None
+
