@@ -138,3 +138,14 @@ def test_every_engine_renders_the_same_request_to_the_same_ids() -> None:
         with pytest.raises(InvalidRequest) as exc:
             adapter.render_prompt_ids(request(**kw), tok)
         assert exc.value.violations[0].field == field
+
+
+def test_an_adapter_must_give_every_hook_of_the_skeleton() -> None:
+    from llamamesh.settings import WorkerSettings
+
+    class Partial(adapter.LibraryEngine):
+        def _new_stream(self) -> Any:
+            return None
+
+    with pytest.raises(TypeError, match="_deltas"):
+        Partial(WorkerSettings())  # type: ignore[abstract]

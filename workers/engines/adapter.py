@@ -9,6 +9,7 @@ Used by: vllm.py and trtllm.py (all of it), transformers_batch.py (the prompt an
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import concurrent.futures
 import contextlib
@@ -123,7 +124,7 @@ async def cancel_task(task: asyncio.Task[Any] | None) -> None:
         await asyncio.gather(task, return_exceptions=True)
 
 
-class LibraryEngine:
+class LibraryEngine(abc.ABC):
     """The skeleton both GPU adapters (vllm.py, trtllm.py) share: ``tokenize``, ``stream`` and
     ``abort`` around their library's own calls (the hooks below). The adapter sets ``_llm``, ``_api``
     and ``_tokenizer`` at start, ``_dead`` (why it is dead) when it dies, and counts ``_outputs`` (the
@@ -165,18 +166,19 @@ class LibraryEngine:
 
     # --- hooks
 
+    @abc.abstractmethod
     def _new_stream(self) -> Any:
         """A fresh per-request state with an ``aborted`` flag."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _library_params(self, request: GenerationRequest, api: Any, input_field: str) -> Any:
         """The library's sampling parameters for ``request``; InvalidRequest naming our field."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _check_length(self, n_tokens: int, input_field: str) -> None:
         """Refuse a prompt (resumed tokens included) that leaves no room for output, where known."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _deltas(
         self, llm: Any, api: Any, request: GenerationRequest, ids: list[int], params: Any, state: Any,
         input_field: str, tokenize_ms: float,
@@ -184,13 +186,12 @@ class LibraryEngine:
         """Run ``ids`` in the library and map each output to a delta; the last one has a finish reason
         (and ends the iteration), or the iteration ends without one when the request was aborted.
         Closing it early must stop the request in the library where the library does not."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _abort_in_library(self, request_id: str, state: Any) -> Awaitable[None] | None:
         """Stop a running request in the library (:meth:`abort`)."""
-        raise NotImplementedError
 
-    def _left(self, state: Any) -> None:
+    def _left(self, state: Any) -> None:  # noqa: B027 - optional hook: vLLM's generate() stops by itself
         """A stream ended without its final delta (consumer gone, or an error): stop it where needed."""
 
     # --- the skeleton
