@@ -191,9 +191,13 @@ def sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
     return kwargs
 
 
-def invalid_from_trtllm(message: str, input_field: str) -> InvalidRequest:
-    """A TensorRT-LLM argument error (SamplingParams or generate_async) as ours, naming our field: a
-    prompt length error is PromptTooLong; else the sampling field the message names first."""
+def invalid_from_trtllm(message: str, input_field: str, constraint: ResponseConstraint | None = None) -> InvalidRequest:
+    """A TensorRT-LLM argument error (SamplingParams or generate_async) as ours, naming our field: one
+    about the request's response_format names it; a prompt length error is PromptTooLong; else the
+    sampling field the message names first."""
+    about_format = constraint_error(message, constraint)
+    if about_format is not None:
+        return about_format
     if _PROMPT_TOO_LONG.search(message):
         return PromptTooLong.field(input_field, message)
     named = [
@@ -460,7 +464,7 @@ class TrtllmEngine(LibraryEngine):
         try:
             return llm.generate_async({"prompt_token_ids": ids}, sampling_params=params, streaming=True)
         except (TypeError, ValueError) as exc:
-            raise constraint_error(str(exc), constraint) or invalid_from_trtllm(str(exc), input_field) from exc
+            raise invalid_from_trtllm(str(exc), input_field, constraint) from exc
         except api.RequestError as exc:
             raise InternalError(f"TensorRT-LLM refused the request: {exc}") from exc
         except RuntimeError as exc:  # "LLM is shutting down"
@@ -480,7 +484,7 @@ class TrtllmEngine(LibraryEngine):
                 kwargs["guided_decoding"] = api.GuidedDecodingParams(**trtllm_guided(constraint))
             return api.SamplingParams(**kwargs)
         except (TypeError, ValueError) as exc:
-            raise constraint_error(str(exc), constraint) or invalid_from_trtllm(str(exc), input_field) from exc
+            raise invalid_from_trtllm(str(exc), input_field, constraint) from exc
 
     def _check_length(self, n_tokens: int, input_field: str) -> None:
         check_prompt_tokens(n_tokens, self._trtllm_settings.max_seq_len, input_field)
