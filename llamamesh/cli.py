@@ -53,7 +53,8 @@ def _gen_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", help="a system message before the prompt")
     p.add_argument("--model", default="", help="model name (default: the gateway's default)")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--temperature", type=float, help="0 = greedy (the default; 1 with --n above 1)")
+    p.add_argument("--n", type=int, help="parallel samples of the answer (printed one after another)")
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="a stop string (repeatable)")
@@ -121,6 +122,10 @@ async def _generate(address: str, args: argparse.Namespace, wait_s: float, out: 
     async with _client(address, args) as client:
         if wait_s:
             await client.wait_ready(wait_s)
+        n = args.n or 1
+        temperature = args.temperature if args.temperature is not None else (1.0 if n > 1 else 0.0)
+        samples: dict[int, list[str]] = {}
+        ends: dict[int, int] = {}
         try:
             last = None
             async for msg in client.generate(
@@ -128,22 +133,30 @@ async def _generate(address: str, args: argparse.Namespace, wait_s: float, out: 
                 messages,
                 model=args.model or None,
                 max_tokens=args.max_tokens,
-                temperature=args.temperature,
+                temperature=temperature,
                 top_p=args.top_p,
                 seed=args.seed,
                 stop=args.stop,
+                n=args.n,
                 json_schema=args.json_schema,
                 regex=args.regex,
                 choice=args.choice,
             ):
-                out.write(msg.text)
-                out.flush()
+                if n > 1:  # samples interleave: each is printed whole once the stream ends
+                    samples.setdefault(msg.sample, []).append(msg.text)
+                    ends[msg.sample] = msg.finish_reason or ends.get(msg.sample, 0)
+                else:
+                    out.write(msg.text)
+                    out.flush()
                 last = msg
         except grpc.aio.AioRpcError as err:
             fields = field_violations(err)
             print(f"\nerror: {err.code().name}: {err.details()}" + (f" (fields: {fields})" if fields else ""),
                   file=sys.stderr)
             return 1
+    for k in sorted(samples):
+        finish = _finish(ends[k]) if ends[k] else None
+        out.write(("\n" if k else "") + f"--- sample {k} (finish={finish})\n" + "".join(samples[k]))
     if last is not None:
         t = last.timings
         print(

@@ -28,7 +28,7 @@ import collections
 import itertools
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,6 +81,19 @@ def build_request(
     for m in messages or ():
         req.messages.append(m if isinstance(m, pb.ChatMessage) else pb.ChatMessage(role=m[0], content=m[1]))
     return req
+
+
+def by_sample(messages: Iterable[pb.GenerateResponse], n: int) -> list[str]:
+    """The text of each of ``n`` samples (GenerateResponse.sample) from a response stream."""
+    texts = [""] * n
+    for m in messages:
+        texts[m.sample] += m.text
+    return texts
+
+
+def _one_sample(fields: dict[str, Any]) -> None:
+    if (fields.get("n") or 1) > 1:
+        raise ValueError("complete() returns one text; use complete_n() for n > 1 samples")
 
 
 def field_violations(err: grpc.RpcError) -> list[str]:
@@ -352,7 +365,14 @@ class Client:
 
     async def complete(self, prompt: str | None = None, messages: Messages | None = None, **fields: Any) -> str:
         """The whole text of one generation."""
+        _one_sample(fields)
         return "".join([m.text async for m in self.generate(prompt, messages, **fields)])
+
+    async def complete_n(
+        self, prompt: str | None = None, messages: Messages | None = None, n: int = 2, **fields: Any
+    ) -> list[str]:
+        """The whole text of each of ``n`` parallel samples of one prompt (GenerateRequest.n), in order."""
+        return by_sample([m async for m in self.generate(prompt, messages, n=n, **fields)], n)
 
     async def list_models(self) -> list[pb.Model]:
         return list((await self.stub.ListModels(pb.ListModelsRequest())).models)
@@ -429,4 +449,11 @@ class SyncClient:
             call.cancel()
 
     def complete(self, prompt: str | None = None, messages: Messages | None = None, **fields: Any) -> str:
+        _one_sample(fields)
         return "".join(m.text for m in self.generate(prompt, messages, **fields))
+
+    def complete_n(
+        self, prompt: str | None = None, messages: Messages | None = None, n: int = 2, **fields: Any
+    ) -> list[str]:
+        """The whole text of each of ``n`` parallel samples of one prompt, in order."""
+        return by_sample(self.generate(prompt, messages, n=n, **fields), n)

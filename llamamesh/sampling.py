@@ -42,6 +42,8 @@ MAX_LOGPROBS = 20
 # A response constraint's text (schema, regex, grammar) and a choice's options, at most.
 MAX_CONSTRAINT_CHARS = 64 * 1024
 MAX_CHOICES = 1024
+# GenerateRequest.n, at most (vLLM's own limit is higher; every sample holds a slot and KV blocks).
+MAX_SAMPLES = 16
 
 
 def _float(out: list[FieldViolation], name: str, value: float | None, ok: bool, why: str) -> None:
@@ -86,6 +88,12 @@ def violations(p: SamplingParams, max_tokens_cap: int | None = None) -> list[Fie
             out.append(FieldViolation("min_tokens", f"must be in {limit}, got {p.min_tokens}"))
     if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
         out.append(FieldViolation("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {p.logprobs}"))
+    if p.n is not None:
+        if not 1 <= p.n <= MAX_SAMPLES:
+            out.append(FieldViolation("n", f"must be in [1, {MAX_SAMPLES}], got {p.n}"))
+        elif p.n > 1 and t is not None and math.isfinite(t) and t < SAMPLING_EPS:
+            out.append(FieldViolation("n", f"n > 1 needs sampling (temperature > 0): greedy decoding gives {p.n} "
+                                           "identical samples"))  # fmt: skip
     if p.constraint is not None:
         out += constraint_violations(p.constraint)
         if p.ignore_eos:

@@ -76,6 +76,13 @@ class SamplingParams:
     logprobs: int | None = None
     # Constrained decoding (GenerateRequest.response_format); None: free text.
     constraint: ResponseConstraint | None = None
+    # Parallel samples of the one prompt (GenerateRequest.n); None: one.
+    n: int | None = None
+
+    @property
+    def samples(self) -> int:
+        """How many samples the request generates (``n``, at least 1)."""
+        return max(self.n or 1, 1)
 
 
 # Tenant names: what the tenants file and the x-llamamesh-tenant header may hold (no "/": it
@@ -132,6 +139,11 @@ class GenerationRequest:
     # the caller's GenerateRequest.prefix_key, else ``affinity_key`` of its input. Empty: its
     # request id's (no affinity).
     prefix_key: str = ""
+    # Mid-stream failover of a request with n > 1 samples: the samples still to finish, each with
+    # the tokens the caller already has of it (sample index -> ids); only these run, each from its
+    # own tokens (max_tokens and min_tokens count each sample's rest). Empty: every sample from the
+    # start (then ``resume_token_ids`` is for n == 1).
+    resume_samples: Mapping[int, tuple[int, ...]] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def caller_id(self) -> str:
@@ -174,6 +186,16 @@ class Attempt:
     # A digest of the request as the caller sent it (first attempt): a reused request id with a
     # different request is refused (ALREADY_EXISTS), the identical one is an idempotent retry.
     fingerprint: str = ""
+    # A request of n > 1 samples: how many tokens of each sample the caller had when this attempt
+    # started (``base`` is their sum), and which samples had ended then (they do not run again).
+    bases: tuple[int, ...] = ()
+    ended: tuple[int, ...] = ()
+
+    def base_of(self, sample: int) -> int:
+        """Tokens of ``sample`` before this attempt."""
+        if not self.bases:
+            return self.base if sample == 0 else 0
+        return self.bases[sample] if sample < len(self.bases) else 0
 
 
 @dataclass(frozen=True)
@@ -204,6 +226,9 @@ class TokenDelta:
     finish_reason: FinishReason | None = None
     prompt_tokens: int | None = None
     engine_timings_ms: tuple[tuple[str, float], ...] = ()
+    # Which of the request's n samples it belongs to; its finish_reason ends that sample only (the
+    # stream ends after every sample ended, or at the first CANCELLED).
+    sample: int = 0
 
 
 @dataclass(frozen=True)
@@ -235,7 +260,10 @@ class JobEvent:
     """One entry of a request's event stream (token deltas of one engine step).
 
     At most one of ``finished`` / ``failed`` is set, on the last event only.
-    ``tokenized`` marks the last event of a tokenize job.
+    ``tokenized`` marks the last event of a tokenize job. With n > 1 samples, ``sample`` says whose
+    tokens these are (``index`` counts within that sample), and ``sample_end`` ends a sample that is
+    not the last one to end; the terminal event's ``finished`` ends the last one (its sample) and
+    counts every sample's tokens.
     """
 
     text: str = ""
@@ -246,13 +274,25 @@ class JobEvent:
     failed: Failure | None = None
     tokenized: bool = False
     worker: str = ""
+    sample: int = 0
+    sample_end: FinishReason | None = None
 
     @property
     def terminal(self) -> bool:
         return self.finished is not None or self.failed is not None or self.tokenized
 
+    @property
+    def ends_sample(self) -> FinishReason | None:
+        """How this event ends its sample, if it does."""
+        if self.sample_end is not None:
+            return self.sample_end
+        return self.finished.finish_reason if self.finished is not None else None
+
     def follows_on(self, later: JobEvent) -> bool:
-        """``later`` starts where this event's tokens end (or carries none): the two can be one."""
+        """``later`` (of the same sample, this one not ending it) starts where this event's tokens
+        end (or carries none): the two can be one."""
+        if later.sample != self.sample or self.sample_end is not None:
+            return False
         return not later.token_ids or later.index == self.index + len(self.token_ids)
 
     def then(self, later: JobEvent) -> JobEvent:

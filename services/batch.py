@@ -142,6 +142,11 @@ def batch_requests(
         except InvalidRequest as exc:
             bad.extend(v for v in (_item_violation(path, v) for v in exc.violations) if v not in bad)
             continue
+        if req.sampling.samples > 1:
+            one = FieldViolation("n", "a batch item has one completion: give each sample its own item and seed")
+            if (v := _item_violation(path, one)) not in bad:
+                bad.append(v)
+            continue
         if out and model.id != out[0][0].id:
             bad.append(FieldViolation(f"{path}.request.model", f"every item must use one model ({out[0][0].id})"))
             continue

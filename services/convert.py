@@ -108,6 +108,7 @@ def _sampling(r: pb.GenerateRequest, s: GatewaySettings, bad: list[FieldViolatio
         min_tokens=opt("min_tokens"),  # type: ignore[arg-type]
         logprobs=opt("logprobs"),  # type: ignore[arg-type]
         constraint=codec.constraint_from_pb(r.response_format, "format") if r.HasField("response_format") else None,
+        n=opt("n"),  # type: ignore[arg-type]
     )
     found = sampling.violations(params, s.max_tokens_cap)
     if len(r.stop) > MAX_STOP_STRINGS:
@@ -210,7 +211,10 @@ def generate_response(
         index=ev.index,
         logprobs=codec.logprobs_to_pb(ev.logprobs, pb.TokenLogprob, pb.TopLogprob),
         model=req.model,
+        sample=ev.sample,
     )
+    if ev.sample_end is not None:
+        msg.finish_reason = FINISH_TO_PB[ev.sample_end]
     f = ev.finished
     if f is not None:
         now = time.time_ns() if now_ns is None else now_ns

@@ -47,7 +47,9 @@ class ScriptedRelay:
             if not ended:
                 self.abandoned.append(request.request_id)
 
-    async def attach(self, request_id: str, offset: int) -> AsyncGenerator[tuple[GenerationRequest, JobEvent], None]:
+    async def attach(
+        self, request_id: str, offset: int, count: bool = True, sample_offsets: Sequence[int] = ()
+    ) -> AsyncGenerator[tuple[GenerationRequest, JobEvent], None]:
         first = next((r for r in self.requests if r.request_id == request_id), None)
         if first is None:
             raise errors.NotFound(f"no request {request_id!r} (unknown, or its events expired)")

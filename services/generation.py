@@ -103,7 +103,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         public = _checked_id(request.request_id)
         structlog.contextvars.bind_contextvars(request_id=public)
         note(tenant=who.tenant)
-        attached = self._relay.attach(scoped_id(who.tenant, public), request.offset)
+        attached = self._relay.attach(scoped_id(who.tenant, public), request.offset,
+                                      sample_offsets=tuple(request.sample_offsets))  # fmt: skip
         async with self._admission.stream(who), aclosing(attached) as events:
             async for head, ev in events:
                 yield convert.generate_response(head, ev, request_id=public)

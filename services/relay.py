@@ -32,6 +32,7 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Protocol
 
 import structlog
@@ -80,9 +81,12 @@ class Relay(Protocol):
         re-attach grace unless someone attaches), any other is cancelled."""
         ...
 
-    def attach(self, request_id: str, offset: int) -> AsyncGenerator[tuple[GenerationRequest, JobEvent], None]:
-        """A request's events from token ``offset`` on, through its attempts, to the end, each with
-        the request as first accepted (id, model, acceptance time: what its responses echo)."""
+    def attach(
+        self, request_id: str, offset: int, count: bool = True, sample_offsets: Sequence[int] = ()
+    ) -> AsyncGenerator[tuple[GenerationRequest, JobEvent], None]:
+        """A request's events from token ``offset`` on (n > 1: each sample from its entry of
+        ``sample_offsets``), through its attempts, to the end, each with the request as first
+        accepted (id, model, acceptance time: what its responses echo)."""
         ...
 
     async def cancel(self, request_id: str) -> None:
@@ -116,13 +120,26 @@ def resumed(req: GenerationRequest, n: int, sent: Sequence[int]) -> GenerationRe
     )
 
 
-def _shifted(ev: JobEvent, base: int, first_token_ns: int = 0) -> JobEvent:
-    """An event of a resumed attempt as the caller's stream numbers it: ``base`` tokens came before."""
+def resumed_samples(req: GenerationRequest, n: int, streams: SampleCursors) -> GenerationRequest:
+    """Attempt ``n`` of a request of several samples: every sample that has not ended goes on from
+    the tokens the caller has of it (the worker runs each on its own: workers/samples.py); with no
+    token sent and none ended, the request starts again whole."""
+    attempt_id = f"{req.request_id}~{n}"
+    if not streams.total and not streams.ended:
+        return replace(req, request_id=attempt_id, origin_id=req.request_id)
+    todo = {k: tuple(c.sent) for k, c in streams.cursors.items() if k not in streams.ended}
+    return replace(req, request_id=attempt_id, origin_id=req.request_id, resume_samples=MappingProxyType(todo))
+
+
+def _shifted(ev: JobEvent, base: int, first_token_ns: int = 0, usage_base: int | None = None) -> JobEvent:
+    """An event of a resumed attempt as the caller's stream numbers it: ``base`` tokens of its sample
+    came before (``usage_base``: of every sample; default ``base``)."""
     f = ev.finished
     if f is not None:
+        before = base if usage_base is None else usage_base
         f = replace(
             f,
-            usage=Usage(f.usage.prompt_tokens, f.usage.completion_tokens + base),
+            usage=Usage(f.usage.prompt_tokens, f.usage.completion_tokens + before),
             first_token_unix_ns=first_token_ns or f.first_token_unix_ns,
         )
     return replace(ev, index=ev.index + base, finished=f)
@@ -135,7 +152,7 @@ def _cut(ev: JobEvent, offset: int, end: int | None) -> JobEvent | None:
     count of the messages it received never cut inside one."""
     start, stop = ev.index, ev.index + len(ev.token_ids)
     lo, hi = max(start, offset), stop if end is None else min(stop, end)
-    if ev.terminal:
+    if ev.terminal or ev.sample_end is not None:
         return replace(ev, index=lo, token_ids=ev.token_ids[lo - start : max(lo, hi) - start],
                        text=ev.text if lo == start else "", logprobs=ev.logprobs[lo - start :])  # fmt: skip
     if hi <= lo:
@@ -147,10 +164,29 @@ def _cut(ev: JobEvent, offset: int, end: int | None) -> JobEvent | None:
                    logprobs=ev.logprobs[lo - start : hi - start])  # fmt: skip
 
 
-def _window(ev: JobEvent, base: int, offset: int, end: int | None) -> JobEvent | None:
-    """``ev`` of an attempt that started at token ``base``, numbered as the caller's stream and cut
-    to tokens [offset, end)."""
-    return _cut(_shifted(ev, base) if base else ev, offset, end)
+def _window(ev: JobEvent, base: int, offset: int, end: int | None, usage_base: int | None = None) -> JobEvent | None:
+    """``ev`` of an attempt that started at token ``base`` (of its sample), numbered as the caller's
+    stream and cut to tokens [offset, end)."""
+    return _cut(_shifted(ev, base, usage_base=usage_base) if base or usage_base else ev, offset, end)
+
+
+def _spent_samples(req: GenerationRequest, streams: SampleCursors) -> list[JobEvent]:
+    """The LENGTH ends of the samples whose whole max_tokens the caller has but whose end it did not
+    get (their worker was lost after the last token); the last sample to end gets the terminal event,
+    with every sample's tokens as usage."""
+    most = req.sampling.max_tokens
+    if most is None:
+        return []
+    spent = [k for k, c in streams.cursors.items() if k not in streams.ended and len(c.sent) >= most]
+    live = streams.n - len(streams.ended) - len(spent)
+    out = []
+    for i, k in enumerate(spent):
+        at = len(streams.cursors[k].sent)
+        if live == 0 and i == len(spent) - 1:
+            out.append(JobEvent(index=at, sample=k, finished=Finished(FinishReason.LENGTH, Usage(0, streams.total))))
+        else:
+            out.append(JobEvent(index=at, sample=k, sample_end=FinishReason.LENGTH))
+    return out
 
 
 def _raise_failure(ev: JobEvent) -> None:
@@ -190,6 +226,39 @@ class Cursor:
         return ev
 
 
+class SampleCursors:
+    """The stream invariant for each sample of one caller's request (one for n == 1), and which
+    samples have ended."""
+
+    def __init__(self, n: int, offsets: Sequence[int] = ()) -> None:
+        self.n = n
+        self.cursors = {k: Cursor(offset=offsets[k] if k < len(offsets) else 0) for k in range(n)}
+        self.ended: set[int] = set()
+
+    @property
+    def total(self) -> int:
+        """Tokens sent to the caller, every sample's."""
+        return sum(len(c.sent) for c in self.cursors.values())
+
+    def bases(self) -> tuple[int, ...]:
+        """Tokens of each sample the caller has (an Attempt record's ``bases``), for n > 1."""
+        return tuple(len(c.sent) for c in self.cursors.values()) if self.n > 1 else ()
+
+    def accept(self, ev: JobEvent) -> JobEvent | None:
+        """``ev`` (numbered as the caller's stream of its sample) less what the caller has; None if
+        that is nothing. An end of a sample that already ended (a retried publish) is dropped; raises
+        EventsLost for a gap, or for a sample this request does not have."""
+        cursor = self.cursors.get(ev.sample)
+        if cursor is None:
+            raise errors.EventsLost(f"an event of sample {ev.sample} in a request of {self.n} sample(s)")
+        if ev.sample_end is not None and not ev.terminal and ev.sample in self.ended:
+            return None
+        part = cursor.accept(ev)
+        if part is not None and part.ends_sample is not None:
+            self.ended.add(ev.sample)
+        return part
+
+
 class QueueRelay:
     """The relay over the queue (Redis Streams in production, MemoryQueue in tests)."""
 
@@ -225,7 +294,7 @@ class QueueRelay:
         first_token_ns = 0
         target, chosen = self._policy.choose(req, pool, who.access)
         progress.route = chosen.text if chosen is not None else None
-        cursor = Cursor()
+        streams = SampleCursors(req.sampling.samples)
         attempt: GenerationRequest | None = None
         submitted = finished = False
         attempts = deaths = 0
@@ -236,24 +305,34 @@ class QueueRelay:
             while True:
                 pool = self._backends.route(target) if self._backends else target
                 pool = progress.pool = pool if who.access.allows(pool) else target  # no fallback it may not use
-                attempt = req if attempts == 0 else resumed(req, attempts, cursor.sent)
-                base = len(cursor.sent)
-                if attempt.sampling.max_tokens is not None and attempt.sampling.max_tokens <= 0:
-                    # Every token was sent before the worker was lost, only the end was missing.
-                    progress.finish, finished = FinishReason.LENGTH.value, True
-                    yield JobEvent(index=base, finished=Finished(FinishReason.LENGTH, Usage(0, base)))
-                    return
+                if attempts and (ends := _spent_samples(req, streams)):
+                    # Every token of these samples was sent before the worker was lost, only their
+                    # end was missing: they end here (the last one ends the request).
+                    for ev in ends:
+                        finished = ev.terminal
+                        streams.accept(ev)
+                        progress.finish = FinishReason.LENGTH.value
+                        yield ev
+                    if finished:
+                        return
+                if attempts == 0:
+                    attempt = req
+                elif streams.n > 1:
+                    attempt = resumed_samples(req, attempts, streams)
+                else:
+                    attempt = resumed(req, attempts, streams.cursors[0].sent)
+                base = streams.total
                 self._check_pool(pool)  # no worker came for a while: say so now, not at the deadline
                 self._check_reachable(pool, req.deadline_unix_ns)
                 record = Attempt(attempt.request_id, base, pool, req.model, req.accepted_unix_ns, resumable,
-                                 who.fingerprint)  # fmt: skip
+                                 who.fingerprint, streams.bases(), tuple(sorted(streams.ended)))  # fmt: skip
                 if not await self._queue.begin(req.request_id, record, first=attempts == 0):
                     # This request id was accepted before: a retry after a lost reply (one job, so
                     # follow the one there is), or another request under a taken id (refused).
                     await self._same_request(req.request_id, who.fingerprint)
                     log.info("request_retried", request_id=req.request_id)
                     async for _head, ev in self.attach(req.request_id, 0, count=False):
-                        cursor.sent.extend(ev.token_ids)
+                        streams.accept(ev)
                         yield ev
                     finished = True
                     return
@@ -281,10 +360,13 @@ class QueueRelay:
                     async for raw in self._watched(pool, attempt):
                         finished = raw.terminal
                         _raise_failure(raw)
-                        accepted = cursor.accept(_shifted(raw, base, first_token_ns) if base else raw)
-                        if self._backends is not None and len(cursor.sent) > progress.tokens:
-                            self._backends.count_tokens(pool, len(cursor.sent) - progress.tokens)
-                        progress.tokens = len(cursor.sent)
+                        if base:
+                            raw = _shifted(raw, record.base_of(raw.sample), first_token_ns, usage_base=base)
+                        accepted = streams.accept(raw)
+                        total = streams.total
+                        if self._backends is not None and total > progress.tokens:
+                            self._backends.count_tokens(pool, total - progress.tokens)
+                        progress.tokens = total
                         if accepted is None:
                             continue
                         ev = accepted
@@ -298,9 +380,10 @@ class QueueRelay:
                             else:
                                 recorder.itl.observe(now - last_token_at)
                             last_token_at = now
+                        if ev.ends_sample is not None:
+                            progress.finish = ev.ends_sample.value
                         if ev.finished is not None:
                             recorder.prompt.inc(ev.finished.usage.prompt_tokens)
-                            progress.finish = ev.finished.finish_reason.value
                             self._observe_wait(pool, attempt, ev.finished, attempts)
                         yield ev
                         if finished:
@@ -309,16 +392,16 @@ class QueueRelay:
                     # Lost events are Redis's doing: the attempt is abandoned and the request
                     # resumed from what the caller has, like a lost worker, but nobody died.
                     deaths += isinstance(exc, errors.EngineDead) or (isinstance(exc, errors.WorkerLost) and exc.running)
-                    await self._give_up_or_fail_over(pool, req, attempt, attempts, deaths, exc, cursor.sent)
-                    tracing.event("failover", pool=pool, error=exc.code, tokens=len(cursor.sent))
+                    await self._give_up_or_fail_over(pool, req, attempt, attempts, deaths, exc, streams.total)
+                    tracing.event("failover", pool=pool, error=exc.code, tokens=streams.total)
                     attempts = progress.failovers = attempts + 1
                     submitted = False
         except BaseException as exc:  # recorded for the pool, and to tell a caller gone from an error
             failure = exc
             raise
         finally:
-            if recorder is not None and cursor.sent:
-                recorder.generated.inc(len(cursor.sent))
+            if recorder is not None and streams.total:
+                recorder.generated.inc(streams.total)
             if submitted and not finished and attempt is not None:
                 gone = failure is None or isinstance(failure, asyncio.CancelledError | GeneratorExit)
                 if resumable and gone:  # the caller's connection dropped: it may Attach again
@@ -337,7 +420,7 @@ class QueueRelay:
 
     async def _give_up_or_fail_over(
         self, pool: str, req: GenerationRequest, attempt: GenerationRequest, attempts: int, deaths: int,
-        exc: errors.WorkerLost | errors.EngineDead | errors.EventsLost, sent: Sequence[int],
+        exc: errors.WorkerLost | errors.EngineDead | errors.EventsLost, sent: int,
     ) -> None:  # fmt: skip
         """Raise when the request goes no further (set aside, or out of attempts); else cancel the
         lost attempt (a worker that comes back skips it) and count the failure against the pool."""
@@ -357,7 +440,7 @@ class QueueRelay:
         await asyncio.shield(self._cancel(attempt.request_id))
         metrics.FAILOVERS.labels(pool).inc()
         log.warning("request_failed_over", pool=pool, error=str(exc), attempt=attempts + 1,
-                    resumed_tokens=len(sent))  # fmt: skip
+                    resumed_tokens=sent)  # fmt: skip
 
     async def _same_request(self, request_id: str, fingerprint: str) -> None:
         """Raise AlreadyExists unless the request first accepted under ``request_id`` is this one."""
@@ -467,34 +550,46 @@ class QueueRelay:
         task.add_done_callback(self._later.discard)
 
     async def attach(
-        self, request_id: str, offset: int, count: bool = True
+        self, request_id: str, offset: int, count: bool = True, sample_offsets: Sequence[int] = ()
     ) -> AsyncGenerator[tuple[GenerationRequest, JobEvent], None]:
-        """The caller's request from token ``offset`` on, through its attempts in order: what each
-        abandoned attempt had sent (up to the next one's start), then the last one followed to its
-        end. Raises NotFound for an unknown (or expired) id. ``count``: a re-attach (it stops a
-        detach timer); a retried Generate following its own request is not one."""
+        """The caller's request from token ``offset`` on (n > 1: from ``sample_offsets``, and
+        ``offset`` must be 0), through its attempts in order: what each abandoned attempt had sent
+        (up to the next one's start), then the last one followed to its end. Raises NotFound for an
+        unknown (or expired) id. ``count``: a re-attach (it stops a detach timer); a retried
+        Generate following its own request is not one."""
         records = await self._queue.attempts(request_id)
         if not records:
             raise errors.NotFound(f"no request {public_id(request_id)!r} (unknown, or its events expired)")
+        n = max(len(records[0].bases), 1)
+        if n > 1 and offset:
+            raise errors.InvalidRequest.field(
+                "offset", f"this request has {n} samples: give what you have of each in sample_offsets"
+            )
+        streams = SampleCursors(n, list(sample_offsets) if n > 1 else [offset or next(iter(sample_offsets), 0)])
         if count:
             await self._queue.attach(request_id)
-            log.info("request_attached", request_id=request_id, offset=offset)
-        cursor = Cursor(offset=offset)
+            log.info("request_attached", request_id=request_id, offset=offset, sample_offsets=list(sample_offsets))
         try:
             for i, rec in enumerate(records):
                 head = GenerationRequest(request_id=request_id, model=rec.model, accepted_unix_ns=rec.accepted_unix_ns)
                 if i + 1 < len(records):  # abandoned at the next one's start: read what it had, no terminal
-                    end = records[i + 1].base
+                    later = records[i + 1]
                     for _id, ev in await self._queue.read_events(rec.attempt_id):
-                        part = _window(replace(ev, finished=None, failed=None), rec.base, cursor.next, end)
-                        if part is not None and (part := cursor.accept(part)) is not None:
+                        k = ev.sample
+                        # A sample's end counts only if the next attempt knew it had ended.
+                        ev = replace(ev, finished=None, failed=None,
+                                     sample_end=ev.ends_sample if k in later.ended else None)  # fmt: skip
+                        cursor = streams.cursors.get(k)
+                        part = _window(ev, rec.base_of(k), cursor.next, later.base_of(k)) if cursor else None
+                        if part is not None and (part := streams.accept(part)) is not None:
                             yield head, part
                     continue
                 job = GenerationRequest(request_id=rec.attempt_id, model=rec.model)
                 async for ev in self._watched(rec.pool, job):
                     _raise_failure(ev)
-                    part = _window(ev, rec.base, cursor.next, None)
-                    if part is not None and (part := cursor.accept(part)) is not None:
+                    cursor = streams.cursors.get(ev.sample)
+                    part = _window(ev, rec.base_of(ev.sample), cursor.next if cursor else 0, None, rec.base)
+                    if part is not None and (part := streams.accept(part)) is not None:
                         yield head, part
         except (asyncio.CancelledError, GeneratorExit):
             if count and records[-1].resumable:  # dropped again: the same grace as the first time
@@ -516,7 +611,7 @@ class QueueRelay:
             # Still queued: its stream ends now (the worker that reaches the job skips it).
             last = records[-1]
             now = time.time_ns()
-            ended = JobEvent(index=last.base, finished=Finished(FinishReason.CANCELLED, Usage(0, last.base), now))
+            ended = JobEvent(index=last.base_of(0), finished=Finished(FinishReason.CANCELLED, Usage(0, last.base), now))
             await self._queue.end(last.attempt_id, ended)
         log.info("request_cancel_requested", request_id=request_id)
 

@@ -15,7 +15,7 @@ import structlog
 
 from llamamesh import metrics, tracing
 from llamamesh.backoff import Delays
-from llamamesh.errors import EngineDead, LlamameshError, QueueUnavailable
+from llamamesh.errors import EngineDead, InvalidRequest, LlamameshError, QueueUnavailable
 from llamamesh.queue.protocol import BatchStore, Lease
 from llamamesh.types import FinishReason, ItemResult, ItemStatus, Usage
 from workers.engines.base import Engine
@@ -63,6 +63,8 @@ async def run_batch_item(lease: Lease, engine: Engine, batches: BatchStore) -> N
         "llamamesh.request_id": req.request_id, "llamamesh.pool": lease.pool, "llamamesh.kind": "batch_item",
         "llamamesh.batch_id": req.batch_id})  # fmt: skip
     try:
+        if req.sampling.samples > 1:  # the gateway refuses these; an item written by hand is not run
+            raise InvalidRequest.field("n", "a batch item has one completion")
         async for delta in engine.stream(req):
             text.append(delta.text)
             n_tokens += len(delta.token_ids)

@@ -18,8 +18,8 @@ from llamamesh.types import (
     JobKind,
     Usage,
 )
-from workers.engines.base import Engine
 from workers.outbox import Outbox
+from workers.samples import Samples
 
 log = structlog.get_logger(__name__)
 
@@ -40,7 +40,7 @@ def cancelled_event(lease: Lease, worker: str) -> JobEvent:
 
 
 async def run_job(
-    lease: Lease, engine: Engine, outbox: Outbox, worker: str, stopping: asyncio.Event | None = None
+    lease: Lease, engine: Samples, outbox: Outbox, worker: str, stopping: asyncio.Event | None = None
 ) -> None:
     """Drive the engine for one job and publish its events.
 
@@ -51,7 +51,11 @@ async def run_job(
     req = lease.request
     started = time.time_ns()
     first_token = 0
-    index = 0
+    index = 0  # tokens generated, every sample's
+    at: dict[int, int] = {}  # each sample's next token index
+    # The samples still to end (n > 1: each ends on its own; the last one's end is the terminal event).
+    left = set(req.resume_samples) or set(range(req.sampling.samples))
+    prompt_tokens = 0
     terminal: JobEvent | None = None
     engine_timings: tuple[tuple[str, float], ...] = ()
     dead: EngineDead | None = None
@@ -88,25 +92,33 @@ async def run_job(
                 # Aborted by this worker's drain, not by its caller: hand it back. The gateway takes
                 # worker_lost for a lost worker and resumes the stream elsewhere from these tokens.
                 raise WorkerLost(f"worker {worker!r} stopped after {index} tokens; handed back")
+            k = delta.sample
+            start = at.get(k, 0)
+            at[k] = start + len(delta.token_ids)
+            index += len(delta.token_ids)
+            prompt_tokens = delta.prompt_tokens or prompt_tokens
             if delta.finish_reason is None:
                 if delta.token_ids or delta.text:
-                    outbox.add(
-                        lease,
-                        JobEvent(delta.text, delta.token_ids, index, delta.logprobs, worker=worker),
-                    )
-                index += len(delta.token_ids)
+                    outbox.add(lease, JobEvent(delta.text, delta.token_ids, start, delta.logprobs, worker=worker,
+                                               sample=k))  # fmt: skip
                 continue
-            index += len(delta.token_ids)
+            left.discard(k)
+            if left and delta.finish_reason is not FinishReason.CANCELLED:
+                # One sample of several ended; the others go on.
+                outbox.add(lease, JobEvent(delta.text, delta.token_ids, start, delta.logprobs, worker=worker,
+                                           sample=k, sample_end=delta.finish_reason))  # fmt: skip
+                continue
             engine_timings = delta.engine_timings_ms
             terminal = JobEvent(
                 text=delta.text,
                 token_ids=delta.token_ids,
-                index=index - len(delta.token_ids),
+                index=start,
                 logprobs=delta.logprobs,
                 worker=worker,
+                sample=k,
                 finished=Finished(
                     finish_reason=delta.finish_reason,
-                    usage=Usage(prompt_tokens=delta.prompt_tokens or 0, completion_tokens=index),
+                    usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=index),
                     started_unix_ns=started,
                     first_token_unix_ns=first_token,
                 ),
@@ -154,7 +166,7 @@ def _outcome(event: JobEvent | None) -> str:
     return "cancelled" if cancelled else "ok"
 
 
-def _abort_soon(engine: Engine, request_id: str) -> None:
+def _abort_soon(engine: Samples, request_id: str) -> None:
     task = asyncio.ensure_future(engine.abort(request_id))
     _aborts.add(task)  # keep a reference until it is done
     task.add_done_callback(_aborts.discard)

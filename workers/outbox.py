@@ -35,8 +35,9 @@ class Outbox:
         self._queue = queue
         self._on_cancel = on_cancel
         self._watch_interval_s = watch_interval_s
-        # request id -> (lease, event not yet published), published in arrival order
-        self._pending: dict[str, tuple[Lease, JobEvent]] = {}
+        # request id -> (lease, events not yet published: one per sample run, merged where they
+        # follow on), published in arrival order
+        self._pending: dict[str, tuple[Lease, list[JobEvent]]] = {}
         self._order: list[str] = []
         self._terminal_done: dict[str, asyncio.Future[None]] = {}
         self._watch: dict[str, Lease] = {}
@@ -65,26 +66,27 @@ class Outbox:
         self._watch[lease.request.request_id] = lease
 
     def add(self, lease: Lease, event: JobEvent) -> None:
-        """Queue a non-terminal event, merged with one not yet published for the same request."""
-        rid = lease.request.request_id
-        prev = self._pending.get(rid)
-        if prev is None:
-            self._pending[rid] = (lease, event)
-            self._order.append(rid)
-        else:
-            self._pending[rid] = (lease, prev[1].then(event))
+        """Queue a non-terminal event, merged with the last one not yet published for the same
+        request when it follows on (same sample)."""
+        self._queue_event(lease, event)
         self._wake.set()
 
-    async def finish(self, lease: Lease, event: JobEvent) -> None:
-        """Queue the terminal event (merged with any unpublished delta) and wait until it is
-        written and the job acked. Cancelling the waiter does not withdraw the event."""
+    def _queue_event(self, lease: Lease, event: JobEvent) -> None:
         rid = lease.request.request_id
         prev = self._pending.get(rid)
         if prev is None:
+            self._pending[rid] = (lease, [event])
             self._order.append(rid)
+        elif prev[1][-1].follows_on(event):
+            prev[1][-1] = prev[1][-1].then(event)
         else:
-            event = prev[1].then(event)
-        self._pending[rid] = (lease, event)
+            prev[1].append(event)
+
+    async def finish(self, lease: Lease, event: JobEvent) -> None:
+        """Queue the terminal event (merged with an unpublished delta it follows on) and wait until
+        it is written and the job acked. Cancelling the waiter does not withdraw the event."""
+        rid = lease.request.request_id
+        self._queue_event(lease, event)
         done = self._terminal_done[rid] = asyncio.get_running_loop().create_future()
         self._wake.set()
         await asyncio.shield(done)
@@ -104,7 +106,10 @@ class Outbox:
     async def _flush_locked(self) -> None:
         self._wake.clear()
         order, self._order = self._order, []
-        batch = [self._pending.pop(rid) for rid in order]
+        batch: list[tuple[Lease, JobEvent]] = []
+        for rid in order:
+            lease, events = self._pending.pop(rid)
+            batch += ((lease, ev) for ev in events)
         # Cancellation is checked at most every watch_interval_s, not on every step: at hundreds of
         # requests in flight an EXISTS per request per step would triple the commands per publish.
         now = time.monotonic()

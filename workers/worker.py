@@ -41,6 +41,7 @@ from workers.batch import record, run_batch_item, skipped_result
 from workers.engines.base import Engine
 from workers.job import cancelled_event, failure_of, run_job
 from workers.outbox import Outbox
+from workers.samples import Samples
 
 log = structlog.get_logger(__name__)
 
@@ -65,6 +66,7 @@ class Worker:
         self._freeze = freeze
         self._queue = queue
         self._engine = engine
+        self._samples = Samples(engine)  # generation jobs go through it (GenerateRequest.n)
         self._block_ms = block_ms
         self._batches = batches
         self._b = batch or BatchSettings()
@@ -99,7 +101,7 @@ class Worker:
 
     async def _cancel(self, request_id: str) -> None:
         log.info("job_cancel_requested", request_id=request_id)
-        await self._engine.abort(request_id)
+        await self._samples.abort(request_id)
 
     def _start(self, lease: Lease) -> None:
         rid = lease.request.request_id
@@ -107,7 +109,7 @@ class Worker:
             job: Coroutine[Any, Any, None] = run_batch_item(lease, self._engine, self._batches)
             self._batch_running[rid] = lease
         else:
-            job = run_job(lease, self._engine, self._outbox, self.name, self._handing_back)
+            job = run_job(lease, self._samples, self._outbox, self.name, self._handing_back)
             self._running[rid] = lease
         task = asyncio.create_task(job, name=f"job-{rid}")
         self._tasks[rid] = task
@@ -433,7 +435,7 @@ class Worker:
             _done, pending = await asyncio.wait(list(self._tasks.values()), timeout=self._s.grace_s)
             self._handing_back.set()
             for rid in list(self._tasks):
-                await self._engine.abort(rid)
+                await self._samples.abort(rid)
             if pending:
                 _done, still = await asyncio.wait(pending, timeout=5)
                 for t in still:

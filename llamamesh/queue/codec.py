@@ -75,6 +75,7 @@ def encode_job(req: GenerationRequest) -> bytes:
         tenant=req.tenant,
         trace=dict(req.trace),
         prefix_key=req.prefix_key,
+        resume_samples=[pb.SampleTokens(sample=k, token_ids=ids) for k, ids in sorted(req.resume_samples.items())],
     )
     if req.prompt is not None:
         job.prompt = req.prompt
@@ -130,6 +131,7 @@ def decode_job(data: bytes) -> GenerationRequest:
         tenant=job.tenant,
         trace=MappingProxyType(dict(job.trace)),
         prefix_key=job.prefix_key,
+        resume_samples=MappingProxyType({s.sample: tuple(s.token_ids) for s in job.resume_samples}),
     )
 
 
@@ -155,6 +157,8 @@ def encode_event(ev: JobEvent) -> bytes:
         logprobs=logprobs_to_pb(ev.logprobs, pb.TokenLogprob, pb.TopLogprob),
         tokenized=ev.tokenized,
         worker=ev.worker,
+        sample=ev.sample,
+        sample_end=ev.sample_end.value if ev.sample_end is not None else "",
     )
     if ev.finished is not None:
         f = ev.finished
@@ -204,6 +208,8 @@ def decode_event(data: bytes) -> JobEvent:
         failed=failed,
         tokenized=msg.tokenized,
         worker=msg.worker,
+        sample=msg.sample,
+        sample_end=FinishReason(msg.sample_end) if msg.sample_end else None,
     )
 
 

@@ -901,7 +901,7 @@ class RedisQueue:
     async def attempts(self, caller_id: str) -> list[Attempt]:
         with unreachable():
             raw: Any = await self._r.lrange(self.keys.attempts(caller_id), 0, -1)
-        return [Attempt(**json.loads(r)) for r in raw]
+        return [_attempt(json.loads(r)) for r in raw]
 
     async def attach(self, caller_id: str) -> int:
         with unreachable():
@@ -1104,3 +1104,11 @@ class RedisQueue:
         if now >= self._forget_at:
             self._renew_at = {rid: at for rid, at in self._renew_at.items() if at + ttl > now}
             self._forget_at = now + ttl * RENEW_FRACTION
+
+
+def _attempt(record: dict[str, Any]) -> Attempt:
+    """An attempts record as stored (JSON: its tuples are lists)."""
+    for name in ("bases", "ended"):
+        if name in record:
+            record[name] = tuple(record[name])
+    return Attempt(**record)

@@ -87,6 +87,41 @@ async def test_response_formats_hold_through_the_whole_path(node: ProcessNode) -
     assert label in ("yes", "no")
 
 
+async def test_n_parallel_samples_through_both_clients_and_the_cli(node: ProcessNode) -> None:
+    """n samples of one prompt with the real model: every sample streams under its own index and ends
+    with its own finish reason, usage counts them all, a constraint holds in each, and on the CPU
+    engine a seeded request is reproducible and sample k is the one-sample request with seed + k."""
+    ask = [("user", "Name an animal.")]
+    async with Client(node.address) as c:
+        msgs = [m async for m in c.generate(messages=ask, max_tokens=12, temperature=1.0, seed=7, n=3)]
+        texts = await c.complete_n(messages=ask, max_tokens=12, temperature=1.0, seed=7, n=3)
+        singles = [await c.complete(messages=ask, max_tokens=12, temperature=1.0, seed=7 + k) for k in range(3)]
+    ids: dict[int, list[int]] = {}
+    ends: dict[int, int] = {}
+    for m in msgs:
+        assert m.sample not in ends, "a sample sent tokens after its end"
+        assert m.index == len(ids.setdefault(m.sample, []))
+        ids[m.sample] += m.token_ids
+        if m.finish_reason:
+            ends[m.sample] = m.finish_reason
+    assert sorted(ids) == sorted(ends) == [0, 1, 2]
+    assert msgs[-1].usage.completion_tokens == sum(len(v) for v in ids.values())
+    assert len({tuple(v) for v in ids.values()}) > 1, "three samples at temperature 1 were all the same"
+    assert all(t.strip() for t in texts)
+    if node.pool == "cpu":  # the CPU engine is batch-invariant: the same seed, the same tokens
+        assert texts == ["".join(m.text for m in msgs if m.sample == k) for k in range(3)]
+        assert texts == singles
+    with SyncClient(node.address) as s:
+        labels = s.complete_n(messages=[("user", "Is the sky blue?")], max_tokens=8, n=4, seed=1,
+                              choice=["yes", "no", "maybe"])  # fmt: skip
+    assert len(labels) == 4 and set(labels) <= {"yes", "no", "maybe"}, labels
+    cli = Path(sys.executable).parent / "llamamesh"
+    out = subprocess.run([str(cli), "generate", "--address", node.address, "--max-tokens", "6", "--n", "2",
+                          "--seed", "3", "Hi"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "--- sample 0 (finish=" in out.stdout and "--- sample 1 (finish=" in out.stdout, out.stdout
+
+
 def pending_requests(r: redis.Redis, stream: str) -> list[str]:
     """The request ids of the jobs leased from ``stream`` and not acked yet."""
     out = []

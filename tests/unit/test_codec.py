@@ -41,6 +41,14 @@ def test_job_round_trip_keeps_unset_distinct_from_zero() -> None:
     assert back.sampling.temperature == 0.0 and back.sampling.top_p is None
 
 
+def test_samples_round_trip() -> None:
+    req = GenerationRequest(request_id="r1~1", model="m", prompt="p", sampling=SamplingParams(n=3, seed=2),
+                            resume_samples=MappingProxyType({0: (4, 5), 2: ()}), origin_id="r1")  # fmt: skip
+    back = codec.decode_job(codec.encode_job(req))
+    assert back == req and back.sampling.samples == 3
+    assert codec.decode_job(codec.encode_job(GenerationRequest(request_id="x", model="m"))).sampling.n is None
+
+
 def test_prompt_job_and_tokenize_kind() -> None:
     req = GenerationRequest(request_id="r2", model="m", prompt="", kind=JobKind.TOKENIZE)
     back = codec.decode_job(codec.encode_job(req))
@@ -60,6 +68,8 @@ def test_undecodable_job_is_invalid_request() -> None:
         JobEvent(finished=Finished(FinishReason.STOP_SEQUENCE, Usage(10, 3), 5, 6)),
         JobEvent(failed=Failure("invalid_argument", "bad", False, "logprobs")),
         JobEvent(token_ids=(4, 5, 6), tokenized=True),
+        JobEvent(text=" a", token_ids=(3,), index=2, sample=4, sample_end=FinishReason.LENGTH),
+        JobEvent(sample=1, finished=Finished(FinishReason.STOP, Usage(3, 9))),
     ],
 )
 def test_event_round_trip(event: JobEvent) -> None:

@@ -9,7 +9,7 @@ from llamamesh import errors
 from llamamesh.queue.memory import MemoryQueue
 from llamamesh.settings import GatewaySettings
 from llamamesh.types import Finished, FinishReason, JobEvent, Usage
-from services.relay import Cursor, QueueRelay
+from services.relay import Cursor, QueueRelay, SampleCursors
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -66,6 +66,30 @@ def test_events_merge_only_when_they_follow_on() -> None:
     assert not a.follows_on(ev(0, 10, 11)) and not a.follows_on(ev(3, 13))
     with pytest.raises(ValueError, match="does not follow on"):
         a.then(ev(0, 10, 11))
+
+
+def sev(sample: int, index: int, *tokens: int, end: FinishReason | None = None) -> JobEvent:
+    return JobEvent(token_ids=tokens, index=index, sample=sample, sample_end=end)
+
+
+def test_events_of_different_samples_never_merge_nor_after_a_samples_end() -> None:
+    assert sev(0, 0, 1).follows_on(sev(0, 1, 2)) and not sev(0, 0, 1).follows_on(sev(1, 1, 2))
+    assert not sev(0, 0, 1, end=FinishReason.STOP).follows_on(sev(0, 1, 2))
+    assert sev(0, 0, 1).then(sev(0, 1, 2, end=FinishReason.LENGTH)).ends_sample is FinishReason.LENGTH
+
+
+def test_each_sample_keeps_its_own_invariant_and_ends_once() -> None:
+    s = SampleCursors(2, offsets=[1, 0])
+    assert s.accept(sev(0, 0, 10)) is None  # the caller has it
+    assert s.accept(sev(1, 0, 20, 21)) is not None and s.accept(sev(0, 1, 11)) is not None
+    with pytest.raises(errors.QueueUnavailable, match=r"lost tokens 2\.\.2"):
+        s.accept(sev(1, 3, 23))
+    end = s.accept(sev(1, 0, 20, 21, 22, end=FinishReason.STOP))  # a retried publish, with the end
+    assert end is not None and end.token_ids == (22,) and end.sample_end is FinishReason.STOP
+    assert s.accept(sev(1, 3, end=FinishReason.STOP)) is None  # its end again: dropped
+    assert s.ended == {1} and s.total == 4 and s.bases() == (1, 3)
+    with pytest.raises(errors.QueueUnavailable, match="sample 2"):
+        s.accept(sev(2, 0, 1))
 
 
 async def test_the_relay_owns_its_detach_timers_and_cancels_them_at_close() -> None:

@@ -67,6 +67,9 @@ def test_defaults() -> None:
         (SamplingParams(stop=("ok", "")), "stop"),
         (SamplingParams(min_tokens=-1), "min_tokens"),
         (SamplingParams(max_tokens=4, min_tokens=5), "min_tokens"),
+        (SamplingParams(n=0), "n"),
+        (SamplingParams(n=17), "n"),
+        (SamplingParams(n=2, temperature=0.0), "n"),
     ],
 )
 def test_values_the_engine_cannot_honour_name_their_field(params: SamplingParams, field: str) -> None:

@@ -195,8 +195,9 @@ def test_every_sampling_field_is_mapped() -> None:
         "logprobs": 5,
     }
     # Same names on both sides (TensorRT-LLM's SamplingParams calls the seed `seed`), none forgotten.
-    # (constraint: stream() adds it as the library's own parameter object; tests/unit/test_constraints.py)
-    assert set(kwargs) | {"constraint"} == {f.name for f in dataclasses.fields(SamplingParams)}
+    # (constraint: stream() adds it as the library's own parameter object; tests/unit/test_constraints.py;
+    # n: workers/samples.py runs each sample as its own request on this adapter)
+    assert set(kwargs) | {"constraint", "n"} == {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 @pytest.mark.parametrize(("top_k", "expected"), [(-1, 0), (0, 0), (1, 1), (50, 50)])
@@ -221,7 +222,7 @@ def test_zero_logprobs_still_asks_trtllm_for_the_sampled_token() -> None:
          False),
         ("The sum of prompt length (9000.0), query length (0) should not exceed max_num_tokens (8192)", "messages",
          True),
-        ("SamplingParams.n (4) should not exceed max_batch_size (2)", "request", False),
+        ("SamplingParams.n (4) should not exceed max_batch_size (2)", "n", False),
     ],
 )  # fmt: skip
 def test_trtllm_argument_errors_name_our_field(message: str, field: str, too_long: bool) -> None:

@@ -253,6 +253,7 @@ def test_every_sampling_field_is_mapped() -> None:
         ignore_eos=False,
         min_tokens=3,
         logprobs=5,
+        n=3,
     )
     kwargs = sampling_kwargs(params, vocab_size=100)
     assert kwargs == {
@@ -270,6 +271,7 @@ def test_every_sampling_field_is_mapped() -> None:
         "ignore_eos": False,
         "min_tokens": 3,
         "logprobs": 5,
+        "n": 3,
     }
     # Same names on both sides, and none forgotten if a field is added to SamplingParams.
     # (constraint: stream() adds it as the library's own parameter object; tests/unit/test_constraints.py)
@@ -581,6 +583,36 @@ async def test_a_stream_maps_outputs_and_lets_generate_finish_by_itself() -> Non
     assert llm.internal_aborts == [] and engine.aborted == [] and not engine._streams
     await engine.abort("r1")  # finished: nothing to abort
     assert engine.aborted == [] and llm.abort_calls == []
+    await engine.shutdown()
+
+
+def outputs_of(*completions: tuple[int, str, list[int], str | None], finished: bool = False) -> SimpleNamespace:
+    """A RequestOutput of a request with n > 1: (sample index, text, ids, finish) per completion."""
+    return SimpleNamespace(prompt_token_ids=[1, 103, 103], finished=finished, outputs=[
+        SimpleNamespace(index=k, text=t, token_ids=ids, logprobs=None, finish_reason=f, stop_reason=None)
+        for k, t, ids, f in completions])  # fmt: skip
+
+
+async def test_n_samples_go_to_vllm_as_n_and_each_ends_on_its_own() -> None:
+    """vLLM samples in parallel (one prefill): the adapter passes n and maps every completion of an
+    output to a delta of its sample; a sample's end goes on, the last one ends the stream."""
+    llm = FakeAsyncLLM()
+    engine = started(llm)
+    assert engine.parallel_samples
+    got: list[TokenDelta] = []
+    req = request(prompt="one two", sampling=SamplingParams(n=3, seed=4))
+    task = asyncio.create_task(collect(engine, req, got))
+    await until(lambda: "r1" in llm.queues)
+    assert llm.seen["r1"][1]["n"] == 3 and llm.seen["r1"][1]["seed"] == 4
+    llm.emit("r1", outputs_of((0, " a", [5], None), (1, " b", [6], None), (2, " c", [7], "stop")))
+    llm.emit("r1", outputs_of((1, " d", [8], "length"), (0, " e", [9], None)))
+    llm.emit("r1", outputs_of((0, "", [], "length"), finished=True))
+    await asyncio.wait_for(task, 5)
+    assert [(d.sample, d.token_ids, d.finish_reason, d.prompt_tokens) for d in got] == [
+        (0, (5,), None, None), (1, (6,), None, None), (2, (7,), FinishReason.STOP, 3),
+        (1, (8,), FinishReason.LENGTH, 3), (0, (9,), None, None), (0, (), FinishReason.LENGTH, 3),
+    ]  # fmt: skip
+    assert llm.internal_aborts == [] and not engine._streams
     await engine.shutdown()
 
 

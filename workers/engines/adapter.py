@@ -229,6 +229,9 @@ class LibraryEngine(abc.ABC):
             if not state.aborted:
                 self._check_length(len(ids), input_field)
                 deltas = self._deltas(llm, api, request, ids, params, state, input_field, tokenize_ms)
+                # n > 1 on a library that samples in parallel (``parallel_samples``): every sample
+                # ends with its own finish reason, the last one ends the stream.
+                samples_left = request.sampling.samples
                 async with contextlib.aclosing(deltas):  # type: ignore[type-var]
                     async for delta in deltas:
                         if delta.finish_reason is None:
@@ -237,6 +240,10 @@ class LibraryEngine(abc.ABC):
                             continue
                         if delta.finish_reason is FinishReason.CANCELLED and not state.aborted and self._dead:
                             raise EngineDead(self._dead)
+                        if samples_left > 1 and delta.finish_reason is not FinishReason.CANCELLED:
+                            samples_left -= 1
+                            yield dataclasses.replace(delta, prompt_tokens=n_prompt)
+                            continue
                         finished = True
                         del self._streams[rid]  # from here on, abort(rid) is a no-op
                         yield dataclasses.replace(delta, prompt_tokens=n_prompt)

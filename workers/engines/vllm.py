@@ -74,7 +74,7 @@ log = structlog.get_logger(__name__)
 # Our SamplingParams fields passed to vLLM only when set (same names on both sides).
 _OPTIONAL_SAMPLING = (
     "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "seed", "ignore_eos", "min_tokens", "logprobs",
+    "seed", "ignore_eos", "min_tokens", "logprobs", "n",
 )  # fmt: skip
 
 # VllmSettings fields forwarded when non-empty / non-zero / true.
@@ -250,7 +250,16 @@ def delta_of(output: Any, n_logprobs: int | None) -> TokenDelta:
     prompt_tokens = len(prompt_token_ids)."""
     if not output.outputs:
         return TokenDelta()
-    completion = output.outputs[0]
+    return _completion_delta(output, output.outputs[0], n_logprobs)
+
+
+def deltas_of(output: Any, n_logprobs: int | None) -> list[TokenDelta]:
+    """Every completion of one vLLM RequestOutput (DELTA kind) as a TokenDelta of its sample
+    (``CompletionOutput.index``: with n > 1, an output holds the samples that moved since the last)."""
+    return [_completion_delta(output, c, n_logprobs) for c in output.outputs]
+
+
+def _completion_delta(output: Any, completion: Any, n_logprobs: int | None) -> TokenDelta:
     reason = finish_reason_of(completion.finish_reason, completion.stop_reason)
     ids = tuple(completion.token_ids)
     return TokenDelta(
@@ -259,6 +268,7 @@ def delta_of(output: Any, n_logprobs: int | None) -> TokenDelta:
         logprobs=token_logprobs(ids, completion.logprobs, n_logprobs),
         finish_reason=reason,
         prompt_tokens=len(output.prompt_token_ids or ()) if reason is not None else None,
+        sample=getattr(completion, "index", 0) or 0,
     )
 
 
@@ -373,6 +383,9 @@ class VllmEngine(LibraryEngine):
     consumer goes away, closing generate() makes vLLM abort the request itself."""
 
     library = "vLLM"
+    # SamplingParams.n: the prompt is prefilled once and each sample's deltas carry its index
+    # (workers/samples.py runs the other engines' samples one request each).
+    parallel_samples = True
 
     def __init__(
         self,
@@ -584,14 +597,19 @@ class VllmEngine(LibraryEngine):
                         raise EngineDead(f"vLLM died: {type(cause).__name__}: {cause}") from exc
                     raise InternalError(f"vLLM failed the request: {type(cause).__name__}: {cause}") from exc
                 self._outputs += 1
-                delta = delta_of(output, n_logprobs)
-                if delta.finish_reason is None:
-                    yield delta
+                deltas = deltas_of(output, n_logprobs)
+                if not output.finished:  # (with n > 1, samples that ended while others go on)
+                    for delta in deltas:
+                        yield delta
                     continue
-                if output.finished:  # let generate() end by itself (closing it would abort)
-                    async for _ in outputs:
-                        pass
-                yield dataclasses.replace(delta, engine_timings_ms=engine_timings(output, tokenize_ms))
+                # let generate() end by itself (closing it would abort)
+                async for _ in outputs:
+                    pass
+                if not deltas:
+                    deltas = [TokenDelta()]
+                for delta in deltas[:-1]:
+                    yield delta
+                yield dataclasses.replace(deltas[-1], engine_timings_ms=engine_timings(output, tokenize_ms))
                 return
         finally:
             # Closing generate() before it finished aborts the request in vLLM (its GeneratorExit

@@ -25,7 +25,7 @@ class Message(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class Sampling(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "seed", "ignore_eos", "min_tokens", "logprobs", "json_schema", "json_object", "regex", "choice", "grammar")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "seed", "ignore_eos", "min_tokens", "logprobs", "json_schema", "json_object", "regex", "choice", "grammar", "n")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class Sampling(_message.Message):
     REGEX_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -64,7 +65,8 @@ class Sampling(_message.Message):
     regex: str
     choice: Choices
     grammar: str
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ...) -> None: ...
+    n: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
 
 class Choices(_message.Message):
     __slots__ = ("options",)
@@ -73,7 +75,7 @@ class Choices(_message.Message):
     def __init__(self, options: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("kind", "request_id", "model", "prompt", "messages", "sampling", "priority", "metadata", "accepted_unix_ns", "resume_token_ids", "batch_id", "custom_id", "deadline_unix_ns", "origin_id", "tenant", "trace", "prefix_key")
+    __slots__ = ("kind", "request_id", "model", "prompt", "messages", "sampling", "priority", "metadata", "accepted_unix_ns", "resume_token_ids", "batch_id", "custom_id", "deadline_unix_ns", "origin_id", "tenant", "trace", "prefix_key", "resume_samples")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +107,7 @@ class Job(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_KEY_FIELD_NUMBER: _ClassVar[int]
+    RESUME_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     kind: JobKind
     request_id: str
     model: str
@@ -122,7 +125,16 @@ class Job(_message.Message):
     tenant: str
     trace: _containers.ScalarMap[str, str]
     prefix_key: str
-    def __init__(self, kind: _Optional[_Union[JobKind, str]] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[Messages, _Mapping]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., priority: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., accepted_unix_ns: _Optional[int] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., batch_id: _Optional[str] = ..., custom_id: _Optional[str] = ..., deadline_unix_ns: _Optional[int] = ..., origin_id: _Optional[str] = ..., tenant: _Optional[str] = ..., trace: _Optional[_Mapping[str, str]] = ..., prefix_key: _Optional[str] = ...) -> None: ...
+    resume_samples: _containers.RepeatedCompositeFieldContainer[SampleTokens]
+    def __init__(self, kind: _Optional[_Union[JobKind, str]] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[Messages, _Mapping]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., priority: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., accepted_unix_ns: _Optional[int] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., batch_id: _Optional[str] = ..., custom_id: _Optional[str] = ..., deadline_unix_ns: _Optional[int] = ..., origin_id: _Optional[str] = ..., tenant: _Optional[str] = ..., trace: _Optional[_Mapping[str, str]] = ..., prefix_key: _Optional[str] = ..., resume_samples: _Optional[_Iterable[_Union[SampleTokens, _Mapping]]] = ...) -> None: ...
+
+class SampleTokens(_message.Message):
+    __slots__ = ("sample", "token_ids")
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    sample: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sample: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ItemResult(_message.Message):
     __slots__ = ("custom_id", "status", "text", "finish_reason", "prompt_tokens", "completion_tokens", "error_code", "error_message")
@@ -195,7 +207,7 @@ class Finished(_message.Message):
     def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., started_unix_ns: _Optional[int] = ..., first_token_unix_ns: _Optional[int] = ...) -> None: ...
 
 class JobEvent(_message.Message):
-    __slots__ = ("text", "token_ids", "index", "logprobs", "finished", "failed", "tokenized", "worker")
+    __slots__ = ("text", "token_ids", "index", "logprobs", "finished", "failed", "tokenized", "worker", "sample", "sample_end")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +216,8 @@ class JobEvent(_message.Message):
     FAILED_FIELD_NUMBER: _ClassVar[int]
     TOKENIZED_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_END_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     index: int
@@ -212,4 +226,6 @@ class JobEvent(_message.Message):
     failed: Failed
     tokenized: bool
     worker: str
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., failed: _Optional[_Union[Failed, _Mapping]] = ..., tokenized: _Optional[bool] = ..., worker: _Optional[str] = ...) -> None: ...
+    sample: int
+    sample_end: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., failed: _Optional[_Union[Failed, _Mapping]] = ..., tokenized: _Optional[bool] = ..., worker: _Optional[str] = ..., sample: _Optional[int] = ..., sample_end: _Optional[str] = ...) -> None: ...
