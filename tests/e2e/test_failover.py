@@ -109,3 +109,35 @@ async def test_kill_mid_stream_of_a_json_schema_request_resumes_inside_the_gramm
     assert text == reference and got[-1].finish_reason == pb.FINISH_REASON_STOP
     moved = [json.loads(x) for x in node.log("gateway").splitlines() if '"request_failed_over"' in x]
     assert len(moved) == 1 and moved[0]["resumed_tokens"] >= 5
+
+
+async def test_kill_mid_stream_of_n_samples_resumes_each_from_its_own_tokens(node: ProcessNode) -> None:
+    """A request of 3 samples loses its worker with every sample part-way: the gateway resumes each
+    unfinished sample on the backup pool from the tokens the caller has of it. Each sample's indexes
+    run 0..max_tokens once (no repeat, no gap), each ends with its own finish reason, and the usage
+    counts every sample's tokens once."""
+    n_tokens = 32
+    kwargs = {"messages": PROMPT, "max_tokens": n_tokens, "temperature": 1.0, "seed": 11, "ignore_eos": True, "n": 3}
+    async with Client(node.address) as c:
+        await wait_for(lambda: _is(c, "llamamesh.backend.backup", SERVING), 120, "the backup pool to be SERVING")
+        got: list[pb.GenerateResponse] = []
+        killed_at: dict[int, int] = {}
+        async for m in c.generate(**kwargs):
+            got.append(m)
+            have = {k: sum(len(x.token_ids) for x in got if x.sample == k) for k in range(3)}
+            if not killed_at and min(have.values()) >= 4:
+                node.procs["worker"].send_signal(signal.SIGKILL)
+                node.procs["worker"].wait(10)
+                killed_at = have
+    assert killed_at and max(killed_at.values()) < n_tokens
+    for k in range(3):
+        mine = [m for m in got if m.sample == k]
+        idx = [i for m in mine for i in range(m.index, m.index + len(m.token_ids))]
+        assert idx == list(range(n_tokens)), (k, idx)
+        assert [m.finish_reason for m in mine if m.finish_reason] == [pb.FINISH_REASON_LENGTH]
+    assert got[-1].usage.completion_tokens == 3 * n_tokens
+    moved = [json.loads(x) for x in node.log("gateway").splitlines() if '"request_failed_over"' in x]
+    assert len(moved) == 1 and moved[0]["resumed_tokens"] >= sum(killed_at.values())
+    jobs = [json.loads(x) for x in node.log("backup").splitlines() if '"job_finished"' in x]
+    resumed = [j for j in jobs if j.get("request_id") == f"{got[-1].request_id}~1"]
+    assert len(resumed) == 1 and resumed[0]["completion_tokens"] == 3 * n_tokens - moved[0]["resumed_tokens"]
