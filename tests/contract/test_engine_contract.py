@@ -24,6 +24,7 @@ from llamamesh.types import ChatMessage, FinishReason, GenerationRequest, Sampli
 from tests.contract.conftest import MAX_MODEL_LEN, Backend, settings_for
 from workers.engines import registry
 from workers.engines.base import EngineStats
+from workers.samples import Samples
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(60)]
 
@@ -210,6 +211,32 @@ async def test_abort_ends_the_stream_with_one_cancelled_delta(backend: Backend) 
     await backend.engine.abort(uuid.uuid4().hex)
     after = await run(backend, chat(SHORT, temperature=0, max_tokens=3, ignore_eos=True))
     assert after.last.finish_reason is FinishReason.LENGTH and len(after.tokens) == 3
+
+
+# --- n parallel samples (through workers/samples.py: the engine's own parallel sampling, or one
+# engine request per sample)
+
+
+async def test_n_samples_each_end_once_and_an_abort_stops_them_all(backend: Backend) -> None:
+    samples = Samples(backend.engine)
+    request = chat(LONG, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True, n=3)
+    deltas = await collect(samples.stream(request))
+    ends = [d for d in deltas if d.finish_reason is not None]
+    assert sorted(d.sample for d in ends) == [0, 1, 2] and all(d.finish_reason is FinishReason.LENGTH for d in ends)
+    assert all(d.prompt_tokens for d in ends) and deltas[-1] is ends[-1]
+    per = {k: [t for d in deltas if d.sample == k for t in d.token_ids] for k in range(3)}
+    assert all(len(v) == 6 for v in per.values())
+    for k in range(3):  # each sample's text is its tokens
+        assert "".join(d.text for d in deltas if d.sample == k) == backend.decode(per[k])
+    long_one = chat(LONG, temperature=1.0, max_tokens=200, ignore_eos=True, n=2)
+    stream = samples.stream(long_one)
+    first = await anext(stream)
+    assert first.finish_reason is None
+    await samples.abort(long_one.request_id)
+    rest = await asyncio.wait_for(collect(stream), ABORT_WAIT_S)
+    assert [d.finish_reason for d in rest].count(FinishReason.CANCELLED) == 1
+    assert rest[-1].finish_reason is FinishReason.CANCELLED
+    assert sum(len(d.token_ids) for d in [first, *rest]) < 400
 
 
 # --- 5. determinism

@@ -115,9 +115,9 @@ async def test_n_parallel_samples_through_both_clients_and_the_cli(node: Process
         labels = s.complete_n(messages=[("user", "Is the sky blue?")], max_tokens=8, n=4, seed=1,
                               choice=["yes", "no", "maybe"])  # fmt: skip
     assert len(labels) == 4 and set(labels) <= {"yes", "no", "maybe"}, labels
-    cli = Path(sys.executable).parent / "llamamesh"
-    out = subprocess.run([str(cli), "generate", "--address", node.address, "--max-tokens", "6", "--n", "2",
-                          "--seed", "3", "Hi"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    cli = [sys.executable, "-m", "llamamesh.cli", "generate", "--address", node.address, "--max-tokens", "6",
+           "--n", "2", "--seed", "3", "Hi"]  # fmt: skip
+    out = await asyncio.to_thread(subprocess.run, cli, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "--- sample 0 (finish=" in out.stdout and "--- sample 1 (finish=" in out.stdout, out.stdout
 
