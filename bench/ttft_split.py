@@ -44,7 +44,8 @@ def worker_split(path: str, since: float, until: float) -> dict:
             except ValueError:
                 continue
             t = datetime.fromisoformat(ev["timestamp"].replace("Z", "+00:00")).timestamp()
-            if not since <= t <= until or ev.get("status") != "ok" or ev.get("request_id", "").startswith("probe-"):
+            probe = ev.get("request_id", "").startswith(("probe~", "probe-"))  # "probe~" since 367417a
+            if not since <= t <= until or ev.get("status") != "ok" or probe:
                 continue
             for f_ in FIELDS:
                 if isinstance(ev.get(f_), int | float):

@@ -234,10 +234,13 @@ class SampleCursors:
         self.n = n
         self.cursors = {k: Cursor(offset=offsets[k] if k < len(offsets) else 0) for k in range(n)}
         self.ended: set[int] = set()
+        self._only = self.cursors[0] if n == 1 else None  # the common case, on every event
 
     @property
     def total(self) -> int:
         """Tokens sent to the caller, every sample's."""
+        if self._only is not None:
+            return len(self._only.sent)
         return sum(len(c.sent) for c in self.cursors.values())
 
     def bases(self) -> tuple[int, ...]:
@@ -248,13 +251,13 @@ class SampleCursors:
         """``ev`` (numbered as the caller's stream of its sample) less what the caller has; None if
         that is nothing. An end of a sample that already ended (a retried publish) is dropped; raises
         EventsLost for a gap, or for a sample this request does not have."""
-        cursor = self.cursors.get(ev.sample)
+        cursor = self._only if self._only is not None and not ev.sample else self.cursors.get(ev.sample)
         if cursor is None:
             raise errors.EventsLost(f"an event of sample {ev.sample} in a request of {self.n} sample(s)")
         if ev.sample_end is not None and not ev.terminal and ev.sample in self.ended:
             return None
         part = cursor.accept(ev)
-        if part is not None and part.ends_sample is not None:
+        if part is not None and (part.sample_end is not None or part.finished is not None):
             self.ended.add(ev.sample)
         return part
 

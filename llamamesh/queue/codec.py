@@ -157,9 +157,11 @@ def encode_event(ev: JobEvent) -> bytes:
         logprobs=logprobs_to_pb(ev.logprobs, pb.TokenLogprob, pb.TopLogprob),
         tokenized=ev.tokenized,
         worker=ev.worker,
-        sample=ev.sample,
-        sample_end=ev.sample_end.value if ev.sample_end is not None else "",
     )
+    if ev.sample:  # (n > 1 only: unset fields cost nothing on the hot path)
+        msg.sample = ev.sample
+    if ev.sample_end is not None:
+        msg.sample_end = ev.sample_end.value
     if ev.finished is not None:
         f = ev.finished
         msg.finished.CopyFrom(
