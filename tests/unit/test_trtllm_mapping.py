@@ -621,67 +621,7 @@ async def test_messages_go_through_the_chat_template_and_tokenize_matches(trt: S
     await engine.shutdown()
 
 
-# --- aborts
-
-
-async def test_abort_ends_the_stream_with_one_cancelled_delta(trt: SimpleNamespace) -> None:
-    engine, llm = await started()
-    got: list[TokenDelta] = []
-    task = asyncio.create_task(collect(engine, request(prompt="x"), got))
-    await until(lambda: bool(llm.results))
-    llm.results[0].respond(" a", (5,))
-    await until(lambda: len(got) == 1)
-    await engine.abort("r1")
-    await engine.abort("r1")  # twice: once recorded, once sent
-    await asyncio.wait_for(task, 5)
-    assert [d.finish_reason for d in got] == [None, FinishReason.CANCELLED]
-    assert got[-1].prompt_tokens == 2
-    assert engine.aborted == ["r1"] and llm.results[0].abort_calls == 1
-    await engine.abort("unknown")
-    assert engine.aborted == ["r1"]
-    await engine.shutdown()
-
-
-async def test_abort_before_trtllm_knows_the_request_never_submits_it(trt: SimpleNamespace) -> None:
-    engine, llm = await started()
-    entered, release = threading.Event(), threading.Event()
-    engine._tokenizer = HfTokenizer(entered, release)
-    got: list[TokenDelta] = []
-    task = asyncio.create_task(collect(engine, request(prompt="x y"), got))
-    await until(entered.is_set)
-    await engine.abort("r1")
-    release.set()
-    await asyncio.wait_for(task, 5)
-    assert got == [TokenDelta(finish_reason=FinishReason.CANCELLED, prompt_tokens=3)]
-    assert llm.results == [] and engine.aborted == ["r1"]
-    await engine.shutdown()
-
-
-async def test_a_cancelled_consumer_aborts_the_request_and_propagates(trt: SimpleNamespace) -> None:
-    engine, llm = await started()
-    task = asyncio.create_task(collect(engine, request(prompt="x"), []))
-    await until(lambda: bool(llm.results))
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert llm.results[0].abort_calls == 1  # TensorRT-LLM does not abort by itself
-    assert engine.aborted == ["r1"] and not engine._streams
-    await engine.shutdown()
-
-
-async def test_a_consumer_that_stops_iterating_aborts_the_request(trt: SimpleNamespace) -> None:
-    engine, llm = await started()
-    stream = engine.stream(request(prompt="x"))
-    first = asyncio.ensure_future(stream.__anext__())
-    await until(lambda: bool(llm.results))
-    llm.results[0].respond(" a", (5,))
-    assert (await first).token_ids == (5,)
-    await stream.aclose()  # type: ignore[attr-defined]
-    assert llm.results[0].abort_calls == 1 and engine.aborted == ["r1"] and not engine._streams
-    await engine.shutdown()
-
-
-# --- errors
+# --- errors (aborts, consumers that leave and shutdown: test_library_engines.py, for both adapters)
 
 
 async def test_invalid_sampling_is_refused_naming_the_field(trt: SimpleNamespace) -> None:
@@ -759,29 +699,6 @@ async def test_trtllms_health_check_is_asked(trt: SimpleNamespace) -> None:
     llm.healthy = False
     with pytest.raises(EngineDead):
         await engine.check_health()
-    await engine.shutdown()
-
-
-async def test_shutdown_ends_pending_streams_with_engine_dead(trt: SimpleNamespace) -> None:
-    engine, llm = await started()
-    got: list[TokenDelta] = []
-    task = asyncio.create_task(collect(engine, request(prompt="x"), got))
-    await until(lambda: bool(llm.results))
-    await engine.shutdown()
-    with pytest.raises(EngineDead):
-        await asyncio.wait_for(task, 5)
-    assert llm.shut_down and llm.results[0].abort_calls == 1 and got == []
-    with pytest.raises(EngineDead):
-        await engine.check_health()
-    with pytest.raises(EngineDead):
-        await engine.tokenize(request(prompt="x"))
-
-
-async def test_an_unstarted_engine_is_dead_and_shuts_down_cleanly() -> None:
-    engine = TrtllmEngine(WORKER, TrtllmSettings(), device_count=1)
-    with pytest.raises(EngineDead):
-        await engine.check_health()
-    assert engine.stats() == EngineStats(steps=0)
     await engine.shutdown()
 
 

@@ -8,7 +8,6 @@ import asyncio
 import dataclasses
 import json
 import sys
-import threading
 from collections.abc import AsyncIterator, Callable, Iterable
 from types import SimpleNamespace
 from typing import Any, NamedTuple
@@ -634,77 +633,6 @@ async def test_a_resumed_request_feeds_the_sent_tokens_after_the_prompt() -> Non
     await engine.shutdown()
 
 
-async def test_abort_ends_the_stream_with_one_cancelled_delta() -> None:
-    llm = FakeAsyncLLM()
-    engine = started(llm)
-    got: list[TokenDelta] = []
-    task = asyncio.create_task(collect(engine, request(prompt="x"), got))
-    await until(lambda: "r1" in llm.queues)
-    llm.emit("r1", output(" a", [5], prompt_ids=[1, 101]))
-    await until(lambda: len(got) == 1)
-    await engine.abort("r1")
-    await engine.abort("r1")  # twice: once recorded
-    await asyncio.wait_for(task, 5)
-    assert [d.finish_reason for d in got] == [None, FinishReason.CANCELLED]
-    assert got[-1].prompt_tokens == 2
-    assert engine.aborted == ["r1"] and llm.abort_calls == [["r1"]] and llm.internal_aborts == []
-    await engine.abort("unknown")
-    assert engine.aborted == ["r1"]
-    await engine.shutdown()
-
-
-async def test_abort_before_vllm_knows_the_request_still_cancels_it() -> None:
-    entered, release = threading.Event(), threading.Event()
-
-    class SlowTokenizer(StubTokenizer):
-        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-            entered.set()
-            release.wait(5)
-            return super().encode(text, add_special_tokens)
-
-    llm = FakeAsyncLLM()
-    engine = started(llm, SlowTokenizer())
-    got: list[TokenDelta] = []
-    task = asyncio.create_task(collect(engine, request(prompt="x y"), got))
-    await until(entered.is_set)
-    await engine.abort("r1")
-    release.set()
-    await asyncio.wait_for(task, 5)
-    assert got == [TokenDelta(finish_reason=FinishReason.CANCELLED, prompt_tokens=3)]
-    assert "r1" not in llm.seen  # never reached vLLM
-    assert engine.aborted == ["r1"]
-    await engine.shutdown()
-
-
-async def test_a_cancelled_consumer_lets_vllm_abort_and_propagates() -> None:
-    llm = FakeAsyncLLM()
-    engine = started(llm)
-    got: list[TokenDelta] = []
-    task = asyncio.create_task(collect(engine, request(prompt="x"), got))
-    await until(lambda: "r1" in llm.queues)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert llm.internal_aborts == ["r1"]  # generate()'s own CancelledError handler
-    assert llm.abort_calls == []  # not aborted twice
-    assert engine.aborted == ["r1"] and not engine._streams
-    await engine.shutdown()
-
-
-async def test_a_consumer_that_stops_iterating_closes_generate() -> None:
-    llm = FakeAsyncLLM()
-    engine = started(llm)
-    stream = engine.stream(request(prompt="x"))
-    first = asyncio.ensure_future(stream.__anext__())
-    await until(lambda: "r1" in llm.queues)
-    llm.emit("r1", output(" a", [5]))
-    assert (await first).token_ids == (5,)
-    await stream.aclose()  # type: ignore[attr-defined]
-    assert llm.internal_aborts == ["r1"]  # GeneratorExit reached generate()
-    assert engine.aborted == ["r1"] and not engine._streams
-    await engine.shutdown()
-
-
 async def test_vllm_errors_become_ours_before_any_delta() -> None:
     llm = FakeAsyncLLM()
     engine = started(llm)
@@ -752,30 +680,6 @@ async def test_tokenize_matches_what_stream_sends() -> None:
     assert llm.seen["r1"][0]["prompt_token_ids"] == ids
     await engine.abort("r1")
     await asyncio.wait_for(task, 5)
-    await engine.shutdown()
-
-
-async def test_shutdown_ends_pending_streams_with_engine_dead() -> None:
-    llm = FakeAsyncLLM()
-    engine = started(llm)
-    got: list[TokenDelta] = []
-    task = asyncio.create_task(collect(engine, request(prompt="x"), got))
-    await until(lambda: "r1" in llm.queues)
-    await engine.shutdown()
-    with pytest.raises(EngineDead):
-        await asyncio.wait_for(task, 5)
-    assert llm.shut_down and llm.abort_calls == [["r1"]] and got == []
-    with pytest.raises(EngineDead):
-        await engine.check_health()
-    with pytest.raises(EngineDead):
-        await engine.tokenize(request(prompt="x"))
-
-
-async def test_an_unstarted_engine_is_dead_and_shuts_down_cleanly() -> None:
-    engine = VllmEngine(WORKER, VllmSettings(), device_count=1)
-    with pytest.raises(EngineDead):
-        await engine.check_health()
-    assert engine.stats() == EngineStats(steps=0)
     await engine.shutdown()
 
 
