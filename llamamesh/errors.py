@@ -62,6 +62,13 @@ class AlreadyExists(ClientError):
     code = "already_exists"
 
 
+class FailedPrecondition(ClientError):
+    """The request is fine but the system is not in the state it needs (e.g. unloading an adapter
+    that requests still use)."""
+
+    code = "failed_precondition"
+
+
 class Unauthenticated(ClientError):
     """No valid identity: no API key or client certificate, or an unknown or revoked one."""
 

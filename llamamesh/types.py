@@ -144,6 +144,9 @@ class GenerationRequest:
     # own tokens (max_tokens and min_tokens count each sample's rest). Empty: every sample from the
     # start (then ``resume_token_ids`` is for n == 1).
     resume_samples: Mapping[int, tuple[int, ...]] = field(default_factory=lambda: MappingProxyType({}))
+    # The LoRA adapter to generate with (GenerateRequest.adapter, or model "base:adapter"); empty:
+    # the base model.
+    adapter: str = ""
 
     @property
     def caller_id(self) -> str:
@@ -315,6 +318,14 @@ class ModelInfo:
     id: str
     pool: str
     default: bool = False
+    # A LoRA adapter of base model ``base`` (its id is "base:adapter"); empty for a base model.
+    adapter: str = ""
+    base: str = ""
+
+
+# Adapter names (a worker's LLAMAMESH_WORKER_ADAPTERS, GenerateRequest.adapter): no ":" (it separates
+# a model from its adapter) and nothing a path or a key would trip on.
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 class WorkerState(str, enum.Enum):
@@ -348,6 +359,10 @@ class WorkerStatus:
     state: str = WorkerState.READY.value
     # STARTING: what the engine's start is doing; FAILED: why it failed (one line).
     detail: str = ""
+    # The LoRA adapters its engine serves (names), and the run-time ones it could not load
+    # ("name: why").
+    adapters: tuple[str, ...] = ()
+    adapter_errors: tuple[str, ...] = ()
     # Wall clock (Unix s) when the state (or, while starting, the detail) began.
     since_unix_s: float = 0.0
 

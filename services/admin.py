@@ -4,15 +4,22 @@ tokens per second)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from llamamesh.queue.protocol import QueueDepth
+from llamamesh import errors
+from llamamesh.queue.protocol import AdapterRegistry, QueueDepth
+from llamamesh.types import ADAPTER_NAME, ModelInfo
 from llamamesh.v1 import admin_pb2 as pb
 from llamamesh.v1 import admin_pb2_grpc
 from services.backends import Backends, Pool
 from services.calls import rpc
+from services.convert import resolve_model
+
+# LoadAdapterRequest.wait_s, at most.
+MAX_ADAPTER_WAIT_S = 600
 
 
 def backend_pb(pool: Pool, fallback: str, depth: QueueDepth | None = None) -> pb.Backend:
@@ -32,6 +39,7 @@ def backend_pb(pool: Pool, fallback: str, depth: QueueDepth | None = None) -> pb
         added = out.workers.add(
             name=w.worker, model=w.model, engine=w.engine, inflight=w.inflight, max_inflight=w.max_inflight,
             running=w.running, waiting=w.waiting, kv_cache_usage=w.kv_cache_usage, state=w.state, detail=w.detail,
+            adapters=w.adapters, adapter_errors=w.adapter_errors,
         )  # fmt: skip
         if w.since_unix_s:
             added.since.FromNanoseconds(int(w.since_unix_s * 1e9))
@@ -43,8 +51,64 @@ def backend_pb(pool: Pool, fallback: str, depth: QueueDepth | None = None) -> pb
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
-    def __init__(self, backends: Backends) -> None:
+    def __init__(
+        self, backends: Backends, registry: AdapterRegistry | None = None, models: Sequence[ModelInfo] = (),
+        poll_s: float = 0.2,
+    ) -> None:  # fmt: skip
+        """``registry``: where run-time LoRA adapters are recorded per pool (the queue); ``models``: the
+        models this gateway routes (LoadAdapter names one)."""
         self._backends = backends
+        self._registry = registry
+        self._models = tuple(models)
+        self._poll_s = poll_s
+
+    def _target(self, model: str, adapter: str) -> tuple[str, AdapterRegistry]:
+        if self._registry is None or not self._models:
+            raise errors.FailedPrecondition("this gateway has no adapter registry")
+        if not ADAPTER_NAME.match(adapter):
+            raise errors.InvalidRequest.field("adapter", "1-64 characters of A-Z a-z 0-9 . _ -")
+        return resolve_model(model, self._models).pool, self._registry
+
+    @rpc("LoadAdapter")
+    async def LoadAdapter(
+        self, request: pb.LoadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoadAdapterResponse:
+        """Record the adapter for the pool; its workers load it at their next heartbeat. Returns once
+        every ready worker serves it; a worker's refusal is the caller's error (and the record goes)."""
+        pool, registry = self._target(request.model, request.adapter)
+        if not request.path:
+            raise errors.InvalidRequest.field("path", "the adapter folder, as the workers see it")
+        wait_s = min(request.wait_s if request.HasField("wait_s") else 60, MAX_ADAPTER_WAIT_S)
+        name = request.adapter
+        await registry.set_adapter(pool, name, request.path)
+        loop = asyncio.get_running_loop()
+        until = loop.time() + wait_s
+        while True:
+            workers = [w for w in self._backends.pools[pool].workers if w.ready]
+            refused = [e for w in workers for e in w.adapter_errors if e.startswith(f"{name}: ")]
+            if refused:
+                await registry.drop_adapter(pool, name)
+                why = refused[0].removeprefix(f"{name}: ")
+                raise errors.InvalidRequest.field("path", f"a worker of pool {pool!r} could not load it: {why}")
+            have = [w.worker for w in workers if name in w.adapters]
+            if workers and len(have) == len(workers):
+                return pb.LoadAdapterResponse(workers=have)
+            if loop.time() >= until:
+                raise errors.Unavailable(
+                    f"adapter {name!r}: {len(have)} of {len(workers)} ready worker(s) of pool {pool!r} serve it "
+                    f"after {wait_s} s; they go on loading it"
+                )
+            await asyncio.sleep(self._poll_s)
+
+    @rpc("UnloadAdapter")
+    async def UnloadAdapter(
+        self, request: pb.UnloadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UnloadAdapterResponse:
+        pool, registry = self._target(request.model, request.adapter)
+        if request.adapter not in await registry.adapters(pool):
+            raise errors.NotFound(f"adapter {request.adapter!r} was not loaded into pool {pool!r} at run time")
+        await registry.drop_adapter(pool, request.adapter)
+        return pb.UnloadAdapterResponse()
 
     @rpc("ListBackends")
     async def ListBackends(

@@ -239,6 +239,14 @@ class Backends:
         p = self.pools[pool]
         return p.queue_wait_s if p.waits >= 5 else 0.0
 
+    def adapters(self, pool: str) -> frozenset[str] | None:
+        """The LoRA adapters the pool's ready workers serve (any of them); None while none is ready (or
+        the pool is unknown here): nobody can say yet."""
+        p = self.pools.get(pool)
+        if p is None or not p.live:
+            return None
+        return frozenset(a for w in p.workers if w.ready for a in w.adapters)
+
     def empty_for(self, pool: str) -> float:
         """Seconds the pool has had no worker ready or starting (0 while it has one)."""
         p = self.pools[pool]

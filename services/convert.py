@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import MappingProxyType
 
 from google.protobuf.duration_pb2 import Duration
@@ -19,6 +19,7 @@ from llamamesh.errors import FieldViolation, InvalidRequest, NotFound
 from llamamesh.queue import codec
 from llamamesh.settings import GatewaySettings
 from llamamesh.types import (
+    ADAPTER_NAME,
     CHAT_ROLES,
     MAX_PREFIX_KEY_CHARS,
     ChatMessage,
@@ -53,6 +54,17 @@ def resolve_model(name: str, models: Sequence[ModelInfo]) -> ModelInfo:
         if m.id == name:
             return m
     raise NotFound(f"model {name!r} is not served here; ListModels lists the models")
+
+
+def resolve_adapter(name: str, adapter: str, models: Sequence[ModelInfo]) -> tuple[ModelInfo, str]:
+    """The base model and the LoRA adapter a request names: ``adapter`` with ``name``, or ``name`` as
+    "<model>:<adapter>" when no model is called that. InvalidRequest for a malformed adapter name,
+    NotFound for an unknown model."""
+    if not adapter and name and ":" in name and all(m.id != name for m in models):
+        name, _, adapter = name.rpartition(":")
+    if adapter and not ADAPTER_NAME.match(adapter):
+        raise InvalidRequest.field("adapter", "1-64 characters of A-Z a-z 0-9 . _ -")
+    return resolve_model(name, models), adapter
 
 
 def _input(
@@ -146,7 +158,7 @@ def generate_request(
     key = _prefix_key(r, prompt, messages, s, bad)
     if bad:
         raise InvalidRequest(bad)
-    model = resolve_model(r.model, models)
+    model, adapter = resolve_adapter(r.model, r.adapter, models)
     req = GenerationRequest(
         request_id=rid,
         model=model.id,
@@ -157,6 +169,7 @@ def generate_request(
         metadata=meta,
         accepted_unix_ns=time.time_ns(),
         prefix_key=key,
+        adapter=adapter,
     )
     return req, model
 
@@ -236,7 +249,17 @@ def cancelled_response(req: GenerationRequest) -> pb.GenerateResponse:
 
 
 def model_list(models: Sequence[ModelInfo]) -> pb.ListModelsResponse:
-    return pb.ListModelsResponse(models=[pb.Model(id=m.id, pool=m.pool, default=m.default) for m in models])
+    return pb.ListModelsResponse(models=[pb.Model(id=m.id, pool=m.pool, default=m.default, base=m.base,
+                                                  adapter=m.adapter) for m in models])  # fmt: skip
+
+
+def with_adapters(models: Sequence[ModelInfo], adapters_of: Callable[[str], frozenset[str] | None]) -> list[ModelInfo]:
+    """``models`` and, after each, the LoRA adapters its pool's workers serve ("<model>:<adapter>")."""
+    out: list[ModelInfo] = []
+    for m in models:
+        out.append(m)
+        out += [ModelInfo(f"{m.id}:{a}", m.pool, adapter=a, base=m.id) for a in sorted(adapters_of(m.pool) or ())]
+    return out
 
 
 def tokenize_response(req: GenerationRequest, ev: JobEvent) -> pb.TokenizeResponse:

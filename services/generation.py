@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import replace
 
@@ -44,13 +44,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     def __init__(
         self, relay: Relay, settings: GatewaySettings, models: Sequence[ModelInfo], admission: Admission | None = None,
-        normalizer: Normalizer | None = None,
+        normalizer: Normalizer | None = None, adapters_of: Callable[[str], frozenset[str] | None] = lambda pool: None,
     ) -> None:  # fmt: skip
+        """``adapters_of(pool)``: the LoRA adapters the pool's ready workers serve (None: not known)."""
         self._relay = relay
         self._s = settings
         self._models = tuple(models)
         self._admission = admission or Admission(None)
         self._normalizer = normalizer or Normalizer()
+        self._adapters_of = adapters_of
+
+    def _check_adapter(self, adapter: str, model: ModelInfo) -> None:
+        """NotFound for an adapter no ready worker of the model's pool serves (while none is ready,
+        the request waits like any other: its worker refuses an adapter it does not have)."""
+        served = self._adapters_of(model.pool)
+        if adapter and served is not None and adapter not in served:
+            raise errors.NotFound(
+                f"adapter {adapter!r} of model {model.id!r} is not served (ListModels lists the adapters; "
+                "AdminService LoadAdapter loads one)"
+            )
 
     @rpc("Generate")
     async def Generate(
@@ -61,6 +73,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         routing and queueing; the idempotency fingerprint is of what the caller sent."""
         who = identity(context)
         req, model = convert.generate_request(request, self._s, self._models)
+        self._check_adapter(req.adapter, model)
         req = self._normalized(req)
         check_priority(who, req.priority)
         public = req.request_id
@@ -122,7 +135,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
-        return convert.model_list(self._models)
+        return convert.model_list(convert.with_adapters(self._models, self._adapters_of))
 
     @rpc("Tokenize")
     async def Tokenize(

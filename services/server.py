@@ -149,9 +149,9 @@ async def start_gateway(
     reporter.watch(backends.saw_queue)
     relay = QueueRelay(queue, settings, backends, policy, reporter.queue_generation)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(
-        GenerationServicer(relay, settings, models, admission, normalizer), server
+        GenerationServicer(relay, settings, models, admission, normalizer, adapters_of=backends.adapters), server
     )
-    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(backends), server)
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(backends, queue, models), server)
     services = [GENERATION_SERVICE, ADMIN_SERVICE]
     sweeper = None
     if batches is not None:  # the batch store needs Redis (the in-memory queue of unit tests has none)

@@ -23,6 +23,7 @@ TABLE: list[tuple[type[errors.LlamameshError], grpc.StatusCode]] = [
     (errors.InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.NotFound, grpc.StatusCode.NOT_FOUND),
     (errors.AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
+    (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (errors.CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),

@@ -32,10 +32,18 @@ import structlog
 
 from llamamesh import metrics
 from llamamesh.backoff import Delays
-from llamamesh.errors import EngineDead, InvalidRequest, QueueUnavailable, WorkerDied, WorkerLost
+from llamamesh.errors import (
+    EngineDead,
+    FailedPrecondition,
+    InvalidRequest,
+    LlamameshError,
+    QueueUnavailable,
+    WorkerDied,
+    WorkerLost,
+)
 from llamamesh.loop import serving_heap
 from llamamesh.queue.protocol import BatchStore, Lease, WorkQueue
-from llamamesh.settings import BatchSettings, WorkerSettings
+from llamamesh.settings import BatchSettings, WorkerSettings, adapter_table
 from llamamesh.types import JobEvent, WorkerState, WorkerStatus
 from workers.batch import record, run_batch_item, skipped_result
 from workers.engines.base import Engine
@@ -67,6 +75,11 @@ class Worker:
         self._queue = queue
         self._engine = engine
         self._samples = Samples(engine)  # generation jobs go through it (GenerateRequest.n)
+        # LoRA adapters: the engine's own (LLAMAMESH_WORKER_ADAPTERS), those loaded from the pool's
+        # run-time list (name -> path), and the run-time ones that failed ((name, path) -> why).
+        self._own_adapters = frozenset(adapter_table(settings.adapters))
+        self._loaded_at_runtime: dict[str, str] = {}
+        self._adapter_errors: dict[tuple[str, str], str] = {}
         self._block_ms = block_ms
         self._batches = batches
         self._b = batch or BatchSettings()
@@ -412,13 +425,48 @@ class Worker:
             state=self.state.value,
             detail=self._detail,
             since_unix_s=self._since,
+            adapters=tuple(getattr(self._engine, "adapters", ())),
+            adapter_errors=tuple(f"{name}: {why}" for (name, _path), why in self._adapter_errors.items()),
         )
+
+    async def _sync_adapters(self) -> None:
+        """Load the pool's run-time LoRA adapters (AdminService LoadAdapter) this worker does not have
+        yet, unload those dropped (UnloadAdapter); one that fails to load is not tried again from the
+        same path (its heartbeat says why)."""
+        if self.state is not WorkerState.READY or not hasattr(self._engine, "load_adapter"):
+            return
+        engine: Any = self._engine
+        wanted = await self._queue.adapters(self._s.pool)
+        for name, path in wanted.items():
+            if self._loaded_at_runtime.get(name) == path or name in self._own_adapters:
+                continue
+            if (name, path) in self._adapter_errors:
+                continue
+            try:
+                await engine.load_adapter(name, path)
+            except Exception as exc:
+                why = exc.message if isinstance(exc, LlamameshError) else f"{type(exc).__name__}: {exc}"
+                self._adapter_errors[(name, path)] = why
+                log.warning("adapter_load_failed", adapter=name, path=path, error=why)
+                continue
+            self._loaded_at_runtime[name] = path
+            log.info("adapter_loaded", adapter=name, path=path)
+        for name in [n for n in self._loaded_at_runtime if n not in wanted]:
+            try:
+                await engine.unload_adapter(name)
+            except FailedPrecondition as exc:  # requests still use it: the next heartbeat tries again
+                log.info("adapter_unload_waits", adapter=name, why=exc.message)
+                continue
+            del self._loaded_at_runtime[name]
+            log.info("adapter_unloaded", adapter=name)
+        self._adapter_errors = {k: v for k, v in self._adapter_errors.items() if wanted.get(k[0]) == k[1]}
 
     async def _heartbeat(self, stop: asyncio.Event) -> None:
         """Owned by run(): every heartbeat_s, say this worker is alive (starting, then ready), until
         ``stop`` (set by run() once it has drained) or engine death."""
         while not stop.is_set() and self.engine_died is None:
             try:
+                await self._sync_adapters()
                 jobs = [x.ref for x in self._running.values()]
                 await self._queue.heartbeat(self.status(), self._s.heartbeat_ttl_s, touch=jobs)
                 if self._batches is not None and self._batch_running:

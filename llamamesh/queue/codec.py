@@ -76,6 +76,7 @@ def encode_job(req: GenerationRequest) -> bytes:
         trace=dict(req.trace),
         prefix_key=req.prefix_key,
         resume_samples=[pb.SampleTokens(sample=k, token_ids=ids) for k, ids in sorted(req.resume_samples.items())],
+        adapter=req.adapter,
     )
     if req.prompt is not None:
         job.prompt = req.prompt
@@ -132,6 +133,7 @@ def decode_job(data: bytes) -> GenerationRequest:
         trace=MappingProxyType(dict(job.trace)),
         prefix_key=job.prefix_key,
         resume_samples=MappingProxyType({s.sample: tuple(s.token_ids) for s in job.resume_samples}),
+        adapter=job.adapter,
     )
 
 
@@ -223,6 +225,9 @@ def decode_status(raw: bytes) -> WorkerStatus:
     """A heartbeat's WorkerStatus; fields this version does not know are ignored."""
     data = json.loads(raw)
     known = {f.name for f in dataclasses.fields(WorkerStatus)}
+    for name in ("adapters", "adapter_errors"):
+        if name in data:
+            data[name] = tuple(data[name])
     return WorkerStatus(**{k: v for k, v in data.items() if k in known})
 
 

@@ -122,6 +122,11 @@ class Keys:
         """The names of the workers that heartbeat in a pool (a set; stale names are pruned by readers)."""
         return f"{self.prefix}:pool:{{{pool}}}:workers"
 
+    def adapters(self, pool: str) -> str:
+        """The LoRA adapters loaded at run time into a pool (a hash name -> path): AdminService
+        LoadAdapter writes it, the pool's workers load what it lists at their next heartbeat."""
+        return f"{self.prefix}:pool:{{{pool}}}:adapters"
+
     def worker(self, pool: str, name: str) -> str:
         """One worker's heartbeat: its WorkerStatus, expiring after the heartbeat TTL."""
         return f"{self.prefix}:pool:{{{pool}}}:worker:{name}"

@@ -109,6 +109,7 @@ class MemoryQueue:
         self._epoch = uuid.uuid4().hex
         self.dead: list[tuple[str, GenerationRequest, str, int]] = []
         self._attempts: dict[str, list[Attempt]] = {}
+        self._adapters: dict[str, dict[str, str]] = {}  # pool -> run-time LoRA adapters
         self._attaches: dict[str, int] = {}
         self._changed = asyncio.Condition()
         self._ids = itertools.count(1)
@@ -335,6 +336,18 @@ class MemoryQueue:
     ) -> list[Lease]:  # fmt: skip
         self._check()
         return []  # one process: no worker dies apart from it
+
+    async def adapters(self, pool: str) -> dict[str, str]:
+        self._check()
+        return dict(self._adapters.get(pool, {}))
+
+    async def set_adapter(self, pool: str, name: str, path: str) -> None:
+        self._check()
+        self._adapters.setdefault(pool, {})[name] = path
+
+    async def drop_adapter(self, pool: str, name: str) -> None:
+        self._check()
+        self._adapters.get(pool, {}).pop(name, None)
 
     async def heartbeat(self, status: WorkerStatus, ttl_s: float, touch: Sequence[str] = ()) -> None:
         self._check()

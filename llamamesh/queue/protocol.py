@@ -132,6 +132,19 @@ class RequestLog(Protocol):
     async def attach_count(self, caller_id: str) -> int: ...
 
 
+class AdapterRegistry(Protocol):
+    """The LoRA adapters loaded into each pool at run time (AdminService), besides each worker's own
+    LLAMAMESH_WORKER_ADAPTERS."""
+
+    async def adapters(self, pool: str) -> dict[str, str]:
+        """name -> path of the pool's run-time adapters."""
+        ...
+
+    async def set_adapter(self, pool: str, name: str, path: str) -> None: ...
+
+    async def drop_adapter(self, pool: str, name: str) -> None: ...
+
+
 @dataclass(frozen=True)
 class QueueDepth:
     """A pool's interactive jobs now, over all its tenants' work streams."""
@@ -175,11 +188,11 @@ class ProbeQueue(Jobs, Registry, Protocol):
     """What the gateway's view of its pools (services/backends.py) needs: heartbeats and probes."""
 
 
-class JobQueue(Jobs, RequestLog, Registry, QueueState, Protocol):
+class JobQueue(Jobs, RequestLog, Registry, QueueState, AdapterRegistry, Protocol):
     """The gateway's whole side of the queue (``streams.RedisQueue``, ``memory.MemoryQueue``)."""
 
 
-class WorkQueue(Protocol):
+class WorkQueue(AdapterRegistry, Protocol):
     """A worker's side: lease jobs from a pool, publish their events, ack them."""
 
     async def join(self, pool: str) -> None:

@@ -948,6 +948,19 @@ class RedisQueue:
                 pipe.xdel(stream, *entry_ids)
                 await pipe.execute()
 
+    async def adapters(self, pool: str) -> dict[str, str]:
+        with unreachable():
+            raw: Any = await self._r.hgetall(self.keys.adapters(pool))
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    async def set_adapter(self, pool: str, name: str, path: str) -> None:
+        with unreachable():
+            await self._r.hset(self.keys.adapters(pool), name, path)
+
+    async def drop_adapter(self, pool: str, name: str) -> None:
+        with unreachable():
+            await self._r.hdel(self.keys.adapters(pool), name)
+
     async def heartbeat(self, status: WorkerStatus, ttl_s: float, touch: Sequence[str] = ()) -> None:
         """Affinity on, in the same round trip: a ready worker renews and rebalances its partitions
         (``affinity.OWN``, for ``ttl_s``), any other gives them up; off: the pool must have no

@@ -9,6 +9,36 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("model", "adapter", "path", "wait_s")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    adapter: str
+    path: str
+    wait_s: int
+    def __init__(self, model: _Optional[str] = ..., adapter: _Optional[str] = ..., path: _Optional[str] = ..., wait_s: _Optional[int] = ...) -> None: ...
+
+class LoadAdapterResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, workers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("model", "adapter")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    adapter: str
+    def __init__(self, model: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class ListBackendsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -48,8 +78,10 @@ class Backend(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., breaker_state: _Optional[str] = ..., serving: _Optional[bool] = ..., fallback: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., transitions: _Optional[_Iterable[_Union[BreakerTransition, _Mapping]]] = ..., probes: _Optional[int] = ..., last_probe_error: _Optional[str] = ..., queue_depth: _Optional[int] = ..., queue_pending: _Optional[int] = ..., queue_wait_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class Worker(_message.Message):
-    __slots__ = ("name", "model", "engine", "inflight", "max_inflight", "running", "waiting", "kv_cache_usage", "state", "detail", "since")
+    __slots__ = ("name", "adapters", "adapter_errors", "model", "engine", "inflight", "max_inflight", "running", "waiting", "kv_cache_usage", "state", "detail", "since")
     NAME_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ERRORS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +93,8 @@ class Worker(_message.Message):
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     SINCE_FIELD_NUMBER: _ClassVar[int]
     name: str
+    adapters: _containers.RepeatedScalarFieldContainer[str]
+    adapter_errors: _containers.RepeatedScalarFieldContainer[str]
     model: str
     engine: str
     inflight: int
@@ -71,7 +105,7 @@ class Worker(_message.Message):
     state: str
     detail: str
     since: _timestamp_pb2.Timestamp
-    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., inflight: _Optional[int] = ..., max_inflight: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ..., since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., adapters: _Optional[_Iterable[str]] = ..., adapter_errors: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., inflight: _Optional[int] = ..., max_inflight: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ..., since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class BreakerTransition(_message.Message):
     __slots__ = ("at", "from_state", "to_state", "reason")

@@ -40,6 +40,16 @@ class AdminServiceStub:
                 request_serializer=llamamesh_dot_v1_dot_admin__pb2.ListBackendsRequest.SerializeToString,
                 response_deserializer=llamamesh_dot_v1_dot_admin__pb2.ListBackendsResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/llamamesh.v1.AdminService/LoadAdapter',
+                request_serializer=llamamesh_dot_v1_dot_admin__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=llamamesh_dot_v1_dot_admin__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/llamamesh.v1.AdminService/UnloadAdapter',
+                request_serializer=llamamesh_dot_v1_dot_admin__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=llamamesh_dot_v1_dot_admin__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -54,6 +64,25 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """LoadAdapter loads a LoRA adapter (a PEFT adapter folder, as the workers see their filesystem)
+        into every worker of the pool serving `model`, now and as workers (re)start, and returns once
+        every ready worker of the pool serves it (ListModels then lists "<model>:<adapter>"). A path no
+        worker can load is INVALID_ARGUMENT (or NOT_FOUND) with the worker's reason, and nothing stays
+        registered; workers not done within wait_s: UNAVAILABLE (the load goes on). Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """UnloadAdapter removes a run-time adapter from the pool: workers drop it once its requests ended
+        (an adapter of a worker's own LLAMAMESH_WORKER_ADAPTERS stays). Unknown adapter: NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -61,6 +90,16 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.ListBackends,
                     request_deserializer=llamamesh_dot_v1_dot_admin__pb2.ListBackendsRequest.FromString,
                     response_serializer=llamamesh_dot_v1_dot_admin__pb2.ListBackendsResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=llamamesh_dot_v1_dot_admin__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=llamamesh_dot_v1_dot_admin__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=llamamesh_dot_v1_dot_admin__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=llamamesh_dot_v1_dot_admin__pb2.UnloadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -91,6 +130,60 @@ class AdminService:
             '/llamamesh.v1.AdminService/ListBackends',
             llamamesh_dot_v1_dot_admin__pb2.ListBackendsRequest.SerializeToString,
             llamamesh_dot_v1_dot_admin__pb2.ListBackendsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llamamesh.v1.AdminService/LoadAdapter',
+            llamamesh_dot_v1_dot_admin__pb2.LoadAdapterRequest.SerializeToString,
+            llamamesh_dot_v1_dot_admin__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llamamesh.v1.AdminService/UnloadAdapter',
+            llamamesh_dot_v1_dot_admin__pb2.UnloadAdapterRequest.SerializeToString,
+            llamamesh_dot_v1_dot_admin__pb2.UnloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dllamamesh/v1/generation.proto\x12\x0cllamamesh.v1\x1a\x1egoogle/protobuf/duration.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x8f\x07\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x06prompt\x18\x03 \x01(\tH\x00\x88\x01\x01\x12+\n\x08messages\x18\x04 \x03(\x0b\x32\x19.llamamesh.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\n \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x0b \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x0c \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\r \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x0e \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0f \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x10 \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x11 \x01(\x02H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\x12 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x13 \x03(\x05\x12\x11\n\x04seed\x18\x14 \x01(\x03H\t\x88\x01\x01\x12\x17\n\nignore_eos\x18\x15 \x01(\x08H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x16 \x01(\x05H\x0b\x88\x01\x01\x12\x15\n\x08logprobs\x18\x17 \x01(\x05H\x0c\x88\x01\x01\x12\x35\n\x0fresponse_format\x18\x18 \x01(\x0b\x32\x1c.llamamesh.v1.ResponseFormat\x12\x0e\n\x01n\x18\x19 \x01(\rH\r\x88\x01\x01\x12\x10\n\x08priority\x18\x1e \x01(\x05\x12\x11\n\tresumable\x18  \x01(\x08\x12=\n\x08metadata\x18\x1f \x03(\x0b\x32+.llamamesh.v1.GenerateRequest.MetadataEntry\x12\x17\n\nprefix_key\x18! \x01(\tH\x0e\x88\x01\x01\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07_promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x04\n\x02_nB\r\n\x0b_prefix_key\"\x94\x01\n\x0eResponseFormat\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x14.llamamesh.v1.ChoiceH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x08\n\x06\x66ormat\"\x19\n\x06\x43hoice\x12\x0f\n\x07options\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.llamamesh.v1.TopLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x9a\x01\n\x07Timings\x12-\n\nqueue_wait\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x36\n\x13time_to_first_token\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\x05total\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xa2\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\r\n\x05index\x18\x04 \x01(\r\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.llamamesh.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1a.llamamesh.v1.FinishReason\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.llamamesh.v1.Usage\x12&\n\x07timings\x18\x08 \x01(\x0b\x32\x15.llamamesh.v1.Timings\x12\r\n\x05model\x18\t \x01(\t\x12\x0e\n\x06sample\x18\n \x01(\r\"K\n\rAttachRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x16\n\x0esample_offsets\x18\x03 \x03(\r\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x10\n\x0e\x43\x61ncelResponse\"\x13\n\x11ListModelsRequest\"2\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x0f\n\x07\x64\x65\x66\x61ult\x18\x03 \x01(\x08\"9\n\x12ListModelsResponse\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.llamamesh.v1.Model\"m\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12+\n\x08messages\x18\x03 \x03(\x0b\x32\x19.llamamesh.v1.ChatMessageB\t\n\x07_prompt\"C\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\r\n\x05model\x18\x03 \x01(\t*\x9d\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x32\x8a\x03\n\x11GenerationService\x12K\n\x08Generate\x12\x1d.llamamesh.v1.GenerateRequest\x1a\x1e.llamamesh.v1.GenerateResponse0\x01\x12G\n\x06\x41ttach\x12\x1b.llamamesh.v1.AttachRequest\x1a\x1e.llamamesh.v1.GenerateResponse0\x01\x12\x43\n\x06\x43\x61ncel\x12\x1b.llamamesh.v1.CancelRequest\x1a\x1c.llamamesh.v1.CancelResponse\x12O\n\nListModels\x12\x1f.llamamesh.v1.ListModelsRequest\x1a .llamamesh.v1.ListModelsResponse\x12I\n\x08Tokenize\x12\x1d.llamamesh.v1.TokenizeRequest\x1a\x1e.llamamesh.v1.TokenizeResponseB@Z>github.com/llamamesh/llamamesh/gen/go/llamamesh/v1;llamameshv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dllamamesh/v1/generation.proto\x12\x0cllamamesh.v1\x1a\x1egoogle/protobuf/duration.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa0\x07\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x06prompt\x18\x03 \x01(\tH\x00\x88\x01\x01\x12+\n\x08messages\x18\x04 \x03(\x0b\x32\x19.llamamesh.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\n \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x0b \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x0c \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\r \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x0e \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0f \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x10 \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x11 \x01(\x02H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\x12 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x13 \x03(\x05\x12\x11\n\x04seed\x18\x14 \x01(\x03H\t\x88\x01\x01\x12\x17\n\nignore_eos\x18\x15 \x01(\x08H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x16 \x01(\x05H\x0b\x88\x01\x01\x12\x15\n\x08logprobs\x18\x17 \x01(\x05H\x0c\x88\x01\x01\x12\x35\n\x0fresponse_format\x18\x18 \x01(\x0b\x32\x1c.llamamesh.v1.ResponseFormat\x12\x0e\n\x01n\x18\x19 \x01(\rH\r\x88\x01\x01\x12\x0f\n\x07\x61\x64\x61pter\x18\x1a \x01(\t\x12\x10\n\x08priority\x18\x1e \x01(\x05\x12\x11\n\tresumable\x18  \x01(\x08\x12=\n\x08metadata\x18\x1f \x03(\x0b\x32+.llamamesh.v1.GenerateRequest.MetadataEntry\x12\x17\n\nprefix_key\x18! \x01(\tH\x0e\x88\x01\x01\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07_promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x04\n\x02_nB\r\n\x0b_prefix_key\"\x94\x01\n\x0eResponseFormat\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x14.llamamesh.v1.ChoiceH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x08\n\x06\x66ormat\"\x19\n\x06\x43hoice\x12\x0f\n\x07options\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.llamamesh.v1.TopLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x9a\x01\n\x07Timings\x12-\n\nqueue_wait\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x36\n\x13time_to_first_token\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\x05total\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xa2\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\r\n\x05index\x18\x04 \x01(\r\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.llamamesh.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1a.llamamesh.v1.FinishReason\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.llamamesh.v1.Usage\x12&\n\x07timings\x18\x08 \x01(\x0b\x32\x15.llamamesh.v1.Timings\x12\r\n\x05model\x18\t \x01(\t\x12\x0e\n\x06sample\x18\n \x01(\r\"K\n\rAttachRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x16\n\x0esample_offsets\x18\x03 \x03(\r\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x10\n\x0e\x43\x61ncelResponse\"\x13\n\x11ListModelsRequest\"Q\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x0f\n\x07\x64\x65\x66\x61ult\x18\x03 \x01(\x08\x12\x0c\n\x04\x62\x61se\x18\x04 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x05 \x01(\t\"9\n\x12ListModelsResponse\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.llamamesh.v1.Model\"m\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12+\n\x08messages\x18\x03 \x03(\x0b\x32\x19.llamamesh.v1.ChatMessageB\t\n\x07_prompt\"C\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\r\n\x05model\x18\x03 \x01(\t*\x9d\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x32\x8a\x03\n\x11GenerationService\x12K\n\x08Generate\x12\x1d.llamamesh.v1.GenerateRequest\x1a\x1e.llamamesh.v1.GenerateResponse0\x01\x12G\n\x06\x41ttach\x12\x1b.llamamesh.v1.AttachRequest\x1a\x1e.llamamesh.v1.GenerateResponse0\x01\x12\x43\n\x06\x43\x61ncel\x12\x1b.llamamesh.v1.CancelRequest\x1a\x1c.llamamesh.v1.CancelResponse\x12O\n\nListModels\x12\x1f.llamamesh.v1.ListModelsRequest\x1a .llamamesh.v1.ListModelsResponse\x12I\n\x08Tokenize\x12\x1d.llamamesh.v1.TokenizeRequest\x1a\x1e.llamamesh.v1.TokenizeResponseB@Z>github.com/llamamesh/llamamesh/gen/go/llamamesh/v1;llamameshv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,44 +35,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'Z>github.com/llamamesh/llamamesh/gen/go/llamamesh/v1;llamameshv1'
   _globals['_GENERATEREQUEST_METADATAENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2310
-  _globals['_FINISHREASON']._serialized_end=2467
+  _globals['_FINISHREASON']._serialized_start=2358
+  _globals['_FINISHREASON']._serialized_end=2515
   _globals['_CHATMESSAGE']._serialized_start=79
   _globals['_CHATMESSAGE']._serialized_end=123
   _globals['_GENERATEREQUEST']._serialized_start=126
-  _globals['_GENERATEREQUEST']._serialized_end=1037
-  _globals['_GENERATEREQUEST_METADATAENTRY']._serialized_start=779
-  _globals['_GENERATEREQUEST_METADATAENTRY']._serialized_end=826
-  _globals['_RESPONSEFORMAT']._serialized_start=1040
-  _globals['_RESPONSEFORMAT']._serialized_end=1188
-  _globals['_CHOICE']._serialized_start=1190
-  _globals['_CHOICE']._serialized_end=1215
-  _globals['_TOPLOGPROB']._serialized_start=1217
-  _globals['_TOPLOGPROB']._serialized_end=1264
-  _globals['_TOKENLOGPROB']._serialized_start=1266
-  _globals['_TOKENLOGPROB']._serialized_end=1354
-  _globals['_USAGE']._serialized_start=1356
-  _globals['_USAGE']._serialized_end=1413
-  _globals['_TIMINGS']._serialized_start=1416
-  _globals['_TIMINGS']._serialized_end=1570
-  _globals['_GENERATERESPONSE']._serialized_start=1573
-  _globals['_GENERATERESPONSE']._serialized_end=1863
-  _globals['_ATTACHREQUEST']._serialized_start=1865
-  _globals['_ATTACHREQUEST']._serialized_end=1940
-  _globals['_CANCELREQUEST']._serialized_start=1942
-  _globals['_CANCELREQUEST']._serialized_end=1977
-  _globals['_CANCELRESPONSE']._serialized_start=1979
-  _globals['_CANCELRESPONSE']._serialized_end=1995
-  _globals['_LISTMODELSREQUEST']._serialized_start=1997
-  _globals['_LISTMODELSREQUEST']._serialized_end=2016
-  _globals['_MODEL']._serialized_start=2018
-  _globals['_MODEL']._serialized_end=2068
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2070
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2127
-  _globals['_TOKENIZEREQUEST']._serialized_start=2129
-  _globals['_TOKENIZEREQUEST']._serialized_end=2238
-  _globals['_TOKENIZERESPONSE']._serialized_start=2240
-  _globals['_TOKENIZERESPONSE']._serialized_end=2307
-  _globals['_GENERATIONSERVICE']._serialized_start=2470
-  _globals['_GENERATIONSERVICE']._serialized_end=2864
+  _globals['_GENERATEREQUEST']._serialized_end=1054
+  _globals['_GENERATEREQUEST_METADATAENTRY']._serialized_start=796
+  _globals['_GENERATEREQUEST_METADATAENTRY']._serialized_end=843
+  _globals['_RESPONSEFORMAT']._serialized_start=1057
+  _globals['_RESPONSEFORMAT']._serialized_end=1205
+  _globals['_CHOICE']._serialized_start=1207
+  _globals['_CHOICE']._serialized_end=1232
+  _globals['_TOPLOGPROB']._serialized_start=1234
+  _globals['_TOPLOGPROB']._serialized_end=1281
+  _globals['_TOKENLOGPROB']._serialized_start=1283
+  _globals['_TOKENLOGPROB']._serialized_end=1371
+  _globals['_USAGE']._serialized_start=1373
+  _globals['_USAGE']._serialized_end=1430
+  _globals['_TIMINGS']._serialized_start=1433
+  _globals['_TIMINGS']._serialized_end=1587
+  _globals['_GENERATERESPONSE']._serialized_start=1590
+  _globals['_GENERATERESPONSE']._serialized_end=1880
+  _globals['_ATTACHREQUEST']._serialized_start=1882
+  _globals['_ATTACHREQUEST']._serialized_end=1957
+  _globals['_CANCELREQUEST']._serialized_start=1959
+  _globals['_CANCELREQUEST']._serialized_end=1994
+  _globals['_CANCELRESPONSE']._serialized_start=1996
+  _globals['_CANCELRESPONSE']._serialized_end=2012
+  _globals['_LISTMODELSREQUEST']._serialized_start=2014
+  _globals['_LISTMODELSREQUEST']._serialized_end=2033
+  _globals['_MODEL']._serialized_start=2035
+  _globals['_MODEL']._serialized_end=2116
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2118
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2175
+  _globals['_TOKENIZEREQUEST']._serialized_start=2177
+  _globals['_TOKENIZEREQUEST']._serialized_end=2286
+  _globals['_TOKENIZERESPONSE']._serialized_start=2288
+  _globals['_TOKENIZERESPONSE']._serialized_end=2355
+  _globals['_GENERATIONSERVICE']._serialized_start=2518
+  _globals['_GENERATIONSERVICE']._serialized_end=2912
 # @@protoc_insertion_point(module_scope)

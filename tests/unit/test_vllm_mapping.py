@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import pytest
 from structlog.testing import capture_logs
 
-from llamamesh.errors import EngineDead, InternalError, InvalidRequest, PromptTooLong, Unavailable
+from llamamesh.errors import EngineDead, InternalError, InvalidRequest, NotFound, PromptTooLong, Unavailable
 from llamamesh.settings import BatchSettings, Settings, VllmSettings, WorkerSettings
 from llamamesh.types import (
     ChatMessage,
@@ -45,6 +45,7 @@ from workers.engines.vllm import (
     engine_timings,
     for_worker,
     invalid_from_vllm,
+    lora_id,
     sampling_kwargs,
 )
 
@@ -92,6 +93,9 @@ def test_every_engine_setting_is_forwarded_verbatim() -> None:
         swap_space=4.0,
         seed=7,
         scheduling_policy="fcfs",
+        enable_lora=True,
+        max_loras=4,
+        max_lora_rank=32,
         extra_args='{"kv_cache_dtype": "fp8", "compilation_config": {"level": 3}}',
     )
     assert engine_kwargs(WORKER, settings, device_count=8) == {
@@ -112,6 +116,9 @@ def test_every_engine_setting_is_forwarded_verbatim() -> None:
         "swap_space": 4.0,
         "seed": 7,
         "scheduling_policy": "fcfs",
+        "enable_lora": True,
+        "max_loras": 4,
+        "max_lora_rank": 32,
         "kv_cache_dtype": "fp8",
         "compilation_config": {"level": 3},
     }
@@ -119,6 +126,36 @@ def test_every_engine_setting_is_forwarded_verbatim() -> None:
     # frontends is ours (how many processes share the engine), not an engine argument.
     names = {f.name for f in dataclasses.fields(VllmSettings)} - {"extra_args", "frontends"}
     assert names <= set(engine_kwargs(WORKER, settings, device_count=8))
+
+
+def test_worker_adapters_turn_lora_on_with_stable_ids() -> None:
+    worker = dataclasses.replace(WORKER, adapters="sql=/a/sql,fr=/a/fr")
+    assert engine_kwargs(worker, VllmSettings(), device_count=1)["enable_lora"] is True
+    assert "enable_lora" not in engine_kwargs(WORKER, VllmSettings(), device_count=1)
+    assert lora_id("sql") == lora_id("sql") > 0 and lora_id("sql") != lora_id("fr")
+
+
+async def test_a_request_with_an_adapter_goes_with_its_lora_request_and_an_unknown_one_is_not_found() -> None:
+    llm = FakeAsyncLLM()
+    engine = started(llm)
+    engine._adapters = {"sql": "/a/sql"}
+    engine._api.LoRARequest = lambda name, i, path: ("lora", name, i, path)  # type: ignore[attr-defined]
+    seen: dict[str, Any] = {}
+    generate = llm.generate
+
+    def spy(prompt: Any, params: Any, request_id: str, **kw: Any) -> Any:
+        seen.update(kw)
+        return generate(prompt, params, request_id, priority=kw.get("priority", 0))
+
+    llm.generate = spy  # type: ignore[method-assign]
+    task = asyncio.create_task(collect(engine, request(prompt="x", adapter="sql"), []))
+    await until(lambda: "r1" in llm.queues)
+    assert seen["lora_request"] == ("lora", "sql", lora_id("sql"), "/a/sql")
+    llm.emit("r1", output(" a", [5], finish="length"))
+    await asyncio.wait_for(task, 5)
+    with pytest.raises(NotFound):
+        await collect(engine, request(request_id="r2", prompt="x", adapter="nope"), [])
+    await engine.shutdown()
 
 
 def test_unset_sentinels_keep_vllms_defaults() -> None:

@@ -30,8 +30,8 @@ import zlib
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from llamamesh.errors import EngineDead, PromptTooLong
-from llamamesh.settings import WorkerSettings
+from llamamesh.errors import EngineDead, NotFound, PromptTooLong
+from llamamesh.settings import WorkerSettings, adapter_table
 from llamamesh.types import FinishReason, GenerationRequest, TokenDelta, TokenLogprob
 from workers.engines.base import EngineStats, remember
 from workers.engines.detokenizer import StopStrings
@@ -61,6 +61,9 @@ class FakeEngine:
         self.tokens = 0
         # Tests: a wedged engine stops producing (every stream waits) while check_health passes.
         self.wedged = False
+        # LoRA adapters (name -> path; the fake reads no file): an adapter shifts every token by a
+        # number derived from its name, so its output differs from the base model's, the same each run.
+        self._adapters: dict[str, str] = adapter_table(settings.adapters)
 
     @property
     def starting(self) -> str:
@@ -112,6 +115,18 @@ class FakeEngine:
             await asyncio.shield(self._tick)
         return last + 1
 
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        return tuple(sorted(self._adapters))
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        if path.startswith("missing"):  # tests: a folder that is not there
+            raise NotFound(f"adapter {name!r}: no folder {path!r}")
+        self._adapters[name] = path
+
+    async def unload_adapter(self, name: str) -> None:
+        self._adapters.pop(name, None)
+
     async def tokenize(self, request: GenerationRequest) -> list[int]:
         return [zlib.crc32(w.encode()) % VOCAB for w in _input_text(request).split()]
 
@@ -129,6 +144,10 @@ class FakeEngine:
             raise EngineDead("the fake engine is dead")
         n_prompt, s = self._validate(request)
         base = s.seed if s.seed is not None else zlib.crc32(_input_text(request).encode())
+        if request.adapter:
+            if request.adapter not in self._adapters:
+                raise NotFound(f"adapter {request.adapter!r} is not loaded on this worker")
+            base += 1 + zlib.crc32(request.adapter.encode()) % 500
         base += len(request.resume_token_ids)  # token i depends on its position only: a resume continues
         # Like the real engines: the budget ends where the model's length does.
         max_tokens = min(s.max_tokens, self._settings.max_model_len - n_prompt - len(request.resume_token_ids))

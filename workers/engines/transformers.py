@@ -19,8 +19,8 @@ from typing import Any
 
 import structlog
 
-from llamamesh.errors import EngineDead, InvalidRequest
-from llamamesh.settings import WorkerSettings
+from llamamesh.errors import EngineDead, FailedPrecondition, InvalidRequest, LlamameshError
+from llamamesh.settings import WorkerSettings, adapter_table
 from llamamesh.types import FinishReason, GenerationRequest, JobKind, TokenDelta
 from workers.engines.base import EngineStats, remember
 from workers.engines.params import ResolvedSampling, resolve_sampling
@@ -110,7 +110,14 @@ class TransformersEngine:
         def load_batch() -> Batch:
             loaded = load(s.model_path, s.cache_dir, s.dtype, s.torch_threads(), on_phase=phase)
             phase("preparing the batch")
-            return Batch(loaded.model, loaded.tokenizer, s.max_model_len, s.batch_invariant, s.resume_replay_tokens)
+            batch = Batch(loaded.model, loaded.tokenizer, s.max_model_len, s.batch_invariant, s.resume_replay_tokens)
+            for name, path in adapter_table(s.adapters).items():
+                phase(f"loading adapter {name}")
+                try:
+                    batch.load_adapter(name, path)
+                except LlamameshError as exc:
+                    raise ValueError(f"LLAMAMESH_WORKER_ADAPTERS: {exc.message}") from exc
+            return batch
 
         self._starting = "starting"
         try:
@@ -150,6 +157,25 @@ class TransformersEngine:
         )
 
     # --- requests
+
+    # --- LoRA adapters
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        return tuple(sorted(self._batch.adapters)) if self._batch is not None else ()
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load a PEFT adapter folder as ``name`` (on the torch thread, between steps)."""
+        batch = self._started()
+        await asyncio.get_running_loop().run_in_executor(self._executor, batch.load_adapter, name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        """Drop adapter ``name``; FailedPrecondition while requests with it are in flight."""
+        batch = self._started()
+        busy = [r for r in self._requests.values() if r.request.adapter == name]
+        if busy:
+            raise FailedPrecondition(f"adapter {name!r} has {len(busy)} request(s) in flight; unload it later")
+        await asyncio.get_running_loop().run_in_executor(self._executor, batch.unload_adapter, name)
 
     async def tokenize(self, request: GenerationRequest) -> list[int]:
         """The ids the engine would prefill for ``request`` (chat template applied); InvalidRequest if no input."""

@@ -29,13 +29,14 @@ import inspect
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import structlog
 import torch
 from transformers import DynamicCache
 
-from llamamesh.errors import InternalError, InvalidRequest, LlamameshError
+from llamamesh.errors import InternalError, InvalidRequest, LlamameshError, NotFound
 from llamamesh.types import FinishReason, GenerationRequest, TokenLogprob
 from workers.engines.adapter import check_prompt_tokens, render_prompt_ids
 from workers.engines.constraints import Grammars
@@ -43,6 +44,9 @@ from workers.engines.detokenizer import IncrementalDetokenizer, StopStrings
 from workers.engines.sampling import ResolvedSampling, SequenceSampler, sample_batch, token_logprobs
 from workers.engines.transformers_kv import RaggedKV, check_supported, use_aligned_attention
 from workers.engines.transformers_linear import use_row_groups
+
+# peft's name for "no adapter" in a mixed batch (peft.tuners.lora: adapter_names).
+BASE_ADAPTER = "__base__"
 
 log = structlog.get_logger(__name__)
 
@@ -109,6 +113,7 @@ class _Sequence:
         # Set when this request failed on its own (its sample or its text); it leaves the batch.
         self.error: LlamameshError | None = None
         self.out: SeqOutput | None = None
+        self.adapter = admission.request.adapter
 
 
 class Batch:
@@ -145,6 +150,42 @@ class Batch:
         # [B]: tokens in the cache per row, which is also the position of each pending token.
         self._lengths = torch.zeros(0, dtype=torch.long)
         self._touched: list[_Sequence] = []
+        # LoRA adapters (peft): once one is loaded every forward goes through the PeftModel, each
+        # row with its adapter's name (peft's mixed-batch inference; BASE for the base model's rows).
+        self._peft: Any = None
+        self.adapters: set[str] = set()
+
+    # --- LoRA adapters
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Load the PEFT adapter folder ``path`` as ``name`` (between steps, on the torch thread).
+        NotFound if it is not there; InvalidRequest if peft cannot load it for this model."""
+        if name in self.adapters:
+            return
+        if not Path(path).expanduser().is_dir():
+            raise NotFound(f"adapter {name!r}: no folder {path!r}")
+        from peft import PeftModel
+
+        try:
+            if self._peft is None:
+                self._peft = PeftModel.from_pretrained(self.model, str(Path(path).expanduser()), adapter_name=name)
+                self._peft.eval()
+            else:
+                self._peft.load_adapter(str(Path(path).expanduser()), adapter_name=name)
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            raise InvalidRequest.field("adapter", f"cannot load adapter {name!r} from {path!r}: {exc}") from exc
+        self.adapters.add(name)
+
+    def unload_adapter(self, name: str) -> None:
+        """Drop adapter ``name`` (its running requests must have ended: the engine checks)."""
+        if name in self.adapters:
+            self._peft.delete_adapter(name)
+            self.adapters.discard(name)
+
+    def _forward(self, seqs: list[_Sequence], **kwargs: Any) -> Any:
+        if self._peft is None:
+            return self.model(**kwargs)
+        return self._peft(**kwargs, adapter_names=[s.adapter or BASE_ADAPTER for s in seqs])
 
     @property
     def running(self) -> int:
@@ -163,6 +204,8 @@ class Batch:
 
     def _admit(self, admission: Admission) -> _Sequence:
         request = admission.request
+        if request.adapter and request.adapter not in self.adapters:
+            raise NotFound(f"adapter {request.adapter!r} is not loaded on this worker")
         ids = self.encode(request)
         n_prompt = len(ids)
         input_field = "messages" if request.messages is not None else "prompt"
@@ -247,7 +290,8 @@ class Batch:
         Raises what the sample raised (the request fails alone)."""
         n = len(seq.prefill_ids)
         cache = DynamicCache(config=self.model.config)
-        out = self.model(
+        out = self._forward(
+            [seq],
             input_ids=torch.tensor([seq.prefill_ids], dtype=torch.long),
             attention_mask=torch.ones((1, n), dtype=torch.long),
             use_cache=True,
@@ -270,7 +314,8 @@ class Batch:
         assert self._kv is not None
         seqs = self._seqs
         mask = self._kv.prepare_decode(self._lengths)
-        out = self.model(
+        out = self._forward(
+            seqs,
             input_ids=torch.tensor([[s.pending] for s in seqs], dtype=torch.long),
             attention_mask=mask,
             position_ids=self._lengths[:, None],

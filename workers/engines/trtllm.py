@@ -75,7 +75,7 @@ from typing import Any
 
 import structlog
 
-from llamamesh.errors import EngineDead, InternalError, InvalidRequest, PromptTooLong
+from llamamesh.errors import EngineDead, InternalError, InvalidRequest, NotFound, PromptTooLong
 from llamamesh.settings import TrtllmSettings, WorkerSettings
 from llamamesh.types import (
     FinishReason,
@@ -477,6 +477,8 @@ class TrtllmEngine(LibraryEngine):
         return _Stream()
 
     def _library_params(self, request: GenerationRequest, api: Any, input_field: str) -> Any:
+        if request.adapter:  # TensorRT-LLM has LoRA (LoRARequest); this adapter does not map it yet
+            raise NotFound(f"adapter {request.adapter!r}: the TensorRT-LLM engine here serves no LoRA adapters")
         constraint = library_constraint(request, self.library)
         try:
             kwargs = sampling_kwargs(request.sampling)

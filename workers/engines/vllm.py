@@ -42,13 +42,14 @@ import dataclasses
 import json
 import re
 import time
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Collection, Mapping, Sequence
 from typing import Any
 
 import structlog
 
-from llamamesh.errors import EngineDead, InternalError, InvalidRequest, PromptTooLong
-from llamamesh.settings import BatchSettings, VllmSettings, WorkerSettings, env_name
+from llamamesh.errors import EngineDead, InternalError, InvalidRequest, NotFound, PromptTooLong
+from llamamesh.settings import BatchSettings, VllmSettings, WorkerSettings, adapter_table, env_name
 from llamamesh.types import (
     FinishReason,
     GenerationRequest,
@@ -81,7 +82,7 @@ _OPTIONAL_SAMPLING = (
 _ENGINE_FIELDS = (
     "tokenizer", "dtype", "max_model_len", "gpu_memory_utilization", "block_size", "quantization",
     "load_format", "enforce_eager", "max_num_seqs", "max_num_batched_tokens", "swap_space", "seed",
-    "scheduling_policy",
+    "scheduling_policy", "enable_lora", "max_loras", "max_lora_rank",
 )  # fmt: skip
 SCHEDULING_POLICIES = ("priority", "fcfs")
 # The step budget of a batch worker (max_num_batched_tokens 0 with LLAMAMESH_BATCH_MAX_SHARE 1): what
@@ -179,7 +180,15 @@ def engine_kwargs(worker: WorkerSettings, settings: VllmSettings, device_count: 
         section, _, field = setting_of(key).partition(".")
         raise InvalidRequest.field("vllm.extra_args", f"{key!r} has its own setting, {env_name(section, field)}")
     kwargs.update(extra)
+    if adapter_table(worker.adapters):
+        kwargs["enable_lora"] = True
     return kwargs
+
+
+def lora_id(name: str) -> int:
+    """vLLM's ``lora_int_id`` for an adapter name: the same in every frontend process of one engine core
+    (which keys its adapters by it), from the name alone, > 0."""
+    return 1 + zlib.crc32(name.encode()) % (2**31 - 2)
 
 
 def check_engine_fields(kwargs: Mapping[str, Any], known: Collection[str], extra_keys: Collection[str]) -> None:
@@ -364,10 +373,12 @@ class _Vllm:
     def __init__(self) -> None:
         import vllm.envs
         from vllm.inputs import tokens_input
+        from vllm.lora.request import LoRARequest
         from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
         self.tokens_input = tokens_input
+        self.LoRARequest = LoRARequest
         self.SamplingParams = SamplingParams
         self.StructuredOutputsParams = StructuredOutputsParams
         self.DELTA = RequestOutputKind.DELTA
@@ -403,6 +414,9 @@ class VllmEngine(LibraryEngine):
         self._vocab_size: int | None = None
         self._snapshot = SchedulerSnapshot()
         self._log_task: asyncio.Task[None] | None = None
+        # LoRA adapters (name -> folder): LLAMAMESH_WORKER_ADAPTERS, and those loaded at run time. vLLM
+        # loads one into the engine core at its first request (or at load_adapter).
+        self._adapters: dict[str, str] = adapter_table(settings.adapters)
         if vllm.max_num_seqs:
             self._warn_if_underfed(vllm.max_num_seqs)
 
@@ -410,6 +424,29 @@ class VllmEngine(LibraryEngine):
     def starting(self) -> str:
         return self._starting
 
+
+    # --- LoRA adapters (vLLM's LoRARequest; written from vLLM 0.26's source, not yet run on a GPU)
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        return tuple(sorted(self._adapters))
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load an adapter into the engine core now (vLLM's add_lora); InvalidRequest if vLLM refuses
+        it (LoRA off: LLAMAMESH_VLLM_ENABLE_LORA; a rank above max_lora_rank; not a PEFT folder)."""
+        llm, api = self._started()
+        if name in self._adapters:
+            return
+        try:
+            await llm.add_lora(api.LoRARequest(name, lora_id(name), path))
+        except (ValueError, RuntimeError, OSError) as exc:
+            raise InvalidRequest.field("adapter", f"vLLM cannot load adapter {name!r} from {path!r}: {exc}") from exc
+        self._adapters[name] = path
+
+    async def unload_adapter(self, name: str) -> None:
+        llm, _api = self._started()
+        if self._adapters.pop(name, None) is not None:
+            await llm.remove_lora(lora_id(name))
 
     # --- lifecycle
 
@@ -580,7 +617,13 @@ class VllmEngine(LibraryEngine):
     ) -> AsyncIterator[TokenDelta]:  # fmt: skip
         n_logprobs = request.sampling.logprobs
         priority = engine_priority(request, self._policy)
-        outputs = llm.generate(api.tokens_input(ids), params, request.request_id, priority=priority)
+        lora: dict[str, Any] = {}
+        if request.adapter:
+            path = self._adapters.get(request.adapter)
+            if path is None:
+                raise NotFound(f"adapter {request.adapter!r} is not loaded on this worker")
+            lora["lora_request"] = api.LoRARequest(request.adapter, lora_id(request.adapter), path)
+        outputs = llm.generate(api.tokens_input(ids), params, request.request_id, priority=priority, **lora)
         try:
             while not state.aborted:
                 try:

@@ -1,0 +1,145 @@
+"""LoRA adapters through the gateway, the queue and a worker (the fake engine: an adapter shifts its
+tokens, so its output differs from the base model's and is the same each run): a worker's own
+adapters (LLAMAMESH_WORKER_ADAPTERS), GenerateRequest.adapter and model "<model>:<adapter>", ListModels,
+NOT_FOUND for an adapter nobody serves, and AdminService LoadAdapter / UnloadAdapter at run time."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+from llamamesh.client import field_violations
+from llamamesh.queue.memory import MemoryQueue
+from llamamesh.settings import BreakerSettings, GatewaySettings, WorkerSettings
+from llamamesh.v1 import admin_pb2 as apb
+from llamamesh.v1 import admin_pb2_grpc as apb_grpc
+from llamamesh.v1 import generation_pb2 as pb
+from llamamesh.v1 import generation_pb2_grpc as pb_grpc
+from services.server import start_gateway
+from workers.engines.fake import FakeEngine
+from workers.worker import Worker
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@dataclass
+class Node:
+    stub: pb_grpc.GenerationServiceStub
+    admin: apb_grpc.AdminServiceStub
+    queue: MemoryQueue
+    workers: list[Worker]
+
+
+@contextlib.asynccontextmanager
+async def node(n_workers: int = 2, adapters: str = "sql=/adapters/sql") -> AsyncIterator[Node]:
+    queue = MemoryQueue()
+    gw = await start_gateway(queue, GatewaySettings(port=0, models="tiny=cpu"), port=0,
+                             breaker=BreakerSettings(probe_interval_s=0.05))  # fmt: skip
+    settings = [WorkerSettings(pool="cpu", model="tiny", engine="fake", consumer=f"w{i}", heartbeat_s=0.05,
+                               adapters=adapters) for i in range(n_workers)]  # fmt: skip
+    workers = [Worker(s, queue, FakeEngine(s), block_ms=50) for s in settings]
+    tasks = [asyncio.create_task(w.run(asyncio.Event())) for w in workers]
+    try:
+        await asyncio.wait_for(asyncio.gather(*(w.ready.wait() for w in workers)), 10)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
+            yield Node(pb_grpc.GenerationServiceStub(ch), apb_grpc.AdminServiceStub(ch), queue, workers)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await gw.stop(0)
+
+
+async def models(n: Node) -> dict[str, pb.Model]:
+    return {m.id: m for m in (await n.stub.ListModels(pb.ListModelsRequest())).models}
+
+
+async def until(check: Callable[[], Awaitable[bool]], what: str) -> None:
+    """A bounded wait (10 s) for ``check`` (the gateway reads the workers' heartbeats every 50 ms)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 10
+    while not await check():
+        if loop.time() > end:
+            raise AssertionError(f"not reached: {what}")
+        await asyncio.sleep(0.02)
+
+
+async def tokens(n: Node, **fields: object) -> list[int]:
+    return [t async for m in n.stub.Generate(pb.GenerateRequest(prompt="same words", max_tokens=6, **fields))
+            for t in m.token_ids]  # fmt: skip
+
+
+async def test_an_adapter_changes_the_output_the_same_way_each_run_and_is_listed() -> None:
+    async with node() as n:
+        await until(lambda: _has(n, "tiny:sql"), "ListModels lists tiny:sql")
+        listed = (await models(n))["tiny:sql"]
+        assert (listed.base, listed.adapter, listed.pool) == ("tiny", "sql", "cpu")
+        base = await tokens(n)
+        with_sql = await tokens(n, adapter="sql")
+        assert with_sql != base and len(with_sql) == 6
+        assert await tokens(n, adapter="sql") == with_sql  # the same each run
+        assert await tokens(n, model="tiny:sql") == with_sql  # model "<model>:<adapter>" alike
+
+
+async def _has(n: Node, model_id: str) -> bool:
+    return model_id in await models(n)
+
+
+async def _lacks(n: Node, model_id: str) -> bool:
+    return model_id not in await models(n)
+
+
+@pytest.mark.parametrize(("fields", "code", "field"), [
+    ({"adapter": "nope"}, grpc.StatusCode.NOT_FOUND, None),
+    ({"model": "tiny:nope"}, grpc.StatusCode.NOT_FOUND, None),
+    ({"model": "other:sql"}, grpc.StatusCode.NOT_FOUND, None),
+    ({"adapter": "a/b"}, grpc.StatusCode.INVALID_ARGUMENT, "adapter"),
+])  # fmt: skip
+async def test_an_adapter_nobody_serves_is_not_found(fields: dict, code: grpc.StatusCode, field: str | None) -> None:
+    async with node(n_workers=1) as n:
+        await until(lambda: _has(n, "tiny:sql"), "the worker's heartbeat")
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await tokens(n, **fields)
+        assert ei.value.code() == code, ei.value.details()
+        if field:
+            assert field_violations(ei.value) == [field]
+
+
+async def test_load_and_unload_an_adapter_at_run_time_through_admin_service() -> None:
+    async with node(adapters="") as n:
+        await until(lambda: _lacks(n, "tiny:fr"), "the gateway's first look at the pool")
+        loaded = await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="fr", path="/adapters/fr"))
+        assert sorted(loaded.workers) == ["w0", "w1"]  # every ready worker, before it returns
+        assert "tiny:fr" in await models(n)
+        fr = await tokens(n, adapter="fr")
+        assert fr != await tokens(n) and fr == await tokens(n, adapter="fr")
+        again = await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="fr", path="/adapters/fr"))
+        assert sorted(again.workers) == ["w0", "w1"]  # idempotent
+        await n.admin.UnloadAdapter(apb.UnloadAdapterRequest(model="tiny", adapter="fr"))
+        await until(lambda: _lacks(n, "tiny:fr"), "the workers dropped fr")
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await tokens(n, adapter="fr")
+        assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.aio.AioRpcError) as gone:
+            await n.admin.UnloadAdapter(apb.UnloadAdapterRequest(model="tiny", adapter="fr"))
+        assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_an_adapter_no_worker_can_load_is_refused_and_not_kept() -> None:
+    async with node(n_workers=1, adapters="") as n:
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="bad", path="missing/bad"))
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field_violations(ei.value) == ["path"]
+        assert "no folder" in (ei.value.details() or "")
+        assert await n.queue.adapters("cpu") == {}
+        with pytest.raises(grpc.aio.AioRpcError) as bad:
+            await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="a:b", path="/x"))
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field_violations(bad.value) == ["adapter"]
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+            await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="nope", adapter="a", path="/x"))
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
