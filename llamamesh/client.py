@@ -39,6 +39,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
 from llamamesh.settings import ClientSettings
+from llamamesh.v1 import admin_pb2 as apb
 from llamamesh.v1 import admin_pb2_grpc, batch_pb2_grpc, generation_pb2_grpc
 from llamamesh.v1 import generation_pb2 as pb
 
@@ -377,6 +378,15 @@ class Client:
     async def list_models(self) -> list[pb.Model]:
         return list((await self.stub.ListModels(pb.ListModelsRequest())).models)
 
+    async def load_adapter(self, adapter: str, path: str, model: str = "", wait_s: int | None = None) -> list[str]:
+        """Load a LoRA adapter (a PEFT folder on the workers) into the pool of ``model`` (AdminService:
+        needs an admin key); the workers that serve it."""
+        req = apb.LoadAdapterRequest(model=model, adapter=adapter, path=path, wait_s=wait_s)
+        return list((await self.admin.LoadAdapter(req)).workers)
+
+    async def unload_adapter(self, adapter: str, model: str = "") -> None:
+        await self.admin.UnloadAdapter(apb.UnloadAdapterRequest(model=model, adapter=adapter))
+
     async def tokenize(self, prompt: str | None = None, messages: Messages | None = None, model: str = "") -> list[int]:
         req = pb.TokenizeRequest(model=model)
         base = build_request(prompt, messages)
@@ -422,6 +432,7 @@ class SyncClient:
         conn = Connection(api_key, tls, tls_ca, tls_cert, tls_key, tls_server_name, retries, load_balancing)
         self._channel = conn.channel(address)
         self.stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
+        self.admin = admin_pb2_grpc.AdminServiceStub(self._channel)
 
     @classmethod
     def from_settings(cls, address: str, settings: ClientSettings, tls: bool = False) -> SyncClient:
@@ -457,3 +468,14 @@ class SyncClient:
     ) -> list[str]:
         """The whole text of each of ``n`` parallel samples of one prompt, in order."""
         return by_sample(self.generate(prompt, messages, n=n, **fields), n)
+
+    def list_models(self) -> list[pb.Model]:
+        return list(self.stub.ListModels(pb.ListModelsRequest()).models)
+
+    def load_adapter(self, adapter: str, path: str, model: str = "", wait_s: int | None = None) -> list[str]:
+        """As Client.load_adapter."""
+        req = apb.LoadAdapterRequest(model=model, adapter=adapter, path=path, wait_s=wait_s)
+        return list(self.admin.LoadAdapter(req).workers)
+
+    def unload_adapter(self, adapter: str, model: str = "") -> None:
+        self.admin.UnloadAdapter(apb.UnloadAdapterRequest(model=model, adapter=adapter))

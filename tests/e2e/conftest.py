@@ -164,6 +164,8 @@ def node(
                 "LLAMAMESH_VLLM_TENSOR_PARALLEL_SIZE": "1",
                 # Start-up in seconds rather than a minute of torch.compile; the benchmark runs compiled.
                 "LLAMAMESH_VLLM_ENFORCE_EAGER": "true",
+                # LoRA on (test_node.py loads an adapter at run time).
+                "LLAMAMESH_VLLM_ENABLE_LORA": "true",
                 **metrics,
             },
         )

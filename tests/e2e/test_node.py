@@ -122,6 +122,38 @@ async def test_n_parallel_samples_through_both_clients_and_the_cli(node: Process
     assert "--- sample 0 (finish=" in out.stdout and "--- sample 1 (finish=" in out.stdout, out.stdout
 
 
+async def test_a_lora_adapter_loads_routes_and_unloads_through_both_clients(
+    node: ProcessNode, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """An adapter the test makes (peft, random non-zero weights) loads at run time through
+    AdminService, is listed, changes the greedy answer the same way each time (by field or by
+    "<model>:<adapter>"), and after UnloadAdapter is NOT_FOUND."""
+    from llamamesh.settings import WorkerSettings
+    from tests.adapters import make_adapter
+    from workers.engines.transformers_model import convert_in_subprocess
+
+    folder = await asyncio.to_thread(convert_in_subprocess, WorkerSettings().cache_dir)
+    path = await asyncio.to_thread(make_adapter, folder, tmp_path_factory.mktemp("lora") / "e2e", 3)
+    greedy = {"messages": QUESTION, "max_tokens": 16, "temperature": 0}
+    async with Client(node.address) as c:
+        base = await c.complete(**greedy)
+        assert await c.load_adapter("e2e", str(path), wait_s=120)
+        listed = {m.id: m for m in await c.list_models()}
+        assert listed["smollm2-135m-instruct:e2e"].adapter == "e2e"
+        tuned = await c.complete(**greedy, adapter="e2e")
+        assert tuned != base, tuned
+    with SyncClient(node.address) as s:
+        assert s.complete(**greedy, model="smollm2-135m-instruct:e2e") == tuned
+        assert "smollm2-135m-instruct:e2e" in {m.id for m in s.list_models()}
+        s.unload_adapter("e2e")
+        wait_until(lambda: "smollm2-135m-instruct:e2e" not in {m.id for m in s.list_models()}, 30,
+                   "the workers to drop the adapter")  # fmt: skip
+        with pytest.raises(grpc.RpcError) as gone:
+            s.complete(**greedy, adapter="e2e")
+        assert gone.value.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
+        assert s.complete(**greedy) == base
+
+
 def pending_requests(r: redis.Redis, stream: str) -> list[str]:
     """The request ids of the jobs leased from ``stream`` and not acked yet."""
     out = []

@@ -91,7 +91,15 @@ async def test_unknown_adapters_are_not_found_and_unload_waits_for_its_requests(
         await engine.unload_adapter("b")  # a request still uses it
     await engine.abort(long.request_id)
     assert [d async for d in stream][-1].finish_reason is FinishReason.CANCELLED
+    with_a = await tokens(engine, ask("a"))
     await engine.unload_adapter("b")
     assert engine.adapters == ("a",)
     with pytest.raises(NotFound):
         await tokens(engine, ask("b"))
+    assert await tokens(engine, ask("a")) == with_a  # the others stay as they were
+    base = await tokens(engine, ask())
+    await engine.unload_adapter("a")  # the last one
+    assert engine.adapters == ()
+    assert await tokens(engine, ask()) == base
+    with pytest.raises(NotFound):
+        await tokens(engine, ask("a"))

@@ -178,9 +178,15 @@ class Batch:
 
     def unload_adapter(self, name: str) -> None:
         """Drop adapter ``name`` (its running requests must have ended: the engine checks)."""
-        if name in self.adapters:
-            self._peft.delete_adapter(name)
-            self.adapters.discard(name)
+        if name not in self.adapters:
+            return
+        self.adapters.discard(name)
+        if not self.adapters:  # the last one: the model gets its own layers back
+            self._peft.unload()
+            self._peft = None
+            return
+        self._peft.delete_adapter(name)
+        self._peft.set_adapter(sorted(self.adapters)[0])  # peft needs an active one (rows name theirs)
 
     def _forward(self, seqs: list[_Sequence], **kwargs: Any) -> Any:
         if self._peft is None:
