@@ -63,12 +63,18 @@ def result_line(r: bpb.BatchResult) -> str:
         "text": r.text,
     }
     if r.finish_reason:
-        obj["finish_reason"] = pb.FinishReason.Name(r.finish_reason).removeprefix("FINISH_REASON_").lower()
+        obj["finish_reason"] = _finish(r.finish_reason)
         obj["usage"] = {"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens}
+    if r.samples:
+        obj["samples"] = [{"text": x.text, "finish_reason": _finish(x.finish_reason)} for x in r.samples]
     if r.error_code:
         obj["error"] = {"code": r.error_code, "message": r.error_message}
     obj["cursor"] = r.cursor
     return json.dumps(obj, ensure_ascii=False)
+
+
+def _finish(value: int) -> str:
+    return pb.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
 
 
 def batch_json(b: bpb.Batch) -> str:

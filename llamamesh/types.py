@@ -412,6 +412,9 @@ class ItemResult:
     usage: Usage = Usage(0, 0)
     error_code: str = ""
     error_message: str = ""
+    # An item with n > 1 samples: each sample's (text, finish reason), in order; ``text`` and
+    # ``finish_reason`` are sample 0's, ``usage`` counts them all. Empty for n = 1.
+    samples: tuple[tuple[str, FinishReason | None], ...] = ()
 
     @classmethod
     def unrun(cls, custom_id: str, status: ItemStatus, why: str) -> ItemResult:

@@ -142,11 +142,6 @@ def batch_requests(
         except InvalidRequest as exc:
             bad.extend(v for v in (_item_violation(path, v) for v in exc.violations) if v not in bad)
             continue
-        if req.sampling.samples > 1:
-            one = FieldViolation("n", "a batch item has one completion: give each sample its own item and seed")
-            if (v := _item_violation(path, one)) not in bad:
-                bad.append(v)
-            continue
         if out and model.id != out[0][0].id:
             bad.append(FieldViolation(f"{path}.request.model", f"every item must use one model ({out[0][0].id})"))
             continue
@@ -208,6 +203,8 @@ def result_pb(batch_id: str, cursor: str, r: ItemResult) -> bpb.BatchResult:
     if r.finish_reason is not None:
         msg.finish_reason = convert.FINISH_TO_PB[r.finish_reason]
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=r.usage.prompt_tokens, completion_tokens=r.usage.completion_tokens))
+    for text, finish in r.samples:
+        msg.samples.add(text=text, finish_reason=convert.FINISH_TO_PB[finish] if finish is not None else 0)
     return msg
 
 

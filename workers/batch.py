@@ -15,10 +15,10 @@ import structlog
 
 from llamamesh import metrics, tracing
 from llamamesh.backoff import Delays
-from llamamesh.errors import EngineDead, InvalidRequest, LlamameshError, QueueUnavailable
+from llamamesh.errors import EngineDead, LlamameshError, QueueUnavailable
 from llamamesh.queue.protocol import BatchStore, Lease
 from llamamesh.types import FinishReason, ItemResult, ItemStatus, Usage
-from workers.engines.base import Engine
+from workers.samples import Samples
 
 log = structlog.get_logger(__name__)
 
@@ -47,11 +47,13 @@ async def record(batches: BatchStore, lease: Lease, result: ItemResult, **timing
         metrics.BATCH_ITEMS.labels(result.status.value).inc()
 
 
-async def run_batch_item(lease: Lease, engine: Engine, batches: BatchStore) -> None:
-    """Generate the item and record its result (under ``shield``). Raises EngineDead without
-    recording, so the worker stops and the item goes to another worker."""
+async def run_batch_item(lease: Lease, engine: Samples, batches: BatchStore) -> None:
+    """Generate the item (every sample of it, n > 1) and record its result (under ``shield``). Raises
+    EngineDead without recording, so the worker stops and the item goes to another worker."""
     req = lease.request
-    text: list[str] = []
+    n = req.sampling.samples
+    texts: dict[int, list[str]] = {k: [] for k in range(n)}
+    ends: dict[int, FinishReason] = {}
     n_tokens = 0
     first_token = 0
     engine_timings: tuple[tuple[str, float], ...] = ()
@@ -63,10 +65,8 @@ async def run_batch_item(lease: Lease, engine: Engine, batches: BatchStore) -> N
         "llamamesh.request_id": req.request_id, "llamamesh.pool": lease.pool, "llamamesh.kind": "batch_item",
         "llamamesh.batch_id": req.batch_id})  # fmt: skip
     try:
-        if req.sampling.samples > 1:  # the gateway refuses these; an item written by hand is not run
-            raise InvalidRequest.field("n", "a batch item has one completion")
         async for delta in engine.stream(req):
-            text.append(delta.text)
+            texts[delta.sample].append(delta.text)
             n_tokens += len(delta.token_ids)
             if delta.token_ids and not first_token:
                 first_token = time.time_ns()
@@ -75,8 +75,12 @@ async def run_batch_item(lease: Lease, engine: Engine, batches: BatchStore) -> N
             if delta.finish_reason is FinishReason.CANCELLED:
                 return  # aborted by this worker's drain: another worker redoes it
             if delta.finish_reason is not None:
-                result = ItemResult(req.custom_id, ItemStatus.SUCCEEDED, "".join(text), delta.finish_reason,
-                                    Usage(delta.prompt_tokens or 0, n_tokens))  # fmt: skip
+                ends[delta.sample] = delta.finish_reason
+                if len(ends) < n:
+                    continue  # (n > 1) the other samples go on
+                samples = tuple(("".join(texts[k]), ends.get(k)) for k in range(n)) if n > 1 else ()
+                result = ItemResult(req.custom_id, ItemStatus.SUCCEEDED, "".join(texts[0]), ends.get(0),
+                                    Usage(delta.prompt_tokens or 0, n_tokens), samples=samples)  # fmt: skip
     except EngineDead:
         outcome = "engine_dead"
         raise

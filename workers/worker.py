@@ -119,7 +119,7 @@ class Worker:
     def _start(self, lease: Lease) -> None:
         rid = lease.request.request_id
         if lease.request.batch_id and self._batches is not None:
-            job: Coroutine[Any, Any, None] = run_batch_item(lease, self._engine, self._batches)
+            job: Coroutine[Any, Any, None] = run_batch_item(lease, self._samples, self._batches)
             self._batch_running[rid] = lease
         else:
             job = run_job(lease, self._samples, self._outbox, self.name, self._handing_back)

@@ -241,6 +241,7 @@ def encode_result(r: ItemResult) -> bytes:
         completion_tokens=r.usage.completion_tokens,
         error_code=r.error_code,
         error_message=r.error_message,
+        samples=[pb.SampleResult(text=t, finish_reason=f.value if f is not None else "") for t, f in r.samples],
     ).SerializeToString()
 
 
@@ -255,4 +256,5 @@ def decode_result(data: bytes) -> ItemResult:
         usage=Usage(m.prompt_tokens, m.completion_tokens),
         error_code=m.error_code,
         error_message=m.error_message,
+        samples=tuple((x.text, FinishReason(x.finish_reason) if x.finish_reason else None) for x in m.samples),
     )

@@ -192,7 +192,7 @@ class StreamBatchResultsRequest(_message.Message):
     def __init__(self, batch_id: _Optional[str] = ..., cursor: _Optional[str] = ..., follow: _Optional[bool] = ...) -> None: ...
 
 class BatchResult(_message.Message):
-    __slots__ = ("batch_id", "custom_id", "status", "text", "finish_reason", "usage", "error_code", "error_message", "cursor")
+    __slots__ = ("batch_id", "custom_id", "status", "text", "finish_reason", "usage", "error_code", "error_message", "cursor", "samples")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     CUSTOM_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +202,7 @@ class BatchResult(_message.Message):
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     CURSOR_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
     custom_id: str
     status: BatchItemStatus
@@ -211,4 +212,13 @@ class BatchResult(_message.Message):
     error_code: str
     error_message: str
     cursor: str
-    def __init__(self, batch_id: _Optional[str] = ..., custom_id: _Optional[str] = ..., status: _Optional[_Union[BatchItemStatus, str]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_generation_pb2.Usage, _Mapping]] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., cursor: _Optional[str] = ...) -> None: ...
+    samples: _containers.RepeatedCompositeFieldContainer[BatchSample]
+    def __init__(self, batch_id: _Optional[str] = ..., custom_id: _Optional[str] = ..., status: _Optional[_Union[BatchItemStatus, str]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_generation_pb2.Usage, _Mapping]] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., cursor: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[BatchSample, _Mapping]]] = ...) -> None: ...
+
+class BatchSample(_message.Message):
+    __slots__ = ("text", "finish_reason")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    finish_reason: _generation_pb2.FinishReason
+    def __init__(self, text: _Optional[str] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ...) -> None: ...

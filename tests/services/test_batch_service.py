@@ -88,3 +88,22 @@ async def test_cancel_finishes_the_running_and_cancels_the_queued(stub: batch_pb
     assert b.state == bpb.BATCH_STATE_CANCELLED
     assert b.counts.succeeded + b.counts.cancelled == 12 and b.counts.succeeded >= 1 and b.counts.cancelled >= 1
     assert sorted(r.custom_id for r in got) == sorted(f"c{i}" for i in range(12))
+
+
+async def test_items_with_n_samples_return_every_sample(stub: batch_pb2_grpc.BatchServiceStub) -> None:
+    reqs = [bpb.BatchItem(custom_id=f"c{i}", request=pb.GenerateRequest(prompt=f"p {i}", max_tokens=4, n=3, seed=i))
+            for i in range(4)]  # fmt: skip
+    reqs.append(bpb.BatchItem(custom_id="one", request=pb.GenerateRequest(prompt="p", max_tokens=4)))
+    await stub.BatchGenerate(bpb.BatchGenerateRequest(batch_id="nb", items=reqs))
+    got = {r.custom_id: r async for r in stub.StreamBatchResults(bpb.StreamBatchResultsRequest(batch_id="nb"))}
+    for i in range(4):
+        r = got[f"c{i}"]
+        assert r.status == bpb.BATCH_ITEM_STATUS_SUCCEEDED and len(r.samples) == 3
+        assert [s.finish_reason for s in r.samples] == [pb.FINISH_REASON_LENGTH] * 3
+        assert len({s.text for s in r.samples}) == 3 and r.text == r.samples[0].text
+        assert r.usage.completion_tokens == 12
+    assert not got["one"].samples and got["one"].usage.completion_tokens == 4
+    with pytest.raises(grpc.aio.AioRpcError) as bad:
+        await stub.BatchGenerate(bpb.BatchGenerateRequest(batch_id="nb2", items=[
+            bpb.BatchItem(custom_id="x", request=pb.GenerateRequest(prompt="p", n=2, temperature=0))]))  # fmt: skip
+    assert field_violations(bad.value) == ["items[0].request.n"]

@@ -139,7 +139,7 @@ class SampleTokens(_message.Message):
     def __init__(self, sample: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ItemResult(_message.Message):
-    __slots__ = ("custom_id", "status", "text", "finish_reason", "prompt_tokens", "completion_tokens", "error_code", "error_message")
+    __slots__ = ("custom_id", "status", "text", "finish_reason", "prompt_tokens", "completion_tokens", "error_code", "error_message", "samples")
     CUSTOM_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,7 @@ class ItemResult(_message.Message):
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
     custom_id: str
     status: str
     text: str
@@ -156,7 +157,16 @@ class ItemResult(_message.Message):
     completion_tokens: int
     error_code: str
     error_message: str
-    def __init__(self, custom_id: _Optional[str] = ..., status: _Optional[str] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ...) -> None: ...
+    samples: _containers.RepeatedCompositeFieldContainer[SampleResult]
+    def __init__(self, custom_id: _Optional[str] = ..., status: _Optional[str] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[SampleResult, _Mapping]]] = ...) -> None: ...
+
+class SampleResult(_message.Message):
+    __slots__ = ("text", "finish_reason")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    finish_reason: str
+    def __init__(self, text: _Optional[str] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class Messages(_message.Message):
     __slots__ = ("messages",)
