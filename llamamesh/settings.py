@@ -327,6 +327,9 @@ class WorkerSettings:
     # LoRA adapters served with the model, name=path (a PEFT adapter folder), comma-separated. Callers
     # name one in GenerateRequest.adapter (or model "<model>:<name>"). CPU engine (peft) and vLLM.
     adapters: str = ""
+    # Folder that every adapter loaded at run time (AdminService LoadAdapter) must lie under (after
+    # resolving links); empty: any folder the worker can read (LoadAdapter needs an admin key).
+    adapter_root: str = ""
     # Requests in flight at once (admitted from the stream, running in the engine).
     max_inflight: int = 32
     # Slots kept for tenants with nothing running on this worker: a tenant arriving behind

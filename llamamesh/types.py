@@ -360,7 +360,7 @@ class WorkerStatus:
     # STARTING: what the engine's start is doing; FAILED: why it failed (one line).
     detail: str = ""
     # The LoRA adapters its engine serves (names), and the run-time ones it could not load
-    # ("name: why").
+    # ("name=path: why").
     adapters: tuple[str, ...] = ()
     adapter_errors: tuple[str, ...] = ()
     # Wall clock (Unix s) when the state (or, while starting, the detail) began.

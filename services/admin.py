@@ -85,10 +85,11 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         until = loop.time() + wait_s
         while True:
             workers = [w for w in self._backends.pools[pool].workers if w.ready]
-            refused = [e for w in workers for e in w.adapter_errors if e.startswith(f"{name}: ")]
+            key = f"{name}={request.path}: "  # (a worker's earlier refusal of another path does not count)
+            refused = [e for w in workers for e in w.adapter_errors if e.startswith(key)]
             if refused:
                 await registry.drop_adapter(pool, name)
-                why = refused[0].removeprefix(f"{name}: ")
+                why = refused[0].removeprefix(key)
                 raise errors.InvalidRequest.field("path", f"a worker of pool {pool!r} could not load it: {why}")
             have = [w.worker for w in workers if name in w.adapters]
             if workers and len(have) == len(workers):

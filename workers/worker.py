@@ -26,6 +26,7 @@ import contextlib
 import math
 import time
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -37,6 +38,7 @@ from llamamesh.errors import (
     FailedPrecondition,
     InvalidRequest,
     LlamameshError,
+    PermissionDenied,
     QueueUnavailable,
     WorkerDied,
     WorkerLost,
@@ -426,8 +428,16 @@ class Worker:
             detail=self._detail,
             since_unix_s=self._since,
             adapters=tuple(getattr(self._engine, "adapters", ())),
-            adapter_errors=tuple(f"{name}: {why}" for (name, _path), why in self._adapter_errors.items()),
+            adapter_errors=tuple(f"{name}={path}: {why}" for (name, path), why in self._adapter_errors.items()),
         )
+
+    def _check_adapter_root(self, path: str) -> None:
+        """PermissionDenied for a run-time adapter outside LLAMAMESH_WORKER_ADAPTER_ROOT (when set)."""
+        if not self._s.adapter_root:
+            return
+        root = Path(self._s.adapter_root).expanduser().resolve()
+        if not Path(path).expanduser().resolve().is_relative_to(root):
+            raise PermissionDenied(f"{path!r} is not under LLAMAMESH_WORKER_ADAPTER_ROOT")
 
     async def _sync_adapters(self) -> None:
         """Load the pool's run-time LoRA adapters (AdminService LoadAdapter) this worker does not have
@@ -443,6 +453,7 @@ class Worker:
             if (name, path) in self._adapter_errors:
                 continue
             try:
+                self._check_adapter_root(path)
                 await engine.load_adapter(name, path)
             except Exception as exc:
                 why = exc.message if isinstance(exc, LlamameshError) else f"{type(exc).__name__}: {exc}"

@@ -36,12 +36,12 @@ class Node:
 
 
 @contextlib.asynccontextmanager
-async def node(n_workers: int = 2, adapters: str = "sql=/adapters/sql") -> AsyncIterator[Node]:
+async def node(n_workers: int = 2, adapters: str = "sql=/adapters/sql", adapter_root: str = "") -> AsyncIterator[Node]:
     queue = MemoryQueue()
     gw = await start_gateway(queue, GatewaySettings(port=0, models="tiny=cpu"), port=0,
                              breaker=BreakerSettings(probe_interval_s=0.05))  # fmt: skip
     settings = [WorkerSettings(pool="cpu", model="tiny", engine="fake", consumer=f"w{i}", heartbeat_s=0.05,
-                               adapters=adapters) for i in range(n_workers)]  # fmt: skip
+                               adapters=adapters, adapter_root=adapter_root) for i in range(n_workers)]  # fmt: skip
     workers = [Worker(s, queue, FakeEngine(s), block_ms=50) for s in settings]
     tasks = [asyncio.create_task(w.run(asyncio.Event())) for w in workers]
     try:
@@ -143,3 +143,13 @@ async def test_an_adapter_no_worker_can_load_is_refused_and_not_kept() -> None:
         with pytest.raises(grpc.aio.AioRpcError) as unknown:
             await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="nope", adapter="a", path="/x"))
         assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_run_time_adapters_stay_under_the_workers_adapter_root() -> None:
+    async with node(n_workers=1, adapters="", adapter_root="/adapters") as n:
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="x", path="/adapters/../etc"))
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field_violations(ei.value) == ["path"]
+        assert "not under LLAMAMESH_WORKER_ADAPTER_ROOT" in (ei.value.details() or "")
+        ok = await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="x", path="/adapters/x"))
+        assert list(ok.workers) == ["w0"]
