@@ -152,6 +152,13 @@ async def test_a_lora_adapter_loads_routes_and_unloads_through_both_clients(
             s.complete(**greedy, adapter="e2e")
         assert gone.value.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
         assert s.complete(**greedy) == base
+    # The same through the CLI: load, list, unload.
+    cli = [sys.executable, "-m", "llamamesh.cli"]
+    for args, expect in ((["adapter", "load", "e2e", str(path)], "served by"), (["models"], "adapter of"),
+                         (["adapter", "unload", "e2e"], "unloaded")):  # fmt: skip
+        out = await asyncio.to_thread(subprocess.run, [*cli, *args, "--address", node.address], capture_output=True,
+                                      text=True, timeout=120)  # fmt: skip
+        assert out.returncode == 0 and expect in out.stdout, (args, out.stdout, out.stderr)
 
 
 def pending_requests(r: redis.Redis, stream: str) -> list[str]:
