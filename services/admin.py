@@ -74,11 +74,17 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         self, request: pb.LoadAdapterRequest, context: grpc.aio.ServicerContext
     ) -> pb.LoadAdapterResponse:
         """Record the adapter for the pool; its workers load it at their next heartbeat. Returns once
-        every ready worker serves it; a worker's refusal is the caller's error (and the record goes)."""
+        every ready worker serves it, or at ``wait_s`` / the deadline with the rest ``pending``; a
+        worker's refusal is the caller's error (and the record goes)."""
         pool, registry = self._target(request.model, request.adapter)
-        if not request.path:
-            raise errors.InvalidRequest.field("path", "the adapter folder, as the workers see it")
-        wait_s = min(request.wait_s if request.HasField("wait_s") else 60, MAX_ADAPTER_WAIT_S)
+        if not request.path or len(request.path) > 4096 or "\x00" in request.path:
+            raise errors.InvalidRequest.field(
+                "path", "the adapter folder, as the workers see it (at most 4096 characters)"
+            )
+        wait_s: float = min(request.wait_s if request.HasField("wait_s") else 60, MAX_ADAPTER_WAIT_S)
+        remaining = context.time_remaining()
+        if remaining is not None:  # answer within the caller's deadline
+            wait_s = max(0.0, min(wait_s, remaining - 0.25))
         name = request.adapter
         await registry.set_adapter(pool, name, request.path)
         loop = asyncio.get_running_loop()
@@ -92,13 +98,10 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                 why = refused[0].removeprefix(key)
                 raise errors.InvalidRequest.field("path", f"a worker of pool {pool!r} could not load it: {why}")
             have = [w.worker for w in workers if name in w.adapters]
-            if workers and len(have) == len(workers):
-                return pb.LoadAdapterResponse(workers=have)
-            if loop.time() >= until:
-                raise errors.Unavailable(
-                    f"adapter {name!r}: {len(have)} of {len(workers)} ready worker(s) of pool {pool!r} serve it "
-                    f"after {wait_s} s; they go on loading it"
-                )
+            pending = [w.worker for w in workers if name not in w.adapters]
+            # No ready worker: nothing to wait for (workers load it when they come).
+            if not pending or loop.time() >= until:
+                return pb.LoadAdapterResponse(workers=have, pending=pending)
             await asyncio.sleep(self._poll_s)
 
     @rpc("UnloadAdapter")

@@ -22,10 +22,12 @@ class LoadAdapterRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., adapter: _Optional[str] = ..., path: _Optional[str] = ..., wait_s: _Optional[int] = ...) -> None: ...
 
 class LoadAdapterResponse(_message.Message):
-    __slots__ = ("workers",)
+    __slots__ = ("workers", "pending")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, workers: _Optional[_Iterable[str]] = ...) -> None: ...
+    pending: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, workers: _Optional[_Iterable[str]] = ..., pending: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class UnloadAdapterRequest(_message.Message):
     __slots__ = ("model", "adapter")

@@ -67,9 +67,10 @@ class AdminServiceServicer:
     def LoadAdapter(self, request, context):
         """LoadAdapter loads a LoRA adapter (a PEFT adapter folder, as the workers see their filesystem)
         into every worker of the pool serving `model`, now and as workers (re)start, and returns once
-        every ready worker of the pool serves it (ListModels then lists "<model>:<adapter>"). A path no
-        worker can load is INVALID_ARGUMENT (or NOT_FOUND) with the worker's reason, and nothing stays
-        registered; workers not done within wait_s: UNAVAILABLE (the load goes on). Idempotent.
+        every ready worker of the pool serves it (ListModels then lists "<model>:<adapter>"), or when
+        wait_s (or the call's deadline) ends, with the workers still loading it in `pending` (they go
+        on). A path a worker cannot load is INVALID_ARGUMENT naming `path`, with the worker's reason, and
+        nothing stays registered. Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -334,6 +334,11 @@ def valid_requests(request_id: str, batch_id: str) -> dict[str, list[Message]]:
             b.StreamBatchResultsRequest(batch_id=batch_id, cursor="0-0", follow=False),
         ],
         "llamamesh.v1.ListBackendsRequest": [admin_pb2.ListBackendsRequest()],
+        "llamamesh.v1.LoadAdapterRequest": [
+            admin_pb2.LoadAdapterRequest(adapter="fuzz", path="/adapters/fuzz", wait_s=2),
+            admin_pb2.LoadAdapterRequest(model=MODEL, adapter="fuzz-missing", path="missing/x"),
+        ],
+        "llamamesh.v1.UnloadAdapterRequest": [admin_pb2.UnloadAdapterRequest(adapter="fuzz")],
     }  # fmt: skip
 
 

@@ -86,6 +86,12 @@ async def test_an_adapter_changes_the_output_the_same_way_each_run_and_is_listed
         assert await tokens(n, model="tiny:sql") == with_sql  # model "<model>:<adapter>" alike
 
 
+async def _ready(n: Node) -> bool:
+    """The gateway sees every worker of the node ready (LoadAdapter waits only for the ready ones)."""
+    (pool,) = (await n.admin.ListBackends(apb.ListBackendsRequest())).backends
+    return sum(w.state == "ready" for w in pool.workers) == len(n.workers)
+
+
 async def _has(n: Node, model_id: str) -> bool:
     return model_id in await models(n)
 
@@ -112,7 +118,7 @@ async def test_an_adapter_nobody_serves_is_not_found(fields: dict, code: grpc.St
 
 async def test_load_and_unload_an_adapter_at_run_time_through_admin_service() -> None:
     async with node(adapters="") as n:
-        await until(lambda: _lacks(n, "tiny:fr"), "the gateway's first look at the pool")
+        await until(lambda: _ready(n), "the gateway sees both workers")
         loaded = await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="fr", path="/adapters/fr"))
         assert sorted(loaded.workers) == ["w0", "w1"]  # every ready worker, before it returns
         assert "tiny:fr" in await models(n)
@@ -132,6 +138,7 @@ async def test_load_and_unload_an_adapter_at_run_time_through_admin_service() ->
 
 async def test_an_adapter_no_worker_can_load_is_refused_and_not_kept() -> None:
     async with node(n_workers=1, adapters="") as n:
+        await until(lambda: _ready(n), "the gateway sees the worker")
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="bad", path="missing/bad"))
         assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field_violations(ei.value) == ["path"]
@@ -147,9 +154,22 @@ async def test_an_adapter_no_worker_can_load_is_refused_and_not_kept() -> None:
 
 async def test_run_time_adapters_stay_under_the_workers_adapter_root() -> None:
     async with node(n_workers=1, adapters="", adapter_root="/adapters") as n:
+        await until(lambda: _ready(n), "the gateway sees the worker")
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="x", path="/adapters/../etc"))
         assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field_violations(ei.value) == ["path"]
         assert "not under LLAMAMESH_WORKER_ADAPTER_ROOT" in (ei.value.details() or "")
         ok = await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="x", path="/adapters/x"))
         assert list(ok.workers) == ["w0"]
+
+
+async def test_load_returns_at_its_wait_with_the_workers_still_loading_and_refuses_a_bad_path() -> None:
+    async with node(n_workers=1, adapters="") as n:
+        await until(lambda: _ready(n), "the gateway sees the worker")
+        first = await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="slow", path="/a/s", wait_s=0))
+        assert list(first.workers) + list(first.pending) == ["w0"]  # registered; the worker loads it anyway
+        await until(lambda: _has(n, "tiny:slow"), "the worker loaded it after the call returned")
+        for path in ("", "x" * 5000, "/a\x00b"):
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="p", path=path))
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field_violations(ei.value) == ["path"]
