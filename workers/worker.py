@@ -82,6 +82,7 @@ class Worker:
         self._own_adapters = frozenset(adapter_table(settings.adapters))
         self._loaded_at_runtime: dict[str, str] = {}
         self._adapter_errors: dict[tuple[str, str], str] = {}
+        self._adapter_sync: asyncio.Task[None] | None = None
         self._block_ms = block_ms
         self._batches = batches
         self._b = batch or BatchSettings()
@@ -439,6 +440,12 @@ class Worker:
         if not Path(path).expanduser().resolve().is_relative_to(root):
             raise PermissionDenied(f"{path!r} is not under LLAMAMESH_WORKER_ADAPTER_ROOT")
 
+    async def _sync_adapters_quietly(self) -> None:
+        try:
+            await self._sync_adapters()
+        except QueueUnavailable:
+            log.warning("adapter_sync_failed")
+
     async def _sync_adapters(self) -> None:
         """Load the pool's run-time LoRA adapters (AdminService LoadAdapter) this worker does not have
         yet, unload those dropped (UnloadAdapter); one that fails to load is not tried again from the
@@ -452,6 +459,12 @@ class Worker:
                 continue
             if (name, path) in self._adapter_errors:
                 continue
+            if name in self._loaded_at_runtime:  # registered again from another folder: swap it
+                try:
+                    await engine.unload_adapter(name)
+                except FailedPrecondition:
+                    continue  # its requests first
+                del self._loaded_at_runtime[name]
             try:
                 self._check_adapter_root(path)
                 await engine.load_adapter(name, path)
@@ -475,17 +488,24 @@ class Worker:
     async def _heartbeat(self, stop: asyncio.Event) -> None:
         """Owned by run(): every heartbeat_s, say this worker is alive (starting, then ready), until
         ``stop`` (set by run() once it has drained) or engine death."""
-        while not stop.is_set() and self.engine_died is None:
-            try:
-                await self._sync_adapters()
-                jobs = [x.ref for x in self._running.values()]
-                await self._queue.heartbeat(self.status(), self._s.heartbeat_ttl_s, touch=jobs)
-                if self._batches is not None and self._batch_running:
-                    items = [x.entry_id for x in self._batch_running.values()]
-                    await self._batches.touch(self._s.pool, self.name, items)
-            except QueueUnavailable:
-                log.warning("heartbeat_failed")
-            await _wait_any(stop, timeout=self._s.heartbeat_s)
+        try:
+            while not stop.is_set() and self.engine_died is None:
+                if self._adapter_sync is None or self._adapter_sync.done():
+                    # Beside the heartbeat, never in its way: loading an adapter can take seconds.
+                    self._adapter_sync = asyncio.create_task(self._sync_adapters_quietly(), name="adapter-sync")
+                try:
+                    jobs = [x.ref for x in self._running.values()]
+                    await self._queue.heartbeat(self.status(), self._s.heartbeat_ttl_s, touch=jobs)
+                    if self._batches is not None and self._batch_running:
+                        items = [x.entry_id for x in self._batch_running.values()]
+                        await self._batches.touch(self._s.pool, self.name, items)
+                except QueueUnavailable:
+                    log.warning("heartbeat_failed")
+                await _wait_any(stop, timeout=self._s.heartbeat_s)
+        finally:
+            if self._adapter_sync is not None:
+                self._adapter_sync.cancel()
+                await asyncio.gather(self._adapter_sync, return_exceptions=True)
 
     async def _drain(self) -> None:
         """Stop leasing; give in-flight jobs ``grace_s`` to finish, abort the rest."""

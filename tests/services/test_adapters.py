@@ -173,3 +173,16 @@ async def test_load_returns_at_its_wait_with_the_workers_still_loading_and_refus
             with pytest.raises(grpc.aio.AioRpcError) as ei:
                 await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="p", path=path))
             assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field_violations(ei.value) == ["path"]
+
+
+async def test_an_adapter_registered_again_from_another_folder_is_swapped_on_every_worker() -> None:
+    async with node(adapters="") as n:
+        await until(lambda: _ready(n), "the gateway sees both workers")
+        await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="x", path="/a/1"))
+        await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="x", path="/a/2"))
+
+        async def swapped() -> bool:
+            return all(w._engine._adapters.get("x") == "/a/2" for w in n.workers)  # type: ignore[attr-defined]
+
+        await until(swapped, "both workers hold x from /a/2")
+        assert "tiny:x" in await models(n)
