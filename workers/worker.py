@@ -441,10 +441,8 @@ class Worker:
             raise PermissionDenied(f"{path!r} is not under LLAMAMESH_WORKER_ADAPTER_ROOT")
 
     async def _sync_adapters_quietly(self) -> None:
-        try:
+        with contextlib.suppress(QueueUnavailable):  # the heartbeat's own line says Redis is out
             await self._sync_adapters()
-        except QueueUnavailable:
-            log.warning("adapter_sync_failed")
 
     async def _sync_adapters(self) -> None:
         """Load the pool's run-time LoRA adapters (AdminService LoadAdapter) this worker does not have
