@@ -19,7 +19,8 @@
 #   mixed        interactive Generate under a BatchGenerate (bench/interactive_under_batch.py), and bursts
 #   mixedserve   the same against `vllm serve --api-server-count 4 --scheduling-policy priority`
 # A stage may end in @TP and /GPUS: llamamesh@2 (one worker, TP 2), llamamesh@1 (one worker per GPU),
-# llamamesh@1/0 (one worker on GPU 0).
+# llamamesh@1/0 (one worker on GPU 0). And ~modifiers for that stage alone: ~bt<N> (its step budget),
+# ~nostats (vLLM's statistics off), e.g. batchworker~bt32768~nostats.
 # Env: TP (the worker's tensor_parallel_size; with more GPUs visible, one worker per group), GATEWAYS,
 #      MAX_INFLIGHT, BATCHED_TOKENS (LLAMAMESH_VLLM_MAX_NUM_BATCHED_TOKENS), CONCS, LABEL,
 #      SAME_CLIENT (0: serve stages without bench/load.py's run after `vllm bench serve`).
@@ -85,6 +86,7 @@ llamamesh_up() {
   export LLAMAMESH_WORKER_MODEL_PATH=$M LLAMAMESH_VLLM_LOAD_FORMAT=dummy LLAMAMESH_VLLM_DTYPE=bfloat16
   export LLAMAMESH_VLLM_SEED=0 LLAMAMESH_WORKER_MAX_INFLIGHT=${MAX_INFLIGHT:-1024} LLAMAMESH_LOG_LEVEL=${LOG_LEVEL:-info}
   [ -n "${LEASE_BATCH:-}" ] && export LLAMAMESH_WORKER_LEASE_BATCH=$LEASE_BATCH
+  unset LLAMAMESH_VLLM_MAX_NUM_BATCHED_TOKENS  # not the last stage's
   [ -n "${BATCHED_TOKENS:-}" ] && export LLAMAMESH_VLLM_MAX_NUM_BATCHED_TOKENS=$BATCHED_TOKENS
   unset LLAMAMESH_VLLM_TENSOR_PARALLEL_SIZE
   if [ -n "${TP:-}" ]; then
@@ -145,7 +147,7 @@ stage_llamamesh() {
 stage_batch() {
   MAX_INFLIGHT=${MAX_INFLIGHT:-2048} llamamesh_up "${1:-4}" || return 1
   python3 bench/batch_gpu.py --address 127.0.0.1:50051 --tokenizer "$M" --num-prompts "${NUM_PROMPTS:-1000}" \
-    --label "batch-gpu${CUDA_VISIBLE_DEVICES:-all}-bt${BATCHED_TOKENS:-default}-share${LLAMAMESH_BATCH_MAX_SHARE:-default}" --json "$R/batch.jsonl" 2>&1 | tail -3
+    --label "batch-gpu${CUDA_VISIBLE_DEVICES:-all}-bt${BATCHED_TOKENS:-default}-share${LLAMAMESH_BATCH_MAX_SHARE:-default}${LABEL:+-$LABEL}" --json "$R/batch.jsonl" 2>&1 | tail -3
   llamamesh_down
   grep -m1 -o "max_num_batched_tokens=[0-9]*" "$L/worker.log"  # the step budget vLLM ran with
 }
@@ -290,6 +292,20 @@ for s in "$@"; do
   if [ "$CVD0" = unset ]; then unset CUDA_VISIBLE_DEVICES; else export CUDA_VISIBLE_DEVICES=$CVD0; fi
   case $s in */*) export CUDA_VISIBLE_DEVICES=${s##*/}; s=${s%/*} ;; esac
   case $s in *@*) TP=${s##*@}; s=${s%@*} ;; esac
+  # ~modifiers, for this stage only: ~bt<N> its step budget (BATCHED_TOKENS), ~nostats vLLM without its
+  # statistics (disable_log_stats; the worker's per-request split is then empty). They name the stage's
+  # results (LABEL). E.g. batchworker~bt32768~nostats.
+  mods=""
+  case $s in *~*) mods=${s#*~}; s=${s%%~*} ;; esac
+  BT0=${BATCHED_TOKENS-unset} EXTRA0=${LLAMAMESH_VLLM_EXTRA_ARGS-unset} LABEL0=${LABEL-unset}
+  for m in $(printf %s "$mods" | tr '~' ' '); do
+    case $m in
+      bt[0-9]*) export BATCHED_TOKENS=${m#bt} ;;
+      nostats) export LLAMAMESH_VLLM_EXTRA_ARGS='{"disable_log_stats": true}' ;;
+      *) echo "unknown stage modifier $m"; exit 2 ;;
+    esac
+  done
+  [ -n "$mods" ] && export LABEL=$(printf %s "$mods" | tr '~' '-')
   case $s in
     llamamesh) stage_llamamesh 4 ;;
     llamamesh:*) stage_llamamesh "${s#llamamesh:}" ;;
@@ -308,4 +324,7 @@ for s in "$@"; do
     pair:*) p=${s#pair:}; stage_pair "${p%%,*}" "${p##*,}" ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
+  if [ "$BT0" = unset ]; then unset BATCHED_TOKENS; else export BATCHED_TOKENS=$BT0; fi
+  if [ "$EXTRA0" = unset ]; then unset LLAMAMESH_VLLM_EXTRA_ARGS; else export LLAMAMESH_VLLM_EXTRA_ARGS=$EXTRA0; fi
+  if [ "$LABEL0" = unset ]; then unset LABEL; else export LABEL=$LABEL0; fi
 done

@@ -442,8 +442,8 @@ class VllmSettings:
     enforce_eager: bool = False
     # Sequences in one engine step. 0: vLLM's default for the GPU.
     max_num_seqs: int = 0
-    # Tokens in one engine step. 0: chosen from what the worker serves: 16384 (offline ``LLM``'s budget
-    # on an H100/H200) for a batch worker (LLAMAMESH_BATCH_MAX_SHARE = 1: batch items may take every
+    # Tokens in one engine step. 0: chosen from what the worker serves: 32768 (twice offline ``LLM``'s
+    # budget on an H100/H200) for a batch worker (LLAMAMESH_BATCH_MAX_SHARE = 1: batch items may take every
     # slot), else vLLM's server default for the GPU (8192 on an H100/H200), whose shorter steps keep
     # interactive tokens flowing.
     max_num_batched_tokens: int = 0

@@ -167,7 +167,7 @@ def test_unset_sentinels_keep_vllms_defaults() -> None:
 
 
 @pytest.mark.parametrize(("share", "budget", "expected"), [
-    (1.0, 0, BATCH_STEP_TOKENS),  # a batch worker: offline LLM's step budget
+    (1.0, 0, BATCH_STEP_TOKENS),  # a batch worker: twice offline LLM's step budget
     (0.5, 0, 0),                  # a mixed worker: vLLM's server default (shorter steps)
     (0.99, 0, 0),
     (1.0, 4096, 4096),            # set: kept
@@ -455,6 +455,11 @@ def test_engine_timings_split_vllms_time_to_first_token() -> None:
     assert engine_timings(SimpleNamespace(metrics=None), 2.0) == (("tokenize", 2.0),)
     unscheduled = SimpleNamespace(first_token_latency=0.0, queued_ts=1.0, scheduled_ts=0.0, first_token_ts=0.0)
     assert engine_timings(SimpleNamespace(metrics=unscheduled), 2.0) == (("tokenize", 2.0),)
+    # The engine core's stats off (disable_log_stats): no queue or schedule times, so no queue/prefill.
+    core_off = SimpleNamespace(first_token_latency=0.06, queued_ts=0.0, scheduled_ts=0.0, first_token_ts=440.1,
+                               last_token_ts=440.9)  # fmt: skip
+    timed = dict(engine_timings(SimpleNamespace(metrics=core_off), 2.0, now=441.0))
+    assert set(timed) == {"tokenize", "vllm_ttft", "vllm_decode", "vllm_delivery"}, timed
 
 
 def test_scheduler_snapshot_sums_engines() -> None:

@@ -85,10 +85,11 @@ _ENGINE_FIELDS = (
     "scheduling_policy", "enable_lora", "max_loras", "max_lora_rank",
 )  # fmt: skip
 SCHEDULING_POLICIES = ("priority", "fcfs")
-# The step budget of a batch worker (max_num_batched_tokens 0 with LLAMAMESH_BATCH_MAX_SHARE 1): what
-# offline ``LLM`` uses on an H100/H200. A 1000-prompt batch at 512 in / 128 out reached 1.012x of
-# offline LLM.generate with it and 0.94x with the server default, 8192 (docs/benchmarks.md, issue 5).
-BATCH_STEP_TOKENS = 16384
+# The step budget of a batch worker (max_num_batched_tokens 0 with LLAMAMESH_BATCH_MAX_SHARE 1): twice
+# what offline ``LLM`` uses on an H100/H200 (16384). On one H200 a 1000-prompt batch at 512 in / 128 out
+# reached 0.90-0.95x of offline LLM.generate with 16384 and 1.0x with 32768 (65536 was no better); the
+# server default, 8192, gave 0.94x on two GPUs (docs/benchmarks.md, issue 19 part 3).
+BATCH_STEP_TOKENS = 32768
 # Added to a batch item's vLLM priority (lower runs first) so that every interactive request, whatever
 # its own priority, is admitted before any batch item.
 BATCH_PRIORITY_OFFSET = 1 << 20
@@ -129,8 +130,8 @@ def parse_extra_args(raw: str) -> dict[str, Any]:
 
 def for_worker(settings: VllmSettings, batch: BatchSettings) -> VllmSettings:
     """The vLLM settings with the step budget chosen from what the worker serves, when left 0: a
-    batch worker (batch items may take all its slots: ``batch.max_share`` >= 1) gets offline LLM's
-    BATCH_STEP_TOKENS; any other keeps vLLM's server default (shorter steps, steadier interactive
+    batch worker (batch items may take all its slots: ``batch.max_share`` >= 1) gets
+    BATCH_STEP_TOKENS (twice offline LLM's); any other keeps vLLM's server default (shorter steps, steadier interactive
     tokens)."""
     if settings.max_num_batched_tokens or batch.max_share < 1.0:
         return settings
@@ -290,11 +291,12 @@ def engine_timings(output: Any, tokenize_ms: float, now: float | None = None) ->
     out = [("tokenize", round(tokenize_ms, 2))]
     m = getattr(output, "metrics", None)
     if m is not None and getattr(m, "first_token_ts", None):
-        out += [
-            ("vllm_ttft", round(m.first_token_latency * 1e3, 2)),
-            ("vllm_queue", round((m.scheduled_ts - m.queued_ts) * 1e3, 2)),
-            ("vllm_prefill", round((m.first_token_ts - m.scheduled_ts) * 1e3, 2)),
-        ]
+        out.append(("vllm_ttft", round(m.first_token_latency * 1e3, 2)))
+        if getattr(m, "queued_ts", None) and getattr(m, "scheduled_ts", None):  # 0: the engine core's stats off
+            out += [
+                ("vllm_queue", round((m.scheduled_ts - m.queued_ts) * 1e3, 2)),
+                ("vllm_prefill", round((m.first_token_ts - m.scheduled_ts) * 1e3, 2)),
+            ]
         if getattr(m, "last_token_ts", None):
             now = time.monotonic() if now is None else now
             out += [
