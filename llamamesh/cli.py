@@ -243,8 +243,9 @@ def cmd_adapter(args: argparse.Namespace) -> int:
                 workers = await c.load_adapter(args.name, args.path, args.model, args.wait)
                 print(f"adapter {args.name} served by {', '.join(workers)}")
             else:
-                await c.unload_adapter(args.name, args.model)
-                print(f"adapter {args.name} unloaded")
+                pending = await c.unload_adapter(args.name, args.model, args.wait)
+                print(f"adapter {args.name} unloaded" + (f"; still served by {', '.join(pending)} (in use)"
+                                                          if pending else ""))  # fmt: skip
 
     try:
         asyncio.run(run())
@@ -503,10 +504,10 @@ def main(argv: list[str] | None = None) -> None:
     q = acts.add_parser("load", help="load a PEFT adapter folder (as the workers see it) into every worker")
     q.add_argument("name")
     q.add_argument("path")
-    q.add_argument("--wait", type=int, help="seconds to wait for the workers (default 60)")
     q = acts.add_parser("unload", help="unload a run-time adapter")
     q.add_argument("name")
     for q in acts.choices.values():
+        q.add_argument("--wait", type=int, help="seconds to wait for the workers (default 60)")
         q.add_argument("--model", default="", help="the base model (default: the gateway's default)")
         q.add_argument("--address", default=DEFAULT_ADDRESS)
         _client_flags(q)

@@ -384,8 +384,11 @@ class Client:
         req = apb.LoadAdapterRequest(model=model, adapter=adapter, path=path, wait_s=wait_s)
         return list((await self.admin.LoadAdapter(req)).workers)
 
-    async def unload_adapter(self, adapter: str, model: str = "") -> None:
-        await self.admin.UnloadAdapter(apb.UnloadAdapterRequest(model=model, adapter=adapter))
+    async def unload_adapter(self, adapter: str, model: str = "", wait_s: int | None = None) -> list[str]:
+        """Unload a run-time LoRA adapter from the pool of ``model`` (an admin key); the ready workers
+        that still served it after ``wait_s`` (default 60; empty: it is gone)."""
+        req = apb.UnloadAdapterRequest(model=model, adapter=adapter, wait_s=wait_s)
+        return list((await self.admin.UnloadAdapter(req)).pending)
 
     async def tokenize(self, prompt: str | None = None, messages: Messages | None = None, model: str = "") -> list[int]:
         req = pb.TokenizeRequest(model=model)
@@ -477,5 +480,7 @@ class SyncClient:
         req = apb.LoadAdapterRequest(model=model, adapter=adapter, path=path, wait_s=wait_s)
         return list(self.admin.LoadAdapter(req).workers)
 
-    def unload_adapter(self, adapter: str, model: str = "") -> None:
-        self.admin.UnloadAdapter(apb.UnloadAdapterRequest(model=model, adapter=adapter))
+    def unload_adapter(self, adapter: str, model: str = "", wait_s: int | None = None) -> list[str]:
+        """As Client.unload_adapter."""
+        req = apb.UnloadAdapterRequest(model=model, adapter=adapter, wait_s=wait_s)
+        return list(self.admin.UnloadAdapter(req).pending)

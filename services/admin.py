@@ -50,6 +50,16 @@ def backend_pb(pool: Pool, fallback: str, depth: QueueDepth | None = None) -> pb
     return out
 
 
+def _wait_until(request: pb.LoadAdapterRequest | pb.UnloadAdapterRequest, context: grpc.aio.ServicerContext) -> float:
+    """The loop time by which LoadAdapter / UnloadAdapter answer: ``wait_s`` (default 60, at most
+    MAX_ADAPTER_WAIT_S) from now, and within the caller's deadline."""
+    wait_s: float = min(request.wait_s if request.HasField("wait_s") else 60, MAX_ADAPTER_WAIT_S)
+    remaining = context.time_remaining()
+    if remaining is not None:
+        wait_s = max(0.0, min(wait_s, remaining - 0.25))
+    return asyncio.get_running_loop().time() + wait_s
+
+
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     def __init__(
         self, backends: Backends, registry: AdapterRegistry | None = None, models: Sequence[ModelInfo] = (),
@@ -81,14 +91,10 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             raise errors.InvalidRequest.field(
                 "path", "the adapter folder, as the workers see it (at most 4096 characters)"
             )
-        wait_s: float = min(request.wait_s if request.HasField("wait_s") else 60, MAX_ADAPTER_WAIT_S)
-        remaining = context.time_remaining()
-        if remaining is not None:  # answer within the caller's deadline
-            wait_s = max(0.0, min(wait_s, remaining - 0.25))
         name = request.adapter
+        until = _wait_until(request, context)
         await registry.set_adapter(pool, name, request.path)
         loop = asyncio.get_running_loop()
-        until = loop.time() + wait_s
         while True:
             workers = [w for w in self._backends.pools[pool].workers if w.ready]
             key = f"{name}={request.path}: "  # (a worker's earlier refusal of another path does not count)
@@ -108,11 +114,21 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     async def UnloadAdapter(
         self, request: pb.UnloadAdapterRequest, context: grpc.aio.ServicerContext
     ) -> pb.UnloadAdapterResponse:
+        """Drop the adapter from the pool's record; its workers unload it at their next heartbeat (one
+        that requests still use, once they end). Returns once no ready worker serves it, or at
+        ``wait_s`` / the deadline with those that still do in ``pending``."""
         pool, registry = self._target(request.model, request.adapter)
         if request.adapter not in await registry.adapters(pool):
             raise errors.NotFound(f"adapter {request.adapter!r} was not loaded into pool {pool!r} at run time")
+        until = _wait_until(request, context)
         await registry.drop_adapter(pool, request.adapter)
-        return pb.UnloadAdapterResponse()
+        loop = asyncio.get_running_loop()
+        while True:
+            workers = self._backends.pools[pool].workers
+            pending = [w.worker for w in workers if w.ready and request.adapter in w.adapters]
+            if not pending or loop.time() >= until:
+                return pb.UnloadAdapterResponse(pending=pending)
+            await asyncio.sleep(self._poll_s)
 
     @rpc("ListBackends")
     async def ListBackends(

@@ -19,7 +19,7 @@ import math
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from types import MappingProxyType
 
@@ -219,8 +219,11 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
         block_ms: int = 2000,
         admission: Admission | None = None,
         normalizer: Normalizer | None = None,
+        adapters_of: Callable[[str], frozenset[str] | None] = lambda pool: None,
     ) -> None:
+        """``adapters_of(pool)``: the LoRA adapters the pool's ready workers serve (None: not known)."""
         self._store = store
+        self._adapters_of = adapters_of
         self._normalizer = normalizer or Normalizer()
         self._admission = admission or Admission(None)
         self._gw = gateway
@@ -251,11 +254,14 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
             out = self._normalizer.apply(req)
             rewritten += out is not req
             items[n] = (model, out)
-        for n, (_model, req) in enumerate(items):
+        for n, (model, req) in enumerate(items):
             try:
                 check_priority(who, req.priority)
+                convert.check_adapter(req.adapter, model, self._adapters_of)
             except errors.PermissionDenied as exc:
                 raise errors.PermissionDenied(f"item {n} ({req.custom_id!r}): {exc.message}") from None
+            except errors.NotFound as exc:  # nothing is written
+                raise errors.NotFound(f"item {n} ({req.custom_id!r}): {exc.message}") from None
         note(tenant=who.tenant, normalized_items=rewritten or None)
         scoped = scoped_id(who.tenant, batch_id)
         now = time.time()

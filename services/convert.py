@@ -253,6 +253,17 @@ def model_list(models: Sequence[ModelInfo]) -> pb.ListModelsResponse:
                                                   adapter=m.adapter) for m in models])  # fmt: skip
 
 
+def check_adapter(adapter: str, model: ModelInfo, adapters_of: Callable[[str], frozenset[str] | None]) -> None:
+    """NotFound for an adapter no ready worker of the model's pool serves (``adapters_of(pool)``; while
+    none is ready, None: the request waits like any other, and its worker refuses an adapter it lacks)."""
+    served = adapters_of(model.pool)
+    if adapter and served is not None and adapter not in served:
+        raise NotFound(
+            f"adapter {adapter!r} of model {model.id!r} is not served (ListModels lists the adapters; "
+            "AdminService LoadAdapter loads one)"
+        )
+
+
 def with_adapters(models: Sequence[ModelInfo], adapters_of: Callable[[str], frozenset[str] | None]) -> list[ModelInfo]:
     """``models`` and, after each, the LoRA adapters its pool's workers serve ("<model>:<adapter>")."""
     out: list[ModelInfo] = []

@@ -54,16 +54,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self._normalizer = normalizer or Normalizer()
         self._adapters_of = adapters_of
 
-    def _check_adapter(self, adapter: str, model: ModelInfo) -> None:
-        """NotFound for an adapter no ready worker of the model's pool serves (while none is ready,
-        the request waits like any other: its worker refuses an adapter it does not have)."""
-        served = self._adapters_of(model.pool)
-        if adapter and served is not None and adapter not in served:
-            raise errors.NotFound(
-                f"adapter {adapter!r} of model {model.id!r} is not served (ListModels lists the adapters; "
-                "AdminService LoadAdapter loads one)"
-            )
-
     @rpc("Generate")
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -73,7 +63,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         routing and queueing; the idempotency fingerprint is of what the caller sent."""
         who = identity(context)
         req, model = convert.generate_request(request, self._s, self._models)
-        self._check_adapter(req.adapter, model)
+        convert.check_adapter(req.adapter, model, self._adapters_of)
         req = self._normalized(req)
         check_priority(who, req.priority)
         public = req.request_id

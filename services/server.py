@@ -156,7 +156,8 @@ async def start_gateway(
     sweeper = None
     if batches is not None:  # the batch store needs Redis (the in-memory queue of unit tests has none)
         batch_pb2_grpc.add_BatchServiceServicer_to_server(
-            BatchServicer(batches, settings, batch, models, policy, admission=admission, normalizer=normalizer), server
+            BatchServicer(batches, settings, batch, models, policy, admission=admission, normalizer=normalizer,
+                          adapters_of=backends.adapters), server
         )
         services.append(BATCH_SERVICE)
         sweeper = BatchSweeper(batches, batch.sweep_interval_s, quotas, batch.retention_s)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18llamamesh/v1/admin.proto\x12\x0cllamamesh.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"b\n\x12LoadAdapterRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x13\n\x06wait_s\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\t\n\x07_wait_s\"7\n\x13LoadAdapterResponse\x12\x0f\n\x07workers\x18\x01 \x03(\t\x12\x0f\n\x07pending\x18\x02 \x03(\t\"6\n\x14UnloadAdapterRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\"\x17\n\x15UnloadAdapterResponse\"\x15\n\x13ListBackendsRequest\"?\n\x14ListBackendsResponse\x12\'\n\x08\x62\x61\x63kends\x18\x01 \x03(\x0b\x32\x15.llamamesh.v1.Backend\"\xdc\x02\n\x07\x42\x61\x63kend\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x15\n\rbreaker_state\x18\x02 \x01(\t\x12\x0f\n\x07serving\x18\x03 \x01(\x08\x12\x10\n\x08\x66\x61llback\x18\x04 \x01(\t\x12%\n\x07workers\x18\x05 \x03(\x0b\x32\x14.llamamesh.v1.Worker\x12\x34\n\x0btransitions\x18\x06 \x03(\x0b\x32\x1f.llamamesh.v1.BreakerTransition\x12\x0e\n\x06probes\x18\x07 \x01(\x04\x12\x18\n\x10last_probe_error\x18\x08 \x01(\t\x12\x18\n\x0bqueue_depth\x18\t \x01(\rH\x00\x88\x01\x01\x12\x1a\n\rqueue_pending\x18\n \x01(\rH\x01\x88\x01\x01\x12\x14\n\x0cqueue_wait_s\x18\x0b \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x0c \x01(\x01\x42\x0e\n\x0c_queue_depthB\x10\n\x0e_queue_pending\"\x8b\x02\n\x06Worker\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x61\x64\x61pters\x18\x0c \x03(\t\x12\x16\n\x0e\x61\x64\x61pter_errors\x18\r \x03(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\x10\n\x08inflight\x18\x04 \x01(\r\x12\x14\n\x0cmax_inflight\x18\x05 \x01(\r\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x0f\n\x07waiting\x18\x07 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x08 \x01(\x01\x12\r\n\x05state\x18\t \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\n \x01(\t\x12)\n\x05since\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"q\n\x11\x42reakerTransition\x12&\n\x02\x61t\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nfrom_state\x18\x02 \x01(\t\x12\x10\n\x08to_state\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t2\x93\x02\n\x0c\x41\x64minService\x12U\n\x0cListBackends\x12!.llamamesh.v1.ListBackendsRequest\x1a\".llamamesh.v1.ListBackendsResponse\x12R\n\x0bLoadAdapter\x12 .llamamesh.v1.LoadAdapterRequest\x1a!.llamamesh.v1.LoadAdapterResponse\x12X\n\rUnloadAdapter\x12\".llamamesh.v1.UnloadAdapterRequest\x1a#.llamamesh.v1.UnloadAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18llamamesh/v1/admin.proto\x12\x0cllamamesh.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"b\n\x12LoadAdapterRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x13\n\x06wait_s\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\t\n\x07_wait_s\"7\n\x13LoadAdapterResponse\x12\x0f\n\x07workers\x18\x01 \x03(\t\x12\x0f\n\x07pending\x18\x02 \x03(\t\"V\n\x14UnloadAdapterRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x13\n\x06wait_s\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\t\n\x07_wait_s\"(\n\x15UnloadAdapterResponse\x12\x0f\n\x07pending\x18\x01 \x03(\t\"\x15\n\x13ListBackendsRequest\"?\n\x14ListBackendsResponse\x12\'\n\x08\x62\x61\x63kends\x18\x01 \x03(\x0b\x32\x15.llamamesh.v1.Backend\"\xdc\x02\n\x07\x42\x61\x63kend\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x15\n\rbreaker_state\x18\x02 \x01(\t\x12\x0f\n\x07serving\x18\x03 \x01(\x08\x12\x10\n\x08\x66\x61llback\x18\x04 \x01(\t\x12%\n\x07workers\x18\x05 \x03(\x0b\x32\x14.llamamesh.v1.Worker\x12\x34\n\x0btransitions\x18\x06 \x03(\x0b\x32\x1f.llamamesh.v1.BreakerTransition\x12\x0e\n\x06probes\x18\x07 \x01(\x04\x12\x18\n\x10last_probe_error\x18\x08 \x01(\t\x12\x18\n\x0bqueue_depth\x18\t \x01(\rH\x00\x88\x01\x01\x12\x1a\n\rqueue_pending\x18\n \x01(\rH\x01\x88\x01\x01\x12\x14\n\x0cqueue_wait_s\x18\x0b \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x0c \x01(\x01\x42\x0e\n\x0c_queue_depthB\x10\n\x0e_queue_pending\"\x8b\x02\n\x06Worker\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x61\x64\x61pters\x18\x0c \x03(\t\x12\x16\n\x0e\x61\x64\x61pter_errors\x18\r \x03(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\x10\n\x08inflight\x18\x04 \x01(\r\x12\x14\n\x0cmax_inflight\x18\x05 \x01(\r\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x0f\n\x07waiting\x18\x07 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x08 \x01(\x01\x12\r\n\x05state\x18\t \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\n \x01(\t\x12)\n\x05since\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"q\n\x11\x42reakerTransition\x12&\n\x02\x61t\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nfrom_state\x18\x02 \x01(\t\x12\x10\n\x08to_state\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t2\x93\x02\n\x0c\x41\x64minService\x12U\n\x0cListBackends\x12!.llamamesh.v1.ListBackendsRequest\x1a\".llamamesh.v1.ListBackendsResponse\x12R\n\x0bLoadAdapter\x12 .llamamesh.v1.LoadAdapterRequest\x1a!.llamamesh.v1.LoadAdapterResponse\x12X\n\rUnloadAdapter\x12\".llamamesh.v1.UnloadAdapterRequest\x1a#.llamamesh.v1.UnloadAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,19 +37,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOADADAPTERRESPONSE']._serialized_start=175
   _globals['_LOADADAPTERRESPONSE']._serialized_end=230
   _globals['_UNLOADADAPTERREQUEST']._serialized_start=232
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=286
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=288
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=311
-  _globals['_LISTBACKENDSREQUEST']._serialized_start=313
-  _globals['_LISTBACKENDSREQUEST']._serialized_end=334
-  _globals['_LISTBACKENDSRESPONSE']._serialized_start=336
-  _globals['_LISTBACKENDSRESPONSE']._serialized_end=399
-  _globals['_BACKEND']._serialized_start=402
-  _globals['_BACKEND']._serialized_end=750
-  _globals['_WORKER']._serialized_start=753
-  _globals['_WORKER']._serialized_end=1020
-  _globals['_BREAKERTRANSITION']._serialized_start=1022
-  _globals['_BREAKERTRANSITION']._serialized_end=1135
-  _globals['_ADMINSERVICE']._serialized_start=1138
-  _globals['_ADMINSERVICE']._serialized_end=1413
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=318
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=320
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=360
+  _globals['_LISTBACKENDSREQUEST']._serialized_start=362
+  _globals['_LISTBACKENDSREQUEST']._serialized_end=383
+  _globals['_LISTBACKENDSRESPONSE']._serialized_start=385
+  _globals['_LISTBACKENDSRESPONSE']._serialized_end=448
+  _globals['_BACKEND']._serialized_start=451
+  _globals['_BACKEND']._serialized_end=799
+  _globals['_WORKER']._serialized_start=802
+  _globals['_WORKER']._serialized_end=1069
+  _globals['_BREAKERTRANSITION']._serialized_start=1071
+  _globals['_BREAKERTRANSITION']._serialized_end=1184
+  _globals['_ADMINSERVICE']._serialized_start=1187
+  _globals['_ADMINSERVICE']._serialized_end=1462
 # @@protoc_insertion_point(module_scope)

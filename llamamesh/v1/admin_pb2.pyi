@@ -30,16 +30,20 @@ class LoadAdapterResponse(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[str]] = ..., pending: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class UnloadAdapterRequest(_message.Message):
-    __slots__ = ("model", "adapter")
+    __slots__ = ("model", "adapter", "wait_s")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
     model: str
     adapter: str
-    def __init__(self, model: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
+    wait_s: int
+    def __init__(self, model: _Optional[str] = ..., adapter: _Optional[str] = ..., wait_s: _Optional[int] = ...) -> None: ...
 
 class UnloadAdapterResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("pending",)
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    pending: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, pending: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListBackendsRequest(_message.Message):
     __slots__ = ()

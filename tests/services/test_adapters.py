@@ -36,12 +36,15 @@ class Node:
 
 
 @contextlib.asynccontextmanager
-async def node(n_workers: int = 2, adapters: str = "sql=/adapters/sql", adapter_root: str = "") -> AsyncIterator[Node]:
+async def node(
+    n_workers: int = 2, adapters: str = "sql=/adapters/sql", adapter_root: str = "", step_s: float = 0.0
+) -> AsyncIterator[Node]:
     queue = MemoryQueue()
     gw = await start_gateway(queue, GatewaySettings(port=0, models="tiny=cpu"), port=0,
                              breaker=BreakerSettings(probe_interval_s=0.05))  # fmt: skip
     settings = [WorkerSettings(pool="cpu", model="tiny", engine="fake", consumer=f"w{i}", heartbeat_s=0.05,
-                               adapters=adapters, adapter_root=adapter_root) for i in range(n_workers)]  # fmt: skip
+                               adapters=adapters, adapter_root=adapter_root, fake_step_s=step_s)
+                for i in range(n_workers)]  # fmt: skip
     workers = [Worker(s, queue, FakeEngine(s), block_ms=50) for s in settings]
     tasks = [asyncio.create_task(w.run(asyncio.Event())) for w in workers]
     try:
@@ -126,8 +129,9 @@ async def test_load_and_unload_an_adapter_at_run_time_through_admin_service() ->
         assert fr != await tokens(n) and fr == await tokens(n, adapter="fr")
         again = await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="fr", path="/adapters/fr"))
         assert sorted(again.workers) == ["w0", "w1"]  # idempotent
-        await n.admin.UnloadAdapter(apb.UnloadAdapterRequest(model="tiny", adapter="fr"))
-        await until(lambda: _lacks(n, "tiny:fr"), "the workers dropped fr")
+        unloaded = await n.admin.UnloadAdapter(apb.UnloadAdapterRequest(model="tiny", adapter="fr"))
+        assert list(unloaded.pending) == []  # it returns once the workers dropped it
+        assert "tiny:fr" not in await models(n)
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await tokens(n, adapter="fr")
         assert ei.value.code() == grpc.StatusCode.NOT_FOUND
@@ -186,3 +190,20 @@ async def test_an_adapter_registered_again_from_another_folder_is_swapped_on_eve
 
         await until(swapped, "both workers hold x from /a/2")
         assert "tiny:x" in await models(n)
+
+
+async def test_unload_says_which_workers_still_serve_an_adapter_in_use_and_they_drop_it_after() -> None:
+    async with node(n_workers=1, adapters="", step_s=0.01) as n:
+        await until(lambda: _ready(n), "the gateway sees the worker")
+        await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="fr", path="/adapters/fr"))
+        call = n.stub.Generate(pb.GenerateRequest(prompt="a long one", max_tokens=4000, adapter="fr"))
+        assert (await call.read()).token_ids  # running with the adapter
+        unloaded = await n.admin.UnloadAdapter(apb.UnloadAdapterRequest(model="tiny", adapter="fr", wait_s=1))
+        assert list(unloaded.pending) == ["w0"]  # in use: the worker keeps it while the request runs
+        assert "tiny:fr" in await models(n)
+        assert (await call.read()).token_ids  # and the request goes on
+        call.cancel()
+        await until(lambda: _lacks(n, "tiny:fr"), "the worker dropped fr once its request ended")
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await tokens(n, adapter="fr")
+        assert ei.value.code() == grpc.StatusCode.NOT_FOUND

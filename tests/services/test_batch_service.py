@@ -24,10 +24,10 @@ pytestmark = pytest.mark.timeout(30)
 
 @pytest.fixture
 async def stub(request: pytest.FixtureRequest) -> AsyncIterator[batch_pb2_grpc.BatchServiceStub]:
-    step = getattr(request, "param", 0.0)
+    overrides = getattr(request, "param", {})  # WorkerSettings fields
     queue, store = MemoryQueue(), MemoryBatches()
     gateway = await start_gateway(queue, GatewaySettings(port=0, models="tiny=cpu"), port=0, batches=store)
-    ws = WorkerSettings(pool="cpu", model="tiny", engine="fake", max_inflight=4, fake_step_s=step)
+    ws = WorkerSettings(**{"pool": "cpu", "model": "tiny", "engine": "fake", "max_inflight": 4, **overrides})
     engine = FakeEngine(ws)
     await engine.start()
     worker = Worker(ws, queue, engine, 50, store, BatchSettings(max_share=0.5))
@@ -77,7 +77,7 @@ async def test_a_duplicate_custom_id_is_rejected_and_nothing_is_stored(stub: bat
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-@pytest.mark.parametrize("stub", [0.02], indirect=True)
+@pytest.mark.parametrize("stub", [{"fake_step_s": 0.02}], indirect=True)
 async def test_cancel_finishes_the_running_and_cancels_the_queued(stub: batch_pb2_grpc.BatchServiceStub) -> None:
     await stub.BatchGenerate(bpb.BatchGenerateRequest(batch_id="c", items=items(12, max_tokens=20)))
     stream = aiter(stub.StreamBatchResults(bpb.StreamBatchResultsRequest(batch_id="c")))
@@ -107,3 +107,32 @@ async def test_items_with_n_samples_return_every_sample(stub: batch_pb2_grpc.Bat
         await stub.BatchGenerate(bpb.BatchGenerateRequest(batch_id="nb2", items=[
             bpb.BatchItem(custom_id="x", request=pb.GenerateRequest(prompt="p", n=2, temperature=0))]))  # fmt: skip
     assert field_violations(bad.value) == ["items[0].request.n"]
+
+
+@pytest.mark.parametrize("stub", [{"adapters": "sql=/adapters/sql", "heartbeat_s": 0.05}], indirect=True)
+async def test_items_name_an_adapter_and_an_unserved_one_is_not_found_before_anything_is_stored(
+    stub: batch_pb2_grpc.BatchServiceStub,
+) -> None:
+    def item(custom_id: str, adapter: str = "") -> bpb.BatchItem:
+        return bpb.BatchItem(custom_id=custom_id, request=pb.GenerateRequest(
+            prompt="same words", max_tokens=4, temperature=0, adapter=adapter))  # fmt: skip
+
+    # The gateway learns the worker's adapters from its heartbeat: until then it cannot tell (and accepts).
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 10
+    for attempt in range(1000):
+        try:
+            await stub.BatchGenerate(bpb.BatchGenerateRequest(batch_id=f"p{attempt}", items=[item("x", "nope")]))
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == grpc.StatusCode.NOT_FOUND, exc.details()
+            assert "item 0 ('x')" in (exc.details() or "") and "'nope'" in (exc.details() or ""), exc.details()
+            break
+        assert loop.time() < end, "the gateway never saw the worker's adapters"
+        await asyncio.sleep(0.05)  # the next heartbeat (bounded by ``end``)
+    with pytest.raises(grpc.aio.AioRpcError) as missing:  # nothing was stored
+        await stub.GetBatch(bpb.GetBatchRequest(batch_id=f"p{attempt}"))
+    assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+    await stub.BatchGenerate(bpb.BatchGenerateRequest(batch_id="ad", items=[item("base"), item("sql", "sql")]))
+    got = {r.custom_id: r async for r in stub.StreamBatchResults(bpb.StreamBatchResultsRequest(batch_id="ad"))}
+    assert all(r.status == bpb.BATCH_ITEM_STATUS_SUCCEEDED for r in got.values())
+    assert got["sql"].text != got["base"].text

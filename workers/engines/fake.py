@@ -30,7 +30,7 @@ import zlib
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from llamamesh.errors import EngineDead, NotFound, PromptTooLong
+from llamamesh.errors import EngineDead, FailedPrecondition, NotFound, PromptTooLong
 from llamamesh.settings import WorkerSettings, adapter_table
 from llamamesh.types import FinishReason, GenerationRequest, TokenDelta, TokenLogprob
 from workers.engines.base import EngineStats, remember
@@ -64,6 +64,7 @@ class FakeEngine:
         # LoRA adapters (name -> path; the fake reads no file): an adapter shifts every token by a
         # number derived from its name, so its output differs from the base model's, the same each run.
         self._adapters: dict[str, str] = adapter_table(settings.adapters)
+        self._running_adapters: dict[str, str] = {}  # request id -> its adapter
 
     @property
     def starting(self) -> str:
@@ -125,6 +126,9 @@ class FakeEngine:
         self._adapters[name] = path
 
     async def unload_adapter(self, name: str) -> None:
+        users = sum(1 for a in self._running_adapters.values() if a == name)
+        if users:  # as the CPU engine: not under running requests
+            raise FailedPrecondition(f"adapter {name!r} is in use by {users} running request(s)")
         self._adapters.pop(name, None)
 
     async def tokenize(self, request: GenerationRequest) -> list[int]:
@@ -153,6 +157,8 @@ class FakeEngine:
         max_tokens = min(s.max_tokens, self._settings.max_model_len - n_prompt - len(request.resume_token_ids))
         stops = StopStrings(s.stop)
         abort = self._running[request.request_id] = asyncio.Event()
+        if request.adapter:
+            self._running_adapters[request.request_id] = request.adapter
         remember(self.served, request.request_id)
         poison = _input_text(request).split(" ", 1)[0]
         # Its first token comes from the clock's next step (by the time it arrived, not by a late tick).
@@ -194,6 +200,7 @@ class FakeEngine:
             raise
         finally:
             self._running.pop(request.request_id, None)
+            self._running_adapters.pop(request.request_id, None)
 
     async def abort(self, request_id: str) -> None:
         ev = self._running.get(request_id)

@@ -427,7 +427,7 @@ class VllmEngine(LibraryEngine):
         return self._starting
 
 
-    # --- LoRA adapters (vLLM's LoRARequest; written from vLLM 0.26's source, not yet run on a GPU)
+    # --- LoRA adapters (vLLM's LoRARequest; tested on an H200 with vLLM 0.26: tests/e2e/test_node.py)
 
     @property
     def adapters(self) -> tuple[str, ...]:
