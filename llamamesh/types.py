@@ -363,6 +363,8 @@ class WorkerStatus:
     # ("name=path: why").
     adapters: tuple[str, ...] = ()
     adapter_errors: tuple[str, ...] = ()
+    # The run-time adapters it loaded, as "name=path" (LoadAdapter waits for the path it asked for).
+    adapter_paths: tuple[str, ...] = ()
     # Wall clock (Unix s) when the state (or, while starting, the detail) began.
     since_unix_s: float = 0.0
 

@@ -11,7 +11,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from llamamesh import errors
 from llamamesh.queue.protocol import AdapterRegistry, QueueDepth
-from llamamesh.types import ADAPTER_NAME, ModelInfo
+from llamamesh.types import ADAPTER_NAME, ModelInfo, WorkerStatus
 from llamamesh.v1 import admin_pb2 as pb
 from llamamesh.v1 import admin_pb2_grpc
 from services.backends import Backends, Pool
@@ -48,6 +48,15 @@ def backend_pb(pool: Pool, fallback: str, depth: QueueDepth | None = None) -> pb
         at.FromNanoseconds(int(t.at_unix_s * 1e9))
         out.transitions.add(at=at, from_state=t.old.value, to_state=t.new.value, reason=t.reason)
     return out
+
+
+def _serves(w: WorkerStatus, name: str, path: str) -> bool:
+    """Whether worker ``w`` serves adapter ``name`` from ``path``: an adapter registered again from
+    another folder counts once the worker swapped it (its own adapter of that name counts as is)."""
+    if name not in w.adapters:
+        return False
+    loaded = [p.partition("=")[2] for p in w.adapter_paths if p.partition("=")[0] == name]
+    return not loaded or loaded[0] == path
 
 
 def _wait_until(request: pb.LoadAdapterRequest | pb.UnloadAdapterRequest, context: grpc.aio.ServicerContext) -> float:
@@ -103,8 +112,8 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                 await registry.drop_adapter(pool, name)
                 why = refused[0].removeprefix(key)
                 raise errors.InvalidRequest.field("path", f"a worker of pool {pool!r} could not load it: {why}")
-            have = [w.worker for w in workers if name in w.adapters]
-            pending = [w.worker for w in workers if name not in w.adapters]
+            have = [w.worker for w in workers if _serves(w, name, request.path)]
+            pending = [w.worker for w in workers if not _serves(w, name, request.path)]
             # No ready worker: nothing to wait for (workers load it when they come).
             if not pending or loop.time() >= until:
                 return pb.LoadAdapterResponse(workers=have, pending=pending)

@@ -430,6 +430,7 @@ class Worker:
             since_unix_s=self._since,
             adapters=tuple(getattr(self._engine, "adapters", ())),
             adapter_errors=tuple(f"{name}={path}: {why}" for (name, path), why in self._adapter_errors.items()),
+            adapter_paths=tuple(f"{name}={path}" for name, path in sorted(self._loaded_at_runtime.items())),
         )
 
     def _check_adapter_root(self, path: str) -> None:

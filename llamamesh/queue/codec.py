@@ -225,7 +225,7 @@ def decode_status(raw: bytes) -> WorkerStatus:
     """A heartbeat's WorkerStatus; fields this version does not know are ignored."""
     data = json.loads(raw)
     known = {f.name for f in dataclasses.fields(WorkerStatus)}
-    for name in ("adapters", "adapter_errors"):
+    for name in ("adapters", "adapter_errors", "adapter_paths"):
         if name in data:
             data[name] = tuple(data[name])
     return WorkerStatus(**{k: v for k, v in data.items() if k in known})

@@ -120,15 +120,17 @@ async def test_items_name_an_adapter_and_an_unserved_one_is_not_found_before_any
     # The gateway learns the worker's adapters from its heartbeat: until then it cannot tell (and accepts).
     loop = asyncio.get_running_loop()
     end = loop.time() + 10
+    refused: grpc.aio.AioRpcError | None = None
     for attempt in range(1000):
         try:
             await stub.BatchGenerate(bpb.BatchGenerateRequest(batch_id=f"p{attempt}", items=[item("x", "nope")]))
         except grpc.aio.AioRpcError as exc:
-            assert exc.code() == grpc.StatusCode.NOT_FOUND, exc.details()
-            assert "item 0 ('x')" in (exc.details() or "") and "'nope'" in (exc.details() or ""), exc.details()
+            refused = exc
             break
         assert loop.time() < end, "the gateway never saw the worker's adapters"
         await asyncio.sleep(0.05)  # the next heartbeat (bounded by ``end``)
+    assert refused is not None and refused.code() == grpc.StatusCode.NOT_FOUND, refused
+    assert "item 0 ('x')" in (refused.details() or "") and "'nope'" in (refused.details() or ""), refused.details()
     with pytest.raises(grpc.aio.AioRpcError) as missing:  # nothing was stored
         await stub.GetBatch(bpb.GetBatchRequest(batch_id=f"p{attempt}"))
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND
