@@ -501,6 +501,15 @@ class TrtllmSettings:
     enable_block_reuse: str = ""
     # Run the model's own code from its Hugging Face folder.
     trust_remote_code: bool = False
+    # LoRA (the pytorch backend's LoraConfig): serve adapters (on whenever LLAMAMESH_WORKER_ADAPTERS lists
+    # one; set it to load adapters only at run time), how many sit on the GPU and in CPU memory at once,
+    # the highest rank (0: TensorRT-LLM's defaults), and the modules run-time adapters may target,
+    # comma-separated (e.g. attn_q,attn_k,attn_v; empty: what the worker's own adapters target).
+    enable_lora: bool = False
+    max_loras: int = 0
+    max_cpu_loras: int = 0
+    max_lora_rank: int = 0
+    lora_target_modules: str = ""
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from llamamesh.errors import EngineDead, InternalError, InvalidRequest, PromptTooLong, Unavailable
+from llamamesh.errors import EngineDead, InternalError, InvalidRequest, NotFound, PromptTooLong, Unavailable
 from llamamesh.settings import Settings, TrtllmSettings, WorkerSettings
 from llamamesh.types import (
     ChatMessage,
@@ -31,6 +31,7 @@ from llamamesh.types import (
     TokenDelta,
 )
 from workers.engines import registry
+from workers.engines.adapter import lora_id
 from workers.engines.base import EngineStats
 from workers.engines.trtllm import (
     NOT_INSTALLED,
@@ -40,6 +41,7 @@ from workers.engines.trtllm import (
     invalid_from_trtllm,
     kv_cache_kwargs,
     llm_kwargs,
+    lora_kwargs,
     sampling_kwargs,
     setting_of,
     stat_figures,
@@ -92,6 +94,11 @@ def test_every_setting_is_forwarded_verbatim() -> None:
         free_gpu_memory_fraction=0.85,
         enable_block_reuse="false",
         trust_remote_code=True,
+        enable_lora=True,
+        max_loras=2,
+        max_cpu_loras=4,
+        max_lora_rank=8,
+        lora_target_modules="attn_q",
     )
     assert llm_kwargs(WORKER, settings, device_count=8) == {
         "model": "/models/llama",
@@ -106,9 +113,11 @@ def test_every_setting_is_forwarded_verbatim() -> None:
         "guided_decoding_backend": "xgrammar",
     }
     assert kv_cache_kwargs(settings) == {"free_gpu_memory_fraction": 0.85, "enable_block_reuse": False}
-    # Every TrtllmSettings field lands somewhere (backend picks the LLM class).
-    names = {f.name for f in dataclasses.fields(TrtllmSettings)} - {"backend"}
-    assert names <= set(llm_kwargs(WORKER, settings, 8)) | set(kv_cache_kwargs(settings))
+    lora = lora_kwargs(WORKER, settings) or {}
+    assert lora == {"max_loras": 2, "max_cpu_loras": 4, "max_lora_rank": 8, "lora_target_modules": ["attn_q"]}
+    # Every TrtllmSettings field lands somewhere (backend picks the LLM class, enable_lora turns LoraConfig on).
+    names = {f.name for f in dataclasses.fields(TrtllmSettings)} - {"backend", "enable_lora"}
+    assert names <= set(llm_kwargs(WORKER, settings, 8)) | set(kv_cache_kwargs(settings)) | set(lora)
 
 
 @pytest.mark.parametrize(("raw", "expected"), [("true", True), ("TRUE", True), (" false ", False), ("", None)])
@@ -417,11 +426,14 @@ class FakeLLM:
         self.shut_down = False
         FakeLLM.created.append(self)
 
-    def generate_async(self, inputs: dict[str, Any], sampling_params: Any = None, streaming: bool = False) -> Any:
+    def generate_async(
+        self, inputs: dict[str, Any], sampling_params: Any = None, streaming: bool = False, lora_request: Any = None
+    ) -> Any:
         assert streaming
         if self.submit_error is not None:
             raise self.submit_error
         result = FakeResult(inputs["prompt_token_ids"], sampling_params)
+        result.lora_request = lora_request  # type: ignore[attr-defined]
         self.results.append(result)
         return result
 
@@ -445,6 +457,21 @@ class FakeEngineLLM(FakeLLM):
     """tensorrt_llm._tensorrt_engine.LLM."""
 
 
+class FakeLoraConfig:
+    """tensorrt_llm.lora_manager.LoraConfig (the LoRA docs' fields)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+
+
+class FakeLoRARequest(NamedTuple):
+    """tensorrt_llm.executor.request.LoRARequest(lora_name, lora_int_id, lora_path)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
 @pytest.fixture
 def trt(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimpleNamespace]:
     pkg = types.ModuleType("tensorrt_llm")
@@ -456,6 +483,13 @@ def trt(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimpleNamespace]:
     llmapi.GuidedDecodingParams = FakeGuidedDecodingParams  # type: ignore[attr-defined]
     llmapi.RequestError = FakeRequestError  # type: ignore[attr-defined]
     engine_mod.LLM = FakeEngineLLM  # type: ignore[attr-defined]
+    lora_manager = types.ModuleType("tensorrt_llm.lora_manager")
+    lora_manager.LoraConfig = FakeLoraConfig  # type: ignore[attr-defined]
+    executor_request = types.ModuleType("tensorrt_llm.executor.request")
+    executor_request.LoRARequest = FakeLoRARequest  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "tensorrt_llm.lora_manager", lora_manager)
+    monkeypatch.setitem(sys.modules, "tensorrt_llm.executor", types.ModuleType("tensorrt_llm.executor"))
+    monkeypatch.setitem(sys.modules, "tensorrt_llm.executor.request", executor_request)
     pkg.llmapi = llmapi  # type: ignore[attr-defined]
     pkg._tensorrt_engine = engine_mod  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "tensorrt_llm", pkg)
@@ -468,9 +502,9 @@ def trt(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimpleNamespace]:
     FakeLLM.fail_with = None
 
 
-async def started(settings: TrtllmSettings | None = None) -> tuple[TrtllmEngine, FakeLLM]:
+async def started(settings: TrtllmSettings | None = None, adapters: str = "") -> tuple[TrtllmEngine, FakeLLM]:
     engine = TrtllmEngine(
-        WorkerSettings(model="llama-8b", model_path="/m", max_inflight=4),
+        WorkerSettings(model="llama-8b", model_path="/m", max_inflight=4, adapters=adapters),
         settings or TrtllmSettings(),
         device_count=1,
         stats_interval_s=0.01,
@@ -543,6 +577,62 @@ async def test_llm_construction_errors_become_ours(trt: SimpleNamespace) -> None
     FakeLLM.fail_with = RuntimeError("CUDA out of memory")
     with pytest.raises(EngineDead):
         await started()
+
+
+# --- LoRA (LoraConfig at start, a LoRARequest per request)
+
+
+def test_lora_kwargs_come_from_the_workers_adapters_and_the_settings() -> None:
+    assert lora_kwargs(WORKER, TrtllmSettings()) is None  # off
+    own = dataclasses.replace(WORKER, adapters="sql=/a/sql,fr=/a/fr")
+    assert lora_kwargs(own, TrtllmSettings()) == {"lora_dir": ["/a/sql", "/a/fr"]}
+    s = TrtllmSettings(enable_lora=True, max_loras=2, max_cpu_loras=8, max_lora_rank=16,
+                       lora_target_modules="attn_q, attn_k,attn_v")  # fmt: skip
+    assert lora_kwargs(WORKER, s) == {"max_loras": 2, "max_cpu_loras": 8, "max_lora_rank": 16,
+                                      "lora_target_modules": ["attn_q", "attn_k", "attn_v"]}  # fmt: skip
+    with pytest.raises(InvalidRequest) as engines:
+        lora_kwargs(own, TrtllmSettings(backend="tensorrt"))
+    assert field_of(engines) == "trtllm.enable_lora"
+    with pytest.raises(InvalidRequest) as negative:
+        lora_kwargs(WORKER, TrtllmSettings(enable_lora=True, max_cpu_loras=-1))
+    assert field_of(negative) == "trtllm.max_cpu_loras"
+
+
+async def test_adapters_go_with_their_lora_request_and_load_at_run_time(
+    trt: SimpleNamespace, tmp_path: Any
+) -> None:  # fmt: skip
+    engine, llm = await started(TrtllmSettings(max_loras=2), adapters="sql=/a/sql")
+    config = llm.kwargs["lora_config"]
+    assert isinstance(config, FakeLoraConfig) and config.kwargs == {"lora_dir": ["/a/sql"], "max_loras": 2}
+    assert engine.adapters == ("sql",)
+    task = asyncio.create_task(collect(engine, request(prompt="x", adapter="sql"), []))
+    await until(lambda: bool(llm.results))
+    assert llm.results[0].lora_request == FakeLoRARequest("sql", lora_id("sql"), "/a/sql")
+    await engine.abort("r1")
+    await task
+    with pytest.raises(NotFound):
+        await collect(engine, request(request_id="r2", prompt="x", adapter="nope"), [])
+    (tmp_path / "fr").mkdir()
+    (tmp_path / "fr" / "adapter_config.json").write_text("{}")
+    await engine.load_adapter("fr", str(tmp_path / "fr"))
+    assert engine.adapters == ("fr", "sql")
+    with pytest.raises(InvalidRequest) as no_folder:
+        await engine.load_adapter("x", str(tmp_path / "missing"))
+    assert field_of(no_folder) == "adapter"
+    await engine.unload_adapter("fr")
+    assert engine.adapters == ("sql",)
+    await engine.shutdown()
+
+
+async def test_without_lora_a_request_naming_an_adapter_is_not_found_and_none_loads(trt: SimpleNamespace) -> None:
+    engine, llm = await started()
+    assert "lora_config" not in llm.kwargs and engine.adapters == ()
+    with pytest.raises(NotFound):
+        await collect(engine, request(prompt="x", adapter="sql"), [])
+    with pytest.raises(InvalidRequest) as off:
+        await engine.load_adapter("sql", "/a/sql")
+    assert field_of(off) == "adapter" and "LLAMAMESH_TRTLLM_ENABLE_LORA" in off.value.violations[0].description
+    await engine.shutdown()
 
 
 # --- streaming

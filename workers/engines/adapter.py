@@ -15,13 +15,14 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import time
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Collection, Mapping, Sequence
 from typing import Any
 
 import structlog
 
-from llamamesh.errors import EngineDead, InternalError, InvalidRequest, PromptTooLong
-from llamamesh.settings import WorkerSettings
+from llamamesh.errors import EngineDead, InternalError, InvalidRequest, NotFound, PromptTooLong
+from llamamesh.settings import WorkerSettings, adapter_table
 from llamamesh.types import (
     FinishReason,
     GenerationRequest,
@@ -124,6 +125,12 @@ async def cancel_task(task: asyncio.Task[Any] | None) -> None:
         await asyncio.gather(task, return_exceptions=True)
 
 
+def lora_id(name: str) -> int:
+    """The ``lora_int_id`` (vLLM's, TensorRT-LLM's) of an adapter name: from the name alone, so the same
+    in every frontend process of one vLLM engine core (which keys its adapters by it), > 0."""
+    return 1 + zlib.crc32(name.encode()) % (2**31 - 2)
+
+
 class LibraryEngine(abc.ABC):
     """The skeleton both GPU adapters (vllm.py, trtllm.py) share: ``tokenize``, ``stream`` and
     ``abort`` around their library's own calls (the hooks below). The adapter sets ``_llm``, ``_api``
@@ -151,6 +158,21 @@ class LibraryEngine(abc.ABC):
         # Library outputs delivered to our streams (the watchdog's sign of progress).
         self._outputs = 0
         self.aborted: list[str] = []
+        # LoRA adapters (name -> folder): LLAMAMESH_WORKER_ADAPTERS, and those loaded at run time.
+        self._adapters: dict[str, str] = adapter_table(settings.adapters)
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        return tuple(sorted(self._adapters))
+
+    def _adapter_path(self, request: GenerationRequest) -> str | None:
+        """The folder of the request's adapter (None: the base model); NotFound if not loaded here."""
+        if not request.adapter:
+            return None
+        path = self._adapters.get(request.adapter)
+        if path is None:
+            raise NotFound(f"adapter {request.adapter!r} is not loaded on this worker")
+        return path
 
     @property
     def model_name(self) -> str:

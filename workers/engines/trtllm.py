@@ -56,6 +56,11 @@ TensorRT-LLM APIs used, and nothing else:
 - ``LLM._check_health()`` (private; newer releases only, behind trtllm-serve's ``/health``:
   tensorrt_llm/serve/openai_server.py), used only when it exists.
 - ``LLM.shutdown()`` (llm.py), run off the event loop.
+- LoRA (https://nvidia.github.io/TensorRT-LLM/features/lora.html, the PyTorch backend):
+  ``tensorrt_llm.lora_manager.LoraConfig(lora_dir=, max_lora_rank=, max_loras=, max_cpu_loras=,
+  lora_target_modules=)`` as ``LLM(lora_config=)``, and ``tensorrt_llm.executor.request.LoRARequest(name,
+  int_id, path)`` as ``generate_async(..., lora_request=)``; an adapter is loaded from its folder at its
+  first request and kept in the LoRA cache. Never run here.
 
 (and ``torch.cuda.device_count()`` for the default tensor parallel size.)
 
@@ -69,14 +74,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import re
 from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from typing import Any
 
 import structlog
 
-from llamamesh.errors import EngineDead, InternalError, InvalidRequest, NotFound, PromptTooLong
-from llamamesh.settings import TrtllmSettings, WorkerSettings
+from llamamesh.errors import EngineDead, InternalError, InvalidRequest, PromptTooLong
+from llamamesh.settings import TrtllmSettings, WorkerSettings, adapter_table
 from llamamesh.types import (
     FinishReason,
     GenerationRequest,
@@ -86,7 +92,7 @@ from llamamesh.types import (
     TokenLogprob,
 )
 from workers.engines import adapter
-from workers.engines.adapter import SAMPLING_FIELDS, LibraryEngine, cancel_task, token_logprobs
+from workers.engines.adapter import SAMPLING_FIELDS, LibraryEngine, cancel_task, lora_id, token_logprobs
 from workers.engines.base import EngineStats
 from workers.engines.constraints import constraint_error, library_constraint, trtllm_guided
 from workers.engines.params import library_sampling_kwargs
@@ -145,6 +151,30 @@ def llm_kwargs(worker: WorkerSettings, settings: TrtllmSettings, device_count: i
         # response_format: guided decoding needs its backend chosen when the LLM is built (the LLM API
         # docs' guided decoding example); unverified here, like the rest of this adapter.
         kwargs["guided_decoding_backend"] = "xgrammar"
+    return kwargs
+
+
+def lora_kwargs(worker: WorkerSettings, settings: TrtllmSettings) -> dict[str, Any] | None:
+    """``LoraConfig`` keyword arguments (the TensorRT-LLM LoRA docs' fields), or None when LoRA is off:
+    the worker's own adapters (LLAMAMESH_WORKER_ADAPTERS) go in ``lora_dir``; InvalidRequest names a bad
+    setting."""
+    own = adapter_table(worker.adapters)
+    if not own and not settings.enable_lora:
+        return None
+    if settings.backend != "pytorch":
+        raise InvalidRequest.field("trtllm.enable_lora", "LoRA adapters need the pytorch backend here")
+    kwargs: dict[str, Any] = {}
+    if own:
+        kwargs["lora_dir"] = list(own.values())
+    for name in ("max_loras", "max_cpu_loras", "max_lora_rank"):
+        value = getattr(settings, name)
+        if value < 0:
+            raise InvalidRequest.field(f"trtllm.{name}", "must be >= 1, or 0 for TensorRT-LLM's default")
+        if value:
+            kwargs[name] = value
+    modules = [m.strip() for m in settings.lora_target_modules.split(",") if m.strip()]
+    if modules:
+        kwargs["lora_target_modules"] = modules
     return kwargs
 
 
@@ -301,6 +331,14 @@ class _Api:
         self.KvCacheConfig = llmapi.KvCacheConfig
         self.RequestError: type[BaseException] = llmapi.RequestError
 
+    @staticmethod
+    def lora() -> tuple[Any, Any]:
+        """(LoraConfig, LoRARequest), imported only when LoRA is on (the paths of TensorRT-LLM's LoRA docs)."""
+        from tensorrt_llm.executor.request import LoRARequest
+        from tensorrt_llm.lora_manager import LoraConfig
+
+        return LoraConfig, LoRARequest
+
 
 def _prompt_tokenizer(tokenizer: Any) -> Any:
     """The Hugging Face tokenizer inside TensorRT-LLM's TransformersTokenizer (which does not forward
@@ -335,7 +373,27 @@ class TrtllmEngine(LibraryEngine):
         self._stats_task: asyncio.Task[None] | None = None
         # TensorRT-LLM has no stats before the first request, and says so on stdout at every poll.
         self._submitted = False
+        self._lora_request: Any = None  # LoRARequest, once started with LoRA on
 
+
+    # --- LoRA adapters (LoraConfig at start, a LoRARequest per request; never run on real TensorRT-LLM).
+    # TensorRT-LLM loads an adapter from its folder at its first request, and keeps it in its LoRA cache
+    # (max_loras on the GPU, max_cpu_loras in memory); the LLM API has no call to load or drop one.
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Serve adapter ``name`` from the PEFT folder ``path`` (loaded at its first request);
+        InvalidRequest if LoRA is off or ``path`` holds no adapter_config.json."""
+        self._started()
+        if self._lora_request is None:
+            raise InvalidRequest.field("adapter", "LoRA is off on this worker (LLAMAMESH_TRTLLM_ENABLE_LORA)")
+        if not await asyncio.to_thread(os.path.isfile, os.path.join(path, "adapter_config.json")):
+            raise InvalidRequest.field("adapter", f"no PEFT adapter folder (adapter_config.json) at {path!r}")
+        self._adapters[name] = path
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop routing requests to ``name``; requests already running keep it, and TensorRT-LLM's LoRA
+        cache evicts it when it needs the room."""
+        self._adapters.pop(name, None)
 
     # --- lifecycle
 
@@ -366,10 +424,14 @@ class TrtllmEngine(LibraryEngine):
             device_count = torch.cuda.device_count()
         kwargs = llm_kwargs(self._settings, settings, device_count or 0)
         kv = kv_cache_kwargs(settings)
-        keys = [*kwargs, *kv]
+        lora = lora_kwargs(self._settings, settings)
+        keys = [*kwargs, *kv, *(lora or ())]
         try:
             if kv:
                 kwargs["kv_cache_config"] = api.KvCacheConfig(**kv)
+            if lora is not None:
+                lora_config, self._lora_request = api.lora()
+                kwargs["lora_config"] = lora_config(**lora)
             llm = api.LLM(**kwargs)
             tokenizer = llm.tokenizer
         except (TypeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
@@ -458,11 +520,16 @@ class TrtllmEngine(LibraryEngine):
             log.warning("trtllm_abort_failed", error=f"{type(exc).__name__}: {exc}")
 
     def _submit(
-        self, llm: Any, api: _Api, ids: list[int], params: Any, input_field: str, constraint: ResponseConstraint | None
+        self, llm: Any, api: _Api, ids: list[int], params: Any, input_field: str, request: GenerationRequest
     ) -> Any:
+        constraint = request.sampling.constraint
+        lora: dict[str, Any] = {}
+        path = self._adapter_path(request)
+        if path is not None:
+            lora["lora_request"] = self._lora_request(request.adapter, lora_id(request.adapter), path)
         self._submitted = True
         try:
-            return llm.generate_async({"prompt_token_ids": ids}, sampling_params=params, streaming=True)
+            return llm.generate_async({"prompt_token_ids": ids}, sampling_params=params, streaming=True, **lora)
         except (TypeError, ValueError) as exc:
             raise invalid_from_trtllm(str(exc), input_field, constraint) from exc
         except api.RequestError as exc:
@@ -477,8 +544,6 @@ class TrtllmEngine(LibraryEngine):
         return _Stream()
 
     def _library_params(self, request: GenerationRequest, api: Any, input_field: str) -> Any:
-        if request.adapter:  # TensorRT-LLM has LoRA (LoRARequest); this adapter does not map it yet
-            raise NotFound(f"adapter {request.adapter!r}: the TensorRT-LLM engine here serves no LoRA adapters")
         constraint = library_constraint(request, self.library)
         try:
             kwargs = sampling_kwargs(request.sampling)
@@ -497,7 +562,7 @@ class TrtllmEngine(LibraryEngine):
     ) -> AsyncIterator[TokenDelta]:  # fmt: skip
         # TensorRT-LLM's outputs hold only what it generates (SamplingParams.exclude_input_from_output
         # defaults to True); its detokenizer starts at the output, without resumed tokens as context.
-        state.result = self._submit(llm, api, ids, params, input_field, request.sampling.constraint)
+        state.result = self._submit(llm, api, ids, params, input_field, request)
         sent = Sent()
         while True:
             try:

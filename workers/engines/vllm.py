@@ -42,13 +42,12 @@ import dataclasses
 import json
 import re
 import time
-import zlib
 from collections.abc import AsyncIterator, Awaitable, Collection, Mapping, Sequence
 from typing import Any
 
 import structlog
 
-from llamamesh.errors import EngineDead, InternalError, InvalidRequest, NotFound, PromptTooLong
+from llamamesh.errors import EngineDead, InternalError, InvalidRequest, PromptTooLong
 from llamamesh.settings import BatchSettings, VllmSettings, WorkerSettings, adapter_table, env_name
 from llamamesh.types import (
     FinishReason,
@@ -63,6 +62,7 @@ from workers.engines.adapter import (
     LibraryEngine,
     cancel_task,
     check_prompt_tokens,
+    lora_id,
     token_logprobs,
 )
 from workers.engines.base import EngineStats
@@ -184,12 +184,6 @@ def engine_kwargs(worker: WorkerSettings, settings: VllmSettings, device_count: 
     if adapter_table(worker.adapters):
         kwargs["enable_lora"] = True
     return kwargs
-
-
-def lora_id(name: str) -> int:
-    """vLLM's ``lora_int_id`` for an adapter name: the same in every frontend process of one engine core
-    (which keys its adapters by it), from the name alone, > 0."""
-    return 1 + zlib.crc32(name.encode()) % (2**31 - 2)
 
 
 def check_engine_fields(kwargs: Mapping[str, Any], known: Collection[str], extra_keys: Collection[str]) -> None:
@@ -416,9 +410,6 @@ class VllmEngine(LibraryEngine):
         self._vocab_size: int | None = None
         self._snapshot = SchedulerSnapshot()
         self._log_task: asyncio.Task[None] | None = None
-        # LoRA adapters (name -> folder): LLAMAMESH_WORKER_ADAPTERS, and those loaded at run time. vLLM
-        # loads one into the engine core at its first request (or at load_adapter).
-        self._adapters: dict[str, str] = adapter_table(settings.adapters)
         if vllm.max_num_seqs:
             self._warn_if_underfed(vllm.max_num_seqs)
 
@@ -427,11 +418,8 @@ class VllmEngine(LibraryEngine):
         return self._starting
 
 
-    # --- LoRA adapters (vLLM's LoRARequest; tested on an H200 with vLLM 0.26: tests/e2e/test_node.py)
-
-    @property
-    def adapters(self) -> tuple[str, ...]:
-        return tuple(sorted(self._adapters))
+    # --- LoRA adapters (vLLM's LoRARequest; tested on an H200 with vLLM 0.26: tests/e2e/test_node.py).
+    # vLLM loads an adapter into the engine core at load_adapter, or at its first request.
 
     async def load_adapter(self, name: str, path: str) -> None:
         """Load an adapter into the engine core now (vLLM's add_lora); InvalidRequest if vLLM refuses
@@ -620,10 +608,8 @@ class VllmEngine(LibraryEngine):
         n_logprobs = request.sampling.logprobs
         priority = engine_priority(request, self._policy)
         lora: dict[str, Any] = {}
-        if request.adapter:
-            path = self._adapters.get(request.adapter)
-            if path is None:
-                raise NotFound(f"adapter {request.adapter!r} is not loaded on this worker")
+        path = self._adapter_path(request)
+        if path is not None:
             lora["lora_request"] = api.LoRARequest(request.adapter, lora_id(request.adapter), path)
         outputs = llm.generate(api.tokens_input(ids), params, request.request_id, priority=priority, **lora)
         try:
