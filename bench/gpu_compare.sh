@@ -20,7 +20,8 @@
 #   mixedserve   the same against `vllm serve --api-server-count 4 --scheduling-policy priority`
 # A stage may end in @TP and /GPUS: llamamesh@2 (one worker, TP 2), llamamesh@1 (one worker per GPU),
 # llamamesh@1/0 (one worker on GPU 0). And ~modifiers for that stage alone: ~bt<N> (its step budget),
-# ~nostats (vLLM's statistics off), e.g. batchworker~bt32768~nostats.
+# ~nostats (vLLM's statistics off), ~share<X> (LLAMAMESH_BATCH_MAX_SHARE), ~fcfs (vLLM's fcfs policy),
+# e.g. batchworker~bt32768~nostats, mixed~bt4096~share0.25.
 # Env: TP (the worker's tensor_parallel_size; with more GPUs visible, one worker per group), GATEWAYS,
 #      MAX_INFLIGHT, BATCHED_TOKENS (LLAMAMESH_VLLM_MAX_NUM_BATCHED_TOKENS), CONCS, LABEL,
 #      SAME_CLIENT (0: serve stages without bench/load.py's run after `vllm bench serve`).
@@ -298,10 +299,13 @@ for s in "$@"; do
   mods=""
   case $s in *~*) mods=${s#*~}; s=${s%%~*} ;; esac
   BT0=${BATCHED_TOKENS-unset} EXTRA0=${LLAMAMESH_VLLM_EXTRA_ARGS-unset} LABEL0=${LABEL-unset}
+  SHARE0=${LLAMAMESH_BATCH_MAX_SHARE-unset} POLICY0=${LLAMAMESH_VLLM_SCHEDULING_POLICY-unset}
   for m in $(printf %s "$mods" | tr '~' ' '); do
     case $m in
       bt[0-9]*) export BATCHED_TOKENS=${m#bt} ;;
       nostats) export LLAMAMESH_VLLM_EXTRA_ARGS='{"disable_log_stats": true}' ;;
+      share[0-9]*) export LLAMAMESH_BATCH_MAX_SHARE=${m#share} ;;
+      fcfs) export LLAMAMESH_VLLM_SCHEDULING_POLICY=fcfs ;;
       *) echo "unknown stage modifier $m"; exit 2 ;;
     esac
   done
@@ -327,4 +331,6 @@ for s in "$@"; do
   if [ "$BT0" = unset ]; then unset BATCHED_TOKENS; else export BATCHED_TOKENS=$BT0; fi
   if [ "$EXTRA0" = unset ]; then unset LLAMAMESH_VLLM_EXTRA_ARGS; else export LLAMAMESH_VLLM_EXTRA_ARGS=$EXTRA0; fi
   if [ "$LABEL0" = unset ]; then unset LABEL; else export LABEL=$LABEL0; fi
+  if [ "$SHARE0" = unset ]; then unset LLAMAMESH_BATCH_MAX_SHARE; else export LLAMAMESH_BATCH_MAX_SHARE=$SHARE0; fi
+  if [ "$POLICY0" = unset ]; then unset LLAMAMESH_VLLM_SCHEDULING_POLICY; else export LLAMAMESH_VLLM_SCHEDULING_POLICY=$POLICY0; fi
 done

@@ -3,6 +3,7 @@ manifests agree with the code: settings, queue names, health services, grace per
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import shutil
 import subprocess
@@ -413,6 +414,18 @@ def test_canary_gets_a_weighted_share() -> None:
     assert canary["image"] != stable["image"]
     assert settings_of(canary).worker.pool == "vllm-canary"
     assert settings_of(canary).worker.model == settings_of(stable).worker.model
+    # Only the image and the pool differ: the canary's figures compare with the stable pool's.
+    same = dataclasses.replace(settings_of(canary), worker=dataclasses.replace(settings_of(canary).worker, pool="vllm"))
+    assert same == settings_of(stable)
+
+
+def test_the_vllm_pool_is_set_up_for_both_tiers() -> None:
+    """Issue 19 part 2: a pool serving interactive and batch work holds batch items to a quarter of
+    its slots and keeps engine steps short (the configuration measured in docs/benchmarks.md)."""
+    (worker,) = named(render("vllm"), "Deployment", "llamamesh-worker-vllm")["spec"]["template"]["spec"]["containers"]
+    s = settings_of(worker)
+    assert s.batch.max_share == 0.25
+    assert s.vllm.max_num_batched_tokens == 4096
 
 
 def test_tls_overlay_mounts_its_certificates() -> None:
