@@ -373,8 +373,7 @@ class TrtllmEngine(LibraryEngine):
         self._stats_task: asyncio.Task[None] | None = None
         # TensorRT-LLM has no stats before the first request, and says so on stdout at every poll.
         self._submitted = False
-        self._lora_request: Any = None  # LoRARequest, once started with LoRA on
-
+        self._lora_request_type: Any = None  # the LoRARequest class, once started with LoRA on
 
     # --- LoRA adapters (LoraConfig at start, a LoRARequest per request; never run on real TensorRT-LLM).
     # TensorRT-LLM loads an adapter from its folder at its first request, and keeps it in its LoRA cache
@@ -384,7 +383,7 @@ class TrtllmEngine(LibraryEngine):
         """Serve adapter ``name`` from the PEFT folder ``path`` (loaded at its first request);
         InvalidRequest if LoRA is off or ``path`` holds no adapter_config.json."""
         self._started()
-        if self._lora_request is None:
+        if self._lora_request_type is None:
             raise InvalidRequest.field("adapter", "LoRA is off on this worker (LLAMAMESH_TRTLLM_ENABLE_LORA)")
         if not await asyncio.to_thread(os.path.isfile, os.path.join(path, "adapter_config.json")):
             raise InvalidRequest.field("adapter", f"no PEFT adapter folder (adapter_config.json) at {path!r}")
@@ -430,7 +429,7 @@ class TrtllmEngine(LibraryEngine):
             if kv:
                 kwargs["kv_cache_config"] = api.KvCacheConfig(**kv)
             if lora is not None:
-                lora_config, self._lora_request = api.lora()
+                lora_config, self._lora_request_type = api.lora()
                 kwargs["lora_config"] = lora_config(**lora)
             llm = api.LLM(**kwargs)
             tokenizer = llm.tokenizer
@@ -526,7 +525,7 @@ class TrtllmEngine(LibraryEngine):
         lora: dict[str, Any] = {}
         path = self._adapter_path(request)
         if path is not None:
-            lora["lora_request"] = self._lora_request(request.adapter, lora_id(request.adapter), path)
+            lora["lora_request"] = self._lora_request_type(request.adapter, lora_id(request.adapter), path)
         self._submitted = True
         try:
             return llm.generate_async({"prompt_token_ids": ids}, sampling_params=params, streaming=True, **lora)

@@ -130,8 +130,8 @@ def parse_extra_args(raw: str) -> dict[str, Any]:
 
 def for_worker(settings: VllmSettings, batch: BatchSettings) -> VllmSettings:
     """The vLLM settings with the step budget chosen from what the worker serves, when left 0: a
-    batch worker (batch items may take all its slots: ``batch.max_share`` >= 1) gets
-    BATCH_STEP_TOKENS (twice offline LLM's); any other keeps vLLM's server default (shorter steps, steadier interactive
+    batch worker (batch items may take all its slots: ``batch.max_share`` >= 1) gets BATCH_STEP_TOKENS
+    (twice offline LLM's); any other keeps vLLM's server default (shorter steps, steadier interactive
     tokens)."""
     if settings.max_num_batched_tokens or batch.max_share < 1.0:
         return settings
@@ -416,7 +416,6 @@ class VllmEngine(LibraryEngine):
     @property
     def starting(self) -> str:
         return self._starting
-
 
     # --- LoRA adapters (vLLM's LoRARequest; tested on an H200 with vLLM 0.26: tests/e2e/test_node.py).
     # vLLM loads an adapter into the engine core at load_adapter, or at its first request.
