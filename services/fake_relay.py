@@ -2,11 +2,14 @@
 
 Each generate plays what ``script(request)`` returns (events as the caller numbers them, or an
 exception to raise), and it remembers what it was asked: the requests, cancels, and the streams
-it gave up on (the caller went away before the end).
+it gave up on (the caller went away before the end). With ``stall_after`` set, a generate stops
+after that many events and waits until its caller goes away: a stream still running when the
+caller cancels, whatever the transport had buffered.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -24,6 +27,7 @@ class ScriptedRelay:
     cancelled: list[str] = field(default_factory=list)
     abandoned: list[str] = field(default_factory=list)
     closed: bool = False
+    stall_after: int | None = None
 
     def _play(self, request: GenerationRequest) -> Sequence[JobEvent]:
         self.requests.append(request)
@@ -39,7 +43,9 @@ class ScriptedRelay:
         progress.pool = pool
         ended = False
         try:
-            for ev in self._play(request):
+            for n, ev in enumerate(self._play(request)):
+                if n == self.stall_after:
+                    await asyncio.Event().wait()  # until the caller goes away (cancelled)
                 progress.tokens += len(ev.token_ids)
                 ended = ev.terminal
                 yield ev
