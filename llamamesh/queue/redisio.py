@@ -288,7 +288,8 @@ _ASKED: contextvars.ContextVar[ClusterNode | None] = contextvars.ContextVar("lla
 
 
 class _AskingNode(ClusterNode):
-    """redis-py's cluster node (8.1), sending ASKING on the connection of the command it allows.
+    """redis-py's cluster node (8.1), sending ASKING on the connection of the command it allows,
+    and closing idle connections without closing them under a command (disconnect_free_connections).
 
     After an ASK its client sends ASKING to the new node as a command of its own, on the first free
     pooled connection, and the redirected command on the next free one. With two connections or
@@ -324,13 +325,27 @@ class _AskingNode(ClusterNode):
                 self.release(connection)
 
 
+    async def disconnect_free_connections(self) -> None:
+        """Close the idle connections (redis-py calls this on a node whose command lost its
+        connection, and on a node dropped from the map), taking them out of the free list while
+        they close. redis-py's own leaves them there: a command started meanwhile takes one, and
+        the close lands under it ("Connection closed by server", "Connection lost" while writing),
+        so one lost connection fails other commands on the node, until they all give up."""
+        idle = tuple(self._free)
+        self._free.clear()
+        try:
+            await asyncio.gather(*(connection.disconnect() for connection in idle), return_exceptions=True)
+        finally:
+            self._free.extend(idle)
+
+
 # The client makes the nodes it learns from the cluster's map by this module-level name.
 _redis_cluster.ClusterNode = _AskingNode  # type: ignore[misc]
 
 
 class _Cluster(RedisCluster):
-    """redis-py's cluster client, with three of its faults mended at the seam (a fourth, ASKING on
-    the wrong connection, in _AskingNode):
+    """redis-py's cluster client, with three of its faults mended at the seam (two more in
+    _AskingNode: ASKING on the wrong connection, idle connections closed under a command):
 
     - it learns the cluster's map before its first command runs. Left lazy, the commands of a burst
       at start (a gateway's event lanes, each a blocking read on its own node) race the map being

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -75,3 +76,24 @@ async def test_commands_follow_ask_and_tryagain_while_a_slot_moves(
     # Moved: MOVED teaches the client the new owner.
     assert cluster.master_of(a).port == migration.target.port
     assert await asyncio.gather(c.get(a), c.get(b), c.get(f"{{{tag}}}:new")) == [b"1", b"2", b"3"]
+
+
+async def test_closing_a_nodes_idle_connections_fails_no_command_on_it(
+    cluster: RedisClusterProcs, client: aioredis.Redis
+) -> None:
+    """redis-py closes a node's idle connections when a command on it loses its connection (a
+    slot moving, a master killed). A command that takes one of them meanwhile must not have it
+    closed under it: one lost connection would fail every command started on the node in that
+    window (seen as a Generate failing UNAVAILABLE while a slot moved)."""
+    c: Any = client
+    await c.set("{t0}:k", "v")
+    node = c.get_node_from_key("{t0}:k")
+    await asyncio.gather(*(c.blpop(["{t0}:idle"], 0.05) for _ in range(4)))  # idle pooled connections
+    assert len(node._free) >= 2
+    closing = asyncio.create_task(node.disconnect_free_connections())
+    await asyncio.sleep(0)  # one scheduler turn: the close has begun and waits on its sockets
+    # What the client does for a command on the node: one connection of the node, for one command.
+    assert await asyncio.gather(*(node.execute_command("GET", "{t0}:k") for _ in range(4))) == [b"v"] * 4
+    await asyncio.wait_for(closing, 5)
+    assert await c.get("{t0}:k") == b"v"  # the closed ones reconnect when next taken
+
