@@ -94,7 +94,7 @@ from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
-from redis.exceptions import ClusterError, RedisError, ResponseError
+from redis.exceptions import ClusterError, RedisClusterException, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from llamamesh.errors import QueueUnavailable
@@ -339,17 +339,43 @@ class _AskingNode(ClusterNode):
             self._free.extend(idle)
 
 
+def _stream_keys(command: Any, args: Sequence[Any]) -> Sequence[Any] | None:
+    """The stream keys of an XREAD or XREADGROUP (``args`` after the command's name), None for
+    another command: the first half of what follows STREAMS. XREADGROUP's group and consumer come
+    first, and the options between take numbers, so the first STREAMS from there is the keyword."""
+    name = _word(command)
+    if name not in ("XREAD", "XREADGROUP"):
+        return None
+    start = 3 if name == "XREADGROUP" else 0
+    at = next((i for i in range(start, len(args)) if _word(args[i]) == "STREAMS"), None)
+    rest = args[at + 1 :] if at is not None else ()
+    if not rest or len(rest) % 2:
+        raise RedisClusterException(f"Invalid args in command: {command, *args}")
+    return rest[: len(rest) // 2]
+
+
+def _word(arg: Any) -> str:
+    return (arg.decode(errors="replace") if isinstance(arg, bytes) else str(arg)).upper()
+
+
 # The client makes the nodes it learns from the cluster's map by this module-level name.
 _redis_cluster.ClusterNode = _AskingNode  # type: ignore[misc]
 
 
 class _Cluster(RedisCluster):
-    """redis-py's cluster client, with three of its faults mended at the seam (two more in
+    """redis-py's cluster client, with five of its faults mended at the seam (two more in
     _AskingNode: ASKING on the wrong connection, idle connections closed under a command):
 
     - it learns the cluster's map before its first command runs. Left lazy, the commands of a burst
       at start (a gateway's event lanes, each a blocking read on its own node) race the map being
       learnt: connections in use get recycled under them, and a few lanes fail their first read;
+    - it learns the map again (after a lost connection, every few MOVED) inside whichever command
+      comes next, and when that learning fails it closes every connection of every node. A caller
+      cancelled meanwhile (its stream's caller gone, a timeout) counted as failing: every command
+      in flight died "Connection closed by server". The learning runs as a task of its own here,
+      once for all the commands that wait on it, and a cancelled caller stops waiting, not learning;
+    - it asks a node (COMMAND GETKEYS, one more round trip, never retried) for the keys of XREAD and
+      XREADGROUP, the queue's most frequent commands: their keys are read from the command here;
     - a connection closed under a command in flight (a master killed, the map refreshed) raises
       RuntimeError or AttributeError from inside the client: those become the ConnectionError they
       are, so that the queue's callers retry as for any outage instead of dying of it;
@@ -357,22 +383,33 @@ class _Cluster(RedisCluster):
       split between two masters): such a command never ran, so it is tried again for
       RESHARD_WAIT_S."""
 
-    _ready: asyncio.Lock | None = None
+    _learning: asyncio.Future[Any] | None = None
 
-    async def _learn_map(self) -> None:
-        if self._ready is None:
-            self._ready = asyncio.Lock()
-        async with self._ready:
-            if self._initialize:
-                await self.initialize()
+    async def initialize(self, *args: Any, **kwargs: Any) -> _Cluster:
+        if not self._initialize:
+            return self
+        learning = self._learning
+        if learning is None or learning.done():
+            learning = self._learning = asyncio.ensure_future(super().initialize(*args, **kwargs))
+            learning.add_done_callback(lambda f: f.cancelled() or f.exception())  # each waiter sees it
+        await asyncio.shield(learning)
+        return self
+
+    async def _determine_slot(self, command: str, *args: Any) -> int:
+        keys = _stream_keys(command, args)
+        if keys is None:
+            return await super()._determine_slot(command, *args)
+        slots = {self.keyslot(key) for key in keys}
+        if len(slots) != 1:
+            raise RedisClusterException(f"{command} - all keys must map to the same key slot")
+        return slots.pop()
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         deadline = time.monotonic() + RESHARD_WAIT_S
         pause = 0.05
         while True:
             try:
-                if self._initialize:
-                    await self._learn_map()
+                await self.initialize()
                 return await super().execute_command(*args, **kwargs)
             except ClusterError as exc:
                 # Only redirections (MOVED, ASK, TRYAGAIN: never run) spend the client's tries: a
@@ -396,8 +433,7 @@ class _ClusterPipeline(ClusterPipeline):
     async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> list[Any]:
         client: Any = self.cluster_client
         try:
-            if client._initialize:
-                await client._learn_map()
+            await client.initialize()
             return await super().execute(raise_on_error, allow_redirections)
         except RedisError:
             raise

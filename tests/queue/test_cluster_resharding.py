@@ -97,3 +97,48 @@ async def test_closing_a_nodes_idle_connections_fails_no_command_on_it(
     await asyncio.wait_for(closing, 5)
     assert await c.get("{t0}:k") == b"v"  # the closed ones reconnect when next taken
 
+
+
+async def _until(check: Any, what: str, turns: int = 100_000) -> None:
+    for _ in range(turns):  # bounded: scheduler turns, no clock
+        if check():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"never: {what}")
+
+
+async def test_a_command_cancelled_while_the_map_is_relearnt_fails_no_other_command(
+    cluster: RedisClusterProcs, client: aioredis.Redis
+) -> None:
+    """After a lost connection the next command learns the cluster's map again. redis-py closes
+    every connection of every node when that learning fails, and a cancelled caller (a stream's
+    caller gone, a timeout) counts as failing: the commands in flight on other connections (a
+    gateway's blocking reads, a worker's lease) died "Connection closed by server"."""
+    c: Any = client
+    await c.set("{t0}:k", "v")
+    node = c.get_node_from_key("{t0}:held")
+    # In flight through the relearning, and not retried by redis-py (a node named: no tries left),
+    # so that a closed connection shows.
+    held = asyncio.create_task(c.execute_command("BLPOP", "{t0}:held", 1, target_nodes=node))
+    await _until(lambda: len(node._connections) > len(node._free), "the blocking read holds a connection")
+    c._initialize = True  # as after a lost connection: the next command learns the map first
+    learner = asyncio.create_task(c.get("{t0}:k"))
+    await _until(lambda: c._lock is not None and c._lock.locked(), "the next command learns the map")
+    learner.cancel()
+    assert await asyncio.wait_for(held, 10) is None  # its timeout, not a closed connection
+    assert await c.get("{t0}:k") == b"v"
+
+
+async def test_stream_reads_are_routed_without_asking_a_node_for_their_keys(
+    cluster: RedisClusterProcs, client: aioredis.Redis
+) -> None:
+    """redis-py asks a node (COMMAND GETKEYS) where XREAD's and XREADGROUP's keys are: one more round
+    trip per read, and one more connection that can fail it. The client reads them itself."""
+    c: Any = client
+    await c.xadd("{t0}:s", {"f": "v"})
+    await c.xgroup_create("{t0}:s", "g", id="0", mkstream=True)
+    await c.execute_command("CONFIG RESETSTAT", target_nodes=c.get_nodes())
+    assert [m for _, m in (await c.xread({"{t0}:s": "0"}, count=1, block=10))[0][1]] == [{b"f": b"v"}]
+    assert [m for _, m in (await c.xreadgroup("g", "c", {"{t0}:s": ">"}, count=1))[0][1]] == [{b"f": b"v"}]
+    stats = await c.info("commandstats", target_nodes=c.get_nodes())
+    assert not [k for node in stats.values() for k in node if "getkeys" in k], stats

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 from redis.crc import key_slot
+from redis.exceptions import RedisClusterException
 
 from llamamesh.queue.follow import hash_tag
 from llamamesh.queue.keys import Keys, shard_tags
-from llamamesh.queue.redisio import cluster_nodes, connect, is_cluster
+from llamamesh.queue.redisio import _stream_keys, cluster_nodes, connect, is_cluster
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import RedisSettings
 
@@ -24,6 +25,17 @@ def test_a_cluster_url_lists_its_nodes_and_credentials() -> None:
             cluster_nodes(bad)
     assert is_cluster(connect(RedisSettings(url="redis+cluster://127.0.0.1:7000")))
     assert not is_cluster(connect(RedisSettings(url="redis://127.0.0.1:6379")))
+
+
+def test_the_stream_keys_of_xread_and_xreadgroup_are_read_from_the_command() -> None:
+    """What the cluster client routes XREAD and XREADGROUP by, without asking a node."""
+    assert _stream_keys("XREAD", ("COUNT", 10, "BLOCK", 100, "STREAMS", "a", "b", "0", "$")) == ("a", "b")
+    assert _stream_keys(b"xreadgroup", (b"GROUP", b"streams", b"streams", b"STREAMS", b"k", b">")) == (b"k",)
+    assert _stream_keys("XREADGROUP", ("GROUP", "g", "c", "NOACK", "streams", "k", ">")) == ("k",)
+    assert _stream_keys("GET", ("k",)) is None and _stream_keys("EVALSHA", ("sha", 1, "k")) is None
+    for bad in [("STREAMS",), ("STREAMS", "a", "b", "0"), ("COUNT", 1), ()]:
+        with pytest.raises(RedisClusterException, match="Invalid args"):
+            _stream_keys("XREAD", bad)
 
 
 def test_event_shards_cover_the_slot_space_evenly_and_every_id_lands_in_one() -> None:
