@@ -324,7 +324,6 @@ class _AskingNode(ClusterNode):
             finally:
                 self.release(connection)
 
-
     async def disconnect_free_connections(self) -> None:
         """Close the idle connections (redis-py calls this on a node whose command lost its
         connection, and on a node dropped from the map), taking them out of the free list while
