@@ -390,7 +390,8 @@ class _Cluster(RedisCluster):
         learning = self._learning
         if learning is None or learning.done():
             learning = self._learning = asyncio.ensure_future(super().initialize(*args, **kwargs))
-            learning.add_done_callback(lambda f: f.cancelled() or f.exception())  # each waiter sees it
+            # Its error reaches every waiter; read here too, so that none waiting leaves no warning.
+            learning.add_done_callback(lambda f: f.cancelled() or f.exception())
         await asyncio.shield(learning)
         return self
 

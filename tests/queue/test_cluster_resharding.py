@@ -98,7 +98,6 @@ async def test_closing_a_nodes_idle_connections_fails_no_command_on_it(
     assert await c.get("{t0}:k") == b"v"  # the closed ones reconnect when next taken
 
 
-
 async def _until(check: Any, what: str, turns: int = 100_000) -> None:
     for _ in range(turns):  # bounded: scheduler turns, no clock
         if check():
