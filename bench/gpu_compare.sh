@@ -21,7 +21,8 @@
 # A stage may end in @TP and /GPUS: llamamesh@2 (one worker, TP 2), llamamesh@1 (one worker per GPU),
 # llamamesh@1/0 (one worker on GPU 0). And ~modifiers for that stage alone: ~bt<N> (its step budget),
 # ~nostats (vLLM's statistics off), ~share<X> (LLAMAMESH_BATCH_MAX_SHARE), ~fcfs (vLLM's fcfs policy),
-# e.g. batchworker~bt32768~nostats, mixed~bt4096~share0.25.
+# ~prerun (llamamesh: an unmeasured run at each level first), ~loadpyfirst (serve: bench/load.py before
+# `vllm bench serve` at each level), e.g. batchworker~bt32768~nostats, mixed~bt4096~share0.25.
 # Env: TP (the worker's tensor_parallel_size; with more GPUs visible, one worker per group), GATEWAYS,
 #      MAX_INFLIGHT, BATCHED_TOKENS (LLAMAMESH_VLLM_MAX_NUM_BATCHED_TOKENS), CONCS, LABEL,
 #      SAME_CLIENT (0: serve stages without bench/load.py's run after `vllm bench serve`).
@@ -134,6 +135,12 @@ stage_llamamesh() {
   llamamesh_up "$frontends" || return 1
   label="llamamesh-f$frontends-g${GATEWAYS:-4}-tp${TP:-all}-gpu${CUDA_VISIBLE_DEVICES:-all}${LABEL:+-$LABEL}"
   for c in $CONCS; do
+    # ~prerun: first the same level on other prompts (seed c+1000), unmeasured, as the serve stages'
+    # load.py runs follow `vllm bench serve` at that level on the same server.
+    if [ -n "${PRERUN:-}" ]; then
+      python3 bench/load.py --address 127.0.0.1:50051 --tokenizer "$M" --concurrency "$c" --seed $((c + 1000)) \
+        --processes "${CLIENT_PROCS:-4}" --json "$R/prerun.jsonl" --label "$label-prerun" 2>&1 | tail -1 | cut -c1-300
+    fi
     ts=$(date +%s.%N)
     python3 bench/load.py --address 127.0.0.1:50051 --tokenizer "$M" --concurrency "$c" --seed "$c" \
       --processes "${CLIENT_PROCS:-4}" --json "$R/llamamesh.jsonl" --records "$R/records.jsonl" --label "$label" \
@@ -242,6 +249,7 @@ with open(sys.argv[1], "a") as out:
 PY
   poller=$!
   for c in $CONCS; do
+    [ -n "${LOADPY_FIRST:-}" ] && serve_loadpy "$name" "$c"
     vllm bench serve --backend openai --base-url http://127.0.0.1:8000 --endpoint /v1/completions \
       --model "$M" --dataset-name random --random-input-len 512 --random-output-len 128 --random-range-ratio 0 \
       --ignore-eos --num-prompts $(( 8 * c )) --max-concurrency "$c" --num-warmups 32 --seed "$c" \
@@ -249,15 +257,18 @@ PY
       --result-dir "$dir" --result-filename "serve_c$c.json" --disable-tqdm > "$dir/bench_c$c.log" 2>&1
     echo "[$name] vllm bench serve rc=$? concurrency=$c"
     grep -E "Output token throughput|Median TTFT|P99 TTFT" "$dir/bench_c$c.log"
-    if [ "${SAME_CLIENT:-1}" = 1 ]; then
-      python3 bench/load.py --openai-url http://127.0.0.1:8000 --model "$M" --tokenizer "$M" --concurrency "$c" --seed "$c" \
-        --processes "${CLIENT_PROCS:-4}" --json "$R/serve-load.jsonl" --records "$R/records.jsonl" \
-        --label "$name-loadpy" 2>&1 | tail -1 | cut -c1-400
-    fi
+    [ "${SAME_CLIENT:-1}" = 1 ] && [ -z "${LOADPY_FIRST:-}" ] && serve_loadpy "$name" "$c"
   done
   kill $poller 2>/dev/null
   serve_down
   python3 bench/ttft_split.py prom "$dir/metrics.txt" --label "$name" | tee -a "$R/serve-split.jsonl"
+}
+
+# bench/load.py, the client of the llamamesh stages, against the `vllm serve` of stage_serve, at level $2.
+serve_loadpy() {
+  python3 bench/load.py --openai-url http://127.0.0.1:8000 --model "$M" --tokenizer "$M" --concurrency "$2" --seed "$2" \
+    --processes "${CLIENT_PROCS:-4}" --json "$R/serve-load.jsonl" --records "$R/records.jsonl" \
+    --label "$1-loadpy${LABEL:+-$LABEL}" 2>&1 | tail -1 | cut -c1-400
 }
 
 # Nothing of a stage may hold the GPU when the next one starts.
@@ -300,12 +311,15 @@ for s in "$@"; do
   case $s in *~*) mods=${s#*~}; s=${s%%~*} ;; esac
   BT0=${BATCHED_TOKENS-unset} EXTRA0=${LLAMAMESH_VLLM_EXTRA_ARGS-unset} LABEL0=${LABEL-unset}
   SHARE0=${LLAMAMESH_BATCH_MAX_SHARE-unset} POLICY0=${LLAMAMESH_VLLM_SCHEDULING_POLICY-unset}
+  unset PRERUN LOADPY_FIRST
   for m in $(printf %s "$mods" | tr '~' ' '); do
     case $m in
       bt[0-9]*) export BATCHED_TOKENS=${m#bt} ;;
       nostats) export LLAMAMESH_VLLM_EXTRA_ARGS='{"disable_log_stats": true}' ;;
       share[0-9]*) export LLAMAMESH_BATCH_MAX_SHARE=${m#share} ;;
       fcfs) export LLAMAMESH_VLLM_SCHEDULING_POLICY=fcfs ;;
+      prerun) export PRERUN=1 ;;
+      loadpyfirst) export LOADPY_FIRST=1 ;;
       *) echo "unknown stage modifier $m"; exit 2 ;;
     esac
   done

@@ -235,6 +235,7 @@ def summarise(rec: list[dict], duration: float, label: str, concurrency: int) ->
     ttft = [r["ttft"] * 1e3 for r in rec]
     itl = [x * 1e3 for r in rec for x in r["itl"]]
     tpot = [(r["e2e"] - r["ttft"]) / (r["ntok"] - 1) * 1e3 for r in rec if r["ntok"] > 1]
+    e2e = [r["e2e"] * 1e3 for r in rec]
     n_out = sum(r["ntok"] for r in rec)
     n_in = sum(r["prompt_tokens"] for r in rec)
     return {
@@ -248,6 +249,10 @@ def summarise(rec: list[dict], duration: float, label: str, concurrency: int) ->
         "server_queue_ms_p50": pct([r["queue_ms"] for r in rec], 50),
         "server_ttft_ms_p50": pct([r["server_ttft_ms"] for r in rec], 50),
         "tpot_ms_p50": pct(tpot, 50), "tpot_ms_mean": statistics.fmean(tpot) if tpot else float("nan"),
+        # A closed loop's requests take the same time end to end on any frontend that keeps the engine's
+        # throughput: a lower TTFT there comes with a higher TPOT (docs/benchmarks.md, issue 19 part 1).
+        "ttft_ms_mean": statistics.fmean(ttft) if ttft else float("nan"),
+        "e2e_ms_p50": pct(e2e, 50), "e2e_ms_mean": statistics.fmean(e2e) if e2e else float("nan"),
     }
 
 
