@@ -8,7 +8,7 @@ split between the two answers ``TRYAGAIN`` until the slot has moved (llamamesh/q
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -98,7 +98,7 @@ async def test_closing_a_nodes_idle_connections_fails_no_command_on_it(
     assert await c.get("{t0}:k") == b"v"  # the closed ones reconnect when next taken
 
 
-async def _until(check: Any, what: str, turns: int = 100_000) -> None:
+async def _until(check: Callable[[], bool], what: str, turns: int = 100_000) -> None:
     for _ in range(turns):  # bounded: scheduler turns, no clock
         if check():
             return
