@@ -6,15 +6,18 @@ Each run starts a fresh node (bench/soak.py's: redis-server, the gateway, one wo
 ``LLAMAMESH_WORKER_FAKE_STEP_S`` = ``--step-s``: 0.02 is 50 tokens/s per stream, so 256 streams
 offer 12.8 k tokens/s; 0 is a zero-cost engine, where the relay alone sets the rate) and runs
 ``bench/load.py --concurrency 256 --input-len 64 --output-len 128``. A side is
-``PARSER:GATEWAYS[:LOOP]``: ``python`` hides the hiredis module (redis-py then parses the Redis
-protocol in pure Python, as before hiredis was a dependency), ``hiredis`` uses it; GATEWAYS is
-``LLAMAMESH_GATEWAY_PROCESSES``; LOOP is ``LLAMAMESH_GATEWAY_EVENT_LOOP`` (default uvloop); CLOCK is
-``LLAMAMESH_WORKER_FAKE_CLOCK`` (default deadline: the engine steps on its own clock, as a GPU's
-does; ``sleep``: the clock before 2026-12, whose step stretches when the worker's loop is busy, so
-the offered rate drops below 12.8 k under load). A side may end in ``@DIR``: the node's gateway
-and worker run from the checkout DIR instead of this one (e.g. the code before a change, unpacked
-with ``git archive REF | tar -x -C DIR``), against the same client, in the same rotation; then the
-clock is set only when the side names it (older code has no such setting).
+``PARSER:GATEWAYS[:LOOP[:CLOCK]][+NAME=VALUE...][@DIR]``: ``python`` hides the hiredis module
+(redis-py then parses the Redis protocol in pure Python, as before hiredis was a dependency),
+``hiredis`` uses it; GATEWAYS is ``LLAMAMESH_GATEWAY_PROCESSES``; LOOP is
+``LLAMAMESH_GATEWAY_EVENT_LOOP`` (default uvloop); CLOCK is ``LLAMAMESH_WORKER_FAKE_CLOCK``
+(default deadline: the engine steps on its own clock, as a GPU's does; ``sleep``: the clock before
+2026-12, whose step stretches when the worker's loop is busy, so the offered rate drops below
+12.8 k under load). ``+NAME=VALUE`` sets one more setting for that side's node (e.g.
+``+LLAMAMESH_GATEWAY_ACCEPTORS=32``). ``@DIR``: the node's gateway and worker run from the
+checkout DIR instead of this one (e.g. the code before a change, unpacked with ``git archive REF |
+tar -x -C DIR``), against the same client, in the same rotation; then the clock is set only when
+the side names it (older code has no such setting). ``--keep DIR`` keeps each run's folder (the
+processes' logs, and the client's per-request records for bench/waves.py).
 Reported per run (a JSON line) and as medians per side: output tokens/s (and its share of the
 offered rate when paced), TTFT p50/p99, ITL p50/p99 at the client, and the gateway's and worker's
 CPU cores.
@@ -52,8 +55,15 @@ def no_hiredis(root: Path) -> str:
     return str(shim.parent)
 
 
+def spy(py_spy: str, pid: int, out: Path) -> subprocess.Popen[bytes]:
+    """py-spy sampling ``pid`` for the load's first 40 s (collapsed stacks, for flamegraph tools)."""
+    args = [py_spy, "record", "-p", str(pid), "-r", "200", "-f", "raw", "-o", str(out), "-d", "40"]
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def one_run(args: argparse.Namespace, tokenizer: str, side: str, workdir: Path) -> dict:
     spec, _, code = side.partition("@")
+    spec, *extra = spec.split("+")  # +NAME=VALUE: more settings for this side's node
     parts = spec.split(":")
     parser, gateways, event_loop, clock = parts + ["uvloop", "deadline"][len(parts) - 2 :]
     workdir.mkdir(parents=True)
@@ -63,6 +73,7 @@ def one_run(args: argparse.Namespace, tokenizer: str, side: str, workdir: Path) 
     env = {"LLAMAMESH_WORKER_MAX_INFLIGHT": str(max(2 * args.concurrency, 16)),
            "LLAMAMESH_WORKER_FAKE_STEP_S": str(args.step_s), "LLAMAMESH_GATEWAY_PROCESSES": gateways,
            "LLAMAMESH_GATEWAY_EVENT_LOOP": event_loop}  # fmt: skip
+    env.update(x.split("=", 1) for x in extra)
     if not code or len(parts) >= 4:
         env["LLAMAMESH_WORKER_FAKE_CLOCK"] = clock
     if parser == "python":
@@ -82,8 +93,14 @@ def one_run(args: argparse.Namespace, tokenizer: str, side: str, workdir: Path) 
                "--output-len", str(args.output_len), "--label", side, "--json", str(out),
                "--watch", f"gateway={node.procs['gateway'].pid}",
                "--watch", f"worker={node.procs['worker'].pid}"]  # fmt: skip
+        if args.keep:  # each request's start, TTFT and end, for bench/waves.py
+            cmd += ["--records", str(workdir / "records.jsonl")]
+        names = ("gateway", "worker") if args.py_spy else ()
+        spies = [spy(args.py_spy, node.procs[n].pid, workdir / f"{n}.py-spy.txt") for n in names]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=args.run_timeout_s)
         res = json.loads(out.read_text().splitlines()[-1])
+        for p in spies:
+            p.wait(timeout=args.run_timeout_s)
     finally:
         node.stop()
     cores = res.get("cpu_cores", {})
@@ -102,7 +119,7 @@ def one_run(args: argparse.Namespace, tokenizer: str, side: str, workdir: Path) 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sides", nargs="+", default=["python:1:asyncio", "hiredis:1:asyncio", "hiredis:1", "hiredis:2"],
-                    help="PARSER:GATEWAYS[:LOOP[:CLOCK]]")
+                    help="PARSER:GATEWAYS[:LOOP[:CLOCK]][+NAME=VALUE...][@DIR]")
     ap.add_argument("--pairs", type=int, default=2, help="rounds of every side")
     ap.add_argument("--step-s", type=float, default=0.02, help="the fake engine's step (0: no cost)")
     ap.add_argument("--concurrency", type=int, default=256)
@@ -112,14 +129,18 @@ def main() -> None:
     ap.add_argument("--tokenizer", default="", help="a folder with SmolLM2's tokenizer (default: converted)")
     ap.add_argument("--run-timeout-s", type=float, default=300)
     ap.add_argument("--json", default="", help="write the runs and the medians here")
+    ap.add_argument("--keep", default="", help="keep each run's node folder (its processes' logs) under here")
+    ap.add_argument("--py-spy", default="", metavar="PATH",
+                    help="this py-spy records the gateway and the worker of each run (with --keep)")
     args = ap.parse_args()
     tokenizer = args.tokenizer or tokenizer_dir()
     rows = []
     with tempfile.TemporaryDirectory(prefix="cpu-relay-") as tmp:
+        root = Path(args.keep or tmp)
         for n in range(args.pairs):
             for side in args.sides:
                 name = side.replace(":", "-").replace("@", "-at-").replace("/", "_")
-                rows.append(one_run(args, tokenizer, side, Path(tmp) / f"{n}-{name}"))
+                rows.append(one_run(args, tokenizer, side, root / f"{n}-{name}"))
     offered = args.concurrency / args.step_s if args.step_s else 0.0
     print(f"\n{args.concurrency} streams, {args.input_len} in / {args.output_len} out, fake engine step "
           f"{args.step_s * 1e3:.0f} ms" + (f" (offered {offered:.0f} tok/s)" if offered else " (zero cost)")
