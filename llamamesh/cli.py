@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -270,8 +272,22 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 
 async def _top(args: argparse.Namespace, out: Any) -> int:
     clear = "\x1b[H\x1b[2J" if out.isatty() else ""  # home and clear; a pipe gets plain frames
+    # Ctrl-C sets an event, not asyncio.run's cancel of this task: a cancel that lands as grpc.aio's
+    # unary call completes is lost (its inner task swallows the CancelledError and the call returns,
+    # or raises an AioRpcError with status OK), and top went on redrawing.
+    stop, loop = asyncio.Event(), asyncio.get_running_loop()
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # no loop signals here
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+    try:
+        return await _frames(args, out, clear, stop)
+    finally:
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.remove_signal_handler(signal.SIGINT)
+
+
+async def _frames(args: argparse.Namespace, out: Any, clear: str, stop: asyncio.Event) -> int:
     async with _client(args.address, args) as c:
-        while True:
+        while not stop.is_set():
             title = f"llamamesh top  {args.address}  {time.strftime('%H:%M:%S')}"
             try:
                 frame = top.render(await c.admin.ListBackends(admin_pb.ListBackendsRequest(), timeout=10), title)
@@ -284,7 +300,9 @@ async def _top(args: argparse.Namespace, out: Any) -> int:
             out.flush()
             if args.once:
                 return 0
-            await asyncio.sleep(args.interval)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), args.interval)
+    return 0
 
 
 def cmd_top(args: argparse.Namespace) -> int:
