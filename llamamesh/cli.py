@@ -289,8 +289,12 @@ async def _frames(args: argparse.Namespace, out: Any, clear: str, stop: asyncio.
     async with _client(args.address, args) as c:
         while not stop.is_set():
             title = f"llamamesh top  {args.address}  {time.strftime('%H:%M:%S')}"
+            call = c.admin.ListBackends(admin_pb.ListBackendsRequest(), timeout=10)
+            if not await _unless(stop, call):  # Ctrl-C while it waits on a slow gateway: at once
+                call.cancel()
+                break
             try:
-                frame = top.render(await c.admin.ListBackends(admin_pb.ListBackendsRequest(), timeout=10), title)
+                frame = top.render(await call, title)
             except grpc.aio.AioRpcError as err:
                 if args.once:
                     print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
@@ -303,6 +307,20 @@ async def _frames(args: argparse.Namespace, out: Any, clear: str, stop: asyncio.
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), args.interval)
     return 0
+
+
+async def _unless(stop: asyncio.Event, call: Any) -> bool:
+    """Wait for ``call`` to end (True), or for ``stop`` (False)."""
+    ended, stopped = asyncio.ensure_future(_ended(call)), asyncio.ensure_future(stop.wait())
+    await asyncio.wait((ended, stopped), return_when=asyncio.FIRST_COMPLETED)
+    for t in (ended, stopped):
+        t.cancel()
+    return ended.done() and not ended.cancelled()
+
+
+async def _ended(call: Any) -> None:
+    with contextlib.suppress(grpc.aio.AioRpcError):
+        await call
 
 
 def cmd_top(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ import asyncio
 import signal
 import sys
 
+import grpc
 import pytest
 
 from llamamesh.v1 import admin_pb2, admin_pb2_grpc
@@ -35,6 +36,37 @@ async def test_top_redraws_until_ctrl_c_and_exits_0(stack: Stack) -> None:
             await proc.wait()
     assert proc.returncode == 0, err.decode()
     assert b"\x1b[" not in rest  # not a TTY: plain frames, no ANSI redraw
+    assert b"Traceback" not in err
+
+
+async def test_ctrl_c_while_the_gateway_does_not_answer_exits_at_once() -> None:
+    """Ctrl-C ends top at once even while its ListBackends waits (10 s) on a gateway that never answers."""
+    entered = asyncio.Event()
+
+    class Hung(admin_pb2_grpc.AdminServiceServicer):
+        async def ListBackends(self, request: object, context: object) -> admin_pb2.ListBackendsResponse:
+            entered.set()
+            await asyncio.sleep(60)
+            return admin_pb2.ListBackendsResponse()
+
+    server = grpc.aio.server()
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(Hung(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "llamamesh.cli", "top", "--address", f"127.0.0.1:{port}",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        await asyncio.wait_for(entered.wait(), 15)  # its first call is in flight
+        proc.send_signal(signal.SIGINT)
+        _, err = await asyncio.wait_for(proc.communicate(), 5)  # not the call's 10 s
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await server.stop(0)
+    assert proc.returncode == 0, err.decode()
     assert b"Traceback" not in err
 
 
