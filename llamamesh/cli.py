@@ -272,30 +272,33 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 
 async def _top(args: argparse.Namespace, out: Any) -> int:
     clear = "\x1b[H\x1b[2J" if out.isatty() else ""  # home and clear; a pipe gets plain frames
-    # Ctrl-C sets an event, not asyncio.run's cancel of this task: a cancel that lands as grpc.aio's
-    # unary call completes is lost (its inner task swallows the CancelledError and the call returns,
-    # or raises an AioRpcError with status OK), and top went on redrawing.
-    stop, loop = asyncio.Event(), asyncio.get_running_loop()
-    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # no loop signals here
-        loop.add_signal_handler(signal.SIGINT, stop.set)
-    try:
-        return await _frames(args, out, clear, stop)
-    finally:
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.remove_signal_handler(signal.SIGINT)
+    # Ctrl-C sets ``stop`` and cancels the call in flight, rather than asyncio.run cancelling this
+    # task: a task cancel that lands as grpc.aio's unary call completes is lost (its inner task
+    # swallows the CancelledError; the await returns, or raises an AioRpcError with status OK), and
+    # top went on redrawing.
+    stop = asyncio.Event()
+    calls: list[Any] = []  # the ListBackends in flight
 
+    def interrupt() -> None:
+        stop.set()
+        for call in calls:
+            call.cancel()
 
-async def _frames(args: argparse.Namespace, out: Any, clear: str, stop: asyncio.Event) -> int:
+    with contextlib.suppress(NotImplementedError):  # Windows: asyncio.run's cancel, as before
+        asyncio.get_running_loop().add_signal_handler(signal.SIGINT, interrupt)  # the loop's close removes it
     async with _client(args.address, args) as c:
         while not stop.is_set():
             title = f"llamamesh top  {args.address}  {time.strftime('%H:%M:%S')}"
-            call = c.admin.ListBackends(admin_pb.ListBackendsRequest(), timeout=10)
-            if not await _unless(stop, call):  # Ctrl-C while it waits on a slow gateway: at once
-                call.cancel()
-                break
+            calls[:] = [c.admin.ListBackends(admin_pb.ListBackendsRequest(), timeout=10)]
             try:
-                frame = top.render(await call, title)
+                frame = top.render(await calls[0], title)
+            except asyncio.CancelledError:
+                if stop.is_set():  # interrupt() cancelled the call: a gateway that does not answer
+                    break
+                raise
             except grpc.aio.AioRpcError as err:
+                if stop.is_set():
+                    break
                 if args.once:
                     print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
                     return 1
@@ -307,20 +310,6 @@ async def _frames(args: argparse.Namespace, out: Any, clear: str, stop: asyncio.
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), args.interval)
     return 0
-
-
-async def _unless(stop: asyncio.Event, call: Any) -> bool:
-    """Wait for ``call`` to end (True), or for ``stop`` (False)."""
-    ended, stopped = asyncio.ensure_future(_ended(call)), asyncio.ensure_future(stop.wait())
-    await asyncio.wait((ended, stopped), return_when=asyncio.FIRST_COMPLETED)
-    for t in (ended, stopped):
-        t.cancel()
-    return ended.done() and not ended.cancelled()
-
-
-async def _ended(call: Any) -> None:
-    with contextlib.suppress(grpc.aio.AioRpcError):
-        await call
 
 
 def cmd_top(args: argparse.Namespace) -> int:
