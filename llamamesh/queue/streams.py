@@ -43,6 +43,7 @@ from redis.exceptions import ResponseError
 
 from llamamesh.errors import InvalidRequest, QueueFull, QueueMisconfigured, QueueUnavailable
 from llamamesh.queue import affinity, codec
+from llamamesh.queue.coalesce import ScriptPipe
 from llamamesh.queue.fair import FairShare
 from llamamesh.queue.follow import EventFollower, Item
 from llamamesh.queue.keys import EVENT_FIELD, JOB_FIELD, SUBMITTED_TTL_S, WORKER_GROUP, Keys, shard_tags, stream_tenant
@@ -301,6 +302,10 @@ class RedisQueue:
         self._begin = client.register_script(_BEGIN)
         self._ended = client.register_script(_ENDED)
         self._cluster = is_cluster(client)
+        # A new request's two scripts (attempt record, submission), from every request arriving
+        # together, in one pipeline each (coalesce.py); the submission's WAITs for replicas.
+        self._records = ScriptPipe(client)
+        self._submissions = ScriptPipe(client, self.replicas)
         if settings.affinity_partitions < 0:
             raise ValueError(f"affinity_partitions must be 0 (off) or more, not {settings.affinity_partitions}")
         # Prefix affinity (llamamesh/queue/affinity.py): partitions per work stream (0: off), and
@@ -328,8 +333,8 @@ class RedisQueue:
         partition = affinity.partition_of(request, self._parts) if self._parts else None
         every = self._streams_of(pool, tenant) if self._parts else []
         with unreachable():
-            replies = await self.replicas.script(
-                self._r, self._submit,
+            replies = await self._submissions.call(
+                self._submit,
                 keys=[self.keys.work(pool, tenant, partition), self.keys.submitted(pool, request.request_id),
                       self.keys.tenants(pool), self.keys.partitions(pool), *every],
                 args=[JOB_FIELD, codec.encode_job(request), max_waiting, WORKER_GROUP,
@@ -499,6 +504,8 @@ class RedisQueue:
         if self._follower is not None:
             await self._follower.close()
             self._follower = None
+        await self._records.close()
+        await self._submissions.close()
         await self._r.aclose()
 
     # ---- worker side --------------------------------------------------------
@@ -889,8 +896,10 @@ class RedisQueue:
     async def begin(self, caller_id: str, attempt: Attempt, first: bool) -> bool:
         record = json.dumps(dataclasses.asdict(attempt))
         with unreachable():
-            done: Any = await self._begin(
-                keys=[self.keys.attempts(caller_id)], args=[record, "1" if first else "0", self._s.event_idle_ttl_s]
+            (done,) = await self._records.call(
+                self._begin,
+                keys=[self.keys.attempts(caller_id)],
+                args=[record, "1" if first else "0", self._s.event_idle_ttl_s],
             )
         return int(done) == 1
 
