@@ -7,7 +7,7 @@ import pytest
 from redis.asyncio.sentinel import SentinelManagedConnection, SentinelManagedSSLConnection
 
 from llamamesh.errors import QueueUnavailable
-from llamamesh.queue.redisio import Replicas, connect, tls_options
+from llamamesh.queue.redisio import Replicas, connect, hiredis_packed, tls_options
 from llamamesh.settings import RedisSettings, SentinelUrl, Settings, parse_sentinel_url
 
 pytestmark = pytest.mark.timeout(10)
@@ -73,7 +73,7 @@ async def test_connect_dispatches_a_sentinel_url_to_a_sentinel_client() -> None:
     try:
         pool = client.connection_pool
         kw = pool.connection_kwargs
-        assert pool.service_name == "svc" and pool.connection_class is SentinelManagedConnection  # type: ignore[attr-defined]
+        assert pool.service_name == "svc" and pool.connection_class is hiredis_packed(SentinelManagedConnection)  # type: ignore[attr-defined]
         assert (kw["db"], kw["username"], kw["password"]) == (3, "u", "pw")
         # the same options as the plain client's connections
         assert kw["socket_timeout"] == 10.5 and kw["health_check_interval"] == 1 and kw["retry"].get_retries() == 2
@@ -91,7 +91,7 @@ async def test_rediss_sentinel_speaks_tls_to_the_data_nodes(tmp_path) -> None:
     client = connect(s)
     try:
         pool = client.connection_pool
-        assert pool.connection_class is SentinelManagedSSLConnection
+        assert pool.connection_class is hiredis_packed(SentinelManagedSSLConnection)
         assert pool.connection_kwargs["ssl_ca_certs"] == str(ca)
     finally:
         await client.aclose()
