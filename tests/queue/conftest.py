@@ -3,7 +3,7 @@ and a Redis Cluster of six redis-server processes (three masters with a replica 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -27,6 +27,14 @@ def redis_server(
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+async def client(redis_settings: RedisSettings) -> AsyncIterator[aioredis.Redis]:
+    """A client of the test's server as the queue makes them (``redisio.connect``)."""
+    c = connect(redis_settings)
+    yield c
+    await c.aclose()
 
 
 def raw_client(settings: RedisSettings, **kwargs: Any) -> aioredis.Redis:

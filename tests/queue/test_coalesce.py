@@ -4,7 +4,6 @@ servers (redis-server, Valkey; on the cluster every call goes out on its own).""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import pytest
@@ -14,7 +13,7 @@ from redis.exceptions import ResponseError
 
 from llamamesh.errors import QueueUnavailable
 from llamamesh.queue.coalesce import MOST_PER_PIPELINE, ScriptPipe
-from llamamesh.queue.redisio import Replicas, connect, is_cluster
+from llamamesh.queue.redisio import Replicas, is_cluster
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import RedisSettings
 from llamamesh.types import Attempt
@@ -28,13 +27,6 @@ ECHO = """
 if ARGV[1] == 'bad' then return redis.error_reply('ERR refused ' .. ARGV[1]) end
 return {ARGV[1], redis.call('INCR', KEYS[1])}
 """
-
-
-@pytest.fixture
-async def client(redis_settings: RedisSettings) -> AsyncIterator[aioredis.Redis]:
-    c = connect(redis_settings)
-    yield c
-    await c.aclose()
 
 
 def key(settings: RedisSettings, name: str) -> str:

@@ -4,8 +4,7 @@ on every kind of client ``connect`` makes, and real round trips on each server k
 
 from __future__ import annotations
 
-import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import hiredis
@@ -31,7 +30,7 @@ arguments = st.one_of(
     st.integers(min_value=-(2**70), max_value=2**70),
     st.floats(allow_nan=True, allow_infinity=True),
     st.binary(max_size=20).map(bytearray),
-    st.binary(max_size=20).map(memoryview),
+    st.binary(max_size=20).map(lambda b: memoryview(b)),
     st.binary(min_size=7000, max_size=9000),  # past redis-py's buffer cutoff (6000): it chunks, hiredis does not
 )
 words = st.sampled_from(["EVALSHA", "XADD", "CONFIG GET", "client\tlist", b"XREAD", b"SCRIPT LOAD", "ÉCHO"])
@@ -93,13 +92,6 @@ async def test_a_cluster_clients_nodes_pack_with_hiredis() -> None:
 
 
 @pytest.fixture
-async def client(redis_settings: RedisSettings) -> AsyncIterator[aioredis.Redis]:
-    c = connect(redis_settings)
-    yield c
-    await c.aclose()
-
-
-@pytest.fixture
 def packs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """How many commands went through hiredis's packer (one entry per call)."""
     calls: list[int] = []
@@ -129,7 +121,6 @@ async def test_values_round_trip_through_a_real_server(
     for i, value in enumerate(values):
         await client.hset(key, str(i), value)
     assert [await client.hget(key, str(i)) for i in range(len(values))] == expect
-    assert float(await client.hget(key, "4")) == 0.1 and not math.isnan(float(await client.hget(key, "5")))
     async with client.pipeline(transaction=False) as pipe:
         for i in range(len(values)):
             pipe.hget(key, str(i))
