@@ -174,8 +174,11 @@ class _HiredisPacking:
             args = (*first.encode().split(), *args[1:])
         elif b" " in first:
             args = (*first.split(), *args[1:])
-        if any(isinstance(a, (bytearray, memoryview)) for a in args):
-            args = tuple(bytes(a) if isinstance(a, (bytearray, memoryview)) else a for a in args)
+        try:
+            return [hiredis.pack_command(args)]
+        except TypeError:  # a bytearray or memoryview (which redis-py takes, hiredis not), or bad input
+            pass
+        args = tuple(bytes(a) if isinstance(a, (bytearray, memoryview)) else a for a in args)
         try:
             return [hiredis.pack_command(args)]
         except TypeError as exc:
