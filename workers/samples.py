@@ -58,14 +58,33 @@ class Samples:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._subs: dict[str, tuple[str, ...]] = {}  # request id -> its samples' engine request ids
+        # Requests in the engine now: streams begun and not ended, tokenizations under way. The
+        # worker's watchdog calls an engine wedged only while this is above 0 (a job that finished
+        # generating and waits on Redis to record its result is not the engine's).
+        self.in_engine = 0
 
     def stream(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         if not fans_out(self.engine, request):
-            return self.engine.stream(request)
-        return self._merged(request)
+            return self._counted(self.engine.stream(request))
+        return self._counted(self._merged(request))
 
     async def tokenize(self, request: GenerationRequest) -> list[int]:
-        return await self.engine.tokenize(request)
+        self.in_engine += 1
+        try:
+            return await self.engine.tokenize(request)
+        finally:
+            self.in_engine -= 1
+
+    async def _counted(self, inner: AsyncIterator[TokenDelta]) -> AsyncIterator[TokenDelta]:
+        self.in_engine += 1
+        try:
+            async for delta in inner:
+                yield delta
+        finally:
+            self.in_engine -= 1
+            close = getattr(inner, "aclose", None)
+            if close is not None:  # the engine's clean-up (its abort of an unfinished request) now
+                await close()
 
     async def abort(self, request_id: str) -> None:
         """Stop a request, every sample of it."""

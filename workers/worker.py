@@ -294,11 +294,12 @@ class Worker:
                 self.engine_died = EngineDead(f"the engine did not answer its health check in {s.health_check_s:g} s")
                 self.wedged = True
             steps, now = self._engine.stats().steps, time.monotonic()
-            if steps != last or not self._tasks or steps < 0:
+            if steps != last or not self._samples.in_engine or steps < 0:
                 last, moved = steps, now
             elif s.wedge_timeout_s and now - moved > s.wedge_timeout_s and self.engine_died is None:
-                why = f"the engine made no progress for {now - moved:.0f} s with {len(self._tasks)} requests in flight"
-                log.error("engine_wedged", inflight=len(self._tasks), idle_s=round(now - moved, 1))
+                inflight = self._samples.in_engine
+                why = f"the engine made no progress for {now - moved:.0f} s with {inflight} requests in flight"
+                log.error("engine_wedged", inflight=inflight, idle_s=round(now - moved, 1))
                 self.engine_died, self.wedged = EngineDead(why), True
             if self.engine_died is not None:
                 self._set_state(WorkerState.FAILED, self.engine_died.message)

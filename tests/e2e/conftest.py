@@ -17,6 +17,10 @@ import pytest
 from llamamesh.client import serving
 from tests.redisproc import RedisProcess, free_port
 
+# Every node made in this session: a failing test's report gets what their logs said meanwhile
+# (tests/conftest.py: pytest_runtest_makereport), since the temporary folders do not outlive a run.
+NODES: list[ProcessNode] = []
+
 
 class ProcessNode:
     def __init__(
@@ -40,6 +44,7 @@ class ProcessNode:
             **extra_env,
         }
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        NODES.append(self)
 
     @property
     def address(self) -> str:

@@ -20,7 +20,7 @@ import pytest_asyncio
 import redis
 
 from llamamesh.client import field_violations
-from llamamesh.queue.keys import Keys
+from llamamesh.queue.keys import WORKER_GROUP, Keys
 from llamamesh.v1 import batch_pb2 as bpb
 from llamamesh.v1 import batch_pb2_grpc
 from llamamesh.v1 import generation_pb2 as pb
@@ -202,13 +202,39 @@ async def test_redis_restart_with_aof_loses_nothing(tmp_path: Path, stop: str) -
             assert first.custom_id
             redis.stop() if stop == "graceful" else redis.kill()
             redis.start()  # same port, same AOF file
-            b = await asyncio.wait_for(_until_ended_retrying(stub, "aof"), 180)
+            try:
+                b = await asyncio.wait_for(_until_ended_retrying(stub, "aof"), 180)
+            except (AssertionError, asyncio.TimeoutError):
+                print(_batch_stream_state(node, "aof"))  # shown with the failure
+                raise
             assert b.state == bpb.BATCH_STATE_COMPLETED and b.counts.succeeded == 12, b
             assert_counts(b)
             one_each(await results(stub, "aof"), 12)
     finally:
         node.stop()
         redis.stop()
+
+
+def _batch_stream_state(node: ProcessNode, batch_id: str) -> str:
+    """What Redis holds for a batch that did not end: its record, its items' group and who holds them."""
+    r = redis.Redis.from_url(node.redis.url)
+    keys = Keys(node.prefix)
+    stream = keys.batch_items(node.pool)
+    try:
+        there = r.exists(stream)
+        return "\n".join(f"{what}: {value!r}" for what, value in [
+            ("record", r.hgetall(keys.batch(batch_id))),
+            ("started", r.smembers(keys.batch_started(batch_id))),
+            ("done", r.hgetall(keys.batch_done(batch_id))),
+            ("stream length", r.xlen(stream)),
+            ("groups", r.xinfo_groups(stream) if there else None),
+            ("consumers", r.xinfo_consumers(stream, WORKER_GROUP) if there else None),
+            ("pending", r.xpending_range(stream, WORKER_GROUP, "-", "+", 100) if there else None),
+        ])  # fmt: skip
+    except redis.RedisError as exc:
+        return f"(Redis state unreadable: {exc!r})"
+    finally:
+        r.close()
 
 
 async def _until_ended_retrying(stub: batch_pb2_grpc.BatchServiceStub, batch_id: str) -> bpb.Batch:

@@ -6,14 +6,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 
 import pytest
 
-from llamamesh.errors import EngineDead
+from llamamesh.errors import EngineDead, QueueUnavailable
+from llamamesh.queue.memory import MemoryBatches, MemoryQueue
+from llamamesh.queue.protocol import Lease
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import RedisSettings, WorkerSettings
-from llamamesh.types import GenerationRequest, JobEvent, SamplingParams, WorkerStatus
+from llamamesh.types import (
+    BatchInfo,
+    BatchState,
+    GenerationRequest,
+    ItemResult,
+    JobEvent,
+    SamplingParams,
+    WorkerStatus,
+)
 from workers.engines.fake import FakeEngine
 from workers.worker import FAILED_TTL_S, Worker
 
@@ -182,6 +193,56 @@ async def test_a_wedged_engine_makes_the_worker_leave_at_once_and_hand_its_jobs_
         await queue.close()
 
 
+class RecordsOnceLetGo(MemoryBatches):
+    """A batch store whose ``record`` fails QueueUnavailable (Redis out) until ``let_go`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.let_go = asyncio.Event()
+        self.refused = 0
+
+    async def record(self, lease: Lease, result: ItemResult) -> bool:
+        if not self.let_go.is_set():
+            self.refused += 1
+            raise QueueUnavailable("the queue is unreachable")
+        return await super().record(lease, result)
+
+
+async def test_items_waiting_on_redis_to_record_their_results_are_not_an_engine_wedge() -> None:
+    """The engine finished the item and is idle; its result waits on Redis (down) far past the wedge
+    timeout. The worker stays (no progress is due from an idle engine) and records it once Redis is back."""
+    ws = settings("w-rec", health_check_s=0.05, wedge_timeout_s=0.2, fake_step_s=0.01)
+    queue, store = MemoryQueue(), RecordsOnceLetGo()
+    await store.join("cpu")
+    now = time.time()
+    info = BatchInfo(batch_id="b", state=BatchState.VALIDATING, owner="t", model="m", total=1,
+                     completion_window_s=3600, created_at=now, expires_at=now + 3600)  # fmt: skip
+    req = GenerationRequest(request_id="b:b:0", model="m", prompt="hi", sampling=SamplingParams(max_tokens=3),
+                            batch_id="b", custom_id="c0")  # fmt: skip
+    await store.create(info, "fp", [("cpu", req)])
+    engine = FakeEngine(ws)
+    stop = asyncio.Event()
+    worker = Worker(ws, queue, engine, block_ms=100, batches=store)
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        # Refused for over four times the wedge timeout (record retries every <= 0.5 s: 3 tries).
+        async def refused_thrice() -> bool:
+            return store.refused >= 3
+
+        async def recorded() -> bool:
+            b = await store.get("b")
+            return b is not None and b.succeeded == 1
+
+        await until(refused_thrice)
+        assert not task.done() and not worker.wedged and worker.inflight == 1
+        store.let_go.set()
+        await until(recorded)
+        assert not task.done() and not worker.wedged
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
 async def test_a_job_a_dead_worker_had_begun_is_not_run_again_from_the_start(redis_settings: RedisSettings) -> None:
     """Its caller has its first tokens: the worker that takes it over ends it worker_died (the gateway
     resumes it from those tokens and counts a death) instead of sending them again."""
@@ -206,4 +267,3 @@ async def test_a_job_a_dead_worker_had_begun_is_not_run_again_from_the_start(red
             await asyncio.wait_for(task, 10)
     finally:
         await queue.close()
-
