@@ -322,8 +322,13 @@ class Worker:
         if lease.request.batch_id and self._batches is not None:
             if lease.cancelled or lease.expired:
                 await record(self._batches, lease, skipped_result(lease))
-            elif rid in self._tasks:  # the same item queued twice (a resubmitted batch): run it once
-                await self._batches.discard(lease)
+            elif rid in self._tasks:
+                running = self._batch_running.get(rid)
+                if running is not None and running.entry_id == lease.entry_id:
+                    # Its own entry, claimed back (its touches missed while Redis was out): it runs
+                    # here already, and stays leased until it records its result.
+                    return
+                await self._batches.discard(lease)  # the same item queued twice (a resubmitted batch): run it once
             else:
                 self._start(lease)
         elif lease.cancelled:

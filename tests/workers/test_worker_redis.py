@@ -12,10 +12,11 @@ import pytest
 import redis.asyncio as aioredis
 
 from llamamesh.errors import EngineDead
+from llamamesh.queue.batches import RedisBatches
 from llamamesh.queue.keys import WORKER_GROUP, Keys
 from llamamesh.queue.streams import RedisQueue
-from llamamesh.settings import RedisSettings, WorkerSettings
-from llamamesh.types import GenerationRequest, JobEvent, SamplingParams
+from llamamesh.settings import BatchSettings, RedisSettings, WorkerSettings
+from llamamesh.types import BatchInfo, BatchState, GenerationRequest, JobEvent, SamplingParams
 from workers.engines.fake import FakeEngine
 from workers.worker import Worker
 
@@ -329,3 +330,59 @@ async def test_a_tenant_behind_anothers_backlog_starts_in_the_headroom_at_once(r
         await asyncio.wait_for(task, 10)
         await engine.shutdown()
         await queue.close()
+
+
+async def test_a_batch_item_its_own_worker_claims_back_stays_leased(redis_settings: RedisSettings) -> None:
+    """The worker's touches missed (Redis was out past the claim idle time; here: a heartbeat slower
+    than the claim idle time), so its own reclaim takes back the item it is running. That is no second
+    copy to drop: the entry stays leased, and when the worker stops before the item ends, the next
+    worker finds it and records its one result."""
+    q = RedisQueue.from_settings(redis_settings)
+    store = RedisBatches(q.client, q.keys, retention_s=60, claim_idle_s=0.3)
+    stream = q.keys.batch_items("cpu")
+    now = time.time()
+    info = BatchInfo(batch_id="own", state=BatchState.VALIDATING, owner="t", model="m", total=1,
+                     completion_window_s=3600, created_at=now, expires_at=now + 3600)  # fmt: skip
+    item = GenerationRequest(request_id="b:own:0", model="m", prompt="p", batch_id="own", custom_id="c0",
+                             sampling=SamplingParams(max_tokens=400))  # fmt: skip
+    claims = BatchSettings(claim_idle_s=0.3, max_share=1.0)
+    ws = WorkerSettings(pool="cpu", engine="fake", max_inflight=2, fake_step_s=0.05, consumer="w-self",
+                        heartbeat_s=30, heartbeat_ttl_s=90, grace_s=0.1)  # fmt: skip
+    engine = FakeEngine(ws)
+    worker = Worker(ws, q, engine, block_ms=100, batches=store, batch=claims)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+
+    async def delivered() -> int:
+        rows = await q.client.xpending_range(stream, WORKER_GROUP, "-", "+", 10)
+        return int(rows[0]["times_delivered"]) if rows else 0
+
+    try:
+        await store.create(info, "fp", [("cpu", item)])
+        # Claimed back by itself twice over (every claim_idle_s / 2), while it runs (20 s of tokens).
+        while await delivered() < 3:  # Redis state, bounded by the test's timeout
+            assert await q.client.xlen(stream) == 1, "the running item's entry was dropped"
+            await asyncio.sleep(0.05)
+        assert worker.inflight == 1 and await q.client.xlen(stream) == 1
+        stop.set()  # the item is aborted unfinished: it records nothing and stays leased
+        await asyncio.wait_for(task, 10)
+        assert (await q.client.xpending(stream, WORKER_GROUP))["pending"] == 1
+        b = await store.get("own")
+        assert b is not None and b.succeeded == 0
+        # The next worker takes it over and records it.
+        heir_ws = dataclasses.replace(ws, consumer="w-heir", fake_step_s=0.0, heartbeat_s=0.1, heartbeat_ttl_s=1.0)
+        heir = Worker(heir_ws, q, FakeEngine(heir_ws), block_ms=100, batches=store, batch=claims)
+        stop2 = asyncio.Event()
+        task = asyncio.create_task(heir.run(stop2))
+        while (b := await store.get("own")) is None or b.state is not BatchState.COMPLETED:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)  # another worker's progress in Redis, bounded by the test's timeout
+        assert b.succeeded == 1 and await q.client.xlen(stream) == 0
+        stop2.set()
+        await asyncio.wait_for(task, 10)
+    finally:
+        stop.set()
+        if not task.done():
+            task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        await q.close()
