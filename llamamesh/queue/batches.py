@@ -231,6 +231,8 @@ class RedisBatches:
         self._create = client.register_script(_CREATE)
         self._skip = client.register_script(_SKIP)
         self._start = client.register_script(_START)
+        # Where the next reclaim of each batch stream goes on scanning its pending entries.
+        self._claim_from: dict[str, str] = {}
         # Made by the first waiting ``results``; its shared XREAD blocks this long at a time.
         self._follow_block_ms = follow_block_ms
         self._follower: EventFollower | None = None
@@ -564,16 +566,23 @@ class RedisBatches:
         return await self._leases(pool, [e for _s, es in reply or () for e in es])
 
     async def reclaim(self, pool: str, consumer: str, min_idle_ms: int, count: int) -> list[Lease]:
-        """Take over items another worker leased and has not touched for ``min_idle_ms`` (it died)."""
+        """Take over items another worker leased and has not touched for ``min_idle_ms`` (it died).
+
+        XAUTOCLAIM looks at ``10 x count`` pending entries per call: each call goes on from where the
+        last one stopped (back to the start once it reached the end), so an item a dead worker left
+        behind many live workers' running ones is found within a few calls, not only at the batch's end."""
+        stream = self.keys.batch_items(pool)
         with unreachable("cannot claim from the batch stream"):
             try:
                 reply: Any = await self._r.xautoclaim(
-                    self.keys.batch_items(pool), WORKER_GROUP, consumer, min_idle_ms, "0-0", count=count
+                    stream, WORKER_GROUP, consumer, min_idle_ms, self._claim_from.get(stream, "0-0"), count=count
                 )
             except ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise
                 return []
+        after = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
+        self._claim_from[stream] = after
         return await self._leases(pool, [e for e in reply[1] if e and e[1]])
 
     async def touch(self, pool: str, consumer: str, entry_ids: Sequence[str]) -> None:

@@ -211,3 +211,30 @@ async def test_a_late_lease_comes_flagged_expired(store: BatchStore) -> None:
     assert [(x.cancelled, x.expired) for x in leases] == [(False, True)]
     await store.record(leases[0], ItemResult.unrun("c0", ItemStatus.EXPIRED, ""))
     assert (await store.get("late")).state is BatchState.EXPIRED  # type: ignore[union-attr]
+
+
+async def test_a_dead_workers_item_behind_many_live_ones_is_reclaimed_within_a_few_calls(
+    redis_settings: RedisSettings,
+) -> None:
+    """XAUTOCLAIM scans 10 x COUNT pending entries per call: a reclaim of one item at a time must go
+    on from where the last call stopped, or an item left behind 40 live ones is never found."""
+    q = RedisQueue.from_settings(redis_settings)
+    store = RedisBatches(q.client, q.keys, retention_s=60, claim_idle_s=0.2)
+    try:
+        await store.join("cpu")
+        info, items = batch("deep", 41)
+        await store.create(info, "fp", items)
+        live = await store.lease_items("cpu", "live", 40, 100)
+        dead = await store.lease_items("cpu", "dead", 1, 100)  # c40, after the 40 live ones
+        assert len(live) == 40 and [x.request.custom_id for x in dead] == ["c40"]
+        await asyncio.sleep(0.3)  # past the claim idle time; the live worker touches its items
+        await store.touch("cpu", "live", [x.entry_id for x in live])
+        got = []
+        for _ in range(6):  # 10 entries a call: the fifth call reaches c40
+            got += await store.reclaim("cpu", "heir", 200, 1)
+            if got:
+                break
+        assert [x.request.custom_id for x in got] == ["c40"]
+        assert await store.reclaim("cpu", "heir", 200, 1) == []  # nothing else is idle
+    finally:
+        await q.close()
