@@ -271,15 +271,7 @@ class RedisBatches:
             # One script: two concurrent submissions of one id never see a half-written record.
             stored: Any = await self._create(keys=[meta], args=flat)
             created = stored == 1
-            if created:
-                async with self._r.pipeline(transaction=False) as pipe:
-                    pipe.zadd(self.keys.batches(info.owner), {info.batch_id: info.created_at})
-                    pipe.zadd(self.keys.batches_open(), {info.batch_id: info.expires_at})
-                    # Its record is gone retention_s after it ends at the earliest.
-                    kept = json.dumps([info.owner, info.batch_id])
-                    pipe.zadd(self.keys.batches_kept(), {kept: time.time() + self.retention_s})
-                    await pipe.execute()
-            else:
+            if not created:
                 if stored[0] is None or stored[0].decode() != fingerprint:
                     raise AlreadyExists(
                         f"batch id {public_id(info.batch_id)!r} names another batch (other items); "
@@ -292,7 +284,15 @@ class RedisBatches:
                             self._replicas.wait(pipe)
                             self._replicas.check(await pipe.execute(), "the batch")
                     return await self._require(info.batch_id), False
+                info = await self._require(info.batch_id)  # its stored times, not this retry's
             async with self._r.pipeline(transaction=False) as pipe:
+                # On its owner's list, in the sweep's open set, and gone retention_s after it ends at
+                # the earliest: written with the items, so that a submission retried after a first
+                # one died past the record (Redis out) writes them too (ZADD again is harmless).
+                pipe.zadd(self.keys.batches(info.owner), {info.batch_id: info.created_at})
+                pipe.zadd(self.keys.batches_open(), {info.batch_id: info.expires_at})
+                kept = json.dumps([info.owner, info.batch_id])
+                pipe.zadd(self.keys.batches_kept(), {kept: time.time() + self.retention_s})
                 ids = [request.custom_id for _pool, request in items]
                 for i in range(0, len(ids), 1000):
                     pipe.sadd(self.keys.batch_ids(info.batch_id), *ids[i : i + 1000])

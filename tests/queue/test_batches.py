@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
+import redis
 
-from llamamesh.errors import AlreadyExists
+from llamamesh.errors import AlreadyExists, QueueUnavailable
 from llamamesh.queue.batches import RedisBatches
 from llamamesh.queue.memory import MemoryBatches
 from llamamesh.queue.protocol import BatchStore, Lease
@@ -236,5 +239,48 @@ async def test_a_dead_workers_item_behind_many_live_ones_is_reclaimed_within_a_f
                 break
         assert [x.request.custom_id for x in got] == ["c40"]
         assert await store.reclaim("cpu", "heir", 200, 1) == []  # nothing else is idle
+    finally:
+        await q.close()
+
+
+def _first_pipeline_fails(client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next pipeline ``client`` makes fails as if Redis went away; later ones work."""
+    make = client.pipeline
+    armed = [True]
+
+    def pipeline(*args: Any, **kwargs: Any) -> Any:
+        pipe = make(*args, **kwargs)
+        if armed.pop() if armed else False:
+
+            async def gone(*_a: Any, **_k: Any) -> Any:
+                raise redis.exceptions.ConnectionError("Connection closed by server.")
+
+            pipe.execute = gone
+        return pipe
+
+    monkeypatch.setattr(client, "pipeline", pipeline)
+
+
+async def test_a_submission_that_died_after_its_record_is_completed_by_its_retry(
+    redis_settings: RedisSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis went away after the batch's record was written and before the rest: the caller got
+    UNAVAILABLE and retries. The retry queues the items and puts the batch on its owner's list and in
+    the sweep's open set, with the times of the first submission."""
+    q = RedisQueue.from_settings(redis_settings)
+    store = RedisBatches(q.client, q.keys, retention_s=60)
+    try:
+        await store.join("cpu")
+        info, items = batch("retried", 3, window_s=600)
+        _first_pipeline_fails(q.client, monkeypatch)
+        with pytest.raises(QueueUnavailable):
+            await store.create(info, "fp", items)
+        later = dataclasses.replace(info, created_at=info.created_at + 5, expires_at=info.expires_at + 5)
+        got, new = await store.create(later, "fp", items)
+        assert not new and got.total == 3 and got.created_at == pytest.approx(info.created_at)
+        assert [b.batch_id for b in await store.owned("t", 10, None)] == ["retried"]
+        assert await q.client.zscore(q.keys.batches_open(), "retried") == pytest.approx(info.expires_at)
+        leased = await store.lease_items("cpu", "w", 10, 100)
+        assert sorted(x.request.custom_id for x in leased) == ["c0", "c1", "c2"]
     finally:
         await q.close()
