@@ -328,7 +328,11 @@ class Worker:
                     # Its own entry, claimed back (its touches missed while Redis was out): it runs
                     # here already, and stays leased until it records its result.
                     return
-                await self._batches.discard(lease)  # the same item queued twice (a resubmitted batch): run it once
+                # The same item queued twice (a resubmitted batch): run it once. Not dropped now (Redis
+                # out): it stays leased and comes back later, as a duplicate then or to run if the first
+                # copy ended without a result.
+                with contextlib.suppress(QueueUnavailable):
+                    await self._batches.discard(lease)
             else:
                 self._start(lease)
         elif lease.cancelled:

@@ -7,11 +7,12 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 
-from llamamesh.errors import EngineDead
+from llamamesh.errors import EngineDead, QueueUnavailable
 from llamamesh.queue.batches import RedisBatches
 from llamamesh.queue.keys import WORKER_GROUP, Keys
 from llamamesh.queue.streams import RedisQueue
@@ -385,4 +386,50 @@ async def test_a_batch_item_its_own_worker_claims_back_stays_leased(redis_settin
             task.cancel()
         with contextlib.suppress(BaseException):
             await task
+        await q.close()
+
+
+async def test_a_second_copy_that_cannot_be_dropped_while_redis_is_out_does_not_stop_the_worker(
+    redis_settings: RedisSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An item queued twice: the worker runs the first copy and drops the second; when the drop fails
+    (Redis out), the worker goes on, and the second copy, left leased, is claimed again later and
+    dropped as the duplicate it is: one result, nothing left in the stream."""
+    q = RedisQueue.from_settings(redis_settings)
+    store = RedisBatches(q.client, q.keys, retention_s=60, claim_idle_s=0.3)
+    stream = q.keys.batch_items("cpu")
+    now = time.time()
+    info = BatchInfo(batch_id="twice", state=BatchState.VALIDATING, owner="t", model="m", total=1,
+                     completion_window_s=3600, created_at=now, expires_at=now + 3600)  # fmt: skip
+    item = GenerationRequest(request_id="b:twice:0", model="m", prompt="p", batch_id="twice", custom_id="c0",
+                             sampling=SamplingParams(max_tokens=20))  # fmt: skip
+    discard = store.discard
+    refused: list[str] = []
+
+    async def out_once(lease: Any) -> None:
+        if not refused:
+            refused.append(lease.entry_id)
+            raise QueueUnavailable("the queue is unreachable")
+        await discard(lease)
+
+    monkeypatch.setattr(store, "discard", out_once)
+    ws = WorkerSettings(pool="cpu", engine="fake", max_inflight=4, fake_step_s=0.02, consumer="w-twice",
+                        heartbeat_s=0.1, heartbeat_ttl_s=1.0)  # fmt: skip
+    await store.create(info, "fp", [("cpu", item), ("cpu", item)])  # the same item twice in the stream
+    worker = Worker(ws, q, FakeEngine(ws), block_ms=100, batches=store, batch=BatchSettings(claim_idle_s=0.3,
+                                                                                              max_share=1.0))
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        while (b := await store.get("twice")) is None or b.state is not BatchState.COMPLETED:
+            assert not task.done(), task
+            await asyncio.sleep(0.05)  # the worker's progress in Redis, bounded by the test's timeout
+        while await q.client.xlen(stream):  # the second copy: claimed again after 0.3 s, then dropped
+            assert not task.done(), task
+            await asyncio.sleep(0.05)
+        assert refused and b.succeeded == 1 and len(await store.results("twice", "0-0", None)) == 1
+        assert not task.done()
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
         await q.close()
