@@ -333,6 +333,16 @@ async def test_a_tenant_behind_anothers_backlog_starts_in_the_headroom_at_once(r
         await queue.close()
 
 
+def one_item_batch(batch_id: str, max_tokens: int) -> tuple[BatchInfo, GenerationRequest]:
+    """A batch of one item, custom_id "c0", for RedisBatches.create."""
+    now = time.time()
+    info = BatchInfo(batch_id=batch_id, state=BatchState.VALIDATING, owner="t", model="m", total=1,
+                     completion_window_s=3600, created_at=now, expires_at=now + 3600)  # fmt: skip
+    item = GenerationRequest(request_id=f"b:{batch_id}:0", model="m", prompt="p", batch_id=batch_id,
+                             custom_id="c0", sampling=SamplingParams(max_tokens=max_tokens))  # fmt: skip
+    return info, item
+
+
 async def test_a_batch_item_its_own_worker_claims_back_stays_leased(redis_settings: RedisSettings) -> None:
     """The worker's touches missed (Redis was out past the claim idle time; here: a heartbeat slower
     than the claim idle time), so its own reclaim takes back the item it is running. That is no second
@@ -341,11 +351,7 @@ async def test_a_batch_item_its_own_worker_claims_back_stays_leased(redis_settin
     q = RedisQueue.from_settings(redis_settings)
     store = RedisBatches(q.client, q.keys, retention_s=60, claim_idle_s=0.3)
     stream = q.keys.batch_items("cpu")
-    now = time.time()
-    info = BatchInfo(batch_id="own", state=BatchState.VALIDATING, owner="t", model="m", total=1,
-                     completion_window_s=3600, created_at=now, expires_at=now + 3600)  # fmt: skip
-    item = GenerationRequest(request_id="b:own:0", model="m", prompt="p", batch_id="own", custom_id="c0",
-                             sampling=SamplingParams(max_tokens=400))  # fmt: skip
+    info, item = one_item_batch("own", max_tokens=400)
     claims = BatchSettings(claim_idle_s=0.3, max_share=1.0)
     ws = WorkerSettings(pool="cpu", engine="fake", max_inflight=2, fake_step_s=0.05, consumer="w-self",
                         heartbeat_s=30, heartbeat_ttl_s=90, grace_s=0.1)  # fmt: skip
@@ -398,11 +404,7 @@ async def test_a_second_copy_that_cannot_be_dropped_while_redis_is_out_does_not_
     q = RedisQueue.from_settings(redis_settings)
     store = RedisBatches(q.client, q.keys, retention_s=60, claim_idle_s=0.3)
     stream = q.keys.batch_items("cpu")
-    now = time.time()
-    info = BatchInfo(batch_id="twice", state=BatchState.VALIDATING, owner="t", model="m", total=1,
-                     completion_window_s=3600, created_at=now, expires_at=now + 3600)  # fmt: skip
-    item = GenerationRequest(request_id="b:twice:0", model="m", prompt="p", batch_id="twice", custom_id="c0",
-                             sampling=SamplingParams(max_tokens=20))  # fmt: skip
+    info, item = one_item_batch("twice", max_tokens=20)
     discard = store.discard
     refused: list[str] = []
 
