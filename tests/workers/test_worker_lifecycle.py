@@ -225,15 +225,16 @@ async def test_items_waiting_on_redis_to_record_their_results_are_not_an_engine_
     worker = Worker(ws, queue, engine, block_ms=100, batches=store)
     task = asyncio.create_task(worker.run(stop))
     try:
-        # Refused for over four times the wedge timeout (record retries every <= 0.5 s: 3 tries).
-        async def refused_thrice() -> bool:
-            return store.refused >= 3
+        # Refused five times: over a second (the record's retries wait 0.05, 0.1, 0.2, 0.4 s, then
+        # about 0.5 s each), five times the wedge timeout, with the engine idle all along.
+        async def refused_five_times() -> bool:
+            return store.refused >= 5
 
         async def recorded() -> bool:
             b = await store.get("b")
             return b is not None and b.succeeded == 1
 
-        await until(refused_thrice)
+        await until(refused_five_times)
         assert not task.done() and not worker.wedged and worker.inflight == 1
         store.let_go.set()
         await until(recorded)
