@@ -232,7 +232,7 @@ class RedisBatches:
         self._skip = client.register_script(_SKIP)
         self._start = client.register_script(_START)
         # Where the next reclaim of each batch stream goes on scanning its pending entries.
-        self._claim_from: dict[str, str] = {}
+        self._claim_from: dict[str, bytes | str] = {}
         # Made by the first waiting ``results``; its shared XREAD blocks this long at a time.
         self._follow_block_ms = follow_block_ms
         self._follower: EventFollower | None = None
@@ -581,8 +581,7 @@ class RedisBatches:
                 if "NOGROUP" not in str(exc):
                     raise
                 return []
-        after = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
-        self._claim_from[stream] = after
+        self._claim_from[stream] = reply[0]  # where the next call goes on ("0-0": back at the start)
         return await self._leases(pool, [e for e in reply[1] if e and e[1]])
 
     async def touch(self, pool: str, consumer: str, entry_ids: Sequence[str]) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,7 +16,8 @@ from llamamesh.queue.memory import MemoryBatches
 from llamamesh.queue.protocol import BatchStore, Lease
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import RedisSettings
-from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, ItemStatus
+from llamamesh.types import BatchInfo, BatchState, ItemResult, ItemStatus
+from tests.queue.jobs import batch
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(30)]
 
@@ -30,15 +30,6 @@ async def store(request: pytest.FixtureRequest, redis_settings: RedisSettings) -
     q = RedisQueue.from_settings(redis_settings)
     yield RedisBatches(q.client, q.keys, retention_s=60, claim_idle_s=30)  # its started items are live ones
     await q.close()
-
-
-def batch(bid: str, n: int, window_s: float = 3600) -> tuple[BatchInfo, list[tuple[str, GenerationRequest]]]:
-    now = time.time()
-    info = BatchInfo(batch_id=bid, state=BatchState.VALIDATING, owner="t", model="m", total=n,
-                     completion_window_s=int(window_s), created_at=now, expires_at=now + window_s)  # fmt: skip
-    items = [("cpu", GenerationRequest(request_id=f"b:{bid}:{i}", model="m", prompt="p", batch_id=bid,
-                                       custom_id=f"c{i}")) for i in range(n)]  # fmt: skip
-    return info, items
 
 
 def ok(cid: str) -> ItemResult:

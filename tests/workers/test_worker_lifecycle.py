@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Callable
 
 import pytest
@@ -16,15 +15,8 @@ from llamamesh.queue.memory import MemoryBatches, MemoryQueue
 from llamamesh.queue.protocol import Lease
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import RedisSettings, WorkerSettings
-from llamamesh.types import (
-    BatchInfo,
-    BatchState,
-    GenerationRequest,
-    ItemResult,
-    JobEvent,
-    SamplingParams,
-    WorkerStatus,
-)
+from llamamesh.types import GenerationRequest, ItemResult, JobEvent, SamplingParams, WorkerStatus
+from tests.queue.jobs import batch
 from workers.engines.fake import FakeEngine
 from workers.worker import FAILED_TTL_S, Worker
 
@@ -214,12 +206,8 @@ async def test_items_waiting_on_redis_to_record_their_results_are_not_an_engine_
     ws = settings("w-rec", health_check_s=0.05, wedge_timeout_s=0.2, fake_step_s=0.01)
     queue, store = MemoryQueue(), RecordsOnceLetGo()
     await store.join("cpu")
-    now = time.time()
-    info = BatchInfo(batch_id="b", state=BatchState.VALIDATING, owner="t", model="m", total=1,
-                     completion_window_s=3600, created_at=now, expires_at=now + 3600)  # fmt: skip
-    req = GenerationRequest(request_id="b:b:0", model="m", prompt="hi", sampling=SamplingParams(max_tokens=3),
-                            batch_id="b", custom_id="c0")  # fmt: skip
-    await store.create(info, "fp", [("cpu", req)])
+    info, items = batch("b", 1, max_tokens=3)
+    await store.create(info, "fp", items)
     engine = FakeEngine(ws)
     stop = asyncio.Event()
     worker = Worker(ws, queue, engine, block_ms=100, batches=store)

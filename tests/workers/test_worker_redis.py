@@ -17,7 +17,8 @@ from llamamesh.queue.batches import RedisBatches
 from llamamesh.queue.keys import WORKER_GROUP, Keys
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import BatchSettings, RedisSettings, WorkerSettings
-from llamamesh.types import BatchInfo, BatchState, GenerationRequest, JobEvent, SamplingParams
+from llamamesh.types import BatchState, GenerationRequest, JobEvent, SamplingParams
+from tests.queue.jobs import batch
 from workers.engines.fake import FakeEngine
 from workers.worker import Worker
 
@@ -333,16 +334,6 @@ async def test_a_tenant_behind_anothers_backlog_starts_in_the_headroom_at_once(r
         await queue.close()
 
 
-def one_item_batch(batch_id: str, max_tokens: int) -> tuple[BatchInfo, GenerationRequest]:
-    """A batch of one item, custom_id "c0", for RedisBatches.create."""
-    now = time.time()
-    info = BatchInfo(batch_id=batch_id, state=BatchState.VALIDATING, owner="t", model="m", total=1,
-                     completion_window_s=3600, created_at=now, expires_at=now + 3600)  # fmt: skip
-    item = GenerationRequest(request_id=f"b:{batch_id}:0", model="m", prompt="p", batch_id=batch_id,
-                             custom_id="c0", sampling=SamplingParams(max_tokens=max_tokens))  # fmt: skip
-    return info, item
-
-
 async def test_a_batch_item_its_own_worker_claims_back_stays_leased(redis_settings: RedisSettings) -> None:
     """The worker's touches missed (Redis was out past the claim idle time; here: a heartbeat slower
     than the claim idle time), so its own reclaim takes back the item it is running. That is no second
@@ -351,7 +342,7 @@ async def test_a_batch_item_its_own_worker_claims_back_stays_leased(redis_settin
     q = RedisQueue.from_settings(redis_settings)
     store = RedisBatches(q.client, q.keys, retention_s=60, claim_idle_s=0.3)
     stream = q.keys.batch_items("cpu")
-    info, item = one_item_batch("own", max_tokens=400)
+    info, items = batch("own", 1, max_tokens=400)
     claims = BatchSettings(claim_idle_s=0.3, max_share=1.0)
     ws = WorkerSettings(pool="cpu", engine="fake", max_inflight=2, fake_step_s=0.05, consumer="w-self",
                         heartbeat_s=30, heartbeat_ttl_s=90, grace_s=0.1)  # fmt: skip
@@ -365,7 +356,7 @@ async def test_a_batch_item_its_own_worker_claims_back_stays_leased(redis_settin
         return int(rows[0]["times_delivered"]) if rows else 0
 
     try:
-        await store.create(info, "fp", [("cpu", item)])
+        await store.create(info, "fp", items)
         # Claimed back by itself twice over (every claim_idle_s / 2), while it runs (20 s of tokens).
         while await delivered() < 3:  # Redis state, bounded by the test's timeout
             assert await q.client.xlen(stream) == 1, "the running item's entry was dropped"
@@ -406,7 +397,7 @@ async def test_a_second_copy_that_cannot_be_dropped_while_redis_is_out_does_not_
     q = RedisQueue.from_settings(redis_settings)
     store = RedisBatches(q.client, q.keys, retention_s=60, claim_idle_s=0.3)
     stream = q.keys.batch_items("cpu")
-    info, item = one_item_batch("twice", max_tokens=20)
+    info, items = batch("twice", 1, max_tokens=20)
     discard = store.discard
     refused: list[str] = []
 
@@ -419,7 +410,7 @@ async def test_a_second_copy_that_cannot_be_dropped_while_redis_is_out_does_not_
     monkeypatch.setattr(store, "discard", out_once)
     ws = WorkerSettings(pool="cpu", engine="fake", max_inflight=4, fake_step_s=0.02, consumer="w-twice",
                         heartbeat_s=0.1, heartbeat_ttl_s=1.0)  # fmt: skip
-    await store.create(info, "fp", [("cpu", item), ("cpu", item)])  # the same item twice in the stream
+    await store.create(info, "fp", items * 2)  # the same item twice in the stream
     worker = Worker(ws, q, FakeEngine(ws), block_ms=100, batches=store, batch=BatchSettings(claim_idle_s=0.3,
                                                                                               max_share=1.0))
     stop = asyncio.Event()
