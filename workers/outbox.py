@@ -6,6 +6,11 @@ merging consecutive non-terminal events of the same request. At most every
 ``watch_interval_s`` the same call also reports which in-flight requests were
 cancelled; the outbox hands those to ``on_cancel``. Nothing is dropped when Redis is down: the batch is retried with
 backoff, in order.
+
+Any other failure of a publish is a bug the worker cannot write past (its streams would stall with
+their heartbeat still fresh): the flusher stops, releases every waiter of ``finish`` (their events
+can no longer be written) and tells ``on_fail``, and the worker leaves at once so that the gateways
+fail its streams over (workers/worker.py).
 """
 
 from __future__ import annotations
@@ -31,9 +36,13 @@ class Outbox:
         queue: WorkQueue,
         on_cancel: Callable[[str], Awaitable[None]],
         watch_interval_s: float = 0.1,
+        on_fail: Callable[[BaseException], None] | None = None,
     ) -> None:
         self._queue = queue
         self._on_cancel = on_cancel
+        self._on_fail = on_fail
+        # Set when the flusher stopped on an unexpected error: nothing more can be published.
+        self.failed: BaseException | None = None
         self._watch_interval_s = watch_interval_s
         # request id -> (lease, events not yet published: one per sample run, merged where they
         # follow on), published in arrival order
@@ -52,10 +61,11 @@ class Outbox:
         self._task = asyncio.create_task(self._run(), name="outbox")
 
     async def close(self) -> None:
-        """Flush what is pending, then stop the flusher."""
+        """Flush what is pending (unless the flusher failed), then stop the flusher."""
         if self._task is None:
             return
-        await self._flush_once()
+        if self.failed is None:
+            await self._flush_once()
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
@@ -84,7 +94,10 @@ class Outbox:
 
     async def finish(self, lease: Lease, event: JobEvent) -> None:
         """Queue the terminal event (merged with an unpublished delta it follows on) and wait until
-        it is written and the job acked. Cancelling the waiter does not withdraw the event."""
+        it is written and the job acked. Cancelling the waiter does not withdraw the event. Returns at
+        once if the flusher failed: the event cannot be written, and the worker is leaving."""
+        if self.failed is not None:
+            return
         rid = lease.request.request_id
         self._queue_event(lease, event)
         done = self._terminal_done[rid] = asyncio.get_running_loop().create_future()
@@ -92,12 +105,22 @@ class Outbox:
         await asyncio.shield(done)
 
     async def _run(self) -> None:
-        while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._watch_interval_s if self._watch else None)
-            # Let every job task that is ready this iteration add its delta first.
-            await asyncio.sleep(0)
-            await self._flush_once()
+        try:
+            while True:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self._watch_interval_s if self._watch else None)
+                # Let every job task that is ready this iteration add its delta first.
+                await asyncio.sleep(0)
+                await self._flush_once()
+        except Exception as exc:  # not QueueUnavailable (retried inside): a bug; CancelledError passes
+            log.error("outbox_failed", error=repr(exc), exc_info=True)
+            self.failed = exc
+            for fut in self._terminal_done.values():
+                if not fut.done():
+                    fut.set_result(None)
+            self._terminal_done.clear()
+            if self._on_fail is not None:
+                self._on_fail(exc)
 
     async def _flush_once(self) -> None:
         async with self._lock:

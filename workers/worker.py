@@ -100,7 +100,7 @@ class Worker:
         self._slot_free = asyncio.Event()
         # Only the tenant headroom was free at the last lease (workers/worker.py::_interactive).
         self._polling = False
-        self._outbox = Outbox(queue, on_cancel=self._cancel)
+        self._outbox = Outbox(queue, on_cancel=self._cancel, on_fail=self._outbox_failed)
         self.engine_died: EngineDead | None = None
         self.ready = asyncio.Event()
         self.join_failures = 0
@@ -118,6 +118,15 @@ class Worker:
     async def _cancel(self, request_id: str) -> None:
         log.info("job_cancel_requested", request_id=request_id)
         await self._samples.abort(request_id)
+
+    def _outbox_failed(self, exc: BaseException) -> None:
+        """The event writer stopped on an unexpected error: no stream of this worker can move on. Leave
+        at once, as for a wedged engine (heartbeat withdrawn: the gateways fail its streams over; the
+        jobs stay unacked for others to take), and exit non-zero."""
+        why = f"the worker could not publish its events: {exc!r}"
+        self.engine_died, self.wedged = EngineDead(why), True
+        self._set_state(WorkerState.FAILED, why)
+        self._slot_free.set()  # wake the lease loop
 
     def _start(self, lease: Lease) -> None:
         rid = lease.request.request_id
@@ -143,8 +152,8 @@ class Worker:
         """Start the engine (heartbeats say ``starting`` meanwhile), then lease and run jobs until
         ``stop`` is set or the engine dies, then drain.
 
-        Raises EngineDead (after draining) if the engine could not start, died or wedged, so the
-        process exits non-zero.
+        Raises EngineDead (after draining) if the engine could not start, died or wedged, or the event
+        writer failed (workers/outbox.py), so the process exits non-zero.
         """
         delays = Delays(first_s=0.1, cap_s=2.0)
         while True:  # Redis may come up after the worker: wait for it rather than exit

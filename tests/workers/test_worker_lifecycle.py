@@ -256,3 +256,43 @@ async def test_a_job_a_dead_worker_had_begun_is_not_run_again_from_the_start(red
             await asyncio.wait_for(task, 10)
     finally:
         await queue.close()
+
+
+class PublishBreaks(RedisQueue):
+    """A queue whose ``publish`` fails with an unexpected error (not QueueUnavailable) once ``broken``."""
+
+    broken = False
+
+    async def publish(self, events, watch):  # type: ignore[no-untyped-def]
+        if self.broken:
+            raise RuntimeError("a bug in the event writer")
+        return await super().publish(events, watch)
+
+
+async def test_an_event_writer_that_breaks_makes_the_worker_leave_and_its_job_stays_for_another(
+    redis_settings: RedisSettings,
+) -> None:
+    """The flusher cannot write past an unexpected error: rather than keep a fresh heartbeat over streams
+    that no longer move, the worker withdraws it at once (the gateways fail its streams over), exits with
+    the reason, and leaves the job unacked for another worker."""
+    ws = settings("w-pub", fake_step_s=0.01, grace_s=30)
+    queue = PublishBreaks.from_settings(redis_settings)
+    engine = FakeEngine(ws)
+    worker, task = running(ws, queue, engine)
+    try:
+        await asyncio.wait_for(worker.ready.wait(), 5)
+        await queue.submit("cpu", GenerationRequest("pub", "m", prompt="x", sampling=SamplingParams(max_tokens=500)))
+        async for _i, _ev in queue.events("pub"):
+            queue.broken = True
+            break
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(EngineDead, match="could not publish its events"):
+            await asyncio.wait_for(task, 10)
+        assert asyncio.get_running_loop().time() - t0 < 5  # not the 30-s drain grace
+        assert worker.wedged and await status_of(queue, "w-pub") is None
+        taken = await queue.reclaim("cpu", "w-other", 0, 10, ws.max_deliveries)
+        assert [lease.request.request_id for lease in taken] == ["pub"]
+    finally:
+        with contextlib.suppress(Exception):
+            await engine.shutdown()
+        await queue.close()
