@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 
 import pytest
 
@@ -64,6 +64,20 @@ def running(ws: WorkerSettings, queue: RedisQueue, engine: FakeEngine, stop: asy
     """A worker over ``engine``, running (its engine not started: the worker starts it)."""
     worker = Worker(ws, queue, engine, block_ms=100)
     return worker, asyncio.create_task(worker.run(stop or asyncio.Event()))
+
+
+Events = AsyncGenerator[tuple[str, JobEvent], None]
+
+
+async def streaming(worker: Worker, queue: RedisQueue, rid: str) -> tuple[Events, JobEvent]:
+    """Once ``worker`` is ready, a long request ``rid`` submitted and its first event read: its events
+    (to read on) and that first one."""
+    await asyncio.wait_for(worker.ready.wait(), 5)
+    await queue.submit("cpu", GenerationRequest(rid, "m", prompt="x", sampling=SamplingParams(max_tokens=500)))
+    events = queue.events(rid)
+    async for _i, ev in events:
+        return events, ev
+    raise AssertionError(f"{rid}: no event")
 
 
 def settings(name: str, **kw: object) -> WorkerSettings:
@@ -160,14 +174,9 @@ async def test_a_wedged_engine_makes_the_worker_leave_at_once_and_hand_its_jobs_
     engine = FakeEngine(ws)
     worker, task = running(ws, queue, engine)
     try:
-        await asyncio.wait_for(worker.ready.wait(), 5)
-        await queue.submit("cpu", GenerationRequest("stuck", "m", prompt="x", sampling=SamplingParams(max_tokens=500)))
-        events = queue.events("stuck")
-        got: list[JobEvent] = []
-        async for _i, ev in events:
-            got.append(ev)
-            engine.wedged = True  # check_health still passes: only the lack of progress tells
-            break
+        events, first = await streaming(worker, queue, "stuck")
+        got: list[JobEvent] = [first]
+        engine.wedged = True  # check_health still passes: only the lack of progress tells
         t0 = asyncio.get_running_loop().time()
         with pytest.raises(EngineDead, match="no progress"):
             await asyncio.wait_for(task, 10)
@@ -277,14 +286,12 @@ async def test_an_event_writer_that_breaks_makes_the_worker_leave_and_its_job_st
     the reason, and leaves the job unacked for another worker."""
     ws = settings("w-pub", fake_step_s=0.01, grace_s=30)
     queue = PublishBreaks.from_settings(redis_settings)
+    assert isinstance(queue, PublishBreaks)
     engine = FakeEngine(ws)
     worker, task = running(ws, queue, engine)
     try:
-        await asyncio.wait_for(worker.ready.wait(), 5)
-        await queue.submit("cpu", GenerationRequest("pub", "m", prompt="x", sampling=SamplingParams(max_tokens=500)))
-        async for _i, _ev in queue.events("pub"):
-            queue.broken = True
-            break
+        await streaming(worker, queue, "pub")
+        queue.broken = True
         t0 = asyncio.get_running_loop().time()
         with pytest.raises(EngineDead, match="could not publish its events"):
             await asyncio.wait_for(task, 10)
