@@ -11,7 +11,7 @@ import pytest
 
 from llamamesh.errors import InternalError, InvalidRequest, PromptTooLong
 from llamamesh.types import ChatMessage, FinishReason, GenerationRequest
-from workers.engines import adapter, trtllm, vllm
+from workers.engines import adapter, prompts, trtllm, vllm
 from workers.engines.transformers_batch import Batch
 
 pytestmark = pytest.mark.timeout(10)
@@ -131,12 +131,12 @@ def test_every_engine_renders_the_same_request_to_the_same_ids() -> None:
     batch.tokenizer = tok
     for req, ids in [(request(prompt="hi there"), [1, 102, 105]),
                      (request(messages=(ChatMessage("user", "hi"),)), [106, 102, 111])]:  # fmt: skip
-        assert adapter.render_prompt_ids(req, tok) == ids
+        assert prompts.render_prompt_ids(req, tok) == ids
         assert batch.encode(req) == ids
     for kw, field in [({}, "prompt"), ({"messages": ()}, "messages"),
                       ({"prompt": "a", "messages": (ChatMessage("user", "b"),)}, "messages")]:  # fmt: skip
         with pytest.raises(InvalidRequest) as exc:
-            adapter.render_prompt_ids(request(**kw), tok)
+            prompts.render_prompt_ids(request(**kw), tok)
         assert exc.value.violations[0].field == field
 
 

@@ -28,9 +28,9 @@ from llamamesh.types import (
     TokenDelta,
 )
 from workers.engines import registry
-from workers.engines.adapter import render_prompt_ids
 from workers.engines.base import EngineStats
 from workers.engines.params import DEFAULT_MAX_TOKENS
+from workers.engines.prompts import render_prompt_ids
 from workers.engines.vllm import (
     BATCH_PRIORITY_OFFSET,
     BATCH_STEP_TOKENS,

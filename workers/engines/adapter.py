@@ -1,10 +1,11 @@
-"""What the engine adapters share: rendering a request's prompt to token ids, the prompt-length check,
-finish reasons and logprobs as ours, and :class:`LibraryEngine`, the skeleton of ``tokenize`` /
-``stream`` / ``abort`` around a GPU library's own calls. Pure Python (no torch, vLLM or TensorRT-LLM
+"""What the engine adapters share: the prompt-length check, finish reasons and logprobs as ours, and
+:class:`LibraryEngine`, the skeleton of ``tokenize`` / ``stream`` / ``abort`` around a GPU library's
+own calls. Pure Python (no torch, vLLM or TensorRT-LLM
 import), so each adapter imports it without pulling in another's library. Each adapter names its own
 library's words (its finish reasons, its length limit, its errors) where they differ.
 
-Used by: vllm.py and trtllm.py (all of it), transformers_batch.py (the prompt and its length).
+Used by: vllm.py and trtllm.py (all of it), transformers_batch.py (the length check). The prompt's
+rendering to ids is in prompts.py.
 """
 
 from __future__ import annotations
@@ -33,33 +34,12 @@ from llamamesh.types import (
     TopLogprob,
 )
 from workers.engines.base import remember
+from workers.engines.prompts import BatchTokenizer
 
 log = structlog.get_logger(__name__)
 
 # Our SamplingParams field names, which the libraries' errors may name.
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
-
-
-def render_prompt_ids(request: GenerationRequest, tokenizer: Any) -> list[int]:
-    """The token ids for ``request``: the prompt as is (with the tokenizer's special tokens, as vLLM's
-    completions path), or the messages through the chat template (no extra special tokens, as its chat
-    path). InvalidRequest if neither or both are set, or the template fails."""
-    if request.prompt is not None and request.messages is not None:
-        raise InvalidRequest.field("messages", "set prompt or messages, not both")
-    if request.messages is not None:
-        if not request.messages:
-            raise InvalidRequest.field("messages", "at least one message is required")
-        if not getattr(tokenizer, "chat_template", None):
-            raise InvalidRequest.field("messages", "this model has no chat template; send a prompt")
-        chat = [{"role": m.role, "content": m.content} for m in request.messages]
-        try:
-            text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # jinja raises whatever the template author chose
-            raise InvalidRequest.field("messages", f"the chat template rejected them: {exc}") from exc
-        return list(tokenizer.encode(text, add_special_tokens=False))
-    if request.prompt is None:
-        raise InvalidRequest.field("prompt", "either prompt or messages is required")
-    return list(tokenizer.encode(request.prompt))
 
 
 def check_prompt_tokens(n_tokens: int, limit: int, input_field: str, limit_name: str) -> None:
@@ -151,8 +131,10 @@ class LibraryEngine(abc.ABC):
         self._api: Any = None  # the library's names, imported at start
         self._tokenizer: Any = None
         self._streams: dict[str, Any] = {}
-        # Chat templates and tokenization run here, off the event loop (one thread: HF tokenizers).
+        # Chat templates and tokenization run here, off the event loop (one thread: HF tokenizers), for
+        # every request that arrived together in one call of the tokenizer.
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamamesh-tok")
+        self._prompts = BatchTokenizer(lambda: self._tokenizer, self._executor)
         self._dead: str | None = None
         self._starting = ""
         # Library outputs delivered to our streams (the watchdog's sign of progress).
@@ -221,9 +203,7 @@ class LibraryEngine(abc.ABC):
     async def tokenize(self, request: GenerationRequest) -> list[int]:
         """The ids :meth:`stream` would prefill for ``request``; InvalidRequest if it has no usable input."""
         self._started()
-        return await asyncio.get_running_loop().run_in_executor(
-            self._executor, render_prompt_ids, request, self._tokenizer
-        )
+        return await self._prompts.ids(request)
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         llm, api = self._started()
@@ -238,9 +218,7 @@ class LibraryEngine(abc.ABC):
         finished = False
         entered = time.perf_counter()
         try:
-            ids = await asyncio.get_running_loop().run_in_executor(
-                self._executor, render_prompt_ids, request, self._tokenizer
-            )
+            ids = await self._prompts.ids(request)
             tokenize_ms = (time.perf_counter() - entered) * 1e3
             if self._dead is not None:  # shut down while tokenizing
                 raise EngineDead(self._dead)

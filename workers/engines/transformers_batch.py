@@ -38,9 +38,10 @@ from transformers import DynamicCache
 
 from llamamesh.errors import InternalError, InvalidRequest, LlamameshError, NotFound
 from llamamesh.types import FinishReason, GenerationRequest, TokenLogprob
-from workers.engines.adapter import check_prompt_tokens, render_prompt_ids
+from workers.engines.adapter import check_prompt_tokens
 from workers.engines.constraints import Grammars
 from workers.engines.detokenizer import IncrementalDetokenizer, StopStrings
+from workers.engines.prompts import render_prompt_ids
 from workers.engines.sampling import ResolvedSampling, SequenceSampler, sample_batch, token_logprobs
 from workers.engines.transformers_kv import RaggedKV, check_supported, use_aligned_attention
 from workers.engines.transformers_linear import use_row_groups
