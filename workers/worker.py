@@ -102,6 +102,7 @@ class Worker:
         self._polling = False
         self._outbox = Outbox(queue, on_cancel=self._cancel, on_fail=self._outbox_failed)
         self.engine_died: EngineDead | None = None
+        self._writer_failed = asyncio.Event()
         self.ready = asyncio.Event()
         self.join_failures = 0
         self.state = WorkerState.STARTING
@@ -127,6 +128,7 @@ class Worker:
         self.engine_died, self.wedged = EngineDead(why), True
         self._set_state(WorkerState.FAILED, why)
         self._slot_free.set()  # wake the lease loop
+        self._writer_failed.set()  # and a drain in progress
 
     def _start(self, lease: Lease) -> None:
         rid = lease.request.request_id
@@ -181,22 +183,19 @@ class Worker:
             if watchdog is not None:
                 watchdog.cancel()
                 await asyncio.gather(watchdog, return_exceptions=True)
-            if self.wedged:  # gateways must fail its streams over now, not after a drain that cannot end
-                beat_stop.set()
-                await asyncio.gather(beat, return_exceptions=True)
-                with contextlib.suppress(QueueUnavailable):
-                    await self._queue.leave(self._s.pool, self.name)
-                await self._abandon()
-            else:
-                # Heartbeats go on while draining: the gateways must not take its streams for lost.
+            if not self.wedged:
+                # Heartbeats go on while draining: the gateways must not take its streams for lost. The
+                # drain is cut short if the event writer fails meanwhile (then wedged).
                 await self._drain()
-                beat_stop.set()
-                await asyncio.gather(beat, return_exceptions=True)
-                with contextlib.suppress(QueueUnavailable):
-                    if self.state is WorkerState.FAILED:  # say why for a while after it is gone
-                        await self._queue.heartbeat(self.status(), FAILED_TTL_S)
-                    else:
-                        await self._queue.leave(self._s.pool, self.name)
+            beat_stop.set()
+            await asyncio.gather(beat, return_exceptions=True)
+            with contextlib.suppress(QueueUnavailable):
+                if self.wedged or self.state is not WorkerState.FAILED:
+                    await self._queue.leave(self._s.pool, self.name)
+                else:  # say why for a while after it is gone
+                    await self._queue.heartbeat(self.status(), FAILED_TTL_S)
+            if self.wedged:  # gateways fail its streams over now, not after a drain that cannot end
+                await self._abandon()
         if self.engine_died is not None:
             raise self.engine_died
 
@@ -526,10 +525,24 @@ class Worker:
                 await asyncio.gather(self._adapter_sync, return_exceptions=True)
 
     async def _drain(self) -> None:
-        """Stop leasing; give in-flight jobs ``grace_s`` to finish, abort the rest."""
+        """Stop leasing; give in-flight jobs ``grace_s`` to finish, abort the rest. If the event writer
+        fails meanwhile, return at once with the jobs as they are (the worker is wedged then: nothing
+        they do can be published; run() abandons them)."""
         if self._tasks:
             log.info("worker_draining", inflight=len(self._tasks), grace_s=self._s.grace_s)
-            _done, pending = await asyncio.wait(list(self._tasks.values()), timeout=self._s.grace_s)
+            tasks = list(self._tasks.values())
+            ended = asyncio.ensure_future(asyncio.wait(tasks))
+            failed = asyncio.ensure_future(self._writer_failed.wait())
+            try:
+                await asyncio.wait((ended, failed), timeout=self._s.grace_s, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiter in (ended, failed):
+                    waiter.cancel()
+                await asyncio.gather(ended, failed, return_exceptions=True)
+            if self.wedged:
+                log.error("worker_drain_cut", reason=self.engine_died.message if self.engine_died else "wedged")
+                return
+            pending = {t for t in tasks if not t.done()}
             self._handing_back.set()
             for rid in list(self._tasks):
                 await self._samples.abort(rid)

@@ -9,6 +9,7 @@ import contextlib
 from collections.abc import AsyncGenerator, Callable
 
 import pytest
+from structlog.testing import capture_logs
 
 from llamamesh.errors import EngineDead, QueueUnavailable
 from llamamesh.queue.memory import MemoryBatches, MemoryQueue
@@ -303,3 +304,39 @@ async def test_an_event_writer_that_breaks_makes_the_worker_leave_and_its_job_st
         with contextlib.suppress(Exception):
             await engine.shutdown()
         await queue.close()
+
+
+async def test_an_event_writer_that_breaks_while_draining_cuts_the_drain_short(redis_settings: RedisSettings) -> None:
+    """Stopped with a long request in flight, the worker drains with its heartbeat on; if its event writer
+    fails then, the request can no longer move: the worker leaves at once (not after the 30-s grace),
+    withdraws its heartbeat and leaves the job unacked for another worker."""
+    ws = settings("w-drain", fake_step_s=0.01, grace_s=30)
+    queue = PublishBreaks.from_settings(redis_settings)
+    assert isinstance(queue, PublishBreaks)
+    engine = FakeEngine(ws)
+    stop = asyncio.Event()
+    worker, task = running(ws, queue, engine, stop)
+    try:
+        events, _first = await streaming(worker, queue, "drained")
+        with capture_logs() as logs:
+            stop.set()
+            await until(lambda: _logged(logs, "worker_draining"))
+            assert not task.done() and await status_of(queue, "w-drain") is not None  # draining, heartbeat on
+            queue.broken = True
+            t0 = asyncio.get_running_loop().time()
+            with pytest.raises(EngineDead, match="could not publish its events"):
+                await asyncio.wait_for(task, 10)
+        assert asyncio.get_running_loop().time() - t0 < 5  # not the 30-s drain grace
+        assert any(e["event"] == "worker_drain_cut" for e in logs)
+        assert worker.wedged and await status_of(queue, "w-drain") is None
+        taken = await queue.reclaim("cpu", "w-other", 0, 10, ws.max_deliveries)
+        assert [lease.request.request_id for lease in taken] == ["drained"]
+        await events.aclose()
+    finally:
+        with contextlib.suppress(Exception):
+            await engine.shutdown()
+        await queue.close()
+
+
+async def _logged(logs: list[dict[str, object]], event: str) -> bool:
+    return any(e["event"] == event for e in logs)
