@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import pytest
 
-from llamamesh.errors import EngineDead
+from llamamesh.errors import EngineDead, InvalidRequest
 from llamamesh.settings import TrtllmSettings, VllmSettings
 from llamamesh.types import FinishReason, GenerationRequest, TokenDelta
 from tests.unit import test_trtllm_mapping as T
@@ -245,4 +245,30 @@ async def test_an_unstarted_engine_is_dead_and_shuts_down_cleanly(make: Any) -> 
     with pytest.raises(EngineDead):
         await engine.check_health()
     assert engine.stats() == EngineStats(steps=0)
+    await engine.shutdown()
+
+
+async def test_requests_that_arrive_together_are_tokenised_in_one_call_and_prefill_their_own_ids() -> None:
+    """The skeleton's batch tokenizer (workers/engines/prompts.py), shared by both adapters, seen through
+    vLLM's fake: eight streams started in one loop turn are rendered by one call of the tokenizer on a
+    list, and each request reaches the library with its own ids; a bad one among them fails alone."""
+    from tests.workers.test_batch_tokenizer import ListTokenizer
+
+    tok = ListTokenizer()
+    llm = V.FakeAsyncLLM()
+    engine = V.started(llm, tokenizer=tok)
+    words = {f"r{i}": " ".join(["w" * (i + 1)] * (i + 1)) for i in range(8)}
+    reqs = [GenerationRequest(request_id=rid, model="llama-8b", prompt=text) for rid, text in words.items()]
+    reqs.append(GenerationRequest(request_id="bad", model="llama-8b"))  # neither prompt nor messages
+    tasks = {r.request_id: asyncio.create_task(collect(engine, r, [])) for r in reqs}
+    await until(lambda: len(llm.seen) == len(words))
+    assert tok.calls == [("list", 8, True)]  # the bad request never reached the tokenizer
+    for rid, text in words.items():
+        assert llm.seen[rid][0]["prompt_token_ids"] == [1] + [100 + len(w) for w in text.split()]
+    with pytest.raises(InvalidRequest) as bad:
+        await asyncio.wait_for(tasks.pop("bad"), 5)
+    assert bad.value.violations[0].field == "prompt" and "bad" not in llm.seen
+    for rid in words:
+        llm.emit(rid, V.output("", (), finish="stop", prompt_ids=llm.seen[rid][0]["prompt_token_ids"]))
+    await asyncio.wait_for(asyncio.gather(*tasks.values()), 5)
     await engine.shutdown()
