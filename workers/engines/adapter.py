@@ -1,8 +1,8 @@
 """What the engine adapters share: the prompt-length check, finish reasons and logprobs as ours, and
 :class:`LibraryEngine`, the skeleton of ``tokenize`` / ``stream`` / ``abort`` around a GPU library's
-own calls. Pure Python (no torch, vLLM or TensorRT-LLM
-import), so each adapter imports it without pulling in another's library. Each adapter names its own
-library's words (its finish reasons, its length limit, its errors) where they differ.
+own calls. Pure Python (no torch, vLLM or TensorRT-LLM import), so each adapter imports it without
+pulling in another's library. Each adapter names its own library's words (its finish reasons, its
+length limit, its errors) where they differ.
 
 Used by: vllm.py and trtllm.py (all of it), transformers_batch.py (the length check). The prompt's
 rendering to ids is in prompts.py.
