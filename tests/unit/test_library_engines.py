@@ -272,3 +272,23 @@ async def test_requests_that_arrive_together_are_tokenised_in_one_call_and_prefi
         llm.emit(rid, V.output("", (), finish="stop", prompt_ids=llm.seen[rid][0]["prompt_token_ids"]))
     await asyncio.wait_for(asyncio.gather(*tasks.values()), 5)
     await engine.shutdown()
+
+
+async def test_requests_waiting_to_be_tokenised_at_shutdown_end_with_engine_dead(lib: Library) -> None:
+    """One request is being tokenised, another waits for the next batch when the engine shuts down (its
+    tokenizer thread with it): both end with EngineDead, neither with the thread pool's RuntimeError."""
+    entered, release = threading.Event(), threading.Event()
+    lib.block_tokenizer(entered, release)
+    first = asyncio.create_task(collect(lib.engine, req("a b"), []))
+    await until(entered.is_set)
+    other = GenerationRequest(request_id="r2", model="llama-8b", prompt="c")
+    second = asyncio.create_task(collect(lib.engine, other, []))
+    await asyncio.sleep(0)  # the second one waits behind the batch in the tokenizer
+    shutting = asyncio.create_task(lib.engine.shutdown())
+    await until(lambda: lib.engine._dead is not None)
+    release.set()
+    await asyncio.wait_for(shutting, 5)
+    for task in (first, second):
+        with pytest.raises(EngineDead):
+            await asyncio.wait_for(task, 5)
+    assert not lib.knows()

@@ -200,10 +200,18 @@ class LibraryEngine(abc.ABC):
 
     # --- the skeleton
 
+    async def _prompt_ids(self, request: GenerationRequest) -> list[int]:
+        try:
+            return await self._prompts.ids(request)
+        except RuntimeError as exc:  # the engine shut its tokenizer thread down while the request waited
+            if self._dead is None:
+                raise
+            raise EngineDead(self._dead) from exc
+
     async def tokenize(self, request: GenerationRequest) -> list[int]:
         """The ids :meth:`stream` would prefill for ``request``; InvalidRequest if it has no usable input."""
         self._started()
-        return await self._prompts.ids(request)
+        return await self._prompt_ids(request)
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         llm, api = self._started()
@@ -218,7 +226,7 @@ class LibraryEngine(abc.ABC):
         finished = False
         entered = time.perf_counter()
         try:
-            ids = await self._prompts.ids(request)
+            ids = await self._prompt_ids(request)
             tokenize_ms = (time.perf_counter() - entered) * 1e3
             if self._dead is not None:  # shut down while tokenizing
                 raise EngineDead(self._dead)
