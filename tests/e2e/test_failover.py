@@ -138,6 +138,14 @@ async def test_kill_mid_stream_of_n_samples_resumes_each_from_its_own_tokens(nod
     assert got[-1].usage.completion_tokens == 3 * n_tokens
     moved = [json.loads(x) for x in node.log("gateway").splitlines() if '"request_failed_over"' in x]
     assert len(moved) == 1 and moved[0]["resumed_tokens"] >= sum(killed_at.values())
-    jobs = [json.loads(x) for x in node.log("backup").splitlines() if '"job_finished"' in x]
-    resumed = [j for j in jobs if j.get("request_id") == f"{got[-1].request_id}~1"]
-    assert len(resumed) == 1 and resumed[0]["completion_tokens"] == 3 * n_tokens - moved[0]["resumed_tokens"]
+
+    def resumed() -> list[dict]:
+        jobs = [json.loads(x) for x in node.log("backup").splitlines() if '"job_finished"' in x]
+        return [j for j in jobs if j.get("request_id") == f"{got[-1].request_id}~1"]
+
+    async def logged() -> bool:  # the worker logs job_finished after its last event is out: the caller may be first
+        return bool(resumed())
+
+    await wait_for(logged, 10, "the backup worker's job_finished line")
+    (job,) = resumed()
+    assert job["completion_tokens"] == 3 * n_tokens - moved[0]["resumed_tokens"]
