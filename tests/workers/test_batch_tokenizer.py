@@ -83,7 +83,7 @@ async def test_requests_that_arrive_together_are_encoded_in_one_call_with_the_sa
     batcher = BatchTokenizer(lambda: tok, executor)
     requests = [prompt(" ".join("w" * (i % 7 + 1) for _ in range(i + 1)), i) for i in range(10)]
     got = await asyncio.gather(*(batcher.ids(r) for r in requests))
-    assert tok.calls == [("list", 10, True)] and batcher.batches == [10]
+    assert tok.calls == [("list", 10, True)] and list(batcher.batches) == [10]
     assert got == [render_prompt_ids(r, ListTokenizer()) for r in requests]
 
 
@@ -100,7 +100,7 @@ async def test_requests_arriving_during_a_batch_go_in_the_next_one_and_a_batch_i
     tok.gate.set()
     assert await first == [1, 101]
     assert await asyncio.gather(*rest) == [[1, 101, 101]] * 6
-    assert batcher.batches == [1, 4, 2]
+    assert list(batcher.batches) == [1, 4, 2]
     assert tok.calls == [("one", True), ("list", 4, True), ("list", 2, True)]
 
 
@@ -149,7 +149,7 @@ async def test_a_caller_that_goes_away_while_waiting_is_left_out(executor: concu
     tok.gate.set()
     assert await first == [1, 101] and await stays == [1, 101, 101]
     assert gone.cancelled()
-    assert batcher.batches == [1, 1]
+    assert list(batcher.batches) == [1, 1]
 
 
 async def test_a_shut_down_executor_fails_the_waiting_requests(executor: concurrent.futures.Executor) -> None:
@@ -174,5 +174,13 @@ async def test_the_real_tokenizer_gives_the_same_ids_in_a_batch(executor: concur
     requests += [chat(t) for t in texts[:8]]
     batcher = BatchTokenizer(lambda: tok, executor)
     got = await asyncio.gather(*(batcher.ids(r) for r in requests))
-    assert batcher.batches == [len(requests)]
+    assert list(batcher.batches) == [len(requests)]
     assert got == [render_prompt_ids(r, tok) for r in requests]
+
+
+async def test_the_record_of_batch_sizes_stays_bounded(executor: concurrent.futures.Executor) -> None:
+    tok = ListTokenizer()
+    batcher = BatchTokenizer(lambda: tok, executor)
+    for i in range(100):
+        assert await batcher.ids(prompt("a b", i)) == [1, 101, 101]
+    assert list(batcher.batches) == [1] * 64

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -109,8 +110,9 @@ class BatchTokenizer:
         self._max_batch = max_batch
         self._waiting: list[tuple[GenerationRequest, asyncio.Future[list[int]]]] = []
         self._drainer: asyncio.Task[None] | None = None
-        # How many requests each batch held (for tests and benchmarks).
-        self.batches: list[int] = []
+        # How many requests each of the last batches held (for tests and benchmarks; bounded, as the
+        # worker runs for days).
+        self.batches: deque[int] = deque(maxlen=64)
 
     async def ids(self, request: GenerationRequest) -> list[int]:
         future: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
