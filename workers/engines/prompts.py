@@ -88,9 +88,8 @@ def render_batch(requests: list[GenerationRequest], tokenizer: Any) -> list[list
                 encoded = None
         for n, (i, text) in enumerate(group):
             try:
-                out[i] = list(encoded[n]) if encoded is not None else list(
-                    tokenizer.encode(text, add_special_tokens=special)
-                )
+                ids = encoded[n] if encoded is not None else tokenizer.encode(text, add_special_tokens=special)
+                out[i] = list(ids)
             except Exception as exc:
                 out[i] = exc
     return out
