@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -531,14 +531,7 @@ class Worker:
         if self._tasks:
             log.info("worker_draining", inflight=len(self._tasks), grace_s=self._s.grace_s)
             tasks = list(self._tasks.values())
-            ended = asyncio.ensure_future(asyncio.wait(tasks))
-            failed = asyncio.ensure_future(self._writer_failed.wait())
-            try:
-                await asyncio.wait((ended, failed), timeout=self._s.grace_s, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for waiter in (ended, failed):
-                    waiter.cancel()
-                await asyncio.gather(ended, failed, return_exceptions=True)
+            await _first(asyncio.wait(tasks), self._writer_failed.wait(), timeout=self._s.grace_s)
             if self.wedged:
                 log.error("worker_drain_cut", reason=self.engine_died.message if self.engine_died else "wedged")
                 return
@@ -555,7 +548,12 @@ class Worker:
 
 
 async def _wait_any(*events: asyncio.Event, timeout: float | None = None) -> None:
-    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    await _first(*(e.wait() for e in events), timeout=timeout)
+
+
+async def _first(*awaitables: Awaitable[Any], timeout: float | None = None) -> None:
+    """Until the first of ``awaitables`` is done (or ``timeout``); the others are cancelled."""
+    waiters = [asyncio.ensure_future(a) for a in awaitables]
     try:
         await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
