@@ -8,7 +8,9 @@ In, one JSON object per line:
 
 Out (``batch results``), one line per item, in the order items finished:
 ``{"custom_id", "status" (succeeded | errored | cancelled | expired), "text", "finish_reason",
-"usage": {"prompt_tokens", "completion_tokens"}, "error": {"code", "message"} (if any), "cursor"}``.
+"usage": {"prompt_tokens", "completion_tokens"}, "samples" (n > 1), "error": {"code" (a gRPC
+status name), "reason", "message"} (if any), "cursor"}`` (BatchResult's fields; the README lists
+them).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def result_line(r: bpb.BatchResult) -> str:
     if r.samples:
         obj["samples"] = [{"text": x.text, "finish_reason": _finish(x.finish_reason)} for x in r.samples]
     if r.error_code:
-        obj["error"] = {"code": r.error_code, "message": r.error_message}
+        obj["error"] = {"code": r.error_code, "reason": r.error_reason, "message": r.error_message}
     obj["cursor"] = r.cursor
     return json.dumps(obj, ensure_ascii=False)
 

@@ -2,12 +2,17 @@
 
 Each class has a stable ``code`` so that a failure can cross Redis as data
 (``Failed{code, message, retryable, field}``) and be rebuilt on the other side
-with :func:`from_code`. ``services/status.py`` maps the tree to gRPC once.
+with :func:`from_code`. ``services/status.py`` maps the tree to gRPC once, and every status it
+sends carries a ``google.rpc.ErrorInfo`` of domain ``ERROR_DOMAIN`` whose reason is the code in
+capitals (``QUEUE_FULL``, ``NO_WORKERS``...), so that callers can tell the gateway's own statuses
+apart, and apart from the transport's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+ERROR_DOMAIN = "llamamesh.v1"
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,12 @@ class NotFound(ClientError):
     code = "not_found"
 
 
+class OutOfRange(ClientError):
+    """A position past the end: an Attach offset beyond the tokens the request produced."""
+
+    code = "out_of_range"
+
+
 class AlreadyExists(ClientError):
     """A caller-chosen id (request or batch) already names a different request."""
 
@@ -100,6 +111,8 @@ class RateLimited(CapacityError):
     code = "rate_limited"
 
 
+
+
 # --- unavailable: a dependency is down; another attempt may succeed.
 class Unavailable(LlamameshError):
     code = "unavailable"
@@ -112,6 +125,19 @@ class NoWorkers(Unavailable):
 
 class QueueUnavailable(Unavailable):
     code = "queue_unavailable"
+
+
+class QueueOutOfMemory(QueueUnavailable):
+    """Redis answers but refuses writes: it reached its ``maxmemory`` (with the ``noeviction``
+    policy a queue needs). Nothing of the refused call was kept. A kind of QueueUnavailable to the
+    code that retries (workers, the gateway's loops); a capacity error to callers
+    (RESOURCE_EXHAUSTED, with ``retry_after_s`` as RetryInfo)."""
+
+    code = "queue_out_of_memory"
+
+    def __init__(self, message: str, retry_after_s: float = 5.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class QueueMisconfigured(QueueUnavailable):

@@ -82,6 +82,8 @@ BATCHES_AT_RISK = Gauge("llamamesh_batches_at_risk",
 # however many matches the rule rewrote in it (services/normalize.py).
 PROMPT_REWRITES = Counter("llamamesh_prompt_rewrites", "Requests whose prompt or messages a normalisation rule "
                           "changed, by rule", ["rule"])  # fmt: skip
+QUEUE_FULL = Gauge("llamamesh_queue_full", "1 while Redis refuses writes at its maxmemory (full), as this "
+                   "gateway's health check finds", multiprocess_mode="livemax")  # fmt: skip
 DISCONNECT_CANCEL = Histogram("llamamesh_disconnect_cancel_seconds",
                               "Caller gone to the cancel flag written for its worker", buckets=LATENCY_BUCKETS)
 
@@ -113,6 +115,7 @@ BREAKER_VALUES = {"closed": 0, "half_open": 1, "open": 2}
 # Admission refusals: the domain error's class -> the reason label.
 _REASONS: tuple[tuple[type[errors.LlamameshError], str], ...] = (
     (errors.QueueFull, "queue_full"),
+    (errors.QueueOutOfMemory, "queue_out_of_memory"),
     (errors.RateLimited, "rate_limited"),
     (errors.Unauthenticated, "unauthenticated"),
     (errors.PermissionDenied, "permission_denied"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
@@ -267,6 +267,12 @@ class JobEvent:
     tokens these are (``index`` counts within that sample), and ``sample_end`` ends a sample that is
     not the last one to end; the terminal event's ``finished`` ends the last one (its sample) and
     counts every sample's tokens.
+
+    ``marks`` keeps, for events joined into this one (``then``, ``joined``), where each but the
+    last ended: (tokens, characters of ``text``) so far. It lets a reader cut the event at any of
+    those token counts with the text that goes with each side (``text_before``). It does not cross
+    Redis: a worker's event is one engine step (or what its writer merged), and a caller's count of
+    tokens received always falls on such a boundary.
     """
 
     text: str = ""
@@ -279,6 +285,7 @@ class JobEvent:
     worker: str = ""
     sample: int = 0
     sample_end: FinishReason | None = None
+    marks: tuple[tuple[int, int], ...] = ()
 
     @property
     def terminal(self) -> bool:
@@ -301,16 +308,49 @@ class JobEvent:
     def then(self, later: JobEvent) -> JobEvent:
         """This event and the next one of the same request as one: the deltas joined, the ending (if
         any) and worker of ``later``, the index of this one. ``later`` must follow on (ValueError)."""
-        if not self.follows_on(later):
-            end = self.index + len(self.token_ids)
-            raise ValueError(f"an event at token {later.index} does not follow on one that ends at {end}")
-        return replace(
-            later,
-            text=self.text + later.text,
-            token_ids=self.token_ids + later.token_ids,
-            logprobs=self.logprobs + later.logprobs,
-            index=self.index,
-        )
+        return JobEvent.joined((self, later))
+
+    @staticmethod
+    def joined(events: Sequence[JobEvent]) -> JobEvent:
+        """Events of one request, each following on the one before, as one (``then`` over all of
+        them, in one pass rather than one copy per event). ValueError if one does not follow on."""
+        first, last = events[0], events[-1]
+        if len(events) == 1:
+            return first
+        texts: list[str] = []
+        ids: list[int] = []
+        logprobs: list[TokenLogprob] = []
+        marks: list[tuple[int, int]] = []
+        chars = 0
+        for i, ev in enumerate(events):
+            if i:
+                prev = events[i - 1]
+                if not prev.follows_on(ev):
+                    end = prev.index + len(prev.token_ids)
+                    raise ValueError(f"an event at token {ev.index} does not follow on one that ends at {end}")
+                marks.append((len(ids), chars))
+            marks.extend((len(ids) + t, chars + c) for t, c in ev.marks)
+            texts.append(ev.text)
+            chars += len(ev.text)
+            ids.extend(ev.token_ids)
+            logprobs.extend(ev.logprobs)
+        return replace(last, text="".join(texts), token_ids=tuple(ids), logprobs=tuple(logprobs),
+                       index=first.index, marks=tuple(marks))  # fmt: skip
+
+    def text_before(self, k: int) -> int:
+        """How many characters of ``text`` go with the first ``k`` of ``token_ids``: the text of the
+        joined events whose tokens all lie among them (``marks``). Text with no token of its own (a
+        final flush) goes with what follows it, and an engine step's text with its last token, so
+        the two sides of any cut add up to the whole text."""
+        if k >= len(self.token_ids) and not self.marks:
+            return len(self.text) if k else 0
+        best_t = chars = 0
+        for t, c in (*self.marks, (len(self.token_ids), len(self.text))):
+            if t > k:
+                break
+            if t > best_t:
+                best_t, chars = t, c
+        return chars
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from llamamesh.types import (
     BatchState,
     GenerationRequest,
     ItemResult,
+    ItemStatus,
     ModelInfo,
     public_id,
     scoped_id,
@@ -45,7 +46,7 @@ from llamamesh.types import (
 from llamamesh.v1 import batch_pb2 as bpb
 from llamamesh.v1 import batch_pb2_grpc
 from llamamesh.v1 import generation_pb2 as pb
-from services import convert
+from services import convert, status
 from services.admission import Admission, access_of, check_priority
 from services.auth import identity
 from services.calls import note, rpc
@@ -190,13 +191,25 @@ def batch_pb(info: BatchInfo) -> bpb.Batch:
     return msg
 
 
+# The error codes of items that never ran (ItemResult.unrun), as gRPC status names.
+_UNRUN_STATUS = {ItemStatus.CANCELLED.value: "CANCELLED", ItemStatus.EXPIRED.value: "DEADLINE_EXCEEDED"}
+
+
+def _status_name(code: str) -> str:
+    """The gRPC status name of a stored item error (a domain error code, or an unrun item's status)."""
+    if not code:
+        return ""
+    return _UNRUN_STATUS.get(code) or status.code_for(errors.from_code(code, "")).name
+
+
 def result_pb(batch_id: str, cursor: str, r: ItemResult) -> bpb.BatchResult:
     msg = bpb.BatchResult(
         batch_id=public_id(batch_id),
         custom_id=r.custom_id,
         status=_STATUS_TO_PB[r.status.value],
         text=r.text,
-        error_code=r.error_code,
+        error_code=_status_name(r.error_code),
+        error_reason=r.error_code.upper(),
         error_message=r.error_message,
         cursor=cursor,
     )
@@ -241,8 +254,18 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
         tenant = identity(context).tenant
         info = await self._store.get(scoped_id(tenant, batch_id))
         if info is None or info.owner != tenant:
-            raise errors.NotFound(f"no batch {batch_id!r}")
+            raise errors.NotFound(await self._unknown(batch_id))
         return info
+
+    async def _unknown(self, batch_id: str) -> str:
+        """Why a batch is not found: unknown, its retention ended, or lost with Redis's data (said
+        when the data began within a retention: a batch created before then is gone)."""
+        why = f"no batch {batch_id!r}: unknown, or its results expired (LLAMAMESH_BATCH_RETENTION_S after it ended)"
+        since = await self._store.data_since()
+        if since and time.time() - since < self._s.retention_s:
+            began = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(since))
+            why += f", or lost with Redis's data: the queue's data dates from {began}, a batch created before is gone"
+        return why
 
     @rpc("BatchGenerate")
     async def BatchGenerate(self, request: bpb.BatchGenerateRequest, context: grpc.aio.ServicerContext) -> bpb.Batch:
@@ -320,7 +343,7 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
         mine = await self._mine(request.batch_id, context)
         info = await self._store.cancel(mine.batch_id)
         if info is None:
-            raise errors.NotFound(f"no batch {request.batch_id!r}")
+            raise errors.NotFound(await self._unknown(request.batch_id))
         log.info("batch_cancel_requested", batch_id=request.batch_id, state=info.state.value)
         return batch_pb(info)
 

@@ -69,6 +69,8 @@ async def _call(method: str, context: grpc.aio.ServicerContext) -> AsyncIterator
         except errors.LlamameshError as exc:
             outcome = status.code_for(exc).name
             fields["error"] = exc.message
+            if isinstance(exc, errors.QueueOutOfMemory):  # (the other refusals are counted where they are made)
+                metrics.rejected(exc)
             await status.abort(context, exc)  # raises
         except BaseException as exc:  # logged with its status, then re-raised
             outcome = _other(exc)

@@ -37,6 +37,8 @@ REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_METADATA = 64
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
 
 FINISH_TO_PB = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
@@ -140,9 +142,17 @@ def _request_id(given: str, bad: list[FieldViolation]) -> str:
 
 
 def _metadata(items: Iterable[tuple[str, str]], bad: list[FieldViolation]) -> MappingProxyType[str, str]:
+    """The request's labels, bounded (they are logged with it): ``MAX_METADATA`` entries, keys of
+    1-``MAX_METADATA_KEY`` characters, values of at most ``MAX_METADATA_VALUE``."""
     meta = dict(items)
     if len(meta) > MAX_METADATA:
-        bad.append(FieldViolation("metadata", f"at most {MAX_METADATA} entries"))
+        bad.append(FieldViolation("metadata", f"{len(meta)} entries; at most {MAX_METADATA}"))
+        return MappingProxyType({})
+    for key, value in meta.items():
+        if not 0 < len(key) <= MAX_METADATA_KEY:
+            bad.append(FieldViolation("metadata", f"a key of {len(key)} characters; 1 to {MAX_METADATA_KEY}"))
+        elif len(value) > MAX_METADATA_VALUE:
+            bad.append(FieldViolation(f"metadata[{key}]", f"{len(value)} characters; at most {MAX_METADATA_VALUE}"))
     return MappingProxyType(meta)
 
 

@@ -10,7 +10,8 @@ from collections.abc import Callable, Sequence
 import structlog
 from grpc_health.v1 import health, health_pb2
 
-from llamamesh.errors import QueueUnavailable
+from llamamesh import metrics
+from llamamesh.errors import QueueOutOfMemory, QueueUnavailable
 from llamamesh.queue.protocol import QueueState
 
 log = structlog.get_logger(__name__)
@@ -20,6 +21,8 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 LIVENESS = "llamamesh.liveness"
+# SERVING while Redis takes writes; NOT_SERVING while it is full (maxmemory) or refuses them otherwise.
+QUEUE_WRITES = "llamamesh.queue"
 # Seconds between checks of a queue that did not answer the last one.
 OUTAGE_CHECK_S = 0.2
 
@@ -32,6 +35,11 @@ class HealthReporter:
       NOT_SERVING otherwise and after ``shutdown()``.
     - ``llamamesh.backend.<pool>`` for each backend pool: SERVING while the queue answers and the
       pool has a live worker and its breaker is not open (``set_backend``, fed by services/backends.py).
+    - ``llamamesh.queue``: SERVING while Redis takes writes (a write probe each check); NOT_SERVING
+      while it refuses them, e.g. full at its maxmemory (``llamamesh_queue_full`` is then 1). Readiness
+      stays SERVING then: the gateway still streams, attaches, cancels and reads batches, and every
+      new request is refused RESOURCE_EXHAUSTED saying why, which a gateway taken out of its load
+      balancer could not tell its callers.
 
     Redis that comes back without its data (the queue's epoch changed: a restart without
     persistence, a failover to an empty replica) is not run against silently: readiness is
@@ -58,6 +66,7 @@ class HealthReporter:
         self.reachable = True
         self._backends: dict[str, bool] = {}
         self._watchers: list[Callable[[bool], None]] = []
+        self.writable: bool | None = None
 
     def watch(self, seen: Callable[[bool], None]) -> None:
         """Call ``seen(reachable)`` after every check of the queue."""
@@ -83,6 +92,9 @@ class HealthReporter:
         except (QueueUnavailable, asyncio.TimeoutError):
             self._saw(False)
             await self._set(False)
+            if self.writable is not False:
+                await self.servicer.set(QUEUE_WRITES, NOT_SERVING)
+                self.writable = False
             return
         self._saw(True)
         if self._epoch and epoch != self._epoch:
@@ -92,6 +104,25 @@ class HealthReporter:
                       detail="Redis answers without the queue's data: open requests end UNAVAILABLE")  # fmt: skip
         self._epoch = epoch
         await self._set(time.monotonic() >= self._held_until)
+        await self._check_writes()
+
+    async def _check_writes(self) -> None:
+        full, why = False, ""
+        try:
+            await asyncio.wait_for(self._queue.check_writes(), timeout=self._interval_s)
+        except QueueOutOfMemory as exc:
+            full, why = True, exc.message
+        except (QueueUnavailable, asyncio.TimeoutError) as exc:
+            why = str(exc) or "no answer"
+        writable = not why
+        metrics.QUEUE_FULL.set(1 if full else 0)
+        if writable != self.writable:
+            await self.servicer.set(QUEUE_WRITES, SERVING if writable else NOT_SERVING)
+            if writable:
+                log.info("queue_writes_accepted")
+            else:
+                log.error("queue_writes_refused", full=full, detail=why)
+        self.writable = writable
 
     async def start(self) -> None:
         await self.servicer.set(LIVENESS, SERVING)

@@ -146,22 +146,23 @@ def _shifted(ev: JobEvent, base: int, first_token_ns: int = 0, usage_base: int |
 
 
 def _cut(ev: JobEvent, offset: int, end: int | None) -> JobEvent | None:
-    """``ev`` (numbered as the caller's stream) cut to tokens [offset, end): None if nothing of it is
-    left (a terminal event always stays, with what is left of its tokens). Cutting inside an event
-    keeps its token ids but not its text (text does not split by token); offsets a caller got as a
-    count of the messages it received never cut inside one."""
+    """``ev`` (numbered as the caller's stream) cut to tokens [offset, end), with the text that goes
+    with them (``JobEvent.text_before``: the pieces of any cuts add up to the whole text): None if
+    nothing of it is left (a terminal event always stays, with what is left of its tokens and
+    text)."""
     start, stop = ev.index, ev.index + len(ev.token_ids)
     lo, hi = max(start, offset), stop if end is None else min(stop, end)
-    if ev.terminal or ev.sample_end is not None:
-        return replace(ev, index=lo, token_ids=ev.token_ids[lo - start : max(lo, hi) - start],
-                       text=ev.text if lo == start else "", logprobs=ev.logprobs[lo - start :])  # fmt: skip
-    if hi <= lo:
+    if hi <= lo and not (ev.terminal or ev.sample_end is not None):
         return None
-    if (lo, hi) == (start, stop):
+    whole = end is None or end > stop  # text after the last token (a final flush) goes with what follows
+    if lo == start and hi == stop and whole:
         return ev
-    text = ev.text if lo == start and hi == stop else ""
-    return replace(ev, index=lo, token_ids=ev.token_ids[lo - start : hi - start], text=text,
-                   logprobs=ev.logprobs[lo - start : hi - start])  # fmt: skip
+    hi = max(lo, hi)
+    a, b = lo - start, hi - start
+    ca = ev.text_before(a)
+    text = ev.text[ca : len(ev.text) if whole else ev.text_before(b)]
+    marks = tuple((t - a, c - ca) for t, c in ev.marks if a < t < b)
+    return replace(ev, index=lo, token_ids=ev.token_ids[a:b], text=text, logprobs=ev.logprobs[a:b], marks=marks)
 
 
 def _window(ev: JobEvent, base: int, offset: int, end: int | None, usage_base: int | None = None) -> JobEvent | None:
@@ -187,6 +188,18 @@ def _spent_samples(req: GenerationRequest, streams: SampleCursors) -> list[JobEv
         else:
             out.append(JobEvent(index=at, sample=k, sample_end=FinishReason.LENGTH))
     return out
+
+
+def _check_in_range(request_id: str, end: JobEvent, base: int, offset: int, n: int) -> None:
+    """Raise OutOfRange when an Attach asked for tokens past the end of what the request (or
+    sample) produced: ``end`` ends it, after ``base`` tokens of earlier attempts."""
+    produced = base + end.index + len(end.token_ids)
+    if offset > produced:
+        field, what = ("offset", "request") if n == 1 else (f"sample_offsets[{end.sample}]", f"sample {end.sample}")
+        raise errors.OutOfRange(
+            f"{field} {offset} is past the end of request {public_id(request_id)!r}: its {what} ended after "
+            f"{produced} tokens"
+        )
 
 
 def _raise_failure(ev: JobEvent) -> None:
@@ -591,6 +604,8 @@ class QueueRelay:
                 async for ev in self._watched(rec.pool, job):
                     _raise_failure(ev)
                     cursor = streams.cursors.get(ev.sample)
+                    if cursor is not None and ev.ends_sample is not None:
+                        _check_in_range(request_id, ev, rec.base_of(ev.sample), cursor.next, n)
                     part = _window(ev, rec.base_of(ev.sample), cursor.next if cursor else 0, None, rec.base)
                     if part is not None and (part := streams.accept(part)) is not None:
                         yield head, part

@@ -22,11 +22,13 @@ log = structlog.get_logger(__name__)
 TABLE: list[tuple[type[errors.LlamameshError], grpc.StatusCode]] = [
     (errors.InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.NotFound, grpc.StatusCode.NOT_FOUND),
+    (errors.OutOfRange, grpc.StatusCode.OUT_OF_RANGE),
     (errors.AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
     (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (errors.CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.QueueOutOfMemory, grpc.StatusCode.RESOURCE_EXHAUSTED),  # before Unavailable, its base
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
     (errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
 ]
@@ -59,10 +61,12 @@ def to_status(exc: BaseException) -> status_pb2.Status:
             ]
         )
         st.details.add().Pack(br)
-    if isinstance(exc, errors.CapacityError):
+    if isinstance(exc, errors.CapacityError | errors.QueueOutOfMemory):
         secs = max(exc.retry_after_s, 0.0)
         delay = Duration(seconds=int(secs), nanos=int((secs - math.floor(secs)) * 1e9))
         st.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+    # Last, so that the first detail stays the one callers know (BadRequest, RetryInfo).
+    st.details.add().Pack(error_details_pb2.ErrorInfo(reason=exc.code.upper(), domain=errors.ERROR_DOMAIN))
     return st
 
 

@@ -2,8 +2,10 @@
 
 - A batch's record is a hash (``keys.batch``): state, owner, counts, the time it entered each
   state (``t:<state>``), its deadline; ``keys.batches(owner)`` lists an owner's batches.
-- Its items are jobs on the pool's *batch* work stream (``keys.batch_items``), a second stream
-  the pool's workers read through the same consumer group name, below the interactive one.
+- It is created whole or not at all (intake.py: a submission that fails half-way leaves nothing, or
+  an unsealed batch its retry completes). Its items are jobs on the pool's *batch* work stream
+  (``keys.batch_items``), a second stream the pool's workers read through the same consumer group
+  name, below the interactive one.
 - A result is recorded by one Lua script (``_RECORD``) that writes it only if the item has none
   yet (``keys.batch_done``, custom_id -> status), appends it to ``keys.batch_results``, counts it
   and, with the last item, ends the batch; then the item is acked. A worker that dies leaves its
@@ -39,15 +41,16 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from llamamesh.errors import AlreadyExists, InvalidRequest, QueueUnavailable
+from llamamesh.errors import InvalidRequest, QueueUnavailable
 from llamamesh.queue import codec
 from llamamesh.queue.follow import EventFollower, Item
+from llamamesh.queue.intake import BatchIntake
 from llamamesh.queue.keys import JOB_FIELD, RESULT_FIELD, WORKER_GROUP, Keys
 from llamamesh.queue.protocol import Lease, batch_at_risk
 from llamamesh.queue.redisio import UNREACHABLE, Replicas, call_scripts, unreachable
 from llamamesh.queue.streams import create_group, touch_entries
 from llamamesh.settings import BatchSettings
-from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, ItemStatus, public_id
+from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, ItemStatus
 
 COUNTS = ("succeeded", "errored", "cancelled", "expired")
 
@@ -131,14 +134,6 @@ if f[1] ~= 'in_progress' then return f[1] end
 if f[3] or tonumber(ARGV[1]) > tonumber(f[2]) then return 'expired' end
 for i = 2, #ARGV do redis.call('SADD', KEYS[2], ARGV[i]) end
 return 'ok'
-"""
-
-# KEYS: meta. ARGV: the record, field value field value ... Returns 1 (created), or the stored
-# {fingerprint, enqueued} of an existing batch.
-_CREATE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return redis.call('HMGET', KEYS[1], 'fingerprint', 'enqueued') end
-redis.call('HSET', KEYS[1], unpack(ARGV))
-return 1
 """
 
 # KEYS: meta. ARGV: now. Returns the state after the call ('' if there is no such batch). A batch
@@ -228,7 +223,7 @@ class RedisBatches:
         self.claim_idle_s = claim_idle_s
         self._record = client.register_script(_RECORD)
         self._cancel = client.register_script(_CANCEL)
-        self._create = client.register_script(_CREATE)
+        self.intake = BatchIntake(client, keys, retention_s, self._replicas)
         self._skip = client.register_script(_SKIP)
         self._start = client.register_script(_START)
         # Where the next reclaim of each batch stream goes on scanning its pending entries.
@@ -253,56 +248,12 @@ class RedisBatches:
     async def create(
         self, info: BatchInfo, fingerprint: str, items: Sequence[tuple[str, GenerationRequest]]
     ) -> tuple[BatchInfo, bool]:
-        """Store the batch and queue its items (``(pool, request)`` each); returns it and whether it
-        is new. The same batch_id again with the same fingerprint returns the stored batch (its items
-        queued again only if the first submission died before queueing all of them); with another
-        fingerprint, AlreadyExists."""
-        meta = self.keys.batch(info.batch_id)
-        record = {
-            "id": info.batch_id, "state": BatchState.IN_PROGRESS.value, "owner": info.owner, "model": info.model,
-            "total": info.total, "completion_window_s": info.completion_window_s, "created_at": info.created_at,
-            "expires_at": info.expires_at, "fingerprint": fingerprint, "metadata": json.dumps(dict(info.metadata)),
-            "t:validating": info.created_at, "t:in_progress": time.time(),
-            "pools": ",".join(sorted({pool for pool, _request in items})),
-            **dict.fromkeys(COUNTS, 0),
-        }  # fmt: skip
-        flat = [str(x) for kv in record.items() for x in kv]
-        with unreachable():
-            # One script: two concurrent submissions of one id never see a half-written record.
-            stored: Any = await self._create(keys=[meta], args=flat)
-            created = stored == 1
-            if not created:
-                if stored[0] is None or stored[0].decode() != fingerprint:
-                    raise AlreadyExists(
-                        f"batch id {public_id(info.batch_id)!r} names another batch (other items); "
-                        "resubmit it unchanged, or use a new id"
-                    )
-                if stored[1] is not None:
-                    if self._replicas.count:  # a write of this connection's, for WAIT to cover the stored one
-                        async with self._r.pipeline(transaction=False) as pipe:
-                            pipe.hset(meta, "enqueued", 1)
-                            self._replicas.wait(pipe)
-                            self._replicas.check(await pipe.execute(), "the batch")
-                    return await self._require(info.batch_id), False
-                info = await self._require(info.batch_id)  # its stored times, not this retry's
-            async with self._r.pipeline(transaction=False) as pipe:
-                # On its owner's list, in the sweep's open set, and gone retention_s after it ends at
-                # the earliest: written with the items, so that a submission retried after a first
-                # one died past the record (Redis out) writes them too (ZADD again is harmless).
-                pipe.zadd(self.keys.batches(info.owner), {info.batch_id: info.created_at})
-                pipe.zadd(self.keys.batches_open(), {info.batch_id: info.expires_at})
-                kept = json.dumps([info.owner, info.batch_id])
-                pipe.zadd(self.keys.batches_kept(), {kept: time.time() + self.retention_s})
-                ids = [request.custom_id for _pool, request in items]
-                for i in range(0, len(ids), 1000):
-                    pipe.sadd(self.keys.batch_ids(info.batch_id), *ids[i : i + 1000])
-                for pool, request in items:
-                    pipe.xadd(self.keys.batch_items(pool), {JOB_FIELD: codec.encode_job(request)})
-                pipe.hset(meta, "enqueued", 1)
-                self._replicas.wait(pipe)  # the record (written before) and every item
-                replies = await pipe.execute()
-        self._replicas.check(replies, "the batch")
-        return await self._require(info.batch_id), bool(created)
+        """Store the batch whole and queue its items (``(pool, request)`` each), or raise having
+        stored nothing (llamamesh/queue/intake.py); returns it and whether it is new. The same
+        batch_id again with the same fingerprint returns the stored batch (queueing what a failed
+        submission left out); with another fingerprint, AlreadyExists."""
+        created = await self.intake.create(info, fingerprint, items)
+        return await self._require(info.batch_id), created
 
     async def _require(self, batch_id: str) -> BatchInfo:
         got = await self.get(batch_id)
@@ -314,6 +265,12 @@ class RedisBatches:
         with unreachable():
             raw: Any = await self._r.hgetall(self.keys.batch(batch_id))
         return info_of(raw) if raw and b"state" in raw else None
+
+    async def data_since(self) -> float:
+        with unreachable():
+            value: Any = await self._r.get(self.keys.epoch())
+        _id, _, since = (value or b"").decode().partition("@")
+        return float(since) if since.isdigit() else 0.0
 
     async def owned(self, owner: str, limit: int, before: float | None) -> list[BatchInfo]:
         """The owner's batches created before ``before`` (None: all), newest first, at most ``limit``."""
@@ -389,7 +346,9 @@ class RedisBatches:
         this periodically); returns how many it looked at. Items a dead worker left leased end
         too (``end_abandoned``). An ended batch leaves the open set; one still waiting for running
         items is looked at again after ``claim_idle_s`` (a minute if 0). Up to ``limit`` batches
-        purged after their retention leave their owners' lists (``forget_purged``)."""
+        purged after their retention leave their owners' lists (``forget_purged``), and batches whose
+        submission failed half-way and was not retried are dropped (``BatchIntake.drop_unsealed``)."""
+        await self.intake.drop_unsealed(limit)
         key = self.keys.batches_open()
         with unreachable():
             due: Any = await self._r.zrangebyscore(key, "-inf", time.time(), start=0, num=limit)

@@ -34,6 +34,9 @@ RESULT_FIELD = "r"
 # Seconds a request's submitted marker lives: long past any retry of the write (a client's retry
 # of the request is recognised by its attempts record instead), short enough to cost little.
 SUBMITTED_TTL_S = 60
+# Seconds a Cancel of a request id not (yet) in use holds: a Generate with that id begun meanwhile
+# (a Cancel that overtook its Generate through another gateway) is cancelled, one begun later runs.
+CANCEL_AHEAD_TTL_S = 10
 
 
 def stream_tenant(tenant: str) -> str:
@@ -102,8 +105,13 @@ class Keys:
         return f"{self.prefix}:req:{{{request_id}}}:cancel"
 
     def epoch(self) -> str:
-        """The identity of the queue's data (a random id set once): missing or changed, Redis lost it."""
+        """The identity of the queue's data (``<random id>@<Unix time it was set>``, set once):
+        missing or changed, Redis lost it."""
         return f"{self.prefix}:epoch"
+
+    def write_probe(self) -> str:
+        """Written by each gateway's health check (expires after a minute): whether Redis takes writes."""
+        return f"{self.prefix}:write-probe"
 
     def attempts(self, caller_id: str) -> str:
         """The attempts of a caller's request, in order (a list of JSON Attempt records)."""
@@ -115,7 +123,10 @@ class Keys:
         return f"{self.prefix}:req:{{{caller_id}}}:attaches"
 
     def called_off(self, caller_id: str) -> str:
-        """Present while the caller cancelled its request by id (Cancel RPC): every attempt stops."""
+        """Present while the caller cancelled its request by id (Cancel RPC): every attempt stops. It
+        lives as long as the request's attempts record, or ``CANCEL_AHEAD_TTL_S`` when the id had
+        none yet ("a"); a request begun under an id whose older request had been cancelled ("1")
+        clears it."""
         return f"{self.prefix}:req:{{{caller_id}}}:called-off"
 
     def workers(self, pool: str) -> str:
@@ -156,6 +167,15 @@ class Keys:
     def batch_started(self, batch_id: str) -> str:
         """custom_ids a worker has started (a set): a sweep leaves those to finish."""
         return f"{self.prefix}:batch:{{b:{batch_id}}}:started"
+
+    def batch_queued(self, batch_id: str) -> str:
+        """custom_ids of the items a submission has queued (a set), until the batch is sealed
+        (llamamesh/queue/intake.py)."""
+        return f"{self.prefix}:batch:{{b:{batch_id}}}:queued"
+
+    def batches_unsealed(self) -> str:
+        """Batches being submitted, by when the sweep may drop them if still unsealed (a sorted set)."""
+        return f"{self.prefix}:batches:unsealed"
 
     def batches_open(self) -> str:
         """Unfinished batches by deadline (a sorted set): the gateways' sweeper expires them."""

@@ -23,9 +23,9 @@ from collections.abc import AsyncGenerator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from llamamesh.errors import AlreadyExists, QueueFull, QueueUnavailable
+from llamamesh.errors import AlreadyExists, QueueFull, QueueOutOfMemory, QueueUnavailable
 from llamamesh.queue.affinity import assign, partition_of
-from llamamesh.queue.keys import stream_tenant
+from llamamesh.queue.keys import CANCEL_AHEAD_TTL_S, stream_tenant
 from llamamesh.queue.protocol import Lease, QueueDepth, batch_at_risk
 from llamamesh.types import (
     Attempt,
@@ -105,7 +105,8 @@ class MemoryQueue:
         self._pools: dict[str, _Pool] = {}
         self._events: dict[str, list[tuple[str, JobEvent]]] = {}
         self._cancelled: set[str] = set()
-        self._called_off: set[str] = set()
+        # caller id -> ("a": ahead of its Generate, until the deadline; "1": while its request lives)
+        self._called_off: dict[str, tuple[str, float]] = {}
         self._epoch = uuid.uuid4().hex
         self.dead: list[tuple[str, GenerationRequest, str, int]] = []
         self._attempts: dict[str, list[Attempt]] = {}
@@ -118,6 +119,7 @@ class MemoryQueue:
         # pool -> tenant -> the weight its latest submission gave (inspection only)
         self.weights: dict[str, dict[str, float]] = {}
         self.down = False
+        self.full = False
 
     def _check(self) -> None:
         if self.down:
@@ -176,7 +178,7 @@ class MemoryQueue:
         while True:
             self._check()
             fresh = [(i, e) for i, e in self._events.get(request_id, []) if _seq(i) > seen]
-            for entry_id, event in fresh:
+            for entry_id, event in _merged(fresh):
                 seen = _seq(entry_id)
                 yield entry_id, event
                 if event.terminal:
@@ -200,9 +202,12 @@ class MemoryQueue:
         await self._notify()
 
     async def begin(self, caller_id: str, attempt: Attempt, first: bool) -> bool:
-        self._check()
+        self._check_write()
         if first and caller_id in self._attempts:
             return False
+        off = self._called_off.pop(caller_id, None) if caller_id not in self._attempts else None
+        if off is not None and off[0] == "a" and off[1] > time.monotonic():  # a Cancel that came first holds
+            self._called_off[caller_id] = ("1", float("inf"))
         self._attempts.setdefault(caller_id, []).append(attempt)
         return True
 
@@ -244,11 +249,21 @@ class MemoryQueue:
 
     async def call_off(self, caller_id: str) -> None:
         self._check()
-        self._called_off.add(caller_id)
+        ahead = caller_id not in self._attempts
+        self._called_off[caller_id] = ("a", time.monotonic() + CANCEL_AHEAD_TTL_S) if ahead else ("1", float("inf"))
         await self._notify()
 
     async def ping(self) -> None:
         self._check()
+
+    async def check_writes(self) -> None:
+        self._check_write()
+
+    def _check_write(self) -> None:
+        """Tests: ``full`` is a Redis at its maxmemory (reads answer, writes are refused)."""
+        self._check()
+        if self.full:
+            raise QueueOutOfMemory("Redis is full", retry_after_s=5.0)
 
     async def workers(self, pool: str) -> list[WorkerStatus]:
         self._check()
@@ -385,7 +400,21 @@ class MemoryQueue:
         return {r.request_id for r in watch if self._is_cancelled(r)}
 
     def _is_cancelled(self, req: GenerationRequest) -> bool:
-        return req.request_id in self._cancelled or req.caller_id in self._called_off
+        off = self._called_off.get(req.caller_id)
+        return req.request_id in self._cancelled or (off is not None and off[1] > time.monotonic())
+
+
+def _merged(fresh: Sequence[tuple[str, JobEvent]]) -> list[tuple[str, JobEvent]]:
+    """What queued up unread, as ``Jobs.events`` may deliver it: each run of events that follow on
+    as one (under its last id); a failure, a repeat or a gap on its own; nothing past a terminal."""
+    out: list[tuple[str, list[JobEvent]]] = []
+    for entry_id, ev in fresh:
+        if out and not out[-1][1][-1].terminal and ev.failed is None and out[-1][1][-1].follows_on(ev):
+            out[-1][1].append(ev)
+            out[-1] = (entry_id, out[-1][1])
+        else:
+            out.append((entry_id, [ev]))
+    return [(entry_id, JobEvent.joined(run)) for entry_id, run in out]
 
 
 def _seq(entry_id: str) -> tuple[int, int]:
@@ -410,6 +439,7 @@ class MemoryBatches:
 
     def __init__(self, fail_after: int = 0) -> None:
         self.fail_after = fail_after
+        self.since = time.time()
         self._batches: dict[str, _Batch] = {}
         self._items: dict[str, _Pool] = {}
         self._changed = asyncio.Condition()
@@ -448,6 +478,14 @@ class MemoryBatches:
     async def get(self, batch_id: str) -> BatchInfo | None:
         b = self._batches.get(batch_id)
         return b.info if b is not None else None
+
+    async def data_since(self) -> float:
+        return self.since
+
+    def lose_data(self) -> None:
+        """Tests: what a Redis that came back empty looks like (every batch gone)."""
+        self._batches.clear()
+        self.since = time.time()
 
     async def owned(self, owner: str, limit: int, before: float | None) -> list[BatchInfo]:
         mine = [b.info for b in self._batches.values() if b.info.owner == owner]

@@ -177,6 +177,10 @@ class QueueState(Protocol):
         means Redis came back without its data. Raises QueueUnavailable."""
         ...
 
+    async def check_writes(self) -> None:
+        """Raise QueueOutOfMemory while Redis refuses writes for want of memory (at its maxmemory),
+        QueueUnavailable while it refuses them otherwise (a read-only replica) or does not answer."""
+
     async def close(self) -> None: ...
 
 
@@ -266,6 +270,11 @@ class BatchStore(Protocol):
         ...
 
     async def get(self, batch_id: str) -> BatchInfo | None: ...
+
+    async def data_since(self) -> float:
+        """When (Unix s) the queue's data began: the first gateway's start, or Redis's coming back
+        without its data (0: not known). Raises QueueUnavailable."""
+        ...
 
     async def owned(self, owner: str, limit: int, before: float | None) -> list[BatchInfo]:
         """The owner's batches created before ``before`` (None: all), newest first."""

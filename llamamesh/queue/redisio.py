@@ -98,10 +98,10 @@ from redis.asyncio.connection import AbstractConnection, Connection
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
-from redis.exceptions import ClusterError, DataError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import ClusterError, DataError, OutOfMemoryError, RedisClusterException, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from llamamesh.errors import QueueUnavailable
+from llamamesh.errors import QueueOutOfMemory, QueueUnavailable
 from llamamesh.settings import RedisSettings
 
 UNREACHABLE = "the queue is unreachable"
@@ -111,18 +111,34 @@ PRIMARY_RECHECK_S = 1.0
 SENTINEL_TIMEOUT_S = 1.0
 
 
+OUT_OF_MEMORY = (
+    "Redis is full: it refuses writes at its maxmemory (with the noeviction policy a queue needs); "
+    "nothing of this call was kept; retry later"
+)
+# Seconds a caller refused for a full Redis is told to wait (RetryInfo).
+OUT_OF_MEMORY_RETRY_S = 5.0
+
+
+def raised(exc: RedisError, refused: str = "") -> QueueUnavailable:
+    """The domain error for a Redis error: QueueOutOfMemory for a full Redis's refusal; with
+    ``refused`` (what failed), another error reply as that; anything else "the queue is unreachable"."""
+    if isinstance(exc, OutOfMemoryError):
+        return QueueOutOfMemory(OUT_OF_MEMORY, retry_after_s=OUT_OF_MEMORY_RETRY_S)
+    if isinstance(exc, ResponseError) and refused:
+        return QueueUnavailable(f"{refused}: {exc}")
+    return QueueUnavailable(UNREACHABLE)
+
+
 @contextlib.contextmanager
 def unreachable(refused: str = "") -> Iterator[None]:
-    """Raise any Redis error inside as ``QueueUnavailable("the queue is unreachable")``; with
-    ``refused`` (what failed, e.g. "cannot read the work stream"), an error reply of the server is
-    raised as that, with the reply. Server replies the caller expects (NOGROUP, BUSYGROUP) it
-    catches inside, re-raising the others."""
+    """Raise any Redis error inside as its domain error (``raised``): QueueOutOfMemory when Redis is
+    full, else ``QueueUnavailable("the queue is unreachable")``; with ``refused`` (what failed, e.g.
+    "cannot read the work stream"), an error reply of the server is raised as that, with the reply.
+    Server replies the caller expects (NOGROUP, BUSYGROUP) it catches inside, re-raising the others."""
     try:
         yield
-    except ResponseError as exc:
-        raise QueueUnavailable(f"{refused}: {exc}" if refused else UNREACHABLE) from exc
     except RedisError as exc:
-        raise QueueUnavailable(UNREACHABLE) from exc
+        raise raised(exc, refused) from exc
 
 
 def tls_options(settings: RedisSettings) -> dict[str, Any]:

@@ -46,7 +46,16 @@ from llamamesh.queue import affinity, codec
 from llamamesh.queue.coalesce import ScriptPipe
 from llamamesh.queue.fair import FairShare
 from llamamesh.queue.follow import EventFollower, Item
-from llamamesh.queue.keys import EVENT_FIELD, JOB_FIELD, SUBMITTED_TTL_S, WORKER_GROUP, Keys, shard_tags, stream_tenant
+from llamamesh.queue.keys import (
+    CANCEL_AHEAD_TTL_S,
+    EVENT_FIELD,
+    JOB_FIELD,
+    SUBMITTED_TTL_S,
+    WORKER_GROUP,
+    Keys,
+    shard_tags,
+    stream_tenant,
+)
 from llamamesh.queue.protocol import Lease, QueueDepth, entry_ref, split_ref
 from llamamesh.queue.redisio import Replicas, call_scripts, connect, is_cluster, unreachable
 from llamamesh.settings import RedisSettings
@@ -227,10 +236,26 @@ async def touch_entries(client: aioredis.Redis, stream: str, consumer: str, entr
 # A record equal to the last one is a retried write whose first try was applied: done already.
 _BEGIN = """
 if redis.call('LINDEX', KEYS[1], -1) == ARGV[1] then return 1 end
-if ARGV[2] == '1' and redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local fresh = redis.call('EXISTS', KEYS[1]) == 0
+if ARGV[2] == '1' and not fresh then return 0 end
 redis.call('RPUSH', KEYS[1], ARGV[1])
 redis.call('EXPIRE', KEYS[1], ARGV[3])
+if fresh then
+  local off = redis.call('GET', KEYS[2])
+  if off == 'a' then redis.call('SET', KEYS[2], '1', 'EX', ARGV[3])
+  elseif off then redis.call('DEL', KEYS[2]) end
+end
 return 1
+"""
+
+# KEYS: the caller's attempts list, its called-off flag. ARGV: the flag's life for an id not in use.
+# A Cancel holds while the request's record lives (the same TTL); for an id with no record yet it
+# holds a short while ('a', ahead of its Generate), which _BEGIN turns into the request's own.
+_CALL_OFF = """
+local ttl = redis.call('PTTL', KEYS[1])
+if ttl > 0 then redis.call('SET', KEYS[2], '1', 'PX', ttl)
+else redis.call('SET', KEYS[2], 'a', 'EX', ARGV[1]) end
+return 0
 """
 
 
@@ -300,6 +325,7 @@ class RedisQueue:
         self._give_back = client.register_script(_GIVE_BACK)
         self._remake = client.register_script(_REMAKE)
         self._begin = client.register_script(_BEGIN)
+        self._call_off = client.register_script(_CALL_OFF)
         self._ended = client.register_script(_ENDED)
         self._cluster = is_cluster(client)
         # A new request's two scripts (attempt record, submission), from every request arriving
@@ -384,19 +410,22 @@ class RedisQueue:
                 # A reader that fell behind gets what queued up meanwhile as one event (as vLLM's
                 # output collector merges deltas), so it catches up instead of lagging further.
                 # A failure is never merged: the tokens before it are delivered first.
-                while not event.terminal and not sub.queue.empty():
+                run = [event]
+                while not run[-1].terminal and not sub.queue.empty():
                     item = sub.queue.get_nowait()
                     if isinstance(item, BaseException):
                         held = item
                         break
                     next_id, later = self._decoded(item)
-                    if later.failed is not None or not event.follows_on(later):
+                    if later.failed is not None or not run[-1].follows_on(later):
                         # A failure, or an event that does not follow on (a repeat the worker's
                         # retried publish wrote, or a gap): delivered on its own, for the relay's
                         # stream invariant (services/relay.py) to judge.
                         held = item
                         break
-                    entry_id, event = next_id, event.then(later)
+                    entry_id = next_id
+                    run.append(later)
+                event = JobEvent.joined(run)
                 yield entry_id, event
                 if event.terminal:
                     return
@@ -415,18 +444,22 @@ class RedisQueue:
             await self._r.set(self.keys.cancel(request_id), b"1", ex=self._s.event_idle_ttl_s)
 
     async def call_off(self, caller_id: str) -> None:
+        keys = [self.keys.attempts(caller_id), self.keys.called_off(caller_id)]
         with unreachable():
-            async with self._r.pipeline(transaction=False) as pipe:
-                pipe.set(self.keys.called_off(caller_id), b"1", ex=self._s.event_idle_ttl_s)
-                self.replicas.wait(pipe)
-                replies = await pipe.execute()
+            replies = await self.replicas.script(self._r, self._call_off, keys, [CANCEL_AHEAD_TTL_S])
         self.replicas.check(replies, "the cancel")
 
     async def epoch(self) -> str:
         with unreachable():
-            await self._r.set(self.keys.epoch(), uuid.uuid4().hex, nx=True)
             value: Any = await self._r.get(self.keys.epoch())
+            if value is None:  # (a read first: a full Redis refuses the write even when the key is there)
+                await self._r.set(self.keys.epoch(), f"{uuid.uuid4().hex}@{time.time():.0f}", nx=True)
+                value = await self._r.get(self.keys.epoch())
         return value.decode() if value else ""
+
+    async def check_writes(self) -> None:
+        with unreachable():
+            await self._r.set(self.keys.write_probe(), b"1", ex=60)
 
     async def ping(self) -> None:
         with unreachable():
@@ -898,7 +931,7 @@ class RedisQueue:
         with unreachable():
             (done,) = await self._records.call(
                 self._begin,
-                keys=[self.keys.attempts(caller_id)],
+                keys=[self.keys.attempts(caller_id), self.keys.called_off(caller_id)],
                 args=[record, "1" if first else "0", self._s.event_idle_ttl_s],
             )
         return int(done) == 1

@@ -11,6 +11,7 @@ import pytest
 import redis
 
 from llamamesh.errors import AlreadyExists, QueueUnavailable
+from llamamesh.queue import intake
 from llamamesh.queue.batches import RedisBatches
 from llamamesh.queue.memory import MemoryBatches
 from llamamesh.queue.protocol import BatchStore, Lease
@@ -252,20 +253,50 @@ def _first_pipeline_fails(client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(client, "pipeline", pipeline)
 
 
-async def test_a_submission_that_died_after_its_record_is_completed_by_its_retry(
+async def test_a_submission_that_failed_after_its_record_leaves_nothing(
     redis_settings: RedisSettings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Redis went away after the batch's record was written and before the rest: the caller got
-    UNAVAILABLE and retries. The retry queues the items and puts the batch on its owner's list and in
-    the sweep's open set, with the times of the first submission."""
+    """Redis dropped the connection after the batch's record was written and before the rest: the
+    caller gets UNAVAILABLE and the submission drops what it wrote; its retry stores it anew."""
+    q = RedisQueue.from_settings(redis_settings)
+    store = RedisBatches(q.client, q.keys, retention_s=60)
+    try:
+        await store.join("cpu")
+        info, items = batch("dropped", 3, window_s=600)
+        _first_pipeline_fails(q.client, monkeypatch)
+        with pytest.raises(QueueUnavailable):
+            await store.create(info, "fp", items)
+        assert await store.get("dropped") is None and await store.owned("t", 10, None) == []
+        got, new = await store.create(info, "fp", items)
+        assert new and got.total == 3
+        leased = await store.lease_items("cpu", "w", 10, 100)
+        assert sorted(x.request.custom_id for x in leased) == ["c0", "c1", "c2"]
+    finally:
+        await q.close()
+
+
+async def test_a_submission_that_could_not_drop_what_it_wrote_is_completed_by_its_retry(
+    redis_settings: RedisSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis went away after the batch's record was written, and stayed away for the drop: the batch
+    is left unsealed. The retry queues the items and puts the batch on its owner's list and in the
+    sweep's open set, with the times of the first submission."""
     q = RedisQueue.from_settings(redis_settings)
     store = RedisBatches(q.client, q.keys, retention_s=60)
     try:
         await store.join("cpu")
         info, items = batch("retried", 3, window_s=600)
         _first_pipeline_fails(q.client, monkeypatch)
+        drop = store.intake.drop
+
+        async def refused(*_a: Any) -> int:
+            raise QueueUnavailable("the queue is unreachable")
+
+        monkeypatch.setattr(store.intake, "drop", refused)
         with pytest.raises(QueueUnavailable):
             await store.create(info, "fp", items)
+        monkeypatch.setattr(store.intake, "drop", drop)
+        assert await q.client.hget(q.keys.batch("retried"), "enqueued") is None  # stored, not sealed
         later = dataclasses.replace(info, created_at=info.created_at + 5, expires_at=info.expires_at + 5)
         got, new = await store.create(later, "fp", items)
         assert not new and got.total == 3 and got.created_at == pytest.approx(info.created_at)
@@ -273,5 +304,32 @@ async def test_a_submission_that_died_after_its_record_is_completed_by_its_retry
         assert await q.client.zscore(q.keys.batches_open(), "retried") == pytest.approx(info.expires_at)
         leased = await store.lease_items("cpu", "w", 10, 100)
         assert sorted(x.request.custom_id for x in leased) == ["c0", "c1", "c2"]
+        assert await store.intake.drop_unsealed() == 0 and await store.get("retried") is not None  # sealed: kept
+    finally:
+        await q.close()
+
+
+async def test_an_unsealed_batch_nobody_retries_is_dropped_by_the_sweep(
+    redis_settings: RedisSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    q = RedisQueue.from_settings(redis_settings)
+    store = RedisBatches(q.client, q.keys, retention_s=60)
+    try:
+        await store.join("cpu")
+        info, items = batch("orphan", 2, window_s=600)
+        _first_pipeline_fails(q.client, monkeypatch)
+
+        async def refused(*_a: Any) -> int:
+            raise QueueUnavailable("the queue is unreachable")
+
+        monkeypatch.setattr(store.intake, "drop", refused)
+        with pytest.raises(QueueUnavailable):
+            await store.create(info, "fp", items)
+        monkeypatch.undo()
+        assert await store.intake.drop_unsealed() == 0  # within its grace: a retry may come
+        monkeypatch.setattr(intake, "UNSEALED_GRACE_S", 0.0)
+        await q.client.zadd(q.keys.batches_unsealed(), {"orphan": 0})
+        assert await store.sweep() >= 0 and await store.get("orphan") is None
+        assert await q.client.zcard(q.keys.batches_unsealed()) == 0
     finally:
         await q.close()

@@ -9,12 +9,13 @@ from typing import Any
 import pytest
 
 from llamamesh.errors import QueueFull, QueueUnavailable
-from llamamesh.queue.keys import WORKER_GROUP, Keys
+from llamamesh.queue.keys import CANCEL_AHEAD_TTL_S, WORKER_GROUP, Keys
 from llamamesh.queue.memory import MemoryQueue
 from llamamesh.queue.protocol import QueueDepth
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import RedisSettings
 from llamamesh.types import (
+    Attempt,
     Failure,
     Finished,
     FinishReason,
@@ -119,6 +120,31 @@ async def test_the_callers_cancel_reaches_every_attempt(queue) -> None:
     await queue.call_off("r")  # the Cancel RPC names the caller's id
     assert await queue.publish([], [first, later]) == {"r", "r.1"}
     assert [x.cancelled for x in await queue.lease("cpu", "w1", 10, 500)] == [True]
+
+
+async def test_a_cancel_of_an_unused_id_holds_briefly_and_one_of_an_ended_request_not_past_it(
+    redis_settings: RedisSettings,
+) -> None:
+    """A Cancel that overtook its Generate cancels it (its flag lives CANCEL_AHEAD_TTL_S, then as long
+    as the request); one of an earlier request under the same id does not cancel a new one."""
+    q = RedisQueue.from_settings(redis_settings)
+    r = raw_client(redis_settings)
+    try:
+        attempt = Attempt("ahead", 0, "cpu", "m", 1)
+        await q.call_off("ahead")
+        assert 0 < await r.ttl(q.keys.called_off("ahead")) <= CANCEL_AHEAD_TTL_S
+        assert await q.begin("ahead", attempt, first=True)
+        assert await r.ttl(q.keys.called_off("ahead")) > CANCEL_AHEAD_TTL_S  # held while the request lives
+        assert await q.publish([], [req("ahead")]) == {"ahead"}
+        # The record of the request ends (its TTL runs out); the flag of the old Cancel is left over.
+        await r.delete(q.keys.attempts("ahead"))
+        assert await r.exists(q.keys.called_off("ahead"))
+        assert await q.begin("ahead", dataclasses.replace(attempt, fingerprint="new"), first=True)
+        assert not await r.exists(q.keys.called_off("ahead"))  # a new request under the id runs
+        assert await q.publish([], [req("ahead")]) == set()
+    finally:
+        await r.aclose()
+        await q.close()
 
 
 async def test_a_bounded_submit_refuses_past_the_waiting_limit(queue) -> None:

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 
+from llamamesh.batchfile import result_line
 from llamamesh.client import field_violations
 from llamamesh.queue.memory import MemoryBatches, MemoryQueue
 from llamamesh.settings import BatchSettings, GatewaySettings, WorkerSettings
+from llamamesh.types import ItemResult, ItemStatus
 from llamamesh.v1 import batch_pb2 as bpb
 from llamamesh.v1 import batch_pb2_grpc
 from llamamesh.v1 import generation_pb2 as pb
+from services.batch import result_pb
 from services.server import start_gateway
 from workers.engines.fake import FakeEngine
 from workers.worker import Worker
@@ -88,6 +92,20 @@ async def test_cancel_finishes_the_running_and_cancels_the_queued(stub: batch_pb
     assert b.state == bpb.BATCH_STATE_CANCELLED
     assert b.counts.succeeded + b.counts.cancelled == 12 and b.counts.succeeded >= 1 and b.counts.cancelled >= 1
     assert sorted(r.custom_id for r in got) == sorted(f"c{i}" for i in range(12))
+    # The proto's contract: a gRPC status code name, and the finer reason beside it.
+    cancelled = [r for r in got if r.status == bpb.BATCH_ITEM_STATUS_CANCELLED]
+    assert cancelled and {(r.error_code, r.error_reason) for r in cancelled} == {("CANCELLED", "CANCELLED")}
+    assert all(r.error_code == "" for r in got if r.status == bpb.BATCH_ITEM_STATUS_SUCCEEDED)
+    line = json.loads(result_line(cancelled[0]))
+    assert line["status"] == "cancelled" and line["error"]["code"] == "CANCELLED" and line["error"]["message"]
+
+
+def test_stored_item_errors_become_status_names() -> None:
+    cases = [("prompt_too_long", "INVALID_ARGUMENT"), ("engine_dead", "UNAVAILABLE"),
+             ("expired", "DEADLINE_EXCEEDED"), ("internal", "INTERNAL"), ("no-such", "INTERNAL")]  # fmt: skip
+    for stored, code in cases:
+        r = result_pb("b", "1-0", ItemResult("c", ItemStatus.ERRORED, error_code=stored, error_message="m"))
+        assert (r.error_code, r.error_reason) == (code, stored.upper())
 
 
 async def test_items_with_n_samples_return_every_sample(stub: batch_pb2_grpc.BatchServiceStub) -> None:

@@ -1,0 +1,265 @@
+"""A batch's creation on Redis: stored whole, or not at all.
+
+A batch is written in steps, since its items go to the pools' batch streams (each pool's slot) and
+its record to its own (``{b:<id>}``):
+
+1. its id on the ``batches_unsealed`` list, due ``UNSEALED_GRACE_S`` from now;
+2. its record (``_CREATE``, one script: two submissions of one id never see half a record), which
+   also says when a submission last worked on it (``touched``);
+3. its owner's list, the sweep's sets, its item ids;
+4. every item not queued yet onto its pool's batch stream, each reported on its own, and the ids of
+   those queued into the batch's ``queued`` set;
+5. ``_SEAL``: once every item is in ``queued``, the record is marked ``enqueued`` (``queued`` goes).
+
+Only a sealed batch is reported to its caller as accepted. A submission that fails part-way (Redis
+refuses writes when it is full, or stops answering) drops what it wrote (``_DROP``), so its caller's
+refusal leaves nothing behind; items already queued then find no batch and are skipped. When even
+that fails, the batch stays unsealed: a retry of the same submission (same id and items) queues
+only the missing items and seals it; without one, the gateways' sweep drops it once nobody worked
+on it for ``UNSEALED_GRACE_S`` (``drop_unsealed``). Either way every item of an accepted batch is
+queued, and ends with exactly one result (an item queued twice runs twice; its result is recorded
+once).
+
+Redis errors become QueueUnavailable (QueueOutOfMemory when Redis is full) here.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from llamamesh.errors import AlreadyExists, QueueUnavailable
+from llamamesh.queue import codec
+from llamamesh.queue.keys import JOB_FIELD, Keys
+from llamamesh.queue.redisio import Replicas, raised, unreachable
+from llamamesh.types import BatchInfo, BatchState, GenerationRequest, public_id
+
+# Seconds an unsealed batch is left to the submissions working on it before the sweep drops it.
+UNSEALED_GRACE_S = 60.0
+# Items are queued in pipelines of about this many bytes, at most CHUNK_ITEMS items.
+CHUNK_BYTES = 64 * 1024
+CHUNK_ITEMS = 500
+
+# KEYS: meta. ARGV: now, then the record as field value ... Returns 1 (created), or the stored
+# {fingerprint, enqueued} of an existing batch (touched when unsealed: a submission works on it).
+_CREATE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local f = redis.call('HMGET', KEYS[1], 'fingerprint', 'enqueued')
+  if not f[2] then redis.call('HSET', KEYS[1], 'touched', ARGV[1]) end
+  return f
+end
+redis.call('HSET', KEYS[1], 'touched', ARGV[1], unpack(ARGV, 2))
+return 1
+"""
+
+# KEYS: meta, queued. Returns 1 (sealed now or before), 0 (items missing), -1 (no such batch).
+_SEAL = """
+local f = redis.call('HMGET', KEYS[1], 'total', 'enqueued')
+if not f[1] then return -1 end
+if f[2] then return 1 end
+if redis.call('SCARD', KEYS[2]) < tonumber(f[1]) then return 0 end
+redis.call('HSET', KEYS[1], 'enqueued', 1)
+redis.call('DEL', KEYS[2])
+return 1
+"""
+
+# KEYS: meta, then the batch's other keys. ARGV: now, least idle seconds. Drops an unsealed batch
+# nobody touched for that long: 1 (dropped), 0 (sealed: kept), -1 (touched lately), 2 (no batch).
+_DROP = """
+local f = redis.call('HMGET', KEYS[1], 'state', 'enqueued', 'touched')
+if not f[1] then return 2 end
+if f[2] then return 0 end
+if tonumber(ARGV[1]) - (tonumber(f[3]) or 0) < tonumber(ARGV[2]) then return -1 end
+redis.call('DEL', unpack(KEYS))
+return 1
+"""
+
+
+class BatchIntake:
+    """Creates batches whole (see the module's docstring); ``RedisBatches`` delegates to it."""
+
+    def __init__(self, client: aioredis.Redis, keys: Keys, retention_s: int, replicas: Replicas) -> None:
+        self._r = client
+        self.keys = keys
+        self.retention_s = retention_s
+        self._replicas = replicas
+        self._create = client.register_script(_CREATE)
+        self._seal = client.register_script(_SEAL)
+        self._drop = client.register_script(_DROP)
+
+    def batch_keys(self, batch_id: str) -> list[str]:
+        """Every key of the batch's own slot, its record first."""
+        k = self.keys
+        return [k.batch(batch_id), k.batch_done(batch_id), k.batch_results(batch_id), k.batch_ids(batch_id),
+                k.batch_started(batch_id), k.batch_queued(batch_id)]  # fmt: skip
+
+    async def create(
+        self, info: BatchInfo, fingerprint: str, items: Sequence[tuple[str, GenerationRequest]]
+    ) -> bool:
+        """Store the batch and queue every item (``(pool, request)`` each) that is not queued yet;
+        True if it is new. AlreadyExists when the id names a batch with another fingerprint. On any
+        failure what this call wrote is dropped, if Redis lets it, and the error raised."""
+        record = {
+            "id": info.batch_id, "state": BatchState.IN_PROGRESS.value, "owner": info.owner, "model": info.model,
+            "total": info.total, "completion_window_s": info.completion_window_s, "created_at": info.created_at,
+            "expires_at": info.expires_at, "fingerprint": fingerprint, "metadata": json.dumps(dict(info.metadata)),
+            "t:validating": info.created_at, "t:in_progress": time.time(),
+            "pools": ",".join(sorted({pool for pool, _request in items})),
+            "succeeded": 0, "errored": 0, "cancelled": 0, "expired": 0,
+        }  # fmt: skip
+        meta = self.keys.batch(info.batch_id)
+        args: list[Any] = [time.time(), *(x for kv in record.items() for x in kv)]
+        try:
+            with unreachable():
+                await self._r.zadd(self.keys.batches_unsealed(), {info.batch_id: time.time() + UNSEALED_GRACE_S})
+                stored: Any = await self._create(keys=[meta], args=args)
+        except QueueUnavailable:
+            if await self._sealed_as(info.batch_id, fingerprint):  # a full Redis refuses the script, not the read
+                return False
+            raise
+        created = stored == 1
+        if not created:
+            if stored[0] is None or stored[0].decode() != fingerprint:
+                raise AlreadyExists(
+                    f"batch id {public_id(info.batch_id)!r} names another batch (other items); resubmit it "
+                    "unchanged, or use a new id"
+                )
+            if stored[1] is not None:
+                await self._confirm(meta)
+                return False
+        written: list[tuple[str, str]] = []  # (pool, entry id) of each item this call queued
+        try:
+            await self._enqueue(info, items, created, written)
+        except QueueUnavailable:
+            await self._drop_after_failure(info, written)
+            raise
+        return created
+
+    async def _sealed_as(self, batch_id: str, fingerprint: str) -> bool:
+        """Whether the batch is stored and sealed with this fingerprint (a read: Redis may be full)."""
+        with unreachable():
+            got: Any = await self._r.hmget(self.keys.batch(batch_id), "fingerprint", "enqueued")
+        return got[0] is not None and got[0].decode() == fingerprint and got[1] is not None
+
+    async def _confirm(self, meta: str) -> None:
+        """A stored batch asked for again: with replicas, a write of this connection's for WAIT to
+        cover the stored one before the caller is told."""
+        if self._replicas.count:
+            with unreachable():
+                async with self._r.pipeline(transaction=False) as pipe:
+                    pipe.hset(meta, "enqueued", 1)
+                    self._replicas.wait(pipe)
+                    self._replicas.check(await pipe.execute(), "the batch")
+
+    async def _enqueue(
+        self, info: BatchInfo, items: Sequence[tuple[str, GenerationRequest]], created: bool,
+        written: list[tuple[str, str]],
+    ) -> None:  # fmt: skip
+        """Steps 3-5 for the items not queued yet, adding each entry it writes to ``written``.
+        Raises QueueUnavailable unless the batch is sealed."""
+        bid = info.batch_id
+        with unreachable():
+            if created:
+                done: set[str] = set()
+            else:
+                members: Any = await self._r.smembers(self.keys.batch_queued(bid))
+                done = {m.decode() for m in members}
+            async with self._r.pipeline(transaction=False) as pipe:
+                # On its owner's list, in the sweep's open set, and gone retention_s after it ends at the
+                # earliest (ZADD again, from a retry, is harmless).
+                pipe.zadd(self.keys.batches(info.owner), {bid: info.created_at})
+                pipe.zadd(self.keys.batches_open(), {bid: info.expires_at})
+                pipe.zadd(self.keys.batches_kept(), {json.dumps([info.owner, bid]): time.time() + self.retention_s})
+                ids = [request.custom_id for _pool, request in items]
+                for i in range(0, len(ids), 1000):
+                    pipe.sadd(self.keys.batch_ids(bid), *ids[i : i + 1000])
+                await pipe.execute()
+            todo = [(pool, request) for pool, request in items if request.custom_id not in done]
+            await self._queue_items(bid, todo, written)
+            sealed = int(await self._seal(keys=[self.keys.batch(bid), self.keys.batch_queued(bid)]))
+            if sealed != 1:
+                raise QueueUnavailable(f"batch {public_id(bid)!r} was dropped while being written; submit it again")
+            async with self._r.pipeline(transaction=False) as pipe:
+                pipe.zrem(self.keys.batches_unsealed(), bid)
+                self._replicas.wait(pipe)  # the record, every item and the seal
+                replies = await pipe.execute()
+        self._replicas.check(replies, "the batch")
+
+    async def _queue_items(
+        self, bid: str, todo: Sequence[tuple[str, GenerationRequest]], written: list[tuple[str, str]]
+    ) -> None:
+        """Step 4, in pipelines of at most ``CHUNK_BYTES`` (Redis counts a pipeline's bytes against
+        its maxmemory while it reads them, so one pipeline of a whole large batch would be refused
+        whole by a Redis near its limit). Raises at the first refusal: no chunk is sent after it."""
+        chunk: list[tuple[str, GenerationRequest, bytes]] = []
+        size = 0
+        for n, (pool, request) in enumerate(todo, 1):
+            job = codec.encode_job(request)
+            chunk.append((pool, request, job))
+            size += len(job)
+            if size >= CHUNK_BYTES or len(chunk) >= CHUNK_ITEMS or n == len(todo):
+                await self._queue_chunk(bid, chunk, written)
+                chunk, size = [], 0
+
+    async def _queue_chunk(
+        self, bid: str, chunk: Sequence[tuple[str, GenerationRequest, bytes]], written: list[tuple[str, str]]
+    ) -> None:
+        async with self._r.pipeline(transaction=False) as pipe:
+            for pool, _request, job in chunk:
+                pipe.xadd(self.keys.batch_items(pool), {JOB_FIELD: job})
+            replies = await pipe.execute(raise_on_error=False)
+        queued = []
+        for (pool, request, _job), reply in zip(chunk, replies, strict=True):
+            if not isinstance(reply, RedisError):
+                queued.append(request.custom_id)
+                written.append((pool, reply.decode() if isinstance(reply, bytes) else str(reply)))
+        if queued:
+            await self._r.sadd(self.keys.batch_queued(bid), *queued)
+        refused = next((reply for reply in replies if isinstance(reply, RedisError)), None)
+        if refused is not None:
+            raise raised(refused)
+
+    async def _drop_after_failure(self, info: BatchInfo, written: Sequence[tuple[str, str]]) -> None:
+        """Drop what a failed submission wrote, the entries it queued included (deletions: a full
+        Redis takes them). Nothing if Redis refuses: the batch then stays unsealed, for a retry to
+        finish or the sweep to drop (its queued items then find no batch, and are skipped)."""
+        try:
+            if await self.drop(info.batch_id, 0.0) != 1:
+                return
+            async with self._r.pipeline(transaction=False) as pipe:
+                pipe.zrem(self.keys.batches(info.owner), info.batch_id)
+                pipe.zrem(self.keys.batches_unsealed(), info.batch_id)
+                for pool in {pool for pool, _entry in written}:
+                    pipe.xdel(self.keys.batch_items(pool), *(e for p, e in written if p == pool))
+                await pipe.execute()
+        except (QueueUnavailable, RedisError):
+            return
+
+    async def drop(self, batch_id: str, idle_s: float) -> int:
+        """Drop the batch unless it is sealed or a submission touched it within ``idle_s``; _DROP's
+        reply (1: dropped)."""
+        with unreachable():
+            return int(await self._drop(keys=self.batch_keys(batch_id), args=[time.time(), idle_s]))
+
+    async def drop_unsealed(self, limit: int = 100) -> int:
+        """The sweep's part: drop up to ``limit`` batches left unsealed for ``UNSEALED_GRACE_S`` (their
+        submissions failed and were not retried); returns how many it dropped."""
+        key = self.keys.batches_unsealed()
+        with unreachable():
+            due: Any = await self._r.zrangebyscore(key, "-inf", time.time(), start=0, num=limit)
+        dropped = 0
+        for raw in due:
+            bid = raw.decode()
+            outcome = await self.drop(bid, UNSEALED_GRACE_S)
+            with unreachable():
+                if outcome == -1:  # a submission is at it: look again later
+                    await self._r.zadd(key, {raw: time.time() + UNSEALED_GRACE_S})
+                    continue
+                await self._r.zrem(key, raw)
+            dropped += outcome == 1
+        return dropped

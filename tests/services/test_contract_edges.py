@@ -1,0 +1,82 @@
+"""The edges of the public contract, each as documented in the protos and the README: an Attach past
+the end, a Cancel ahead of its Generate, bounded metadata, a full Redis, and the ErrorInfo every
+error status of the gateway's own carries."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
+
+from llamamesh.client import field_violations
+from llamamesh.queue import memory
+from llamamesh.resume import error_reason
+from llamamesh.v1 import generation_pb2 as pb
+from tests.services.conftest import Stack
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def read(stream: object) -> list[pb.GenerateResponse]:
+    return [m async for m in stream]  # type: ignore[attr-defined]
+
+
+async def test_attach_past_the_end_is_out_of_range_naming_the_offset(stack: Stack) -> None:
+    msgs = await read(stack.stub.Generate(pb.GenerateRequest(request_id="done", prompt="x", max_tokens=20)))
+    assert sum(len(m.token_ids) for m in msgs) == 20
+    at_end = await read(stack.stub.Attach(pb.AttachRequest(request_id="done", offset=20)))
+    assert [(m.token_ids, m.finish_reason) for m in at_end] == [([], pb.FINISH_REASON_LENGTH)]  # just the end
+    with pytest.raises(grpc.aio.AioRpcError) as past:
+        await read(stack.stub.Attach(pb.AttachRequest(request_id="done", offset=21)))
+    assert past.value.code() == grpc.StatusCode.OUT_OF_RANGE
+    assert "offset 21" in (past.value.details() or "") and "after 20 tokens" in (past.value.details() or "")
+    assert error_reason(past.value) == "OUT_OF_RANGE"
+
+
+async def test_a_cancel_ahead_of_its_generate_holds_briefly_then_the_id_is_free(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await stack.stub.Cancel(pb.CancelRequest(request_id="early"))
+    first = await read(stack.stub.Generate(pb.GenerateRequest(request_id="early", prompt="x", max_tokens=5)))
+    assert first[-1].finish_reason == pb.FINISH_REASON_CANCELLED  # the Cancel overtook its Generate
+    monkeypatch.setattr(memory, "CANCEL_AHEAD_TTL_S", 0.0)  # (10 s in production)
+    await stack.stub.Cancel(pb.CancelRequest(request_id="later"))
+    msgs = await read(stack.stub.Generate(pb.GenerateRequest(request_id="later", prompt="x", max_tokens=5)))
+    assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH and sum(len(m.token_ids) for m in msgs) == 5
+
+
+LABELS = [({"k": "v" * 1_000_000}, "metadata[k]"), ({f"k{i}": "v" for i in range(65)}, "metadata"),
+          ({"k" * 65: "v"}, "metadata")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("labels", "field"), LABELS)
+async def test_metadata_is_bounded(stack: Stack, labels: dict[str, str], field: str) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as bad:
+        await read(stack.stub.Generate(pb.GenerateRequest(prompt="x", max_tokens=2, metadata=labels)))
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field_violations(bad.value) == [field]
+    assert error_reason(bad.value) == "INVALID_ARGUMENT"
+
+
+async def test_a_full_redis_is_resource_exhausted_with_retry_info_and_shows_in_health(stack: Stack) -> None:
+    health = health_pb2_grpc.HealthStub(stack.channel)
+    stack.queue.full = True
+    await stack.gateway.health.check_now()
+    with pytest.raises(grpc.aio.AioRpcError) as full:
+        await read(stack.stub.Generate(pb.GenerateRequest(prompt="x", max_tokens=2)))
+    assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "Redis is full" in (full.value.details() or "")
+    st = rpc_status.from_call(full.value)
+    retry = error_details_pb2.RetryInfo()
+    assert st is not None and st.details[0].Unpack(retry) and retry.retry_delay.seconds > 0
+    assert error_reason(full.value) == "QUEUE_OUT_OF_MEMORY"
+    check = health_pb2.HealthCheckRequest
+    assert (await health.Check(check(service="llamamesh.queue"))).status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert (await health.Check(check(service=""))).status == health_pb2.HealthCheckResponse.SERVING  # still ready
+    stack.queue.full = False
+    await stack.gateway.health.check_now()
+    assert (await health.Check(check(service="llamamesh.queue"))).status == health_pb2.HealthCheckResponse.SERVING
+    msgs = await asyncio.wait_for(read(stack.stub.Generate(pb.GenerateRequest(prompt="x", max_tokens=2))), 10)
+    assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
