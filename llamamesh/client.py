@@ -14,11 +14,14 @@ either way, a missing client certificate) fails calls with UNAVAILABLE.
 
 Every call is retried on UNAVAILABLE before its first response message (``retries`` times, 3 by
 default, with gRPC's exponential backoff from 0.2 s: a gateway stopping or restarting, a refused
-connection), gRPC's own retry policy from the channel's service config; a stream that has
-delivered a message is never retried. ``load_balancing="round_robin"`` spreads calls over every
-address the target resolves to (``dns:///gateway-headless.ns:50051`` for a Kubernetes headless
-Service, or ``ipv4:10.0.0.1:50051,10.0.0.2:50051``), watching each gateway's health so one that
-turns NOT_SERVING (draining) gets no new calls; the default, ``pick_first``, keeps one connection.
+connection), gRPC's own retry policy from the channel's service config. A ``generate`` stream that
+breaks after that is resumed (``resume_attempts`` times in a row, 5 by default; 0 turns it off):
+sent resumable, it is re-attached from what it delivered, through any gateway behind the channel,
+so the caller's iterator sees one uninterrupted stream (llamamesh/resume.py).
+``load_balancing="round_robin"`` spreads calls over every address the target resolves to
+(``dns:///gateway-headless.ns:50051`` for a Kubernetes headless Service, or
+``ipv4:10.0.0.1:50051,10.0.0.2:50051``), watching each gateway's health so one that turns
+NOT_SERVING (draining) gets no new calls; the default, ``pick_first``, keeps one connection.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
+from llamamesh.resume import resumed, resumed_sync
 from llamamesh.settings import ClientSettings
 from llamamesh.v1 import admin_pb2 as apb
 from llamamesh.v1 import admin_pb2_grpc, batch_pb2_grpc, generation_pb2_grpc
@@ -310,6 +314,7 @@ class Client:
         retries: int = 3,
         load_balancing: str = "pick_first",
         connections: int = 1,
+        resume_attempts: int = 5,
     ) -> None:
         """``channel``: use this one as it is (then no connection option may be given).
 
@@ -322,6 +327,9 @@ class Client:
             raise ValueError("Client: give either a channel or connection options, not both")
         if connections < 1:
             raise ValueError(f"Client: connections must be >= 1, got {connections}")
+        if resume_attempts < 0:
+            raise ValueError(f"Client: resume_attempts must be >= 0, got {resume_attempts}")
+        self._resume_attempts = resume_attempts
         self._channels = [channel] if channel is not None else [
             conn.aio_channel(address, own_connection=connections > 1) for _ in range(connections)]  # fmt: skip
         self._channel = self._channels[0]
@@ -337,7 +345,8 @@ class Client:
         """A client with ``settings``' API key and TLS files (``tls``: TLS even without a CA file)."""
         return cls(address, api_key=settings.api_key, tls=tls, tls_ca=settings.tls_ca, tls_cert=settings.tls_cert,
                    tls_key=settings.tls_key, tls_server_name=settings.tls_server_name, retries=settings.retries,
-                   load_balancing=settings.load_balancing, connections=settings.connections)  # fmt: skip
+                   load_balancing=settings.load_balancing, connections=settings.connections,
+                   resume_attempts=settings.resume_attempts)  # fmt: skip
 
     async def __aenter__(self) -> Client:
         return self
@@ -356,8 +365,15 @@ class Client:
         timeout: float | None = None,
         **fields: Any,
     ) -> AsyncIterator[pb.GenerateResponse]:
+        """The responses of one request (``timeout``: for all of it, resumes included). Stopping
+        early, or cancelling the iterating task, cancels the request."""
         stub = self._streams[next(self._turn) % len(self._streams)]
-        call = stub.Generate(build_request(prompt, messages, **fields), timeout=timeout)
+        request = build_request(prompt, messages, **fields)
+        if self._resume_attempts:
+            async for msg in resumed(stub, request, self._resume_attempts, timeout):
+                yield msg
+            return
+        call = stub.Generate(request, timeout=timeout)
         try:
             async for msg in call:
                 yield msg
@@ -431,8 +447,12 @@ class SyncClient:
         tls_server_name: str = "",
         retries: int = 3,
         load_balancing: str = "pick_first",
+        resume_attempts: int = 5,
     ) -> None:
         conn = Connection(api_key, tls, tls_ca, tls_cert, tls_key, tls_server_name, retries, load_balancing)
+        if resume_attempts < 0:
+            raise ValueError(f"SyncClient: resume_attempts must be >= 0, got {resume_attempts}")
+        self._resume_attempts = resume_attempts
         self._channel = conn.channel(address)
         self.stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
         self.admin = admin_pb2_grpc.AdminServiceStub(self._channel)
@@ -442,7 +462,7 @@ class SyncClient:
         """A client with ``settings``' API key and TLS files (``tls``: TLS even without a CA file)."""
         return cls(address, api_key=settings.api_key, tls=tls, tls_ca=settings.tls_ca, tls_cert=settings.tls_cert,
                    tls_key=settings.tls_key, tls_server_name=settings.tls_server_name, retries=settings.retries,
-                   load_balancing=settings.load_balancing)  # fmt: skip
+                   load_balancing=settings.load_balancing, resume_attempts=settings.resume_attempts)  # fmt: skip
 
     def close(self) -> None:
         self._channel.close()
@@ -456,7 +476,12 @@ class SyncClient:
     def generate(
         self, prompt: str | None = None, messages: Messages | None = None, timeout: float | None = None, **fields: Any
     ) -> Iterator[pb.GenerateResponse]:
-        call = self.stub.Generate(build_request(prompt, messages, **fields), timeout=timeout)
+        """As Client.generate."""
+        request = build_request(prompt, messages, **fields)
+        if self._resume_attempts:
+            yield from resumed_sync(self.stub, request, self._resume_attempts, timeout)
+            return
+        call = self.stub.Generate(request, timeout=timeout)
         try:
             yield from call
         finally:

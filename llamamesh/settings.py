@@ -618,6 +618,10 @@ class ClientSettings:
     # Connections the async client spreads its Generate streams over (one gateway process serves
     # each connection): about one per 32 concurrent streams for a client that relays many.
     connections: int = 1
+    # Times in a row a broken Generate stream is resumed through the channel (llamamesh/resume.py):
+    # sent resumable, re-attached from what was delivered on UNAVAILABLE. 0: never (a broken stream
+    # is the caller's error, and a disconnect cancels the request).
+    resume_attempts: int = 5
 
 
 @dataclass(frozen=True)
