@@ -8,8 +8,10 @@ worker that keeps dying is reported as crash-looping there and in the log.
 
 The gateway and workers run as child processes (``python -m services`` and ``python -m workers``),
 configured through the environment that ``Settings.to_env`` writes, so the core never imports
-either side. :meth:`Node.wait_ready` follows the workers' start (converting, loading) through the
-gateway's AdminService and shows it.
+either side. :meth:`Node.wait_ready` follows the workers' start (converting, loading) in their
+heartbeats and the gateway's through its health service (which needs no API key: a node with
+authentication on says when it is ready the same way; with mutual TLS the handshake needs the
+client certificate of LLAMAMESH_CLIENT_TLS_CERT/KEY), and shows both.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import IO
 
 import grpc
 import structlog
+from grpc_health.v1 import health_pb2
 
 from llamamesh import metrics
 from llamamesh.client import Client
@@ -36,7 +39,6 @@ from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import Settings, prometheus_multiproc_dir
 from llamamesh.supervisor import Child, ChildState, Supervisor
 from llamamesh.types import WorkerState, WorkerStatus
-from llamamesh.v1 import admin_pb2
 
 log = structlog.get_logger(__name__)
 
@@ -175,21 +177,25 @@ class Node:
         assert self.supervisor is not None, "start() first"
         return self.supervisor.run()
 
-    async def workers(self, client: Client) -> list[WorkerView] | None:
-        """The node's workers as its gateway reports them; None while the gateway does not answer."""
+    async def workers(self, queue: RedisQueue) -> list[WorkerView] | None:
+        """The node's workers as their heartbeats say; None while Redis does not answer."""
         try:
-            reply = await client.admin.ListBackends(admin_pb2.ListBackendsRequest(), timeout=2)
-        except grpc.aio.AioRpcError:
+            seen = {w.worker: w for w in await asyncio.wait_for(queue.workers(self.settings.worker.pool), 2)}
+        except (QueueUnavailable, asyncio.TimeoutError):
             return None
-        seen = {w.name: w for b in reply.backends if b.pool == self.settings.worker.pool for w in b.workers}
         out = []
         for name in self.worker_names:
             w = seen.get(name)
-            if w is None:
-                out.append(WorkerView(name, "", "", 0.0))
-            else:
-                out.append(WorkerView(name, w.state, w.detail, w.since.ToNanoseconds() / 1e9 if w.since.seconds else 0))
+            out.append(WorkerView(name, w.state, w.detail, w.since_unix_s) if w else WorkerView(name, "", "", 0.0))
         return out
+
+    @staticmethod
+    async def gateway_serving(client: Client) -> bool:
+        """Whether the gateway answers its health check with SERVING."""
+        try:
+            return await client.health() == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            return False
 
     async def wait_ready(self, out: IO[str] | None = None, timeout_s: float | None = None) -> float:
         """Wait until every worker of the node is ready, showing what they are doing on ``out`` (one
@@ -200,27 +206,37 @@ class Node:
         limit = timeout_s if timeout_s is not None else self.settings.worker.start_timeout_s + 60
         # One line rewritten in place only when the children's logs do not share the terminal.
         show = _Progress(out, t0, inline=self._log_file is not None)
+        queue = RedisQueue.from_settings(self.settings.redis)
         async with self.client() as client:
-            while True:
-                code = self.poll()
-                if code is not None:
-                    raise StartFailed(f"the node's {self._ended()} ended (exit code {code}) while starting")
-                views = await self.workers(client)
-                if views is not None and all(v.state == WorkerState.READY.value for v in views):
-                    show.done(f"ready: {len(views)} worker(s) serving on {self.address}")
-                    for role, url in self.metrics_urls.items():
-                        show.done(f"metrics ({role}): {url}")
-                    return time.monotonic() - t0
-                for v in views or ():
-                    if v.state == WorkerState.FAILED.value:
-                        show.done("")
-                        why = v.detail.split(NOTE)[0] if v.detail else "its process exited"
-                        raise StartFailed(f"{v.name} could not start: {why}")
-                show.update(_doing(views), _doing(views, took=False))
-                if time.monotonic() - t0 > limit:
+            try:
+                return await self._watch_start(client, queue, show, t0, limit)
+            finally:
+                await queue.close()
+
+    async def _watch_start(self, client: Client, queue: RedisQueue, show: _Progress, t0: float, limit: float) -> float:
+        """wait_ready's loop: every 0.25 s, the children, the gateway's health, the workers' heartbeats."""
+        serving = False
+        while True:
+            code = self.poll()
+            if code is not None:
+                raise StartFailed(f"the node's {self._ended()} ended (exit code {code}) while starting")
+            serving = serving or await self.gateway_serving(client)
+            views = await self.workers(queue) if serving else None
+            if views is not None and all(v.state == WorkerState.READY.value for v in views):
+                show.done(f"ready: {len(views)} worker(s) serving on {self.address}")
+                for role, url in self.metrics_urls.items():
+                    show.done(f"metrics ({role}): {url}")
+                return time.monotonic() - t0
+            for v in views or ():
+                if v.state == WorkerState.FAILED.value:
                     show.done("")
-                    raise StartFailed(f"the node was not ready within {limit:.0f} s: {_doing(views)}")
-                await asyncio.sleep(0.25)
+                    why = v.detail.split(NOTE)[0] if v.detail else "its process exited"
+                    raise StartFailed(f"{v.name} could not start: {why}")
+            show.update(_doing(views), _doing(views, took=False))
+            if time.monotonic() - t0 > limit:
+                show.done("")
+                raise StartFailed(f"the node was not ready within {limit:.0f} s: {_doing(views)}")
+            await asyncio.sleep(0.25)
 
     def _ended(self) -> str:
         assert self.supervisor is not None
