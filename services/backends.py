@@ -15,7 +15,8 @@ is NOT_SERVING, and requests wait for it (``GatewaySettings.start_wait_s``). Wor
 Redis being unreachable is nobody's failure: probes and requests that fail while it is out (or
 within ``liveness_grace_s`` of its return) record nothing against any breaker, the workers known
 before the outage are kept meanwhile, and after it a worker whose heartbeat expired during it gets
-``liveness_grace_s`` to heartbeat again before it counts as lost.
+``liveness_grace_s`` to heartbeat again before it counts as lost. A Redis that answers but refuses
+writes (full at its maxmemory: no heartbeat can be written) is treated the same way.
 
 Routing: a request goes to its model's pool unless that pool is unusable (breaker open, or no live
 worker), then to the pool's configured fallback (``LLAMAMESH_GATEWAY_FALLBACK``, e.g.
@@ -166,6 +167,7 @@ class Backends:
         # since start. ``queue_down``: it is out now.
         self._down_at: float | None = None
         self.queue_down = False
+        self.writes_refused = False  # (the health check's write probe: Redis full)
 
     # --- lifecycle
 
@@ -273,10 +275,17 @@ class Backends:
             self._down_at = self._clock()
         self.queue_down = not reachable
 
+    def saw_writes(self, accepted: bool) -> None:
+        """Whether Redis took the health check's write: refused, it is out for writes (heartbeats
+        too), though it answers reads."""
+        if not accepted:
+            self._down_at = self._clock()
+        self.writes_refused = not accepted
+
     def _queue_troubled(self, since: float | None = None) -> bool:
-        """The queue is out, was out after ``since``, or came back less than the grace ago: a
-        failure now may be its doing, not the backend's."""
-        if self.queue_down:
+        """The queue is out (or refuses writes), was out after ``since``, or came back less than the
+        grace ago: a failure now may be its doing, not the backend's."""
+        if self.queue_down or self.writes_refused:
             return True
         if self._down_at is None:
             return False
@@ -320,8 +329,8 @@ class Backends:
             self.saw_queue(False)
         else:
             now = self._clock()
-            if p.unreachable:  # back: what it knew before the outage stands for one more round
-                p.kept_until = now + self._s.liveness_grace_s
+            if p.unreachable or self.writes_refused:  # back (or no heartbeat can be written): what it
+                p.kept_until = now + self._s.liveness_grace_s  # knew stands for one more round
             names = {w.worker for w in seen}
             kept = tuple(w for w in p.workers if w.worker not in names) if now < p.kept_until else ()
             p.workers = seen + kept

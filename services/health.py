@@ -66,11 +66,16 @@ class HealthReporter:
         self.reachable = True
         self._backends: dict[str, bool] = {}
         self._watchers: list[Callable[[bool], None]] = []
+        self._write_watchers: list[Callable[[bool], None]] = []
         self.writable: bool | None = None
 
     def watch(self, seen: Callable[[bool], None]) -> None:
         """Call ``seen(reachable)`` after every check of the queue."""
         self._watchers.append(seen)
+
+    def watch_writes(self, seen: Callable[[bool], None]) -> None:
+        """Call ``seen(writable)`` after every check of whether the queue takes writes."""
+        self._write_watchers.append(seen)
 
     async def _set(self, serving: bool) -> None:
         if serving == self._serving:
@@ -116,6 +121,8 @@ class HealthReporter:
             why = str(exc) or "no answer"
         writable = not why
         metrics.QUEUE_FULL.set(1 if full else 0)
+        for seen in self._write_watchers:
+            seen(writable)
         if writable != self.writable:
             await self.servicer.set(QUEUE_WRITES, SERVING if writable else NOT_SERVING)
             if writable:

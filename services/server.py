@@ -147,6 +147,7 @@ async def start_gateway(
         on_health=lambda pool, up: reporter.set_backend(backend_service(pool), up),
     )
     reporter.watch(backends.saw_queue)
+    reporter.watch_writes(backends.saw_writes)
     relay = QueueRelay(queue, settings, backends, policy, reporter.queue_generation)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(
         GenerationServicer(relay, settings, models, admission, normalizer, adapters_of=backends.adapters), server
