@@ -76,9 +76,12 @@ class GenerationServiceServicer:
 
     def Attach(self, request, context):
         """Attach re-attaches to a request by its id, from any gateway: the tokens from `offset` on (the
-        number the caller already has), then the rest as it is generated, ending like Generate. For a
-        request still running after its caller's connection dropped (see GenerateRequest.resumable)
-        or finished (its events are kept LLAMAMESH_REDIS_EVENT_TTL_S). Unknown id: NOT_FOUND.
+        number the caller already has), with exactly their text, then the rest as it is generated,
+        ending like Generate: the text of a stream resumed any number of times is that of the stream
+        never interrupted. For a request still running after its caller's connection dropped (see
+        GenerateRequest.resumable) or finished (its events are kept LLAMAMESH_REDIS_EVENT_TTL_S).
+        Unknown id: NOT_FOUND. An offset past the end of what the request produced: OUT_OF_RANGE,
+        once the request has ended.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -87,7 +90,10 @@ class GenerationServiceServicer:
     def Cancel(self, request, context):
         """Cancel stops a request by its id (the x-request-id header Generate sends, or the request_id
         given), from any gateway: queued, it never runs; running, it is aborted and its slot freed;
-        its stream ends with finish_reason CANCELLED. Idempotent: unknown or finished ids are no error.
+        its stream ends with finish_reason CANCELLED. Idempotent: finished ids are no error. An id
+        not in use yet is no error either, and a Generate with it begun within 10 s ends CANCELLED at
+        once (a Cancel that overtook its Generate through another gateway still wins); one begun
+        later runs.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -143,6 +143,15 @@ def pending(node: ProcessNode) -> int:
         r.close()
 
 
+def events_of(node: ProcessNode, request_id: str) -> list[Any]:
+    """The entries of a request's event stream (its first attempt's)."""
+    r = redis.Redis.from_url(node.redis.url)
+    try:
+        return list(r.xrange(Keys(node.prefix).events(request_id)))
+    finally:
+        r.close()
+
+
 @pytest.fixture
 def node(e2e_redis: RedisProcess, tmp_path: Path) -> Iterator[ProcessNode]:
     with started(e2e_redis, tmp_path, FAST) as n:
@@ -421,24 +430,33 @@ async def test_a_stream_whose_gateway_died_is_reattached_through_another(node: P
     prompt = "resume me please"
     async with grpc.aio.insecure_channel(address_b) as ch_b:
         stub_b = pb_grpc.GenerationServiceStub(ch_b)
-        ref = [t async for m in stub_b.Generate(pb.GenerateRequest(prompt=prompt, max_tokens=100)) for t in m.token_ids]
+        whole = [m async for m in stub_b.Generate(pb.GenerateRequest(prompt=prompt, max_tokens=100))]
+        ref = [t for m in whole for t in m.token_ids]
         async with grpc.aio.insecure_channel(node.address) as ch_a:
             call = pb_grpc.GenerationServiceStub(ch_a).Generate(
                 pb.GenerateRequest(request_id="survivor", prompt=prompt, max_tokens=100, resumable=True))  # fmt: skip
             got: list[int] = []
+            text = ""
             while len(got) < 10:
-                got += (await call.read()).token_ids
+                m = await call.read()
+                got += m.token_ids
+                text += m.text
             node.procs["gateway"].send_signal(signal.SIGKILL)
             node.procs["gateway"].wait(10)
+        # Re-attached after the generation went on meanwhile: what queued up arrives joined, cut at
+        # the caller's offset with the text of exactly its tokens.
+        await asyncio.to_thread(wait_until, lambda: len(events_of(node, "survivor")) > 20, 30, "more tokens")
         rest: list[int] = []
         indexes: list[int] = []
         finish = 0
         async for m in stub_b.Attach(pb.AttachRequest(request_id="survivor", offset=len(got))):
             rest += m.token_ids
+            text += m.text
             indexes += range(m.index, m.index + len(m.token_ids))
             finish = m.finish_reason or finish
     assert indexes == list(range(len(got), 100)) and finish == pb.FINISH_REASON_LENGTH
     assert got + rest == ref
+    assert text == "".join(m.text for m in whole)
 
 
 async def test_sigterm_to_a_worker_hands_back_what_it_cannot_finish(e2e_redis: RedisProcess, tmp_path: Path) -> None:
