@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -186,19 +185,6 @@ async def test_sigterm_to_the_gateway_with_twenty_open_streams(node: ProcessNode
     # Nothing left leased: a health probe the gateway queued just before it stopped may still be
     # running on the worker (seen: acked 40 ms after the gateway exited), so wait for it, bounded.
     await asyncio.to_thread(wait_until, lambda: pending(node) == 0, 10, "no pending jobs")
-
-
-@pytest.fixture
-def own_redis(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RedisProcess]:
-    """A server of this test's own (the test stops it), with AOF, fsync'd on every write unless
-    the test asks for another policy."""
-    kind = "redis" if shutil.which("redis-server") else "valkey"
-    policy = getattr(request, "param", "always")  # "none": no persistence, a restart comes back empty
-    fsync = policy.replace("none", "no")
-    server = RedisProcess(kind, tmp_path / "redis", appendonly=policy != "none", appendfsync=fsync)
-    server.start()
-    yield server
-    server.stop()
 
 
 async def test_redis_frozen_for_ten_seconds_then_continued(own_redis: RedisProcess, tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from llamamesh.v1 import batch_pb2 as bpb
 from llamamesh.v1 import batch_pb2_grpc
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc as pb_grpc
-from tests.chaos.test_chaos import FAST, Ledger, own_redis, serves, started  # noqa: F401 (own_redis: a fixture)
+from tests.chaos.test_chaos import FAST, Ledger, serves, started
 from tests.e2e.conftest import wait_until
 from tests.redisproc import RedisProcess
 
