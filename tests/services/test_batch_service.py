@@ -100,6 +100,22 @@ async def test_cancel_finishes_the_running_and_cancels_the_queued(stub: batch_pb
     assert line["status"] == "cancelled" and line["error"]["code"] == "CANCELLED" and line["error"]["message"]
 
 
+async def test_a_batch_lost_with_redis_data_is_not_found_saying_so() -> None:
+    store = MemoryBatches()
+    gateway = await start_gateway(MemoryQueue(), GatewaySettings(port=0, models="tiny=cpu"), port=0, batches=store)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as ch:
+            stub = batch_pb2_grpc.BatchServiceStub(ch)
+            await stub.BatchGenerate(bpb.BatchGenerateRequest(batch_id="kept", items=items(2)))
+            store.lose_data()  # Redis came back without its data
+            with pytest.raises(grpc.aio.AioRpcError) as lost:
+                await stub.GetBatch(bpb.GetBatchRequest(batch_id="kept"))
+    finally:
+        await gateway.stop(0)
+    assert lost.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "lost with Redis's data" in (lost.value.details() or ""), lost.value.details()
+
+
 def test_stored_item_errors_become_status_names() -> None:
     cases = [("prompt_too_long", "INVALID_ARGUMENT"), ("engine_dead", "UNAVAILABLE"),
              ("expired", "DEADLINE_EXCEEDED"), ("internal", "INTERNAL"), ("no-such", "INTERNAL")]  # fmt: skip

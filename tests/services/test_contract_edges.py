@@ -11,6 +11,7 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
+from prometheus_client import REGISTRY
 
 from llamamesh.client import field_violations
 from llamamesh.queue import memory
@@ -72,11 +73,30 @@ async def test_a_full_redis_is_resource_exhausted_with_retry_info_and_shows_in_h
     retry = error_details_pb2.RetryInfo()
     assert st is not None and st.details[0].Unpack(retry) and retry.retry_delay.seconds > 0
     assert error_reason(full.value) == "QUEUE_OUT_OF_MEMORY"
+    assert REGISTRY.get_sample_value("llamamesh_queue_full") == 1
+    refusals = REGISTRY.get_sample_value("llamamesh_admission_rejected_total", {"reason": "queue_out_of_memory"})
+    assert (refusals or 0) >= 1
     check = health_pb2.HealthCheckRequest
     assert (await health.Check(check(service="llamamesh.queue"))).status == health_pb2.HealthCheckResponse.NOT_SERVING
     assert (await health.Check(check(service=""))).status == health_pb2.HealthCheckResponse.SERVING  # still ready
     stack.queue.full = False
     await stack.gateway.health.check_now()
     assert (await health.Check(check(service="llamamesh.queue"))).status == health_pb2.HealthCheckResponse.SERVING
+    assert REGISTRY.get_sample_value("llamamesh_queue_full") == 0
     msgs = await asyncio.wait_for(read(stack.stub.Generate(pb.GenerateRequest(prompt="x", max_tokens=2))), 10)
     assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+IDS = [("a.b_c:d-e", True), ("..", True), ("x" * 128, True), ("a/b", False), ("a~b", False), ("a b", False),
+       ("\N{OCTOPUS}", False), ("x" * 129, False)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("request_id", "ok"), IDS)
+async def test_request_ids_are_the_documented_characters(stack: Stack, request_id: str, ok: bool) -> None:
+    call = stack.stub.Generate(pb.GenerateRequest(request_id=request_id, prompt="x", max_tokens=1))
+    if ok:
+        assert (await read(call))[-1].request_id == request_id
+        return
+    with pytest.raises(grpc.aio.AioRpcError) as bad:
+        await read(call)
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field_violations(bad.value) == ["request_id"]
