@@ -97,14 +97,24 @@ class Resumption:
     def timeout(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
-    def retry_in(self, err: grpc.RpcError) -> float | None:
-        """The backoff before the next call, or None when ``err`` ends the stream."""
-        if not worth_resuming(err) or self._failures >= self.attempts:
-            return None
-        self._failures += 1
-        delay = self._delays.next()
-        left = self.timeout()
-        return None if left is not None and left <= delay else delay
+    def backoff(self, err: grpc.RpcError) -> float:
+        """The wait before the next call after ``err``; raises ``err`` when it ends the stream."""
+        delay = None
+        if worth_resuming(err) and self._failures < self.attempts:
+            self._failures += 1
+            delay = self._delays.next()
+            left = self.timeout()
+            delay = None if left is not None and left <= delay else delay
+        if delay is None:
+            self.done = not worth_resuming(err)  # the gateway ended it: nothing to cancel
+            raise err
+        return delay
+
+    @property
+    def cancel_now(self) -> pb.CancelRequest | None:
+        """The Cancel to send as the caller leaves: it stopped before the end of a stream it did not
+        ask to keep running."""
+        return pb.CancelRequest(request_id=self.request_id) if self.cancel_on_exit and not self.done else None
 
     def call(self, stub: Any) -> Any:
         """The next call on ``stub`` (a GenerationService stub, async or not)."""
@@ -124,26 +134,21 @@ async def resumed(
     """The responses of ``request``, resumed through ``stub``'s channel when the stream breaks."""
     r = Resumption(request, attempts, timeout)
     try:
-        while True:
+        while not r.done:
             call = r.call(stub)
             try:
                 async for msg in call:
                     if r.fresh(msg):
                         yield msg
                 r.done = True
-                return
             except grpc.aio.AioRpcError as err:
-                delay = r.retry_in(err)
-                if delay is None:
-                    r.done = not worth_resuming(err)  # the gateway ended it: nothing to cancel
-                    raise
-                await asyncio.sleep(delay)
+                await asyncio.sleep(r.backoff(err))
             finally:
                 call.cancel()
     finally:
-        if not r.done and r.cancel_on_exit:
+        if (cancel := r.cancel_now) is not None:
             with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):
-                await asyncio.shield(stub.Cancel(pb.CancelRequest(request_id=r.request_id), timeout=CANCEL_TIMEOUT_S))
+                await asyncio.shield(stub.Cancel(cancel, timeout=CANCEL_TIMEOUT_S))
 
 
 def resumed_sync(
@@ -152,23 +157,18 @@ def resumed_sync(
     """``resumed`` for the blocking client."""
     r = Resumption(request, attempts, timeout)
     try:
-        while True:
+        while not r.done:
             call = r.call(stub)
             try:
                 for msg in call:
                     if r.fresh(msg):
                         yield msg
                 r.done = True
-                return
             except grpc.RpcError as err:
-                delay = r.retry_in(err)
-                if delay is None:
-                    r.done = not worth_resuming(err)
-                    raise
-                time.sleep(delay)
+                time.sleep(r.backoff(err))
             finally:
                 call.cancel()
     finally:
-        if not r.done and r.cancel_on_exit:
+        if (cancel := r.cancel_now) is not None:
             with contextlib.suppress(grpc.RpcError):
-                stub.Cancel(pb.CancelRequest(request_id=r.request_id), timeout=CANCEL_TIMEOUT_S)
+                stub.Cancel(cancel, timeout=CANCEL_TIMEOUT_S)

@@ -253,6 +253,23 @@ def _first_pipeline_fails(client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(client, "pipeline", pipeline)
 
 
+async def _left_unsealed(
+    store: RedisBatches, q: RedisQueue, info: BatchInfo, items: list[tuple[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A submission that died after the batch's record, with Redis gone for its drop too: the batch
+    is stored, not sealed."""
+    _first_pipeline_fails(q.client, monkeypatch)
+
+    async def refused(*_a: Any) -> int:
+        raise QueueUnavailable("the queue is unreachable")
+
+    monkeypatch.setattr(store.intake, "drop", refused)
+    with pytest.raises(QueueUnavailable):
+        await store.create(info, "fp", items)
+    monkeypatch.undo()
+    assert await q.client.hget(q.keys.batch(info.batch_id), "enqueued") is None
+
+
 async def test_a_submission_that_failed_after_its_record_leaves_nothing(
     redis_settings: RedisSettings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -286,17 +303,7 @@ async def test_a_submission_that_could_not_drop_what_it_wrote_is_completed_by_it
     try:
         await store.join("cpu")
         info, items = batch("retried", 3, window_s=600)
-        _first_pipeline_fails(q.client, monkeypatch)
-        drop = store.intake.drop
-
-        async def refused(*_a: Any) -> int:
-            raise QueueUnavailable("the queue is unreachable")
-
-        monkeypatch.setattr(store.intake, "drop", refused)
-        with pytest.raises(QueueUnavailable):
-            await store.create(info, "fp", items)
-        monkeypatch.setattr(store.intake, "drop", drop)
-        assert await q.client.hget(q.keys.batch("retried"), "enqueued") is None  # stored, not sealed
+        await _left_unsealed(store, q, info, items, monkeypatch)
         later = dataclasses.replace(info, created_at=info.created_at + 5, expires_at=info.expires_at + 5)
         got, new = await store.create(later, "fp", items)
         assert not new and got.total == 3 and got.created_at == pytest.approx(info.created_at)
@@ -317,15 +324,7 @@ async def test_an_unsealed_batch_nobody_retries_is_dropped_by_the_sweep(
     try:
         await store.join("cpu")
         info, items = batch("orphan", 2, window_s=600)
-        _first_pipeline_fails(q.client, monkeypatch)
-
-        async def refused(*_a: Any) -> int:
-            raise QueueUnavailable("the queue is unreachable")
-
-        monkeypatch.setattr(store.intake, "drop", refused)
-        with pytest.raises(QueueUnavailable):
-            await store.create(info, "fp", items)
-        monkeypatch.undo()
+        await _left_unsealed(store, q, info, items, monkeypatch)
         assert await store.intake.drop_unsealed() == 0  # within its grace: a retry may come
         monkeypatch.setattr(intake, "UNSEALED_GRACE_S", 0.0)
         await q.client.zadd(q.keys.batches_unsealed(), {"orphan": 0})
