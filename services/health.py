@@ -97,9 +97,9 @@ class HealthReporter:
         except (QueueUnavailable, asyncio.TimeoutError):
             self._saw(False)
             await self._set(False)
-            if self.writable is not False:
+            if self.writable is not None:  # unknown until it answers again (no write to judge)
                 await self.servicer.set(QUEUE_WRITES, NOT_SERVING)
-                self.writable = False
+                self.writable = None
             return
         self._saw(True)
         if self._epoch and epoch != self._epoch:
@@ -125,10 +125,10 @@ class HealthReporter:
             seen(writable)
         if writable != self.writable:
             await self.servicer.set(QUEUE_WRITES, SERVING if writable else NOT_SERVING)
-            if writable:
-                log.info("queue_writes_accepted")
-            else:
+            if not writable:
                 log.error("queue_writes_refused", full=full, detail=why)
+            elif self.writable is False:
+                log.info("queue_writes_accepted")
         self.writable = writable
 
     async def start(self) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -46,10 +47,11 @@ CHUNK_BYTES = 64 * 1024
 CHUNK_ITEMS = 500
 
 # KEYS: meta. ARGV: now, then the record as field value ... Returns 1 (created), or the stored
-# {fingerprint, enqueued} of an existing batch (touched when unsealed: a submission works on it).
+# {fingerprint, enqueued, created_at, expires_at} of an existing batch (touched when unsealed: a
+# submission works on it).
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
-  local f = redis.call('HMGET', KEYS[1], 'fingerprint', 'enqueued')
+  local f = redis.call('HMGET', KEYS[1], 'fingerprint', 'enqueued', 'created_at', 'expires_at')
   if not f[2] then redis.call('HSET', KEYS[1], 'touched', ARGV[1]) end
   return f
 end
@@ -132,6 +134,8 @@ class BatchIntake:
             if stored[1] is not None:
                 await self._confirm(meta)
                 return False
+            # Unsealed: finished with the first submission's times, not this retry's.
+            info = replace(info, created_at=float(stored[2]), expires_at=float(stored[3]))
         written: list[tuple[str, str]] = []  # (pool, entry id) of each item this call queued
         try:
             await self._enqueue(info, items, created, written)
