@@ -59,6 +59,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "llamamesh_workers": ("gauge", ("pool", "state")),
     "llamamesh_disconnect_cancel_seconds": ("histogram", ()),
     "llamamesh_batches_at_risk": ("gauge", ()),
+    "llamamesh_queue_full": ("gauge", ()),
     # worker
     "llamamesh_affinity_leases_total": ("counter", ("pool", "kind")),
     "llamamesh_jobs_started_total": ("counter", ("pool",)),
