@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -673,6 +674,21 @@ class Settings:
             for f in fields(section):
                 out[env_name(sec.name, f.name)] = str(getattr(section, f.name))
         return out
+
+    def redacted_env(self) -> dict[str, str]:
+        """``to_env`` with secrets hidden (``llamamesh config``): API keys as ``***``, a password
+        in a Redis url as ``***``."""
+        out = self.to_env()
+        for key, value in out.items():
+            if value and key in SECRETS:
+                out[key] = "***"
+            elif value and key == "LLAMAMESH_REDIS_URL":
+                out[key] = re.sub(r"(://[^:@/]*:)[^@/]*@", r"\1***@", value)
+        return out
+
+
+# Settings whose values are secrets (never printed).
+SECRETS = frozenset({"LLAMAMESH_CLIENT_API_KEY"})
 
 
 def prometheus_multiproc_dir(environ: Mapping[str, str] | None = None) -> str:
