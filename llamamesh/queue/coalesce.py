@@ -1,28 +1,7 @@
 """Scripts of concurrent callers sent together: one pipeline per event-loop turn ("auto-pipelining",
-as ioredis and Lettuce do it).
-
-Each request a gateway accepts runs two scripts before its job is queued (its attempt record, then
-the submission). A burst of new requests, e.g. a closed loop of 256 streams that end together, ran
-them as 512 separate commands, each taking a pooled connection, a socket write and a read wake-up of
-its own: about 120 µs of the gateway's CPU per script (redis-py, uvloop), against about 20 µs when
-the same scripts go out as one pipeline (measured on the 2-core box; docs/benchmarks.md, issue 19
-part 4). ``ScriptPipe.call`` queues a script and its caller waits for its own reply; the scripts
-queued in one turn of the loop go out as one pipeline on one connection, at most ``most_in_flight``
-pipelines at a time (the calls queued meanwhile wait for the next), so a single call waits one turn
-more than before and a burst pays one round trip per pipeline, not per call.
-
-What does not change for a caller:
-
-- Its reply, or the error of its own script (a ``ResponseError`` reaches that caller only).
-- Retries: a pipeline is retried whole after a connection error by the client's retry (as a single
-  command was); every script the queue sends this way is safe to repeat (redisio.py).
-- ``NOSCRIPT`` (the server restarted or its scripts were flushed): the scripts are loaded and the
-  calls that got it sent again, once.
-- With ``replicas`` (``WAIT``), one ``WAIT`` ends the pipeline and covers every write in it; each
-  caller gets ``[its reply, WAIT's reply]``, as ``Replicas.script`` answers.
-- A caller cancelled before its pipeline went out is dropped from it (its script never runs); one
-  cancelled later leaves its script to run, as a command already sent does.
-- On a Redis Cluster, whose pipelines cannot hold scripts, every call goes out on its own, as before.
+as ioredis and Lettuce do it). Each request a gateway accepts runs two scripts before its job is
+queued (its attempt record, then the submission): a burst of requests pays one round trip per
+pipeline instead of one per script, and each caller still gets its own reply or its own error.
 """
 
 from __future__ import annotations
@@ -36,7 +15,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
-from llamamesh.queue.redisio import Replicas, is_cluster
+from llamamesh.queue.cluster import is_cluster
+from llamamesh.queue.replicas import Replicas
 
 # How many scripts one pipeline carries at most (a larger burst goes out in several).
 MOST_PER_PIPELINE = 256
@@ -51,7 +31,25 @@ class _Call:
 
 
 class ScriptPipe:
-    """Concurrent callers' scripts, one pipeline per loop turn (see the module's docstring)."""
+    """Concurrent callers' scripts, one pipeline per loop turn: the scripts queued in one turn go
+    out as one pipeline on one connection, at most ``most_in_flight`` pipelines at a time (the calls
+    queued meanwhile wait for the next), so a single call waits one turn more than alone. Each
+    script costs the gateway about 120 µs of CPU sent alone (redis-py, uvloop), about 20 µs in a
+    pipeline (measured on a 2-core box; docs/benchmarks.md).
+
+    What does not change for a caller:
+
+    - Its reply, or the error of its own script (a ``ResponseError`` reaches that caller only).
+    - Retries: a pipeline is retried whole after a connection error by the client's retry (as a
+      single command is); every script the queue sends this way is safe to repeat.
+    - ``NOSCRIPT`` (the server restarted or its scripts were flushed): the scripts are loaded and
+      the calls that got it sent again, once.
+    - With ``replicas`` (``WAIT``), one ``WAIT`` ends the pipeline and covers every write in it;
+      each caller gets ``[its reply, WAIT's reply]``, as ``Replicas.script`` answers.
+    - A caller cancelled before its pipeline went out is dropped from it (its script never runs);
+      one cancelled later leaves its script to run, as a command already sent does.
+    - On a Redis Cluster, whose pipelines cannot hold scripts, every call goes out on its own.
+    """
 
     def __init__(self, client: aioredis.Redis, replicas: Replicas | None = None, most_in_flight: int = 2) -> None:
         if most_in_flight < 1:
@@ -70,7 +68,7 @@ class ScriptPipe:
     async def call(self, script: Any, keys: Sequence[Any], args: Sequence[Any]) -> list[Any]:
         """Run the registered ``script``: ``[its reply]``, with replicas ``[its reply, WAIT's]``.
         Raises what the client raises (a ``ResponseError`` of this script; a connection error of
-        the whole pipeline, after the client's retries). Cancelled: see the module's docstring."""
+        the whole pipeline, after the client's retries). Cancelled: see the class's docstring."""
         if self._direct:
             return await self._replicas.script(self._r, script, keys, args)
         reply: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()

@@ -1,20 +1,7 @@
-"""Fair share between the tenants of a pool: deficit round robin (DRR) over their work streams.
-
-Each tenant with work in a pool has its own work stream (``Keys.jobs(pool, tenant)``). A worker's
-lease asks each stream for a number of jobs that this plan decides, without I/O:
-
-- Tenants are visited in a fixed order (sorted names; the default tenant "" first), one turn each.
-  A turn adds the tenant's quantum to its deficit: its weight over the smallest weight among the
-  tenants that may have work, so the lightest takes one job a turn and a tenant of weight 3 three.
-  The turn takes whole jobs out of the deficit; it ends when less than one is left, or carries
-  over to the next lease when the lease ran out of slots mid-turn.
-- A tenant whose stream gave fewer jobs than it was asked is empty: its deficit drops to 0 (no
-  credit piles up while it has nothing waiting) and the slots it left go to the others.
-
-So while several tenants have jobs waiting, each gets workers in proportion to its weight, and a
-tenant that arrives behind another's burst is served at its next turn rather than after the burst.
-The state lives in the worker process (one ``FairShare`` per pool); nothing about it is shared or
-durable: another worker, or a restart, starts its own rounds.
+"""Fair share between the tenants of a pool: deficit round robin (DRR) over their work streams, a plan
+without I/O of how many jobs a worker's lease asks of each tenant's stream. While several tenants
+have jobs waiting, each gets workers in proportion to its weight, and a tenant that arrives behind
+another's burst is served at its next turn rather than after the burst.
 """
 
 from __future__ import annotations
@@ -23,7 +10,18 @@ from collections.abc import Collection, Mapping
 
 
 class FairShare:
-    """The DRR state of one pool in one worker process: its tenants, their weights and deficits."""
+    """The DRR state of one pool in one worker process: its tenants, their weights and deficits.
+
+    - Tenants are visited in a fixed order (sorted names; the default tenant "" first), one turn
+      each. A turn adds the tenant's quantum to its deficit: its weight over the smallest weight
+      among the tenants that may have work, so the lightest takes one job a turn and a tenant of
+      weight 3 three. The turn takes whole jobs out of the deficit; it ends when less than one is
+      left, or carries over to the next lease when the lease ran out of slots mid-turn.
+    - A tenant whose stream gave fewer jobs than it was asked is empty: its deficit drops to 0 (no
+      credit piles up while it has nothing waiting) and the slots it left go to the others.
+
+    Nothing of it is shared or durable: another worker, or a restart, starts its own rounds.
+    """
 
     def __init__(self) -> None:
         self._weights: dict[str, float] = {"": 1.0}

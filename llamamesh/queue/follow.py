@@ -1,26 +1,12 @@
-"""The gateway's reader of streams: one blocking XREAD for every stream it follows (a request's
-events for the relay, a batch's results for ``RedisBatches.results``).
+"""The gateway's reader of streams: one blocking XREAD for every stream it follows (a request's events
+for the relay, a batch's results for ``RedisBatches.results``), not one read and one held connection
+per stream. A new follower wakes the blocked read through a wake stream private to this follower,
+so that the next read includes it.
 
-Following each request with its own blocking XREAD costs one Redis round trip (and one held
-connection) per event per request. The follower instead keeps one loop that XREADs every
-followed stream at once, plus a wake stream private to this follower: registering a new request
-appends to the wake stream, which returns the blocked XREAD at once so the next one includes the
-new stream. There is no window in which a new follower can be missed: its registration happens
-before the wake entry is written, and the XREAD reads the wake stream from the id it last saw.
-Registrations that find a wake-up already on its way since the loop last built its read send none
-of their own: that one returns the read, and the next includes them (so a burst of registrations
-costs one write and one connection, not one each).
-
-On a Redis Cluster one XREAD may only name keys of one slot (else CROSSSLOT), so the loop is one
-*lane* per slot: each lane has its own wake stream in that slot (named with the hash tag of a key
-it follows) and its own blocking read. Request event streams are spread over a fixed number of
-slots (``Keys.event_shards``, evenly over the slot space, so over the masters), so a gateway holds
-at most that many event reads whatever the number of requests it relays (plus one per batch whose
-results it follows). On a single Redis there is one lane for everything.
-
-While Redis is unreachable the loop backs off and retries, and the followers keep their place: when
-it answers again (a restart from its AOF, a failover) they read on from their last entry. Only an
-outage longer than ``outage_grace_s`` reaches every follower, as ``QueueUnavailable``.
+On a Redis Cluster, whose XREAD names keys of one slot, it keeps a lane (a read and a wake stream)
+per slot; request event streams are spread over ``Keys.event_shards`` slots, so a gateway holds at
+most that many event reads. While Redis is unreachable the lanes retry and followers keep their
+place; only an outage longer than ``outage_grace_s`` reaches them, as ``QueueUnavailable``.
 """
 
 from __future__ import annotations
@@ -40,17 +26,13 @@ from redis.exceptions import RedisError
 
 from llamamesh.backoff import Delays
 from llamamesh.errors import QueueUnavailable
-from llamamesh.queue.keys import WAKE_FIELD, Keys
+from llamamesh.queue.keys import WAKE_FIELD, Keys, Retention
+from llamamesh.queue.protocol import entry_order
 from llamamesh.queue.redisio import is_cluster, unreachable
 
 log = structlog.get_logger(__name__)
 
 Item = tuple[str, dict[bytes, bytes]] | BaseException
-
-
-def _id(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
 
 
 class Inbox:
@@ -149,9 +131,13 @@ def hash_tag(key: str) -> str:
 
 
 class EventFollower:
+    """One blocking read per lane (one lane on a single Redis, one per slot on a cluster) for every
+    stream followed through it; ``follow`` a stream, ``unfollow`` it, ``close`` at the end."""
+
     def __init__(
-        self, client: aioredis.Redis, keys: Keys, block_ms: int, wake_ttl_s: int = 3600, outage_grace_s: float = 0.0
-    ) -> None:
+        self, client: aioredis.Redis, keys: Keys, block_ms: int, wake_ttl_s: int = Retention.event_idle_s,
+        outage_grace_s: float = 0.0,
+    ) -> None:  # fmt: skip
         self._r = client
         self._keys = keys
         self._id = uuid.uuid4().hex
@@ -228,6 +214,8 @@ class _Lane:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="event-follower")
         if self._reading:
+            # Registered before the wake entry is written, and the read takes the wake stream from
+            # the id it last saw: no new follower is missed. A burst of them shares one wake-up.
             if self._woken:  # the wake-up on its way returns the read; the next one includes this
                 return sub
             self._woken = True
@@ -280,7 +268,7 @@ class _Lane:
             self._woken = False  # registered from now on: not in this read, so they wake it
             streams: dict[Any, Any] = {self._wake_key: self._wake_last}
             for key, subs in self._subs.items():
-                streams[key] = min((s.last for s in subs), key=_id)
+                streams[key] = min((s.last for s in subs), key=entry_order)
             try:
                 reply: Any = await r.xread(streams, count=1024, block=self._o._block_ms)
                 delays.reset()
@@ -313,6 +301,6 @@ class _Lane:
                 for sub in self._subs.get(key, ()):
                     for raw_id, fields in entries:
                         entry_id = raw_id.decode()
-                        if _id(entry_id) > _id(sub.last):
+                        if entry_order(entry_id) > entry_order(sub.last):
                             sub.last = entry_id
                             sub.queue.put_nowait((entry_id, fields))

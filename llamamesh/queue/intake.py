@@ -1,26 +1,8 @@
-"""A batch's creation on Redis: stored whole, or not at all.
-
-A batch is written in steps, since its items go to the pools' batch streams (each pool's slot) and
-its record to its own (``{b:<id>}``):
-
-1. its id on the ``batches_unsealed`` list, due ``UNSEALED_GRACE_S`` from now;
-2. its record (``_CREATE``, one script: two submissions of one id never see half a record), which
-   also says when a submission last worked on it (``touched``);
-3. its owner's list, the sweep's sets, its item ids;
-4. every item not queued yet onto its pool's batch stream, each reported on its own, and the ids of
-   those queued into the batch's ``queued`` set;
-5. ``_SEAL``: once every item is in ``queued``, the record is marked ``enqueued`` (``queued`` goes).
-
-Only a sealed batch is reported to its caller as accepted. A submission that fails part-way (Redis
-refuses writes when it is full, or stops answering) drops what it wrote (``_DROP``), so its caller's
-refusal leaves nothing behind; items already queued then find no batch and are skipped. When even
-that fails, the batch stays unsealed: a retry of the same submission (same id and items) queues
-only the missing items and seals it; without one, the gateways' sweep drops it once nobody worked
-on it for ``UNSEALED_GRACE_S`` (``drop_unsealed``). Either way every item of an accepted batch is
-queued, and ends with exactly one result (an item queued twice runs twice; its result is recorded
-once).
-
-Redis errors become QueueUnavailable (QueueOutOfMemory when Redis is full) here.
+"""A batch's creation on Redis: stored whole, or not at all. Only a sealed batch (every item queued)
+is reported accepted; a submission that fails part-way drops what it wrote, or leaves the batch
+unsealed for its retry to finish or the gateways' sweep to drop (``drop_unsealed``). Every item of
+an accepted batch is queued, and ends with exactly one result (an item queued twice runs twice; its
+result is recorded once). Redis errors become QueueUnavailable (QueueOutOfMemory when Redis is full).
 """
 
 from __future__ import annotations
@@ -36,63 +18,28 @@ from redis.exceptions import RedisError
 
 from llamamesh.errors import AlreadyExists, QueueUnavailable
 from llamamesh.queue import codec
-from llamamesh.queue.keys import JOB_FIELD, Keys
-from llamamesh.queue.redisio import Replicas, raised, unreachable
+from llamamesh.queue.keys import JOB_FIELD, Keys, Retention
+from llamamesh.queue.redisio import raised, unreachable
+from llamamesh.queue.replicas import Replicas
+from llamamesh.queue.scripts import register
 from llamamesh.types import BatchInfo, BatchState, GenerationRequest, public_id
 
-# Seconds an unsealed batch is left to the submissions working on it before the sweep drops it.
-UNSEALED_GRACE_S = 60.0
 # Items are queued in pipelines of about this many bytes, at most CHUNK_ITEMS items.
 CHUNK_BYTES = 64 * 1024
 CHUNK_ITEMS = 500
-
-# KEYS: meta. ARGV: now, then the record as field value ... Returns 1 (created), or the stored
-# {fingerprint, enqueued, created_at, expires_at} of an existing batch (touched when unsealed: a
-# submission works on it).
-_CREATE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  local f = redis.call('HMGET', KEYS[1], 'fingerprint', 'enqueued', 'created_at', 'expires_at')
-  if not f[2] then redis.call('HSET', KEYS[1], 'touched', ARGV[1]) end
-  return f
-end
-redis.call('HSET', KEYS[1], 'touched', ARGV[1], unpack(ARGV, 2))
-return 1
-"""
-
-# KEYS: meta, queued. Returns 1 (sealed now or before), 0 (items missing), -1 (no such batch).
-_SEAL = """
-local f = redis.call('HMGET', KEYS[1], 'total', 'enqueued')
-if not f[1] then return -1 end
-if f[2] then return 1 end
-if redis.call('SCARD', KEYS[2]) < tonumber(f[1]) then return 0 end
-redis.call('HSET', KEYS[1], 'enqueued', 1)
-redis.call('DEL', KEYS[2])
-return 1
-"""
-
-# KEYS: meta, then the batch's other keys. ARGV: now, least idle seconds. Drops an unsealed batch
-# nobody touched for that long: 1 (dropped), 0 (sealed: kept), -1 (touched lately), 2 (no batch).
-_DROP = """
-local f = redis.call('HMGET', KEYS[1], 'state', 'enqueued', 'touched')
-if not f[1] then return 2 end
-if f[2] then return 0 end
-if tonumber(ARGV[1]) - (tonumber(f[3]) or 0) < tonumber(ARGV[2]) then return -1 end
-redis.call('DEL', unpack(KEYS))
-return 1
-"""
 
 
 class BatchIntake:
     """Creates batches whole (see the module's docstring); ``RedisBatches`` delegates to it."""
 
-    def __init__(self, client: aioredis.Redis, keys: Keys, retention_s: int, replicas: Replicas) -> None:
+    def __init__(self, client: aioredis.Redis, keys: Keys, retention: Retention, replicas: Replicas) -> None:
         self._r = client
         self.keys = keys
-        self.retention_s = retention_s
+        self.retention = retention
         self._replicas = replicas
-        self._create = client.register_script(_CREATE)
-        self._seal = client.register_script(_SEAL)
-        self._drop = client.register_script(_DROP)
+        self._create = register(client, "create_batch")
+        self._seal = register(client, "seal_batch")
+        self._drop = register(client, "drop_batch")
 
     def batch_keys(self, batch_id: str) -> list[str]:
         """Every key of the batch's own slot, its record first."""
@@ -105,20 +52,30 @@ class BatchIntake:
     ) -> bool:
         """Store the batch and queue every item (``(pool, request)`` each) that is not queued yet;
         True if it is new. AlreadyExists when the id names a batch with another fingerprint. On any
-        failure what this call wrote is dropped, if Redis lets it, and the error raised."""
-        record = {
-            "id": info.batch_id, "state": BatchState.IN_PROGRESS.value, "owner": info.owner, "model": info.model,
-            "total": info.total, "completion_window_s": info.completion_window_s, "created_at": info.created_at,
-            "expires_at": info.expires_at, "fingerprint": fingerprint, "metadata": json.dumps(dict(info.metadata)),
-            "t:validating": info.created_at, "t:in_progress": time.time(),
-            "pools": ",".join(sorted({pool for pool, _request in items})),
-            "succeeded": 0, "errored": 0, "cancelled": 0, "expired": 0,
-        }  # fmt: skip
+        failure what this call wrote is dropped, if Redis lets it, and the error raised.
+
+        In steps, since its items go to the pools' batch streams (each pool's slot) and its record
+        to its own (``{b:<id>}``):
+
+        1. its id on the ``batches_unsealed`` list, due ``Retention.unsealed_s`` from now;
+        2. its record (create_batch.lua, one script: two submissions of one id never see half a
+           record), which also says when a submission last worked on it (``touched``);
+        3. its owner's list, the sweep's sets, its item ids;
+        4. every item not queued yet onto its pool's batch stream, each reported on its own, and the
+           ids of those queued into the batch's ``queued`` set;
+        5. seal_batch.lua: once every item is in ``queued``, the record is marked ``enqueued``.
+
+        A failure (Redis refuses writes when it is full, or stops answering) drops what it wrote
+        (drop_batch.lua): items already queued then find no batch and are skipped. When even that
+        fails, the batch stays unsealed: a retry of the same submission (same id and items) queues
+        only the missing items and seals it; without one, the sweep drops it once nobody worked on
+        it for ``Retention.unsealed_s``."""
         meta = self.keys.batch(info.batch_id)
-        args: list[Any] = [time.time(), *(x for kv in record.items() for x in kv)]
+        args: list[Any] = [time.time(), *(x for kv in _record(info, fingerprint, items).items() for x in kv)]
         try:
             with unreachable():
-                await self._r.zadd(self.keys.batches_unsealed(), {info.batch_id: time.time() + UNSEALED_GRACE_S})
+                due = time.time() + self.retention.unsealed_s
+                await self._r.zadd(self.keys.batches_unsealed(), {info.batch_id: due})
                 stored: Any = await self._create(keys=[meta], args=args)
         except QueueUnavailable:
             if await self._sealed_as(info.batch_id, fingerprint):  # a full Redis refuses the script, not the read
@@ -174,11 +131,12 @@ class BatchIntake:
                 members: Any = await self._r.smembers(self.keys.batch_queued(bid))
                 done = {m.decode() for m in members}
             async with self._r.pipeline(transaction=False) as pipe:
-                # On its owner's list, in the sweep's open set, and gone retention_s after it ends at the
+                # On its owner's list, in the sweep's open set, and gone Retention.batch_s after it ends at the
                 # earliest (ZADD again, from a retry, is harmless).
                 pipe.zadd(self.keys.batches(info.owner), {bid: info.created_at})
                 pipe.zadd(self.keys.batches_open(), {bid: info.expires_at})
-                pipe.zadd(self.keys.batches_kept(), {json.dumps([info.owner, bid]): time.time() + self.retention_s})
+                kept_until = time.time() + self.retention.batch_s
+                pipe.zadd(self.keys.batches_kept(), {json.dumps([info.owner, bid]): kept_until})
                 ids = [request.custom_id for _pool, request in items]
                 for i in range(0, len(ids), 1000):
                     pipe.sadd(self.keys.batch_ids(bid), *ids[i : i + 1000])
@@ -245,13 +203,13 @@ class BatchIntake:
             return
 
     async def drop(self, batch_id: str, idle_s: float) -> int:
-        """Drop the batch unless it is sealed or a submission touched it within ``idle_s``; _DROP's
+        """Drop the batch unless it is sealed or a submission touched it within ``idle_s``; drop_batch.lua's
         reply (1: dropped)."""
         with unreachable():
             return int(await self._drop(keys=self.batch_keys(batch_id), args=[time.time(), idle_s]))
 
     async def drop_unsealed(self, limit: int = 100) -> int:
-        """The sweep's part: drop up to ``limit`` batches left unsealed for ``UNSEALED_GRACE_S`` (their
+        """The sweep's part: drop up to ``limit`` batches left unsealed for ``Retention.unsealed_s`` (their
         submissions failed and were not retried); returns how many it dropped."""
         key = self.keys.batches_unsealed()
         with unreachable():
@@ -259,11 +217,23 @@ class BatchIntake:
         dropped = 0
         for raw in due:
             bid = raw.decode()
-            outcome = await self.drop(bid, UNSEALED_GRACE_S)
+            outcome = await self.drop(bid, self.retention.unsealed_s)
             with unreachable():
                 if outcome == -1:  # a submission is at it: look again later
-                    await self._r.zadd(key, {raw: time.time() + UNSEALED_GRACE_S})
+                    await self._r.zadd(key, {raw: time.time() + self.retention.unsealed_s})
                     continue
                 await self._r.zrem(key, raw)
             dropped += outcome == 1
         return dropped
+
+
+def _record(info: BatchInfo, fingerprint: str, items: Sequence[tuple[str, GenerationRequest]]) -> dict[str, Any]:
+    """A new batch's record (batch_record.py reads it), as create_batch.lua stores it."""
+    return {
+        "id": info.batch_id, "state": BatchState.IN_PROGRESS.value, "owner": info.owner, "model": info.model,
+        "total": info.total, "completion_window_s": info.completion_window_s, "created_at": info.created_at,
+        "expires_at": info.expires_at, "fingerprint": fingerprint, "metadata": json.dumps(dict(info.metadata)),
+        "t:validating": info.created_at, "t:in_progress": time.time(),
+        "pools": ",".join(sorted({pool for pool, _request in items})),
+        "succeeded": 0, "errored": 0, "cancelled": 0, "expired": 0,
+    }  # fmt: skip

@@ -6,17 +6,21 @@ one XREADGROUP or one script may touch all of them. A request's event stream is 
 lives in one of ``event_shards`` slots picked by a hash of its id (``events``), spread evenly over
 the slot space, so that on a Redis Cluster a gateway reads the events of all its requests with one
 blocking XREAD per shard (follow.py) instead of one per request.
+
+How long each of them lives, and how much of a stream is kept, is ``Retention``'s.
 """
 
 from __future__ import annotations
 
 import functools
 import zlib
-from dataclasses import dataclass
-
-from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from llamamesh.types import DEFAULT_TENANT
+
+if TYPE_CHECKING:
+    from llamamesh.settings import BatchSettings, RedisSettings
 
 # How many slots request event streams are spread over (LLAMAMESH_REDIS_EVENT_SHARDS).
 EVENT_SHARDS = 16
@@ -37,12 +41,39 @@ SUBMITTED_TTL_S = 60
 # Seconds a Cancel of a request id not (yet) in use holds: a Generate with that id begun meanwhile
 # (a Cancel that overtook its Generate through another gateway) is cancelled, one begun later runs.
 CANCEL_AHEAD_TTL_S = 10
+# Milliseconds a tenant's open stream is held unless its gateway renews it (every third of it).
+STREAM_LEASE_MS = 30_000
+# Seconds a batch-quota hold whose batch has no record is kept: a younger one may be a batch being
+# stored right now.
+UNSTORED_GRACE_S = 60.0
+# Seconds an unsealed batch is left to the submissions working on it before the sweep drops it.
+UNSEALED_GRACE_S = 60.0
 
 
 def stream_tenant(tenant: str) -> str:
     """The tenant as the work streams name it: "" for the default tenant (also ``DEFAULT_TENANT``),
     whose jobs wait in the pool's plain work stream."""
     return "" if tenant == DEFAULT_TENANT else tenant
+
+
+REDIS_CLUSTER_HASH_SLOTS = 16384
+
+
+def key_slot(key: bytes) -> int:
+    """The Redis Cluster slot of ``key``: CRC16 (XMODEM) of its hash tag (the text between the first
+    ``{`` and the next ``}``, when not empty) or of the whole key, modulo 16384. Here rather than
+    redis-py's, so that naming keys needs no Redis client (the gateway's handlers import this)."""
+    start = key.find(b"{")
+    if start >= 0:
+        end = key.find(b"}", start + 1)
+        if end > start + 1:
+            key = key[start + 1 : end]
+    crc = 0
+    for byte in key:
+        crc ^= byte << 8
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x1021 if crc & 0x8000 else crc << 1) & 0xFFFF
+    return crc % REDIS_CLUSTER_HASH_SLOTS
 
 
 @functools.lru_cache(maxsize=8)
@@ -68,8 +99,9 @@ class Keys:
     event_shards: int = EVENT_SHARDS
 
     def jobs(self, pool: str, tenant: str = "") -> str:
-        """The work stream of one pool's tenant: the default tenant's is the pool's plain work
-        stream, any other's a sub-stream beside it (same slot)."""
+        """The work stream of one pool's tenant (consumer group ``workers``): the default tenant's is
+        the pool's plain work stream, any other's a sub-stream beside it (same slot). Gateways add
+        jobs; workers lease them, and ack and delete each after its terminal event (never trimmed)."""
         tenant = stream_tenant(tenant)
         return f"{self.prefix}:pool:{{{pool}}}:jobs" + (f":t:{tenant}" if tenant else "")
 
@@ -79,17 +111,21 @@ class Keys:
         return f"{self.prefix}:pool:{{{pool}}}:tenants"
 
     def dead_letters(self, pool: str) -> str:
-        """Poison jobs of a pool (a stream): the job, why, and how often it was delivered."""
+        """Poison jobs of a pool (a stream, trimmed to ``Retention.dead_letters``): the job, why, and
+        how often it was delivered. Written by a worker that reclaims a job delivered too often, or
+        by a gateway whose request's workers kept dying; read by operators."""
         return f"{self.prefix}:pool:{{{pool}}}:dead"
 
     def submitted(self, pool: str, request_id: str) -> str:
-        """Present for ``SUBMITTED_TTL_S`` once a request was queued to a pool (in the pool's slot,
+        """Present for ``Retention.submitted_s`` once a request was queued to a pool (in the pool's slot,
         beside its work stream): a retried submission is not queued twice."""
         return f"{self.prefix}:pool:{{{pool}}}:submitted:{request_id}"
 
     def events(self, request_id: str) -> str:
-        """The event stream of one request, written by its worker, read by its gateway: in the slot
-        of its shard (a CRC-32 of the id)."""
+        """The event stream of one request (one entry per engine step), written by its worker, read
+        by its gateway (one blocking XREAD per shard): in the slot of its shard, a CRC-32 of the id
+        over ``LLAMAMESH_REDIS_EVENT_SHARDS``. Expires ``Retention.event_s`` after its terminal
+        event."""
         tag = shard_tags(self.event_shards)[zlib.crc32(request_id.encode()) % self.event_shards]
         return f"{self.prefix}:ev:{{{tag}}}:{request_id}"
 
@@ -101,12 +137,13 @@ class Keys:
         return f"{self.prefix}:follower:{{{follower_id}}}:wake"
 
     def cancel(self, request_id: str) -> str:
-        """Present while a request is cancelled."""
+        """Present while a request is cancelled: set by its gateway when the caller went away; read
+        by the worker at lease time and on its publishes (it aborts the request in the engine)."""
         return f"{self.prefix}:req:{{{request_id}}}:cancel"
 
     def epoch(self) -> str:
-        """The identity of the queue's data (``<random id>@<Unix time it was set>``, set once):
-        missing or changed, Redis lost it."""
+        """The identity of the queue's data (``<random id>@<Unix time it was set>``), set once by the
+        first gateway: missing or changed, Redis lost it (every gateway's health check reads it)."""
         return f"{self.prefix}:epoch"
 
     def write_probe(self) -> str:
@@ -114,7 +151,9 @@ class Keys:
         return f"{self.prefix}:write-probe"
 
     def attempts(self, caller_id: str) -> str:
-        """The attempts of a caller's request, in order (a list of JSON Attempt records)."""
+        """The attempts of a caller's request, in order (a list of JSON Attempt records), written by
+        the gateway before it queues each; read by Attach and a retried Generate. Lives
+        ``Retention.event_idle_s``, then as long as the events once the last attempt ends."""
         return f"{self.prefix}:req:{{{caller_id}}}:attempts"
 
     def attaches(self, caller_id: str) -> str:
@@ -124,13 +163,14 @@ class Keys:
 
     def called_off(self, caller_id: str) -> str:
         """Present while the caller cancelled its request by id (Cancel RPC): every attempt stops. It
-        lives as long as the request's attempts record, or ``CANCEL_AHEAD_TTL_S`` when the id had
+        lives as long as the request's attempts record, or ``Retention.cancel_ahead_s`` when the id had
         none yet ("a"); a request begun under an id whose older request had been cancelled ("1")
         clears it."""
         return f"{self.prefix}:req:{{{caller_id}}}:called-off"
 
     def workers(self, pool: str) -> str:
-        """The names of the workers that heartbeat in a pool (a set; stale names are pruned by readers)."""
+        """The names of the workers that heartbeat in a pool (a set, written with each heartbeat;
+        names whose heartbeat expired are pruned by the gateways that read it)."""
         return f"{self.prefix}:pool:{{{pool}}}:workers"
 
     def adapters(self, pool: str) -> str:
@@ -139,7 +179,9 @@ class Keys:
         return f"{self.prefix}:pool:{{{pool}}}:adapters"
 
     def worker(self, pool: str, name: str) -> str:
-        """One worker's heartbeat: its WorkerStatus, expiring after the heartbeat TTL."""
+        """One worker's heartbeat (JSON WorkerStatus: state, in flight, the engine's figures), written
+        every ``LLAMAMESH_WORKER_HEARTBEAT_S``, expiring after ``HEARTBEAT_TTL_S``; the node's
+        supervisor writes a worker's exit into it. Gateways read it for liveness."""
         return f"{self.prefix}:pool:{{{pool}}}:worker:{name}"
 
     # --- batches: one hash tag per batch ({b:<id>}), so its keys share a Redis Cluster slot
@@ -232,3 +274,58 @@ class Keys:
         """The pool's number of affinity partitions, recorded by the first gateway or worker that
         uses the pool with affinity on: all of them must agree."""
         return f"{self.prefix}:pool:{{{pool}}}:partitions"
+
+
+@dataclass(frozen=True)
+class Retention:
+    """How long what the queue writes lives in Redis, and how much of a stream is kept: every TTL
+    and bound, built once from the settings (``of``); the code and the scripts' arguments take
+    them from here."""
+
+    # An event stream once its terminal event is written (LLAMAMESH_REDIS_EVENT_TTL_S).
+    event_s: int = 300
+    # An event stream without a terminal event (its worker lost; LLAMAMESH_REDIS_EVENT_IDLE_TTL_S).
+    # A request's attempts record, re-attach count and cancel flag, and a gateway follower's wake
+    # stream, live as long.
+    event_idle_s: int = 3600
+    # While its worker publishes, an event stream's TTL is renewed every this fraction of it.
+    renew_fraction: float = 0.25
+    # A request's submitted marker (never longer than ``event_idle_s``: ``submitted_ttl_s``).
+    submitted_s: int = SUBMITTED_TTL_S
+    # A Cancel of a request id not (yet) in use.
+    cancel_ahead_s: int = CANCEL_AHEAD_TTL_S
+    # A gateway's write probe.
+    write_probe_s: int = 60
+    # Entries each pool's dead-letter stream keeps, trimmed approximately
+    # (LLAMAMESH_REDIS_DEAD_LETTER_MAXLEN; 0: no bound).
+    dead_letters: int = 10_000
+    # A consumer of a pool's groups holding no entry leaves them once idle this long
+    # (LLAMAMESH_REDIS_CONSUMER_IDLE_S; 0: never).
+    consumer_idle_s: int = 3600
+    # A batch's record and results once it ended (LLAMAMESH_BATCH_RETENTION_S).
+    batch_s: int = 7 * 86400
+    # A batch whose submission failed half-way (unsealed) before the sweep drops it.
+    unsealed_s: float = UNSEALED_GRACE_S
+    # A tenant's rate buckets once unused (full again by then).
+    rate_ms: int = 120_000
+    # A tenant's open stream unless its gateway renews it.
+    stream_lease_ms: int = STREAM_LEASE_MS
+    # A batch-quota hold whose batch has no record.
+    unstored_s: float = UNSTORED_GRACE_S
+
+    @classmethod
+    def of(cls, redis: RedisSettings | None = None, batch: BatchSettings | None = None) -> Retention:
+        """The retention the settings give (the defaults for those not given)."""
+        out = cls()
+        if redis is not None:
+            out = replace(
+                out, event_s=redis.event_ttl_s, event_idle_s=redis.event_idle_ttl_s,
+                dead_letters=redis.dead_letter_maxlen, consumer_idle_s=redis.consumer_idle_s,
+            )  # fmt: skip
+        if batch is not None:
+            out = replace(out, batch_s=batch.retention_s)
+        return out
+
+    @property
+    def submitted_ttl_s(self) -> int:
+        return min(self.submitted_s, self.event_idle_s)

@@ -1,15 +1,19 @@
-"""The two faces of the queue: what the gateway needs and what a worker needs.
+"""The roles of the queue: what the gateway needs and what a worker needs, the batch store, and the
+tenants' budgets.
 
-``streams.RedisQueue`` implements both on Redis Streams; ``memory.MemoryQueue``
-is the in-memory fake with the same contract, for tests of one layer.
+``streams.RedisQueue`` implements the queue's on Redis Streams (a module per role), ``batches.
+RedisBatches`` the batch store, ``quotas.RedisQuotas`` the budgets; ``memory`` holds the in-memory
+fakes with the same contracts, for tests of one layer.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Collection, Sequence
+from collections.abc import AsyncGenerator, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from llamamesh.queue.keys import UNSTORED_GRACE_S
+from llamamesh.settings import LimitsSettings
 from llamamesh.types import Attempt, BatchInfo, BatchState, GenerationRequest, ItemResult, JobEvent, WorkerStatus
 
 
@@ -64,6 +68,12 @@ def split_ref(ref: str) -> tuple[str, int | None, str]:
     return tenant, int(partition) if sep else None, entry_id
 
 
+def entry_order(entry_id: str) -> tuple[int, int]:
+    """A stream entry id (``<ms>-<seq>``, or ``<ms>``) as it sorts."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
 class Jobs(Protocol):
     """The work a gateway hands out and follows: a pool's work stream, a request's events and
     cancel flags, the dead-letter stream."""
@@ -79,7 +89,7 @@ class Jobs(Protocol):
         """Yield (event id, event) after ``after`` as they arrive, ending after the terminal event.
         Events that queued up unread may come merged into one (``JobEvent.then``; never a failure,
         and only events that follow on), under the id of the last of them. A repeated event (a
-        writer's retry) comes as it is: its reader drops what it has (services/relay.py).
+        writer's retry) comes as it is: its reader drops what it has (services/cursor.py).
 
         Blocks between events; cancelling the iterating task stops it. Raises QueueUnavailable.
         """
@@ -320,3 +330,35 @@ class BatchStore(Protocol):
 
     async def discard(self, lease: Lease) -> None:
         """Ack and drop an item without a result (a second copy of one that is running)."""
+
+
+class Quotas(Protocol):
+    """Every tenant's budgets, shared by all gateways (``quotas.RedisQuotas``)."""
+
+    async def admit(self, tenant: str, limits: LimitsSettings) -> None:
+        """Take one request from the tenant's request bucket, if its token bucket is above zero.
+        Raises RateLimited (nothing taken) or QueueUnavailable."""
+
+    async def spend(self, tenant: str, limits: LimitsSettings, tokens: int) -> None:
+        """Take ``tokens`` (what a request generated) off the tenant's token bucket."""
+
+    async def open_stream(self, tenant: str, limits: LimitsSettings, stream_id: str) -> None:
+        """Hold one of the tenant's concurrent streams; raises RateLimited when all are held."""
+
+    async def close_stream(self, tenant: str, stream_id: str) -> None: ...
+
+    async def renew_streams(self, held: Mapping[str, str]) -> None:
+        """Extend the leases of the streams this gateway holds (stream id -> tenant)."""
+
+    async def reserve_batch(self, tenant: str, limits: LimitsSettings, batch_id: str, items: int, size: int) -> bool:
+        """Hold a new batch's items and bytes; False when this batch holds them already. Raises
+        RateLimited when the tenant's items or bytes would go over."""
+        ...
+
+    async def unreserve_batch(self, tenant: str, batch_id: str) -> None:
+        """Give back all a batch held (it was not stored after all)."""
+
+    async def give_back(self, grace_s: float = UNSTORED_GRACE_S) -> int:
+        """Give back what ended batches held (items) and purged ones (bytes: a hold without a batch
+        record, once older than ``grace_s``); how many changed."""
+        ...

@@ -20,149 +20,39 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import redis.asyncio as aioredis
 
 from llamamesh.errors import RateLimited
-from llamamesh.queue.keys import Keys
+from llamamesh.queue.keys import STREAM_LEASE_MS, UNSTORED_GRACE_S, Keys, Retention
+from llamamesh.queue.protocol import Quotas
 from llamamesh.queue.redisio import call_scripts, unreachable
+from llamamesh.queue.scripts import register
 from llamamesh.settings import LimitsSettings
 
-# A stream's lease: a gateway renews its open streams every third of it.
-STREAM_LEASE_MS = 30_000
+# Also importable from here (the protocol and the constants are protocol.py's and keys.py's).
+__all__ = ["STREAM_LEASE_MS", "UNSTORED_GRACE_S", "Quotas", "RedisQuotas"]
+
 # What a refused batch is told: items free as batches end (the sweep gives them back every few
 # seconds); bytes only when finished batches' results expire.
 BATCH_ITEMS_RETRY_S = 5.0
 BATCH_BYTES_RETRY_S = 60.0
-# A hold whose batch has no record is given back only once it is this old (seconds).
-UNSTORED_GRACE_S = 60.0
-
-_NOW = "local t = redis.call('TIME'); local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
-
-# KEYS: rate hash. ARGV: requests/s, burst, tokens/min. Returns 0 (admitted) or
-# {wait ms, which}. Nothing changes when refused.
-_ADMIT = _NOW + """
-local rps, burst, tpm = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local h = redis.call('HMGET', KEYS[1], 'r', 'rt', 't', 'tt')
-local r, t
-if rps > 0 then
-  r = math.min(burst, (tonumber(h[1]) or burst) + (now - (tonumber(h[2]) or now)) * rps / 1000)
-  if r < 1 then return {math.ceil((1 - r) * 1000 / rps), 'requests_per_s'} end
-end
-if tpm > 0 then
-  t = math.min(tpm, (tonumber(h[3]) or tpm) + (now - (tonumber(h[4]) or now)) * tpm / 60000)
-  if t <= 0 then return {math.ceil((1 - t) * 60000 / tpm), 'tokens_per_min'} end
-end
-if rps > 0 then redis.call('HSET', KEYS[1], 'r', tostring(r - 1), 'rt', now) end
-if tpm > 0 then redis.call('HSET', KEYS[1], 't', tostring(t), 'tt', now) end
-redis.call('PEXPIRE', KEYS[1], 120000)
-return 0
-"""
-
-# KEYS: rate hash. ARGV: tokens/min, tokens generated.
-_SPEND = _NOW + """
-local tpm, n = tonumber(ARGV[1]), tonumber(ARGV[2])
-local h = redis.call('HMGET', KEYS[1], 't', 'tt')
-local t = math.min(tpm, (tonumber(h[1]) or tpm) + (now - (tonumber(h[2]) or now)) * tpm / 60000)
-redis.call('HSET', KEYS[1], 't', tostring(t - n), 'tt', now)
-redis.call('PEXPIRE', KEYS[1], 120000)
-return 0
-"""
-
-# KEYS: streams zset. ARGV: stream id, most, lease ms. Returns 0 (opened) or how many are open.
-_OPEN = _NOW + """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-local n = redis.call('ZCARD', KEYS[1])
-if n >= tonumber(ARGV[2]) and not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return n end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]))
-return 0
-"""
-
-# KEYS: streams zset. ARGV: lease ms, stream ids... (only those still there are renewed).
-_RENEW = _NOW + """
-for i = 2, #ARGV do redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[1]), ARGV[i]) end
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[1]))
-return 0
-"""
-
-# KEYS: quota hash, held hash. ARGV: batch id, items, bytes, most items, most bytes. A hold is
-# "items bytes reserved-at-ms". Returns -1
-# (held already: a resubmission), 0 (reserved), {1, items held} or {2, bytes held} (over).
-_RESERVE = _NOW + """
-if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return -1 end
-local items = tonumber(redis.call('HGET', KEYS[1], 'items') or '0')
-local bytes = tonumber(redis.call('HGET', KEYS[1], 'bytes') or '0')
-local n, b, most_n, most_b = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-if most_n > 0 and items + n > most_n then return {1, items} end
-if most_b > 0 and bytes + b > most_b then return {2, bytes} end
-redis.call('HINCRBY', KEYS[1], 'items', n)
-redis.call('HINCRBY', KEYS[1], 'bytes', b)
-redis.call('HSET', KEYS[2], ARGV[1], n .. ' ' .. b .. ' ' .. now)
-return 0
-"""
-
-# KEYS: quota hash, held hash. ARGV: batch id, what ('items': the batch ended; 'all': its record
-# is gone). Safe to repeat: what was given back is no longer held.
-_GIVE_BACK = """
-local held = redis.call('HGET', KEYS[2], ARGV[1])
-if not held then return 0 end
-local n, b, at = string.match(held, '(%d+) (%d+) (%d+)')
-n, b = tonumber(n), tonumber(b)
-if n > 0 then redis.call('HINCRBY', KEYS[1], 'items', -n) end
-if ARGV[2] == 'all' then
-  redis.call('HINCRBY', KEYS[1], 'bytes', -b)
-  redis.call('HDEL', KEYS[2], ARGV[1])
-elseif n > 0 then
-  redis.call('HSET', KEYS[2], ARGV[1], '0 ' .. b .. ' ' .. at)
-end
-return 1
-"""
 
 _ENDED = {b"completed", b"failed", b"expired", b"cancelled"}
 
 
-class Quotas(Protocol):
-    async def admit(self, tenant: str, limits: LimitsSettings) -> None:
-        """Take one request from the tenant's request bucket, if its token bucket is above zero.
-        Raises RateLimited (nothing taken) or QueueUnavailable."""
-
-    async def spend(self, tenant: str, limits: LimitsSettings, tokens: int) -> None:
-        """Take ``tokens`` (what a request generated) off the tenant's token bucket."""
-
-    async def open_stream(self, tenant: str, limits: LimitsSettings, stream_id: str) -> None:
-        """Hold one of the tenant's concurrent streams; raises RateLimited when all are held."""
-
-    async def close_stream(self, tenant: str, stream_id: str) -> None: ...
-
-    async def renew_streams(self, held: Mapping[str, str]) -> None:
-        """Extend the leases of the streams this gateway holds (stream id -> tenant)."""
-
-    async def reserve_batch(self, tenant: str, limits: LimitsSettings, batch_id: str, items: int, size: int) -> bool:
-        """Hold a new batch's items and bytes; False when this batch holds them already. Raises
-        RateLimited when the tenant's items or bytes would go over."""
-        ...
-
-    async def unreserve_batch(self, tenant: str, batch_id: str) -> None:
-        """Give back all a batch held (it was not stored after all)."""
-
-    async def give_back(self, grace_s: float = UNSTORED_GRACE_S) -> int:
-        """Give back what ended batches held (items) and purged ones (bytes: a hold without a batch
-        record, once older than ``grace_s``); how many changed."""
-        ...
-
-
 class RedisQuotas:
-    def __init__(self, client: aioredis.Redis, keys: Keys) -> None:
+    def __init__(self, client: aioredis.Redis, keys: Keys, retention: Retention | None = None) -> None:
         self._r = client
         self.keys = keys
-        self._admit = client.register_script(_ADMIT)
-        self._spend = client.register_script(_SPEND)
-        self._open = client.register_script(_OPEN)
-        self._renew = client.register_script(_RENEW)
-        self._reserve = client.register_script(_RESERVE)
-        self._give_back = client.register_script(_GIVE_BACK)
+        self.retention = retention or Retention()
+        self._admit = register(client, "admit")
+        self._spend = register(client, "spend_tokens")
+        self._open = register(client, "open_stream")
+        self._renew = register(client, "renew_streams")
+        self._reserve = register(client, "reserve_batch")
+        self._give_back = register(client, "give_back_quota")
 
     async def admit(self, tenant: str, limits: LimitsSettings) -> None:
         rps, tpm = limits.requests_per_s, limits.tokens_per_min
@@ -170,7 +60,8 @@ class RedisQuotas:
             return
         burst = limits.burst or max(1, math.ceil(rps))
         with unreachable():
-            got: Any = await self._admit(keys=[self.keys.tenant_rate(tenant)], args=[rps, burst, tpm])
+            got: Any = await self._admit(keys=[self.keys.tenant_rate(tenant)],
+                                         args=[rps, burst, tpm, self.retention.rate_ms])  # fmt: skip
         if got != 0:
             wait_ms, which = int(got[0]), got[1].decode()
             most = f"{rps:g} requests a second" if which == "requests_per_s" else f"{tpm} tokens a minute"
@@ -183,14 +74,15 @@ class RedisQuotas:
         if limits.tokens_per_min <= 0 or tokens <= 0:
             return
         with unreachable():
-            await self._spend(keys=[self.keys.tenant_rate(tenant)], args=[limits.tokens_per_min, tokens])
+            await self._spend(keys=[self.keys.tenant_rate(tenant)],
+                              args=[limits.tokens_per_min, tokens, self.retention.rate_ms])  # fmt: skip
 
     async def open_stream(self, tenant: str, limits: LimitsSettings, stream_id: str) -> None:
         if limits.max_streams <= 0:
             return
         with unreachable():
             n = int(await self._open(keys=[self.keys.tenant_streams(tenant)],
-                                     args=[stream_id, limits.max_streams, STREAM_LEASE_MS]))  # fmt: skip
+                                     args=[stream_id, limits.max_streams, self.retention.stream_lease_ms]))  # fmt: skip
         if n:
             raise RateLimited(
                 f"tenant {tenant!r} has {n} streams open, its limit (LLAMAMESH_LIMITS_MAX_STREAMS); "
@@ -207,8 +99,9 @@ class RedisQuotas:
             by_tenant.setdefault(tenant, []).append(stream_id)
         if not by_tenant:
             return
+        lease_ms = self.retention.stream_lease_ms
         with unreachable():
-            await call_scripts(self._r, [(self._renew, [self.keys.tenant_streams(tenant)], [STREAM_LEASE_MS, *ids])
+            await call_scripts(self._r, [(self._renew, [self.keys.tenant_streams(tenant)], [lease_ms, *ids])
                                          for tenant, ids in by_tenant.items()])  # fmt: skip
 
     async def reserve_batch(self, tenant: str, limits: LimitsSettings, batch_id: str, items: int, size: int) -> bool:
@@ -245,7 +138,9 @@ class RedisQuotas:
         with unreachable():
             await self._give(tenant, batch_id, "all")
 
-    async def give_back(self, grace_s: float = UNSTORED_GRACE_S) -> int:
+    async def give_back(self, grace_s: float | None = None) -> int:
+        """``Quotas.give_back``; ``grace_s`` None: ``Retention.unstored_s``."""
+        grace_s = self.retention.unstored_s if grace_s is None else grace_s
         k = self.keys
         changed = 0
         with unreachable():

@@ -11,7 +11,6 @@ import pytest
 import redis
 
 from llamamesh.errors import AlreadyExists, QueueUnavailable
-from llamamesh.queue import intake
 from llamamesh.queue.batches import RedisBatches
 from llamamesh.queue.memory import MemoryBatches
 from llamamesh.queue.protocol import BatchStore, Lease
@@ -326,7 +325,7 @@ async def test_an_unsealed_batch_nobody_retries_is_dropped_by_the_sweep(
         info, items = batch("orphan", 2, window_s=600)
         await _left_unsealed(store, q, info, items, monkeypatch)
         assert await store.intake.drop_unsealed() == 0  # within its grace: a retry may come
-        monkeypatch.setattr(intake, "UNSEALED_GRACE_S", 0.0)
+        monkeypatch.setattr(store.intake, "retention", dataclasses.replace(store.intake.retention, unsealed_s=0.0))
         await q.client.zadd(q.keys.batches_unsealed(), {"orphan": 0})
         assert await store.sweep() >= 0 and await store.get("orphan") is None
         assert await q.client.zcard(q.keys.batches_unsealed()) == 0

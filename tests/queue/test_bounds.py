@@ -15,10 +15,11 @@ import pytest
 import redis.asyncio as aioredis
 
 from llamamesh.queue.batches import RedisBatches
+from llamamesh.queue.groups import create_group
 from llamamesh.queue.keys import WORKER_GROUP
 from llamamesh.queue.protocol import Lease
 from llamamesh.queue.redisio import connect
-from llamamesh.queue.streams import RedisQueue, create_group
+from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import RedisSettings
 from llamamesh.types import (
     Attempt,
@@ -225,10 +226,10 @@ async def test_the_workers_renewal_table_forgets_ended_and_abandoned_requests(re
     try:
         for i in range(3):
             await q.publish([(lease(f"e{i}"), JobEvent(text="a", token_ids=(1,))), (lease(f"e{i}"), done)], [])
-        assert len(q._renew_at) == 0  # ended requests are forgotten with their terminal event
+        assert len(q._events.renew_at) == 0  # ended requests are forgotten with their terminal event
         await q.publish([(lease(f"gone{i}"), JobEvent(text="a", token_ids=(1,))) for i in range(1500)], [])
         clock.now += 1000  # those were given up long ago (no terminal event ever came)
         await q.publish([(lease(f"new{i}"), JobEvent(text="a", token_ids=(1,))) for i in range(10)], [])
-        assert len(q._renew_at) == 10
+        assert len(q._events.renew_at) == 10
     finally:
         await q.close()

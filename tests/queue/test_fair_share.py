@@ -142,10 +142,10 @@ async def test_a_blocking_read_that_finds_several_streams_filled_gives_back_past
         await q.submit("cpu", job(f"{t}1", t))
     # the blocking read itself (lease() reaches it only once every stream looked empty: then a race
     # can fill several at once): the jobs past the count go back to their streams, unleased
-    fair = await q._fair_share("cpu")
-    (kept,) = await q._block("cpu", "w1", 1, 100, fair)
+    fair = await q._leasing.fair_share("cpu")
+    (kept,) = await q._leasing._block("cpu", "w1", 1, 100, fair, (), [None])
     again = {x.request.request_id for x in await q.lease("cpu", "w2", 10, 100)}
-    assert again == {"a1", "b1", "c1"} - {f"{kept[0]}1"}
+    assert again == {"a1", "b1", "c1"} - {f"{kept.tenant}1"}
     assert await q.reclaim("cpu", "w3", 0, 10, 3) != []  # w1 holds its one, w2 its two: nothing else
 
 

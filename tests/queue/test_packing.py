@@ -1,4 +1,4 @@
-"""Commands packed by hiredis (llamamesh/queue/redisio.py: ``hiredis_packed``): the same bytes as
+"""Commands packed by hiredis (llamamesh/queue/connection.py: ``hiredis_packed``): the same bytes as
 redis-py's own asyncio packer for every argument it accepts, the same refusal for what it refuses,
 on every kind of client ``connect`` makes, and real round trips on each server kind."""
 
@@ -16,7 +16,6 @@ from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocket
 from redis.asyncio.sentinel import SentinelManagedConnection
 from redis.exceptions import DataError
 
-from llamamesh.queue import redisio
 from llamamesh.queue.redisio import connect, hiredis_packed
 from llamamesh.settings import RedisSettings
 
@@ -101,7 +100,7 @@ def packs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         calls.append(1)
         return real(args)
 
-    monkeypatch.setattr(redisio.hiredis, "pack_command", counting)
+    monkeypatch.setattr(hiredis, "pack_command", counting)
     return calls
 
 

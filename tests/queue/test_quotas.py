@@ -4,6 +4,7 @@ atomic, so racing gateways never pass a budget together, and what is held is giv
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -86,7 +87,7 @@ async def test_streams_are_held_renewed_and_freed_by_their_lease(
     await quotas.close_stream("t", members[0])
     await quotas.open_stream("t", limits, "another")
     # A gateway that died stops renewing: its streams free themselves when the lease ends.
-    monkeypatch.setattr("llamamesh.queue.quotas.STREAM_LEASE_MS", 300)
+    monkeypatch.setattr(quotas, "retention", dataclasses.replace(quotas.retention, stream_lease_ms=300))
     await quotas.renew_streams({"another": "t"})  # renewed with the short lease; members[1] keeps 30 s
     await quotas._r.zadd(quotas.keys.tenant_streams("t"), {members[1]: 0})  # as if its lease had ended
     await quotas.open_stream("t", limits, "third")  # members[1] was expired, so there is room

@@ -6,10 +6,10 @@ import pytest
 from redis.crc import key_slot
 from redis.exceptions import RedisClusterException
 
+from llamamesh.queue.cluster import stream_keys
 from llamamesh.queue.follow import hash_tag
 from llamamesh.queue.keys import Keys, shard_tags
-from llamamesh.queue.redisio import _stream_keys, cluster_nodes, connect, is_cluster
-from llamamesh.queue.streams import RedisQueue
+from llamamesh.queue.redisio import cluster_nodes, connect, is_cluster
 from llamamesh.settings import RedisSettings
 
 pytestmark = pytest.mark.timeout(30)
@@ -29,13 +29,13 @@ def test_a_cluster_url_lists_its_nodes_and_credentials() -> None:
 
 def test_the_stream_keys_of_xread_and_xreadgroup_are_read_from_the_command() -> None:
     """What the cluster client routes XREAD and XREADGROUP by, without asking a node."""
-    assert _stream_keys("XREAD", ("COUNT", 10, "BLOCK", 100, "STREAMS", "a", "b", "0", "$")) == ("a", "b")
-    assert _stream_keys(b"xreadgroup", (b"GROUP", b"streams", b"streams", b"STREAMS", b"k", b">")) == (b"k",)
-    assert _stream_keys("XREADGROUP", ("GROUP", "g", "c", "NOACK", "streams", "k", ">")) == ("k",)
-    assert _stream_keys("GET", ("k",)) is None and _stream_keys("EVALSHA", ("sha", 1, "k")) is None
+    assert stream_keys("XREAD", ("COUNT", 10, "BLOCK", 100, "STREAMS", "a", "b", "0", "$")) == ("a", "b")
+    assert stream_keys(b"xreadgroup", (b"GROUP", b"streams", b"streams", b"STREAMS", b"k", b">")) == (b"k",)
+    assert stream_keys("XREADGROUP", ("GROUP", "g", "c", "NOACK", "streams", "k", ">")) == ("k",)
+    assert stream_keys("GET", ("k",)) is None and stream_keys("EVALSHA", ("sha", 1, "k")) is None
     for bad in [("STREAMS",), ("STREAMS", "a", "b", "0"), ("COUNT", 1), ()]:
         with pytest.raises(RedisClusterException, match="Invalid args"):
-            _stream_keys("XREAD", bad)
+            stream_keys("XREAD", bad)
 
 
 def test_event_shards_cover_the_slot_space_evenly_and_every_id_lands_in_one() -> None:
@@ -46,8 +46,8 @@ def test_event_shards_cover_the_slot_space_evenly_and_every_id_lands_in_one() ->
     tags = {hash_tag(keys.events(f"r{i}")) for i in range(2000)}
     assert tags == set(shard_tags(16))  # a few slots, all used, whatever the ids
     assert keys.events("a{b}c") == keys.events("a{b}c") and hash_tag(keys.events("a{b}c")) in tags
-    with pytest.raises(ValueError, match="event shards"):
-        RedisQueue.from_settings(RedisSettings(url="redis://127.0.0.1:1", event_shards=0))
+    with pytest.raises(ValueError, match="LLAMAMESH_REDIS_EVENT_SHARDS=0: expected an integer, from 1 to 16384"):
+        RedisSettings(url="redis://127.0.0.1:1", event_shards=0)
 
 
 def test_the_keys_each_script_names_share_one_slot() -> None:
@@ -61,3 +61,11 @@ def test_the_keys_each_script_names_share_one_slot() -> None:
     ]  # fmt: skip
     for group in groups:
         assert len({key_slot(key.encode()) for key in group}) == 1, group
+
+
+def test_our_slot_function_is_redis_pys() -> None:
+    from llamamesh.queue import keys
+
+    samples = [b"", b"a", b"llamamesh:v1:pool:{cpu}:jobs", b"{}x", b"x{}y", b"{a}{b}", b"e3.17", b"\xff\x00{t:acme}"]
+    samples += [f"req:{{r{i}}}:attempts".encode() for i in range(500)]
+    assert [keys.key_slot(k) for k in samples] == [key_slot(k) for k in samples]

@@ -1,0 +1,19 @@
+-- KEYS: meta, done, results, ids, started. ARGV: custom_id, status, encoded result, now,
+-- retention (s), fail_after. Returns 1 (recorded), 2 (recorded, and it failed the batch: its first
+-- fail_after results all errored), 0 (the item had a result already), -1 (no such batch: it was
+-- purged).
+--! include batch_finish
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('XADD', KEYS[3], '*', 'r', ARGV[3])
+redis.call('HINCRBY', KEYS[1], ARGV[2], 1)
+local ret = 1
+if ARGV[2] == 'errored' and tonumber(ARGV[6]) > 0 then
+  local f = redis.call('HMGET', KEYS[1], 'state', 'succeeded', 'errored')
+  if f[1] == 'in_progress' and (tonumber(f[2]) or 0) == 0 and tonumber(f[3]) >= tonumber(ARGV[6]) then
+    redis.call('HSET', KEYS[1], 'state', 'failed', 't:failed', ARGV[4])
+    ret = 2
+  end
+end
+finish(ARGV[4], ARGV[5])
+return ret

@@ -1,0 +1,36 @@
+"""Submission in memory: a job onto its tenant's FIFO of the pool (pool.py), with its partition when
+prefix affinity is on (``affinity.partition_of``, as on Redis)."""
+
+from __future__ import annotations
+
+import time
+
+from llamamesh.errors import QueueFull
+from llamamesh.queue.affinity import partition_of
+from llamamesh.queue.keys import stream_tenant
+from llamamesh.queue.memory.state import MemoryState
+from llamamesh.types import GenerationRequest
+
+
+class MemorySubmission(MemoryState):
+    async def submit(self, pool: str, request: GenerationRequest, max_waiting: int = 0, weight: float = 1.0) -> None:
+        self._check()
+        if not weight > 0:
+            raise ValueError(f"a tenant's weight must be positive, not {weight!r}")
+        tenant = stream_tenant(request.tenant)
+        waiting = self._pool(pool).tenants.setdefault(tenant, [])
+        if 0 < max_waiting <= len(waiting):
+            whose = f"tenant {tenant!r} has" if tenant else "has"
+            n = len(waiting)
+            raise QueueFull(f"pool {pool!r} {whose} {n} requests waiting (at most {max_waiting}); retry later")
+        self.weights.setdefault(pool, {})[tenant] = weight
+        entry_id = self._next_id()
+        if self._parts:
+            self._pool(pool).part[entry_id] = partition_of(request, self._parts)
+            self._pool(pool).born[entry_id] = time.monotonic()
+        waiting.append((entry_id, request))
+        await self._notify()
+
+    async def join(self, pool: str) -> None:
+        self._check()
+        self._pool(pool)
