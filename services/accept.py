@@ -1,25 +1,16 @@
-"""More than one new call accepted at a time.
+"""More than one new call accepted at a time (``Acceptors``).
 
 grpc.aio's server asks gRPC core for the next call of a method only once the previous one has been
-handed to its handler: one outstanding request per method, and each accepted call costs a round
-trip through the event loop (the request's task wakes, the server loop's ``asyncio.wait`` wakes, a
-new request task starts: three or more loop iterations). Under load every iteration is long (it
-runs the callbacks of hundreds of streamed messages), so a burst of new calls is accepted a few per
-engine step: on the 2-core relay benchmark 256 calls arriving together waited 0.5-2.5 s before
-their handlers ran, while their server-side time to first token was 30 ms (docs/benchmarks.md,
-issue 19 part 4).
+handed to its handler, at a cost of several turns of the event loop; under load a burst of new
+calls is then accepted a few per turn. ``Acceptors`` keeps ``n`` more requests for calls
+outstanding per registered method, each handing its call to grpc's own handler path (the same
+method resolution, interceptors, cancellation watch and exception handling): ``server.stop(grace)``
+drains them like any call, and its shutdown ends the acceptors.
 
-``Acceptors`` keeps ``n`` more requests for calls outstanding per registered method, each handing
-its call to grpc's own handler path, exactly as the server's loop does: the same method resolution,
-the same interceptors (the gatekeeper: authentication, limits), the same cancellation watch and
-exception handling. Calls accepted by either path are the server's calls: ``server.stop(grace)``
-drains them, and its shutdown fails the outstanding requests, which ends the acceptors.
-
-It uses private parts of grpc.aio's Cython layer (``AioServer._request_registered_call``,
-``cygrpc._MethodResolver``, ``_handle_rpc``, ``_schedule_rpc_coro``), written against grpcio 1.85
-(pinned in requirements/lock.txt). ``supported()`` checks their presence and signatures at start;
-where they differ, the gateway logs ``grpc_acceptors_unavailable`` and accepts as grpc's own loop
-does (correct, only slower to accept bursts).
+It uses private parts of grpc.aio's Cython layer, written against the grpcio pinned in
+requirements/lock.txt. ``supported()`` checks them at start; where they differ, the gateway logs
+``grpc_acceptors_unavailable`` and accepts as grpc's own loop does (correct, only slower to accept
+bursts).
 """
 
 from __future__ import annotations

@@ -14,9 +14,10 @@ from llamamesh.queue.protocol import AdapterRegistry, QueueDepth
 from llamamesh.types import ADAPTER_NAME, ModelInfo, WorkerStatus
 from llamamesh.v1 import admin_pb2 as pb
 from llamamesh.v1 import admin_pb2_grpc
-from services.backends import Backends, Pool
+from services.backends import Backends
 from services.calls import rpc
 from services.convert import resolve_model
+from services.pool import Pool
 
 # LoadAdapterRequest.wait_s, at most.
 MAX_ADAPTER_WAIT_S = 600

@@ -20,7 +20,8 @@ from collections.abc import AsyncIterator
 import structlog
 
 from llamamesh import errors, metrics
-from llamamesh.queue.quotas import STREAM_LEASE_MS, Quotas
+from llamamesh.queue.keys import STREAM_LEASE_MS
+from llamamesh.queue.protocol import Quotas
 from llamamesh.tenants import Identity
 from services.routing import Access
 

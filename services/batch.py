@@ -1,13 +1,13 @@
 """BatchService: durable batch jobs (validate everything, store, queue the items; then read back).
 
-A batch is validated whole before anything is written: a bad item, a duplicate custom_id, an
-empty, too large or oversized batch is INVALID_ARGUMENT naming the field, with nothing queued.
-Items go to their pool's batch stream (workers take them below interactive work); results come
-back through the store (llamamesh/queue/batches.py). The owner of a batch is the caller's tenant
-(its authenticated identity; without auth the ``x-llamamesh-tenant`` header, else "default"), and
-batch ids are the tenant's own (``scoped_id``): another tenant's batch is NOT_FOUND to Get, List,
-Cancel and results, and the same id may name a batch of each tenant. A batch holds its items and
-bytes of the tenant's budgets (llamamesh/queue/quotas.py) until it ends and until it is purged.
+A batch is validated whole before anything is written (services/batch_requests.py), with nothing
+queued when any of it is bad. Items go to their pool's batch stream (workers take them below
+interactive work); results come back through the store (llamamesh/queue/batches.py). The owner of a
+batch is the caller's tenant (its authenticated identity; without auth the ``x-llamamesh-tenant``
+header, else "default"), and batch ids are the tenant's own (``scoped_id``): another tenant's batch
+is NOT_FOUND to Get, List, Cancel and results, and the same id may name a batch of each tenant. A
+batch holds its items and bytes of the tenant's budgets (llamamesh/queue/quotas.py) until it ends
+and until it is purged (services/batch_sweeper.py gives them back).
 """
 
 from __future__ import annotations
@@ -18,207 +18,39 @@ import hashlib
 import math
 import re
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from types import MappingProxyType
 
 import grpc
 import structlog
-from google.protobuf.timestamp_pb2 import Timestamp
 
-from llamamesh import errors, metrics, tracing
-from llamamesh.errors import FieldViolation, InvalidRequest, QueueUnavailable
+from llamamesh import errors, tracing
+from llamamesh.errors import InvalidRequest, QueueUnavailable
 from llamamesh.queue.protocol import BatchStore
-from llamamesh.queue.quotas import UNSTORED_GRACE_S, Quotas
 from llamamesh.settings import BatchSettings, GatewaySettings
-from llamamesh.types import (
-    DEFAULT_TENANT,
-    BatchInfo,
-    BatchState,
-    GenerationRequest,
-    ItemResult,
-    ItemStatus,
-    ModelInfo,
-    public_id,
-    scoped_id,
-)
+from llamamesh.tenants import Identity
+from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ModelInfo, scoped_id
 from llamamesh.v1 import batch_pb2 as bpb
 from llamamesh.v1 import batch_pb2_grpc
-from llamamesh.v1 import generation_pb2 as pb
-from services import convert, status
+from services import convert
 from services.admission import Admission, access_of, check_priority
 from services.auth import identity
+from services.batch_convert import batch_pb, result_pb
+from services.batch_requests import DEFAULT_TEMPLATE, batch_requests
+from services.batch_sweeper import BatchSweeper
 from services.calls import note, rpc
 from services.normalize import Normalizer
 from services.routing import RoutingPolicy
 
+# Names importers take from this module; the modules above own them.
+__all__ = ["DEFAULT_TEMPLATE", "BatchServicer", "BatchSweeper", "batch_pb", "batch_requests", "result_pb"]
+
 log = structlog.get_logger(__name__)
 
-DEFAULT_TEMPLATE = "Summarise the following document in a few sentences.\n\n{document}"
-MAX_CUSTOM_ID = 128
-MIN_WINDOW_S = 10
 CURSOR = re.compile(r"^\d{1,20}-\d{1,20}$")
 
-_STATE_TO_PB = {s: getattr(bpb, f"BATCH_STATE_{s.name}") for s in BatchState}
-_STATUS_TO_PB = {
-    "succeeded": bpb.BATCH_ITEM_STATUS_SUCCEEDED,
-    "errored": bpb.BATCH_ITEM_STATUS_ERRORED,
-    "cancelled": bpb.BATCH_ITEM_STATUS_CANCELLED,
-    "expired": bpb.BATCH_ITEM_STATUS_EXPIRED,
-}
-
-
-def _requests_of(r: bpb.BatchGenerateRequest, bad: list[FieldViolation]) -> list[tuple[str, str, pb.GenerateRequest]]:
-    """(field path, custom_id, GenerateRequest) per item, from inline items or a summarisation."""
-    if len(r.items) and r.HasField("summarise"):
-        bad.append(FieldViolation("items", "set items or summarise, not both"))
-        return []
-    if r.HasField("summarise"):
-        s = r.summarise
-        template = s.template or DEFAULT_TEMPLATE
-        if "{document}" not in template:
-            bad.append(FieldViolation("summarise.template", "must contain {document}"))
-        if s.params.HasField("prompt") or len(s.params.messages):
-            bad.append(FieldViolation("summarise.params", "prompt and messages come from the template"))
-        out = []
-        for i, d in enumerate(s.documents):
-            if not d.text.strip():
-                bad.append(FieldViolation(f"summarise.documents[{i}].text", "must not be empty"))
-            req = pb.GenerateRequest()
-            req.CopyFrom(s.params)
-            req.ClearField("prompt")  # reported once, on summarise.params
-            del req.messages[:]
-            req.messages.append(pb.ChatMessage(role="user", content=template.replace("{document}", d.text)))
-            out.append((f"summarise.documents[{i}]", d.custom_id, req))
-        return out
-    return [(f"items[{i}]", item.custom_id, item.request) for i, item in enumerate(r.items)]
-
-
-def _item_violation(path: str, v: FieldViolation) -> FieldViolation:
-    """A violation of one item's request, named where the caller wrote it: under the item, or for a
-    summarisation, once under summarise.params (the documents share it), except the document itself."""
-    if not path.startswith("summarise"):
-        return FieldViolation(f"{path}.request.{v.field}", v.description)
-    if v.field.startswith("messages"):
-        return FieldViolation(f"{path}.text", v.description)
-    return FieldViolation(f"summarise.params.{v.field}", v.description)
-
-
-def batch_requests(
-    r: bpb.BatchGenerateRequest, gw: GatewaySettings, b: BatchSettings, models: Sequence[ModelInfo],
-    tenant: str = DEFAULT_TENANT,
-) -> tuple[str, int, list[tuple[ModelInfo, GenerationRequest]]]:  # fmt: skip
-    """Validate a whole BatchGenerateRequest: (batch id as the caller knows it, completion window,
-    items of ``tenant``). Raises InvalidRequest naming every bad field (or NotFound for an unknown
-    model); nothing is written. Item ids (``b~<scoped batch id>~<n>``) meet no caller's id."""
-    bad: list[FieldViolation] = []
-    batch_id = r.batch_id or uuid.uuid4().hex
-    if not convert.REQUEST_ID.match(batch_id):
-        bad.append(FieldViolation("batch_id", "1-128 characters of A-Z a-z 0-9 . _ : -"))
-    window = r.completion_window_s if r.HasField("completion_window_s") else b.completion_window_s
-    if window < MIN_WINDOW_S:
-        bad.append(FieldViolation("completion_window_s", f"at least {MIN_WINDOW_S} seconds"))
-    size = r.ByteSize()
-    if size > b.max_bytes:
-        bad.append(FieldViolation("items", f"the batch is {size} bytes; at most {b.max_bytes}"))
-    raw = _requests_of(r, bad)
-    if not raw and not bad:
-        bad.append(FieldViolation("items", "a batch needs at least one item (items or summarise.documents)"))
-    if len(raw) > b.max_items:
-        bad.append(FieldViolation("items", f"{len(raw)} items; at most {b.max_items}"))
-    seen: dict[str, str] = {}
-    out: list[tuple[ModelInfo, GenerationRequest]] = []
-    for n, (path, custom_id, request) in enumerate(raw):
-        if not custom_id or len(custom_id) > MAX_CUSTOM_ID:
-            bad.append(FieldViolation(f"{path}.custom_id", f"1-{MAX_CUSTOM_ID} characters"))
-        elif custom_id in seen:
-            bad.append(FieldViolation(f"{path}.custom_id", f"duplicate of {seen[custom_id]}.custom_id"))
-        else:
-            seen[custom_id] = path
-        if len(bad) > 20:  # enough to act on
-            break
-        try:
-            req, model = convert.generate_request(request, gw, models)
-        except InvalidRequest as exc:
-            bad.extend(v for v in (_item_violation(path, v) for v in exc.violations) if v not in bad)
-            continue
-        if out and model.id != out[0][0].id:
-            bad.append(FieldViolation(f"{path}.request.model", f"every item must use one model ({out[0][0].id})"))
-            continue
-        scoped = scoped_id(tenant, batch_id)
-        out.append((model, replace(req, request_id=f"b~{scoped}~{n}", batch_id=scoped, custom_id=custom_id,
-                                   tenant="" if tenant == DEFAULT_TENANT else tenant)))  # fmt: skip
-    if bad:
-        raise InvalidRequest(bad)
-    return batch_id, window, out
-
-
-def _ts(seconds: float) -> Timestamp | None:
-    if not seconds:
-        return None
-    t = Timestamp()
-    t.FromNanoseconds(int(seconds * 1e9))
-    return t
-
-
-def batch_pb(info: BatchInfo) -> bpb.Batch:
-    msg = bpb.Batch(
-        batch_id=public_id(info.batch_id),
-        state=_STATE_TO_PB[info.state],
-        counts=bpb.BatchCounts(
-            total=info.total,
-            processing=info.processing,
-            succeeded=info.succeeded,
-            errored=info.errored,
-            cancelled=info.cancelled,
-            expired=info.expired,
-        ),
-        owner=info.owner,
-        model=info.model,
-        metadata=dict(info.metadata),
-        completion_window_s=info.completion_window_s,
-    )
-    for state, when in info.times.items():
-        ts = _ts(when)
-        if ts is not None and hasattr(msg, f"{state}_at"):
-            getattr(msg, f"{state}_at").CopyFrom(ts)
-    for name, when in (("created_at", info.created_at), ("expires_at", info.expires_at),
-                       ("results_expire_at", info.results_expire_at)):  # fmt: skip
-        ts = _ts(when)
-        if ts is not None:
-            getattr(msg, name).CopyFrom(ts)
-    return msg
-
-
-# The error codes of items that never ran (ItemResult.unrun), as gRPC status names.
-_UNRUN_STATUS = {ItemStatus.CANCELLED.value: "CANCELLED", ItemStatus.EXPIRED.value: "DEADLINE_EXCEEDED"}
-
-
-def _status_name(code: str) -> str:
-    """The gRPC status name of a stored item error (a domain error code, or an unrun item's status)."""
-    if not code:
-        return ""
-    return _UNRUN_STATUS.get(code) or status.code_for(errors.from_code(code, "")).name
-
-
-def result_pb(batch_id: str, cursor: str, r: ItemResult) -> bpb.BatchResult:
-    msg = bpb.BatchResult(
-        batch_id=public_id(batch_id),
-        custom_id=r.custom_id,
-        status=_STATUS_TO_PB[r.status.value],
-        text=r.text,
-        error_code=_status_name(r.error_code),
-        error_reason=r.error_code.upper(),
-        error_message=r.error_message,
-        cursor=cursor,
-    )
-    if r.finish_reason is not None:
-        msg.finish_reason = convert.FINISH_TO_PB[r.finish_reason]
-        msg.usage.CopyFrom(pb.Usage(prompt_tokens=r.usage.prompt_tokens, completion_tokens=r.usage.completion_tokens))
-    for text, finish in r.samples:
-        msg.samples.add(text=text, finish_reason=convert.FINISH_TO_PB[finish] if finish is not None else 0)
-    return msg
+Items = list[tuple[ModelInfo, GenerationRequest]]
 
 
 class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
@@ -271,7 +103,27 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
     async def BatchGenerate(self, request: bpb.BatchGenerateRequest, context: grpc.aio.ServicerContext) -> bpb.Batch:
         who = identity(context)
         batch_id, window, items = batch_requests(request, self._gw, self._s, self._models, who.tenant)
-        # Normalised (services/normalize.py) before routing and storing; the fingerprint is of what was sent.
+        items = self._admitted(who, items)
+        scoped = scoped_id(who.tenant, batch_id)
+        now = time.time()
+        info = BatchInfo(
+            batch_id=scoped, state=BatchState.VALIDATING, owner=who.tenant, model=items[0][0].id,
+            total=len(items), completion_window_s=window, created_at=now, expires_at=now + window,
+            metadata=MappingProxyType(dict(request.metadata)),
+        )  # fmt: skip
+        fingerprint = hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest()
+        access = access_of(who)
+        trace = tracing.carrier()  # this RPC's span: every item's job span is its child
+        queued = [(self._policy.choose(req, model.pool, access)[0], replace(req, trace=trace)) for model, req in items]
+        await self._admission.request(who)
+        stored, new = await self._stored(who, info, fingerprint, queued, request.ByteSize())
+        log.info("batch_submitted", batch_id=batch_id, items=len(items), new=new, owner=info.owner)
+        return batch_pb(stored)
+
+    def _admitted(self, who: Identity, items: Items) -> Items:
+        """The items normalised (services/normalize.py: before routing and storing; the fingerprint
+        is of what was sent), each checked for the caller's priority and its adapter. Raises
+        PermissionDenied or NotFound naming the item; nothing is written."""
         rewritten = 0
         for n, (model, req) in enumerate(items):
             out = self._normalizer.apply(req)
@@ -286,31 +138,25 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
             except errors.NotFound as exc:  # nothing is written
                 raise errors.NotFound(f"item {n} ({req.custom_id!r}): {exc.message}") from None
         note(tenant=who.tenant, normalized_items=rewritten or None)
-        scoped = scoped_id(who.tenant, batch_id)
-        now = time.time()
-        info = BatchInfo(
-            batch_id=scoped, state=BatchState.VALIDATING, owner=who.tenant, model=items[0][0].id,
-            total=len(items), completion_window_s=window, created_at=now, expires_at=now + window,
-            metadata=MappingProxyType(dict(request.metadata)),
-        )  # fmt: skip
-        fingerprint = hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest()
-        access = access_of(who)
-        trace = tracing.carrier()  # this RPC's span: every item's job span is its child
-        queued = [(self._policy.choose(req, model.pool, access)[0], replace(req, trace=trace)) for model, req in items]
-        await self._admission.request(who)
+        return items
+
+    async def _stored(
+        self, who: Identity, info: BatchInfo, fingerprint: str, queued: list[tuple[str, GenerationRequest]],
+        size: int,
+    ) -> tuple[BatchInfo, bool]:  # fmt: skip
+        """Store the batch and queue its items, within the tenant's budgets: (the batch as stored,
+        whether it is new). A batch that was not stored holds nothing of the budgets."""
         quotas = self._admission.quotas
         held = False
         if quotas is not None:
-            held = await quotas.reserve_batch(who.tenant, who.limits, scoped, len(items), request.ByteSize())
+            held = await quotas.reserve_batch(who.tenant, who.limits, info.batch_id, len(queued), size)
         try:
-            stored, new = await self._store.create(info, fingerprint, queued)
+            return await self._store.create(info, fingerprint, queued)
         except BaseException:
             if held and quotas is not None:  # not stored: what it reserved is free again
                 with contextlib.suppress(QueueUnavailable):
-                    await asyncio.shield(quotas.unreserve_batch(who.tenant, scoped))
+                    await asyncio.shield(quotas.unreserve_batch(who.tenant, info.batch_id))
             raise
-        log.info("batch_submitted", batch_id=batch_id, items=len(items), new=new, owner=info.owner)
-        return batch_pb(stored)
 
     @rpc("GetBatch")
     async def GetBatch(self, request: bpb.GetBatchRequest, context: grpc.aio.ServicerContext) -> bpb.Batch:
@@ -368,42 +214,3 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
             if not got:  # nothing within block_ms: has the batch ended meanwhile?
                 info = await self._mine(request.batch_id, context)
 
-
-class BatchSweeper:
-    """Ends, every ``interval_s``, whether or not a worker runs, what can no longer run: the unstarted
-    items of batches past their deadline, and the items a dead worker left leased in those and in
-    cancelled or failed batches (workers expire the items they lease late too); and gives back
-    what ended and purged batches held of their tenants' budgets. Every gateway runs
-    one: a sweep is safe to repeat and to race."""
-
-    def __init__(
-        self, store: BatchStore, interval_s: float, quotas: Quotas | None = None, retention_s: float = UNSTORED_GRACE_S
-    ) -> None:
-        self._store = store
-        self._quotas = quotas
-        # A batch hold with no record is a purged batch once older than this (or one being stored).
-        self._grace_s = min(UNSTORED_GRACE_S, retention_s)
-        self._interval_s = interval_s
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="batch-sweeper")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self._store.sweep()
-                metrics.BATCHES_AT_RISK.set(await self._store.at_risk(metrics.AT_RISK_FRACTION))
-                if self._quotas is not None:  # what ended batches held of their tenants' budgets
-                    await self._quotas.give_back(self._grace_s)
-            except QueueUnavailable:
-                log.warning("batch_sweep_failed", retry_in_s=self._interval_s)
-            except Exception:  # a sweep must never kill the gateway
-                log.exception("batch_sweep_crashed")
-            await asyncio.sleep(self._interval_s)

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from llamamesh import errors
 from llamamesh.types import GenerationRequest, JobEvent
-from services.relay import Caller, Progress, _cut
+from services.cursor import cut
+from services.relayed import Caller, Progress
 
 Script = Callable[[GenerationRequest], Sequence[JobEvent] | BaseException]
 
@@ -60,7 +61,7 @@ class ScriptedRelay:
         if first is None:
             raise errors.NotFound(f"no request {request_id!r} (unknown, or its events expired)")
         for ev in self._play(first):
-            part = _cut(ev, offset, None)
+            part = cut(ev, offset, None)
             if part is not None:
                 yield first, part
 

@@ -22,7 +22,8 @@ from services.admission import Admission, access_of, check_priority
 from services.auth import identity
 from services.calls import note, rpc
 from services.normalize import Normalizer
-from services.relay import Caller, Progress, Relay
+from services.relay import Relay
+from services.relayed import Caller, Progress
 
 log = structlog.get_logger(__name__)
 

@@ -1,45 +1,12 @@
-r"""Prompt normalisation: configured regex rewrites of prompts and chat messages, at the gateway.
+"""Prompt normalisation: configured regex rewrites of prompts and chat messages, at the gateway,
+before routing and queueing (``Normalizer``; the rule format: ``Normalizer.parse``).
 
-Why: engines cache the KV of prompt prefixes they saw, so a template whose prompts carry random
-bytes (an HTML table full of generated ids) defeats the cache even where the text that matters is
-the same. A rule rewriting ``id="[a-z0-9-]+"`` to ``id="REDACTED"`` gave one such summarisation
-workload its 92 % prefix-cache hit ratio back (from 3 %).
-
-``LLAMAMESH_GATEWAY_NORMALIZE_RULES`` is a JSON list of rules, inline (text starting with ``[``
-or ``{``) or in a file (any other text is its path; read once, at start). Empty: no rules, and requests pass
-through untouched at no cost. A rule::
-
-    {"name": "html-ids", "pattern": "id=\"[a-z0-9-]+\"", "replacement": "id=\"REDACTED\"",
-     "flags": "i", "applies_to": "messages", "roles": ["user"]}
-
-- ``name`` (required): 1-64 characters of ``A-Z a-z 0-9 _ . -``, unique; the ``rule`` label of
-  ``llamamesh_prompt_rewrites_total``;
-- ``pattern`` (required): a Python ``re`` pattern; one that matches the empty text (``x*``,
-  ``^``) is refused: it would insert the replacement between every two characters;
-- ``replacement`` (required, may be empty): ``re.sub``'s template (``\1``, ``\g<name>``; a
-  literal backslash is ``\\``, in JSON ``"\\\\"``);
-- ``flags``: letters of ``aimsx`` (ASCII, IGNORECASE, MULTILINE, DOTALL, VERBOSE); default none;
-- ``applies_to``: ``all`` (default), ``prompt`` (the request's ``prompt`` only) or ``messages``
-  (the chat messages' contents only);
-- ``roles``: with ``applies_to: messages``, only the messages of these roles (system, user,
-  assistant, tool).
-
-Rules run in their order, each on what the one before left (every match of each: ``re.sub``).
-They rewrite Generate requests, every BatchGenerate item (inline items, and summarise documents
-once the template is filled in: so ``llamamesh batch`` files too) and Tokenize requests (so a
-token count is that of the text generation sees), before routing and queueing: routing rules, the
-worker's tokenisation and the engine's prefix cache all see the rewritten text. Not rewritten:
-stop strings, metadata, the breaker's own probes. An idempotent retry is still recognised by what
-the caller sent. Anything wrong with the rules (bad JSON, an unknown key, a missing or duplicate
-name, a pattern or replacement that does not compile) stops the gateway's start with one line
-naming the rule; a rule cannot fail at request time.
-
-Cost and limits: rules run on the gateway's event loop with Python's ``re``, which has no timeout.
-Each scans at most ``LLAMAMESH_GATEWAY_MAX_PROMPT_CHARS`` characters of a request (checked before,
-on what the caller sent), but a pattern that backtracks catastrophically (nested quantifiers such
-as ``(a+)+$``) can still stall the gateway on a hostile prompt: keep patterns linear (character
-classes, bounded repeats, no nested quantifiers). The ``regex`` module, which has timeouts, is not
-a gateway dependency. A replacement may make a prompt longer than the bound; the bound is on input.
+Engines cache the KV of prompt prefixes they saw, so prompts that carry random bytes (an HTML table
+full of generated ids) defeat the cache even where the text that matters is the same; a rule that
+rewrites those bytes to a constant gives the cache back. Rules rewrite Generate requests, every
+BatchGenerate item and Tokenize requests (so a count is that of the text generation sees); not
+stop strings, metadata or the breaker's probes. An idempotent retry is still recognised by what
+the caller sent.
 """
 
 from __future__ import annotations
@@ -145,8 +112,34 @@ class Normalizer:
 
     @classmethod
     def parse(cls, text: str, prefix_chars: int = 0) -> Normalizer:
-        """Rules from ``LLAMAMESH_GATEWAY_NORMALIZE_RULES``: inline JSON (starts with ``[`` or
-        ``{``), else the path of a JSON file; empty: none. Raises ValueError (one line, naming the rule)."""
+        r"""Rules from ``LLAMAMESH_GATEWAY_NORMALIZE_RULES``: a JSON list of rules, inline (text
+        starting with ``[`` or ``{``) or in a file (any other text is its path; read once, at
+        start); empty: none, and requests pass through untouched at no cost. A rule::
+
+            {"name": "html-ids", "pattern": "id=\"[a-z0-9-]+\"", "replacement": "id=\"REDACTED\"",
+             "flags": "i", "applies_to": "messages", "roles": ["user"]}
+
+        - ``name`` (required): 1-64 characters of ``A-Z a-z 0-9 _ . -``, unique; the ``rule`` label
+          of ``llamamesh_prompt_rewrites_total``;
+        - ``pattern`` (required): a Python ``re`` pattern; one that matches the empty text (``x*``,
+          ``^``) is refused: it would insert the replacement between every two characters;
+        - ``replacement`` (required, may be empty): ``re.sub``'s template (``\1``, ``\g<name>``; a
+          literal backslash is ``\\``, in JSON ``"\\\\"``);
+        - ``flags``: letters of ``aimsx`` (ASCII, IGNORECASE, MULTILINE, DOTALL, VERBOSE); default none;
+        - ``applies_to``: ``all`` (default), ``prompt`` (the request's ``prompt`` only) or
+          ``messages`` (the chat messages' contents only);
+        - ``roles``: with ``applies_to: messages``, only the messages of these roles (system, user,
+          assistant, tool).
+
+        Rules run in their order, each on what the one before left (every match of each:
+        ``re.sub``). Anything wrong with them (bad JSON, an unknown key, a missing or duplicate
+        name, a pattern or replacement that does not compile) raises ValueError, one line naming
+        the rule: the gateway does not start, and a rule cannot fail at request time.
+
+        Rules run on the gateway's event loop with Python's ``re``, which has no timeout: each scans
+        at most ``LLAMAMESH_GATEWAY_MAX_PROMPT_CHARS`` characters of a request, but a pattern that
+        backtracks catastrophically (nested quantifiers such as ``(a+)+$``) can still stall the
+        gateway on a hostile prompt: keep patterns linear (character classes, bounded repeats)."""
         text = text.strip()
         if not text:
             return cls(prefix_chars=prefix_chars)

@@ -1,34 +1,7 @@
-"""The routing policy: which backend pool a request goes to, from rules in the configuration.
-
-``LLAMAMESH_GATEWAY_ROUTES`` holds rules separated by ``;``, tried in order; the first whose
-conditions all hold names the pool, otherwise the request goes to its model's pool. A rule is
-``cond & cond ... -> pool``; a condition is ``field op value`` with ``op`` one of
-``< <= > >= == !=``. Fields:
-
-- ``prompt_tokens``: the prompt's length in tokens, counted with the model's tokenizer when the
-  gateway has one (``LLAMAMESH_GATEWAY_TOKENIZER``, a ``tokenizer.json``), else estimated as
-  UTF-8 bytes / 4 (rounded up; English text runs 3.5 to 4.5 bytes a token);
-- ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``max_tokens``, ``priority``, ``model``;
-- ``tier``: the caller's tenant's tier (``LLAMAMESH_LIMITS_TIER`` or the tenants file), never
-  what the caller says about itself;
-- ``meta.<key>``: the request's ``metadata[key]`` (caller-chosen labels: never route privilege
-  by them).
-
-A sampling field the request leaves unset takes the service's documented default (temperature 1,
-top_p 1, top_k -1, min_p 0); a missing ``meta.`` key is the empty string. Numbers compare as numbers,
-anything else as text (only ``==`` and ``!=``).
-
-A rule's target may be a split by weight, a canary: ``model == llama -> vllm=95, vllm-canary=5``
-sends 5 % of the model's requests to the pool ``vllm-canary``. The side is chosen by a hash of the
-request id, so a retry with the same id (and a batch item, whose id is fixed) lands on the same side
-in every gateway process; the pools' metrics (``pool`` label) compare the two.
-
-A rule naming a pool the tenant may not use (``LLAMAMESH_LIMITS_POOLS``) is skipped (a split keeps
-the sides it may use); a request whose own model's pool is not allowed is refused (PERMISSION_DENIED).
-
-The shipped example (:data:`EXAMPLE_ROUTES`) sends a premium tenant to its dedicated pool first (it
-pays for isolation, whatever it asks), short greedy prompts to TensorRT-LLM, and very long prompts or
-narrow nucleus sampling to vLLM. The breaker-driven fallback then applies to the pool chosen here.
+"""The routing policy (``RoutingPolicy``): which backend pool a request goes to, by the rules of
+``LLAMAMESH_GATEWAY_ROUTES`` (their syntax: ``RoutingPolicy.parse``), among the pools the caller's
+tenant may use. The breaker-driven fallback (services/backends.py) then applies to the pool chosen
+here.
 """
 
 from __future__ import annotations
@@ -175,7 +148,37 @@ class RoutingPolicy:
 
     @classmethod
     def parse(cls, text: str, count_tokens: Callable[[str], int] | None = None) -> RoutingPolicy:
-        """Rules from ``LLAMAMESH_GATEWAY_ROUTES``; ValueError naming the bad rule."""
+        """Rules from ``LLAMAMESH_GATEWAY_ROUTES``; ValueError naming the bad rule.
+
+        ``LLAMAMESH_GATEWAY_ROUTES`` holds rules separated by ``;``, tried in order; the first whose
+        conditions all hold names the pool, otherwise the request goes to its model's pool. A rule is
+        ``cond & cond ... -> pool``; a condition is ``field op value`` with ``op`` one of
+        ``< <= > >= == !=``. Fields:
+
+        - ``prompt_tokens``: the prompt's length in tokens, counted with the model's tokenizer when the
+          gateway has one (``LLAMAMESH_GATEWAY_TOKENIZER``, a ``tokenizer.json``), else estimated as
+          UTF-8 bytes / 4 (rounded up; English text runs 3.5 to 4.5 bytes a token);
+        - ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``max_tokens``, ``priority``, ``model``;
+        - ``tier``: the caller's tenant's tier (``LLAMAMESH_LIMITS_TIER`` or the tenants file), never
+          what the caller says about itself;
+        - ``meta.<key>``: the request's ``metadata[key]`` (caller-chosen labels: never route privilege
+          by them).
+
+        A sampling field the request leaves unset takes the service's documented default (temperature 1,
+        top_p 1, top_k -1, min_p 0); a missing ``meta.`` key is the empty string. Numbers compare as numbers,
+        anything else as text (only ``==`` and ``!=``).
+
+        A rule's target may be a split by weight, a canary: ``model == llama -> vllm=95, vllm-canary=5``
+        sends 5 % of the model's requests to the pool ``vllm-canary``. The side is chosen by a hash of the
+        request id, so a retry with the same id (and a batch item, whose id is fixed) lands on the same side
+        in every gateway process; the pools' metrics (``pool`` label) compare the two.
+
+        A rule naming a pool the tenant may not use (``LLAMAMESH_LIMITS_POOLS``) is skipped (a split keeps
+        the sides it may use); a request whose own model's pool is not allowed is refused (PERMISSION_DENIED).
+
+        The shipped example (:data:`EXAMPLE_ROUTES`) sends a premium tenant to its dedicated pool first (it
+        pays for isolation, whatever it asks), short greedy prompts to TensorRT-LLM, and very long prompts or
+        narrow nucleus sampling to vLLM."""
         rules = []
         for raw in (r.strip() for r in text.split(";")):
             if not raw:

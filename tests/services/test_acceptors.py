@@ -11,14 +11,12 @@ import grpc
 import pytest
 import structlog
 
-from llamamesh.queue.memory import MemoryQueue
 from llamamesh.settings import AuthSettings, GatewaySettings
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc
 from services import accept
-from services.server import start_gateway
 from tests.security.secured import create_key
-from tests.services.conftest import Stack
+from tests.services.conftest import Config, Stack, running
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -71,44 +69,34 @@ async def test_calls_they_accept_pass_the_gatekeeper(tmp_path: Path) -> None:
     with one is served: the acceptors hand calls to the same interceptors."""
     tenants = tmp_path / "tenants.json"
     key = create_key(tenants, "alpha")
-    gw = await start_gateway(MemoryQueue(), GatewaySettings(port=0), port=0, auth=AuthSettings(file=str(tenants)))
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel:
-            stub = generation_pb2_grpc.GenerationServiceStub(channel)
-            calls = [stub.ListModels(pb.ListModelsRequest()) for _ in range(BURST)]
-            refused = await asyncio.gather(*calls, return_exceptions=True)
-            assert all(isinstance(r, grpc.aio.AioRpcError) for r in refused), refused
-            assert {r.code() for r in refused} == {grpc.StatusCode.UNAUTHENTICATED}  # type: ignore[union-attr]
-            meta = (("authorization", f"Bearer {key}"),)
-            served = await asyncio.gather(*(stub.ListModels(pb.ListModelsRequest(), metadata=meta)
-                                            for _ in range(BURST)))  # fmt: skip
-            assert all(r.models for r in served)
-        assert gw.acceptors is not None and gw.acceptors.accepted > 0
-    finally:
-        await gw.stop(0)
-    assert gw.acceptors.running == 0
+    async with running(Config(gateway=GatewaySettings(port=0), auth=AuthSettings(file=str(tenants)), workers=())) as s:
+        calls = [s.stub.ListModels(pb.ListModelsRequest()) for _ in range(BURST)]
+        refused = await asyncio.gather(*calls, return_exceptions=True)
+        assert all(isinstance(r, grpc.aio.AioRpcError) for r in refused), refused
+        assert {r.code() for r in refused} == {grpc.StatusCode.UNAUTHENTICATED}  # type: ignore[union-attr]
+        meta = (("authorization", f"Bearer {key}"),)
+        served = await asyncio.gather(*(s.stub.ListModels(pb.ListModelsRequest(), metadata=meta)
+                                        for _ in range(BURST)))  # fmt: skip
+        assert all(r.models for r in served)
+        acceptors = s.gateway.acceptors
+        assert acceptors is not None and acceptors.accepted > 0
+    assert acceptors.running == 0
 
 
 async def test_none_with_zero_and_a_grpcio_without_the_api_falls_back_to_grpcs_own_loop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    gw = await start_gateway(MemoryQueue(), GatewaySettings(port=0, acceptors=0), port=0)
-    try:
-        assert gw.acceptors is not None and gw.acceptors.running == 0
-    finally:
-        await gw.stop(0)
+    async with running(Config(gateway=GatewaySettings(port=0, acceptors=0), workers=())) as s:
+        assert s.gateway.acceptors is not None and s.gateway.acceptors.running == 0
     monkeypatch.setattr(accept, "supported", lambda: "cygrpc._handle_rpc(...)")
     with structlog.testing.capture_logs() as logs:
-        gw = await start_gateway(MemoryQueue(), GatewaySettings(port=0), port=0)
-    try:
-        assert gw.acceptors is not None and gw.acceptors.n == 0 and gw.acceptors.running == 0
-        assert [e["missing"] for e in logs if e["event"] == "grpc_acceptors_unavailable"] == ["cygrpc._handle_rpc(...)"]
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel:
-            stub = generation_pb2_grpc.GenerationServiceStub(channel)
-            answers = await asyncio.gather(*(stub.ListModels(pb.ListModelsRequest()) for _ in range(8)))
+        async with running(Config(gateway=GatewaySettings(port=0), workers=())) as s:
+            acceptors = s.gateway.acceptors
+            assert acceptors is not None and acceptors.n == 0 and acceptors.running == 0
+            missing = [e["missing"] for e in logs if e["event"] == "grpc_acceptors_unavailable"]
+            assert missing == ["cygrpc._handle_rpc(...)"]
+            answers = await asyncio.gather(*(s.stub.ListModels(pb.ListModelsRequest()) for _ in range(8)))
             assert all(a.models for a in answers)
-    finally:
-        await gw.stop(0)
 
 
 async def test_a_negative_count_is_refused_naming_the_setting() -> None:

@@ -6,59 +6,30 @@ NOT_FOUND for an adapter nobody serves, and AdminService LoadAdapter / UnloadAda
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 
 import grpc
 import pytest
 
 from llamamesh.client import field_violations
-from llamamesh.queue.memory import MemoryQueue
 from llamamesh.settings import BreakerSettings, GatewaySettings, WorkerSettings
 from llamamesh.v1 import admin_pb2 as apb
-from llamamesh.v1 import admin_pb2_grpc as apb_grpc
 from llamamesh.v1 import generation_pb2 as pb
-from llamamesh.v1 import generation_pb2_grpc as pb_grpc
-from services.server import start_gateway
-from workers.engines.fake import FakeEngine
-from workers.worker import Worker
+from tests.services.conftest import Config, Stack, running
 
 pytestmark = pytest.mark.timeout(30)
 
 
-@dataclass
-class Node:
-    stub: pb_grpc.GenerationServiceStub
-    admin: apb_grpc.AdminServiceStub
-    queue: MemoryQueue
-    workers: list[Worker]
+def node(n_workers: int = 2, adapters: str = "sql=/adapters/sql", adapter_root: str = "", step_s: float = 0) -> Config:
+    """A gateway reading heartbeats every 50 ms, and ``n_workers`` workers w0, w1... of pool cpu."""
+    workers = tuple(WorkerSettings(pool="cpu", model="tiny", engine="fake", consumer=f"w{i}", heartbeat_s=0.05,
+                                   adapters=adapters, adapter_root=adapter_root, fake_step_s=step_s)
+                    for i in range(n_workers))  # fmt: skip
+    return Config(gateway=GatewaySettings(port=0, models="tiny=cpu"), breaker=BreakerSettings(probe_interval_s=0.05),
+                  workers=workers, block_ms=50, ready_s=10)  # fmt: skip
 
 
-@contextlib.asynccontextmanager
-async def node(
-    n_workers: int = 2, adapters: str = "sql=/adapters/sql", adapter_root: str = "", step_s: float = 0.0
-) -> AsyncIterator[Node]:
-    queue = MemoryQueue()
-    gw = await start_gateway(queue, GatewaySettings(port=0, models="tiny=cpu"), port=0,
-                             breaker=BreakerSettings(probe_interval_s=0.05))  # fmt: skip
-    settings = [WorkerSettings(pool="cpu", model="tiny", engine="fake", consumer=f"w{i}", heartbeat_s=0.05,
-                               adapters=adapters, adapter_root=adapter_root, fake_step_s=step_s)
-                for i in range(n_workers)]  # fmt: skip
-    workers = [Worker(s, queue, FakeEngine(s), block_ms=50) for s in settings]
-    tasks = [asyncio.create_task(w.run(asyncio.Event())) for w in workers]
-    try:
-        await asyncio.wait_for(asyncio.gather(*(w.ready.wait() for w in workers)), 10)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
-            yield Node(pb_grpc.GenerationServiceStub(ch), apb_grpc.AdminServiceStub(ch), queue, workers)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await gw.stop(0)
-
-
-async def models(n: Node) -> dict[str, pb.Model]:
+async def models(n: Stack) -> dict[str, pb.Model]:
     return {m.id: m for m in (await n.stub.ListModels(pb.ListModelsRequest())).models}
 
 
@@ -72,13 +43,13 @@ async def until(check: Callable[[], Awaitable[bool]], what: str) -> None:
         await asyncio.sleep(0.02)
 
 
-async def tokens(n: Node, **fields: object) -> list[int]:
+async def tokens(n: Stack, **fields: object) -> list[int]:
     return [t async for m in n.stub.Generate(pb.GenerateRequest(prompt="same words", max_tokens=6, **fields))
             for t in m.token_ids]  # fmt: skip
 
 
 async def test_an_adapter_changes_the_output_the_same_way_each_run_and_is_listed() -> None:
-    async with node() as n:
+    async with running(node()) as n:
         await until(lambda: _has(n, "tiny:sql"), "ListModels lists tiny:sql")
         listed = (await models(n))["tiny:sql"]
         assert (listed.base, listed.adapter, listed.pool) == ("tiny", "sql", "cpu")
@@ -89,17 +60,17 @@ async def test_an_adapter_changes_the_output_the_same_way_each_run_and_is_listed
         assert await tokens(n, model="tiny:sql") == with_sql  # model "<model>:<adapter>" alike
 
 
-async def _ready(n: Node) -> bool:
+async def _ready(n: Stack) -> bool:
     """The gateway sees every worker of the node ready (LoadAdapter waits only for the ready ones)."""
     (pool,) = (await n.admin.ListBackends(apb.ListBackendsRequest())).backends
     return sum(w.state == "ready" for w in pool.workers) == len(n.workers)
 
 
-async def _has(n: Node, model_id: str) -> bool:
+async def _has(n: Stack, model_id: str) -> bool:
     return model_id in await models(n)
 
 
-async def _lacks(n: Node, model_id: str) -> bool:
+async def _lacks(n: Stack, model_id: str) -> bool:
     return model_id not in await models(n)
 
 
@@ -110,7 +81,7 @@ async def _lacks(n: Node, model_id: str) -> bool:
     ({"adapter": "a/b"}, grpc.StatusCode.INVALID_ARGUMENT, "adapter"),
 ])  # fmt: skip
 async def test_an_adapter_nobody_serves_is_not_found(fields: dict, code: grpc.StatusCode, field: str | None) -> None:
-    async with node(n_workers=1) as n:
+    async with running(node(n_workers=1)) as n:
         await until(lambda: _has(n, "tiny:sql"), "the worker's heartbeat")
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await tokens(n, **fields)
@@ -120,7 +91,7 @@ async def test_an_adapter_nobody_serves_is_not_found(fields: dict, code: grpc.St
 
 
 async def test_load_and_unload_an_adapter_at_run_time_through_admin_service() -> None:
-    async with node(adapters="") as n:
+    async with running(node(adapters="")) as n:
         await until(lambda: _ready(n), "the gateway sees both workers")
         loaded = await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="fr", path="/adapters/fr"))
         assert sorted(loaded.workers) == ["w0", "w1"]  # every ready worker, before it returns
@@ -141,7 +112,7 @@ async def test_load_and_unload_an_adapter_at_run_time_through_admin_service() ->
 
 
 async def test_an_adapter_no_worker_can_load_is_refused_and_not_kept() -> None:
-    async with node(n_workers=1, adapters="") as n:
+    async with running(node(n_workers=1, adapters="")) as n:
         await until(lambda: _ready(n), "the gateway sees the worker")
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="bad", path="missing/bad"))
@@ -157,7 +128,7 @@ async def test_an_adapter_no_worker_can_load_is_refused_and_not_kept() -> None:
 
 
 async def test_run_time_adapters_stay_under_the_workers_adapter_root() -> None:
-    async with node(n_workers=1, adapters="", adapter_root="/adapters") as n:
+    async with running(node(n_workers=1, adapters="", adapter_root="/adapters")) as n:
         await until(lambda: _ready(n), "the gateway sees the worker")
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="x", path="/adapters/../etc"))
@@ -168,7 +139,7 @@ async def test_run_time_adapters_stay_under_the_workers_adapter_root() -> None:
 
 
 async def test_load_returns_at_its_wait_with_the_workers_still_loading_and_refuses_a_bad_path() -> None:
-    async with node(n_workers=1, adapters="") as n:
+    async with running(node(n_workers=1, adapters="")) as n:
         await until(lambda: _ready(n), "the gateway sees the worker")
         first = await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="slow", path="/a/s", wait_s=0))
         assert list(first.workers) + list(first.pending) == ["w0"]  # registered; the worker loads it anyway
@@ -180,7 +151,7 @@ async def test_load_returns_at_its_wait_with_the_workers_still_loading_and_refus
 
 
 async def test_an_adapter_registered_again_from_another_folder_is_swapped_on_every_worker() -> None:
-    async with node(adapters="") as n:
+    async with running(node(adapters="")) as n:
         await until(lambda: _ready(n), "the gateway sees both workers")
         await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="x", path="/a/1"))
         again = await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="x", path="/a/2"))
@@ -190,7 +161,7 @@ async def test_an_adapter_registered_again_from_another_folder_is_swapped_on_eve
 
 
 async def test_unload_says_which_workers_still_serve_an_adapter_in_use_and_they_drop_it_after() -> None:
-    async with node(n_workers=1, adapters="", step_s=0.01) as n:
+    async with running(node(n_workers=1, adapters="", step_s=0.01)) as n:
         await until(lambda: _ready(n), "the gateway sees the worker")
         await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="fr", path="/adapters/fr"))
         call = n.stub.Generate(pb.GenerateRequest(prompt="a long one", max_tokens=4000, adapter="fr"))

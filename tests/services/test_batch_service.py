@@ -3,50 +3,31 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import grpc
 import pytest
 
-from llamamesh.batchfile import result_line
+from llamamesh.cli.batchfile import result_line
 from llamamesh.client import field_violations
-from llamamesh.queue.memory import MemoryBatches, MemoryQueue
 from llamamesh.settings import BatchSettings, GatewaySettings, WorkerSettings
 from llamamesh.types import ItemResult, ItemStatus
 from llamamesh.v1 import batch_pb2 as bpb
-from llamamesh.v1 import batch_pb2_grpc
 from llamamesh.v1 import generation_pb2 as pb
 from services.batch import result_pb
-from services.server import start_gateway
-from workers.engines.fake import FakeEngine
-from workers.worker import Worker
+from tests.services.conftest import Config, Stack
 
 pytestmark = pytest.mark.timeout(30)
 
+STACK = Config(gateway=GatewaySettings(port=0, models="tiny=cpu"), batches=True, block_ms=50,
+               workers=(WorkerSettings(pool="cpu", model="tiny", engine="fake", max_inflight=4),),
+               worker_batch=BatchSettings(max_share=0.5))  # fmt: skip
 
-@pytest.fixture
-async def stub(request: pytest.FixtureRequest) -> AsyncIterator[batch_pb2_grpc.BatchServiceStub]:
-    overrides = getattr(request, "param", {})  # WorkerSettings fields
-    queue, store = MemoryQueue(), MemoryBatches()
-    gateway = await start_gateway(queue, GatewaySettings(port=0, models="tiny=cpu"), port=0, batches=store)
-    ws = WorkerSettings(**{"pool": "cpu", "model": "tiny", "engine": "fake", "max_inflight": 4, **overrides})
-    engine = FakeEngine(ws)
-    await engine.start()
-    worker = Worker(ws, queue, engine, 50, store, BatchSettings(max_share=0.5))
-    stop = asyncio.Event()
-    task = asyncio.create_task(worker.run(stop))
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}")
-    try:
-        yield batch_pb2_grpc.BatchServiceStub(channel)
-    finally:
-        await channel.close()
-        stop.set()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 10)
-        await gateway.stop(0)
-        await engine.shutdown()
+
+def batch(**worker: object) -> Config:
+    """The batch stack, its worker's settings changed by ``worker``."""
+    return replace(STACK, workers=tuple(replace(w, **worker) for w in STACK.workers))  # type: ignore[arg-type]
 
 
 def items(n: int, max_tokens: int = 3) -> list[bpb.BatchItem]:
@@ -54,7 +35,8 @@ def items(n: int, max_tokens: int = 3) -> list[bpb.BatchItem]:
             for i in range(n)]  # fmt: skip
 
 
-async def test_a_batch_runs_to_completion_with_one_result_each(stub: batch_pb2_grpc.BatchServiceStub) -> None:
+async def test_a_batch_runs_to_completion_with_one_result_each(stack: Stack) -> None:
+    stub = stack.batch
     b = await stub.BatchGenerate(bpb.BatchGenerateRequest(batch_id="b", items=items(9)))
     assert b.counts.total == 9 and b.counts.processing == 9
     got = [r async for r in stub.StreamBatchResults(bpb.StreamBatchResultsRequest(batch_id="b"))]
@@ -69,7 +51,8 @@ async def test_a_batch_runs_to_completion_with_one_result_each(stub: batch_pb2_g
     assert [x.batch_id for x in page.batches] == ["b"] and page.next_page_token == ""
 
 
-async def test_a_duplicate_custom_id_is_rejected_and_nothing_is_stored(stub: batch_pb2_grpc.BatchServiceStub) -> None:
+async def test_a_duplicate_custom_id_is_rejected_and_nothing_is_stored(stack: Stack) -> None:
+    stub = stack.batch
     bad = items(3)
     bad[2].custom_id = "c0"
     with pytest.raises(grpc.aio.AioRpcError) as exc:
@@ -81,8 +64,9 @@ async def test_a_duplicate_custom_id_is_rejected_and_nothing_is_stored(stub: bat
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-@pytest.mark.parametrize("stub", [{"fake_step_s": 0.02}], indirect=True)
-async def test_cancel_finishes_the_running_and_cancels_the_queued(stub: batch_pb2_grpc.BatchServiceStub) -> None:
+@pytest.mark.parametrize("stack", [batch(fake_step_s=0.02)], indirect=True)
+async def test_cancel_finishes_the_running_and_cancels_the_queued(stack: Stack) -> None:
+    stub = stack.batch
     await stub.BatchGenerate(bpb.BatchGenerateRequest(batch_id="c", items=items(12, max_tokens=20)))
     stream = aiter(stub.StreamBatchResults(bpb.StreamBatchResultsRequest(batch_id="c")))
     first = await asyncio.wait_for(anext(stream), 10)
@@ -100,18 +84,13 @@ async def test_cancel_finishes_the_running_and_cancels_the_queued(stub: batch_pb
     assert line["status"] == "cancelled" and line["error"]["code"] == "CANCELLED" and line["error"]["message"]
 
 
-async def test_a_batch_lost_with_redis_data_is_not_found_saying_so() -> None:
-    store = MemoryBatches()
-    gateway = await start_gateway(MemoryQueue(), GatewaySettings(port=0, models="tiny=cpu"), port=0, batches=store)
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as ch:
-            stub = batch_pb2_grpc.BatchServiceStub(ch)
-            await stub.BatchGenerate(bpb.BatchGenerateRequest(batch_id="kept", items=items(2)))
-            store.lose_data()  # Redis came back without its data
-            with pytest.raises(grpc.aio.AioRpcError) as lost:
-                await stub.GetBatch(bpb.GetBatchRequest(batch_id="kept"))
-    finally:
-        await gateway.stop(0)
+@pytest.mark.parametrize("stack", [replace(STACK, workers=())], indirect=True)
+async def test_a_batch_lost_with_redis_data_is_not_found_saying_so(stack: Stack) -> None:
+    await stack.batch.BatchGenerate(bpb.BatchGenerateRequest(batch_id="kept", items=items(2)))
+    assert stack.batches is not None
+    stack.batches.lose_data()  # Redis came back without its data
+    with pytest.raises(grpc.aio.AioRpcError) as lost:
+        await stack.batch.GetBatch(bpb.GetBatchRequest(batch_id="kept"))
     assert lost.value.code() == grpc.StatusCode.NOT_FOUND
     assert "lost with Redis's data" in (lost.value.details() or ""), lost.value.details()
 
@@ -124,7 +103,8 @@ def test_stored_item_errors_become_status_names() -> None:
         assert (r.error_code, r.error_reason) == (code, stored.upper())
 
 
-async def test_items_with_n_samples_return_every_sample(stub: batch_pb2_grpc.BatchServiceStub) -> None:
+async def test_items_with_n_samples_return_every_sample(stack: Stack) -> None:
+    stub = stack.batch
     reqs = [bpb.BatchItem(custom_id=f"c{i}", request=pb.GenerateRequest(prompt=f"p {i}", max_tokens=4, n=3, seed=i))
             for i in range(4)]  # fmt: skip
     reqs.append(bpb.BatchItem(custom_id="one", request=pb.GenerateRequest(prompt="p", max_tokens=4)))
@@ -143,10 +123,11 @@ async def test_items_with_n_samples_return_every_sample(stub: batch_pb2_grpc.Bat
     assert field_violations(bad.value) == ["items[0].request.n"]
 
 
-@pytest.mark.parametrize("stub", [{"adapters": "sql=/adapters/sql", "heartbeat_s": 0.05}], indirect=True)
+@pytest.mark.parametrize("stack", [batch(adapters="sql=/adapters/sql", heartbeat_s=0.05)], indirect=True)
 async def test_items_name_an_adapter_and_an_unserved_one_is_not_found_before_anything_is_stored(
-    stub: batch_pb2_grpc.BatchServiceStub,
+    stack: Stack,
 ) -> None:
+    stub = stack.batch
     def item(custom_id: str, adapter: str = "") -> bpb.BatchItem:
         return bpb.BatchItem(custom_id=custom_id, request=pb.GenerateRequest(
             prompt="same words", max_tokens=4, temperature=0, adapter=adapter))  # fmt: skip

@@ -1,4 +1,4 @@
-"""The Python client resumes a broken stream for its caller (llamamesh/resume.py): two in-process
+"""The Python client resumes a broken stream for its caller (llamamesh/client/resume.py): two in-process
 gateways over one queue and a worker on the fake engine; the gateway serving a stream stops
 mid-stream, at random points, and the caller's iterator still sees the whole stream once."""
 
@@ -6,73 +6,45 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 import pytest
 
 from llamamesh.client import Client, SyncClient, by_sample
-from llamamesh.queue.memory import MemoryQueue
-from llamamesh.resume import Resumption, worth_resuming
+from llamamesh.client.resume import Resumption, worth_resuming
 from llamamesh.settings import GatewaySettings, WorkerSettings
 from llamamesh.v1 import generation_pb2 as pb
-from services.server import Gateway, start_gateway
-from tests.stacks import stop_in_process
-from workers.engines.fake import FakeEngine
-from workers.worker import Worker
+from tests.services.conftest import Config, Stack
 
 pytestmark = pytest.mark.timeout(60)
 
 
-@dataclass
-class Pair:
-    queue: MemoryQueue
-    gateways: list[Gateway]
-    engine: FakeEngine
-
-    @property
-    def target(self) -> str:
-        """Both gateways behind one channel (pick_first: the first while it answers)."""
-        return "ipv4:" + ",".join(f"127.0.0.1:{g.port}" for g in self.gateways)
-
-    async def restart(self) -> None:
-        """Stop both gateways at once (the open streams break, whichever holds them), then start
-        them again on their ports."""
-        for i, gw in enumerate(self.gateways):
-            await gw.stop(0)
-            self.gateways[i] = await start_gateway(self.queue, settings(), port=gw.port)
+STACK = Config(
+    gateway=GatewaySettings(port=0, models="tiny=cpu", max_tokens_cap=512, reattach_grace_s=30),
+    workers=(WorkerSettings(pool="cpu", model="tiny", engine="fake", max_inflight=8, fake_step_s=0.005),),
+    gateways=2,
+    block_ms=50,
+)
 
 
-def settings() -> GatewaySettings:
-    return GatewaySettings(port=0, models="tiny=cpu", max_tokens_cap=512, reattach_grace_s=30)
+def target(stack: Stack) -> str:
+    """Both gateways behind one channel (pick_first: the first while it answers)."""
+    return "ipv4:" + ",".join(f"127.0.0.1:{g.port}" for g in stack.gateways)
 
 
-@pytest.fixture
-async def pair() -> AsyncIterator[Pair]:
-    queue = MemoryQueue()
-    gateways = [await start_gateway(queue, settings(), port=0) for _ in range(2)]
-    ws = WorkerSettings(pool="cpu", model="tiny", engine="fake", max_inflight=8, fake_step_s=0.005)
-    engine = FakeEngine(ws)
-    await engine.start()
-    worker = Worker(ws, queue, engine, block_ms=50)
-    stop = asyncio.Event()
-    task = asyncio.create_task(worker.run(stop))
-    await asyncio.wait_for(worker.ready.wait(), 5)
-    p = Pair(queue, gateways, engine)
-    try:
-        yield p
-    finally:
-        await stop_in_process(stop, task, p.gateways[1], engine)
-        await p.gateways[0].stop(0)
+async def restart(stack: Stack) -> None:
+    """Stop each gateway (the open streams break, whichever holds them), then start it again on its port."""
+    for i, gw in enumerate(stack.gateways):
+        await gw.stop(0)
+        stack.gateways[i] = await stack.start_gateway(port=gw.port)
 
 
 @pytest.mark.parametrize("seed", range(4))
-async def test_a_stream_cut_at_random_points_reads_as_one(pair: Pair, seed: int) -> None:
+async def test_a_stream_cut_at_random_points_reads_as_one(stack: Stack, seed: int) -> None:
     rng = random.Random(seed)
     n = 3 if seed % 2 else 1
     fields = {"max_tokens": 120, "seed": 11, "temperature": 0.9, "n": n}
-    async with Client(pair.target) as client:
+    async with Client(target(stack)) as client:
         ref = [m async for m in client.generate("cut me anywhere", **fields)]
         cuts = sorted(rng.sample(range(1, 40), 3))
         got: list[pb.GenerateResponse] = []
@@ -81,7 +53,7 @@ async def test_a_stream_cut_at_random_points_reads_as_one(pair: Pair, seed: int)
             got.append(m)
             if cuts and len(got) == cuts[0]:
                 cuts.pop(0)
-                await pair.restart()
+                await restart(stack)
                 broken += 1
     assert broken == 3, f"seed {seed}: the stream ended after {len(got)} messages"
     assert by_sample(got, n) == by_sample(ref, n)  # the text of each sample, uninterrupted
@@ -96,15 +68,15 @@ async def test_a_stream_cut_at_random_points_reads_as_one(pair: Pair, seed: int)
     assert got[-1].usage.completion_tokens == n * 120
 
 
-async def test_the_sync_client_resumes_too(pair: Pair) -> None:
+async def test_the_sync_client_resumes_too(stack: Stack) -> None:
     def run() -> tuple[str, str]:
-        with SyncClient(pair.target) as client:
+        with SyncClient(target(stack)) as client:
             ref = client.complete("sync", max_tokens=60, temperature=0)
             text = ""
             for i, m in enumerate(client.generate("sync", max_tokens=60, temperature=0)):
                 text += m.text
                 if i == 5:
-                    asyncio.run_coroutine_threadsafe(pair.restart(), loop).result(10)
+                    asyncio.run_coroutine_threadsafe(restart(stack), loop).result(10)
             return ref, text
 
     loop = asyncio.get_running_loop()
@@ -112,20 +84,20 @@ async def test_the_sync_client_resumes_too(pair: Pair) -> None:
     assert text == ref and len(ref) > 0
 
 
-async def test_resuming_off_gives_the_caller_the_break(pair: Pair) -> None:
+async def test_resuming_off_gives_the_caller_the_break(stack: Stack) -> None:
     async def read_past_a_restart(client: Client) -> None:
         async for m in client.generate("no resume", max_tokens=200):
             if m.index >= 5:
-                await pair.restart()
+                await restart(stack)
 
-    async with Client(pair.target, resume_attempts=0) as client:
+    async with Client(target(stack), resume_attempts=0) as client:
         with pytest.raises(grpc.aio.AioRpcError) as broken:
             await read_past_a_restart(client)
         assert broken.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
-async def test_stopping_early_cancels_the_request(pair: Pair) -> None:
-    async with Client(pair.target) as client:
+async def test_stopping_early_cancels_the_request(stack: Stack) -> None:
+    async with Client(target(stack)) as client:
         stream = client.generate("stop early", request_id="early-stop", max_tokens=400)
         async for m in stream:
             if m.index >= 3:
@@ -133,14 +105,14 @@ async def test_stopping_early_cancels_the_request(pair: Pair) -> None:
         await stream.aclose()
 
     async def aborted() -> None:
-        while "early-stop" not in pair.engine.aborted:  # noqa: ASYNC110
+        while "early-stop" not in stack.engine.aborted:  # noqa: ASYNC110
             await asyncio.sleep(0.01)
 
     await asyncio.wait_for(aborted(), 5)  # not left running for the re-attach grace
 
 
-async def test_errors_of_the_gateways_own_are_not_resumed(pair: Pair) -> None:
-    async with Client(pair.target) as client:
+async def test_errors_of_the_gateways_own_are_not_resumed(stack: Stack) -> None:
+    async with Client(target(stack)) as client:
         with pytest.raises(grpc.aio.AioRpcError) as bad:
             async for _m in client.generate("x", max_tokens=2, temperature=-1):
                 pass

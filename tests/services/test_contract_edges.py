@@ -13,9 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 from prometheus_client import REGISTRY
 
-from llamamesh.client import field_violations
+from llamamesh.client import error_reason, field_violations
 from llamamesh.queue import memory
-from llamamesh.resume import error_reason
 from llamamesh.v1 import generation_pb2 as pb
 from tests.services.conftest import Stack
 

@@ -1,11 +1,12 @@
+"""GenerationService through the in-process gateway (tests/services/conftest.py): streaming, bad
+input, cancellation, deadlines, the queue's states, full pools, retries, resume and re-attach."""
+
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -19,7 +20,6 @@ from llamamesh.settings import GatewaySettings
 from llamamesh.types import JobEvent
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc as pb_grpc
-from services.server import start_gateway
 from tests.services.conftest import Stack
 
 pytestmark = pytest.mark.timeout(30)
@@ -199,7 +199,7 @@ async def test_cancel_rpc_names_a_bad_request_id(stack: Stack, rid: str) -> None
 async def test_a_full_pool_is_resource_exhausted_with_retry_info(stack: Stack) -> None:
     """Pool gpu (model "other") has no worker: its requests wait. Past max_queue, refused at once."""
     settings = GatewaySettings(port=0, models="tiny=cpu,other=gpu", max_queue=2, retry_after_s=2.5)
-    async with second_gateway(stack, settings) as stub:
+    async with stack.beside(settings) as stub:
         waiting = [stub.Generate(pb.GenerateRequest(model="other", prompt=f"w{i}")) for i in range(2)]
         for w in waiting:
             await w.initial_metadata()  # accepted and queued
@@ -219,7 +219,7 @@ async def test_a_full_pool_is_resource_exhausted_with_retry_info(stack: Stack) -
 
 async def test_a_pool_without_workers_is_unavailable_soon_not_at_the_deadline(stack: Stack) -> None:
     settings = GatewaySettings(port=0, models="tiny=cpu,other=gpu", no_worker_wait_s=0.5)
-    async with second_gateway(stack, settings) as stub:
+    async with stack.beside(settings) as stub:
         t0 = time.monotonic()
         call = stub.Generate(pb.GenerateRequest(request_id="lonely", model="other", prompt="x"), timeout=60)
         with pytest.raises(grpc.aio.AioRpcError) as ei:
@@ -272,19 +272,6 @@ async def _drain(call: grpc.aio.UnaryStreamCall) -> None:
         pass
 
 
-@contextlib.asynccontextmanager
-async def second_gateway(
-    stack: Stack, settings: GatewaySettings
-) -> AsyncIterator[pb_grpc.GenerationServiceStub]:
-    """Another gateway with these settings over the stack's queue (and worker), and a stub for it."""
-    gw = await start_gateway(stack.queue, settings, port=0)
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
-            yield pb_grpc.GenerationServiceStub(ch)
-    finally:
-        await gw.stop(0)
-
-
 async def _tokens(stream: object) -> tuple[list[int], list[int], int]:
     """(token ids, their indexes, the finish reason) of a response stream read to its end."""
     ids: list[int] = []
@@ -323,7 +310,7 @@ async def test_a_retried_request_id_is_one_job(stack: Stack) -> None:
 @pytest.mark.fake_step_s(0.05)
 async def test_a_detached_stream_is_cancelled_after_the_grace_unless_reattached(stack: Stack) -> None:
     settings = GatewaySettings(port=0, models="tiny=cpu", reattach_grace_s=0.3)
-    async with second_gateway(stack, settings) as stub:
+    async with stack.beside(settings) as stub:
         call = stub.Generate(pb.GenerateRequest(request_id="gone", prompt="x", max_tokens=500, resumable=True))
         assert (await call.read()).token_ids
         call.cancel()

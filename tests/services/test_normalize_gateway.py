@@ -6,19 +6,17 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 
-import grpc
 import pytest
 from prometheus_client import REGISTRY
 
-from llamamesh.queue.memory import MemoryBatches, MemoryQueue
+from llamamesh.queue.memory import MemoryQueue
 from llamamesh.settings import GatewaySettings
 from llamamesh.types import ChatMessage
 from llamamesh.v1 import batch_pb2 as bpb
-from llamamesh.v1 import batch_pb2_grpc
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc as pb_grpc
-from services.server import Gateway, start_gateway
-from tests.services.conftest import Stack
+from services.server import start_gateway
+from tests.services.conftest import Config, Stack
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -39,12 +37,8 @@ def rewrites(rule: str) -> float:
 @pytest.fixture
 async def normalizing(stack: Stack) -> AsyncIterator[pb_grpc.GenerationServiceStub]:
     """A gateway with the rules over the stack's queue (and its worker), beside the stack's plain one."""
-    gw = await start_gateway(stack.queue, SETTINGS, port=0)
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
-            yield pb_grpc.GenerationServiceStub(ch)
-    finally:
-        await gw.stop(0)
+    async with stack.beside(SETTINGS) as stub:
+        yield stub
 
 
 @pytest.mark.fake_step_s(0.02)
@@ -86,27 +80,16 @@ async def test_tokenize_counts_the_rewritten_prompt(stack: Stack, normalizing: p
     assert list(got.token_ids) != list((await stack.stub.Tokenize(pb.TokenizeRequest(prompt=TABLE))).token_ids)
 
 
-@pytest.fixture
-async def batch_gateway() -> AsyncIterator[tuple[Gateway, MemoryBatches]]:
-    store = MemoryBatches()
-    gw = await start_gateway(MemoryQueue(), SETTINGS, port=0, batches=store)
-    try:
-        yield gw, store
-    finally:
-        await gw.stop(0)
-
-
-async def test_batch_items_are_stored_rewritten(batch_gateway: tuple[Gateway, MemoryBatches]) -> None:
-    gw, store = batch_gateway
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
-        stub = batch_pb2_grpc.BatchServiceStub(ch)
-        items = [bpb.BatchItem(custom_id="a", request=pb.GenerateRequest(prompt=TABLE)),
-                 bpb.BatchItem(custom_id="b", request=pb.GenerateRequest(prompt="no ids"))]  # fmt: skip
-        await stub.BatchGenerate(bpb.BatchGenerateRequest(batch_id="items", items=items))
-        docs = [bpb.Document(custom_id="d", text='<td id="9f-2">on 2024-05-06</td>')]
-        summarise = bpb.Summarise(template="Summarise: {document}", documents=docs)
-        await stub.BatchGenerate(bpb.BatchGenerateRequest(batch_id="docs", summarise=summarise))
-    leased = {lease.request.custom_id: lease.request for lease in await store.lease_items("cpu", "t", 10, None)}
+@pytest.mark.parametrize("stack", [Config(gateway=SETTINGS, batches=True, workers=())], indirect=True)
+async def test_batch_items_are_stored_rewritten(stack: Stack) -> None:
+    items = [bpb.BatchItem(custom_id="a", request=pb.GenerateRequest(prompt=TABLE)),
+             bpb.BatchItem(custom_id="b", request=pb.GenerateRequest(prompt="no ids"))]  # fmt: skip
+    await stack.batch.BatchGenerate(bpb.BatchGenerateRequest(batch_id="items", items=items))
+    docs = [bpb.Document(custom_id="d", text='<td id="9f-2">on 2024-05-06</td>')]
+    summarise = bpb.Summarise(template="Summarise: {document}", documents=docs)
+    await stack.batch.BatchGenerate(bpb.BatchGenerateRequest(batch_id="docs", summarise=summarise))
+    assert stack.batches is not None
+    leased = {r.request.custom_id: r.request for r in await stack.batches.lease_items("cpu", "t", 10, None)}
     assert leased["a"].prompt == REDACTED and leased["b"].prompt == "no ids"
     assert leased["d"].messages == (ChatMessage("user", 'Summarise: <td id="REDACTED">on DATE</td>'),)
 

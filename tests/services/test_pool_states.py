@@ -17,9 +17,7 @@ from llamamesh.settings import BreakerSettings, GatewaySettings, WorkerSettings
 from llamamesh.types import WorkerStatus
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc as pb_grpc
-from services.server import start_gateway
-from workers.engines.fake import FakeEngine
-from workers.worker import Worker
+from tests.services.conftest import Config, Workers, running, serving
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -28,27 +26,17 @@ FAST = BreakerSettings(probe_interval_s=0.1, probe_timeout_s=1.0)
 
 @contextlib.asynccontextmanager
 async def gateway(queue: MemoryQueue, **settings: object) -> AsyncIterator[pb_grpc.GenerationServiceStub]:
-    gw = await start_gateway(queue, GatewaySettings(port=0, models="m=gpu", **settings), port=0,  # type: ignore[arg-type]
-                             breaker=FAST)  # fmt: skip
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
-            yield pb_grpc.GenerationServiceStub(ch)
-    finally:
-        await gw.stop(0)
+    """A gateway of model m (pool gpu) over ``queue``, probing every 0.1 s, without workers of its own."""
+    config = Config(gateway=GatewaySettings(port=0, models="m=gpu", **settings),  # type: ignore[arg-type]
+                    breaker=FAST, workers=(), queue=lambda: queue)  # fmt: skip
+    async with running(config) as stack:
+        yield stack.stub
 
 
-@contextlib.asynccontextmanager
-async def workers(queue: MemoryQueue, *names: str) -> AsyncIterator[list[Worker]]:
+def workers(queue: MemoryQueue, *names: str) -> contextlib.AbstractAsyncContextManager[Workers]:
+    """Workers of pool gpu named ``names`` over ``queue``, ready."""
     ws = [WorkerSettings(pool="gpu", engine="fake", consumer=n, fake_step_s=0.01, heartbeat_s=0.05) for n in names]
-    out = [Worker(s, queue, FakeEngine(s), block_ms=50) for s in ws]
-    tasks = [asyncio.create_task(w.run(asyncio.Event())) for w in out]
-    try:
-        await asyncio.wait_for(asyncio.gather(*(w.ready.wait() for w in out)), 10)
-        yield out
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    return serving(queue, ws, Config(block_ms=50, ready_s=10))
 
 
 async def test_a_request_to_a_starting_pool_waits_and_is_served_once_it_is_ready() -> None:
@@ -110,8 +98,8 @@ async def test_a_request_that_kills_two_workers_is_not_sent_to_a_third() -> None
         assert code is grpc.StatusCode.INTERNAL, (code, details)
         assert details.startswith("the request was set aside: 2 workers died running it"), details
         assert len(queue.dead) == 1 and queue.dead[0][3] == 2
-        served = [w._engine.served for w in ws]  # type: ignore[attr-defined]
+        served = [e.served for e in ws.engines]  # type: ignore[attr-defined]
         assert sorted(len(s) for s in served) == [0, 1, 1], served  # two attempts, on two workers
-        survivor = next(w for w, s in zip(ws, served, strict=True) if not s)
+        survivor = next(w for w, s in zip(ws.workers, served, strict=True) if not s)
         msgs = [m async for m in stub.Generate(pb.GenerateRequest(prompt="fine", max_tokens=3))]
         assert msgs[-1].finish_reason and survivor.engine_died is None

@@ -4,9 +4,7 @@ reaches the job, and a worker leases it from the partition it owns (the fake que
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
-import grpc
 import pytest
 
 from llamamesh import metrics
@@ -16,11 +14,8 @@ from llamamesh.queue.memory import MemoryQueue
 from llamamesh.settings import GatewaySettings, WorkerSettings
 from llamamesh.types import ChatMessage, GenerationRequest, affinity_key
 from llamamesh.v1 import generation_pb2 as pb
-from llamamesh.v1 import generation_pb2_grpc
 from services.convert import generate_request
-from services.server import start_gateway
-from workers.engines.fake import FakeEngine
-from workers.worker import Worker
+from tests.services.conftest import Config, Stack
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -57,37 +52,24 @@ def test_the_gateway_keys_a_request_by_its_prefix_key_or_its_inputs_start() -> N
                                                                                    FieldViolation)  # fmt: skip
 
 
-async def test_an_explicit_prefix_key_over_grpc_reaches_the_job_and_its_owners_partition() -> None:
-    queue = Recording(partitions=4)
-    gateway = await start_gateway(queue, GatewaySettings(port=0, models="tiny=cpu"), port=0)
-    w = WorkerSettings(pool="cpu", model="tiny", engine="fake", max_inflight=4, heartbeat_s=0.05, consumer="w1")
-    engine = FakeEngine(w)
-    await engine.start()
-    worker = Worker(w, queue, engine, block_ms=100)
-    stop = asyncio.Event()
-    task = asyncio.create_task(worker.run(stop))
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}")
+@pytest.mark.parametrize("stack", [Config(
+    gateway=GatewaySettings(port=0, models="tiny=cpu"),
+    workers=(WorkerSettings(pool="cpu", model="tiny", engine="fake", max_inflight=4, heartbeat_s=0.05, consumer="w1"),),
+    queue=lambda: Recording(partitions=4),
+)], indirect=True)  # fmt: skip
+async def test_an_explicit_prefix_key_over_grpc_reaches_the_job_and_its_owners_partition(stack: Stack) -> None:
+    queue = stack.queue
+    assert isinstance(queue, Recording)
     own = metrics.AFFINITY_LEASES.labels("cpu", "own")
-    try:
-        await asyncio.wait_for(worker.ready.wait(), 5)
-        while len(queue.owned("cpu", "w1")) < 4:  # noqa: ASYNC110  # bounded: its first ready heartbeat
-            await asyncio.sleep(0.01)
-        stolen = metrics.AFFINITY_LEASES.labels("cpu", "stolen")
-        before = own._value.get(), stolen._value.get()
-        stub = generation_pb2_grpc.GenerationServiceStub(channel)
-        msgs = [m async for m in stub.Generate(pb.GenerateRequest(prompt="hi", max_tokens=2, prefix_key="conv-7"))]
-        assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
-        (sent,) = queue.submitted
-        assert sent.prefix_key == "conv-7" and partition_of(sent, 4) == partition_of(
-            GenerationRequest(request_id="other", model="tiny", prefix_key="conv-7"), 4
-        )
-        after = own._value.get(), stolen._value.get()
-        assert after == (before[0] + 1, before[1])  # from its own partition, not stolen
-    finally:
-        await channel.close()
-        stop.set()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 10)
-        await gateway.stop(0)
-        await engine.shutdown()
-
+    while len(queue.owned("cpu", "w1")) < 4:  # noqa: ASYNC110  # bounded by the timeout: its first heartbeat
+        await asyncio.sleep(0.01)
+    stolen = metrics.AFFINITY_LEASES.labels("cpu", "stolen")
+    before = own._value.get(), stolen._value.get()
+    msgs = [m async for m in stack.stub.Generate(pb.GenerateRequest(prompt="hi", max_tokens=2, prefix_key="conv-7"))]
+    assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    (sent,) = queue.submitted
+    assert sent.prefix_key == "conv-7" and partition_of(sent, 4) == partition_of(
+        GenerationRequest(request_id="other", model="tiny", prefix_key="conv-7"), 4
+    )
+    after = own._value.get(), stolen._value.get()
+    assert after == (before[0] + 1, before[1])  # from its own partition, not stolen

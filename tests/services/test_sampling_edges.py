@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -17,14 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llamamesh.client import field_violations
-from llamamesh.queue.memory import MemoryQueue
 from llamamesh.settings import GatewaySettings, WorkerSettings
 from llamamesh.v1 import generation_pb2 as pb
-from llamamesh.v1 import generation_pb2_grpc
-from services.server import Gateway, start_gateway
 from tests.sampling_strategies import sampling_fields
+from tests.services.conftest import Config, Stack, running
 from workers.engines.base import Engine
-from workers.worker import Worker
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,43 +35,27 @@ CANARY = pb.GenerateRequest(prompt="Name three colours.", max_tokens=4, temperat
 @dataclass
 class Path:
     loop: asyncio.AbstractEventLoop
-    gateway: Gateway
-    worker: Worker
-    task: asyncio.Task[None]
-    channel: grpc.aio.Channel
-    stub: generation_pb2_grpc.GenerationServiceStub
-    reference: list[int]
+    stack: Stack
+    reference: list[int]  # the canary's tokens, alone
 
 
-def path(engine: Engine, ws: WorkerSettings) -> Iterator[Path]:
+def path(engine: Callable[[WorkerSettings], Engine], ws: WorkerSettings) -> Iterator[Path]:
+    """The stack of one worker of ``ws`` on its own event loop (the property tests are synchronous)."""
     loop = asyncio.new_event_loop()
+    exits = contextlib.AsyncExitStack()
+    gateway = GatewaySettings(port=0, max_tokens_cap=8, default_max_tokens=4, models=f"m={ws.pool}")
+    config = Config(gateway=gateway, workers=(ws,), engine=engine, ready_s=120)
 
     async def up() -> Path:
-        queue = MemoryQueue()
-        gateway = await start_gateway(queue, GatewaySettings(port=0, max_tokens_cap=8, default_max_tokens=4,
-                                                             models=f"m={ws.pool}"), port=0)  # fmt: skip
-        worker = Worker(ws, queue, engine, block_ms=100)
-        task = asyncio.create_task(worker.run(asyncio.Event()))
-        await asyncio.wait_for(worker.ready.wait(), 120)
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}")
-        stub = generation_pb2_grpc.GenerationServiceStub(channel)
-        reference = [t async for m in stub.Generate(CANARY) for t in m.token_ids]
-        return Path(loop, gateway, worker, task, channel, stub, reference)
+        stack = await exits.enter_async_context(running(config))
+        reference = [t async for m in stack.stub.Generate(CANARY) for t in m.token_ids]
+        return Path(loop, stack, reference)
 
     p = loop.run_until_complete(up())
     try:
         yield p
     finally:
-
-        async def down() -> None:
-            await p.channel.close()
-            p.task.cancel()
-            with contextlib.suppress(BaseException):
-                await p.task
-            await p.gateway.stop(0)
-            await engine.shutdown()
-
-        loop.run_until_complete(down())
+        loop.run_until_complete(exits.aclose())
         loop.close()
 
 
@@ -82,16 +63,14 @@ def path(engine: Engine, ws: WorkerSettings) -> Iterator[Path]:
 def fake_path() -> Iterator[Path]:
     from workers.engines.fake import FakeEngine
 
-    ws = WorkerSettings(pool="cpu", engine="fake", max_inflight=8)
-    yield from path(FakeEngine(ws), ws)
+    yield from path(FakeEngine, WorkerSettings(pool="cpu", engine="fake", max_inflight=8))
 
 
 @pytest.fixture(scope="module")
 def cpu_path() -> Iterator[Path]:
     from workers.engines.transformers import TransformersEngine
 
-    ws = WorkerSettings(pool="cpu", max_inflight=4, max_model_len=256, threads=1)
-    yield from path(TransformersEngine(ws), ws)
+    yield from path(TransformersEngine, WorkerSettings(pool="cpu", max_inflight=4, max_model_len=256, threads=1))
 
 
 def generate_request(fields: dict[str, object]) -> pb.GenerateRequest:
@@ -108,7 +87,7 @@ def check(p: Path, fields: dict[str, object]) -> None:
     async def both() -> tuple[tuple[list[pb.GenerateResponse], grpc.aio.AioRpcError | None], ...]:
         async def call(req: pb.GenerateRequest) -> tuple[list[pb.GenerateResponse], grpc.aio.AioRpcError | None]:
             try:
-                return [m async for m in p.stub.Generate(req, timeout=60)], None
+                return [m async for m in p.stack.stub.Generate(req, timeout=60)], None
             except grpc.aio.AioRpcError as err:
                 return [], err
 
@@ -123,7 +102,7 @@ def check(p: Path, fields: dict[str, object]) -> None:
         assert named and all(NAMED.match(f) for f in named), named
     else:
         assert odd[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED and len([t for m in odd for t in m.token_ids]) <= 8
-    assert p.worker.engine_died is None and not p.task.done()
+    assert p.stack.worker.engine_died is None and not p.stack.running.tasks[0].done()
 
 
 def proto_fields() -> st.SearchStrategy[dict[str, object]]:
@@ -146,14 +125,14 @@ def test_any_sampling_values_through_the_gateway_and_cpu_engine(cpu_path: Path, 
     check(cpu_path, fields)
 
 
-def test_the_issues_request_is_served_greedy(cpu_path: Path) -> None:
+def test_a_temperature_of_1e_40_is_served_greedy(cpu_path: Path) -> None:
     """{"messages":[{"role":"user","content":"Hi"}],"max_tokens":8,"temperature":1e-40}: greedy."""
     async def both() -> list[list[int]]:
         msgs = [pb.ChatMessage(role="user", content="Hi")]
         out = []
         for t in (1e-40, 0.0):
             req = pb.GenerateRequest(messages=msgs, max_tokens=8, temperature=t)
-            out.append([tok async for m in cpu_path.stub.Generate(req) for tok in m.token_ids])
+            out.append([tok async for m in cpu_path.stack.stub.Generate(req) for tok in m.token_ids])
         return out
 
     tiny, greedy = cpu_path.loop.run_until_complete(both())

@@ -4,9 +4,6 @@ was never queued."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-
 import grpc
 import pytest
 
@@ -15,10 +12,7 @@ from llamamesh.queue.memory import MemoryQueue
 from llamamesh.settings import GatewaySettings, WorkerSettings
 from llamamesh.types import GenerationRequest
 from llamamesh.v1 import generation_pb2 as pb
-from llamamesh.v1 import generation_pb2_grpc
-from services.server import start_gateway
-from workers.engines.fake import FakeEngine
-from workers.worker import Worker
+from tests.services.conftest import Config, Stack
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -37,33 +31,21 @@ class FailsOnce(MemoryQueue):
         await super().submit(pool, request, max_waiting, weight)
 
 
-async def test_a_retry_after_a_failed_submission_runs_instead_of_waiting_on_nothing() -> None:
+STACK = Config(
+    gateway=GatewaySettings(port=0, models="tiny=cpu"),
+    workers=(WorkerSettings(pool="cpu", model="tiny", engine="fake", max_inflight=4, heartbeat_s=0.05, consumer="w1"),),
+    queue=FailsOnce,
+)
+
+
+async def test_a_retry_after_a_failed_submission_runs_instead_of_waiting_on_nothing(stack: Stack) -> None:
     """The first try recorded its attempt, then could not queue the job: UNAVAILABLE. The caller's
-    retry with the same request id is queued and completes (it used to follow a job never queued,
-    until its deadline)."""
-    queue = FailsOnce()
-    gateway = await start_gateway(queue, GatewaySettings(port=0, models="tiny=cpu"), port=0)
-    w = WorkerSettings(pool="cpu", model="tiny", engine="fake", max_inflight=4, heartbeat_s=0.05, consumer="w1")
-    engine = FakeEngine(w)
-    await engine.start()
-    worker = Worker(w, queue, engine, block_ms=100)
-    stop = asyncio.Event()
-    task = asyncio.create_task(worker.run(stop))
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}")
-    try:
-        await asyncio.wait_for(worker.ready.wait(), 5)
-        stub = generation_pb2_grpc.GenerationServiceStub(channel)
-        request = pb.GenerateRequest(request_id="again", prompt="hi", max_tokens=3)
-        with pytest.raises(grpc.aio.AioRpcError) as first:
-            [m async for m in stub.Generate(request, timeout=10)]
-        assert first.value.code() == grpc.StatusCode.UNAVAILABLE
-        msgs = [m async for m in stub.Generate(request, timeout=10)]
-        assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
-        assert [i for m in msgs for i in range(m.index, m.index + len(m.token_ids))] == [0, 1, 2]
-    finally:
-        await channel.close()
-        stop.set()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 10)
-        await gateway.stop(0)
-        await engine.shutdown()
+    retry with the same request id is queued and completes, rather than follow a job never queued
+    until its deadline."""
+    request = pb.GenerateRequest(request_id="again", prompt="hi", max_tokens=3)
+    with pytest.raises(grpc.aio.AioRpcError) as first:
+        [m async for m in stack.stub.Generate(request, timeout=10)]
+    assert first.value.code() == grpc.StatusCode.UNAVAILABLE
+    msgs = [m async for m in stack.stub.Generate(request, timeout=10)]
+    assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert [i for m in msgs for i in range(m.index, m.index + len(m.token_ids))] == [0, 1, 2]

@@ -50,7 +50,7 @@ async def test_neither_live_queues_on_the_pool_until_its_breaker_opens() -> None
     b, _q, _h = await backends()
     assert b.route("trtllm") == "trtllm"  # waits in the stream for a worker (a restart)
     for _ in range(3):
-        await b._probe_result(b.pools["trtllm"], "no live worker")
+        await b.probes.result(b.pools["trtllm"], "no live worker")
     with pytest.raises(errors.NoWorkers, match="has no live worker"):
         b.route("trtllm")
 
@@ -72,7 +72,7 @@ async def test_a_worker_coming_back_revives_the_pool() -> None:
     b, q, _h = await backends("vllm")
     trt = b.pools["trtllm"]
     for _ in range(3):
-        await b._probe_result(trt, "no live worker")
+        await b.probes.result(trt, "no live worker")
     assert trt.breaker.state is State.OPEN
     await q.heartbeat(WorkerStatus(worker="w-trtllm", pool="trtllm"), ttl_s=60)
     await b.refresh(trt)
@@ -81,7 +81,7 @@ async def test_a_worker_coming_back_revives_the_pool() -> None:
     assert trt.breaker.state is State.CLOSED
     assert b.worker_alive("trtllm", "w-trtllm") and not b.worker_alive("trtllm", "w-other")
     for _ in range(3):  # now its worker fails the probes: opened by failures
-        await b._probe_result(trt, "deadline_exceeded: no answer")
+        await b.probes.result(trt, "deadline_exceeded: no answer")
     assert trt.breaker.state is State.OPEN
     await q.leave("trtllm", "w-trtllm")
     await b.refresh(trt)
@@ -92,7 +92,7 @@ async def test_a_worker_coming_back_revives_the_pool() -> None:
     await q.leave("trtllm", "w-trtllm")
     await b.refresh(trt)
     for _ in range(3):  # its workers went away: "no live worker" (what they failed was counted then)
-        await b._probe_result(trt, "no live worker")
+        await b.probes.result(trt, "no live worker")
     assert trt.breaker.state is State.OPEN
     await q.heartbeat(WorkerStatus(worker="w-trtllm", pool="trtllm", state="starting"), ttl_s=60)
     await b.refresh(trt)
@@ -139,7 +139,7 @@ async def test_stop_ends_the_probe_loops_even_when_a_probe_swallows_the_cancel()
                 raise
             swallowed.append(True)  # the first cancel is lost, as in the race
 
-    b.probe = probe  # type: ignore[method-assign,assignment]
+    b.probes.probe = probe  # type: ignore[method-assign,assignment]
     await b.start()
     await asyncio.wait_for(probing.wait(), 5)
     await asyncio.wait_for(b.stop(), 5)

@@ -1,5 +1,6 @@
-"""The stream invariant (services/relay.py ``Cursor``), event merging (``JobEvent.then``), and the
-relay's ownership of its detach timers."""
+"""The stream invariant (services/cursor.py ``Cursor``), event merging (``JobEvent.then``), an
+Attach's reading through a request's attempts (services/attach.py), and the relay's ownership of its
+detach timers."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import pytest
 from llamamesh import errors
 from llamamesh.queue.memory import MemoryQueue
 from llamamesh.settings import GatewaySettings
-from llamamesh.types import Finished, FinishReason, JobEvent, Usage
+from llamamesh.types import Attempt, Finished, FinishReason, JobEvent, Usage
+from services.attach import Attachment
+from services.detach import DetachTimers
+from services.liveness import Liveness
 from services.relay import Cursor, QueueRelay, SampleCursors
 
 pytestmark = pytest.mark.timeout(10)
@@ -95,9 +99,68 @@ def test_each_sample_keeps_its_own_invariant_and_ends_once() -> None:
 async def test_the_relay_owns_its_detach_timers_and_cancels_them_at_close() -> None:
     q = MemoryQueue()
     relay = QueueRelay(q, GatewaySettings(reattach_grace_s=3600))
-    await relay._detached("caller", "caller")
-    (timer,) = relay._later
+    await relay.timers.start("caller", "caller")
+    (timer,) = relay.timers.tasks
     assert not timer.done()
     await relay.close()
-    assert timer.cancelled() and not relay._later
+    assert timer.cancelled() and not relay.timers.tasks
     assert await q.read_events("caller") == []  # nothing was cancelled by a timer that never fired
+
+
+async def attempts_of(q: MemoryQueue, rid: str = "r") -> None:
+    """Request ``rid`` of 6 tokens in two attempts: the first lost after sending 4 tokens of which
+    the caller had 3 when the second began (from there, numbered from 0 in its own stream)."""
+    await q.begin(rid, Attempt(rid, 0, "cpu", "tiny", 1, True), first=True)
+    for e in (ev(0, 10, 11), ev(2, 12, 13)):
+        await q.end(rid, e)
+    await q.begin(rid, Attempt(f"{rid}~1", 3, "cpu", "tiny", 1, True), first=False)
+    for e in (ev(0, 13), ev(1, 14, 15, end=True)):
+        await q.end(f"{rid}~1", e)
+
+
+def attachment(q: MemoryQueue, offset: int = 0, count: bool = False) -> Attachment:
+    s = GatewaySettings(reattach_grace_s=3600)
+    return Attachment(q, Liveness(q, s), DetachTimers(q, s.reattach_grace_s), "r", offset, count)
+
+
+async def test_an_abandoned_attempt_gives_what_it_sent_up_to_the_next_ones_start_and_never_an_end() -> None:
+    q = MemoryQueue()
+    await attempts_of(q)
+    reading = attachment(q, offset=1)
+    first, second = await reading.records()
+    read = await q.read_events("r") + [("9-0", ev(4, 14, end=True))]  # even a terminal event of it
+    got = list(reading.abandoned(first, second, read))
+    assert [(e.index, e.token_ids, e.terminal) for e in got] == [(1, (11,), False), (2, (12,), False)]
+    # A step's text goes with its last token: 10-11's with 11, 12-13's with 13 (the next attempt's).
+    assert [e.text for e in got] == ["<10><11>", ""]
+
+
+async def test_an_attach_through_the_attempts_is_contiguous_from_any_offset_and_ends_once() -> None:
+    q = MemoryQueue()
+    await attempts_of(q)
+    for offset in range(7):
+        got = [e async for _head, e in attachment(q, offset).events()]
+        sent = [e for e in got if e.token_ids]
+        assert [t for e in sent for t in e.token_ids] == [10, 11, 12, 13, 14, 15][offset:]
+        at = offset
+        for e in sent:
+            assert e.index == at
+            at += len(e.token_ids)
+        assert [e.terminal for e in got].count(True) == 1 and got[-1].terminal
+        assert got[-1].finished is not None and got[-1].finished.usage.completion_tokens == 6
+    with pytest.raises(errors.OutOfRange, match=r"offset 7 .* ended after 6 tokens"):
+        [e async for _head, e in attachment(q, 7).events()]
+    with pytest.raises(errors.NotFound):
+        [e async for _head, e in Attachment(q, Liveness(q, GatewaySettings()), DetachTimers(q, 1), "x").events()]
+
+
+async def test_a_counted_attach_dropped_again_detaches_the_request_again() -> None:
+    q = MemoryQueue()
+    await q.begin("r", Attempt("r", 0, "cpu", "tiny", 1, True), first=True)
+    await q.end("r", ev(0, 10))
+    timers = DetachTimers(q, 3600)
+    stream = Attachment(q, Liveness(q, GatewaySettings()), timers, "r", 0, count=True).events()
+    assert (await anext(stream))[1].token_ids == (10,)
+    await stream.aclose()  # the caller went away again, before the end
+    assert await q.attach_count("r") == 1 and len(timers.tasks) == 1
+    await timers.close()

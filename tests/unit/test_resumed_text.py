@@ -1,6 +1,6 @@
 """A resumed stream carries exactly the text of the tokens it carries: events joined by a reader that
 fell behind (``JobEvent.joined``) keep where each one's text ended, and the relay's cuts
-(services/relay.py ``_cut``) split the text there, so that the text of a stream resumed any number of
+(services/cursor.py ``cut``) split the text there, so that the text of a stream resumed any number of
 times, from any offset a caller can hold, equals that of the stream never interrupted."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from llamamesh.queue.memory import MemoryQueue
 from llamamesh.settings import GatewaySettings
 from llamamesh.types import Attempt, Finished, FinishReason, JobEvent, Usage
-from services.relay import QueueRelay, _cut
+from services.cursor import cut
+from services.relay import QueueRelay
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -51,7 +52,7 @@ def test_a_joined_event_cut_at_any_step_boundary_splits_its_text_exactly(
     joined = JobEvent.joined(events)
     assert joined.text == "".join(e.text for e in events) and joined.terminal
     k = data.draw(st.sampled_from(boundaries(events)))
-    head, tail = _cut(joined, 0, k), _cut(joined, k, None)
+    head, tail = cut(joined, 0, k), cut(joined, k, None)
     assert tail is not None
     # What a caller holding k tokens has is the text of the steps whose tokens it has.
     assert (head.text if head else "") == "".join(e.text for e in events if e.index + len(e.token_ids) <= k
@@ -66,7 +67,7 @@ def test_a_cut_inside_one_steps_tokens_still_adds_up_to_its_text(n: int, text: s
     token, whichever side of a cut that is."""
     step = JobEvent(text=text, token_ids=tuple(range(n)), index=0)
     cuts = sorted(data.draw(st.lists(st.integers(1, n - 1), max_size=3, unique=True)))
-    pieces = [_cut(step, lo, hi) for lo, hi in zip([0, *cuts], [*cuts, None], strict=True)]
+    pieces = [cut(step, lo, hi) for lo, hi in zip([0, *cuts], [*cuts, None], strict=True)]
     assert "".join(p.text for p in pieces if p) == text
     assert tuple(t for p in pieces if p for t in p.token_ids) == step.token_ids
 

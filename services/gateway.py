@@ -1,0 +1,199 @@
+"""The gateway assembled in one process (``start_gateway``): a grpc.aio server with the generation,
+admin and batch services, health and reflection, and what they share (the relay, the view of the
+pools, admission, the gatekeeper); ``Gateway.stop`` drains and closes it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from llamamesh.queue.protocol import BatchStore, JobQueue, Quotas
+from llamamesh.settings import AuthSettings, BatchSettings, BreakerSettings, GatewaySettings, LimitsSettings
+from llamamesh.tenants import TenantsFile
+from llamamesh.v1 import admin_pb2, admin_pb2_grpc, batch_pb2, batch_pb2_grpc, generation_pb2, generation_pb2_grpc
+from services import tls
+from services.accept import Acceptors
+from services.admin import AdminServicer
+from services.admission import Admission
+from services.auth import Gatekeeper
+from services.backends import Backends, backend_service
+from services.batch import BatchServicer
+from services.batch_sweeper import BatchSweeper
+from services.generation import GenerationServicer
+from services.health import HealthReporter
+from services.normalize import Normalizer
+from services.relay import QueueRelay
+from services.routing import RoutingPolicy, tokenizer_counter
+
+log = structlog.get_logger(__name__)
+
+GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
+BATCH_SERVICE = batch_pb2.DESCRIPTOR.services_by_name["BatchService"].full_name
+
+
+@dataclass
+class Gateway:
+    server: grpc.aio.Server
+    health: HealthReporter
+    backends: Backends
+    relay: QueueRelay
+    port: int
+    acceptors: Acceptors | None = None
+    sweeper: BatchSweeper | None = None
+    admission: Admission | None = None
+    # The plaintext health-only port (settings.health_port), and where it listens (0: none).
+    health_server: grpc.aio.Server | None = None
+    health_port: int = 0
+
+    async def stop(self, grace_s: float) -> None:
+        """Health NOT_SERVING, stop accepting, give open streams ``grace_s``, then close (the
+        health-only port last: probes see NOT_SERVING through the drain)."""
+        await self.health.shutdown()
+        await self.server.stop(grace_s)
+        if self.acceptors is not None:
+            await self.acceptors.stop()
+        await self.relay.close()
+        await self.backends.stop()
+        if self.admission is not None:
+            await self.admission.stop()
+        if self.sweeper is not None:
+            await self.sweeper.stop()
+        if self.health_server is not None:
+            await self.health_server.stop(0)
+
+
+async def health_only_server(
+    reporter: HealthReporter, host: str, port: int, share_port: bool
+) -> tuple[grpc.aio.Server, int]:
+    """A plaintext server of grpc.health.v1 alone (the same statuses as the main port): Kubernetes'
+    native gRPC probes cannot speak TLS, so with TLS on the main port they probe this one."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 1 if share_port else 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(reporter.servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if not bound:
+        raise OSError(f"cannot listen on {host}:{port} (LLAMAMESH_GATEWAY_HEALTH_PORT)")
+    await server.start()
+    return server, bound
+
+
+async def start_gateway(
+    queue: JobQueue,
+    settings: GatewaySettings,
+    port: int | None = None,
+    share_port: bool = False,
+    breaker: BreakerSettings | None = None,
+    batches: BatchStore | None = None,
+    batch: BatchSettings | None = None,
+    auth: AuthSettings | None = None,
+    limits: LimitsSettings | None = None,
+    quotas: Quotas | None = None,
+) -> Gateway:
+    """Build and start the server on ``settings.host``; port 0 picks a free port. ``share_port``: one
+    of several gateway processes on the same port (SO_REUSEPORT); otherwise a taken port fails.
+    ``auth.file``: callers must authenticate (services/auth.py); ``quotas``: tenants' budgets are
+    enforced (none: unlimited, e.g. over the in-memory queue of unit tests); ``batches``: the batch
+    service runs (the batch store needs Redis: the in-memory queue of unit tests has none). A bad
+    routing or normalisation rule raises ValueError before anything starts."""
+    models = settings.model_table()
+    policy = RoutingPolicy.parse(settings.routes, tokenizer_counter(settings.tokenizer) if settings.tokenizer else None)
+    normalizer = Normalizer.parse(settings.normalize_rules, settings.affinity_prefix_chars)
+    batch = batch or BatchSettings()
+    limits = limits or LimitsSettings()
+    auth_file = (auth or AuthSettings()).file
+    tenants = TenantsFile(auth_file, limits) if auth_file else None
+    server, gatekeeper = _grpc_server(settings, batch, tenants, limits, share_port)
+    acceptors = Acceptors(server, [gatekeeper], settings.acceptors)  # before any service is added
+    admission = Admission(quotas)
+    services = [GENERATION_SERVICE, ADMIN_SERVICE, *([BATCH_SERVICE] if batches is not None else [])]
+    reporter = HealthReporter(queue, services, interval_s=settings.health_interval_s,
+                              data_loss_hold_s=settings.data_loss_hold_s)  # fmt: skip
+    backends = _backends(queue, settings, breaker or BreakerSettings(), [*(m.pool for m in models), *policy.pools],
+                         reporter)  # fmt: skip
+    relay = QueueRelay(queue, settings, backends, policy, reporter.queue_generation)
+    generation_pb2_grpc.add_GenerationServiceServicer_to_server(
+        GenerationServicer(relay, settings, models, admission, normalizer, adapters_of=backends.adapters), server
+    )
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(backends, queue, models), server)
+    sweeper = None
+    if batches is not None:
+        servicer = BatchServicer(batches, settings, batch, models, policy, admission=admission, normalizer=normalizer,
+                                 adapters_of=backends.adapters)  # fmt: skip
+        batch_pb2_grpc.add_BatchServiceServicer_to_server(servicer, server)
+        sweeper = BatchSweeper(batches, batch.sweep_interval_s, quotas, batch.retention_s)
+    _add_health(server, reporter, services if settings.reflection else None)
+    gateway = Gateway(server=server, health=reporter, backends=backends, relay=relay, port=0, sweeper=sweeper,
+                      admission=admission, acceptors=acceptors)  # fmt: skip
+    await _start(gateway, settings, port, share_port)
+    log.info("gateway_started", host=settings.host, port=gateway.port, tls=bool(settings.tls_cert),
+             mtls=bool(settings.tls_client_ca), health_port=gateway.health_port or None,
+             acceptors=acceptors.n)  # fmt: skip
+    if normalizer:
+        log.info("normalize_rules_loaded", rules=[r.name for r in normalizer.rules])
+    if tenants is not None:
+        log.info("gateway_auth", tenants=len(tenants.current().tenants), file=tenants.path)
+    return gateway
+
+
+def _grpc_server(
+    settings: GatewaySettings, batch: BatchSettings, tenants: TenantsFile | None, limits: LimitsSettings,
+    share_port: bool,
+) -> tuple[grpc.aio.Server, Gatekeeper]:  # fmt: skip
+    """The grpc.aio server, behind the gatekeeper (authentication, concurrency, request sizes)."""
+    # The transport takes the largest request of any RPC; the gatekeeper bounds each RPC's own.
+    batch_bytes = batch.max_bytes + 1024 * 1024  # a batch just past max_bytes: INVALID_ARGUMENT naming it
+    gatekeeper = Gatekeeper(
+        tenants, limits, settings.max_concurrent_rpcs, settings.max_request_bytes,
+        {f"/{BATCH_SERVICE}/BatchGenerate": (batch_bytes, "LLAMAMESH_BATCH_MAX_BYTES")},
+    )  # fmt: skip
+    server = grpc.aio.server(
+        interceptors=[gatekeeper],
+        options=[
+            ("grpc.so_reuseport", 1 if share_port else 0),
+            ("grpc.max_receive_message_length", max(batch_bytes, settings.max_request_bytes)),
+        ],
+    )
+    return server, gatekeeper
+
+
+def _backends(
+    queue: JobQueue, settings: GatewaySettings, breaker: BreakerSettings, pools: list[str], reporter: HealthReporter
+) -> Backends:
+    """The view of ``pools`` (and their fallbacks), its health and the queue's told to ``reporter``."""
+    backends = Backends(
+        queue, pools, settings.fallback_table(), breaker,
+        on_health=lambda pool, up: reporter.set_backend(backend_service(pool), up),
+    )  # fmt: skip
+    reporter.watch(backends.saw_queue)
+    reporter.watch_writes(backends.saw_writes)
+    return backends
+
+
+def _add_health(server: grpc.aio.Server, reporter: HealthReporter, reflected: list[str] | None) -> None:
+    """grpc.health.v1 on the server, and reflection of ``reflected`` services (None: no reflection)."""
+    health_pb2_grpc.add_HealthServicer_to_server(reporter.servicer, server)
+    if reflected is not None:
+        health = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+        reflection.enable_server_reflection((*reflected, health, reflection.SERVICE_NAME), server)
+
+
+async def _start(gateway: Gateway, settings: GatewaySettings, port: int | None, share_port: bool) -> None:
+    """Listen (and on the health-only port), then start serving and every background task."""
+    gateway.port = tls.bind(gateway.server, settings, port)
+    if settings.health_port:
+        gateway.health_server, gateway.health_port = await health_only_server(
+            gateway.health, settings.host, settings.health_port, share_port
+        )
+    await gateway.server.start()
+    if gateway.acceptors is not None:
+        gateway.acceptors.start()
+    await gateway.health.start()
+    await gateway.backends.start()
+    if gateway.admission is not None:
+        gateway.admission.start()
+    if gateway.sweeper is not None:
+        gateway.sweeper.start()
