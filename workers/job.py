@@ -1,24 +1,19 @@
-"""Running one leased job: engine deltas -> events, ending with exactly one terminal event."""
+"""One leased job run on the engine: its deltas become events, and it ends with exactly one terminal
+event (finished or failed), published under ``shield``."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
+from typing import Protocol
 
 import structlog
 
 from llamamesh import metrics, tracing
 from llamamesh.errors import DeadlineExceeded, EngineDead, InternalError, LlamameshError, WorkerLost, field_of
 from llamamesh.queue.protocol import Lease
-from llamamesh.types import (
-    Failure,
-    Finished,
-    FinishReason,
-    JobEvent,
-    JobKind,
-    Usage,
-)
-from workers.outbox import Outbox
+from llamamesh.types import Failure, Finished, FinishReason, JobEvent, JobKind, TokenDelta, Usage
 from workers.samples import Samples
 
 log = structlog.get_logger(__name__)
@@ -32,128 +27,200 @@ def failure_of(exc: LlamameshError) -> Failure:
 
 
 def cancelled_event(lease: Lease, worker: str) -> JobEvent:
-    now = time.time_ns()
-    return JobEvent(
-        worker=worker,
-        finished=Finished(FinishReason.CANCELLED, Usage(0, 0), started_unix_ns=now),
-    )
+    """The terminal event of a job cancelled before it ran."""
+    finished = Finished(FinishReason.CANCELLED, Usage(0, 0), started_unix_ns=time.time_ns())
+    return JobEvent(worker=worker, finished=finished)
 
 
-async def run_job(
-    lease: Lease, engine: Samples, outbox: Outbox, worker: str, stopping: asyncio.Event | None = None
-) -> None:
-    """Drive the engine for one job and publish its events.
+class EventSink(Protocol):
+    """Where a job's events go: the worker's Outbox (workers/outbox.py)."""
 
-    The terminal event (finished or failed) is published under ``shield``, so a
-    cancelled job task still leaves one terminal event and an acked job. Raises
-    EngineDead after publishing, so the worker can stop.
+    def watch(self, lease: Lease) -> None: ...
+
+    def add(self, lease: Lease, event: JobEvent) -> None: ...
+
+    async def finish(self, lease: Lease, event: JobEvent) -> None: ...
+
+
+class Job:
+    """One job from its lease to its terminal event.
+
+    Invariants: each sample's events carry contiguous token indexes from 0; a sample of several that
+    ends while others go on says so (``sample_end``); the job publishes exactly one terminal event,
+    whether it finishes, fails, is cancelled or its engine dies; with ``n`` > 1 (workers/samples.py
+    merges the samples' deltas) the last sample to end ends the job.
     """
-    req = lease.request
-    started = time.time_ns()
-    first_token = 0
-    index = 0  # tokens generated, every sample's
-    at: dict[int, int] = {}  # each sample's next token index
-    # The samples still to end (n > 1: each ends on its own; the last one's end is the terminal event).
-    left = set(req.resume_samples) or set(range(req.sampling.samples))
-    prompt_tokens = 0
-    terminal: JobEvent | None = None
-    engine_timings: tuple[tuple[str, float], ...] = ()
-    dead: EngineDead | None = None
-    structlog.contextvars.bind_contextvars(request_id=req.request_id)
-    traced = tracing.JobSpan(req.trace, req.accepted_unix_ns, started, **{
-        "llamamesh.request_id": req.request_id, "llamamesh.pool": lease.pool, "llamamesh.worker": worker,
-        "llamamesh.kind": req.kind.value})  # fmt: skip
-    timer: asyncio.TimerHandle | None = None
-    probe = req.request_id.startswith(PROBE_PREFIX)  # the gateways' health probes: not counted as jobs
-    if not probe:
-        metrics.JOBS_STARTED.labels(lease.pool).inc()
-    generated = metrics.WORKER_TOKENS.labels(lease.pool)
-    try:
-        if req.deadline_unix_ns:
-            left_s = (req.deadline_unix_ns - started) / 1e9
-            if left_s <= 0:  # its caller gave up while it queued: never run it
-                raise DeadlineExceeded(f"the request's deadline passed {-left_s:.3f} s before a worker took it")
-            # At the deadline the engine aborts it (the slot frees even if no gateway cancels it).
-            timer = asyncio.get_running_loop().call_later(left_s, _abort_soon, engine, req.request_id)
-        if req.kind is JobKind.TOKENIZE:
-            ids = await engine.tokenize(req)
-            terminal = JobEvent(token_ids=tuple(ids), tokenized=True, worker=worker)
+
+    def __init__(
+        self, lease: Lease, engine: Samples, events: EventSink, worker: str, stopping: asyncio.Event | None = None
+    ) -> None:
+        """``stopping``: set by the worker's drain once its grace ran out; a job it aborts or cancels
+        then ends worker_lost (handed back), not cancelled."""
+        self.lease = lease
+        self.request = lease.request
+        self._engine = engine
+        self._events = events
+        self.worker = worker
+        self._stopping = stopping
+        self.started = time.time_ns()
+        self.first_token = 0
+        self.generated = 0  # tokens, every sample's
+        self._next: dict[int, int] = {}  # each sample's next token index
+        # The samples still to end (n > 1: each ends on its own; the last one's end is the terminal event).
+        self._left = set(self.request.resume_samples) or set(range(self.request.sampling.samples))
+        self._prompt_tokens = 0
+        self._engine_timings: tuple[tuple[str, float], ...] = ()
+        self.terminal: JobEvent | None = None
+        self.probe = self.request.request_id.startswith(PROBE_PREFIX)  # the gateways' probes: not counted
+        self._tokens = metrics.WORKER_TOKENS.labels(lease.pool)
+
+    async def run(self) -> None:
+        """Drive the engine and publish the job's events. The terminal event is published under
+        ``shield``, so a cancelled job still leaves one terminal event and an acked job. Raises
+        EngineDead after publishing, so that the worker stops; re-raises CancelledError."""
+        req = self.request
+        structlog.contextvars.bind_contextvars(request_id=req.request_id)
+        span = tracing.JobSpan(req.trace, req.accepted_unix_ns, self.started, **{
+            "llamamesh.request_id": req.request_id, "llamamesh.pool": self.lease.pool,
+            "llamamesh.worker": self.worker, "llamamesh.kind": req.kind.value})  # fmt: skip
+        if not self.probe:
+            metrics.JOBS_STARTED.labels(self.lease.pool).inc()
+        timer: asyncio.TimerHandle | None = None
+        dead: EngineDead | None = None
+        try:
+            timer = self._arm_deadline()
+            self.terminal = await (self._tokenize() if req.kind is JobKind.TOKENIZE else self._generate())
+        except asyncio.CancelledError:
+            self.terminal = self.cancelled()
+            raise
+        except EngineDead as exc:
+            log.error("engine_dead", error=str(exc))
+            dead, self.terminal = exc, self.failed(exc)
+        except LlamameshError as exc:
+            self.terminal = self.failed(exc)
+        except Exception:
+            log.exception("job_crashed")
+            self.terminal = self.failed(InternalError("internal error"))
+        finally:
+            if timer is not None:
+                timer.cancel()
+            await self._publish_terminal()
+            span.end(_outcome(self.terminal), self.first_token)
+            structlog.contextvars.unbind_contextvars("request_id")
+        if dead is not None:
+            raise dead
+
+    def _arm_deadline(self) -> asyncio.TimerHandle | None:
+        """At the request's deadline the engine aborts it (the slot frees even if no gateway cancels
+        it). DeadlineExceeded if it passed while the job queued: it never runs."""
+        deadline = self.request.deadline_unix_ns
+        if not deadline:
+            return None
+        left_s = (deadline - self.started) / 1e9
+        if left_s <= 0:
+            raise DeadlineExceeded(f"the request's deadline passed {-left_s:.3f} s before a worker took it")
+        return asyncio.get_running_loop().call_later(left_s, _abort_soon, self._engine, self.request.request_id)
+
+    async def _tokenize(self) -> JobEvent:
+        ids = await self._engine.tokenize(self.request)
+        return JobEvent(token_ids=tuple(ids), tokenized=True, worker=self.worker)
+
+    async def _generate(self) -> JobEvent:
+        self._events.watch(self.lease)
+        async for delta in self._engine.stream(self.request):
+            terminal = self.on_delta(delta)
+            if terminal is not None:
+                return terminal
+        return self.failed(InternalError("the engine ended without finishing"))
+
+    def on_delta(self, delta: TokenDelta) -> JobEvent | None:
+        """Take one engine delta: a non-terminal event goes to the sink at once; the event that ends
+        the job is returned (to publish once). Raises DeadlineExceeded or WorkerLost for an abort
+        that was the deadline's or the drain's rather than the caller's."""
+        self._count(delta)
+        self._check_abort(delta)
+        k = delta.sample
+        start = self._next.get(k, 0)
+        self._next[k] = start + len(delta.token_ids)
+        self.generated += len(delta.token_ids)
+        self._prompt_tokens = delta.prompt_tokens or self._prompt_tokens
+        event = JobEvent(delta.text, delta.token_ids, start, delta.logprobs, worker=self.worker, sample=k)
+        if delta.finish_reason is None:
+            if delta.token_ids or delta.text:
+                self._events.add(self.lease, event)
+            return None
+        self._left.discard(k)
+        if self._left and delta.finish_reason is not FinishReason.CANCELLED:
+            # One sample of several ended; the others go on.
+            self._events.add(self.lease, replace(event, sample_end=delta.finish_reason))
+            return None
+        self._engine_timings = delta.engine_timings_ms
+        usage = Usage(prompt_tokens=self._prompt_tokens, completion_tokens=self.generated)
+        return replace(event, finished=Finished(delta.finish_reason, usage, self.started, self.first_token))
+
+    def _count(self, delta: TokenDelta) -> None:
+        if not delta.token_ids:
             return
-        outbox.watch(lease)
-        async for delta in engine.stream(req):
-            if delta.token_ids:
-                if not probe:
-                    generated.inc(len(delta.token_ids))
-                if not first_token:
-                    first_token = time.time_ns()
-            if delta.finish_reason is FinishReason.CANCELLED and 0 < req.deadline_unix_ns <= time.time_ns():
-                raise DeadlineExceeded(f"aborted at the request's deadline after {index} tokens")
-            if delta.finish_reason is FinishReason.CANCELLED and stopping is not None and stopping.is_set():
-                # Aborted by this worker's drain, not by its caller: hand it back. The gateway takes
-                # worker_lost for a lost worker and resumes the stream elsewhere from these tokens.
-                raise WorkerLost(f"worker {worker!r} stopped after {index} tokens; handed back")
-            k = delta.sample
-            start = at.get(k, 0)
-            at[k] = start + len(delta.token_ids)
-            index += len(delta.token_ids)
-            prompt_tokens = delta.prompt_tokens or prompt_tokens
-            if delta.finish_reason is None:
-                if delta.token_ids or delta.text:
-                    outbox.add(lease, JobEvent(delta.text, delta.token_ids, start, delta.logprobs, worker=worker,
-                                               sample=k))  # fmt: skip
-                continue
-            left.discard(k)
-            if left and delta.finish_reason is not FinishReason.CANCELLED:
-                # One sample of several ended; the others go on.
-                outbox.add(lease, JobEvent(delta.text, delta.token_ids, start, delta.logprobs, worker=worker,
-                                           sample=k, sample_end=delta.finish_reason))  # fmt: skip
-                continue
-            engine_timings = delta.engine_timings_ms
-            terminal = JobEvent(
-                text=delta.text,
-                token_ids=delta.token_ids,
-                index=start,
-                logprobs=delta.logprobs,
-                worker=worker,
-                sample=k,
-                finished=Finished(
-                    finish_reason=delta.finish_reason,
-                    usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=index),
-                    started_unix_ns=started,
-                    first_token_unix_ns=first_token,
-                ),
-            )
+        if not self.probe:
+            self._tokens.inc(len(delta.token_ids))
+        if not self.first_token:
+            self.first_token = time.time_ns()
+
+    def _check_abort(self, delta: TokenDelta) -> None:
+        if delta.finish_reason is not FinishReason.CANCELLED:
             return
-        terminal = JobEvent(worker=worker, failed=failure_of(InternalError("the engine ended without finishing")))
-    except asyncio.CancelledError:
-        if stopping is not None and stopping.is_set():  # the worker gives it up: another one resumes it
-            lost = WorkerLost(f"worker {worker!r} stopped after {index} tokens; handed back")
-            terminal = JobEvent(worker=worker, failed=failure_of(lost))
+        if 0 < self.request.deadline_unix_ns <= time.time_ns():
+            raise DeadlineExceeded(f"aborted at the request's deadline after {self.generated} tokens")
+        if self._stopping is not None and self._stopping.is_set():
+            # Aborted by this worker's drain, not by its caller: hand it back. The gateway takes
+            # worker_lost for a lost worker and resumes the stream elsewhere from these tokens.
+            raise WorkerLost(f"worker {self.worker!r} stopped after {self.generated} tokens; handed back")
+
+    def cancelled(self) -> JobEvent:
+        """The terminal event of a job whose task was cancelled: handed back (worker_lost) when the
+        worker gives it up, so that another one resumes it; else cancelled, with the tokens made."""
+        if self._stopping is not None and self._stopping.is_set():
+            lost = WorkerLost(f"worker {self.worker!r} stopped after {self.generated} tokens; handed back")
+            return self.failed(lost)
+        finished = Finished(FinishReason.CANCELLED, Usage(0, self.generated), self.started, self.first_token)
+        return JobEvent(worker=self.worker, finished=finished)
+
+    def failed(self, exc: LlamameshError) -> JobEvent:
+        return JobEvent(worker=self.worker, failed=failure_of(exc))
+
+    async def _publish_terminal(self) -> None:
+        if self.terminal is None:
+            return
+        await asyncio.shield(self._events.finish(self.lease, self.terminal))
+        self._log_finished(self.terminal)
+
+    def _log_finished(self, event: JobEvent) -> None:
+        """The job's canonical line, job_finished, and its count in llamamesh_jobs_finished_total."""
+        req = self.request
+        fields: dict[str, object] = {
+            "kind": req.kind.value,
+            "model": req.model,
+            "queue_wait_ms": _ms(self.started - req.accepted_unix_ns) if req.accepted_unix_ns else None,
+            "duration_ms": _ms(time.time_ns() - self.started),
+        }
+        if event.finished is not None:
+            f = event.finished
+            ttft = _ms(self.first_token - req.accepted_unix_ns) if self.first_token and req.accepted_unix_ns else None
+            fields.update(status="ok", finish_reason=f.finish_reason.value, prompt_tokens=f.usage.prompt_tokens,
+                          completion_tokens=f.usage.completion_tokens, ttft_ms=ttft,
+                          **{f"{name}_ms": ms for name, ms in self._engine_timings})  # fmt: skip
+        elif event.failed is not None:
+            fields.update(status=event.failed.code, error=event.failed.message)
         else:
-            terminal = JobEvent(
-                worker=worker,
-                finished=Finished(FinishReason.CANCELLED, Usage(0, index), started, first_token),
-            )
-        raise
-    except EngineDead as exc:
-        log.error("engine_dead", error=str(exc))
-        dead = exc
-        terminal = JobEvent(worker=worker, failed=failure_of(exc))
-    except LlamameshError as exc:
-        terminal = JobEvent(worker=worker, failed=failure_of(exc))
-    except Exception:
-        log.exception("job_crashed")
-        terminal = JobEvent(worker=worker, failed=failure_of(InternalError("internal error")))
-    finally:
-        if timer is not None:
-            timer.cancel()
-        if terminal is not None:
-            await asyncio.shield(outbox.finish(lease, terminal))
-            _log_finished(lease, terminal, started, first_token, engine_timings, probe)
-        traced.end(_outcome(terminal), first_token)
-        structlog.contextvars.unbind_contextvars("request_id")
-    if dead is not None:
-        raise dead
+            fields.update(status="ok")
+        log.info("job_finished", **fields)
+        if not self.probe:
+            status = "cancelled" if _outcome(event) == "cancelled" else str(fields["status"])
+            metrics.JOBS_FINISHED.labels(self.lease.pool, status).inc()
+
+
+def _ms(ns: int) -> float:
+    return round(ns / 1e6, 2)
 
 
 def _outcome(event: JobEvent | None) -> str:
@@ -173,37 +240,3 @@ def _abort_soon(engine: Samples, request_id: str) -> None:
 
 
 _aborts: set[asyncio.Future[None]] = set()
-
-
-def _log_finished(
-    lease: Lease, event: JobEvent, started: int, first_token: int, engine_timings: tuple[tuple[str, float], ...],
-    probe: bool = False,
-) -> None:
-    req = lease.request
-    fields: dict[str, object] = {
-        "kind": req.kind.value,
-        "model": req.model,
-        "queue_wait_ms": round((started - req.accepted_unix_ns) / 1e6, 2) if req.accepted_unix_ns else None,
-        "duration_ms": round((time.time_ns() - started) / 1e6, 2),
-    }
-    if event.finished is not None:
-        f = event.finished
-        fields.update(
-            status="ok",
-            finish_reason=f.finish_reason.value,
-            prompt_tokens=f.usage.prompt_tokens,
-            completion_tokens=f.usage.completion_tokens,
-            ttft_ms=round((first_token - req.accepted_unix_ns) / 1e6, 2)
-            if first_token and req.accepted_unix_ns
-            else None,
-            **{f"{name}_ms": ms for name, ms in engine_timings},
-        )
-    elif event.failed is not None:
-        fields.update(status=event.failed.code, error=event.failed.message)
-    else:
-        fields.update(status="ok")
-    log.info("job_finished", **fields)
-    if probe:
-        return
-    cancelled = event.finished is not None and event.finished.finish_reason is FinishReason.CANCELLED
-    metrics.JOBS_FINISHED.labels(lease.pool, "cancelled" if cancelled else str(fields["status"])).inc()

@@ -149,7 +149,7 @@ class Outbox:
                 break
             except QueueUnavailable:
                 # Published again whole: what the failed try applied is written twice, and the
-                # reader drops the repeats by index (services/relay.py).
+                # reader drops the repeats by index (services/cursor.py).
                 log.warning("events_publish_failed", pending=len(batch), retry_in_s=round(await delays.wait(), 3))
         self.publishes += 1
         for lease, event in batch:

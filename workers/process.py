@@ -1,5 +1,6 @@
-"""The worker process: signals, the engine built from the settings (announced before its import),
-one Worker (workers/worker.py) over the Redis queue, and a bounded shutdown."""
+"""One worker process (ProcessMode.ONE_PROCESS, and each frontend or replica): signals, the engine
+built from the settings (announced before its import), one Worker (workers/worker.py) over the Redis
+queue, its health endpoint, and a bounded shutdown."""
 
 from __future__ import annotations
 
@@ -8,14 +9,12 @@ import contextlib
 import dataclasses
 import os
 import signal
-import sys
 import time
 
 import structlog
 
-from llamamesh import logs, metrics, tracing
+from llamamesh import metrics
 from llamamesh.errors import EngineDead, InvalidRequest, QueueUnavailable
-from llamamesh.loop import run_main
 from llamamesh.queue.batches import RedisBatches
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import Settings, prometheus_multiproc_dir
@@ -23,7 +22,6 @@ from llamamesh.types import WorkerState, WorkerStatus
 from workers.engines import registry
 from workers.engines.base import Engine
 from workers.health import HealthServer
-from workers.replicas import run_replicas_if_needed
 from workers.worker import FAILED_TTL_S, Worker
 
 log = structlog.get_logger(__name__)
@@ -98,21 +96,3 @@ async def _create_engine(settings: Settings, queue: RedisQueue) -> Engine:
         with contextlib.suppress(QueueUnavailable):
             await queue.heartbeat(failed, FAILED_TTL_S)
         raise EngineDead(why) from exc
-
-
-def main() -> None:
-    settings = Settings.from_env()
-    logs.configure(settings.log, "worker")
-    tracing.configure("worker")
-    code = run_replicas_if_needed(settings)
-    if code is not None:  # more GPUs than one engine spans: this process supervised one worker per group
-        sys.exit(code)
-    if settings.worker.engine == "vllm" and settings.vllm.frontends > 1:
-        from workers.frontends import run_frontends
-
-        sys.exit(run_frontends(settings))
-    sys.exit(run_main(serve(settings)))
-
-
-if __name__ == "__main__":
-    main()

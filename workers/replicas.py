@@ -1,10 +1,10 @@
-"""One worker process per group of GPUs: data parallelism through the queue.
+"""One worker process per group of GPUs (ProcessMode.REPLICAS): data parallelism through the queue.
 
-A worker's engine spans ``tensor_parallel_size`` GPUs (vLLM's and TensorRT-LLM's own executors do
-the sharding). When that setting is given (k >= 1) and the host shows more GPUs than k, the worker
-command becomes a supervisor of n // k worker processes, each seeing its own k GPUs
-(``CUDA_VISIBLE_DEVICES``) and leasing from the pool as consumer ``<name>-r<i>``: with k = 1, one
-worker per GPU. The default (0) keeps one worker over every visible GPU.
+A GPU engine spans the GPUs its registry entry's ``devices_field`` says (``tensor_parallel_size``:
+vLLM's and TensorRT-LLM's own executors do the sharding). When that setting is given (k >= 1) and the
+host shows more GPUs than k, the worker command becomes a supervisor of n // k worker processes, each
+seeing its own k GPUs (``CUDA_VISIBLE_DEVICES``) and leasing from the pool as consumer ``<name>-r<i>``:
+with k = 1, one worker per GPU. The default (0) keeps one worker over every visible GPU.
 
 The supervisor (llamamesh/supervisor.py, the same one the node and the gateway use) forwards
 SIGTERM/SIGINT (each replica drains as a worker does); a replica that dies is started again with
@@ -26,6 +26,7 @@ from llamamesh import metrics
 from llamamesh.errors import InvalidRequest
 from llamamesh.settings import Settings, prometheus_multiproc_dir
 from llamamesh.supervisor import Child, Supervisor
+from workers.engines.registry import EngineSpec
 from workers.health import supervisor_health
 
 log = structlog.get_logger(__name__)
@@ -45,13 +46,10 @@ def visible_gpus(env: Mapping[str, str]) -> list[str]:
     return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
 
 
-def tensor_parallel_size(settings: Settings) -> int:
-    """The engine's tensor parallel setting (0: every visible GPU); 0 for CPU engines."""
-    if settings.worker.engine == "vllm":
-        return settings.vllm.tensor_parallel_size
-    if settings.worker.engine == "trtllm":
-        return settings.trtllm.tensor_parallel_size
-    return 0
+def visible() -> list[str]:
+    """The GPUs this process may use, from its own environment (CUDA_VISIBLE_DEVICES is CUDA's
+    variable, not a setting; the replicas get this environment)."""
+    return visible_gpus(os.environ)
 
 
 def replica_gpus(gpus: list[str], tp: int, field: str) -> list[list[str]]:
@@ -65,16 +63,10 @@ def replica_gpus(gpus: list[str], tp: int, field: str) -> list[list[str]]:
     return [gpus[i : i + tp] for i in range(0, len(gpus), tp)]
 
 
-def run_replicas_if_needed(settings: Settings) -> int | None:
-    """Supervise one worker per GPU group when the settings and the visible GPUs call for it and
-    return the exit code; None when this process should be the (only) worker itself."""
-    tp = tensor_parallel_size(settings)
-    if not tp:
-        return None
-    # CUDA_VISIBLE_DEVICES is CUDA's variable, not a setting; the children get this environment.
-    env = dict(os.environ)
-    groups = replica_gpus(visible_gpus(env), tp, f"{settings.worker.engine}.tensor_parallel_size")
-    return run_replicas(settings, groups) if groups else None
+def replica_groups(settings: Settings, spec: EngineSpec, gpus: list[str]) -> list[list[str]]:
+    """The groups of the visible ``gpus`` that ``spec``'s replicas take for these settings; [] when one
+    worker takes them all. InvalidRequest on its devices setting when they do not split into groups."""
+    return replica_gpus(gpus, spec.devices_per_engine(settings), spec.devices_setting)
 
 
 def run_replicas(settings: Settings, groups: list[list[str]]) -> int:

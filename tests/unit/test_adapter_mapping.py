@@ -11,7 +11,7 @@ import pytest
 
 from llamamesh.errors import InternalError, InvalidRequest, PromptTooLong
 from llamamesh.types import ChatMessage, FinishReason, GenerationRequest
-from workers.engines import adapter, prompts, trtllm, vllm
+from workers.engines import adapter, prompts, trtllm_outputs, trtllm_requests, vllm_outputs, vllm_requests
 from workers.engines.transformers_batch import Batch
 
 pytestmark = pytest.mark.timeout(10)
@@ -33,9 +33,10 @@ class Engine(NamedTuple):
 
 
 ENGINES = [
-    Engine("vllm", vllm.finish_reason_of, "abort", ("error", "something-new"), vllm.check_prompt_len),
-    Engine("trtllm", trtllm.finish_reason_of, "cancelled", ("timeout", "not_finished"), trtllm.check_prompt_tokens),
-]
+    Engine("vllm", vllm_outputs.finish_reason_of, "abort", ("error", "something-new"), vllm_requests.check_prompt_len),
+    Engine("trtllm", trtllm_outputs.finish_reason_of, "cancelled", ("timeout", "not_finished"),
+           trtllm_requests.check_prompt_tokens),
+]  # fmt: skip
 each = pytest.mark.parametrize("engine", ENGINES, ids=[e.name for e in ENGINES])
 
 
@@ -64,7 +65,7 @@ def test_the_engines_own_abort_is_cancelled_and_other_endings_are_internal_error
 
 def test_vllms_repetition_ending_is_a_stop() -> None:
     """Only with repetition_detection, which we never set."""
-    assert vllm.finish_reason_of("repetition", "repetition_detected") is FinishReason.STOP
+    assert vllm_outputs.finish_reason_of("repetition", "repetition_detected") is FinishReason.STOP
 
 
 @each
@@ -79,7 +80,7 @@ def test_prompt_length_leaves_room_for_one_output_token(engine: Engine) -> None:
 
 
 def test_an_unknown_limit_is_left_to_the_library() -> None:
-    trtllm.check_prompt_tokens(10_000, 0, "prompt")  # LLAMAMESH_TRTLLM_MAX_SEQ_LEN unset: TensorRT-LLM checks
+    trtllm_requests.check_prompt_tokens(10_000, 0, "prompt")  # LLAMAMESH_TRTLLM_MAX_SEQ_LEN unset: TensorRT-LLM checks
 
 
 def test_logprobs_keep_the_sampled_token_and_the_top_n_by_rank() -> None:

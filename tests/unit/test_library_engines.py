@@ -22,6 +22,7 @@ from tests.unit import test_vllm_mapping as V
 from tests.unit.test_trtllm_mapping import trt  # noqa: F401 - the fixture that fakes tensorrt_llm
 from workers.engines.adapter import LibraryEngine
 from workers.engines.base import EngineStats
+from workers.engines.constraints import trtllm_guided, vllm_structured
 from workers.engines.trtllm import TrtllmEngine
 from workers.engines.vllm import VllmEngine
 
@@ -235,8 +236,8 @@ async def test_shutdown_ends_pending_streams_with_engine_dead(lib: Library) -> N
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: VllmEngine(V.WORKER, VllmSettings(), device_count=1),
-        lambda: TrtllmEngine(T.WORKER, TrtllmSettings(), device_count=1),
+        lambda: VllmEngine(V.WORKER, VllmSettings(), device_count=1, constraints=vllm_structured),
+        lambda: TrtllmEngine(T.WORKER, TrtllmSettings(), device_count=1, constraints=trtllm_guided),
     ],
     ids=["vllm", "trtllm"],
 )
@@ -283,7 +284,7 @@ async def test_requests_waiting_to_be_tokenised_at_shutdown_end_with_engine_dead
     await until(entered.is_set)
     other = GenerationRequest(request_id="r2", model="llama-8b", prompt="c")
     second = asyncio.create_task(collect(lib.engine, other, []))
-    await asyncio.sleep(0)  # the second one waits behind the batch in the tokenizer
+    await until(lambda: len(lib.engine._prompts._waiting) == 1)  # it waits behind the batch in the tokenizer
     shutting = asyncio.create_task(lib.engine.shutdown())
     await until(lambda: lib.engine._dead is not None)
     release.set()

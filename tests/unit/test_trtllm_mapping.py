@@ -33,19 +33,12 @@ from llamamesh.types import (
 from workers.engines import registry
 from workers.engines.adapter import lora_id
 from workers.engines.base import EngineStats
-from workers.engines.trtllm import (
-    NOT_INSTALLED,
-    Sent,
-    TrtllmEngine,
-    delta_of,
-    invalid_from_trtllm,
-    kv_cache_kwargs,
-    llm_kwargs,
-    lora_kwargs,
-    sampling_kwargs,
-    setting_of,
-    stat_figures,
-)
+from workers.engines.constraints import trtllm_guided
+from workers.engines.trtllm import TrtllmEngine
+from workers.engines.trtllm_args import NOT_INSTALLED, kv_cache_kwargs, llm_kwargs, lora_kwargs, setting_of
+from workers.engines.trtllm_outputs import Sent, delta_of
+from workers.engines.trtllm_requests import invalid_from_trtllm, sampling_kwargs
+from workers.engines.trtllm_stats import stat_figures
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -92,7 +85,7 @@ def test_every_setting_is_forwarded_verbatim() -> None:
         max_batch_size=256,
         max_num_tokens=16384,
         free_gpu_memory_fraction=0.85,
-        enable_block_reuse="false",
+        enable_block_reuse=False,
         trust_remote_code=True,
         enable_lora=True,
         max_loras=2,
@@ -122,7 +115,8 @@ def test_every_setting_is_forwarded_verbatim() -> None:
 
 @pytest.mark.parametrize(("raw", "expected"), [("true", True), ("TRUE", True), (" false ", False), ("", None)])
 def test_enable_block_reuse_is_tri_state(raw: str, expected: bool | None) -> None:
-    assert kv_cache_kwargs(TrtllmSettings(enable_block_reuse=raw)).get("enable_block_reuse") is expected
+    trtllm = Settings.from_env({"LLAMAMESH_TRTLLM_ENABLE_BLOCK_REUSE": raw}).trtllm
+    assert kv_cache_kwargs(trtllm).get("enable_block_reuse") is expected
 
 
 @pytest.mark.parametrize(
@@ -130,8 +124,6 @@ def test_enable_block_reuse_is_tri_state(raw: str, expected: bool | None) -> Non
     [
         (WorkerSettings(model_path=""), TrtllmSettings(), "worker.model_path"),
         (WORKER, TrtllmSettings(backend="onnx"), "trtllm.backend"),
-        (WORKER, TrtllmSettings(tensor_parallel_size=-1), "trtllm.tensor_parallel_size"),
-        (WORKER, TrtllmSettings(max_num_tokens=-5), "trtllm.max_num_tokens"),
     ],
 )
 def test_bad_settings_name_their_setting(worker: WorkerSettings, settings: TrtllmSettings, field: str) -> None:
@@ -141,16 +133,13 @@ def test_bad_settings_name_their_setting(worker: WorkerSettings, settings: Trtll
 
 
 @pytest.mark.parametrize(
-    ("settings", "field"),
-    [
-        (TrtllmSettings(free_gpu_memory_fraction=1.5), "trtllm.free_gpu_memory_fraction"),
-        (TrtllmSettings(enable_block_reuse="maybe"), "trtllm.enable_block_reuse"),
-    ],
-)
-def test_bad_kv_cache_settings_name_their_setting(settings: TrtllmSettings, field: str) -> None:
-    with pytest.raises(InvalidRequest) as exc:
-        kv_cache_kwargs(settings)
-    assert field_of(exc) == field
+    ("field", "value", "expected"),
+    [("tensor_parallel_size", -1, "an integer, 0 or more"), ("max_num_tokens", -5, "an integer, 0 or more"),
+     ("max_cpu_loras", -1, "an integer, 0 or more"), ("free_gpu_memory_fraction", 1.5, "a number, from 0 to 1")],
+)  # fmt: skip
+def test_out_of_range_settings_are_refused_naming_their_variable(field: str, value: object, expected: str) -> None:
+    with pytest.raises(ValueError, match=f"LLAMAMESH_TRTLLM_{field.upper()}={value}: expected {expected}"):
+        TrtllmSettings(**{field: value})  # type: ignore[arg-type]
 
 
 def test_llm_argument_errors_are_pinned_to_a_setting() -> None:
@@ -508,6 +497,7 @@ async def started(settings: TrtllmSettings | None = None, adapters: str = "") ->
         settings or TrtllmSettings(),
         device_count=1,
         stats_interval_s=0.01,
+        constraints=trtllm_guided,
     )
     await engine.start()
     return engine, engine._llm
@@ -560,7 +550,7 @@ async def test_an_engine_directory_uses_the_tensorrt_backend_llm(trt: SimpleName
 
 async def test_a_missing_tensorrt_llm_is_a_dead_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "tensorrt_llm", None)  # import fails: ModuleNotFoundError
-    engine = TrtllmEngine(WORKER, TrtllmSettings(), device_count=1)
+    engine = TrtllmEngine(WORKER, TrtllmSettings(), device_count=1, constraints=trtllm_guided)
     with pytest.raises(EngineDead) as exc:
         await engine.start()
     assert exc.value.message == NOT_INSTALLED and exc.value.message.startswith("tensorrt_llm is not installed")
@@ -593,9 +583,6 @@ def test_lora_kwargs_come_from_the_workers_adapters_and_the_settings() -> None:
     with pytest.raises(InvalidRequest) as engines:
         lora_kwargs(own, TrtllmSettings(backend="tensorrt"))
     assert field_of(engines) == "trtllm.enable_lora"
-    with pytest.raises(InvalidRequest) as negative:
-        lora_kwargs(WORKER, TrtllmSettings(enable_lora=True, max_cpu_loras=-1))
-    assert field_of(negative) == "trtllm.max_cpu_loras"
 
 
 async def test_adapters_go_with_their_lora_request_and_load_at_run_time(

@@ -28,26 +28,23 @@ from llamamesh.types import (
     TokenDelta,
 )
 from workers.engines import registry
+from workers.engines.adapter import lora_id
 from workers.engines.base import EngineStats
+from workers.engines.constraints import vllm_structured
 from workers.engines.params import DEFAULT_MAX_TOKENS
 from workers.engines.prompts import render_prompt_ids
-from workers.engines.vllm import (
-    BATCH_PRIORITY_OFFSET,
+from workers.engines.vllm import VllmEngine
+from workers.engines.vllm_args import (
     BATCH_STEP_TOKENS,
     SWAP_SPACE_GONE,
-    SchedulerSnapshot,
-    VllmEngine,
     check_engine_fields,
-    delta_of,
     engine_error_field,
     engine_kwargs,
-    engine_priority,
-    engine_timings,
     for_worker,
-    invalid_from_vllm,
-    lora_id,
-    sampling_kwargs,
 )
+from workers.engines.vllm_outputs import delta_of, engine_timings
+from workers.engines.vllm_requests import BATCH_PRIORITY_OFFSET, engine_priority, invalid_from_vllm, sampling_kwargs
+from workers.engines.vllm_stats import SchedulerSnapshot
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -84,7 +81,7 @@ def test_every_engine_setting_is_forwarded_verbatim() -> None:
         max_model_len=8192,
         gpu_memory_utilization=0.85,
         block_size=32,
-        enable_prefix_caching="false",
+        enable_prefix_caching=False,
         quantization="fp8",
         load_format="dummy",
         enforce_eager=True,
@@ -197,17 +194,15 @@ def test_an_unknown_scheduling_policy_names_its_setting() -> None:
 
 @pytest.mark.parametrize(("raw", "expected"), [("true", True), ("TRUE", True), (" false ", False), ("", None)])
 def test_enable_prefix_caching_is_tri_state(raw: str, expected: bool | None) -> None:
-    kwargs = engine_kwargs(WORKER, VllmSettings(enable_prefix_caching=raw), 1)
-    assert kwargs.get("enable_prefix_caching") is expected
+    vllm = Settings.from_env({"LLAMAMESH_VLLM_ENABLE_PREFIX_CACHING": raw}).vllm
+    assert engine_kwargs(WORKER, vllm, 1).get("enable_prefix_caching") is expected
 
 
 def test_bad_engine_settings_name_their_setting() -> None:
-    with pytest.raises(InvalidRequest) as exc:
-        engine_kwargs(WORKER, VllmSettings(enable_prefix_caching="maybe"), 1)
-    assert field_of(exc) == "vllm.enable_prefix_caching"
-    with pytest.raises(InvalidRequest) as exc:
-        engine_kwargs(WORKER, VllmSettings(tensor_parallel_size=-1), 1)
-    assert field_of(exc) == "vllm.tensor_parallel_size"
+    with pytest.raises(ValueError, match="LLAMAMESH_VLLM_ENABLE_PREFIX_CACHING='maybe'"):
+        VllmSettings(enable_prefix_caching="maybe")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="LLAMAMESH_VLLM_TENSOR_PARALLEL_SIZE=-1: expected an integer, 0 or more"):
+        VllmSettings(tensor_parallel_size=-1)
     with pytest.raises(InvalidRequest) as exc:
         engine_kwargs(WorkerSettings(model_path=""), VllmSettings(), 1)
     assert field_of(exc) == "worker.model_path"
@@ -571,7 +566,8 @@ def fake_sampling_params(**kw: Any) -> dict[str, Any]:
 
 def started(llm: FakeAsyncLLM, tokenizer: Any = None, max_model_len: int = 4096) -> VllmEngine:
     """A VllmEngine whose start() ran against ``llm`` (its vLLM names replaced by fakes)."""
-    engine = VllmEngine(WorkerSettings(model="llama-8b", model_path="/m", max_inflight=4), VllmSettings(), 1)
+    engine = VllmEngine(WorkerSettings(model="llama-8b", model_path="/m", max_inflight=4), VllmSettings(), 1,
+                        constraints=vllm_structured)  # fmt: skip
     engine._llm = llm
     engine._api = SimpleNamespace(  # type: ignore[assignment]
         tokens_input=lambda ids: {"type": "token", "prompt_token_ids": ids},
@@ -726,8 +722,7 @@ async def test_tokenize_matches_what_stream_sends() -> None:
 
 
 def test_frontends_split_max_inflight_and_name_their_consumers() -> None:
-    from workers.engines.vllm_frontends import split_inflight
-    from workers.frontends import frontend_settings
+    from workers.frontends import frontend_settings, split_inflight
 
     assert [split_inflight(1024, 4, i) for i in range(4)] == [256] * 4
     assert [split_inflight(10, 4, i) for i in range(4)] == [3, 3, 2, 2]
@@ -736,9 +731,8 @@ def test_frontends_split_max_inflight_and_name_their_consumers() -> None:
     shares = [frontend_settings(base, 4, i).worker for i in range(4)]
     assert [w.consumer for w in shares] == ["gpu-0-0", "gpu-0-1", "gpu-0-2", "gpu-0-3"]
     assert sum(w.max_inflight for w in shares) == 10
-    with pytest.raises(InvalidRequest) as ei:
-        engine_kwargs(WORKER, VllmSettings(frontends=0), device_count=1)
-    assert field_of(ei) == "vllm.frontends"
+    with pytest.raises(ValueError, match="LLAMAMESH_VLLM_FRONTENDS=0: expected an integer, 1 or more"):
+        VllmSettings(frontends=0)
 
 
 async def test_a_response_format_goes_as_structured_outputs_and_a_resume_of_one_is_refused() -> None:

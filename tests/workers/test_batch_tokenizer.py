@@ -76,6 +76,16 @@ def executor() -> Iterator[concurrent.futures.ThreadPoolExecutor]:
         yield pool
 
 
+async def waiting(batcher: BatchTokenizer, n: int) -> None:
+    """Until ``n`` requests wait for the next batch (bounded polling: each queues when its task runs)."""
+
+    async def poll() -> None:
+        while len(batcher._waiting) < n:  # noqa: ASYNC110 - bounded by wait_for
+            await asyncio.sleep(0.001)
+
+    await asyncio.wait_for(poll(), 5)
+
+
 async def test_requests_that_arrive_together_are_encoded_in_one_call_with_the_same_ids(
     executor: concurrent.futures.Executor,
 ) -> None:
@@ -96,7 +106,7 @@ async def test_requests_arriving_during_a_batch_go_in_the_next_one_and_a_batch_i
     first = asyncio.ensure_future(batcher.ids(prompt("a")))
     assert await asyncio.to_thread(tok.entered.wait, 10)
     rest = [asyncio.ensure_future(batcher.ids(prompt("b c", i))) for i in range(6)]
-    await asyncio.sleep(0)  # every one of them is waiting now
+    await waiting(batcher, 6)
     tok.gate.set()
     assert await first == [1, 101]
     assert await asyncio.gather(*rest) == [[1, 101, 101]] * 6
@@ -144,7 +154,7 @@ async def test_a_caller_that_goes_away_while_waiting_is_left_out(executor: concu
     assert await asyncio.to_thread(tok.entered.wait, 10)
     gone = asyncio.ensure_future(batcher.ids(prompt("b")))
     stays = asyncio.ensure_future(batcher.ids(prompt("c d")))
-    await asyncio.sleep(0)
+    await waiting(batcher, 2)
     gone.cancel()
     tok.gate.set()
     assert await first == [1, 101] and await stays == [1, 101, 101]

@@ -16,7 +16,8 @@ import redis
 from llamamesh.errors import InvalidRequest
 from llamamesh.queue.keys import Keys
 from llamamesh.settings import RedisSettings, Settings
-from workers.replicas import replica_gpus, tensor_parallel_size, visible_gpus
+from workers.engines.registry import ENGINES
+from workers.replicas import replica_gpus, replica_groups, visible_gpus
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,12 +47,16 @@ def test_replica_groups() -> None:
     assert exc.value.violations[0].field == "vllm.tensor_parallel_size"
 
 
-def test_the_engine_setting_decides() -> None:
-    s = Settings.from_env({"LLAMAMESH_WORKER_ENGINE": "vllm", "LLAMAMESH_VLLM_TENSOR_PARALLEL_SIZE": "1"})
-    assert tensor_parallel_size(s) == 1
-    s = Settings.from_env({"LLAMAMESH_WORKER_ENGINE": "trtllm", "LLAMAMESH_TRTLLM_TENSOR_PARALLEL_SIZE": "2"})
-    assert tensor_parallel_size(s) == 2
-    assert tensor_parallel_size(Settings.from_env({"LLAMAMESH_WORKER_ENGINE": "transformers"})) == 0
+def test_the_engine_setting_decides_how_many_gpus_a_replica_takes() -> None:
+    vllm = Settings.from_env({"LLAMAMESH_WORKER_ENGINE": "vllm", "LLAMAMESH_VLLM_TENSOR_PARALLEL_SIZE": "1"})
+    assert replica_groups(vllm, ENGINES["vllm"], ["0", "1"]) == [["0"], ["1"]]
+    trt = Settings.from_env({"LLAMAMESH_WORKER_ENGINE": "trtllm", "LLAMAMESH_TRTLLM_TENSOR_PARALLEL_SIZE": "2"})
+    assert replica_groups(trt, ENGINES["trtllm"], ["0", "1", "2", "3"]) == [["0", "1"], ["2", "3"]]
+    with pytest.raises(InvalidRequest) as exc:
+        replica_groups(trt, ENGINES["trtllm"], ["0", "1", "2"])
+    assert exc.value.violations[0].field == "trtllm.tensor_parallel_size"
+    cpu = Settings.from_env({"LLAMAMESH_WORKER_ENGINE": "transformers"})
+    assert replica_groups(cpu, ENGINES["transformers"], ["0", "1"]) == []
 
 
 SUPERVISE = """

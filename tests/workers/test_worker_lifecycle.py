@@ -12,6 +12,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from llamamesh.errors import EngineDead, QueueUnavailable
+from llamamesh.queue.keys import WORKER_GROUP
 from llamamesh.queue.memory import MemoryBatches, MemoryQueue
 from llamamesh.queue.protocol import Lease
 from llamamesh.queue.streams import RedisQueue
@@ -253,7 +254,7 @@ async def test_a_job_a_dead_worker_had_begun_is_not_run_again_from_the_start(red
         await queue.publish([(lease, JobEvent(text=" w1", token_ids=(1,), index=0, worker="w-dead"))], [])
         ws = settings("w-heir", claim_idle_s=0.3)
         engine = FakeEngine(ws)
-        await asyncio.sleep(0.4)  # the dead worker's lease ages past the claim idle time
+        await until(lambda: _idle_past(queue, 300))  # the dead worker's lease ages past the claim idle time
         stop = asyncio.Event()
         _worker, task = running(ws, queue, engine, stop)
         try:
@@ -336,6 +337,12 @@ async def test_an_event_writer_that_breaks_while_draining_cuts_the_drain_short(r
         with contextlib.suppress(Exception):
             await engine.shutdown()
         await queue.close()
+
+
+async def _idle_past(queue: RedisQueue, ms: int) -> bool:
+    """Every job leased in the pool has been idle (untouched) for more than ``ms``."""
+    rows = await queue.client.xpending_range(queue.keys.jobs("cpu"), WORKER_GROUP, "-", "+", 10)
+    return bool(rows) and all(int(r["time_since_delivered"]) > ms for r in rows)
 
 
 async def _logged(logs: list[dict[str, object]], event: str) -> bool:

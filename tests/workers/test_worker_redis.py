@@ -79,9 +79,9 @@ async def test_deltas_are_coalesced_per_step(running: Running) -> None:
     q = running.queue
     for i in range(8):
         await q.submit("cpu", req(f"k{i}", n=10))
-    before = running.worker._outbox.publishes
+    before = running.worker.outbox.publishes
     await asyncio.gather(*(events(q, f"k{i}") for i in range(8)))
-    publishes = running.worker._outbox.publishes - before
+    publishes = running.worker.outbox.publishes - before
     assert publishes <= 30, publishes  # 80 tokens; ~11 steps (+ periodic cancel checks)
 
 
@@ -266,8 +266,8 @@ async def test_a_job_whose_deadline_passed_in_the_queue_never_runs(running: Runn
 Started = tuple[Worker, FakeEngine, RedisQueue, asyncio.Event, "asyncio.Task[None]"]
 
 
-async def _start_worker(settings: RedisSettings, ws: WorkerSettings) -> Started:
-    queue = RedisQueue.from_settings(settings)
+async def _start_worker(settings: RedisSettings, ws: WorkerSettings, kind: type[RedisQueue] = RedisQueue) -> Started:
+    queue = kind.from_settings(settings)
     engine = FakeEngine(ws)
     await engine.start()
     worker = Worker(ws, queue, engine, block_ms=100)
@@ -305,22 +305,45 @@ async def test_a_dead_workers_job_is_taken_over_and_a_long_healthy_one_never_is(
         await queue.close()
 
 
+class HeadroomPolls(RedisQueue):
+    """Counts the worker's non-blocking looks at the other tenants' streams (a lease that excludes some)."""
+
+    polls = 0
+    _more: asyncio.Event | None = None
+
+    async def lease(self, pool: str, consumer: str, count: int, block_ms: int, exclude=()):  # type: ignore[no-untyped-def]
+        got = await super().lease(pool, consumer, count, block_ms, exclude)
+        if exclude:
+            self.polls += 1
+            if self._more is not None:
+                self._more.set()
+        return got
+
+    async def polled(self, n: int) -> None:
+        """Until ``n`` more polls than now (bounded: each takes a headroom_poll_s)."""
+        target = self.polls + n
+        while self.polls < target:
+            self._more = asyncio.Event()
+            await asyncio.wait_for(self._more.wait(), 5)
+
+
 async def test_a_tenant_behind_anothers_backlog_starts_in_the_headroom_at_once(redis_settings: RedisSettings) -> None:
     """Tenant A's backlog holds every slot but the headroom; tenant B's job takes that slot at once,
     long before any of A's ends, and A never takes it."""
     ws = WorkerSettings(pool="cpu", engine="fake", max_inflight=4, fake_step_s=0.05, consumer="w-headroom",
                         tenant_headroom=1)  # fmt: skip
-    worker, engine, queue, stop, task = await _start_worker(redis_settings, ws)
+    worker, engine, queue, stop, task = await _start_worker(redis_settings, ws, HeadroomPolls)
+    assert isinstance(queue, HeadroomPolls)
     try:
         backlog = [dataclasses.replace(req(f"a{i}", n=40), request_id=f"acme/a{i}", tenant="acme") for i in range(8)]
         for r in backlog:
             await queue.submit("cpu", r)
         deadline = time.monotonic() + 5
-        while len(worker._running) < 3:
+        while len(worker.jobs.running) < 3:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)  # polling the worker's admission, bounded by the deadline
-        await asyncio.sleep(0.2)  # several headroom polls: A still holds 3 of 4
-        assert len(worker._running) == 3
+        await queue.polled(3)  # several headroom polls: A still holds 3 of 4
+        assert len(worker.jobs.running) == 3
         t0 = time.monotonic()
         await queue.submit("cpu", dataclasses.replace(req("b0", n=2), request_id="beta/b0", tenant="beta"))
         got = await asyncio.wait_for(events(queue, "beta/b0"), 5)

@@ -4,8 +4,8 @@ own calls. Pure Python (no torch, vLLM or TensorRT-LLM import), so each adapter 
 pulling in another's library. Each adapter names its own library's words (its finish reasons, its
 length limit, its errors) where they differ.
 
-Used by: vllm.py and trtllm.py (all of it), transformers_batch.py (the length check). The prompt's
-rendering to ids is in prompts.py.
+Used by: the vllm*.py and trtllm*.py adapters (all of it), transformers_batch.py (the length check).
+The prompt's rendering to ids is in prompts.py.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from llamamesh.errors import InvalidRequest, Unavailable
@@ -77,6 +77,10 @@ def _reason(exc: BaseException) -> str:
     """xgrammar's error without its C++ source location: ``[time] file.cc:123: what`` -> ``what``."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return text.split(": ", 1)[1] if text.startswith("[") and ": " in text else text
+
+
+# What compiles constraints for one tokenizer: (tokenizer, vocab_size, stop token ids) -> Grammars.
+GrammarsFor = Callable[[Any, int, Iterable[int]], "Grammars"]
 
 
 class Grammars:

@@ -13,7 +13,7 @@ engine core steps whatever its frontend does; when the event loop was busy past 
 steps, the steps it missed are not skipped: each running request gets the tokens of every step
 it missed at once (the outbox then publishes them as one event, as vLLM's output processor
 merges what queued up). So the offered rate is exactly running / step, and CPU contention shows
-as later and fuller messages. "sleep" sleeps a step after each tick (the clock before 2026-12):
+as later and fuller messages. "sleep" sleeps a step after each tick:
 under load its period stretches beyond the step, so the offered rate itself drops.
 
 Poison, for fault tests, by the prompt's first word: ``__raise__`` makes the engine raise after

@@ -1,10 +1,10 @@
 """A request's prompt to token ids: one request (:func:`render_prompt_ids`), or every request that
 arrives together in one call of the tokenizer (:class:`BatchTokenizer`, what the GPU adapters use).
 
-Why batches: a wave of new requests (a closed-loop client's round, a burst of callers) used to be
-tokenised one request after another on the adapter's one tokenizer thread, so the last of 64 prompts
-of 512 tokens reached the engine some 100 ms after the first (the H200 runs of issue 19: tokenize p99
-92 ms, max 123 ms, against a median of 5). Hugging Face's fast tokenizers encode a list in parallel
+Why batches: a wave of new requests (a closed-loop client's round, a burst of callers) tokenised one
+request after another on the adapter's one tokenizer thread reaches the engine late: the last of 64
+prompts of 512 tokens some 100 ms after the first (on an H200: tokenize p99 92 ms, max 123 ms,
+against a median of 5). Hugging Face's fast tokenizers encode a list in parallel
 in Rust, and vLLM's own API server batches its encode calls the same way
 (``AsyncMicrobatchTokenizer``). The ids are the same as one call per request: each text is encoded
 on its own, without padding or truncation.

@@ -23,9 +23,11 @@ from llamamesh.errors import EngineDead, FailedPrecondition, InvalidRequest, Lla
 from llamamesh.settings import WorkerSettings, adapter_table
 from llamamesh.types import FinishReason, GenerationRequest, JobKind, TokenDelta
 from workers.engines.base import EngineStats, remember
+from workers.engines.constraints import Grammars, GrammarsFor
 from workers.engines.params import ResolvedSampling, resolve_sampling
-from workers.engines.transformers_batch import Admission, Batch, SeqOutput, StepResult
+from workers.engines.transformers_batch import Batch
 from workers.engines.transformers_model import load
+from workers.engines.transformers_sequence import Admission, SeqOutput, StepResult
 
 log = structlog.get_logger(__name__)
 
@@ -50,8 +52,11 @@ class TransformersEngine:
     that went away), ``max_batch_size`` (most sequences in one decode step), ``steps`` (steps run).
     """
 
-    def __init__(self, settings: WorkerSettings) -> None:
+    def __init__(self, settings: WorkerSettings, constraints: GrammarsFor = Grammars) -> None:
+        """``constraints``: what compiles a response_format for the loaded tokenizer (the registry's
+        compiler for this engine: xgrammar's, in this process)."""
         self._settings = settings
+        self._grammars = constraints
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamamesh-torch")
         self._batch: Batch | None = None
         self._scheduler: asyncio.Task[None] | None = None
@@ -110,7 +115,8 @@ class TransformersEngine:
         def load_batch() -> Batch:
             loaded = load(s.model_path, s.cache_dir, s.dtype, s.torch_threads(), on_phase=phase)
             phase("preparing the batch")
-            batch = Batch(loaded.model, loaded.tokenizer, s.max_model_len, s.batch_invariant, s.resume_replay_tokens)
+            batch = Batch(loaded.model, loaded.tokenizer, s.max_model_len, s.batch_invariant, s.resume_replay_tokens,
+                          grammars=self._grammars)  # fmt: skip
             for name, path in adapter_table(s.adapters).items():
                 phase(f"loading adapter {name}")
                 try:

@@ -26,10 +26,7 @@ forward of the whole batch is the engine's own failure.
 from __future__ import annotations
 
 import inspect
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import structlog
@@ -39,93 +36,36 @@ from transformers import DynamicCache
 from llamamesh.errors import InternalError, InvalidRequest, LlamameshError, NotFound
 from llamamesh.types import FinishReason, GenerationRequest, TokenLogprob
 from workers.engines.adapter import check_prompt_tokens
-from workers.engines.constraints import Grammars
-from workers.engines.detokenizer import IncrementalDetokenizer, StopStrings
+from workers.engines.constraints import Grammars, GrammarsFor
 from workers.engines.prompts import render_prompt_ids
-from workers.engines.sampling import ResolvedSampling, SequenceSampler, sample_batch, token_logprobs
+from workers.engines.sampling import SequenceSampler, sample_batch, token_logprobs
 from workers.engines.transformers_kv import RaggedKV, check_supported, use_aligned_attention
 from workers.engines.transformers_linear import use_row_groups
+from workers.engines.transformers_lora import PeftAdapters
+from workers.engines.transformers_sequence import Admission, Seq, SeqOutput, StepResult
 
-# peft's name for "no adapter" in a mixed batch (peft.tuners.lora: adapter_names).
-BASE_ADAPTER = "__base__"
+# Admission is also imported from here by the benchmarks (bench/row_groups.py).
+__all__ = ["Admission", "Batch"]
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class Admission:
-    request: GenerationRequest
-    params: ResolvedSampling
-    # The constraint's xgrammar matcher when compiled already (else the batch compiles it).
-    matcher: Any = None
-
-
-@dataclass
-class SeqOutput:
-    """What one sequence produced in one step."""
-
-    request_id: str
-    prompt_tokens: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-
-
-@dataclass
-class StepResult:
-    outputs: list[SeqOutput]
-    # Requests that end with an error: refused before prefill (prompt too long, no input, ...), or
-    # failed on their own (their prefill or their sample); the rest of the batch goes on.
-    rejected: list[tuple[str, LlamameshError]]
-    # Request ids still running after the step.
-    running: list[str]
-    # Real (unpadded) tokens held in the KV cache.
-    cached_tokens: int
-    # Sequences in this step's decode forward.
-    decode_batch: int
-
-
-class _Sequence:
-    def __init__(
-        self,
-        admission: Admission,
-        prompt_ids: list[int],
-        sampler: SequenceSampler,
-        tokenizer: Any,
-        n_prompt: int,
-        replay: Sequence[int] = (),
-    ) -> None:
-        self.request_id = admission.request.request_id
-        self.params = admission.params
-        # What precedes the output: the prompt, then any resumed tokens; n_prompt counts the prompt
-        # alone. The prefill runs all but ``replay``, the resumed tokens fed through decode steps.
-        self.prompt_ids = prompt_ids
-        self.n_prompt = n_prompt
-        self.prefill_ids = prompt_ids[: len(prompt_ids) - len(replay)]
-        self.replay: deque[int] = deque(replay)
-        self.sampler = sampler
-        self.detok = IncrementalDetokenizer(tokenizer)
-        self.stops = StopStrings(admission.params.stop)
-        self.stop_ids = frozenset(admission.params.stop_token_ids)
-        self.generated = 0
-        self.pending = -1
-        self.finished: FinishReason | None = None
-        # Set when this request failed on its own (its sample or its text); it leaves the batch.
-        self.error: LlamameshError | None = None
-        self.out: SeqOutput | None = None
-        self.adapter = admission.request.adapter
 
 
 class Batch:
     """The sequences in flight and their KV cache; not thread-safe (one torch thread drives it)."""
 
     def __init__(
-        self, model: Any, tokenizer: Any, max_model_len: int, row_groups: bool = True, replay_max: int = 0
+        self,
+        model: Any,
+        tokenizer: Any,
+        max_model_len: int,
+        row_groups: bool = True,
+        replay_max: int = 0,
+        grammars: GrammarsFor = Grammars,
     ) -> None:
         """ValueError if the model's attention or cache cannot be batched this way. ``row_groups``:
         decode GEMMs in fixed-shape groups (batch invariance, at a cost for small batches);
-        ``replay_max``: resumed tokens replayed through decode steps at most (more are prefilled)."""
+        ``replay_max``: resumed tokens replayed through decode steps at most (more are prefilled);
+        ``grammars``: what compiles response_format constraints for the tokenizer."""
         check_supported(model.config)
         use_aligned_attention(model)
         if row_groups:
@@ -145,54 +85,31 @@ class Batch:
             elif source is not None:
                 eos.update(source)
         self.eos_ids = frozenset(eos)
-        self.grammars = Grammars(tokenizer, self.vocab_size, self.eos_ids)
-        self._seqs: list[_Sequence] = []
+        self.grammars = grammars(tokenizer, self.vocab_size, self.eos_ids)
+        self._seqs: list[Seq] = []
         self._kv: RaggedKV | None = None
         # [B]: tokens in the cache per row, which is also the position of each pending token.
         self._lengths = torch.zeros(0, dtype=torch.long)
-        self._touched: list[_Sequence] = []
-        # LoRA adapters (peft): once one is loaded every forward goes through the PeftModel, each
-        # row with its adapter's name (peft's mixed-batch inference; BASE for the base model's rows).
-        self._peft: Any = None
-        self.adapters: set[str] = set()
+        self._touched: list[Seq] = []
+        self._peft = PeftAdapters(model)
 
     # --- LoRA adapters
+
+    @property
+    def adapters(self) -> set[str]:
+        return self._peft.names
 
     def load_adapter(self, name: str, path: str) -> None:
         """Load the PEFT adapter folder ``path`` as ``name`` (between steps, on the torch thread).
         NotFound if it is not there; InvalidRequest if peft cannot load it for this model."""
-        if name in self.adapters:
-            return
-        if not Path(path).expanduser().is_dir():
-            raise NotFound(f"adapter {name!r}: no folder {path!r}")
-        from peft import PeftModel
-
-        try:
-            if self._peft is None:
-                self._peft = PeftModel.from_pretrained(self.model, str(Path(path).expanduser()), adapter_name=name)
-                self._peft.eval()
-            else:
-                self._peft.load_adapter(str(Path(path).expanduser()), adapter_name=name)
-        except (OSError, ValueError, KeyError, RuntimeError) as exc:
-            raise InvalidRequest.field("adapter", f"cannot load adapter {name!r} from {path!r}: {exc}") from exc
-        self.adapters.add(name)
+        self._peft.load(name, path)
 
     def unload_adapter(self, name: str) -> None:
         """Drop adapter ``name`` (its running requests must have ended: the engine checks)."""
-        if name not in self.adapters:
-            return
-        self.adapters.discard(name)
-        if not self.adapters:  # the last one: the model gets its own layers back
-            self._peft.unload()
-            self._peft = None
-            return
-        self._peft.delete_adapter(name)
-        self._peft.set_adapter(sorted(self.adapters)[0])  # peft needs an active one (rows name theirs)
+        self._peft.unload(name)
 
-    def _forward(self, seqs: list[_Sequence], **kwargs: Any) -> Any:
-        if self._peft is None:
-            return self.model(**kwargs)
-        return self._peft(**kwargs, adapter_names=[s.adapter or BASE_ADAPTER for s in seqs])
+    def _forward(self, seqs: list[Seq], **kwargs: Any) -> Any:
+        return self._peft.forward([s.adapter for s in seqs], **kwargs)
 
     @property
     def running(self) -> int:
@@ -209,7 +126,7 @@ class Batch:
         neither (the GPU adapters' rendering: the same request gives the same ids on every engine)."""
         return render_prompt_ids(request, self.tokenizer)
 
-    def _admit(self, admission: Admission) -> _Sequence:
+    def _admit(self, admission: Admission) -> Seq:
         request = admission.request
         if request.adapter and request.adapter not in self.adapters:
             raise NotFound(f"adapter {request.adapter!r} is not loaded on this worker")
@@ -233,7 +150,7 @@ class Batch:
         sampler = SequenceSampler(
             admission.params, self.vocab_size, ids[: len(ids) - len(replay)], self.eos_ids, matcher
         )
-        seq = _Sequence(admission, ids, sampler, self.tokenizer, n_prompt, replay)
+        seq = Seq(admission, ids, sampler, self.tokenizer, n_prompt, replay)
         seq.detok.seed(resumed)
         return seq
 
@@ -257,7 +174,7 @@ class Batch:
                     keep.append(i)
             self._select(keep)
         rejected: list[tuple[str, LlamameshError]] = []
-        joining: list[tuple[_Sequence, RaggedKV]] = []
+        joining: list[tuple[Seq, RaggedKV]] = []
         for admission in admit:
             rid = admission.request.request_id
             try:
@@ -292,7 +209,7 @@ class Batch:
             decode_batch=decode_batch,
         )
 
-    def _prefill(self, seq: _Sequence) -> RaggedKV:
+    def _prefill(self, seq: Seq) -> RaggedKV:
         """Run the prompt alone (no padding: the same numbers as ``model.generate``); sample its first token.
         Raises what the sample raised (the request fails alone)."""
         n = len(seq.prefill_ids)
@@ -310,7 +227,7 @@ class Batch:
             raise seq.error
         return RaggedKV.from_prefill(cache, n)
 
-    def _join(self, joining: list[tuple[_Sequence, RaggedKV]]) -> None:
+    def _join(self, joining: list[tuple[Seq, RaggedKV]]) -> None:
         parts = ([self._kv] if self._kv is not None else []) + [kv for _, kv in joining]
         self._kv = parts[0] if len(parts) == 1 else RaggedKV.concat(parts)
         lengths = torch.tensor([len(s.prefill_ids) for s, _ in joining], dtype=torch.long)
@@ -356,7 +273,7 @@ class Batch:
 
     # --- sampling and stopping
 
-    def _sample(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
+    def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> None:
         """One token for each of ``seqs``; a sequence whose sample or text fails gets ``error`` set
         (and leaves the batch with it) while the others go on."""
         try:
@@ -386,7 +303,7 @@ class Batch:
                 seq.error = InternalError("the engine could not produce this request's next token")
 
     @staticmethod
-    def _sample_one(seq: _Sequence, logits: torch.Tensor) -> int | None:
+    def _sample_one(seq: Seq, logits: torch.Tensor) -> int | None:
         try:
             return sample_batch(logits, [seq.sampler])[0]
         except Exception:
@@ -394,34 +311,6 @@ class Batch:
             seq.error = InternalError("the engine could not sample this request's next token")
             return None
 
-    def _accept(self, seq: _Sequence, token: int, logprob: TokenLogprob | None) -> None:
-        out = seq.out
-        if out is None:
-            out = seq.out = SeqOutput(seq.request_id, seq.n_prompt)
+    def _accept(self, seq: Seq, token: int, logprob: TokenLogprob | None) -> None:
+        if seq.accept(token, logprob, self.eos_ids, self.max_model_len):
             self._touched.append(seq)
-        seq.sampler.observe(token)
-        seq.generated += 1
-        out.token_ids.append(token)
-        if logprob is not None:
-            out.logprobs.append(logprob)
-        n = seq.generated
-        reason: FinishReason | None = None
-        if token in seq.stop_ids or (token in self.eos_ids and not seq.params.ignore_eos):
-            # The stop token's own text is not part of the output.
-            reason = FinishReason.STOP
-            text = seq.detok.flush()
-        else:
-            text = seq.detok.push(token)
-            if n >= seq.params.max_tokens or len(seq.prompt_ids) + n >= self.max_model_len:
-                reason = FinishReason.LENGTH
-                text += seq.detok.flush()
-        emit, stopped = seq.stops.feed(text, check=n >= seq.params.min_tokens)
-        out.text += emit
-        if stopped:
-            reason = FinishReason.STOP_SEQUENCE
-        elif reason is not None:
-            out.text += seq.stops.flush()
-        if reason is None:
-            seq.pending = token
-        else:
-            seq.finished = out.finish_reason = reason

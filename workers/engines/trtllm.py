@@ -6,12 +6,13 @@ from the source file or page named next to it (repository NVIDIA/TensorRT-LLM un
 the unit tests drive it against a fake ``tensorrt_llm`` built from the same reading
 (tests/unit/test_trtllm_mapping.py). Where the sources were ambiguous a comment says so.
 
-The mapping between llamamesh and TensorRT-LLM is pure functions over plain data (:func:`llm_kwargs`,
-:func:`kv_cache_kwargs`, :func:`sampling_kwargs`, :func:`finish_reason_of`, :func:`delta_of`,
-:func:`invalid_from_trtllm`, :func:`stat_figures`; what both GPU adapters share, in adapter.py);
-:class:`TrtllmEngine` is the thin layer that builds TensorRT-LLM objects from them, on the stream
-skeleton it shares with vLLM's (adapter.LibraryEngine). ``tensorrt_llm`` is imported only by :class:`_Api`,
-from :meth:`TrtllmEngine.start` (and this module only when the registry picks the engine).
+The mapping between llamamesh and TensorRT-LLM is pure functions over plain data in the sibling
+modules (trtllm_args.py: the LLM's arguments; trtllm_requests.py: sampling parameters and errors;
+trtllm_outputs.py: cumulative outputs as deltas; trtllm_stats.py: the iteration stats; what both GPU
+adapters share, in adapter.py); :class:`TrtllmEngine` is the thin layer that builds TensorRT-LLM
+objects from them, on the stream skeleton it shares with vLLM's (adapter.LibraryEngine).
+``tensorrt_llm`` is imported only by trtllm_args.Api, from :meth:`TrtllmEngine.start` (and this
+module only when the registry builds the engine).
 
 TensorRT-LLM APIs used, and nothing else:
 
@@ -69,236 +70,29 @@ was not verified: TensorRT-LLM spawns MPI workers and registers atexit / signal 
 the loop until the model is loaded; the worker does not lease before that.
 """
 
+
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import os
-import re
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import structlog
 
-from llamamesh.errors import EngineDead, InternalError, InvalidRequest, PromptTooLong
-from llamamesh.settings import TrtllmSettings, WorkerSettings, adapter_table
-from llamamesh.types import (
-    FinishReason,
-    GenerationRequest,
-    ResponseConstraint,
-    SamplingParams,
-    TokenDelta,
-    TokenLogprob,
-)
-from workers.engines import adapter
-from workers.engines.adapter import SAMPLING_FIELDS, LibraryEngine, cancel_task, lora_id, token_logprobs
+from llamamesh.errors import EngineDead, InternalError, InvalidRequest
+from llamamesh.settings import TrtllmSettings, WorkerSettings
+from llamamesh.types import GenerationRequest, ResponseConstraint, TokenDelta
+from workers.engines.adapter import LibraryEngine, cancel_task, lora_id
 from workers.engines.base import EngineStats
-from workers.engines.constraints import constraint_error, library_constraint, trtllm_guided
-from workers.engines.params import library_sampling_kwargs
+from workers.engines.constraints import library_constraint
+from workers.engines.trtllm_args import Api, kv_cache_kwargs, llm_kwargs, lora_kwargs, setting_of
+from workers.engines.trtllm_outputs import Sent, delta_of
+from workers.engines.trtllm_requests import check_prompt_tokens, invalid_from_trtllm, sampling_kwargs
+from workers.engines.trtllm_stats import STATS_INTERVAL_S, IterationStats
 
 log = structlog.get_logger(__name__)
-
-BACKENDS = ("pytorch", "tensorrt")
-STATS_INTERVAL_S = 1.0
-NOT_INSTALLED = (
-    "tensorrt_llm is not installed: the trtllm engine needs it in the worker image "
-    "(the trtllm extra; see NVIDIA's TensorRT-LLM installation guide)"
-)
-
-# Our SamplingParams fields passed to TensorRT-LLM only when set (same names on both sides).
-_OPTIONAL_SAMPLING = (
-    "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
-    "ignore_eos", "min_tokens",
-)  # fmt: skip
-# TrtllmSettings fields forwarded to LLM(...) under their own name when non-empty / non-zero / true.
-_LLM_FIELDS = ("tokenizer", "dtype", "max_seq_len", "max_batch_size", "max_num_tokens", "trust_remote_code")
-_PROMPT_TOO_LONG = re.compile(r"prompt length|prompt_len|input length", re.I)
-
-
-# --- engine arguments
-
-
-def llm_kwargs(worker: WorkerSettings, settings: TrtllmSettings, device_count: int) -> dict[str, Any]:
-    """The ``LLM(...)`` keyword arguments for these settings (without ``kv_cache_config``): only the set
-    ones. ``device_count`` (the GPUs visible to the worker) is the tensor parallel size when the setting
-    is 0 on the pytorch backend; an engine directory keeps the parallelism it was built with.
-    Raises InvalidRequest naming the settings field for what can be checked without TensorRT-LLM."""
-    if not worker.model_path:
-        raise InvalidRequest.field(
-            "worker.model_path", "the trtllm engine needs a checkpoint folder, id or engine directory"
-        )
-    if settings.backend not in BACKENDS:
-        raise InvalidRequest.field("trtllm.backend", f"must be one of {', '.join(BACKENDS)}")
-    if settings.tensor_parallel_size < 0:
-        raise InvalidRequest.field("trtllm.tensor_parallel_size", "must be >= 1, or 0 for the default")
-    for name in ("max_seq_len", "max_batch_size", "max_num_tokens"):
-        if getattr(settings, name) < 0:
-            raise InvalidRequest.field(f"trtllm.{name}", "must be >= 1, or 0 for TensorRT-LLM's default")
-    kwargs: dict[str, Any] = {"model": worker.model_path}
-    if settings.tensor_parallel_size:
-        kwargs["tensor_parallel_size"] = settings.tensor_parallel_size
-    elif settings.backend == "pytorch":
-        kwargs["tensor_parallel_size"] = max(1, device_count)
-    for name in _LLM_FIELDS:
-        value = getattr(settings, name)
-        if value:
-            kwargs[name] = value
-    if settings.backend == "pytorch":
-        # stats() needs TensorRT-LLM's iteration stats; the PyTorch backend keeps them only when asked
-        # (the docs warn of a slight cost). The TensorRT backend has them on and no such field.
-        kwargs["enable_iter_perf_stats"] = True
-        # response_format: guided decoding needs its backend chosen when the LLM is built (the LLM API
-        # docs' guided decoding example); unverified here, like the rest of this adapter.
-        kwargs["guided_decoding_backend"] = "xgrammar"
-    return kwargs
-
-
-def lora_kwargs(worker: WorkerSettings, settings: TrtllmSettings) -> dict[str, Any] | None:
-    """``LoraConfig`` keyword arguments (the TensorRT-LLM LoRA docs' fields), or None when LoRA is off:
-    the worker's own adapters (LLAMAMESH_WORKER_ADAPTERS) go in ``lora_dir``; InvalidRequest names a bad
-    setting."""
-    own = adapter_table(worker.adapters)
-    if not own and not settings.enable_lora:
-        return None
-    if settings.backend != "pytorch":
-        raise InvalidRequest.field("trtllm.enable_lora", "LoRA adapters need the pytorch backend here")
-    kwargs: dict[str, Any] = {}
-    if own:
-        kwargs["lora_dir"] = list(own.values())
-    for name in ("max_loras", "max_cpu_loras", "max_lora_rank"):
-        value = getattr(settings, name)
-        if value < 0:
-            raise InvalidRequest.field(f"trtllm.{name}", "must be >= 1, or 0 for TensorRT-LLM's default")
-        if value:
-            kwargs[name] = value
-    modules = [m.strip() for m in settings.lora_target_modules.split(",") if m.strip()]
-    if modules:
-        kwargs["lora_target_modules"] = modules
-    return kwargs
-
-
-def kv_cache_kwargs(settings: TrtllmSettings) -> dict[str, Any]:
-    """``KvCacheConfig`` keyword arguments: only the set ones (empty: TensorRT-LLM's default config)."""
-    kwargs: dict[str, Any] = {}
-    fraction = settings.free_gpu_memory_fraction
-    if fraction:
-        if not 0.0 < fraction <= 1.0:
-            raise InvalidRequest.field("trtllm.free_gpu_memory_fraction", "must be in (0, 1], or 0 for the default")
-        kwargs["free_gpu_memory_fraction"] = fraction
-    reuse = settings.enable_block_reuse.strip().lower()
-    if reuse in ("true", "false"):
-        kwargs["enable_block_reuse"] = reuse == "true"
-    elif reuse:
-        raise InvalidRequest.field("trtllm.enable_block_reuse", "must be true, false, or empty for the default")
-    return kwargs
-
-
-def setting_of(message: str, keys: Sequence[str]) -> str:
-    """The setting a TensorRT-LLM argument error is about: the key the message names first."""
-    named = [(m.start(), key) for key in keys if (m := re.search(rf"(?<!\w){re.escape(key)}(?!\w)", message))]
-    if not named:
-        return "trtllm"
-    key = min(named)[1]
-    return "worker.model_path" if key == "model" else f"trtllm.{key}"
-
-
-# --- requests
-
-
-def sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
-    """TensorRT-LLM SamplingParams keyword arguments: max_tokens and temperature always (our defaults;
-    TensorRT-LLM samples greedily when temperature, top_p and top_k are all unset, and stops at 32
-    tokens), every other field only when set; top_k -1 or 0 becomes TensorRT-LLM's 0 (all logits)."""
-    # min_p: SamplingParams documents it ("None means using C++ runtime default 0.0"); whether the
-    # PyTorch backend's sampler applies it is not stated in what we read. A release whose SamplingParams
-    # lacks a field refuses it with TypeError, which stream() reports naming the field.
-    kwargs = library_sampling_kwargs(params, _OPTIONAL_SAMPLING)
-    if params.logprobs is not None:
-        # Ours: the sampled token's logprob plus the top n (0: none). TensorRT-LLM's: n per token, and
-        # 0 means no logprobs at all; so ask for at least 1 and keep n alternatives (token_logprobs).
-        kwargs["logprobs"] = max(1, params.logprobs)
-    return kwargs
-
-
-def invalid_from_trtllm(message: str, input_field: str, constraint: ResponseConstraint | None = None) -> InvalidRequest:
-    """A TensorRT-LLM argument error (SamplingParams or generate_async) as ours, naming our field: one
-    about the request's response_format names it; a prompt length error is PromptTooLong; else the
-    sampling field the message names first."""
-    about_format = constraint_error(message, constraint)
-    if about_format is not None:
-        return about_format
-    if _PROMPT_TOO_LONG.search(message):
-        return PromptTooLong.field(input_field, message)
-    named = [
-        (m.start(), name) for name in SAMPLING_FIELDS if (m := re.search(rf"(?<!\w){re.escape(name)}(?!\w)", message))
-    ]
-    if named:
-        return InvalidRequest.field(min(named)[1], message)
-    return InvalidRequest.field("request", message)
-
-
-def check_prompt_tokens(n_tokens: int, max_seq_len: int, input_field: str) -> None:
-    """Refuse an empty prompt, and (when LLAMAMESH_TRTLLM_MAX_SEQ_LEN is set, the only limit known here)
-    one that leaves no room for an output token; else TensorRT-LLM checks the length itself."""
-    adapter.check_prompt_tokens(n_tokens, max_seq_len, input_field, "max_seq_len")
-
-
-# --- outputs
-
-
-def finish_reason_of(reason: str | None, stop_reason: int | str | None) -> FinishReason | None:
-    """TensorRT-LLM's finish_reason/stop_reason as ours (adapter.finish_reason_of): "cancelled" is
-    CANCELLED; "timeout" (a request timeout, which we never set) and anything else raise InternalError."""
-    return adapter.finish_reason_of(reason, stop_reason, engine="TensorRT-LLM", cancelled="cancelled")
-
-
-@dataclasses.dataclass
-class Sent:
-    """How much of a request's cumulative output has been yielded already."""
-
-    text: int = 0
-    tokens: int = 0
-
-
-def delta_of(output: Any, sent: Sent, n_logprobs: int | None) -> TokenDelta:
-    """What one cumulative TensorRT-LLM output adds to what was ``sent`` (advanced in place). At a stop
-    TensorRT-LLM trims the stop string (text) and stop-word tokens off the cumulative fields; what was
-    already sent stays sent (TensorRT-LLM does not hold back a possible stop-string prefix as vLLM does)."""
-    if not output.outputs:
-        return TokenDelta()
-    completion = output.outputs[0]
-    text = completion.text or ""
-    ids = completion.token_ids or ()
-    new_ids = tuple(ids[sent.tokens :])  # slices only: the cumulative lists grow with the output
-    logprobs: tuple[TokenLogprob, ...] = ()
-    if n_logprobs is not None and completion.logprobs:
-        logprobs = token_logprobs(new_ids, completion.logprobs[sent.tokens : len(ids)], n_logprobs)
-    delta = TokenDelta(
-        text=text[sent.text :],
-        token_ids=new_ids,
-        logprobs=logprobs,
-        finish_reason=finish_reason_of(completion.finish_reason, completion.stop_reason),
-    )
-    sent.text = max(sent.text, len(text))
-    sent.tokens = max(sent.tokens, len(ids))
-    return delta
-
-
-def stat_figures(stat: Any) -> tuple[int, int, float] | None:
-    """(running, waiting, kv_cache_usage) from one iteration-stats entry, or None if it has none of them.
-    IterationResult yields dicts (json.loads of the runtime's JSON); a str is parsed the same way."""
-    if isinstance(stat, (str, bytes)):
-        stat = json.loads(stat)
-    if not isinstance(stat, Mapping) or "numActiveRequests" not in stat:
-        return None
-    kv = stat.get("kvCacheStats") or {}
-    used = int(kv.get("usedNumBlocks", 0))
-    total = int(kv.get("maxNumBlocks", 0)) or used + int(kv.get("freeNumBlocks", 0))
-    return int(stat["numActiveRequests"]), int(stat.get("numQueuedRequests", 0)), used / total if total else 0.0
-
-
-# --- the engine
 
 
 @dataclasses.dataclass
@@ -306,38 +100,6 @@ class _Stream:
     aborted: bool = False
     result: Any = None  # the RequestOutput, once submitted
     abort_sent: bool = False
-
-
-class _Api:
-    """The TensorRT-LLM names the engine uses, imported once by :meth:`TrtllmEngine.start`."""
-
-    def __init__(self, backend: str) -> None:
-        try:
-            import tensorrt_llm.llmapi as llmapi
-
-            if backend == "tensorrt":
-                from tensorrt_llm._tensorrt_engine import LLM
-            else:
-                LLM = llmapi.LLM
-        except ModuleNotFoundError as exc:
-            if exc.name is not None and exc.name.split(".")[0] == "tensorrt_llm":
-                raise EngineDead(NOT_INSTALLED) from exc
-            raise EngineDead(f"cannot import tensorrt_llm: {type(exc).__name__}: {exc}") from exc
-        except Exception as exc:  # CUDA / MPI libraries missing surface as all sorts of errors
-            raise EngineDead(f"cannot import tensorrt_llm: {type(exc).__name__}: {exc}") from exc
-        self.LLM = LLM
-        self.SamplingParams = llmapi.SamplingParams
-        self.GuidedDecodingParams = llmapi.GuidedDecodingParams
-        self.KvCacheConfig = llmapi.KvCacheConfig
-        self.RequestError: type[BaseException] = llmapi.RequestError
-
-    @staticmethod
-    def lora() -> tuple[Any, Any]:
-        """(LoraConfig, LoRARequest), imported only when LoRA is on (the paths of TensorRT-LLM's LoRA docs)."""
-        from tensorrt_llm.executor.request import LoRARequest
-        from tensorrt_llm.lora_manager import LoraConfig
-
-        return LoraConfig, LoRARequest
 
 
 def _prompt_tokenizer(tokenizer: Any) -> Any:
@@ -363,13 +125,16 @@ class TrtllmEngine(LibraryEngine):
         trtllm: TrtllmSettings,
         device_count: int | None = None,
         stats_interval_s: float = STATS_INTERVAL_S,
+        *,
+        constraints: Callable[[ResponseConstraint], dict[str, Any]],
     ) -> None:
+        """``constraints``: a response_format as ``GuidedDecodingParams`` keyword arguments (the
+        registry's compiler for TensorRT-LLM)."""
         super().__init__(settings)
         self._trtllm_settings = trtllm
         self._device_count = device_count
-        self._stats_interval_s = stats_interval_s
-        self._running = self._waiting = 0
-        self._kv_cache_usage = 0.0
+        self._constraints = constraints
+        self._figures = IterationStats(stats_interval_s)
         self._stats_task: asyncio.Task[None] | None = None
         # TensorRT-LLM has no stats before the first request, and says so on stdout at every poll.
         self._submitted = False
@@ -415,7 +180,7 @@ class TrtllmEngine(LibraryEngine):
 
     async def _start(self) -> None:
         settings = self._trtllm_settings
-        api = _Api(settings.backend)
+        api = Api(settings.backend)
         device_count = self._device_count
         if device_count is None and not settings.tensor_parallel_size and settings.backend == "pytorch":
             import torch
@@ -448,28 +213,14 @@ class TrtllmEngine(LibraryEngine):
                  tensor_parallel_size=kwargs.get("tensor_parallel_size"))  # fmt: skip
 
     async def _poll_stats(self) -> None:
-        """Owned by the engine: started by start(), cancelled and awaited by shutdown(). Drains
-        TensorRT-LLM's iteration stats as they come (one per engine step while busy); an idle engine
-        yields none (IterationResult ends after the timeout, and stays ended until the next request), so
-        a poll with no entry and no request of ours in flight reads as idle."""
-        interval = self._stats_interval_s
-        while True:
-            llm = self._llm
-            if llm is None:
-                return
-            seen = 0
-            if self._submitted:
-                try:
-                    async for stat in llm.get_stats_async(timeout=interval):
-                        figures = stat_figures(stat)
-                        if figures is not None:
-                            seen += 1
-                            self._running, self._waiting, self._kv_cache_usage = figures
-                except Exception as exc:  # stats are not worth the worker
-                    log.warning("trtllm_stats_failed", error=f"{type(exc).__name__}: {exc}")
+        """Owned by the engine: started by start(), cancelled and awaited by shutdown(). An idle engine
+        yields no stats, so a poll with no entry and no request of ours in flight reads as idle."""
+        figures = self._figures
+        while (llm := self._llm) is not None:
+            seen = await figures.drain(llm) if self._submitted else 0
             if not seen and not self._streams:
-                self._running = self._waiting = 0
-            await asyncio.sleep(interval)
+                figures.idle()
+            await asyncio.sleep(figures.interval_s)
 
     async def shutdown(self) -> None:
         """Abort what runs and shut TensorRT-LLM down (off the loop); streams still pending end with
@@ -502,9 +253,8 @@ class TrtllmEngine(LibraryEngine):
             raise EngineDead(self._dead)
 
     def stats(self) -> EngineStats:
-        return EngineStats(
-            running=self._running, waiting=self._waiting, kv_cache_usage=self._kv_cache_usage, steps=self._outputs
-        )
+        f = self._figures
+        return EngineStats(running=f.running, waiting=f.waiting, kv_cache_usage=f.kv_cache_usage, steps=self._outputs)
 
     # --- requests
 
@@ -519,7 +269,7 @@ class TrtllmEngine(LibraryEngine):
             log.warning("trtllm_abort_failed", error=f"{type(exc).__name__}: {exc}")
 
     def _submit(
-        self, llm: Any, api: _Api, ids: list[int], params: Any, input_field: str, request: GenerationRequest
+        self, llm: Any, api: Api, ids: list[int], params: Any, input_field: str, request: GenerationRequest
     ) -> Any:
         constraint = request.sampling.constraint
         lora: dict[str, Any] = {}
@@ -547,7 +297,7 @@ class TrtllmEngine(LibraryEngine):
         try:
             kwargs = sampling_kwargs(request.sampling)
             if constraint is not None:
-                kwargs["guided_decoding"] = api.GuidedDecodingParams(**trtllm_guided(constraint))
+                kwargs["guided_decoding"] = api.GuidedDecodingParams(**self._constraints(constraint))
             return api.SamplingParams(**kwargs)
         except (TypeError, ValueError) as exc:
             raise invalid_from_trtllm(str(exc), input_field, constraint) from exc

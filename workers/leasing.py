@@ -1,0 +1,204 @@
+"""How a worker takes work: by free slots (``max_inflight`` minus the jobs in flight), interactive
+jobs first, batch items within their share, the tenant headroom kept for tenants with nothing running
+here, and jobs of workers that died reclaimed; then each lease admitted (started, skipped or ended)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+
+import structlog
+
+from llamamesh import metrics
+from llamamesh.backoff import Delays
+from llamamesh.errors import QueueUnavailable, WorkerDied, WorkerLost
+from llamamesh.queue.protocol import BatchStore, Lease, WorkQueue
+from llamamesh.settings import BatchSettings, WorkerSettings
+from llamamesh.types import JobEvent
+from workers.batch import record, skipped_result
+from workers.inflight import Inflight
+from workers.job import cancelled_event, failure_of
+from workers.life import Life
+from workers.outbox import Outbox
+from workers.wakeups import any_set
+
+log = structlog.get_logger(__name__)
+
+
+class Leasing:
+    """The worker's lease loop and what it admits."""
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        queue: WorkQueue,
+        batches: BatchStore | None,
+        batch: BatchSettings,
+        block_ms: int,
+        jobs: Inflight,
+        outbox: Outbox,
+        life: Life,
+    ) -> None:
+        self._s = settings
+        self._queue = queue
+        self._batches = batches
+        self._b = batch
+        self._block_ms = block_ms
+        self._jobs = jobs
+        self._outbox = outbox
+        self._life = life
+        self._name = settings.consumer_name()
+        self._last_reclaim = 0.0
+        self._last_job_reclaim = time.monotonic()
+        # Only the tenant headroom was free at the last lease (see _interactive).
+        self._polling = False
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Lease by free slots until ``stop`` or the engine's death."""
+        delays = Delays(first_s=0.1)
+        slot_free = self._life.slot_free
+        while not stop.is_set() and self._life.engine_died is None:
+            free = self._s.max_inflight - len(self._jobs)
+            slot_free.clear()
+            if free <= 0:
+                await any_set(slot_free, stop)
+                continue
+            try:
+                leases = await self._lease(free)
+                delays.reset()
+            except QueueUnavailable:
+                # Redis is out: no worker could touch its jobs meanwhile, so reclaim none until a
+                # round of heartbeats has touched them again after it is back.
+                self._last_job_reclaim = self._last_reclaim = time.monotonic()
+                log.warning("lease_failed", retry_in_s=round(await delays.wait(stop), 3))
+                continue
+            if self._life.engine_died is not None and leases:
+                await self._hand_back(leases)  # its engine died while it was waiting for them
+                break
+            for lease in leases:
+                await self.admit(lease)
+            if not leases and self._polling:  # only the headroom is free: look again soon
+                await any_set(slot_free, stop, timeout=self._s.headroom_poll_s)
+
+    async def reclaim_own(self) -> None:
+        """This consumer's own leased jobs (a restart under the same name), admitted first."""
+        s = self._s
+        with contextlib.suppress(QueueUnavailable):
+            for lease in await self._queue.reclaim(s.pool, self._name, 0, s.max_inflight, s.max_deliveries, own=True):
+                await self.admit(lease)
+
+    async def _hand_back(self, leases: list[Lease]) -> None:
+        """Jobs leased after the engine died, never started: each ends ``worker_lost`` (not a death:
+        nothing ran), so the gateway sends it to another worker at once."""
+        lost = WorkerLost(f"worker {self._name!r} lost its engine before it started the job")
+        for lease in leases:
+            if lease.request.batch_id:
+                continue  # left leased: another worker reclaims it once idle (claim_idle_s)
+            await self._outbox.finish(lease, JobEvent(worker=self._name, failed=failure_of(lost)))
+        log.warning("jobs_handed_back", count=len(leases), reason="engine_died")
+
+    async def admit(self, lease: Lease) -> None:
+        """Start a leased job, or end it here: cancelled before it ran, begun by a worker that died
+        (its caller has tokens), or a batch item that is skipped or already running."""
+        rid = lease.request.request_id
+        if lease.request.batch_id and self._batches is not None:
+            await self._admit_item(lease, self._batches)
+        elif lease.cancelled:
+            await self._outbox.finish(lease, cancelled_event(lease, self._name))
+            log.info("job_skipped_cancelled", request_id=rid)
+        elif lease.started:
+            # A dead worker had begun it and its caller has those tokens: a run from the start would
+            # send them again. End it; the gateway resumes it elsewhere from what the caller has.
+            died = WorkerDied("the worker running it died; it is resumed from the tokens already sent")
+            await self._outbox.finish(lease, JobEvent(worker=self._name, failed=failure_of(died)))
+            log.info("job_not_restarted", request_id=rid)
+        else:
+            self._jobs.start(lease)
+
+    async def _admit_item(self, lease: Lease, batches: BatchStore) -> None:
+        rid = lease.request.request_id
+        if lease.cancelled or lease.expired:
+            await record(batches, lease, skipped_result(lease))
+        elif rid in self._jobs:
+            running = self._jobs.batch_running.get(rid)
+            if running is not None and running.entry_id == lease.entry_id:
+                # Its own entry, claimed back (its touches missed while Redis was out): it runs
+                # here already, and stays leased until it records its result.
+                return
+            # The same item queued twice (a resubmitted batch): run it once. Not dropped now (Redis
+            # out): it stays leased and comes back later, as a duplicate then or to run if the first
+            # copy ended without a result.
+            with contextlib.suppress(QueueUnavailable):
+                await batches.discard(lease)
+        else:
+            self._jobs.start(lease)
+
+    async def _lease(self, free: int) -> list[Lease]:
+        """Up to ``free`` jobs: interactive ones first; batch items fill what is left up to
+        ``max_share`` of the slots, and get ``min_share`` even while interactive work queues.
+
+        With batches on, the blocking read of the interactive stream waits at most 100 ms, so that
+        batch items (on another stream) are picked up as slots free; about ten reads a second idle."""
+        taken = await self._reclaim_jobs(free)
+        free -= len(taken)
+        if free <= 0:
+            return taken
+        if self._batches is None:
+            return [*taken, *await self._interactive(free, self._block_ms)]
+        slots = self._s.max_inflight
+        cap = max(1, int(slots * self._b.max_share))
+        floor = min(cap, math.ceil(slots * self._b.min_share))
+        batch = await self._reclaim_items(self._batches, free, cap)
+        reserve = min(free - len(batch), floor - len(self._jobs.batch_running) - len(batch))
+        if reserve > 0:
+            batch += await self._batches.lease_items(self._s.pool, self._name, reserve, None)
+        free -= len(batch)
+        inter = await self._interactive(free, min(self._block_ms, 100)) if free > 0 else []
+        free -= len(inter)
+        room = min(free, cap - len(self._jobs.batch_running) - len(batch), max(1, self._s.lease_batch))
+        if room > 0:  # not blocking: an idle Redis ends a short BLOCK only at its next tick (100 ms)
+            batch += await self._batches.lease_items(self._s.pool, self._name, room, None)
+        return [*taken, *inter, *batch]
+
+    async def _reclaim_items(self, batches: BatchStore, free: int, cap: int) -> list[Lease]:
+        """Every claim_idle_s / 2: batch items of workers that died, within the batch share."""
+        now = time.monotonic()
+        if now - self._last_reclaim < self._b.claim_idle_s / 2:
+            return []
+        self._last_reclaim = now
+        room = min(free, cap - len(self._jobs.batch_running))
+        if room <= 0:
+            return []
+        return await batches.reclaim(self._s.pool, self._name, int(self._b.claim_idle_s * 1000), room)
+
+    async def _interactive(self, free: int, block_ms: int) -> list[Lease]:
+        """Up to ``free`` interactive jobs, keeping ``tenant_headroom`` slots for tenants with
+        nothing running here: when only those are left, a non-blocking look at the other tenants'
+        streams (``_polling``: the lease loop looks again every ``headroom_poll_s``)."""
+        pool, name, step = self._s.pool, self._name, max(1, self._s.lease_batch)
+        busy = {x.tenant for x in self._jobs.running.values()}
+        headroom = min(self._s.tenant_headroom, self._s.max_inflight - 1)
+        self._polling = 0 < free <= headroom
+        if self._polling:
+            leases = await self._queue.lease(pool, name, min(free, step), 0, exclude=busy)
+        else:
+            leases = await self._queue.lease(pool, name, min(free - headroom, step), block_ms)
+        for x in leases:  # prefix affinity on: from its own partitions, or stolen from another's
+            if x.partition is not None:
+                metrics.AFFINITY_LEASES.labels(pool, "stolen" if x.stolen else "own").inc()
+        return leases
+
+    async def _reclaim_jobs(self, free: int) -> list[Lease]:
+        """Every claim_idle_s / 2: jobs untouched for claim_idle_s (of workers that died, or its own
+        that it does not run: leased but never started here, or acked in a Redis that lost it)."""
+        now = time.monotonic()
+        if now - self._last_job_reclaim < self._s.claim_idle_s / 2:
+            return []
+        self._last_job_reclaim = now
+        s = self._s
+        running = {x.ref for x in self._jobs.running.values()}  # entries of every tenant's stream
+        return await self._queue.reclaim(
+            s.pool, self._name, int(s.claim_idle_s * 1000), free, s.max_deliveries, running=running
+        )
