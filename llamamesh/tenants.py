@@ -20,7 +20,7 @@ restart)::
       }
     }
 
-- A tenant's ``limits`` override ``LLAMAMESH_LIMITS_*`` (llamamesh/settings.py: LimitsSettings)
+- A tenant's ``limits`` override ``LLAMAMESH_LIMITS_*`` (``LimitsSettings``, docs/configuration.md)
   field by field.
 - An API key is ``lm_<key id>_<secret>``; only its SHA-256 is stored (keys are 256 random bits, so
   a fast hash is enough), compared in constant time. The key id names it in logs and files.
@@ -104,6 +104,12 @@ def _limits(name: str, raw: Any, defaults: LimitsSettings) -> LimitsSettings:
         if not ok:
             raise ValueError(f"tenants file: tenants.{name}.limits.{k} must be a {want}, got {v!r}")
         values[k] = float(v) if want == "float" else v
+    for k, v in values.items():  # a value out of its range: the settings' own check, named as in the file
+        try:
+            replace(defaults, **{k: v})
+        except ValueError as exc:
+            why = str(exc).partition(": ")[2] or str(exc)
+            raise ValueError(f"tenants file: tenants.{name}.limits.{k}={v!r}: {why}") from None
     return replace(defaults, **values)
 
 

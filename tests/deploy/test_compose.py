@@ -26,7 +26,7 @@ COMPOSE_DIR = ROOT / "deploy" / "compose"
 COMPOSE = COMPOSE_DIR / "compose.yaml"
 # Variables of the compose file itself (interpolated by compose, never seen by a process): they
 # must not look like settings.
-COMPOSE_VARIABLES = {"LLAMAMESH_MODEL_DIR", "LLAMAMESH_MODEL_NAME", "GRAFANA_ADMIN_PASSWORD"}
+COMPOSE_VARIABLES = {"MODEL_DIR", "MODEL_NAME", "GRAFANA_ADMIN_PASSWORD"}
 # A margin above a grace period: the process's own shutdown after its grace (closing Redis, the engine).
 MARGIN_S = 5.0
 
@@ -138,7 +138,7 @@ def test_mounted_files_exist() -> None:
 def test_the_model_is_mounted_read_only_from_an_operator_path() -> None:
     worker = services()["worker-vllm"]
     mounts = {t: s for s, t in bind_mounts(worker)}
-    assert mounts.get("/models") == "${LLAMAMESH_MODEL_DIR:-./models}"
+    assert mounts.get("/models") == "${MODEL_DIR:-./models}"
     assert "/models:ro" in worker["volumes"][0]
     assert environment(worker)["LLAMAMESH_WORKER_MODEL_PATH"] == "/models"
 

@@ -3,10 +3,11 @@
 - one worker, tensor_parallel_size 2: one engine sharded over both GPUs;
 - tensor_parallel_size 1: one worker process per GPU (workers/replicas.py), both leasing from the pool.
 
-The model is the Llama-3.1-8B-shaped folder of the GPU device (random weights: ``load_format dummy``),
-``LLAMAMESH_E2E_MULTI_GPU_MODEL`` to use another. Text from random weights means nothing, so these
-tests assert streaming, token counts, cancellation, health and where the work ran, not content.
-NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends), as the device requires.
+The model is a Llama-3.1-8B-shaped folder (random weights: ``load_format dummy``; ``bench/model_dir.py``
+makes one) named by ``E2E_MULTI_GPU_MODEL``; without one the tests skip. Text from random weights
+means nothing, so these tests assert streaming, token counts, cancellation, health and where the
+work ran, not content. NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends), which hosts
+without NVLink multicast support need.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from tests.redisproc import RedisProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.gpu, pytest.mark.timeout(600)]
 
-MODEL = os.environ.get("LLAMAMESH_E2E_MULTI_GPU_MODEL", "/tmp/vllmdev/model/llama8b-dummy")
+MODEL = os.environ.get("E2E_MULTI_GPU_MODEL", "/tmp/vllmdev/model/llama8b-dummy")
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 

@@ -1,0 +1,79 @@
+"""Durable batches as stored: a batch's state and counts, and each item's result."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from llamamesh.types.events import FinishReason, Usage
+
+
+class BatchState(str, enum.Enum):
+    VALIDATING = "validating"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+    @property
+    def ended(self) -> bool:
+        return self in (BatchState.COMPLETED, BatchState.FAILED, BatchState.EXPIRED, BatchState.CANCELLED)
+
+
+class ItemStatus(str, enum.Enum):
+    SUCCEEDED = "succeeded"
+    ERRORED = "errored"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    """One batch item's outcome: exactly one per custom_id."""
+
+    custom_id: str
+    status: ItemStatus
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    usage: Usage = Usage(0, 0)  # noqa: RUF009 (Usage is frozen: one shared default is safe)
+    error_code: str = ""
+    error_message: str = ""
+    # An item with n > 1 samples: each sample's (text, finish reason), in order; ``text`` and
+    # ``finish_reason`` are sample 0's, ``usage`` counts them all. Empty for n = 1.
+    samples: tuple[tuple[str, FinishReason | None], ...] = ()
+
+    @classmethod
+    def unrun(cls, custom_id: str, status: ItemStatus, why: str) -> ItemResult:
+        """The result of an item that never ran (cancelled or expired), with ``why``."""
+        return cls(custom_id, status, error_code=status.value, error_message=why)
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """A batch as stored: its state, counts (processing = total - the rest) and the Unix time
+    (seconds) it entered each state (``times``, keyed by BatchState value)."""
+
+    batch_id: str
+    state: BatchState
+    owner: str
+    model: str
+    total: int
+    completion_window_s: int
+    created_at: float
+    expires_at: float
+    succeeded: int = 0
+    errored: int = 0
+    cancelled: int = 0
+    expired: int = 0
+    times: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    results_expire_at: float = 0.0
+    metadata: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def processing(self) -> int:
+        return self.total - self.succeeded - self.errored - self.cancelled - self.expired

@@ -1,0 +1,26 @@
+"""The names and ids callers choose: tenants, LoRA adapters, and how a tenant's ids are scoped."""
+
+from __future__ import annotations
+
+import re
+
+# Tenant names: what the tenants file and the x-llamamesh-tenant header may hold (no "/": it
+# separates a tenant from its ids, and no ":" or "~", which internal ids use).
+TENANT_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+DEFAULT_TENANT = "default"
+
+# Adapter names (a worker's LLAMAMESH_WORKER_ADAPTERS, GenerateRequest.adapter): no ":" (it separates
+# a model from its adapter) and nothing a path or a key would trip on.
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def scoped_id(tenant: str, public_id: str) -> str:
+    """The id under which a tenant's request or batch lives in Redis: ``tenant/id``, so that two
+    tenants may use one id independently; the default tenant's ids are bare (caller ids have no
+    ``/``, so the namespaces never meet)."""
+    return public_id if not tenant or tenant == DEFAULT_TENANT else f"{tenant}/{public_id}"
+
+
+def public_id(scoped: str) -> str:
+    """The id the caller chose, from ``scoped_id``'s result."""
+    return scoped.rpartition("/")[2]
