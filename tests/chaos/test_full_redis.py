@@ -13,8 +13,7 @@ import grpc
 import pytest
 import redis
 
-from llamamesh.client import serving
-from llamamesh.resume import error_reason
+from llamamesh.client import error_reason, serving
 from llamamesh.v1 import batch_pb2 as bpb
 from llamamesh.v1 import batch_pb2_grpc
 from llamamesh.v1 import generation_pb2 as pb

@@ -18,8 +18,8 @@ import pytest
 from grpc_health.v1 import health_pb2
 from structlog.testing import capture_logs
 
+from llamamesh.cli.node import Node, StartFailed
 from llamamesh.client import Client, Connection, SyncClient, serving
-from llamamesh.node import Node, StartFailed
 from llamamesh.queue.memory import MemoryQueue
 from llamamesh.settings import ClientSettings, GatewaySettings, Settings, WorkerSettings
 from llamamesh.v1 import generation_pb2 as pb

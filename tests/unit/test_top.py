@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llamamesh import top
+from llamamesh.cli import top
 from llamamesh.v1 import admin_pb2 as pb
 from services.backends import TokenRate
 

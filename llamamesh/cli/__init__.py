@@ -1,0 +1,56 @@
+"""The ``llamamesh`` command.
+
+  llamamesh serve                 a whole node: embedded Valkey (unless LLAMAMESH_REDIS_URL), gateway, CPU worker
+  llamamesh gateway | worker      one process of a node (what Kubernetes runs)
+  llamamesh generate "..."        stream an answer to the terminal
+  llamamesh demo "..."            start a node, stream one answer, stop
+  llamamesh models | tokenize     the models served; a prompt's token ids
+  llamamesh top [--once]          each pool: workers, requests in flight / slots, queue, tokens/s (AdminService)
+  llamamesh batch submit FILE.jsonl [--summarise]   submit a durable batch, show its progress
+  llamamesh batch status | results | cancel | list  follow it (JSONL formats: llamamesh/cli/batchfile.py)
+  llamamesh auth create-key TENANT [--admin] | revoke-key KEY_ID | list-keys   the tenants file
+  llamamesh config                the effective configuration, secrets redacted
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import metadata
+
+from llamamesh.cli import auth, batch, config, generate, models, serve, top
+from llamamesh.cli.flags import BadSetting
+
+# Each command module adds its own subcommands, in the order `llamamesh --help` lists them.
+COMMANDS = (serve, generate, models, top, batch, auth, config)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="llamamesh", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--version", action="version", version=f"llamamesh {_version()}")
+    sub = p.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        command.add_parsers(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the command ``argv`` (default: the process's arguments) and exit with its code; a bad
+    setting exits 1 with one line naming it."""
+    args = parser().parse_args(argv)
+    try:
+        sys.exit(args.func(args))
+    except BadSetting as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def _version() -> str:
+    """The installed package's version."""
+    try:
+        return metadata.version("llamamesh")
+    except metadata.PackageNotFoundError:  # a checkout run without installing it
+        return "unknown"

@@ -1,0 +1,5 @@
+"""``python -m llamamesh.cli``: the ``llamamesh`` command."""
+
+from llamamesh.cli import main
+
+main()

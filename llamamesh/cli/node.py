@@ -1,0 +1,316 @@
+"""A whole node on one machine (``llamamesh serve`` and ``demo``): Redis (embedded Valkey unless a URL
+is set), the gateway process and worker processes, under one supervisor (llamamesh/supervisor.py).
+
+The gateway and the embedded Redis are essential: if either ends, the node stops. A worker that exits
+is restarted with backoff, its exit written into its heartbeat (``failed``, why, when it restarts) so
+that gateways and ``ListBackends`` say why the pool is short, crash-looping included. The children
+are ``python -m services`` and ``python -m workers`` configured through ``Settings.to_env``, so the
+core never imports either side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import IO
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2
+
+from llamamesh import metrics
+from llamamesh.cli.embedded import EmbeddedRedis
+from llamamesh.client import Client
+from llamamesh.errors import QueueUnavailable
+from llamamesh.queue.streams import RedisQueue
+from llamamesh.settings import Settings, prometheus_multiproc_dir
+from llamamesh.supervisor import Child, ChildState, Supervisor
+from llamamesh.types import WorkerState, WorkerStatus
+
+log = structlog.get_logger(__name__)
+
+# Between a worker's own reason for failing and what the supervisor adds (its exit, the restart).
+NOTE = " · "
+
+
+class StartFailed(Exception):
+    """The node did not come up; the message is one line saying why."""
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """One of the node's workers as the gateway sees it."""
+
+    name: str
+    state: str
+    detail: str
+    since_unix_s: float
+
+
+class Node:
+    """One machine's node: ``start``, ``wait_ready``, then ``wait`` (supervise) and ``stop``."""
+
+    def __init__(self, settings: Settings, workers: int = 1, log_file: Path | None = None) -> None:
+        self.settings = settings
+        self._n_workers = workers
+        self._log_file = log_file
+        self._embedded: EmbeddedRedis | None = None
+        self._log_handle: IO[bytes] | None = None
+        self.supervisor: Supervisor | None = None
+        self._metrics: metrics.Aggregate | None = None
+        # Stable consumer names: a restarted worker takes its own leased jobs first and replaces
+        # its own heartbeat.
+        base = settings.worker.consumer or f"{socket.gethostname()}-{os.getpid()}"
+        self.worker_names = [f"{base}-w{i}" for i in range(workers)]
+
+    @property
+    def address(self) -> str:
+        g = self.settings.gateway
+        return f"{g.host}:{g.port}"
+
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        """Where the gateway's and the workers' /metrics are (empty before start)."""
+        g, w = self.settings.gateway, self.settings.worker
+        out = {}
+        if g.metrics_port:
+            out["gateway"] = f"http://{g.host}:{g.metrics_port}/metrics"
+        if w.metrics_port:
+            out["workers"] = f"http://{w.metrics_host}:{w.metrics_port}/metrics"
+        return out
+
+    def client(self) -> Client:
+        """A client of the node's gateway with the client settings (LLAMAMESH_CLIENT_*: API key, CA,
+        certificate), over TLS when the gateway speaks it."""
+        return Client.from_settings(self.address, self.settings.client, tls=bool(self.settings.gateway.tls_cert))
+
+    def start(self) -> None:
+        """Start Redis (if embedded), the gateway and the workers. Raises if one cannot start."""
+        if self.settings.gateway.tls_client_ca and not self.settings.client.tls_cert:
+            raise StartFailed(
+                "the gateway asks clients for a certificate (LLAMAMESH_GATEWAY_TLS_CLIENT_CA): set "
+                "LLAMAMESH_CLIENT_TLS_CERT and LLAMAMESH_CLIENT_TLS_KEY so the node can watch it start"
+            )
+        if not self.settings.redis.url:
+            self._embedded = EmbeddedRedis(self.settings.redis.embedded_dir)
+            url = self._embedded.start()
+            self.settings = replace(self.settings, redis=replace(self.settings.redis, url=url))
+        # Metrics on: the gateway serves its own (all its processes'), this process the workers'
+        # (they write into one directory); a port left 0 is a free one.
+        g, w = self.settings.gateway, self.settings.worker
+        self.settings = self.settings.with_overrides(
+            gateway={"metrics_port": g.metrics_port or _free_port(g.host)},
+            worker={"metrics_port": w.metrics_port or _free_port(w.metrics_host)},
+        )
+        w = self.settings.worker
+        self._metrics = metrics.Aggregate(w.metrics_port, w.metrics_host, "worker", prometheus_multiproc_dir())
+        env = self.settings.to_env()
+        worker_env = {**env, "LLAMAMESH_WORKER_METRICS_PORT": "0", "LLAMAMESH_WORKER_HEALTH_PORT": "0",
+                      **self._metrics.children_env()}  # fmt: skip
+        if self._log_file is not None:
+            self._log_file.parent.mkdir(parents=True, exist_ok=True)
+            self._log_handle = self._log_file.open("ab")
+        children = [Child("gateway", (sys.executable, "-m", "services"), env, essential=True)]
+        children += [
+            Child(f"worker-{i}", (sys.executable, "-m", "workers"), {**worker_env, "LLAMAMESH_WORKER_CONSUMER": name})
+            for i, name in enumerate(self.worker_names)
+        ]
+        self.supervisor = Supervisor(children, output=self._log_handle, on_exit=self._worker_exited)
+        self.supervisor.start()
+        if self._embedded is not None and self._embedded.process is not None:
+            self.supervisor.watch("redis", self._embedded.process)
+        log.info("node_started", address=self.address, redis=self.settings.redis.url, workers=self._n_workers,
+                 metrics=self.metrics_urls)  # fmt: skip
+
+    def _worker_exited(self, state: ChildState) -> None:
+        """Write the exit into the worker's heartbeat (keeping the reason it gave, if it failed to
+        start), for as long as it waits to restart."""
+        if self._metrics is not None and state.name.startswith("worker-"):
+            self._metrics.process_dead(state.pid)
+        if not state.name.startswith("worker-") or state.restart_at is None:
+            return
+        name = self.worker_names[int(state.name.removeprefix("worker-"))]
+        wait_s = max(0.0, state.restart_at - time.monotonic())
+        note = f"its process exited with code {state.last_exit}; restarting in {wait_s:.0f} s"
+        if state.crash_looping:
+            note = f"crash-looping ({state.quick_exits} quick exits in a row): {note}"
+        # A thread of its own: this runs inside wait_ready's event loop too. Bounded by the 2-s timeouts.
+        t = threading.Thread(target=asyncio.run, args=(self._note_exit(name, note, wait_s + 30),), daemon=True)
+        t.start()
+        t.join(10)
+
+    async def _note_exit(self, name: str, note: str, ttl_s: float) -> None:
+        ws = self.settings.worker
+        queue = RedisQueue.from_settings(self.settings.redis)
+        try:
+            seen = {w.worker: w for w in await asyncio.wait_for(queue.workers(ws.pool), 2)}.get(name)
+            base = seen or WorkerStatus(worker=name, pool=ws.pool, model=ws.model, engine=ws.engine)
+            # The reason a worker gave for failing stays first; an earlier note of ours is replaced.
+            why = base.detail.split(NOTE)[0] if base.failed and base.detail else ""
+            detail = f"{why}{NOTE}{note}" if why else note
+            failed = replace(base, state=WorkerState.FAILED.value, detail=detail, since_unix_s=time.time())
+            await asyncio.wait_for(queue.heartbeat(failed, ttl_s), 2)
+        except (QueueUnavailable, asyncio.TimeoutError):
+            log.warning("worker_exit_not_reported", worker=name)
+        finally:
+            await queue.close()
+
+    def poll(self) -> int | None:
+        """Reap and restart children once; the node's exit code if an essential one ended, else None."""
+        assert self.supervisor is not None, "start() first"
+        return self.supervisor.step()
+
+    def wait(self) -> int:
+        """Supervise until SIGTERM/SIGINT (0) or until the gateway or the embedded Redis ends (its
+        code); workers that exit meanwhile are restarted."""
+        assert self.supervisor is not None, "start() first"
+        return self.supervisor.run()
+
+    async def workers(self, queue: RedisQueue) -> list[WorkerView] | None:
+        """The node's workers as their heartbeats say; None while Redis does not answer."""
+        try:
+            seen = {w.worker: w for w in await asyncio.wait_for(queue.workers(self.settings.worker.pool), 2)}
+        except (QueueUnavailable, asyncio.TimeoutError):
+            return None
+        out = []
+        for name in self.worker_names:
+            w = seen.get(name)
+            out.append(WorkerView(name, w.state, w.detail, w.since_unix_s) if w else WorkerView(name, "", "", 0.0))
+        return out
+
+    @staticmethod
+    async def gateway_serving(client: Client) -> bool:
+        """Whether the gateway answers its health check with SERVING."""
+        try:
+            return bool(await client.health() == health_pb2.HealthCheckResponse.SERVING)
+        except grpc.aio.AioRpcError:
+            return False
+
+    async def wait_ready(self, out: IO[str] | None = None, timeout_s: float | None = None) -> float:
+        """Wait until every worker of the node is ready, showing what they are doing on ``out`` (one
+        updating line on a terminal, a line per step otherwise); returns the seconds it took. The
+        workers' start is followed in their heartbeats, the gateway's through its health service
+        (which needs no API key; with mutual TLS, the client certificate of LLAMAMESH_CLIENT_TLS_*).
+        Raises StartFailed with a one-line reason when a worker could not start (its own reason), an
+        essential process ended, or ``timeout_s`` (default: the worker start timeout) passed."""
+        t0 = time.monotonic()
+        limit = timeout_s if timeout_s is not None else self.settings.worker.start_timeout_s + 60
+        # One line rewritten in place only when the children's logs do not share the terminal.
+        show = _Progress(out, t0, inline=self._log_file is not None)
+        queue = RedisQueue.from_settings(self.settings.redis)
+        async with self.client() as client:
+            try:
+                return await self._watch_start(client, queue, show, t0, limit)
+            finally:
+                await queue.close()
+
+    async def _watch_start(self, client: Client, queue: RedisQueue, show: _Progress, t0: float, limit: float) -> float:
+        """wait_ready's loop: every 0.25 s, the children, the gateway's health, the workers' heartbeats."""
+        serving = False
+        while True:
+            code = self.poll()
+            if code is not None:
+                raise StartFailed(f"the node's {self._ended()} ended (exit code {code}) while starting")
+            serving = serving or await self.gateway_serving(client)
+            views = await self.workers(queue) if serving else None
+            if views is not None and all(v.state == WorkerState.READY.value for v in views):
+                show.done(f"ready: {len(views)} worker(s) serving on {self.address}")
+                for role, url in self.metrics_urls.items():
+                    show.done(f"metrics ({role}): {url}")
+                return time.monotonic() - t0
+            for v in views or ():
+                if v.state == WorkerState.FAILED.value:
+                    show.done("")
+                    why = v.detail.split(NOTE)[0] if v.detail else "its process exited"
+                    raise StartFailed(f"{v.name} could not start: {why}")
+            show.update(_doing(views), _doing(views, took=False))
+            if time.monotonic() - t0 > limit:
+                show.done("")
+                raise StartFailed(f"the node was not ready within {limit:.0f} s: {_doing(views)}")
+            await asyncio.sleep(0.25)
+
+    def _ended(self) -> str:
+        assert self.supervisor is not None
+        ended = [s.name for s in self.supervisor.states.values() if s.child.essential and s.last_exit is not None]
+        return ended[0] if ended else "gateway"
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM every child (they drain), kill what outlives ``timeout_s``, stop Redis."""
+        if self.supervisor is not None:
+            self.supervisor.stop(timeout_s)
+            self.supervisor = None
+        if self._embedded is not None:
+            self._embedded.stop()
+            self._embedded = None
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+        if self._log_handle is not None:
+            self._log_handle.close()
+            self._log_handle = None
+        log.info("node_stopped")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _doing(views: list[WorkerView] | None, took: bool = True) -> str:
+    """What the workers are doing; ``took``: with how long each has been at it."""
+    if views is None:
+        return "starting the gateway"
+    now = time.time()
+    parts = []
+    for v in views:
+        since = f" ({now - v.since_unix_s:.0f} s)" if took and v.since_unix_s else ""
+        parts.append(f"{v.name}: {v.detail or v.state or 'starting its process'}{since}")
+    return "; ".join(parts)
+
+
+class _Progress:
+    """What the node is doing, on a terminal as one line rewritten in place, elsewhere a line per change."""
+
+    def __init__(self, out: IO[str] | None, t0: float, inline: bool = True) -> None:
+        self._out = out
+        self._t0 = t0
+        self._tty = inline and bool(out is not None and out.isatty())
+        self._last = ""
+        self._width = 0
+
+    def update(self, what: str, step: str) -> None:
+        """Show ``what``; off a terminal only when ``step`` (``what`` without its timings) changed."""
+        if self._out is None:
+            return
+        elapsed = f"[{time.monotonic() - self._t0:5.1f} s] "
+        if self._tty:
+            line = (elapsed + what)[: max(20, _columns() - 1)]
+            self._out.write("\r" + line.ljust(self._width))
+            self._width = len(line)
+        elif step != self._last:
+            self._out.write(elapsed + what + "\n")
+        self._last = step
+        self._out.flush()
+
+    def done(self, what: str) -> None:
+        if self._out is None:
+            return
+        if self._tty and self._width:
+            self._out.write("\r" + " " * self._width + "\r")
+        if what:
+            self._out.write(f"[{time.monotonic() - self._t0:5.1f} s] {what}\n")
+        self._out.flush()
+
+
+def _columns() -> int:
+    with contextlib.suppress(OSError):
+        return os.get_terminal_size(sys.stderr.fileno()).columns
+    return 100

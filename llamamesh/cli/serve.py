@@ -1,0 +1,99 @@
+"""``llamamesh serve | demo | gateway | worker``: run a whole node, a node for one answer, or one of a
+node's processes."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from llamamesh import logs
+from llamamesh.cli import flags
+from llamamesh.cli.generate import stream_answer
+from llamamesh.cli.node import Node, StartFailed
+
+
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("serve", help="run a whole node")
+    flags.node_flags(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("demo", help="start a node, stream one answer, stop")
+    flags.node_flags(p)
+    flags.generation_flags(p)
+    p.set_defaults(func=cmd_demo)
+
+    # One process of a node (what Kubernetes runs): each takes only its own flags.
+    p = sub.add_parser("gateway", help="run only the gateway process")
+    flags.gateway_flags(p)
+    flags.redis_flags(p, embedded=False)
+    p.set_defaults(func=lambda a: become("services", a))
+
+    p = sub.add_parser("worker", help="run only the worker process")
+    flags.redis_flags(p, embedded=False)
+    flags.worker_flags(p)
+    p.set_defaults(func=lambda a: become("workers", a))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    settings = flags.settings(args)
+    logs.configure(settings.log, "node")
+    node = Node(settings, workers=args.workers)
+    try:
+        node.start()
+        print(f"llamamesh starting on {node.address} with {args.workers} worker(s) ...", file=sys.stderr)
+        took = asyncio.run(node.wait_ready(sys.stderr))
+        print(f"llamamesh serving on {node.address} (ready in {took:.1f} s; Ctrl-C stops)", file=sys.stderr)
+        return node.wait()
+    except (StartFailed, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        node.stop()
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    settings = flags.settings(args)
+    if args.port is None:  # a free port, so a demo never collides with a running node
+        settings = settings.with_overrides(gateway={"port": _free_port()})
+    logs.configure(replace(settings.log, level="warning", format="console"), "demo")
+    log_file = Path(tempfile.gettempdir()) / "llamamesh-demo.log"
+    node = Node(settings, workers=1, log_file=log_file)
+    t0 = time.monotonic()
+    print(f"starting a node on {settings.gateway.host}:{settings.gateway.port} (logs: {log_file})", file=sys.stderr)
+    try:
+        node.start()
+        asyncio.run(node.wait_ready(sys.stderr))
+        print(f"> {args.prompt}\n", file=sys.stderr)
+        args.tls = bool(settings.gateway.tls_cert)  # the node's gateway speaks TLS: so does the demo's client
+        code = asyncio.run(stream_answer(node.address, args, wait_s=0))
+        print(f"[demo done in {time.monotonic() - t0:.1f} s]", file=sys.stderr)
+        return code
+    except (StartFailed, OSError) as exc:
+        print(f"error: {exc} (logs: {log_file})", file=sys.stderr)
+        return 1
+    finally:
+        node.stop()
+
+
+def become(module: str, args: argparse.Namespace) -> int:
+    """Replace this process with ``python -m module`` (the gateway or a worker), the command's
+    settings in its environment."""
+    for name, value in flags.settings(args).to_env().items():
+        # putenv: the exec'd process inherits this process's environment with the settings over
+        # it, and nothing here reads the environment.
+        os.putenv(name, value)
+    os.execv(sys.executable, [sys.executable, "-m", module])
+    return 1  # not reached
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

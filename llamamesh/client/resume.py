@@ -1,0 +1,161 @@
+"""A Generate stream that outlives its gateway: the client's half of resumable streams.
+
+``Client.generate`` and ``SyncClient.generate`` send every request with a ``request_id`` (one is
+made when the caller gives none) and ``resumable`` set. When the stream breaks (UNAVAILABLE: the
+gateway died or drained, the connection broke, or the gateway lost Redis), the client calls again
+through the same channel, so through any gateway behind it: before any token, ``Generate`` with the
+same request (an idempotent retry: it follows the request already accepted, or starts it if none
+was); after tokens, ``Attach`` from the count of tokens of each sample delivered. The caller's
+iterator sees one uninterrupted stream: every token once, in order, with its text.
+
+A stream is resumed at most ``attempts`` times in a row (the count restarts once a call delivers a
+message), after a jittered backoff, and never past the caller's ``timeout``; then the last error is
+raised. Errors the gateway itself decided (NO_WORKERS, a poisoned request, a worker lost past its
+failovers, any other status) are raised at once. A caller that stops reading before the end (or is
+cancelled) has the request cancelled with ``Cancel``, as a plain disconnect would have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import grpc
+
+from llamamesh.backoff import Delays
+from llamamesh.client.status import error_reason
+from llamamesh.v1 import generation_pb2 as pb
+from llamamesh.v1 import generation_pb2_grpc
+
+# Reasons (google.rpc.ErrorInfo) of an UNAVAILABLE that another call may not meet: the gateway
+# could not reach Redis. An UNAVAILABLE without an ErrorInfo of ours is the transport's (a gateway
+# killed or gone, a broken connection).
+RESUMED_REASONS = frozenset({"QUEUE_UNAVAILABLE"})
+CANCEL_TIMEOUT_S = 2.0
+
+
+def worth_resuming(err: grpc.RpcError) -> bool:
+    """Whether a broken stream may go on through another call (see the module docstring)."""
+    if err.code() is not grpc.StatusCode.UNAVAILABLE:
+        return False
+    reason = error_reason(err)
+    return not reason or reason in RESUMED_REASONS
+
+
+class Resumption:
+    """What one resumable stream has delivered, and the next call that goes on from there."""
+
+    def __init__(self, request: pb.GenerateRequest, attempts: int, timeout: float | None) -> None:
+        self.request = pb.GenerateRequest()
+        self.request.CopyFrom(request)
+        self.cancel_on_exit = not request.resumable  # the caller did not ask to keep it running
+        self.request.resumable = True
+        if not self.request.request_id:
+            self.request.request_id = uuid.uuid4().hex
+        self.n = max(request.n, 1) if request.HasField("n") else 1
+        self.have = [0] * self.n  # tokens of each sample delivered
+        self.ended: set[int] = set()  # samples whose end was delivered
+        self.attempts = attempts
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.done = False
+        self._failures = 0
+        self._delays = Delays(first_s=0.1, cap_s=1.0)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def fresh(self, msg: pb.GenerateResponse) -> bool:
+        """Count a message the caller gets; False for one it must not (the repeated end of a
+        sample it has: an Attach sends each ended sample's end again)."""
+        self._failures = 0
+        self._delays.reset()
+        if msg.sample in self.ended and not msg.token_ids:
+            return False
+        self.have[msg.sample] += len(msg.token_ids)
+        if msg.finish_reason:
+            self.ended.add(msg.sample)
+        return True
+
+    def timeout(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def backoff(self, err: grpc.RpcError) -> float:
+        """The wait before the next call after ``err``; raises ``err`` when it ends the stream."""
+        delay = None
+        if worth_resuming(err) and self._failures < self.attempts:
+            self._failures += 1
+            delay = self._delays.next()
+            left = self.timeout()
+            delay = None if left is not None and left <= delay else delay
+        if delay is None:
+            self.done = not worth_resuming(err)  # the gateway ended it: nothing to cancel
+            raise err
+        return delay
+
+    @property
+    def cancel_now(self) -> pb.CancelRequest | None:
+        """The Cancel to send as the caller leaves: it stopped before the end of a stream it did not
+        ask to keep running."""
+        return pb.CancelRequest(request_id=self.request_id) if self.cancel_on_exit and not self.done else None
+
+    def call(self, stub: Any) -> Any:
+        """The next call on ``stub`` (a GenerationService stub, async or not)."""
+        if not any(self.have):
+            return stub.Generate(self.request, timeout=self.timeout())
+        attach = pb.AttachRequest(request_id=self.request_id)
+        if self.n > 1:
+            attach.sample_offsets.extend(self.have)
+        else:
+            attach.offset = self.have[0]
+        return stub.Attach(attach, timeout=self.timeout())
+
+
+async def resumed(
+    stub: generation_pb2_grpc.GenerationServiceStub, request: pb.GenerateRequest, attempts: int, timeout: float | None
+) -> AsyncIterator[pb.GenerateResponse]:
+    """The responses of ``request``, resumed through ``stub``'s channel when the stream breaks."""
+    r = Resumption(request, attempts, timeout)
+    try:
+        while not r.done:
+            call = r.call(stub)
+            try:
+                async for msg in call:
+                    if r.fresh(msg):
+                        yield msg
+                r.done = True
+            except grpc.aio.AioRpcError as err:
+                await asyncio.sleep(r.backoff(err))
+            finally:
+                call.cancel()
+    finally:
+        if (cancel := r.cancel_now) is not None:
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):
+                await asyncio.shield(stub.Cancel(cancel, timeout=CANCEL_TIMEOUT_S))
+
+
+def resumed_sync(
+    stub: generation_pb2_grpc.GenerationServiceStub, request: pb.GenerateRequest, attempts: int, timeout: float | None
+) -> Iterator[pb.GenerateResponse]:
+    """``resumed`` for the blocking client."""
+    r = Resumption(request, attempts, timeout)
+    try:
+        while not r.done:
+            call = r.call(stub)
+            try:
+                for msg in call:
+                    if r.fresh(msg):
+                        yield msg
+                r.done = True
+            except grpc.RpcError as err:
+                time.sleep(r.backoff(err))
+            finally:
+                call.cancel()
+    finally:
+        if (cancel := r.cancel_now) is not None:
+            with contextlib.suppress(grpc.RpcError):
+                stub.Cancel(cancel, timeout=CANCEL_TIMEOUT_S)

@@ -1,0 +1,106 @@
+"""The ``llamamesh`` command: ``--version``, the flags each process command takes, ``config``, the
+gateway and worker commands becoming their process, and the old module paths."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from llamamesh.cli import main, parser
+from llamamesh.settings import Settings
+
+pytestmark = pytest.mark.timeout(60)
+
+CLI = Path(sys.executable).parent / "llamamesh"
+NODE_FLAGS = ("--host", "--port", "--redis-url", "--engine", "--threads", "--max-inflight", "--model-path", "--workers")
+
+
+def run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """The installed command, in an environment without the caller's LLAMAMESH_* variables."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("LLAMAMESH_")}
+    return subprocess.run([str(CLI), *args], env={**base, **env}, capture_output=True, text=True, timeout=50)
+
+
+def test_version_prints_the_installed_packages_version() -> None:
+    out = run("--version")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"llamamesh {metadata.version('llamamesh')}\n"
+
+
+@pytest.mark.parametrize(("command", "foreign"), [
+    ("gateway", "--engine"), ("gateway", "--threads"), ("gateway", "--model-path"), ("gateway", "--workers"),
+    ("worker", "--host"), ("worker", "--port"), ("worker", "--workers"),
+])  # fmt: skip
+def test_gateway_and_worker_refuse_each_others_flags(command: str, foreign: str) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parser().parse_args([command, foreign, "1"])
+    assert exit_.value.code == 2
+
+
+def test_each_command_keeps_its_own_flags() -> None:
+    p = parser()
+    gateway = p.parse_args(["gateway", "--host", "0.0.0.0", "--port", "1", "--redis-url", "redis://r"])
+    assert (gateway.host, gateway.port, gateway.redis_url) == ("0.0.0.0", 1, "redis://r")
+    worker = p.parse_args(["worker", "--redis-url", "redis://r", "--engine", "fake", "--threads", "2",
+                           "--max-inflight", "3", "--model-path", "m.gguf"])  # fmt: skip
+    assert (worker.engine, worker.threads, worker.max_inflight, worker.model_path) == ("fake", 2, 3, "m.gguf")
+    values = ["h", "1", "redis://r", "fake", "2", "3", "m.gguf", "4"]
+    node = [arg for pair in zip(NODE_FLAGS, values, strict=True) for arg in pair]
+    assert p.parse_args(["serve", *node]).workers == 4
+    assert p.parse_args(["demo", "hello", *node]).prompt == "hello"
+
+
+def test_gateway_becomes_python_m_services_with_its_flags_in_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    put: dict[str, str] = {}
+    execs: list[tuple[str, list[str]]] = []
+    monkeypatch.setattr(os, "putenv", lambda name, value: put.__setitem__(name, value))
+    monkeypatch.setattr(os, "execv", lambda path, argv: execs.append((path, argv)))
+    with pytest.raises(SystemExit):  # execv, faked, returned
+        main(["gateway", "--port", "4321", "--redis-url", "redis://elsewhere:6379/0"])
+    assert execs == [(sys.executable, [sys.executable, "-m", "services"])]
+    assert put["LLAMAMESH_GATEWAY_PORT"] == "4321" and put["LLAMAMESH_REDIS_URL"] == "redis://elsewhere:6379/0"
+    assert set(put) == set(Settings.from_env({}).to_env())  # every setting, so the process rebuilds them
+
+
+def test_config_prints_every_setting_sorted_with_secrets_redacted() -> None:
+    out = run("config", "--port", "4321", LLAMAMESH_CLIENT_API_KEY="sekrit",
+              LLAMAMESH_REDIS_URL="redis://user:hunter2@redis:6379/0", LLAMAMESH_WORKER_THREADS="3")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines == sorted(lines)
+    got = dict(line.split("=", 1) for line in lines)
+    assert set(got) == set(Settings.from_env({}).to_env())
+    assert got["LLAMAMESH_CLIENT_API_KEY"] == "***" and "sekrit" not in out.stdout
+    assert got["LLAMAMESH_REDIS_URL"] == "redis://user:***@redis:6379/0" and "hunter2" not in out.stdout
+    assert got["LLAMAMESH_GATEWAY_PORT"] == "4321" and got["LLAMAMESH_WORKER_THREADS"] == "3"
+
+
+def test_config_says_which_value_is_bad_in_one_line() -> None:
+    out = run("config", LLAMAMESH_GATEWAY_PORT="many")
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.startswith("error: ") and "LLAMAMESH_GATEWAY_PORT" in out.stderr
+    assert len(out.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize(("old", "new", "name"), [
+    ("llamamesh.node", "llamamesh.cli.node", "Node"),
+    ("llamamesh.top", "llamamesh.cli.top", "render"),
+    ("llamamesh.batchfile", "llamamesh.cli.batchfile", "result_line"),
+    ("llamamesh.embedded", "llamamesh.cli.embedded", "EmbeddedRedis"),
+    ("llamamesh.resume", "llamamesh.client.resume", "Resumption"),
+])  # fmt: skip
+def test_an_old_module_path_warns_and_re_exports(
+    monkeypatch: pytest.MonkeyPatch, old: str, new: str, name: str
+) -> None:
+    monkeypatch.delitem(sys.modules, old, raising=False)
+    with pytest.warns(DeprecationWarning, match=new):
+        module = importlib.import_module(old)
+    assert getattr(module, name) is getattr(importlib.import_module(new), name)
