@@ -22,8 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from llamamesh.cli.node import Node
 from llamamesh.client import Client
-from llamamesh.node import Node
 from llamamesh.settings import Settings
 from llamamesh.v1 import batch_pb2 as bpb
 from llamamesh.v1 import generation_pb2 as pb
@@ -150,6 +150,7 @@ def main() -> None:
     print(f"interactive TTFT p50: idle {med['ttft_idle']:.0f} ms, under batch load {med['ttft_batch']:.0f} ms "
           f"({med['ttft_batch'] / med['ttft_idle']:.2f} x; target <= 1.20)")
     if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is not in git: made on first use
         a.json.write_text(json.dumps({"rows": rows, "median": med}, indent=1))
 
 

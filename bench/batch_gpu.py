@@ -1,7 +1,7 @@
 """A batch through BatchGenerate on a running llamamesh (gateway + vLLM worker), the same workload as
-the device's offline ``LLM.generate`` anchor (bench_offline.py): N random prompts of --input-len
-tokens, --output-len tokens out (ignore_eos), temperature 1. bench/gpu_compare.sh runs both in one
-call (stage ``batch`` against stage ``offline``).
+offline ``LLM.generate`` in bench/offline_generate.py: N random prompts of --input-len tokens,
+--output-len tokens out (ignore_eos), temperature 1. bench/gpu_compare.sh runs both in one
+invocation (stage ``batch`` or ``batchworker`` against stage ``offline``).
 
 Measured: submit -> the batch completed (GetBatch polled every 50 ms, so at most 50 ms late); output
 tok/s = the completion tokens of the results / that wall time. A --warmup batch runs first, as the
@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import time
+from pathlib import Path
 
 from bench.load import make_prompts
 from llamamesh.client import Client
@@ -77,6 +78,7 @@ def main() -> None:
     res = asyncio.run(main_async(a))
     print("[batch] RESULT " + json.dumps(res), flush=True)
     if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is not in git: made on first use
         with open(a.json, "a") as f:
             f.write(json.dumps(res) + "\n")
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import grpc
 
-from llamamesh.node import Node
+from llamamesh.cli.node import Node
 from llamamesh.settings import Settings
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc as pb_grpc
@@ -112,6 +112,7 @@ def main() -> None:
         print(f"{how:11s} -> abort: p50 {res[how]['p50_ms']} ms, p99 {res[how]['p99_ms']} ms, "
               f"max {res[how]['max_ms']} ms ({res[how]['n']} requests, {res[how]['missing']} never aborted)")
     if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is not in git: made on first use
         a.json.write_text(json.dumps(res, indent=1))
 
 

@@ -1,28 +1,27 @@
-"""The relay on a small CPU machine at GPU-like token rates (issue 19 part 4): gateway, Redis, one
-worker on the fake engine and the load client all on this machine, in rotating runs (A B C A B C
-...) in one invocation, so drift hits every side alike.
+"""The relay on a small CPU machine at GPU-like token rates: gateway, Redis, one worker on the fake
+engine and the load client all on this machine, in rotating runs (A B C A B C ...) in one
+invocation, so drift hits every side alike.
 
 Each run starts a fresh node (bench/soak.py's: redis-server, the gateway, one worker process with
 ``LLAMAMESH_WORKER_FAKE_STEP_S`` = ``--step-s``: 0.02 is 50 tokens/s per stream, so 256 streams
 offer 12.8 k tokens/s; 0 is a zero-cost engine, where the relay alone sets the rate) and runs
 ``bench/load.py --concurrency 256 --input-len 64 --output-len 128``. A side is
 ``PARSER:GATEWAYS[:LOOP[:CLOCK]][+NAME=VALUE...][@DIR]``: ``python`` hides the hiredis module
-(redis-py then parses the Redis protocol in pure Python, as before hiredis was a dependency),
-``hiredis`` uses it; GATEWAYS is ``LLAMAMESH_GATEWAY_PROCESSES``; LOOP is
-``LLAMAMESH_GATEWAY_EVENT_LOOP`` (default uvloop); CLOCK is ``LLAMAMESH_WORKER_FAKE_CLOCK``
-(default deadline: the engine steps on its own clock, as a GPU's does; ``sleep``: the clock before
-2026-12, whose step stretches when the worker's loop is busy, so the offered rate drops below
-12.8 k under load). ``+NAME=VALUE`` sets one more setting for that side's node (e.g.
-``+LLAMAMESH_GATEWAY_ACCEPTORS=32``). ``@DIR``: the node's gateway and worker run from the
-checkout DIR instead of this one (e.g. the code before a change, unpacked with ``git archive REF |
-tar -x -C DIR``), against the same client, in the same rotation; then the clock is set only when
-the side names it (older code has no such setting). ``--keep DIR`` keeps each run's folder (the
-processes' logs, and the client's per-request records for bench/waves.py).
+(redis-py then parses the Redis protocol in pure Python), ``hiredis`` uses it; GATEWAYS is
+``LLAMAMESH_GATEWAY_PROCESSES``; LOOP is ``LLAMAMESH_GATEWAY_EVENT_LOOP`` (default uvloop); CLOCK is
+``LLAMAMESH_WORKER_FAKE_CLOCK`` (default deadline: the engine steps on its own clock, as a GPU's
+does; ``sleep``: a clock that sleeps after each step, so its step stretches when the worker's loop
+is busy and the offered rate drops below 12.8 k under load). ``+NAME=VALUE`` sets one more setting
+for that side's node (e.g. ``+LLAMAMESH_GATEWAY_ACCEPTORS=32``). ``@DIR``: the node's gateway and
+worker run from the checkout DIR instead of this one (e.g. the code before a change, unpacked with
+``git archive REF | tar -x -C DIR``), against the same client, in the same rotation; then the clock
+is set only when the side names it (older code has no such setting). ``--keep DIR`` keeps each run's
+folder (the processes' logs, and the client's per-request records for bench/waves.py).
 Reported per run (a JSON line) and as medians per side: output tokens/s (and its share of the
 offered rate when paced), TTFT p50/p99, ITL p50/p99 at the client, and the gateway's and worker's
 CPU cores.
 
-  python bench/cpu_relay.py --step-s 0.02 --pairs 2      # docs/benchmarks.md
+  python bench/cpu_relay.py --step-s 0.02 --pairs 3 --json bench/results/cpu_relay_paced.json   # docs/benchmarks.md
   python bench/cpu_relay.py --step-s 0 --sides python:1:asyncio hiredis:1
   python bench/cpu_relay.py --step-s 0.02 --sides hiredis:1:uvloop:sleep hiredis:1
   python bench/cpu_relay.py --step-s 0.02 --sides hiredis:1@/tmp/before hiredis:1
@@ -68,8 +67,8 @@ def one_run(args: argparse.Namespace, tokenizer: str, side: str, workdir: Path) 
     parser, gateways, event_loop, clock = parts + ["uvloop", "deadline"][len(parts) - 2 :]
     workdir.mkdir(parents=True)
     # Room for every stream: the worker keeps LLAMAMESH_WORKER_TENANT_HEADROOM (1) slot for other
-    # tenants, so with max_inflight = concurrency one stream of the client's (one tenant) waited a
-    # whole request for a slot each round (before 2026-12-02 the figures ran 255 streams).
+    # tenants, so with max_inflight = concurrency one stream of the client's (one tenant) would wait a
+    # whole request for a slot each round.
     env = {"LLAMAMESH_WORKER_MAX_INFLIGHT": str(max(2 * args.concurrency, 16)),
            "LLAMAMESH_WORKER_FAKE_STEP_S": str(args.step_s), "LLAMAMESH_GATEWAY_PROCESSES": gateways,
            "LLAMAMESH_GATEWAY_EVENT_LOOP": event_loop}  # fmt: skip
@@ -155,6 +154,7 @@ def main() -> None:
         share = f"   {med['tok_s'] / offered:.3f}" if offered else ""
         print(f"{side:{width}}" + "".join(f"{med[k]:>16.2f}" for k in KEYS) + share)
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is not in git: made on first use
         Path(args.json).write_text(json.dumps({"args": vars(args), "runs": rows, "medians": medians}, indent=1))
 
 

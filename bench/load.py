@@ -28,6 +28,7 @@ import random
 import statistics
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -250,7 +251,7 @@ def summarise(rec: list[dict], duration: float, label: str, concurrency: int) ->
         "server_ttft_ms_p50": pct([r["server_ttft_ms"] for r in rec], 50),
         "tpot_ms_p50": pct(tpot, 50), "tpot_ms_mean": statistics.fmean(tpot) if tpot else float("nan"),
         # A closed loop's requests take the same time end to end on any frontend that keeps the engine's
-        # throughput: a lower TTFT there comes with a higher TPOT (docs/benchmarks.md, issue 19 part 1).
+        # throughput: a lower TTFT there comes with a higher TPOT (docs/benchmarks.md).
         "ttft_ms_mean": statistics.fmean(ttft) if ttft else float("nan"),
         "e2e_ms_p50": pct(e2e, 50), "e2e_ms_mean": statistics.fmean(e2e) if e2e else float("nan"),
     }
@@ -317,10 +318,12 @@ def main() -> None:
         res["cpu_cores"] = cpu_cores(inside[0][1], inside[-1][1], inside[-1][0] - inside[0][0])
     print("[load] RESULT " + json.dumps(res), flush=True)
     if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is not in git: made on first use
         with open(a.json, "a") as f:
             f.write(json.dumps(res) + "\n")
     if a.records:
         rows = sorted([round(r["start"] - t0, 4), round(r["ttft"], 4), round(r["end"] - t0, 4)] for r in rec)
+        Path(a.records).parent.mkdir(parents=True, exist_ok=True)
         with open(a.records, "a") as f:
             f.write(json.dumps({"label": a.label, "concurrency": a.concurrency, "start_ttft_end": rows}) + "\n")
 

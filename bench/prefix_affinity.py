@@ -1,4 +1,4 @@
-"""Prefix affinity and prompt normalisation on one GPU (issue 18 part 6): two engines share a
+"""Prefix affinity and prompt normalisation on one GPU: two engines share a
 workload whose prompts share prefixes; does each prefix meet the engine that cached it?
 
 Every run starts a fresh fleet (bench/soak.py's Node: Redis, one gateway process, and two worker
@@ -29,14 +29,14 @@ Reported per run (one JSON line) and as medians per side: the prefix-cache hit r
 prompt tokens, summed over the two workers' scrapes, over the measured requests only), output tok/s,
 TTFT p50/p99 (at the client), ``llamamesh_affinity_leases_total{kind}`` own and stolen, and the jobs
 each worker started (with affinity on, beside the split the partition owners alone would give: the
-gateway's key of each prompt through the queue's partition function); next to them the issue's
-targets (hit rate >= 90 % with affinity, tok/s >= 1.3x and TTFT p50 <= 0.7x of affinity off).
-``--budget-s``: start no pair that would end past it (at the pace of the longest run so far), so a
-device call's time limit cuts between pairs, not inside a run; ``--json`` is rewritten after each run.
+gateway's key of each prompt through the queue's partition function); next to them the targets
+(hit rate >= 90 % with affinity, tok/s >= 1.3x and TTFT p50 <= 0.7x of affinity off).
+``--budget-s``: start no pair that would end past it (at the pace of the longest run so far), so an
+outer time limit cuts between pairs, not inside a run; ``--json`` is rewritten after each run.
 
   python bench/prefix_affinity.py --engine fake --pairs 1                    # mechanics, any machine
-  python bench/prefix_affinity.py --engine vllm --pairs 1 --budget-s 540 \\
-      --model-path /tmp/vllmdev/model/llama8b-dummy --json $OUT/prefix_affinity.json   # docs/benchmarks.md
+  python bench/prefix_affinity.py --engine vllm --workload shared --pairs 2 --model-path MODEL_DIR \\
+      --json bench/results/prefix_affinity_shared.json                       # docs/benchmarks.md
 """
 
 from __future__ import annotations
@@ -317,7 +317,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> dict:
         print(f"\n{workload}: {args.docs} documents x {args.questions} questions, ~{a[0]['prompt_tokens_mean']:.0f} "
               f"prompt tokens, {args.max_tokens} out, concurrency {args.concurrency}, {args.engine} engine, "
               f"{min(len(a), len(b))} pair(s), medians")  # fmt: skip
-        print(f"{'':24}{side_a:>18}{side_b:>18}{'B/A':>8}   target (issue 18)")
+        print(f"{'':24}{side_a:>18}{side_b:>18}{'B/A':>8}   target")
         med = {k: (median(a, k), median(b, k)) for k in ("hit_rate", "tok_s", "ttft_p50_ms", "ttft_p99_ms")}
         hr = med["hit_rate"]
         fmt = lambda x: "n/a" if x is None else f"{x:.1%}"  # noqa: E731
@@ -373,6 +373,8 @@ def main() -> None:
     ap.add_argument("--logs", default="", help="keep every run's logs under this folder")
     ap.add_argument("--json", default="", help="write the runs and the medians here (rewritten after each run)")
     args = ap.parse_args()
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is not in git: made on first use
     if args.engine == "vllm" and not args.tokenizer:
         args.tokenizer = args.model_path
     t0 = time.monotonic()

@@ -92,6 +92,7 @@ def main() -> None:
         print(f"| {r['batch']} | {r['invariant_ms']} | {r['free_ms']} | {r['invariant_tok_s']} | "
               f"{r['free_tok_s']} | {r['ratio']} |")  # fmt: skip
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is not in git: made on first use
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
 

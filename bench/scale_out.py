@@ -161,6 +161,7 @@ def main() -> None:
             print(f"{kind:8} {workers:7d} {r['tokens_per_s']:9.0f} {r['requests_per_s']:7.1f} {r['errors']:4.0f}"
                   f"  {c['gateway']:.3f} {c['workers']:.3f} {c['redis']:.3f}", flush=True)  # fmt: skip
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is not in git: made on first use
         Path(args.json).write_text(json.dumps(rows, indent=2))
 
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
+from llamamesh.cli.node import Node
 from llamamesh.client import Client
-from llamamesh.node import Node
 from llamamesh.settings import Settings
 from workers.engines import transformers_model
 
@@ -149,6 +149,7 @@ def _report(rows: list[tuple[str, dict]], args: argparse.Namespace, threads: int
           f"the two paths agree on the first {common} of {len(a)} tokens (bf16 kernels differ: the engine "
           f"pads attention to fixed lengths so batching never changes a sequence's result)")
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is not in git: made on first use
         args.json.write_text(json.dumps({"summary": summary, "ratio": ratio, "identical": same,
                                          "common_prefix": common}, indent=1))
 

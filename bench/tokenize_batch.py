@@ -1,5 +1,5 @@
 """What a wave of new requests costs the GPU adapters' tokenizer thread: N prompts encoded one call
-each (the adapters before 2026-12-04's batches) against the same prompts in the batches that
+each (an adapter that does not batch) against the same prompts in the batches that
 ``workers.engines.prompts.BatchTokenizer`` makes (one call of the tokenizer on a list), A B A B in one
 process, with a check that both give the same ids. Prompts as bench/load.py makes them (random token
 ids decoded, --input-len tokens).

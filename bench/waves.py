@@ -5,10 +5,11 @@ For each run at --concurrency: TTFT p50 / p99, mean TTFT of each group of 128 re
 (a group that is a prefix-cache hit, or a wave of simultaneous uncached arrivals, shows at once), and
 request starts per 0.5 s (the waves themselves), and the mean TTFT, TPOT and end-to-end time: in a closed
 loop that keeps the engine's throughput, a run with the lower TTFT has the higher TPOT, and every run
-takes the same time end to end (docs/benchmarks.md, issue 19 part 1, seventh session).
+takes the same time end to end (docs/benchmarks.md).
 
-  PYTHONPATH=. python3 bench/waves.py bench/results/h200-2026-12-02d/records.jsonl.xz \
-      bench/results/h200-2026-12-02d/serve4-*/serve_c256.json.xz --concurrency 256
+  PYTHONPATH=. python3 bench/waves.py RESULTS/records.jsonl RESULTS/serve4-0/serve_c256.json --concurrency 256
+
+(RESULTS: a folder bench/gpu_compare.sh wrote, under bench/results/.)
 """
 
 from __future__ import annotations
