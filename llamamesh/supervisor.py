@@ -1,6 +1,6 @@
 """The one supervisor of child processes, for the three places that run some:
 
-- the node (``llamamesh serve`` / ``demo``, llamamesh/node.py): the gateway and the embedded Redis
+- the node (``llamamesh serve`` / ``demo``, llamamesh/cli/node.py): the gateway and the embedded Redis
   are essential (either one's end stops the node), the workers are restarted;
 - the gateway's processes sharing one port (``LLAMAMESH_GATEWAY_PROCESSES``, services/server.py);
 - a worker's replicas, one per GPU group (workers/replicas.py).

@@ -6,8 +6,8 @@ the Redis hop in the job (``GenerationRequest.trace``, W3C ``traceparent``/``tra
     req = replace(req, trace=carrier())   # the current span, for the worker
 
 Off, the API's no-op tracer is used and no SDK object is created: spans are non-recording, but a
-caller's trace id still flows to the worker and into the logs. Only this module, services/calls.py,
-services/relay.py and workers/job.py import opentelemetry (no engine adapter does).
+caller's trace id still flows to the worker and into the logs. Only this module imports
+opentelemetry; the gateway and the workers go through its functions (no engine adapter does).
 """
 
 from __future__ import annotations

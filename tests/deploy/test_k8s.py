@@ -420,7 +420,7 @@ def test_canary_gets_a_weighted_share() -> None:
 
 
 def test_the_vllm_pool_is_set_up_for_both_tiers() -> None:
-    """Issue 19 part 2: a pool serving interactive and batch work holds batch items to a quarter of
+    """A pool serving interactive and batch work holds batch items to a quarter of
     its slots and keeps engine steps short (the configuration measured in docs/benchmarks.md)."""
     (worker,) = named(render("vllm"), "Deployment", "llamamesh-worker-vllm")["spec"]["template"]["spec"]["containers"]
     s = settings_of(worker)

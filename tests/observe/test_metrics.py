@@ -247,7 +247,7 @@ def evaluate(prom: Prometheus) -> tuple[list[Any], list[str]]:
 async def test_every_dashboard_and_alert_expression_evaluates_against_a_real_node(
     prometheus_bin: str, e2e_redis: RedisProcess, tmp_path: Path
 ) -> None:
-    """Issue 16 part 4: each PromQL expression of deploy/monitoring, run against the Prometheus that
+    """Each PromQL expression of deploy/monitoring, run against the Prometheus that
     scraped a real node after it served requests: no error; the dashboard's return series (but for
     NO_DATA_WHEN_HEALTHY); the metrics the alerts read are there."""
     with scraped(tmp_path, e2e_redis) as (node, prom, _gw, _wk):
