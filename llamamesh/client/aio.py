@@ -3,26 +3,23 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from llamamesh.client.connection import DEFAULT_ADDRESS, Connection
 from llamamesh.client.requests import Messages, build_request, by_sample, one_sample, tokenize_request
 from llamamesh.client.resume import resumed
+from llamamesh.client.stubs import Stubs, options_of
 from llamamesh.settings import ClientSettings
 from llamamesh.v1 import admin_pb2 as apb
-from llamamesh.v1 import admin_pb2_grpc, batch_pb2_grpc, generation_pb2_grpc
 from llamamesh.v1 import generation_pb2 as pb
 
-# The generated service stubs are untyped (grpc ships no stubs): hence the ignores on creating them.
 
-
-class Client:
+class Client(Stubs[grpc.aio.Channel]):
     """Asyncio client. Errors are ``grpc.aio.AioRpcError`` with the gateway's status code.
 
     The connection keywords (API key, TLS, ``retries``, ``load_balancing``) are ``Connection``'s. A
@@ -54,30 +51,13 @@ class Client:
         streams should open about one per 32 streams (``LLAMAMESH_GATEWAY_PROCESSES`` > 1 then serves
         them all); the other calls, and ``stub``, use the first."""
         conn = Connection(api_key, tls, tls_ca, tls_cert, tls_key, tls_server_name, retries, load_balancing)
-        if channel is not None and (conn != Connection() or connections != 1):
-            raise ValueError("Client: give either a channel or connection options, not both")
-        if connections < 1:
-            raise ValueError(f"Client: connections must be >= 1, got {connections}")
-        if resume_attempts < 0:
-            raise ValueError(f"Client: resume_attempts must be >= 0, got {resume_attempts}")
-        self._resume_attempts = resume_attempts
-        self._channels = [channel] if channel is not None else [
-            conn.aio_channel(address, own_connection=connections > 1) for _ in range(connections)]  # fmt: skip
-        self._channel = self._channels[0]
-        self._streams = [generation_pb2_grpc.GenerationServiceStub(c) for c in self._channels]  # type: ignore[no-untyped-call]
-        self._turn = itertools.count()
-        self.stub = self._streams[0]
-        self.batches = batch_pb2_grpc.BatchServiceStub(self._channel)  # type: ignore[no-untyped-call]
-        self.admin = admin_pb2_grpc.AdminServiceStub(self._channel)  # type: ignore[no-untyped-call]
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._open("Client", address, channel, conn, connections, resume_attempts,
+                   lambda a, own: conn.aio_channel(a, own_connection=own))  # fmt: skip
 
     @classmethod
     def from_settings(cls, address: str, settings: ClientSettings, tls: bool = False) -> Client:
         """A client with ``settings``' API key and TLS files (``tls``: TLS even without a CA file)."""
-        return cls(address, api_key=settings.api_key, tls=tls, tls_ca=settings.tls_ca, tls_cert=settings.tls_cert,
-                   tls_key=settings.tls_key, tls_server_name=settings.tls_server_name, retries=settings.retries,
-                   load_balancing=settings.load_balancing, connections=settings.connections,
-                   resume_attempts=settings.resume_attempts)  # fmt: skip
+        return cls(address, **options_of(settings, tls))
 
     async def __aenter__(self) -> Client:
         return self
@@ -98,7 +78,7 @@ class Client:
     ) -> AsyncIterator[pb.GenerateResponse]:
         """The responses of one request (``timeout``: for all of it, resumes included). Stopping
         early, or cancelling the iterating task, cancels the request."""
-        stub = self._streams[next(self._turn) % len(self._streams)]
+        stub = self._next_stream()
         request = build_request(prompt, messages, **fields)
         if self._resume_attempts:
             async for msg in resumed(stub, request, self._resume_attempts, timeout):

@@ -2,26 +2,23 @@
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from llamamesh.client.connection import DEFAULT_ADDRESS, Connection
 from llamamesh.client.requests import Messages, build_request, by_sample, one_sample, tokenize_request
 from llamamesh.client.resume import resumed_sync
+from llamamesh.client.stubs import Stubs, options_of
 from llamamesh.settings import ClientSettings
 from llamamesh.v1 import admin_pb2 as apb
-from llamamesh.v1 import admin_pb2_grpc, batch_pb2_grpc, generation_pb2_grpc
 from llamamesh.v1 import generation_pb2 as pb
 
-# The generated service stubs are untyped (grpc ships no stubs): hence the ignores on creating them.
 
-
-class SyncClient:
+class SyncClient(Stubs[grpc.Channel]):
     """Blocking client. Errors are ``grpc.RpcError`` with the gateway's status code; the keywords,
     resumption included, are ``Client``'s."""
 
@@ -43,30 +40,13 @@ class SyncClient:
     ) -> None:
         """``channel`` and ``connections``: as in ``Client``."""
         conn = Connection(api_key, tls, tls_ca, tls_cert, tls_key, tls_server_name, retries, load_balancing)
-        if channel is not None and (conn != Connection() or connections != 1):
-            raise ValueError("SyncClient: give either a channel or connection options, not both")
-        if connections < 1:
-            raise ValueError(f"SyncClient: connections must be >= 1, got {connections}")
-        if resume_attempts < 0:
-            raise ValueError(f"SyncClient: resume_attempts must be >= 0, got {resume_attempts}")
-        self._resume_attempts = resume_attempts
-        self._channels = [channel] if channel is not None else [
-            conn.channel(address, own_connection=connections > 1) for _ in range(connections)]  # fmt: skip
-        self._channel = self._channels[0]
-        self._streams = [generation_pb2_grpc.GenerationServiceStub(c) for c in self._channels]  # type: ignore[no-untyped-call]
-        self._turn = itertools.count()
-        self.stub = self._streams[0]
-        self.batches = batch_pb2_grpc.BatchServiceStub(self._channel)  # type: ignore[no-untyped-call]
-        self.admin = admin_pb2_grpc.AdminServiceStub(self._channel)  # type: ignore[no-untyped-call]
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._open("SyncClient", address, channel, conn, connections, resume_attempts,
+                   lambda a, own: conn.channel(a, own_connection=own))  # fmt: skip
 
     @classmethod
     def from_settings(cls, address: str, settings: ClientSettings, tls: bool = False) -> SyncClient:
         """A client with ``settings``' API key and TLS files (``tls``: TLS even without a CA file)."""
-        return cls(address, api_key=settings.api_key, tls=tls, tls_ca=settings.tls_ca, tls_cert=settings.tls_cert,
-                   tls_key=settings.tls_key, tls_server_name=settings.tls_server_name, retries=settings.retries,
-                   load_balancing=settings.load_balancing, connections=settings.connections,
-                   resume_attempts=settings.resume_attempts)  # fmt: skip
+        return cls(address, **options_of(settings, tls))
 
     def __enter__(self) -> SyncClient:
         return self
@@ -82,7 +62,7 @@ class SyncClient:
         self, prompt: str | None = None, messages: Messages | None = None, timeout: float | None = None, **fields: Any
     ) -> Iterator[pb.GenerateResponse]:
         """As ``Client.generate``: closing the iterator early cancels the request."""
-        stub = self._streams[next(self._turn) % len(self._streams)]
+        stub = self._next_stream()
         request = build_request(prompt, messages, **fields)
         if self._resume_attempts:
             yield from resumed_sync(stub, request, self._resume_attempts, timeout)
