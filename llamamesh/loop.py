@@ -40,12 +40,11 @@ def serving_heap() -> int:
     every ``SERVING_GC_THRESHOLD`` allocations instead of 700. Returns the objects frozen.
 
     The heap after start-up is almost all long-lived; without the freeze each full collection
-    walked it all, and the gateway stopped every stream for 50-70 ms about every 1.5 s at 12.8 k
-    messages a second. With 700, the objects of a streaming call (its task, generators, messages)
-    survive into the older generations and a full collection of them came every 1.5 s (12-30 ms);
-    at 10 000 most die young (docs/benchmarks.md; vLLM's API server freezes its
-    heap after start-up the same way). What is frozen is never freed, so call it once, after
-    start-up, not per request."""
+    walks it all, stopping every stream at once. With 700, the objects of a streaming call (its
+    task, generators, messages) survive into the older generations and their full collections come
+    often; at 10 000 most die young (docs/benchmarks.md; vLLM's API server freezes its heap after
+    start-up the same way). What is frozen is never freed, so call it once, after start-up, not per
+    request."""
     gc.collect()
     gc.freeze()
     _g0, g1, g2 = gc.get_threshold()

@@ -1,23 +1,9 @@
 """Every Prometheus metric of llamamesh, defined once, and the /metrics endpoint of each process.
 
 Names are ``llamamesh_*`` in base units (``_seconds``, ``_total`` counters, ratios in [0, 1]); labels
-are bounded: pool, method, code, reason, state, to, status, kind, rule (the configured normalisation
-rules). Never a request id or a tenant.
-
-A gateway process updates the gateway metrics, a worker process the worker ones; nothing below
-``services/`` and ``workers/`` touches them but through the names here.
-
-One process (``LLAMAMESH_GATEWAY_METRICS_PORT`` / ``LLAMAMESH_WORKER_METRICS_PORT`` set, nothing
-else) serves its own registry. A process that supervises others of one role (the gateway's
-``LLAMAMESH_GATEWAY_PROCESSES``, the node's gateway and workers) aggregates them in one scrape with
-prometheus_client's multiprocess mode: it makes a fresh directory, gives its children
-``PROMETHEUS_MULTIPROC_DIR`` (:meth:`Aggregate.children_env`; prometheus_client reads that variable itself when
-it is imported, the one variable no setting carries) and the metrics port 0, and serves a
-``MultiProcessCollector`` over the directory (:class:`Aggregate`). Gauges then add the live
-processes' values (``livesum``), or keep the largest (``livemax``).
-
-The hot path stays cheap: per-request histograms are observed once per request (the inter-token
-latency once per streamed message that carries tokens), token counts are added at a request's end.
+are bounded (pool, method, code, reason, state, to, status, kind, rule: the configured normalisation
+rules), never a request id or a tenant. A gateway process updates the gateway metrics, a worker the
+worker ones, only through the names here. What each one means: docs/operations.md ("Observe").
 """
 
 from __future__ import annotations
@@ -36,7 +22,9 @@ from llamamesh import errors
 
 log = structlog.get_logger(__name__)
 
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's own name for it
+# prometheus_client's own name for it: it reads the variable itself when it is imported, so it is the
+# one variable no setting carries.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 # Latencies from a millisecond to ten minutes; token gaps finer.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
@@ -44,6 +32,8 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 # --- gateway
+# The hot path stays cheap: per-request histograms are observed once per request (the inter-token
+# latency once per streamed message that carries tokens), token counts are added at a request's end.
 
 REQUESTS = Counter("llamamesh_requests", "RPCs finished, by method, gRPC status code and pool ('' if none)",
                    ["method", "code", "pool"])  # fmt: skip
@@ -205,7 +195,8 @@ def disable() -> None:
 
 
 def serve(port: int, host: str, role: str, directory: str = "") -> int:
-    """Serve /metrics on ``host:port`` in a daemon thread; returns the port. ``directory``: this
+    """Serve /metrics on ``host:port`` (``LLAMAMESH_GATEWAY_METRICS_PORT`` /
+    ``LLAMAMESH_WORKER_METRICS_PORT``) in a daemon thread; returns the port. ``directory``: this
     process is one of a multiprocess set (settings.prometheus_multiproc_dir), the scrape aggregates
     every process of it. Port 0 outside a set: nothing is served and nothing recorded (``disable``),
     so metrics off cost nothing. Raises OSError when the port is taken."""
@@ -228,9 +219,13 @@ def serve(port: int, host: str, role: str, directory: str = "") -> int:
 
 
 class Aggregate:
-    """The metrics of a set of child processes of one role, served by their supervisor in one
-    scrape: a fresh directory (or the one this process writes into already, when it is itself a
-    child of such a set), removed at :meth:`close` if it made it."""
+    """The metrics of a set of child processes of one role (the gateway's
+    ``LLAMAMESH_GATEWAY_PROCESSES``, the node's gateway and workers), served by their supervisor in
+    one scrape with prometheus_client's multiprocess mode: a fresh directory (or the one this process
+    writes into already, when it is itself a child of such a set), removed at :meth:`close` if it
+    made it. The children get the directory (:meth:`children_env`) and the metrics port 0; the
+    supervisor serves a ``MultiProcessCollector`` over it, in which gauges add the live processes'
+    values (``livesum``) or keep the largest (``livemax``)."""
 
     def __init__(self, port: int, host: str, role: str, inherited: str = "") -> None:
         self.port = port

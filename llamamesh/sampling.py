@@ -1,28 +1,9 @@
-"""The rules of sampling parameters, one copy for the gateway and every engine.
-
-The gateway checks a request with :func:`violations` (all bad fields at once) and sends the
-:func:`normalized` parameters; every engine checks and normalises again through
-``workers/engines/params.py`` (a job may reach a worker without a gateway, and an engine must
-never be what finds out that a value overflows). Ranges and the treatment of tiny temperatures
-follow vLLM's ``SamplingParams``:
-
-- ``temperature`` below :data:`SAMPLING_EPS` (1e-5; 0, -0.0 and subnormals included) is greedy,
-  and then top_p / top_k / min_p are reset, as they mean nothing for an argmax; a temperature in
-  ``[SAMPLING_EPS, MIN_TEMPERATURE)`` is raised to :data:`MIN_TEMPERATURE` (1e-2), since dividing
-  logits by less overflows float32 (vLLM's ``_MAX_TEMP``). Any larger finite value is allowed: it
-  only flattens the distribution.
-- ``repetition_penalty`` in (0, 10]: a tiny one divides positive logits towards infinity; the CPU
-  engine clamps what overflows (workers/engines/sampling.py), so the request gets what it asked
-  for (seen tokens favoured without bound) and nothing else is affected.
-- presence / frequency penalties in [-2, 2], top_p in (0, 1], min_p in [0, 1], top_k -1 or 0
-  (off) or positive, every float finite.
-- a response constraint is checked for what needs no engine (:func:`constraint_violations`: a JSON
-  schema parses as JSON, a regex compiles, a choice has options, sizes are bounded); each engine
-  then compiles it for its tokenizer and refuses what it cannot, naming the same field. It cannot
-  be combined with ignore_eos or min_tokens, which would keep the end of sequence from the output
-  the format has completed.
-
-Pure Python on the domain types; no I/O.
+"""The rules of sampling parameters, one copy for the gateway and every engine: the gateway checks a
+request with :func:`violations` (all bad fields at once) and sends the :func:`normalized`
+parameters; every engine checks and normalises again through ``workers/engines/params.py`` (a job
+may reach a worker without a gateway, and an engine must never be what finds out that a value
+overflows). Ranges and the treatment of tiny temperatures follow vLLM's ``SamplingParams``. Pure
+Python on the domain types; no I/O.
 """
 
 from __future__ import annotations
@@ -35,8 +16,14 @@ from dataclasses import replace
 from llamamesh.errors import FieldViolation
 from llamamesh.types import ConstraintKind, ResponseConstraint, SamplingParams
 
+# A temperature below this (0, -0.0 and subnormals included) is greedy.
 SAMPLING_EPS = 1e-5
+# Dividing logits by less overflows float32 (vLLM's ``_MAX_TEMP``); any larger finite temperature is
+# allowed: it only flattens the distribution.
 MIN_TEMPERATURE = 1e-2
+# A tiny repetition penalty divides positive logits towards infinity; the CPU engine clamps what
+# overflows (workers/engines/sampling.py), so the request gets what it asked for (seen tokens
+# favoured without bound) and nothing else is affected.
 MAX_REPETITION_PENALTY = 10.0
 MAX_LOGPROBS = 20
 # A response constraint's text (schema, regex, grammar) and a choice's options, at most.
@@ -56,7 +43,11 @@ def _float(out: list[FieldViolation], name: str, value: float | None, ok: bool, 
 
 
 def violations(p: SamplingParams, max_tokens_cap: int | None = None) -> list[FieldViolation]:
-    """Every field of ``p`` out of its range (unset fields are fine), named as in the public API."""
+    """Every field of ``p`` out of its range (unset fields are fine), named as in the public API:
+    presence / frequency penalties in [-2, 2], top_p in (0, 1], min_p in [0, 1], top_k -1 or 0 (off)
+    or positive, repetition_penalty in (0, 10], every float finite; a response constraint as
+    :func:`constraint_violations` says, and never with ignore_eos or min_tokens (they would keep the
+    end of sequence from the output the format has completed)."""
     out: list[FieldViolation] = []
     if p.max_tokens is not None:
         if max_tokens_cap is None and p.max_tokens < 1:
@@ -104,7 +95,9 @@ def violations(p: SamplingParams, max_tokens_cap: int | None = None) -> list[Fie
 
 
 def constraint_violations(c: ResponseConstraint) -> list[FieldViolation]:
-    """What is wrong with a response constraint before any engine compiles it."""
+    """What is wrong with a response constraint before any engine compiles it: a JSON schema parses
+    as JSON, a regex compiles, a choice has options, sizes are bounded. Each engine then compiles it
+    for its tokenizer and refuses what it cannot, naming the same field."""
     name = c.field
     if c.kind is ConstraintKind.JSON_OBJECT:
         return []
@@ -141,8 +134,8 @@ def constraint_violations(c: ResponseConstraint) -> list[FieldViolation]:
 
 def normalized(p: SamplingParams) -> SamplingParams:
     """``p`` as every engine should run it (call after :func:`violations` found nothing): a
-    temperature below SAMPLING_EPS becomes 0.0 (greedy, with top_p / top_k / min_p unset), one below
-    MIN_TEMPERATURE becomes MIN_TEMPERATURE."""
+    temperature below SAMPLING_EPS becomes 0.0 (greedy, with top_p / top_k / min_p unset, as they
+    mean nothing for an argmax), one below MIN_TEMPERATURE becomes MIN_TEMPERATURE."""
     t = p.temperature
     if t is None:
         return p

@@ -1,22 +1,8 @@
-"""The one supervisor of child processes, for the three places that run some:
-
-- the node (``llamamesh serve`` / ``demo``, llamamesh/cli/node.py): the gateway and the embedded Redis
-  are essential (either one's end stops the node), the workers are restarted;
-- the gateway's processes sharing one port (``LLAMAMESH_GATEWAY_PROCESSES``, services/server.py);
-- a worker's replicas, one per GPU group (workers/replicas.py).
-
-A child that exits (crash, kill -9, a failed engine start) is started again after a delay that
-doubles with each quick exit in a row (``Backoff``: 1 s, 2 s, 4 s … up to 30 s, each scaled by a
-random factor in [0.75, 1.25] so that restarted siblings do not move in lockstep), and starts
-again from 1 s once a run lasted ``reset_after_s``. After ``report_after`` quick exits in a row it
-is reported as crash-looping (a log line, :meth:`Supervisor.crash_looping`, and the ``on_exit``
-hook, which the node uses to put the reason in the worker's heartbeat) and still retried at the
-longest delay, never in a tight loop.
-
-SIGTERM / SIGINT are forwarded (each child drains as it does on its own); :meth:`stop` waits for
-them and kills what outlives its grace. On Linux each child also gets SIGTERM when the supervisor
-itself dies (``PR_SET_PDEATHSIG``), so a killed supervisor leaves no orphans behind. Waiting is a
-0.1-s poll (portable, negligible CPU), not a platform-specific child watcher.
+"""The one supervisor of child processes, for the three places that run some: the node (``llamamesh
+serve`` / ``demo``, llamamesh/cli/node.py: the gateway and the embedded Redis are essential, the
+workers are restarted), the gateway's processes sharing one port (``LLAMAMESH_GATEWAY_PROCESSES``,
+services/server.py) and a worker's replicas, one per GPU group (workers/replicas.py). It restarts
+what exits with backoff, forwards SIGTERM / SIGINT, and leaves no orphans when it dies.
 """
 
 from __future__ import annotations
@@ -36,6 +22,7 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
+# Waiting is a poll (portable, negligible CPU), not a platform-specific child watcher.
 POLL_S = 0.1
 
 
@@ -62,6 +49,12 @@ class Child:
 
 @dataclass(frozen=True)
 class Backoff:
+    """The delay before a child's restart: it doubles with each quick exit in a row (1 s, 2 s, 4 s …
+    up to 30 s, each scaled by a random factor so that restarted siblings do not move in lockstep),
+    and starts again from 1 s once a run lasted ``reset_after_s``. After ``report_after`` quick exits
+    in a row the child is reported as crash-looping and still retried at the longest delay, never in
+    a tight loop."""
+
     first_s: float = 1.0
     max_s: float = 30.0
     # Each delay is multiplied by a random factor in [1 - jitter, 1 + jitter].
@@ -102,6 +95,11 @@ class ChildState:
 
 @dataclass
 class Supervisor:
+    """Runs ``children``, restarting the ones that exit (a crash, kill -9, a failed engine start)
+    after their ``backoff``. A crash loop is reported by a log line, :meth:`crash_looping` and the
+    ``on_exit`` hook (which the node uses to put the reason in the worker's heartbeat). On Linux
+    each child also gets SIGTERM when the supervisor itself dies (``PR_SET_PDEATHSIG``)."""
+
     children: Sequence[Child]
     backoff: Backoff = field(default_factory=Backoff)
     # Where the children's stdout and stderr go (None: inherited).
@@ -174,8 +172,9 @@ class Supervisor:
         return [s for s in self.states.values() if s.crash_looping]
 
     def run(self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)) -> int:
-        """Supervise until one of ``signals`` (forwarded to the children: they drain; returns 0) or
-        until an essential child ends (returns its code). Call :meth:`stop` afterwards."""
+        """Supervise until one of ``signals`` (forwarded to the children: each drains as it does on
+        its own; returns 0) or until an essential child ends (returns its code). Call :meth:`stop`
+        afterwards."""
         old = {s: signal.signal(s, self._on_signal) for s in signals}
         try:
             while not self.stopping:

@@ -1,32 +1,8 @@
 """The tenants file (``LLAMAMESH_AUTH_FILE``): who may call, as which tenant, within what limits.
-
-A JSON document, written by ``llamamesh auth create-key`` / ``revoke-key`` and read by every
-gateway (again whenever it changes, so a new or revoked key counts within a second, without a
-restart)::
-
-    {
-      "tenants": {
-        "acme": {
-          "limits": {"requests_per_s": 20, "burst": 40, "tokens_per_min": 200000, "max_streams": 64,
-                     "max_batch_items": 100000, "max_batch_bytes": 1073741824, "max_priority": 5,
-                     "pools": "cpu,vllm", "tier": "premium", "weight": 2},
-          "admin": false,
-          "certificates": ["acme-client.internal"]
-        }
-      },
-      "keys": {
-        "3f9a1c07b2d4": {"tenant": "acme", "sha256": "<hex>", "admin": false,
-                         "created": "2026-12-01T15:00:00Z", "revoked": false}
-      }
-    }
-
-- A tenant's ``limits`` override ``LLAMAMESH_LIMITS_*`` (``LimitsSettings``, docs/configuration.md)
-  field by field.
-- An API key is ``lm_<key id>_<secret>``; only its SHA-256 is stored (keys are 256 random bits, so
-  a fast hash is enough), compared in constant time. The key id names it in logs and files.
-- ``certificates``: client-certificate identities (a subject CN or a SAN, as the gateway's mTLS
-  handshake verified it) that authenticate as the tenant without a key.
-- ``admin`` on a key or a tenant: may call AdminService.
+Read by every gateway (``TenantsFile``: again whenever it changes, so a new or revoked key counts
+within a second, without a restart), written by ``llamamesh auth create-key`` / ``revoke-key``. Its
+format, with an example: docs/operations.md ("Security"); its limits: docs/api.md ("Tenants file
+limits").
 """
 
 from __future__ import annotations
@@ -51,6 +27,7 @@ from llamamesh import errors
 from llamamesh.settings import LimitsSettings
 from llamamesh.types import TENANT_NAME
 
+# An API key is ``lm_<key id>_<secret>``: the key id names it in logs and in the file.
 KEY_PREFIX = "lm_"
 # How often a gateway looks whether the file changed (seconds).
 RELOAD_EVERY_S = 1.0
@@ -60,6 +37,11 @@ _LIMIT_FIELDS = {f.name: f.type for f in dataclasses.fields(LimitsSettings)}
 
 @dataclass(frozen=True)
 class Tenant:
+    """One tenant of the file: its ``limits`` override ``LLAMAMESH_LIMITS_*`` (``LimitsSettings``)
+    field by field; ``certificates`` are client-certificate identities (a subject CN or a SAN, as the
+    gateway's mTLS handshake verified it) that authenticate as the tenant without a key; ``admin``
+    (on the tenant or on one of its keys) may call AdminService."""
+
     name: str
     limits: LimitsSettings
     admin: bool = False
@@ -149,7 +131,8 @@ class Tenants:
     def authenticate(self, bearer: str, certificates: tuple[str, ...] = ()) -> Identity:
         """The identity of a caller presenting ``bearer`` (an API key; empty: none) and the verified
         client-certificate ``certificates`` (mTLS). A key, when given, must be valid (a bad key is
-        refused even with a good certificate). Raises Unauthenticated."""
+        refused even with a good certificate). Raises Unauthenticated. Only a key's SHA-256 is
+        stored (keys are 256 random bits, so a fast hash is enough), compared in constant time."""
         if bearer:
             key_id = _key_id(bearer)
             k = self._keys.get(key_id) if key_id else None

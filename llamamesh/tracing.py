@@ -1,12 +1,6 @@
-"""OpenTelemetry tracing: the SDK configured once per process, and the trace context that crosses
-the Redis hop in the job (``GenerationRequest.trace``, W3C ``traceparent``/``tracestate``).
-
-    configure("gateway")                  # entry points; off unless OTEL_EXPORTER_OTLP_ENDPOINT is set
-    ctx = extract(metadata_or_job_trace)  # the caller's (or the gateway's) span as the parent
-    req = replace(req, trace=carrier())   # the current span, for the worker
-
-Off, the API's no-op tracer is used and no SDK object is created: spans are non-recording, but a
-caller's trace id still flows to the worker and into the logs. Only this module imports
+"""OpenTelemetry tracing: the SDK configured once per process (``configure``), and the trace context
+that crosses the Redis hop in the job (``GenerationRequest.trace``, W3C ``traceparent`` /
+``tracestate``: ``carrier`` on the way in, ``extract`` on the way out). Only this module imports
 opentelemetry; the gateway and the workers go through its functions (no engine adapter does).
 """
 
@@ -32,7 +26,10 @@ _configured = False
 
 def configure(service: str, environ: Mapping[str, str] | None = None) -> bool:
     """Install the SDK (a BatchSpanProcessor exporting over OTLP gRPC, ``service.name`` =
-    ``service``) when an OTLP endpoint is set; once per process. True when tracing is on."""
+    ``service``) when an OTLP endpoint is set (``OTEL_EXPORTER_OTLP_ENDPOINT``); once per process,
+    from the entry points. True when tracing is on. Off, the API's no-op tracer is used and no SDK
+    object is created: spans are non-recording, but a caller's trace id still flows to the worker
+    and into the logs."""
     global _configured
     if _configured:
         return True

@@ -1,16 +1,7 @@
-"""More than one new call accepted at a time (``Acceptors``).
-
-grpc.aio's server asks gRPC core for the next call of a method only once the previous one has been
-handed to its handler, at a cost of several turns of the event loop; under load a burst of new
-calls is then accepted a few per turn. ``Acceptors`` keeps ``n`` more requests for calls
-outstanding per registered method, each handing its call to grpc's own handler path (the same
-method resolution, interceptors, cancellation watch and exception handling): ``server.stop(grace)``
-drains them like any call, and its shutdown ends the acceptors.
-
-It uses private parts of grpc.aio's Cython layer, written against the grpcio pinned in
-requirements/lock.txt. ``supported()`` checks them at start; where they differ, the gateway logs
-``grpc_acceptors_unavailable`` and accepts as grpc's own loop does (correct, only slower to accept
-bursts).
+"""More than one new call accepted at a time (``Acceptors``): ``n`` more requests for calls kept
+outstanding per registered method, each handing its call to grpc's own handler path. It uses
+private parts of grpc.aio's Cython layer, written against the grpcio pinned in
+requirements/lock.txt and checked at start (``supported``).
 """
 
 from __future__ import annotations
@@ -59,11 +50,18 @@ def supported() -> str:
 class Acceptors:
     """``n`` extra outstanding call requests per registered method of ``server``.
 
+    Why: grpc.aio's server asks gRPC core for the next call of a method only once the previous one
+    has been handed to its handler, at a cost of several turns of the event loop; under load a burst
+    of new calls is then accepted a few per turn. Each call accepted here takes grpc's own handler
+    path (the same method resolution, interceptors, cancellation watch and exception handling):
+    ``server.stop(grace)`` drains them like any call, and its shutdown ends the acceptors.
+
     Build it right after ``grpc.aio.server(interceptors=...)`` with the same interceptors (it records
     the handlers as they are added), ``start()`` it after ``server.start()``, and ``stop()`` it after
     ``server.stop()``. The server must not be given ``maximum_concurrent_rpcs`` (grpc's limiter is
     not consulted here; the gatekeeper bounds concurrent calls). ``n`` 0, or a grpcio without the
-    private API: nothing is added."""
+    private API: nothing is added (the gateway then logs ``grpc_acceptors_unavailable`` and accepts
+    as grpc's own loop does: correct, only slower to accept bursts)."""
 
     def __init__(self, server: grpc.aio.Server, interceptors: Sequence[Any], n: int) -> None:
         if n < 0:

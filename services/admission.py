@@ -1,13 +1,5 @@
-"""Admission: a tenant's budgets as the RPC handlers use them (the counting is in Redis,
-llamamesh/queue/quotas.py, shared by every gateway).
-
-- ``request(who)``: one request against the tenant's requests-per-second and tokens-per-minute.
-- ``stream(who)``: holds one of the tenant's concurrent streams for the ``async with`` block; this
-  gateway renews the leases of the streams it holds, so a gateway that dies frees them.
-- ``spent(who, tokens)``: what a request generated, taken off the tenant's token budget.
-- ``priority(who, p)``: PERMISSION_DENIED above the tenant's highest priority.
-
-Over a budget: RateLimited (RESOURCE_EXHAUSTED with RetryInfo), before anything is queued.
+"""Admission: a tenant's budgets as the RPC handlers use them, before anything is queued (the counting
+is in Redis, llamamesh/queue/quotas.py, shared by every gateway).
 """
 
 from __future__ import annotations
@@ -34,6 +26,7 @@ def access_of(who: Identity) -> Access:
 
 
 def check_priority(who: Identity, priority: int) -> None:
+    """PermissionDenied above the tenant's highest priority."""
     most = who.limits.max_priority
     if priority > most:
         metrics.rejected(reason="permission_denied")
@@ -43,6 +36,10 @@ def check_priority(who: Identity, priority: int) -> None:
 
 
 class Admission:
+    """One gateway's admission (none without ``quotas``): it owns the task that renews the leases of
+    the streams it holds, started by ``start`` and cancelled by ``stop``. Over a budget: RateLimited
+    (RESOURCE_EXHAUSTED with RetryInfo)."""
+
     def __init__(self, quotas: Quotas | None) -> None:
         self.quotas = quotas
         self._held: dict[str, str] = {}  # stream id -> tenant
@@ -68,6 +65,7 @@ class Admission:
                 log.warning("stream_leases_not_renewed", streams=len(self._held))
 
     async def request(self, who: Identity) -> None:
+        """One request against the tenant's requests-per-second and tokens-per-minute."""
         if self.quotas is not None:
             try:
                 await self.quotas.admit(who.tenant, who.limits)
@@ -77,6 +75,9 @@ class Admission:
 
     @contextlib.asynccontextmanager
     async def stream(self, who: Identity) -> AsyncIterator[None]:
+        """Hold one of the tenant's concurrent streams for the ``async with`` block; this gateway
+        renews its lease meanwhile, so a gateway that dies frees it. Released (shielded) on the way
+        out, cancellation included."""
         if self.quotas is None or who.limits.max_streams <= 0:
             yield
             return
@@ -95,6 +96,8 @@ class Admission:
                 await asyncio.shield(self.quotas.close_stream(who.tenant, stream_id))
 
     async def spent(self, who: Identity, tokens: int) -> None:
+        """What a request generated, taken off the tenant's token budget (shielded; with Redis out it
+        is logged, not counted)."""
         if self.quotas is None or tokens <= 0:
             return
         try:

@@ -1,19 +1,5 @@
-"""The gatekeeper: one server interceptor in front of every RPC but ``grpc.health.v1``.
-
-For each call, before its handler runs:
-
-1. **Size**: the request's bytes are checked against its method's limit before they are parsed
-   (``LLAMAMESH_GATEWAY_MAX_REQUEST_BYTES``; BatchGenerate: ``LLAMAMESH_BATCH_MAX_BYTES``), and
-   bytes that do not parse are refused: INVALID_ARGUMENT, nothing parsed, nothing queued.
-2. **Concurrency**: at most ``LLAMAMESH_GATEWAY_MAX_CONCURRENT_RPCS`` calls at once in this
-   process (RESOURCE_EXHAUSTED with RetryInfo past it).
-3. **Identity**: with a tenants file (``LLAMAMESH_AUTH_FILE``), an API key
-   (``authorization: Bearer <key>``) or a client certificate that the file maps to a tenant;
-   otherwise UNAUTHENTICATED. AdminService needs an admin identity (PERMISSION_DENIED). Each
-   decision is one ``auth_decided`` log line (tenant, key id, method, outcome), never the key.
-   Without a tenants file the tenant is the ``x-llamamesh-tenant`` header (else "default"), as
-   for the embedded node on loopback.
-
+"""The gatekeeper: one server interceptor in front of every RPC but ``grpc.health.v1``, which checks
+each call's size, this process's concurrency and the caller's identity before its handler runs.
 Handlers read the caller's identity with ``identity(context)``.
 """
 
@@ -87,6 +73,21 @@ def _certificates(context: grpc.aio.ServicerContext) -> tuple[str, ...]:
 
 
 class Gatekeeper(grpc.aio.ServerInterceptor):
+    """For each call, before its handler runs:
+
+    1. **Size**: the request's bytes are checked against its method's limit before they are parsed
+       (``LLAMAMESH_GATEWAY_MAX_REQUEST_BYTES``; BatchGenerate: ``LLAMAMESH_BATCH_MAX_BYTES``), and
+       bytes that do not parse are refused: INVALID_ARGUMENT, nothing parsed, nothing queued.
+    2. **Concurrency**: at most ``LLAMAMESH_GATEWAY_MAX_CONCURRENT_RPCS`` calls at once in this
+       process (RESOURCE_EXHAUSTED with RetryInfo past it).
+    3. **Identity**: with a tenants file (``LLAMAMESH_AUTH_FILE``), an API key
+       (``authorization: Bearer <key>``) or a client certificate that the file maps to a tenant;
+       otherwise UNAUTHENTICATED. AdminService needs an admin identity (PERMISSION_DENIED). Each
+       decision is one ``auth_decided`` log line (tenant, key id, method, outcome), never the key.
+       Without a tenants file the tenant is the ``x-llamamesh-tenant`` header (else "default"), as
+       for the embedded node on loopback.
+    """
+
     def __init__(
         self,
         tenants: TenantsFile | None,

@@ -1,15 +1,8 @@
 """The gateway's view of its backend pools (``Backends``): where a request goes, what its outcome
 says of the pool, and the pool's health (``llamamesh.backend.<pool>``: a live worker and a breaker
 not open). One per gateway process; it owns the probes (services/probes.py) that read the pools
-through the queue, and the view of Redis's outages (services/outage.py).
-
-Routing: a request goes to its model's pool unless that pool is unusable (breaker open, or no live
-worker), then to the pool's configured fallback (``LLAMAMESH_GATEWAY_FALLBACK``, e.g.
-``trtllm=vllm,vllm=trtllm``) if that one is usable, before any token is sent. A pool whose workers
-are all still starting has NOT_SERVING health, and requests wait for it
-(``GatewaySettings.start_wait_s``). Outcomes of real requests are recorded: failures of the
-backend count (lost worker, engine failure, internal error, timeout); client errors (bad input,
-unknown model, cancellation) never do, nor failures around an outage of Redis.
+through the queue, and the view of Redis's outages (services/outage.py). How routing, breakers and
+fallback work together: docs/architecture.md ("Health, breakers and fallback").
 """
 
 from __future__ import annotations
@@ -37,7 +30,8 @@ def backend_service(pool: str) -> str:
 
 
 def counts_against_backend(exc: BaseException | None) -> bool | None:
-    """True: a failure of the backend; False: a success; None: neither (the caller's doing)."""
+    """True: a failure of the backend (lost worker, engine failure, internal error, timeout); False: a
+    success; None: neither (client errors: bad input, unknown model, cancellation; or Redis's)."""
     if exc is None:
         return False
     if isinstance(exc, errors.ClientError | errors.CapacityError | errors.DeadlineUnreachable | asyncio.CancelledError):
@@ -48,6 +42,12 @@ def counts_against_backend(exc: BaseException | None) -> bool | None:
 
 
 class Backends:
+    """Every pool of one gateway process: its breaker, its live workers, its health. A request goes
+    to its model's pool unless that pool is unusable (breaker open, or no live worker), then to the
+    pool's configured fallback (``LLAMAMESH_GATEWAY_FALLBACK``, e.g. ``trtllm=vllm,vllm=trtllm``) if
+    that one is usable, before any token is sent. A pool whose workers are all still starting has
+    NOT_SERVING health, and requests wait for it (``GatewaySettings.start_wait_s``)."""
+
     def __init__(
         self,
         queue: ProbeQueue,
@@ -193,7 +193,8 @@ class Backends:
         self.outage.saw_writes(accepted)
 
     async def record(self, pool: str, exc: BaseException | None) -> None:
-        """The outcome of a real request ``route`` sent to ``pool``."""
+        """The outcome of a real request ``route`` sent to ``pool``, for its breaker: failures of the
+        backend count; client errors never do, nor failures around an outage of Redis."""
         p = self.pools.get(pool)
         if p is None:
             return

@@ -1,13 +1,6 @@
 """BatchService: durable batch jobs (validate everything, store, queue the items; then read back).
-
-A batch is validated whole before anything is written (services/batch_requests.py), with nothing
-queued when any of it is bad. Items go to their pool's batch stream (workers take them below
-interactive work); results come back through the store (llamamesh/queue/batches.py). The owner of a
-batch is the caller's tenant (its authenticated identity; without auth the ``x-llamamesh-tenant``
-header, else "default"), and batch ids are the tenant's own (``scoped_id``): another tenant's batch
-is NOT_FOUND to Get, List, Cancel and results, and the same id may name a batch of each tenant. A
-batch holds its items and bytes of the tenant's budgets (llamamesh/queue/quotas.py) until it ends
-and until it is purged (services/batch_sweeper.py gives them back).
+Validation is services/batch_requests.py's, the store llamamesh/queue/batches.py, the sweep of what
+can no longer run services/batch_sweeper.py's; what each RPC promises: docs/api.md ("BatchService").
 """
 
 from __future__ import annotations
@@ -54,6 +47,15 @@ Items = list[tuple[ModelInfo, GenerationRequest]]
 
 
 class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
+    """The RPC handlers. A batch is validated whole before anything is written, with nothing queued
+    when any of it is bad. Items go to their pool's batch stream (workers take them below interactive
+    work); results come back through the store. The owner of a batch is the caller's tenant (its
+    authenticated identity; without auth the ``x-llamamesh-tenant`` header, else "default"), and
+    batch ids are the tenant's own (``scoped_id``): another tenant's batch is NOT_FOUND to Get, List,
+    Cancel and results, and the same id may name a batch of each tenant. A batch holds its items and
+    bytes of the tenant's budgets (llamamesh/queue/quotas.py) until it ends and until it is purged
+    (the sweeper gives them back)."""
+
     def __init__(
         self,
         store: BatchStore,

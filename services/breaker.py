@@ -1,18 +1,8 @@
 """A circuit breaker per backend pool: closed -> open -> half-open -> closed.
 
 Pure state and arithmetic over an injected clock (no I/O, no asyncio), so every transition is
-tested exactly. What feeds it, and what counts as a failure, is decided by the caller
-(services/backends.py): probe results, expired heartbeats, engine errors and timeouts of real
-requests. Client errors (bad input, unknown model, cancellation) are never recorded.
-
-- closed: everything passes. It opens after ``probe_failures`` consecutive failed probes (or a
-  pool with no live worker, which the caller records as a failed probe), or when, over the last
-  ``window`` real requests (at least ``min_requests`` of them), the failure rate reaches
-  ``error_rate``.
-- open: nothing passes for ``open_s``; then the next ``allow`` turns it half-open (at once, through
-  ``revive``, when a worker appears in a pool that had none).
-- half-open: at most ``half_open_max`` requests or probes are let through at a time; after
-  ``half_open_successes`` successes in a row it closes, and one failure opens it again.
+tested exactly. What feeds it, and what counts as a failure, is the caller's (services/backends.py):
+probe results, expired heartbeats, engine errors and timeouts of real requests, never client errors.
 """
 
 from __future__ import annotations
@@ -47,6 +37,18 @@ class Transition:
 
 @dataclass
 class Breaker:
+    """One pool's breaker.
+
+    - closed: everything passes. It opens after ``probe_failures`` consecutive failed probes (or a
+      pool with no live worker, which the caller records as a failed probe), or when, over the last
+      ``window`` real requests (at least ``min_requests`` of them), the failure rate reaches
+      ``error_rate``.
+    - open: nothing passes for ``open_s``; then the next ``allow`` turns it half-open (at once,
+      through ``revive``, when a worker appears in a pool that had none).
+    - half-open: at most ``half_open_max`` requests or probes are let through at a time; after
+      ``half_open_successes`` successes in a row it closes, and one failure opens it again.
+    """
+
     pool: str
     settings: BreakerSettings
     clock: Callable[[], float] = time.monotonic

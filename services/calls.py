@@ -1,13 +1,6 @@
-"""One wrapper for every RPC handler: domain errors become statuses, and each call ends with one
-``rpc_finished`` line (method, status, duration, and what the handler ``note``-d: pool, tokens...).
-
-    @rpc("Generate")
-    async def Generate(self, request, context): ...   # unary or server-streaming (async generator)
-
-A ``LlamameshError`` ends the call with its status (services/status.py); a cancelled call (the
-caller went away) logs CANCELLED and re-raises; anything else is INTERNAL with a fixed message.
-Each call is a span (llamamesh/tracing.py) continuing the caller's W3C ``traceparent``; its log
-lines carry its ``trace_id``.
+"""One wrapper for every RPC handler (``rpc``): domain errors become statuses, and each call ends with
+one ``rpc_finished`` line (method, status, duration, and what the handler ``note``-d: pool,
+tokens...), its metrics and its span.
 """
 
 from __future__ import annotations
@@ -61,7 +54,7 @@ async def _call(method: str, context: grpc.aio.ServicerContext) -> AsyncIterator
     """One RPC's bookkeeping: its fields for ``note``, its status, its ``rpc_finished`` line."""
     t0, fields = time.perf_counter(), dict[str, Any]()
     token = _fields.set(fields)
-    outcome = "ok"  # as it always was; failures carry the gRPC code name
+    outcome = "ok"  # a success's status in the log line; failures carry the gRPC code name
     metrics.INFLIGHT.inc()
     with tracing.server_span(method, context.invocation_metadata()) as span:
         try:
@@ -84,6 +77,16 @@ async def _call(method: str, context: grpc.aio.ServicerContext) -> AsyncIterator
 
 
 def rpc(method: str) -> Callable[[F], F]:
+    """Wrap an RPC handler, unary or server-streaming (an async generator)::
+
+        @rpc("Generate")
+        async def Generate(self, request, context): ...
+
+    A ``LlamameshError`` ends the call with its status (services/status.py); a cancelled call (the
+    caller went away) logs CANCELLED and re-raises; anything else is INTERNAL with a fixed message.
+    Each call is a span (llamamesh/tracing.py) continuing the caller's W3C ``traceparent``; its log
+    lines carry its ``trace_id``."""
+
     def wrap(handler: F) -> F:
         if inspect.isasyncgenfunction(handler):
 

@@ -1,17 +1,8 @@
-"""The stream invariant: every token index reaches the caller exactly once and in order.
-
-``Cursor`` holds it for one stream (``SampleCursors`` for each sample of a request), across merged
-reads, failovers, re-attaches and Redis restarts. An event that repeats tokens the caller has (a
-publish the worker retried after a lost reply: the first try was applied) is dropped and counted
-(``duplicates_dropped``); one that starts past them is a gap (Redis came back without its last
-writes) and raises EventsLost. Workers' publish retries are therefore safe to repeat: the reader
-drops by index what it has, rather than each writer choosing entry ids (an entry id the writer
-picks would have to sort after the ``*`` ids the gateway writes into the same stream, e.g.
-Cancel's terminal event).
-
-Also the renumbering and cutting of events: ``shifted`` (an event of a resumed attempt as the
-caller's stream numbers it), ``cut`` (an event cut to a range of tokens, with the text that goes
-with them) and ``window`` (both).
+"""The stream invariant: every token index reaches the caller exactly once and in order. ``Cursor``
+holds it for one stream (``SampleCursors`` for each sample of a request), across merged reads,
+failovers, re-attaches and Redis restarts. Also the renumbering and cutting of events: ``shifted``
+(an event of a resumed attempt as the caller's stream numbers it), ``cut`` (an event cut to a range
+of tokens, with the text that goes with them) and ``window`` (both).
 """
 
 from __future__ import annotations
@@ -68,7 +59,14 @@ def window(ev: JobEvent, base: int, offset: int, end: int | None, usage_base: in
 
 
 class Cursor:
-    """The stream invariant for one caller: ``accept`` passes each token index once, in order."""
+    """The stream invariant for one caller: ``accept`` passes each token index once, in order. An
+    event that repeats tokens the caller has (a publish the worker retried after a lost reply: the
+    first try was applied) is dropped and counted (``duplicates_dropped``); one that starts past them
+    is a gap (Redis came back without its last writes) and raises EventsLost.
+
+    Workers' publish retries are therefore safe to repeat: the reader drops by index what it has,
+    rather than each writer choosing entry ids (an entry id the writer picks would have to sort after
+    the ``*`` ids the gateway writes into the same stream, e.g. Cancel's terminal event)."""
 
     duplicates_dropped = 0  # every cursor's, for the process (tests and logs read it)
 

@@ -42,7 +42,7 @@ class Liveness:
         without its data (its events and job may be gone: never wait on them)."""
         backends = self._backends
         # One read of the events with an idle signal, not a task and a timed wait per event: at one
-        # event per token per stream those cost a tenth of the gateway's CPU (docs/benchmarks.md).
+        # event per token per stream those cost a large share of the gateway's CPU.
         idle_s = backends.check_interval_s if backends is not None else 1.0
         events = self._queue.events_within(job_id, idle_s)
         worker = ""

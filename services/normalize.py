@@ -1,12 +1,7 @@
 """Prompt normalisation: configured regex rewrites of prompts and chat messages, at the gateway,
-before routing and queueing (``Normalizer``; the rule format: ``Normalizer.parse``).
-
-Engines cache the KV of prompt prefixes they saw, so prompts that carry random bytes (an HTML table
-full of generated ids) defeat the cache even where the text that matters is the same; a rule that
-rewrites those bytes to a constant gives the cache back. Rules rewrite Generate requests, every
-BatchGenerate item and Tokenize requests (so a count is that of the text generation sees); not
-stop strings, metadata or the breaker's probes. An idempotent retry is still recognised by what
-the caller sent.
+before routing and queueing (``Normalizer``; the rule format: ``Normalizer.parse``). Rules rewrite
+Generate requests, every BatchGenerate item and Tokenize requests (so a count is that of the text
+generation sees); not stop strings, metadata or the breaker's probes.
 """
 
 from __future__ import annotations
@@ -100,7 +95,12 @@ def _rule(n: int, obj: Any, seen: dict[str, int]) -> Rule:
 
 
 class Normalizer:
-    """The configured rules, compiled once. :meth:`apply` never raises."""
+    """The configured rules, compiled once. :meth:`apply` never raises.
+
+    Why: engines cache the KV of prompt prefixes they saw, so prompts that carry random bytes (an
+    HTML table full of generated ids) defeat the cache even where the text that matters is the same;
+    a rule that rewrites those bytes to a constant gives the cache back. An idempotent retry is still
+    recognised by what the caller sent."""
 
     def __init__(self, rules: Sequence[Rule] = (), prefix_chars: int = 0) -> None:
         self.rules = tuple(rules)

@@ -1,15 +1,5 @@
-"""The gateway's reading of its pools through the queue, which feeds their state and breakers.
-
-One probe task per pool. Every ``probe_interval_s`` it reads the pool's heartbeats (``refresh``);
-with no live (ready) worker the probe fails at once (no job is queued for nobody), otherwise it
-sends a one-token greedy generation through the queue, like any request, and waits
-``probe_timeout_s`` for its end. The result feeds the pool's breaker.
-
-A pool whose workers are all still starting (heartbeat state ``starting``: converting, loading,
-compiling) is coming up, not failing: its probes record nothing against the breaker. Workers that
-report ``failed`` count as absent, and their reasons go into the errors callers get. While Redis
-is out the workers known before are kept; after it, a worker whose heartbeat expired during the
-outage gets ``liveness_grace_s`` to heartbeat again before it counts as lost.
+"""The gateway's reading of its pools through the queue, which feeds their state and breakers: one
+probe task per pool (``Probes``), reading the pool's heartbeats and sending it a one-token request.
 """
 
 from __future__ import annotations
@@ -87,7 +77,11 @@ class Probes:
             return None
 
     async def refresh(self, p: Pool) -> None:
-        """Read the pool's heartbeats: its workers, and the breaker revived when they come back."""
+        """Read the pool's heartbeats: its workers, and the breaker revived when they come back.
+        Workers that report ``failed`` count as absent, and their reasons go into the errors callers
+        get. While Redis is out the workers known before are kept; after it, a worker whose heartbeat
+        expired during the outage gets ``liveness_grace_s`` to heartbeat again before it counts as
+        lost."""
         was_live, was_present, was_starting = p.live, p.present, p.starting
         # Unknown is not dead: while Redis is out the workers are kept (probes and submits fail
         # meanwhile); and right after it, their heartbeats (expired while it was out) get one round
@@ -121,7 +115,10 @@ class Probes:
 
     async def probe(self, p: Pool) -> None:
         """One probe of one pool: heartbeats, then (if anyone is alive and the breaker lets it) a
-        one-token generation."""
+        one-token greedy generation through the queue, like any request; its result feeds the
+        pool's breaker. With no live (ready) worker the probe fails at once (no job is queued for
+        nobody). A pool whose workers are all still starting (heartbeat state ``starting``:
+        converting, loading, compiling) is coming up, not failing: nothing is recorded against it."""
         started = self._clock()
         await self.refresh(p)
         if p.unreachable:  # Redis is out: nothing to learn about the pool

@@ -1,15 +1,7 @@
-"""The relay: the gateway's one owner of a request's stream, from the queue to the caller.
-
-``Relay`` is the seam (shaped like vLLM's ``EngineClient``: generate, attach, cancel, tokenize);
-``QueueRelay`` implements it over the queue, ``ScriptedRelay`` (services/fake_relay.py) is its fake
-for tests of the gRPC layer. The RPC handlers only convert, call the relay and map errors to
-statuses. ``QueueRelay`` owns what its requests share (the liveness checks, the detach timers) and
-hands each call to the object that runs it:
-
-- a Generate to a ``RelayedRequest`` (services/relayed.py: routing, attempts, failover, the
-  bookkeeping on exit), through the stream invariant (services/cursor.py);
-- an Attach to an ``Attachment`` (services/attach.py);
-- a Cancel, including the terminal event of a request no worker has started, and a Tokenize here.
+"""The relay: the gateway's one owner of a request's stream, from the queue to the caller. ``Relay`` is
+the seam (shaped like vLLM's ``EngineClient``: generate, attach, cancel, tokenize); ``QueueRelay``
+implements it over the queue, ``ScriptedRelay`` (services/fake_relay.py) is its fake for tests of
+the gRPC layer. The RPC handlers only convert, call the relay and map errors to statuses.
 """
 
 from __future__ import annotations
@@ -71,7 +63,11 @@ class Relay(Protocol):
 
 
 class QueueRelay:
-    """The relay over the queue (Redis Streams in production, MemoryQueue in tests)."""
+    """The relay over the queue (Redis Streams in production, MemoryQueue in tests). It owns what its
+    requests share (the liveness checks, the detach timers) and hands each call to the object that
+    runs it: a Generate to a ``RelayedRequest`` (services/relayed.py: routing, attempts, failover, the
+    bookkeeping on exit, through the stream invariant of services/cursor.py), an Attach to an
+    ``Attachment`` (services/attach.py); a Cancel and a Tokenize run here."""
 
     def __init__(
         self,
@@ -106,6 +102,7 @@ class QueueRelay:
         return Attachment(p.queue, p.liveness, p.timers, request_id, offset, count, sample_offsets).events()
 
     async def cancel(self, request_id: str) -> None:
+        """``Relay.cancel``; a request no worker has started gets its terminal event here."""
         await self._queue.call_off(request_id)
         records = await self._queue.attempts(request_id)
         if records and not await self._queue.read_events(records[-1].attempt_id):

@@ -1,17 +1,7 @@
-"""One relayed Generate (``RelayedRequest``): its state from the routing to the end of its stream.
-
-- **Routing and the attempt record**: the routing rules choose the pool once; each attempt goes
-  there or to its fallback, as the pools' breakers say then, and is recorded (for Attach) before
-  its job is queued.
-- **Failover**: when the worker is lost, its engine dies or events of the attempt are lost, the
-  request goes on elsewhere, at most ``failover_attempts`` times (a request whose workers keep
-  dying is set aside); before any token it starts again, after tokens it resumes from what the
-  caller has (services/attempts.py). Each attempt has its own event stream, so an abandoned
-  attempt's events are never relayed.
-- **The stream invariant** (services/cursor.py) over every attempt's events, and **liveness**
-  (services/liveness.py) while it waits.
-- **The bookkeeping on exit**: an attempt still running is detached (a resumable request whose
-  caller went away) or cancelled; the outcome is recorded for the pool's breaker; metrics.
+"""One relayed Generate (``RelayedRequest``): its state from the routing to the end of its stream:
+routing and the attempt record, failover (services/attempts.py makes each next attempt), the stream
+invariant over every attempt's events (services/cursor.py), liveness while it waits
+(services/liveness.py), and the bookkeeping on exit.
 """
 
 from __future__ import annotations
@@ -145,8 +135,8 @@ class RelayedRequest:
         self.progress.route = chosen.text if chosen is not None else None
 
     def place(self) -> None:
-        """The pool of the next attempt: the routed one or its fallback (never one the caller may not
-        use). Raises NoWorkers when neither can take it."""
+        """The pool of the next attempt: the routed one or its fallback, as the pools' breakers say
+        now (never one the caller may not use). Raises NoWorkers when neither can take it."""
         backends = self._p.backends
         pool = backends.route(self.target) if backends is not None else self.target
         self.pool = self.progress.pool = pool if self.who.access.allows(pool) else self.target
@@ -163,9 +153,10 @@ class RelayedRequest:
             yield ev
 
     async def begin(self) -> bool:
-        """Make the next attempt and record it, once it can run in time (raises NoWorkers for a pool
-        nobody came to for a while, DeadlineUnreachable). False: this request id was accepted before
-        (a retry after a lost reply, or another request under a taken id)."""
+        """Make the next attempt and record it (for Attach) before its job is queued, once it can run
+        in time (raises NoWorkers for a pool nobody came to for a while, DeadlineUnreachable). False:
+        this request id was accepted before (a retry after a lost reply, or another request under a
+        taken id)."""
         self.attempt = next_attempt(self.req, self.attempts, self.streams)
         self.base = self.streams.total
         self._p.liveness.check_pool(self.pool)  # no worker came for a while: say so now, not at the deadline
@@ -289,8 +280,11 @@ class RelayedRequest:
             self._p.backends.observe_queue_wait(self.pool, wait_s)
 
     async def fail_over(self, exc: errors.WorkerLost | errors.EngineDead | errors.EventsLost) -> None:
-        """The current attempt is lost: raise when the request goes no further (set aside, or out of
-        attempts); else the lost attempt is cancelled and the next one goes on from what the caller has."""
+        """The current attempt is lost (its worker lost, its engine dead, or its events lost): raise
+        when the request goes no further (set aside when its workers keep dying, or out of its
+        ``failover_attempts``); else the lost attempt is cancelled and the next one goes on elsewhere:
+        before any token it starts again, after tokens it resumes from what the caller has. Each
+        attempt has its own event stream, so an abandoned attempt's events are never relayed."""
         self.deaths += isinstance(exc, errors.EngineDead) or (isinstance(exc, errors.WorkerLost) and exc.running)
         await self._give_up_or_cancel(exc)
         tracing.event("failover", pool=self.pool, error=exc.code, tokens=self.streams.total)

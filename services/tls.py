@@ -1,15 +1,7 @@
-"""Transport security of the gateway's port: TLS, mutual TLS, and certificate rotation.
-
-- ``bind``: the gateway's one way to open its port. With ``tls_cert`` and ``tls_key`` the port
-  speaks TLS only; with ``tls_client_ca`` too, a client without a certificate signed by that CA is
-  refused at the handshake (it sees UNAVAILABLE; no handler runs). Without them it is plaintext,
-  logged as ``gateway_plaintext`` (a warning) when the host is not a loopback address.
-- Rotation: the files are looked at (mtime, size, inode) before every new connection's handshake;
-  when they changed, they are read again and new connections get the new certificate, key and
-  client CA, without a restart. Connections already open keep theirs. A change that does not load
-  (a key not matching its certificate: the pair is being written) keeps the previous files and is
-  tried again at the next handshake, logged once as ``gateway_tls_reload_failed``.
-- ``peer_identities``: the names of the client certificate the handshake verified.
+"""Transport security of the gateway's port: TLS, mutual TLS, and certificate rotation without a
+restart. ``bind`` is the gateway's one way to open its port; ``CertificateFiles`` follows the files
+as they change; ``peer_identities`` names the client certificate a handshake verified. How to set it
+up: docs/operations.md ("Security").
 """
 
 from __future__ import annotations
@@ -34,7 +26,12 @@ Stamp = tuple[tuple[int, int, int], ...]
 
 
 class CertificateFiles:
-    """The gateway's PEM files and the configuration last loaded from them."""
+    """The gateway's PEM files and the configuration last loaded from them. The files are looked at
+    (mtime, size, inode) before every new connection's handshake; when they changed, they are read
+    again and new connections get the new certificate, key and client CA. Connections already open
+    keep theirs. A change that does not load (a key not matching its certificate: the pair is being
+    written) keeps the previous files and is tried again at the next handshake, logged once as
+    ``gateway_tls_reload_failed``."""
 
     def __init__(self, cert: str, key: str, client_ca: str = "") -> None:
         self.paths = tuple(Path(p) for p in (cert, key, client_ca) if p)
@@ -135,7 +132,10 @@ def is_loopback(host: str) -> bool:
 def bind(server: grpc.aio.Server, settings: GatewaySettings, port: int | None = None) -> int:
     """Open ``settings.host`` on ``port`` (None: ``settings.port``; 0: a free one) with TLS when
     ``tls_cert`` and ``tls_key`` are set, else plaintext; returns the port bound. Raises ValueError
-    for TLS settings that are incomplete or do not load, OSError when the port cannot be bound."""
+    for TLS settings that are incomplete or do not load, OSError when the port cannot be bound.
+    With ``tls_client_ca`` too, a client without a certificate signed by that CA is refused at the
+    handshake (it sees UNAVAILABLE; no handler runs). Plaintext is logged as ``gateway_plaintext``
+    (a warning) when the host is not a loopback address."""
     port = settings.port if port is None else port
     address = f"{settings.host}:{port}"
     tls = bool(settings.tls_cert or settings.tls_key or settings.tls_client_ca)

@@ -1,13 +1,7 @@
 """A worker's HTTP health endpoint, for Kubernetes probes (workers serve no gRPC):
-``LLAMAMESH_WORKER_HEALTH_PORT`` (0: off) on ``LLAMAMESH_WORKER_METRICS_HOST``.
-
-- ``GET /livez``: 200 while the process runs and its engine has not died (a dead or wedged engine
-  ends the worker anyway; this says so while it shuts down), else 503.
-- ``GET /readyz``: 200 while the worker leases jobs: its engine is up and it is not stopping;
-  503 while the engine starts (minutes for a cold GPU), after SIGTERM and after a failure.
-
-A thread of its own answers, so probes are answered while the event loop is busy importing torch
-or vLLM. The body is one line: the worker's state and why.
+``LLAMAMESH_WORKER_HEALTH_PORT`` (0: off) on ``LLAMAMESH_WORKER_METRICS_HOST``, answering ``GET
+/livez`` and ``GET /readyz`` (:class:`HealthServer`), for a worker or for a process supervising
+several (:func:`supervisor_health`).
 """
 
 from __future__ import annotations
@@ -30,6 +24,13 @@ Probe = Callable[[], tuple[bool, bool, str]]
 
 
 class HealthServer:
+    """``GET /livez``: 200 while the process runs and its engine has not died (a dead or wedged engine
+    ends the worker anyway; this says so while it shuts down), else 503. ``GET /readyz``: 200 while
+    the worker leases jobs: its engine is up and it is not stopping; 503 while the engine starts
+    (minutes for a cold GPU), after SIGTERM and after a failure. The body is one line: the worker's
+    state and why. A thread of its own answers, so probes are answered while the event loop is busy
+    importing torch or vLLM."""
+
     def __init__(self, port: int, host: str, probe: Probe) -> None:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # http.server's name

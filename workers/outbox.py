@@ -1,16 +1,5 @@
-"""The worker's event writer: coalesces token deltas per engine step into one publish.
-
-Job tasks ``add`` events; one flusher task drains everything pending in one
-``WorkQueue.publish`` call (one Redis round trip for all in-flight requests),
-merging consecutive non-terminal events of the same request. At most every
-``watch_interval_s`` the same call also reports which in-flight requests were
-cancelled; the outbox hands those to ``on_cancel``. Nothing is dropped when Redis is down: the batch is retried with
-backoff, in order.
-
-Any other failure of a publish is a bug the worker cannot write past (its streams would stall with
-their heartbeat still fresh): the flusher stops, releases every waiter of ``finish`` (their events
-can no longer be written) and tells ``on_fail``, and the worker leaves at once so that the gateways
-fail its streams over (workers/worker.py).
+"""The worker's event writer (:class:`Outbox`): coalesces token deltas per engine step into one
+publish, one Redis round trip for all in-flight requests, which also reports the requests cancelled.
 """
 
 from __future__ import annotations
@@ -31,6 +20,17 @@ log = structlog.get_logger(__name__)
 
 
 class Outbox:
+    """Job tasks ``add`` events; one flusher task (started by ``start``, stopped by ``close``) drains
+    everything pending in one ``WorkQueue.publish`` call, merging consecutive non-terminal events of
+    the same request. At most every ``watch_interval_s`` the same call also reports which in-flight
+    requests were cancelled; the outbox hands those to ``on_cancel``. Nothing is dropped when Redis
+    is down: the batch is retried with backoff, in order.
+
+    Any other failure of a publish is a bug the worker cannot write past (its streams would stall
+    with their heartbeat still fresh): the flusher stops, releases every waiter of ``finish`` (their
+    events can no longer be written) and tells ``on_fail``, and the worker leaves at once so that the
+    gateways fail its streams over (workers/worker.py)."""
+
     def __init__(
         self,
         queue: WorkQueue,

@@ -1,16 +1,8 @@
 """One worker process per group of GPUs (ProcessMode.REPLICAS): data parallelism through the queue.
-
 A GPU engine spans the GPUs its registry entry's ``devices_field`` says (``tensor_parallel_size``:
-vLLM's and TensorRT-LLM's own executors do the sharding). When that setting is given (k >= 1) and the
+vLLM's and TensorRT-LLM's own executors do the sharding); when that setting is given (k >= 1) and the
 host shows more GPUs than k, the worker command becomes a supervisor of n // k worker processes, each
-seeing its own k GPUs (``CUDA_VISIBLE_DEVICES``) and leasing from the pool as consumer ``<name>-r<i>``:
-with k = 1, one worker per GPU. The default (0) keeps one worker over every visible GPU.
-
-The supervisor (llamamesh/supervisor.py, the same one the node and the gateway use) forwards
-SIGTERM/SIGINT (each replica drains as a worker does); a replica that dies is started again with
-backoff (its GPUs and consumer name stay its own, so it takes its own leased jobs first) while the
-others go on serving; one that keeps dying is reported as crash-looping and retried at the longest
-backoff.
+seeing its own k GPUs. The default (0) keeps one worker over every visible GPU.
 """
 
 from __future__ import annotations
@@ -71,7 +63,13 @@ def replica_groups(settings: Settings, spec: EngineSpec, gpus: list[str]) -> lis
 
 def run_replicas(settings: Settings, groups: list[list[str]]) -> int:
     """Run one ``python -m workers`` per GPU group until a signal (forwarded: they drain), restarting
-    any that dies. Returns 0, or 1 if one had to be killed at the end."""
+    any that dies. Returns 0, or 1 if one had to be killed at the end.
+
+    Each replica sees its own GPUs (``CUDA_VISIBLE_DEVICES``) and leases from the pool as consumer
+    ``<name>-r<i>``. The supervisor is llamamesh/supervisor.py, the same one the node and the gateway
+    use: a replica that dies is started again with backoff (its GPUs and consumer name stay its own,
+    so it takes its own leased jobs first) while the others go on serving; one that keeps dying is
+    reported as crash-looping and retried at the longest backoff."""
     base = settings.worker.consumer_name()
     ws = settings.worker
     # One scrape for all replicas: they write into one directory, served here.

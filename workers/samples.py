@@ -1,17 +1,6 @@
-"""``n`` parallel samples on any engine (GenerateRequest.n).
-
-An engine that samples in parallel itself (``parallel_samples``: vLLM, whose ``SamplingParams.n``
-prefills the prompt once and forks the sequences) gets the request as it is and tags each delta with
-its sample. For every other engine (the CPU engine, TensorRT-LLM's adapter), and for a resumed
-request of several samples on any engine (each sample goes on from its own tokens, which no engine's
-``n`` can express), :class:`Samples` runs one engine request per sample, ``<request id>~s<k>``, and
-merges their deltas, each tagged with its sample. Sample ``k`` of a seeded request uses ``seed + k``,
-as vLLM's parallel sampling does.
-
-The merged stream keeps the engine contract (workers/engines/base.py): each sample's last delta has
-its finish_reason and prompt_tokens; an abort (of the request id: :meth:`Samples.abort` reaches every
-sample) ends the stream with one CANCELLED delta; an error of any sample stops the others and is
-raised.
+"""``n`` parallel samples on any engine (GenerateRequest.n): :class:`Samples`, the worker's way into its
+engine, passes a request to an engine that samples in parallel itself, or runs one engine request
+per sample and merges their deltas, each tagged with its sample.
 """
 
 from __future__ import annotations
@@ -26,8 +15,10 @@ from workers.engines.base import Engine
 
 
 def sample_requests(request: GenerationRequest) -> list[tuple[int, GenerationRequest]]:
-    """One single-sample engine request per sample still to run: every sample of a fresh request, or
-    the ``resume_samples`` of a resumed one, each from its own tokens with the rest of its budget."""
+    """One single-sample engine request per sample still to run (``<request id>~s<k>``): every sample
+    of a fresh request, or the ``resume_samples`` of a resumed one, each from its own tokens with the
+    rest of its budget. Sample ``k`` of a seeded request uses ``seed + k``, as vLLM's parallel
+    sampling does."""
     s = request.sampling
     todo = dict(request.resume_samples) or dict.fromkeys(range(s.samples), ())
     out = []
@@ -46,14 +37,23 @@ def sample_requests(request: GenerationRequest) -> list[tuple[int, GenerationReq
 
 
 def fans_out(engine: object, request: GenerationRequest) -> bool:
-    """Whether ``request`` runs as one engine request per sample on ``engine``."""
+    """Whether ``request`` runs as one engine request per sample on ``engine``: an engine that samples
+    in parallel itself (``parallel_samples``: vLLM, whose ``SamplingParams.n`` prefills the prompt
+    once and forks the sequences) gets the request as it is and tags each delta with its sample.
+    Every other engine (the CPU engine, TensorRT-LLM's adapter) fans out, and so does a resumed
+    request of several samples on any engine (each sample goes on from its own tokens, which no
+    engine's ``n`` can express)."""
     if request.resume_samples:
         return True
     return request.sampling.samples > 1 and not getattr(engine, "parallel_samples", False)
 
 
 class Samples:
-    """The worker's way into its engine for generation jobs: ``stream`` and ``abort`` with ``n``."""
+    """The worker's way into its engine for generation jobs: ``stream`` and ``abort`` with ``n``. The
+    merged stream keeps the engine contract (workers/engines/base.py): each sample's last delta has
+    its finish_reason and prompt_tokens; an abort (of the request id: :meth:`abort` reaches every
+    sample) ends the stream with one CANCELLED delta; an error of any sample stops the others and is
+    raised."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine

@@ -1,22 +1,8 @@
-"""The worker: leases jobs of one pool, runs them on one engine, publishes their events.
-
-Its parts, each owned by :class:`Worker` (which starts, cancels and awaits their tasks): the lease
-loop (workers/leasing.py), the jobs in flight (workers/inflight.py: started, drained, abandoned),
-the event writer (workers/outbox.py), the heartbeat (workers/heartbeat.py, with the run-time LoRA
-adapters of workers/lora.py) and the engine watchdog (workers/watchdog.py), sharing the worker's
-state (workers/life.py).
-
-Life: the heartbeat starts as soon as Redis answers, before the engine is ready, with state
-``starting`` and what the engine's start is doing (converting, loading, compiling); gateways
-treat the pool as coming up. Then ``ready`` (leasing), or ``failed`` with the reason when the
-engine cannot start (kept visible for a minute, then the process exits non-zero). A start step
-that blocks the event loop (imports, vLLM's engine start) is announced with a heartbeat that
-lives ``start_timeout_s``, since no refresh can run meanwhile; while the loop runs the heartbeat
-is refreshed every ``heartbeat_s`` with the short TTL, so a worker that dies is gone within it.
-
-A dead engine stops the worker (drain, exit 1); a wedged one, or an event writer that failed, makes
-it withdraw its heartbeat at once, so that gateways fail its streams over, and exit 1 without
-waiting on the engine.
+"""The worker (:class:`Worker`): leases jobs of one pool, runs them on one engine, publishes their
+events. Its parts, each owned by the Worker (which starts, cancels and awaits their tasks): the lease
+loop (workers/leasing.py), the jobs in flight (workers/inflight.py), the event writer
+(workers/outbox.py), the heartbeat (workers/heartbeat.py, with the run-time LoRA adapters of
+workers/lora.py) and the engine watchdog (workers/watchdog.py), sharing its state (workers/life.py).
 """
 
 from __future__ import annotations
@@ -50,6 +36,14 @@ FAILED_TTL_S = 60.0
 
 
 class Worker:
+    """One worker. The heartbeat starts as soon as Redis answers, before the engine is ready, with
+    state ``starting`` and what the engine's start is doing (converting, loading, compiling);
+    gateways treat the pool as coming up. Then ``ready`` (leasing), or ``failed`` with the reason when
+    the engine cannot start (kept visible for a minute, then the process exits non-zero). A start
+    step that blocks the event loop (imports, vLLM's engine start) is announced with a heartbeat that
+    lives ``start_timeout_s``, since no refresh can run meanwhile; while the loop runs the heartbeat
+    is refreshed every ``heartbeat_s`` with the short TTL, so a worker that dies is gone within it."""
+
     def __init__(
         self,
         settings: WorkerSettings,
@@ -104,7 +98,10 @@ class Worker:
         ``stop`` is set or the engine dies, then drain.
 
         Raises EngineDead (after draining) if the engine could not start, died or wedged, or the event
-        writer failed (workers/outbox.py), so the process exits non-zero.
+        writer failed (workers/outbox.py), so the process exits non-zero. A dead engine stops the
+        worker (drain, exit 1); a wedged one, or an event writer that failed, makes it withdraw its
+        heartbeat at once, so that gateways fail its streams over, and exit 1 without waiting on the
+        engine.
         """
         if not await self._join(stop):
             return

@@ -1,16 +1,6 @@
-"""The JSONL files of ``llamamesh batch``: what goes in, what comes out.
+"""The JSONL files of ``llamamesh batch``: the items read from a file, the results written to one.
 
-In, one JSON object per line:
-- with ``--summarise``: ``{"custom_id": "doc-1", "text": "the document"}``;
-- otherwise: ``{"custom_id": "q-1", "request": {...}}`` where ``request`` is a GenerateRequest in
-  protobuf JSON (``{"prompt": "...", "max_tokens": 64}`` or ``{"messages": [{"role": "user",
-  "content": "..."}], "temperature": 0}``).
-
-Out (``batch results``), one line per item, in the order items finished:
-``{"custom_id", "status" (succeeded | errored | cancelled | expired), "text", "finish_reason",
-"usage": {"prompt_tokens", "completion_tokens"}, "samples" (n > 1), "error": {"code" (a gRPC
-status name), "reason", "message"} (if any), "cursor"}`` (BatchResult's fields; the README lists
-them).
+Both formats are tabled in docs/api.md ("BatchService").
 """
 
 from __future__ import annotations
@@ -26,6 +16,7 @@ from llamamesh.v1 import generation_pb2 as pb
 
 
 def read_lines(lines: Iterable[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for each non-blank line, one JSON object each; ValueError naming the line."""
     for n, line in enumerate(lines, 1):
         if line.strip():
             try:
@@ -38,6 +29,8 @@ def read_lines(lines: Iterable[str]) -> Iterator[tuple[int, dict[str, Any]]]:
 
 
 def summarise_request(lines: Iterable[str], params: pb.GenerateRequest, template: str = "") -> bpb.Summarise:
+    """The documents of ``--summarise``, one ``{"custom_id": "doc-1", "text": "the document"}`` a line,
+    each run with ``params``; ValueError naming a bad line."""
     docs = []
     for n, obj in read_lines(lines):
         if not isinstance(obj.get("text"), str):
@@ -47,6 +40,9 @@ def summarise_request(lines: Iterable[str], params: pb.GenerateRequest, template
 
 
 def items(lines: Iterable[str]) -> list[bpb.BatchItem]:
+    """The items of a file of ``{"custom_id": "q-1", "request": {...}}`` lines, ``request`` a
+    GenerateRequest in protobuf JSON (``{"prompt": "...", "max_tokens": 64}`` or ``{"messages":
+    [{"role": "user", "content": "..."}], "temperature": 0}``); ValueError naming a bad line."""
     out = []
     for n, obj in read_lines(lines):
         request = pb.GenerateRequest()
@@ -59,6 +55,10 @@ def items(lines: Iterable[str]) -> list[bpb.BatchItem]:
 
 
 def result_line(r: bpb.BatchResult) -> str:
+    """One line of ``batch results`` (BatchResult's fields): ``{"custom_id", "status" (succeeded |
+    errored | cancelled | expired), "text", "finish_reason", "usage": {"prompt_tokens",
+    "completion_tokens"}, "samples" (n > 1), "error": {"code" (a gRPC status name), "reason",
+    "message"} (if any), "cursor"}``."""
     obj: dict[str, Any] = {
         "custom_id": r.custom_id,
         "status": bpb.BatchItemStatus.Name(r.status).removeprefix("BATCH_ITEM_STATUS_").lower(),
@@ -80,4 +80,5 @@ def _finish(value: int) -> str:
 
 
 def batch_json(b: bpb.Batch) -> str:
+    """A batch as indented JSON (protobuf JSON, the proto's field names)."""
     return json.dumps(json_format.MessageToDict(b, preserving_proto_field_name=True), indent=2)

@@ -1,18 +1,9 @@
 """A Generate stream that outlives its gateway: the client's half of resumable streams.
 
-``Client.generate`` and ``SyncClient.generate`` send every request with a ``request_id`` (one is
-made when the caller gives none) and ``resumable`` set. When the stream breaks (UNAVAILABLE: the
-gateway died or drained, the connection broke, or the gateway lost Redis), the client calls again
-through the same channel, so through any gateway behind it: before any token, ``Generate`` with the
-same request (an idempotent retry: it follows the request already accepted, or starts it if none
-was); after tokens, ``Attach`` from the count of tokens of each sample delivered. The caller's
-iterator sees one uninterrupted stream: every token once, in order, with its text.
-
-A stream is resumed at most ``attempts`` times in a row (the count restarts once a call delivers a
-message), after a jittered backoff, and never past the caller's ``timeout``; then the last error is
-raised. Errors the gateway itself decided (NO_WORKERS, a poisoned request, a worker lost past its
-failovers, any other status) are raised at once. A caller that stops reading before the end (or is
-cancelled) has the request cancelled with ``Cancel``, as a plain disconnect would have.
+:func:`resumed` (and :func:`resumed_sync`) give ``Client.generate`` and ``SyncClient.generate`` one
+uninterrupted stream (every token once, in order, with its text) across calls that break, going on
+through the same channel, so through any gateway behind it; :class:`Resumption` holds what one
+stream delivered. What the caller can count on: docs/api.md ("Streams that resume").
 """
 
 from __future__ import annotations
@@ -39,7 +30,10 @@ CANCEL_TIMEOUT_S = 2.0
 
 
 def worth_resuming(err: grpc.RpcError) -> bool:
-    """Whether a broken stream may go on through another call (see the module docstring)."""
+    """Whether a broken stream may go on through another call: an UNAVAILABLE of the transport (the
+    gateway died or drained, the connection broke) or of a gateway that lost Redis. Errors the gateway
+    itself decided (NO_WORKERS, a poisoned request, a worker lost past its failovers, any other
+    status) end the stream."""
     if err.code() is not grpc.StatusCode.UNAVAILABLE:
         return False
     reason = error_reason(err)
@@ -47,7 +41,8 @@ def worth_resuming(err: grpc.RpcError) -> bool:
 
 
 class Resumption:
-    """What one resumable stream has delivered, and the next call that goes on from there."""
+    """What one resumable stream has delivered, and the next call that goes on from there. The request
+    is sent with ``resumable`` set and a ``request_id`` (one is made when the caller gives none)."""
 
     def __init__(self, request: pb.GenerateRequest, attempts: int, timeout: float | None) -> None:
         self.request = pb.GenerateRequest()
@@ -85,7 +80,9 @@ class Resumption:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
     def backoff(self, err: grpc.RpcError) -> float:
-        """The wait before the next call after ``err``; raises ``err`` when it ends the stream."""
+        """The wait before the next call after ``err`` (jittered, never past the caller's timeout);
+        raises ``err`` when it ends the stream: not worth resuming, or ``attempts`` failures in a row
+        (the count restarts once a call delivers a message)."""
         delay = None
         if worth_resuming(err) and self._failures < self.attempts:
             self._failures += 1
@@ -104,7 +101,10 @@ class Resumption:
         return pb.CancelRequest(request_id=self.request_id) if self.cancel_on_exit and not self.done else None
 
     def call(self, stub: Any) -> Any:
-        """The next call on ``stub`` (a GenerationService stub, async or not)."""
+        """The next call on ``stub`` (a GenerationService stub, async or not): before any token,
+        ``Generate`` with the same request (an idempotent retry: it follows the request already
+        accepted, or starts it if none was); after tokens, ``Attach`` from the count of tokens of each
+        sample delivered."""
         if not any(self.have):
             return stub.Generate(self.request, timeout=self.timeout())
         attach = pb.AttachRequest(request_id=self.request_id)
@@ -118,7 +118,9 @@ class Resumption:
 async def resumed(
     stub: generation_pb2_grpc.GenerationServiceStub, request: pb.GenerateRequest, attempts: int, timeout: float | None
 ) -> AsyncIterator[pb.GenerateResponse]:
-    """The responses of ``request``, resumed through ``stub``'s channel when the stream breaks."""
+    """The responses of ``request``, resumed through ``stub``'s channel when the stream breaks; the
+    last error is raised when it cannot go on. A caller that stops reading before the end (or is
+    cancelled) has the request cancelled with ``Cancel`` (shielded), as a plain disconnect would."""
     r = Resumption(request, attempts, timeout)
     try:
         while not r.done:

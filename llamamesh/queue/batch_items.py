@@ -1,13 +1,6 @@
-"""A batch's items on their pool's batch work stream (``Keys.batch_items``, read by the pool's workers
-through the same consumer group name as the interactive one): leased, reclaimed, and ended with one
-result each.
-
-A result is recorded by one script (record_result.lua) that writes it only if the item has none yet
-(``Keys.batch_done``, custom_id -> status), appends it to ``Keys.batch_results``, counts it and,
-with the last item, ends the batch; then the item is acked. A worker that dies leaves its items
-pending: another claims them after ``claim_idle_ms`` (``reclaim``), and a second result for the same
-custom_id is dropped: execution is at least once, the result exactly once. Items that can no longer
-start end without running (``settle``: skip_unstarted.lua).
+"""A batch's items on their pool's batch work stream (``Keys.batch_items``): leased by the pool's
+workers, reclaimed from dead ones, and ended with one result each (run at least once, recorded
+exactly once), or without running when they can no longer start.
 """
 
 from __future__ import annotations
@@ -29,6 +22,9 @@ from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult
 
 
 class BatchItems:
+    """The items' side of a batch: workers read the stream through the same consumer group name as
+    the interactive one. Redis errors become QueueUnavailable."""
+
     def __init__(
         self, client: aioredis.Redis, keys: Keys, retention: Retention, fail_after: int, claim_idle_s: float
     ) -> None:
@@ -120,7 +116,13 @@ class BatchItems:
 
     async def record(self, lease: Lease, result: ItemResult) -> bool:
         """Record the item's one result (False: it had one already, or its batch is gone), then ack
-        it. The result that fails the batch (its first ``fail_after`` all errored) settles it."""
+        it. The result that fails the batch (its first ``fail_after`` all errored) settles it.
+
+        One script (record_result.lua) writes the result only if the item has none yet
+        (``Keys.batch_done``, custom_id -> status), appends it to ``Keys.batch_results``, counts it
+        and, with the last item, ends the batch. A worker that dies leaves its items pending for
+        another to claim (:meth:`reclaim`), and a second result for the same custom_id is dropped
+        here: execution is at least once, the result exactly once."""
         req = lease.request
         with unreachable():
             done = int(await self._record(
@@ -136,8 +138,9 @@ class BatchItems:
 
     async def settle(self, batch_id: str) -> BatchInfo | None:
         """End, without running them, the items that can no longer start: all unstarted ones of a
-        cancelling or failed batch, or of one past its deadline (those end expired). Safe to repeat
-        and to run from several processes at once. Returns the batch after it (None: unknown)."""
+        cancelling or failed batch, or of one past its deadline (those end expired), through
+        skip_unstarted.lua. Safe to repeat and to run from several processes at once. Returns the
+        batch after it (None: unknown)."""
         info = await batch_record.read(self._r, self.keys, batch_id)
         if info is None or (info.state.ended and info.state is not BatchState.FAILED):
             return info

@@ -1,19 +1,8 @@
 """Durable batches on Redis: ``RedisBatches``, the batch store's both faces, composed of one part per
-role:
-
-- intake.py: a batch's creation, whole or not at all;
-- batch_record.py: its record (``Keys.batch``) read as a ``BatchInfo``; ``Keys.batches(owner)``
-  lists an owner's batches;
-- batch_items.py: its items on the pool's batch work stream, leased by workers and ended with one
-  result each (at least once run, exactly once recorded);
-- batch_sweep.py: the gateways' sweep, which ends what can no longer run and forgets what expired;
-- here: the gateway's reads, its cancel, and waiting for results, through the store's one
-  ``EventFollower`` (every caller waiting on any batch shares its one blocking XREAD).
-
-With ``replicas`` (``RedisSettings.wait_replicas``) a batch's creation and its cancel are on that
-many replicas before the caller is answered (WAIT); a result needs none: its ack comes after it, so
-a failover that loses it loses the ack too and the item runs again. Redis errors become
-``QueueUnavailable`` here.
+role: intake.py (a batch's creation, whole or not at all), batch_record.py (its record, and each
+owner's list of batches), batch_items.py (its items, leased by workers and ended with one result
+each), batch_sweep.py (the gateways' sweep of what can no longer run and of what expired). Here:
+the gateway's reads, its cancel, and its wait for results.
 """
 
 from __future__ import annotations
@@ -52,7 +41,11 @@ STREAM_ID = re.compile(r"^(\d{1,20})(?:-(\d{1,20}))?$")
 
 class RedisBatches:
     """The batch store, both faces: the gateway's (create, get, owned, cancel, results, the sweep)
-    and the worker's (lease_items, record, touch, reclaim)."""
+    and the worker's (lease_items, record, touch, reclaim). Redis errors become QueueUnavailable.
+
+    With ``replicas`` (``RedisSettings.wait_replicas``) a batch's creation and its cancel are on that
+    many replicas before the caller is answered (WAIT); a result needs none: its ack comes after it,
+    so a failover that loses it loses the ack too and the item runs again."""
 
     def __init__(
         self,
@@ -74,7 +67,8 @@ class RedisBatches:
         self._items = BatchItems(client, keys, self.retention, fail_after, claim_idle_s)
         self._sweep = BatchSweep(client, keys, self.retention, self._items, self.intake)
         self._cancel = register(client, "cancel_batch")
-        # Made by the first waiting ``results``; its shared XREAD blocks this long at a time.
+        # Made by the first waiting ``results``; every caller waiting on any batch shares its one
+        # blocking XREAD, which blocks this long at a time.
         self._follow_block_ms = follow_block_ms
         self._follower: EventFollower | None = None
 

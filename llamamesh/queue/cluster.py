@@ -1,12 +1,7 @@
 """A client of a Redis Cluster (``redis+cluster://host:port[,host:port...]``; ``rediss+cluster://``:
-TLS): redis-py's, with its faults mended at the seam.
-
-The nodes listed are where the client learns the cluster's map; it follows MOVED and ASK
-(``_AskingNode`` sends the ASKING on the command's own connection; a command still redirected after
-the client's tries, a slot in migration, is tried again for ``RESHARD_WAIT_S``) and, after a
-connection error (a master killed, a replica promoted), learns the map again and retries. Every
-multi-key command and script of the queue names keys of one hash tag (keys.py), so one slot; a
-pipeline is split per node by the client, and cannot hold scripts (``redisio.call_scripts``).
+TLS): redis-py's, with its faults mended at the seam (``cluster_client``). Every multi-key command
+and script of the queue names keys of one hash tag (keys.py), so one slot; a pipeline is split per
+node by the client, and cannot hold scripts (``redisio.call_scripts``).
 """
 
 from __future__ import annotations
@@ -62,7 +57,11 @@ def cluster_nodes(url: str) -> tuple[list[tuple[str, int]], dict[str, str]]:
 
 def cluster_client(settings: RedisSettings) -> aioredis.Redis:
     """A client of the cluster the url's nodes belong to; connects lazily. Raises ValueError for a
-    url it cannot use."""
+    url it cannot use. The nodes listed are where the client learns the cluster's map; it follows
+    MOVED and ASK (``_AskingNode`` sends the ASKING on the command's own connection; a command still
+    redirected after the client's tries, a slot in migration, is tried again for ``RESHARD_WAIT_S``)
+    and, after a connection error (a master killed, a replica promoted), learns the map again and
+    retries."""
     nodes, creds = cluster_nodes(settings.url)
     tls: dict[str, Any] = tls_options(settings)
     options: dict[str, Any] = {**creds, **({"ssl": True, **tls} if settings.url.startswith("rediss+") else {})}

@@ -33,9 +33,9 @@ class _Call:
 class ScriptPipe:
     """Concurrent callers' scripts, one pipeline per loop turn: the scripts queued in one turn go
     out as one pipeline on one connection, at most ``most_in_flight`` pipelines at a time (the calls
-    queued meanwhile wait for the next), so a single call waits one turn more than alone. Each
-    script costs the gateway about 120 µs of CPU sent alone (redis-py, uvloop), about 20 µs in a
-    pipeline (measured on a 2-core box; docs/benchmarks.md).
+    queued meanwhile wait for the next), so a single call waits one turn more than alone. A script
+    sent in a pipeline costs the gateway a fraction of the CPU it costs sent alone (redis-py,
+    uvloop; docs/benchmarks.md).
 
     What does not change for a caller:
 

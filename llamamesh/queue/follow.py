@@ -1,12 +1,7 @@
-"""The gateway's reader of streams: one blocking XREAD for every stream it follows (a request's events
-for the relay, a batch's results for ``RedisBatches.results``), not one read and one held connection
-per stream. A new follower wakes the blocked read through a wake stream private to this follower,
-so that the next read includes it.
-
-On a Redis Cluster, whose XREAD names keys of one slot, it keeps a lane (a read and a wake stream)
-per slot; request event streams are spread over ``Keys.event_shards`` slots, so a gateway holds at
-most that many event reads. While Redis is unreachable the lanes retry and followers keep their
-place; only an outage longer than ``outage_grace_s`` reaches them, as ``QueueUnavailable``.
+"""The gateway's reader of streams (``EventFollower``): one blocking XREAD for every stream it follows
+(a request's events for the relay, a batch's results for ``RedisBatches.results``), not one read and
+one held connection per stream. A new follower wakes the blocked read through a wake stream private
+to this follower, so that the next read includes it.
 """
 
 from __future__ import annotations
@@ -132,7 +127,12 @@ def hash_tag(key: str) -> str:
 
 class EventFollower:
     """One blocking read per lane (one lane on a single Redis, one per slot on a cluster) for every
-    stream followed through it; ``follow`` a stream, ``unfollow`` it, ``close`` at the end."""
+    stream followed through it; ``follow`` a stream, ``unfollow`` it, ``close`` at the end.
+
+    On a Redis Cluster, whose XREAD names keys of one slot, a lane is a read and a wake stream per
+    slot; request event streams are spread over ``Keys.event_shards`` slots, so a gateway holds at
+    most that many event reads. While Redis is unreachable the lanes retry and followers keep their
+    place; only an outage longer than ``outage_grace_s`` reaches them, as ``QueueUnavailable``."""
 
     def __init__(
         self, client: aioredis.Redis, keys: Keys, block_ms: int, wake_ttl_s: int = Retention.event_idle_s,

@@ -1,13 +1,6 @@
-"""Every Redis key, stream, group and field name llamamesh uses, under one versioned prefix.
-
-Per-request keys share a hash tag (``{<request_id>}``: the cancel flags, the attempts record);
-each pool's work streams (one per tenant with work there, ``jobs``) share the pool's slot, so that
-one XREADGROUP or one script may touch all of them. A request's event stream is the exception: it
-lives in one of ``event_shards`` slots picked by a hash of its id (``events``), spread evenly over
-the slot space, so that on a Redis Cluster a gateway reads the events of all its requests with one
-blocking XREAD per shard (follow.py) instead of one per request.
-
-How long each of them lives, and how much of a stream is kept, is ``Retention``'s.
+"""Every Redis key, stream, group and field name llamamesh uses, under one versioned prefix
+(``Keys``), and how long each lives and how much of a stream is kept (``Retention``). Their table in
+docs/architecture.md ("What travels through Redis") is rendered from here (queue/reference.py).
 """
 
 from __future__ import annotations
@@ -95,6 +88,13 @@ def shard_tags(shards: int) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Keys:
+    """Every key's name. Per-request keys share a hash tag (``{<request_id>}``: the cancel flags, the
+    attempts record); each pool's work streams (one per tenant with work there, ``jobs``) share the
+    pool's slot, so that one XREADGROUP or one script may touch all of them. A request's event stream
+    is the exception: it lives in one of ``event_shards`` slots picked by a hash of its id
+    (``events``), spread evenly over the slot space, so that on a Redis Cluster a gateway reads the
+    events of all its requests with one blocking XREAD per shard (follow.py), not one per request."""
+
     prefix: str = "llamamesh:v1"
     event_shards: int = EVENT_SHARDS
 

@@ -1,19 +1,8 @@
-"""Every tenant's budgets, in Redis, shared by all gateways: each check is one Lua script on the
-tenant's keys (one hash tag, ``{t:<tenant>}``), so N gateways enforce one budget and two racing
-requests cannot both take its last unit. Time is Redis's own (``TIME``), not each gateway's clock.
-
-- Requests per second: a token bucket (``requests_per_s``, ``burst``).
-- Tokens per minute: a bucket that refills at ``tokens_per_min`` a minute; a request is admitted
-  while it is above zero, and what it generated is taken off when it ends (so it may go below
-  zero: later requests wait until it refilled).
-- Concurrent streams: a sorted set of stream ids with lease expiries; the gateway holding a stream
-  renews it (``renew_streams``), so the streams of a gateway that died free themselves.
-- Batches: items not finished and bytes kept, reserved whole when a batch is accepted (once per
-  batch id: a resubmission reserves nothing), given back by ``give_back`` (the gateways' batch
-  sweep): the items when the batch ended, the bytes when its record expired.
-
-A limit of 0 is no limit; a check with every limit at 0 costs no round trip. Over a limit:
-RateLimited with the seconds until it would pass (RetryInfo). Redis errors: QueueUnavailable.
+"""Every tenant's budgets in Redis, shared by all gateways (``RedisQuotas``, the ``Quotas`` protocol
+on Redis): requests per second, tokens per minute, concurrent streams, and the items and bytes of
+batches. Each check is one Lua script on the tenant's keys (one hash tag, ``{t:<tenant>}``), so N
+gateways enforce one budget and two racing requests cannot both take its last unit. The limits:
+docs/api.md ("Tenants file limits").
 """
 
 from __future__ import annotations
@@ -43,6 +32,10 @@ _ENDED = {b"completed", b"failed", b"expired", b"cancelled"}
 
 
 class RedisQuotas:
+    """The budgets on Redis. Time is Redis's own (``TIME``), not each gateway's clock. A limit of 0 is
+    no limit; a check with every limit at 0 costs no round trip. Over a limit: RateLimited with the
+    seconds until it would pass (RetryInfo). Redis errors: QueueUnavailable."""
+
     def __init__(self, client: aioredis.Redis, keys: Keys, retention: Retention | None = None) -> None:
         self._r = client
         self.keys = keys
@@ -55,6 +48,9 @@ class RedisQuotas:
         self._give_back = register(client, "give_back_quota")
 
     async def admit(self, tenant: str, limits: LimitsSettings) -> None:
+        """Requests per second: a token bucket (``requests_per_s``, ``burst``). Tokens per minute: a
+        bucket that refills at ``tokens_per_min`` a minute; a request is admitted while it is above
+        zero."""
         rps, tpm = limits.requests_per_s, limits.tokens_per_min
         if rps <= 0 and tpm <= 0:
             return
@@ -71,6 +67,8 @@ class RedisQuotas:
             )  # fmt: skip
 
     async def spend(self, tenant: str, limits: LimitsSettings, tokens: int) -> None:
+        """What a request generated, taken off when it ends: the bucket may go below zero, and later
+        requests wait until it refilled."""
         if limits.tokens_per_min <= 0 or tokens <= 0:
             return
         with unreachable():
@@ -78,6 +76,8 @@ class RedisQuotas:
                               args=[limits.tokens_per_min, tokens, self.retention.rate_ms])  # fmt: skip
 
     async def open_stream(self, tenant: str, limits: LimitsSettings, stream_id: str) -> None:
+        """Concurrent streams: a sorted set of stream ids with lease expiries; the gateway holding a
+        stream renews it (``renew_streams``), so the streams of a gateway that died free themselves."""
         if limits.max_streams <= 0:
             return
         with unreachable():
@@ -105,6 +105,8 @@ class RedisQuotas:
                                          for tenant, ids in by_tenant.items()])  # fmt: skip
 
     async def reserve_batch(self, tenant: str, limits: LimitsSettings, batch_id: str, items: int, size: int) -> bool:
+        """Batches: items not finished and bytes kept, reserved whole when a batch is accepted (once
+        per batch id: a resubmission reserves nothing); ``give_back`` returns them."""
         k = self.keys
         with unreachable():
             await self._r.sadd(k.tenants_holding(), tenant)  # first: the sweep must find what is held
@@ -139,7 +141,8 @@ class RedisQuotas:
             await self._give(tenant, batch_id, "all")
 
     async def give_back(self, grace_s: float | None = None) -> int:
-        """``Quotas.give_back``; ``grace_s`` None: ``Retention.unstored_s``."""
+        """``Quotas.give_back`` (the gateways' batch sweep): the items when the batch ended, the bytes
+        when its record expired; ``grace_s`` None: ``Retention.unstored_s``."""
         grace_s = self.retention.unstored_s if grace_s is None else grace_s
         k = self.keys
         changed = 0

@@ -1,15 +1,7 @@
-"""The queue's one way to talk to Redis: how a client is made, what a Redis error becomes, and how a
-set of scripts is run.
-
-- ``connect``: a client for ``LLAMAMESH_REDIS_URL`` by its scheme: ``redis://`` / ``rediss://`` one
-  server, ``redis+sentinel://`` the Sentinels' primary (sentinel.py), ``redis+cluster://`` a Redis
-  Cluster (cluster.py). Its connections are checked before use once idle, and a command is retried
-  once on a fresh connection after a connection error (connection.py): every write of the queue is
-  safe to repeat (its scripts are idempotent; events are dropped by index by their reader).
-- ``unreachable``: Redis errors become ``QueueUnavailable`` (``QueueOutOfMemory`` when Redis is
-  full) here; callers see nothing of redis-py.
-- Writes that wait for replicas: ``Replicas`` (replicas.py). What a failover can lose, and what
-  WAIT guarantees: docs/guarantees.md, for operators.
+"""The queue's one way to talk to Redis: how a client is made (``connect``), what a Redis error becomes
+(``unreachable``: callers see nothing of redis-py), and how a set of scripts is run
+(``call_scripts``). Writes that wait for replicas are replicas.py's; what a failover can lose and
+what WAIT guarantees: docs/guarantees.md.
 """
 
 from __future__ import annotations
@@ -82,9 +74,12 @@ def unreachable(refused: str = "") -> Iterator[None]:
 
 
 def connect(settings: RedisSettings) -> aioredis.Redis:
-    """A client for ``settings.url``, by its scheme (``rediss://``: TLS, see ``tls_options``;
-    ``redis+sentinel://``: through Sentinel, see sentinel.py; ``redis+cluster://``: a cluster, see
-    cluster.py); connects lazily. Raises ValueError for a url it cannot use."""
+    """A client for ``settings.url``, by its scheme (``redis://`` one server; ``rediss://``: TLS, see
+    ``tls_options``; ``redis+sentinel://``: the Sentinels' primary, see sentinel.py;
+    ``redis+cluster://``: a cluster, see cluster.py); connects lazily. Raises ValueError for a url it
+    cannot use. Its connections are checked before use once idle, and a command is retried once on a
+    fresh connection after a connection error (connection.py): every write of the queue is safe to
+    repeat (its scripts are idempotent; events are dropped by index by their reader)."""
     if not settings.url:
         raise ValueError("RedisSettings.url is empty: start the embedded server first")
     if settings.sentinel() is not None:

@@ -1,12 +1,8 @@
 """A client of the primary the Sentinels of a ``redis+sentinel://`` url name (``rediss+sentinel://``:
-TLS to the data nodes).
-
-Each new connection asks the Sentinels (in the url's order, the last one that answered first) for
-the primary; so does the pool at most every ``PRIMARY_RECHECK_S`` while commands flow, dropping its
-connections to a primary that is no longer the one (a failover while the old one stays up:
-SENTINEL FAILOVER, a partition) instead of writing on to it until Sentinel demotes it (about 10 s
-later). A connection that finds its server demoted (READONLY) is dropped and the command retried on
-the new primary. While no primary is reachable commands fail as a restart makes them fail.
+TLS to the data nodes), which follows a failover: each new connection asks the Sentinels (in the
+url's order, the last one that answered first) for the primary, and the pool asks again while
+commands flow (``_SentinelPool``). While no primary is reachable commands fail as a restart makes
+them fail.
 """
 
 from __future__ import annotations
@@ -53,7 +49,10 @@ class _SentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
     """redis-py's pool of the Sentinels' primary, which asks them again at most every
     ``PRIMARY_RECHECK_S`` when a connection is taken (idle connections to an old primary are then
     dropped), and drops a connection given back to an old primary; bounded and waiting for a free
-    connection as the single server's pool (``connection.options``)."""
+    connection as the single server's pool (``connection.options``). So a failover while the old
+    primary stays up (SENTINEL FAILOVER, a partition) is followed at once, instead of writing on to
+    the old one until Sentinel demotes it (about 10 s later). A connection that finds its server
+    demoted (READONLY) is dropped and the command retried on the new primary."""
 
     def __init__(self, service_name: str, sentinel_manager: Sentinel, **kwargs: Any) -> None:
         super().__init__(service_name, sentinel_manager, **kwargs)

@@ -1,17 +1,10 @@
 """The queue on Redis Streams: ``RedisQueue``, both faces (``JobQueue`` and ``WorkQueue``) on one
-connection pool, composed of one part per role:
-
-- submit.py: submission and the pool's work streams (one per tenant; with prefix affinity, its
-  partitions);
-- events.py: a request's event stream, followed by the gateway, published by the worker;
-- cancels.py: a request's cancel flags; attempts.py: the record of a caller's request;
-- lease.py: leasing by fair share (and affinity); reclaim.py: reclaim and the dead letters;
-- registry.py: the workers' heartbeats, the pool's depth, its consumers, affinity ownership;
-- adapters.py: the run-time LoRA adapters.
-
-Every key is built in keys.py, every lifetime comes from its ``Retention``, every Lua script from
-lua/ (scripts.py). Redis errors become ``QueueUnavailable`` in the queue layer (``redisio.unreachable``)
-and nowhere else.
+connection pool, composed of one part per role: submit.py (submission, the pools' work streams and
+their affinity partitions), events.py (a request's event stream), cancels.py (its cancel flags),
+attempts.py (the record of a caller's request), lease.py (leasing by fair share and affinity),
+reclaim.py (reclaim and the dead letters), registry.py (heartbeats, depth, consumers, affinity
+ownership), adapters.py (run-time LoRA adapters). Keys come from keys.py, lifetimes from
+``Retention``, scripts from lua/; Redis errors become ``QueueUnavailable`` in the queue layer only.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""Submission and the pool's work streams.
-
-A job waits in its tenant's work stream of the pool (``Keys.jobs(pool, tenant)``; the default
-tenant's is the pool's plain stream), listed with the tenant's weight in ``Keys.tenants``, read by
-the pool's workers through one consumer group on each (lease.py). With prefix affinity on
-(``affinity_partitions`` P > 0; affinity.py, docs/affinity.md) each tenant's stream is P partition
-streams (``Keys.jobs_part``), a job's chosen by the hash of its prefix key; the pool records P, and
-a gateway or worker configured otherwise is refused. A tenant whose streams hold nothing is
-forgotten (registry.py prunes), and its next submission makes them again.
+"""Submission and the pool's work streams (``WorkStreams``): a job waits in its tenant's work stream
+of the pool (``Keys.jobs(pool, tenant)``; the default tenant's is the pool's plain stream), listed
+with the tenant's weight in ``Keys.tenants``, read by the pool's workers through one consumer group
+on each (lease.py).
 """
 
 from __future__ import annotations
@@ -32,7 +27,11 @@ log = structlog.get_logger(__name__)
 
 class WorkStreams:
     """A pool's work streams: jobs queued on them, the streams and groups made, remade or forgotten,
-    the tenants and partitions they are named by."""
+    the tenants and partitions they are named by. With prefix affinity on (``affinity_partitions`` P
+    > 0; affinity.py, docs/affinity.md) each tenant's stream is P partition streams
+    (``Keys.jobs_part``), a job's chosen by the hash of its prefix key; the pool records P, and a
+    gateway or worker configured otherwise is refused. A tenant whose streams hold nothing is
+    forgotten (registry.py prunes), and its next submission makes them again."""
 
     def __init__(
         self, client: aioredis.Redis, keys: Keys, retention: Retention, replicas: Replicas, partitions: int

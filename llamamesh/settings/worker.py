@@ -87,8 +87,8 @@ class WorkerSettings(Section, section="worker"):
 
     batch_invariant: bool = True
     """CPU engine: decode every matrix product in fixed-shape row groups, so that a request's output does not depend
-    on what it is batched with (workers/engines/transformers_linear.py); costs up to ~20 % at small batches.
-    false: the libraries' fastest kernel for each batch size."""
+    on what it is batched with (workers/engines/transformers_linear.py; its cost: docs/benchmarks.md, "The CPU
+    engine"). false: the libraries' fastest kernel for each batch size."""
 
     resume_replay_tokens: int = setting(128, Range(0))
     """CPU engine: a resumed request (failover) replays up to this many tokens an earlier attempt sent through decode

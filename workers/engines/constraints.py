@@ -1,17 +1,7 @@
-"""Response constraints (GenerateRequest.response_format) as each engine takes them.
-
-- CPU engine: :class:`Grammars` compiles them with xgrammar for the model's tokenizer and gives each
-  sequence a ``GrammarMatcher`` (its token bitmask applied to CPU logits in
-  ``workers/engines/sampling.py``). JSON without free whitespace between tokens: a small model given
-  the choice pads with whitespace until max_tokens.
-- vLLM: :func:`vllm_structured` -> ``vllm.sampling_params.StructuredOutputsParams`` keyword arguments
-  (0.26.0: ``json``, ``json_object``, ``regex``, ``choice``, ``grammar``, ``disable_any_whitespace``).
-- TensorRT-LLM: :func:`trtllm_guided` -> ``tensorrt_llm.llmapi.GuidedDecodingParams`` keyword arguments
-  (its documented ``json``, ``json_object``, ``regex``, ``grammar``; no choice, so a choice becomes a
-  grammar). Written from the documentation; never run on TensorRT-LLM (see trtllm.py).
-
-A constraint an engine cannot compile is InvalidRequest naming the public field
-(``response_format.json_schema``, ...).
+"""Response constraints (GenerateRequest.response_format) as each engine takes them: compiled with
+xgrammar for the CPU engine (:class:`Grammars`), as vLLM's (:func:`vllm_structured`) and
+TensorRT-LLM's (:func:`trtllm_guided`) keyword arguments for the GPU engines. A constraint an engine
+cannot compile is InvalidRequest naming the public field (``response_format.json_schema``, ...).
 """
 
 from __future__ import annotations
@@ -36,6 +26,8 @@ def choice_grammar(options: Iterable[str]) -> str:
 
 
 def vllm_structured(c: ResponseConstraint) -> dict[str, Any]:
+    """``vllm.sampling_params.StructuredOutputsParams`` keyword arguments (0.26.0: ``json``,
+    ``json_object``, ``regex``, ``choice``, ``grammar``, ``disable_any_whitespace``)."""
     if c.kind is ConstraintKind.JSON_SCHEMA:
         return {"json": c.text, "disable_any_whitespace": True}
     if c.kind is ConstraintKind.JSON_OBJECT:
@@ -46,6 +38,9 @@ def vllm_structured(c: ResponseConstraint) -> dict[str, Any]:
 
 
 def trtllm_guided(c: ResponseConstraint) -> dict[str, Any]:
+    """``tensorrt_llm.llmapi.GuidedDecodingParams`` keyword arguments (its documented ``json``,
+    ``json_object``, ``regex``, ``grammar``; no choice, so a choice becomes a grammar). Written from
+    the documentation; never run on TensorRT-LLM (see trtllm.py)."""
     if c.kind is ConstraintKind.JSON_SCHEMA:
         return {"json": c.text}
     if c.kind is ConstraintKind.JSON_OBJECT:
@@ -85,7 +80,10 @@ GrammarsFor = Callable[[Any, int, Iterable[int]], "Grammars"]
 
 class Grammars:
     """xgrammar compilation for one tokenizer (compiled grammars cached by xgrammar), from any thread
-    (xgrammar's compiler is thread-safe). xgrammar is imported on the first constrained request."""
+    (xgrammar's compiler is thread-safe). xgrammar is imported on the first constrained request.
+    Each sequence of the CPU engine gets a ``GrammarMatcher``, whose token bitmask is applied to its
+    logits (workers/engines/sampling.py). JSON is compiled without free whitespace between tokens: a
+    small model given the choice pads with whitespace until max_tokens."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
         self._tokenizer = tokenizer

@@ -1,12 +1,5 @@
-"""Incremental detokenisation and stop strings, over any tokenizer with a ``decode`` method.
-
-:class:`IncrementalDetokenizer` is the prefix-offset / read-offset technique of TGI and vLLM:
-decode a short window of recent tokens and emit only what the newest tokens added, never while
-the window's text ends in U+FFFD (a multi-byte character still missing bytes). The
-concatenation of everything it emits, flush included, equals ``decode(all ids)``.
-
-:class:`StopStrings` cuts the text at the first stop string and holds back any tail that could
-still grow into one.
+"""Incremental detokenisation (:class:`IncrementalDetokenizer`) and stop strings
+(:class:`StopStrings`), over any tokenizer with a ``decode`` method.
 """
 
 from __future__ import annotations
@@ -22,7 +15,10 @@ class Decoder(Protocol):
 
 
 class IncrementalDetokenizer:
-    """Turns one sequence's token ids into text deltas."""
+    """Turns one sequence's token ids into text deltas, with the prefix-offset / read-offset technique
+    of TGI and vLLM: decode a short window of recent tokens and emit only what the newest tokens
+    added, never while the window's text ends in U+FFFD (a multi-byte character still missing bytes).
+    The concatenation of everything it emits, flush included, equals ``decode(all ids)``."""
 
     def __init__(self, tokenizer: Decoder, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
@@ -72,7 +68,8 @@ class IncrementalDetokenizer:
 
 
 class StopStrings:
-    """Finds stop strings in streamed text; emitted text never contains one, nor follows one."""
+    """Finds stop strings in streamed text; emitted text never contains one, nor follows one. The text
+    is cut at the first stop string, and any tail that could still grow into one is held back."""
 
     def __init__(self, stops: Sequence[str]) -> None:
         self._stops = tuple(s for s in stops if s)

@@ -1,25 +1,5 @@
-"""A deterministic engine for tests: no model, same contract as the real ones.
-
-Token ``i`` of a request is ``(seed + i) % 1000`` where ``seed`` is derived from the
-prompt (or the request's seed), and its text is ``" w<id>"``; a resumed request
-(``resume_token_ids``) goes on from position ``len(resume_token_ids)``. Each step takes
-``settings.fake_step_s`` seconds, and like a real engine every running request
-advances on the same step (one shared clock). Aborts are recorded in ``aborted``. A
-response_format is checked like every sampling field but not followed: the fake has no grammar
-(the real engines' tests cover it).
-
-The clock (``settings.fake_clock``): "deadline" makes step k due at start + k x step, as a GPU's
-engine core steps whatever its frontend does; when the event loop was busy past one or more
-steps, the steps it missed are not skipped: each running request gets the tokens of every step
-it missed at once (the outbox then publishes them as one event, as vLLM's output processor
-merges what queued up). So the offered rate is exactly running / step, and CPU contention shows
-as later and fuller messages. "sleep" sleeps a step after each tick:
-under load its period stretches beyond the step, so the offered rate itself drops.
-
-Poison, for fault tests, by the prompt's first word: ``__raise__`` makes the engine raise after
-its first token; ``__die__`` kills the engine after its first token (EngineDead, as a lost GPU);
-``__crash__`` ends the whole worker process before the first token (exit code 70), as a
-segfaulting kernel would, and ``__crash_late__`` after it.
+"""A deterministic engine for tests (:class:`FakeEngine`): no model, same contract as the real ones,
+on a clock that steps every running request together, with prompts that make it fail on purpose.
 """
 
 from __future__ import annotations
@@ -48,6 +28,18 @@ def _input_text(request: GenerationRequest) -> str:
 
 
 class FakeEngine:
+    """Token ``i`` of a request is ``(seed + i) % 1000`` where ``seed`` is derived from the prompt (or
+    the request's seed), and its text is ``" w<id>"``; a resumed request (``resume_token_ids``) goes
+    on from position ``len(resume_token_ids)``. Each step takes ``settings.fake_step_s`` seconds, and
+    like a real engine every running request advances on the same step (one shared clock). Aborts
+    are recorded in ``aborted``. A response_format is checked like every sampling field but not
+    followed: the fake has no grammar (the real engines' tests cover it).
+
+    Poison, for fault tests, by the prompt's first word: ``__raise__`` makes the engine raise after
+    its first token; ``__die__`` kills the engine after its first token (EngineDead, as a lost GPU);
+    ``__crash__`` ends the whole worker process before the first token (exit code 70), as a
+    segfaulting kernel would, and ``__crash_late__`` after it."""
+
     def __init__(self, settings: WorkerSettings) -> None:
         self._settings = settings
         self._running: dict[str, asyncio.Event] = {}
@@ -81,6 +73,13 @@ class FakeEngine:
             self._ticker = asyncio.create_task(self._run_clock(), name="fake-engine-clock")
 
     async def _run_clock(self) -> None:
+        """The clock (``settings.fake_clock``). "deadline" makes step k due at start + k x step, as a
+        GPU's engine core steps whatever its frontend does; when the event loop was busy past one or
+        more steps, the steps it missed are not skipped: each running request gets the tokens of
+        every step it missed at once (the outbox then publishes them as one event, as vLLM's output
+        processor merges what queued up). So the offered rate is exactly running / step, and CPU
+        contention shows as later and fuller messages. "sleep" sleeps a step after each tick: under
+        load its period stretches beyond the step, so the offered rate itself drops."""
         loop = asyncio.get_running_loop()
         step = self._settings.fake_step_s
         deadline = self._settings.fake_clock == "deadline"

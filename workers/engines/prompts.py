@@ -1,14 +1,5 @@
 """A request's prompt to token ids: one request (:func:`render_prompt_ids`), or every request that
 arrives together in one call of the tokenizer (:class:`BatchTokenizer`, what the GPU adapters use).
-
-Why batches: a wave of new requests (a closed-loop client's round, a burst of callers) tokenised one
-request after another on the adapter's one tokenizer thread reaches the engine late: the last of 64
-prompts of 512 tokens some 100 ms after the first (on an H200: tokenize p99 92 ms, max 123 ms,
-against a median of 5). Hugging Face's fast tokenizers encode a list in parallel
-in Rust, and vLLM's own API server batches its encode calls the same way
-(``AsyncMicrobatchTokenizer``). The ids are the same as one call per request: each text is encoded
-on its own, without padding or truncation.
-
 Pure Python; imports no engine library.
 """
 
@@ -99,7 +90,14 @@ class BatchTokenizer:
     """Renders requests to token ids with ``tokenizer()`` (the engine's tokenizer, looked up for each
     batch) on ``executor`` (one thread), in batches: whatever arrived while the last batch was being
     encoded goes in the next (up to :data:`MAX_BATCH`, first come first). :meth:`ids` raises what
-    rendering its request raised; a caller cancelled while it waits is left out of its batch."""
+    rendering its request raised; a caller cancelled while it waits is left out of its batch.
+
+    Why batches: a wave of new requests (a closed-loop client's round, a burst of callers) tokenised
+    one request after another on the adapter's one tokenizer thread reaches the engine late, the
+    last prompt long after the first (docs/benchmarks.md). Hugging Face's fast tokenizers encode a
+    list in parallel in Rust, and vLLM's own API server batches its encode calls the same way
+    (``AsyncMicrobatchTokenizer``). The ids are the same as one call per request: each text is
+    encoded on its own, without padding or truncation."""
 
     def __init__(
         self, tokenizer: Callable[[], Any], executor: concurrent.futures.Executor, max_batch: int = MAX_BATCH

@@ -1,26 +1,9 @@
-"""The running batch of the CPU engine: every sequence in flight, advanced one token per step.
-
-Only the engine's torch thread touches a :class:`Batch`. Each :meth:`Batch.step` drops aborted
-sequences, prefills the admitted ones (one by one, unpadded, into a fresh transformers cache that
-then joins the batch's :class:`~workers.engines.transformers_kv.RaggedKV` along the batch dim),
-runs one decode step for every running sequence (``input_ids [B, 1]``, explicit position ids and a
-4-D mask), samples per sequence, and drops the finished sequences from the cache.
-
-Batch invariance: a sequence decodes to the same bits alone or batched, in bfloat16 too, because
-every decode-step matrix product has one fixed shape (transformers_linear.py) and decode attention
-reads each row's keys at fixed offsets in 64-aligned views (transformers_kv.py). Greedy text then
-does not depend on the other requests (asserted on this machine's kernels and, in the tests, with
-oneDNN and ATen capped at other x86 instruction sets).
-
-Resumed requests (mid-stream failover) replay the tokens an earlier attempt sent through decode
-steps, as the uninterrupted run computed them, so the continuation is the same bits too (a seeded
-sample included: its generator draws for the replayed tokens as well); past
-``WorkerSettings.resume_replay_tokens`` they are prefilled with the prompt instead (one pass: fast,
-but prefill and decode kernels round differently, so greedy text may part at a near-tie).
-
-Isolation: what one request causes (a prompt the tokenizer or template rejects, a prefill that
-fails, a sample that cannot be drawn) ends that request alone with an error; only a failing decode
-forward of the whole batch is the engine's own failure.
+"""The running batch of the CPU engine (:class:`Batch`): every sequence in flight, advanced one token
+per step. Each :meth:`Batch.step` drops aborted sequences, prefills the admitted ones (one by one,
+unpadded, into a fresh transformers cache that then joins the batch's
+:class:`~workers.engines.transformers_kv.RaggedKV` along the batch dim), runs one decode step for
+every running sequence (``input_ids [B, 1]``, explicit position ids and a 4-D mask), samples per
+sequence, and drops the finished sequences from the cache.
 """
 
 from __future__ import annotations
@@ -51,7 +34,14 @@ log = structlog.get_logger(__name__)
 
 
 class Batch:
-    """The sequences in flight and their KV cache; not thread-safe (one torch thread drives it)."""
+    """The sequences in flight and their KV cache; not thread-safe (only the engine's torch thread
+    touches it).
+
+    Batch invariance: a sequence decodes to the same bits alone or batched, in bfloat16 too, because
+    every decode-step matrix product has one fixed shape (transformers_linear.py) and decode attention
+    reads each row's keys at fixed offsets in 64-aligned views (transformers_kv.py). Greedy text then
+    does not depend on the other requests (the tests assert it, also with oneDNN and ATen capped at
+    other x86 instruction sets)."""
 
     def __init__(
         self,
@@ -127,6 +117,12 @@ class Batch:
         return render_prompt_ids(request, self.tokenizer)
 
     def _admit(self, admission: Admission) -> Seq:
+        """A sequence for ``admission``. A resumed request (mid-stream failover) replays the tokens an
+        earlier attempt sent through decode steps, as the uninterrupted run computed them, so the
+        continuation is the same bits too (a seeded sample included: its generator draws for the
+        replayed tokens as well); past ``WorkerSettings.resume_replay_tokens`` they are prefilled with
+        the prompt instead (one pass: fast, but prefill and decode kernels round differently, so
+        greedy text may part at a near-tie)."""
         request = admission.request
         if request.adapter and request.adapter not in self.adapters:
             raise NotFound(f"adapter {request.adapter!r} is not loaded on this worker")
@@ -157,7 +153,10 @@ class Batch:
     # --- the step
 
     def step(self, admit: Sequence[Admission], aborts: frozenset[str] | set[str]) -> StepResult:
-        """Drop ``aborts``, prefill ``admit``, decode one token for every sequence."""
+        """Drop ``aborts``, prefill ``admit``, decode one token for every sequence. What one request
+        causes (a prompt the tokenizer or template rejects, a prefill that fails, a sample that cannot
+        be drawn) ends that request alone with an error (``StepResult.rejected``); only a failing
+        decode forward of the whole batch is the engine's own failure (raised)."""
         with torch.inference_mode():
             return self._step(admit, aborts)
 

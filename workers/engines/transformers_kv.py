@@ -1,18 +1,6 @@
-"""The KV cache of the CPU engine's running batch, and the decode attention that reads it.
-
-:class:`RaggedKV` keeps, per layer, ``keys`` and ``values`` as ``[batch, kv_heads, capacity, head_dim]``
-buffers in which row ``i`` holds its sequence's tokens at positions ``0 .. len_i - 1`` (right-padded,
-unlike transformers' left-padded batches). A decode step writes each row's new token at its own
-position, in place, and attention sees the first ``view_len`` positions (a multiple of
-:data:`ALIGN`) with the rest of each row masked out. Nothing is concatenated per step.
-
-Why right padding and aligned views: a sequence's keys then sit at the same offsets whatever else
-is in the batch, and with views a multiple of 64 long, the padding only adds whole masked blocks,
-so SDPA returns the same bits for a sequence alone or batched, in bfloat16 too. Greedy text then
-does not depend on the other requests. :func:`use_aligned_attention` makes transformers' own
-decode (``model.generate``) take the same path, so the engine and ``generate`` agree.
-
-Only the engine's torch thread touches these objects.
+"""The KV cache of the CPU engine's running batch (:class:`RaggedKV`), and the decode attention that
+reads it (:func:`use_aligned_attention`), laid out so that a sequence's attention gives the same
+bits alone or batched. Only the engine's torch thread touches these objects.
 """
 
 from __future__ import annotations
@@ -92,7 +80,16 @@ class _RaggedLayer(CacheLayerMixin):
 
 
 class RaggedKV(Cache):
-    """Right-padded per-row KV buffers for every layer; see the module docstring."""
+    """Right-padded per-row KV buffers for every layer: per layer, ``keys`` and ``values`` as
+    ``[batch, kv_heads, capacity, head_dim]`` buffers in which row ``i`` holds its sequence's tokens at
+    positions ``0 .. len_i - 1`` (unlike transformers' left-padded batches). A decode step writes each
+    row's new token at its own position, in place, and attention sees the first ``view_len``
+    positions (a multiple of :data:`ALIGN`) with the rest of each row masked out. Nothing is
+    concatenated per step.
+
+    Why right padding and aligned views: a sequence's keys then sit at the same offsets whatever else
+    is in the batch, and with views a multiple of 64 long, the padding only adds whole masked blocks,
+    so SDPA returns the same bits for a sequence alone or batched, in bfloat16 too."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         self.cursor = _Cursor(keys[0].shape[0])
@@ -205,7 +202,9 @@ def _aligned_attention(
 
 
 def use_aligned_attention(model: Any) -> None:
-    """Switch a model on stock SDPA attention to :func:`_aligned_attention` (prefill is unchanged)."""
+    """Switch a model on stock SDPA attention to :func:`_aligned_attention` (prefill is unchanged).
+    transformers' own decode (``model.generate``) then takes the same path, so the engine and
+    ``generate`` agree."""
     if model.config._attn_implementation != "sdpa":
         raise ValueError(f"the engine needs SDPA attention, not {model.config._attn_implementation!r}")
     AttentionInterface.register(ATTENTION, _aligned_attention)

@@ -1,26 +1,7 @@
-"""Batch-invariant decode for the CPU engine: every decode-step matrix product has one fixed shape.
-
-Why: oneDNN and MKL pick their GEMM kernel (and the order in which it sums along ``K``) by the
-shape of the call. A decode step multiplies ``[B, K]`` activations by each weight; with ``B = 1``
-the libraries take a GEMV path, with ``B = 2, 3`` another, with ``B >= 4`` a third (measured on
-this project's machines in float32 and bfloat16, and with oneDNN capped at AVX-512 or AVX2). The
-rounding then depends on how many other requests share the step, and greedy text parts at the
-first near-tie. ``model.generate`` alone, the engine with one request and the engine with many
-all disagreed somewhere.
-
-How: while a model decodes (one position per row, ``x.shape[-2] == 1``), each ``nn.Linear`` runs
-its rows in groups of exactly :data:`ROWS` (the last group zero-padded). Every call then has the
-same ``(ROWS, K, N)`` shape and the same thread count, so the library runs the same kernel with the
-same blocking and the same split of the work for every group of every step; a GEMM never mixes
-rows, so a row's result depends on that row and the weights alone: not on its neighbours, their
-number, or its place in the group. Prefill (many positions of one sequence) is left as it is: it
-runs one sequence alone, so it is the same for a given prompt whatever else is running.
-
-What it costs (1 torch thread, bf16, SmolLM2-135M's decode GEMMs, docs/benchmarks.md): a step of
-one sequence pays for ``ROWS`` rows (about +45 % of its GEMM time at ROWS 16: 27 vs 18.6 ms at 8,
-37 ms at 16), a full group costs what it did, and larger batches pay one weight pass per group.
-
-Only the engine's torch thread runs the model.
+"""Batch-invariant decode for the CPU engine: every decode-step matrix product has one fixed shape
+(:func:`use_row_groups`), so a request's output does not depend on how many others share its step.
+What it costs small batches: docs/benchmarks.md ("What settings and features cost"). Only the
+engine's torch thread runs the model.
 """
 
 from __future__ import annotations
@@ -56,7 +37,20 @@ class _Grouped:
 
 def use_row_groups(model: Any) -> int:
     """Make every ``nn.Linear`` of ``model`` decode in fixed-shape row groups; returns how many.
-    Idempotent (a module already switched is left alone)."""
+    Idempotent (a module already switched is left alone).
+
+    Why: oneDNN and MKL pick their GEMM kernel (and the order in which it sums along ``K``) by the
+    shape of the call. A decode step multiplies ``[B, K]`` activations by each weight; with ``B = 1``
+    the libraries take a GEMV path, with ``B = 2, 3`` another, with ``B >= 4`` a third (in float32
+    and bfloat16, and with oneDNN capped at AVX-512 or AVX2). The rounding then depends on how many
+    other requests share the step, and greedy text parts at the first near-tie.
+
+    How: while a model decodes (one position per row, ``x.shape[-2] == 1``), each ``nn.Linear`` runs
+    its rows in groups of exactly :data:`ROWS` (the last group zero-padded). Every call then has the
+    same ``(ROWS, K, N)`` shape and thread count, so the library runs the same kernel the same way
+    for every group of every step; a GEMM never mixes rows, so a row's result depends on that row and
+    the weights alone. Prefill (many positions of one sequence) is left as it is: it runs one
+    sequence alone. A step of one sequence pays for ``ROWS`` rows; a full group costs what it did."""
     switched = 0
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and not isinstance(module.__dict__.get("forward"), _Grouped):

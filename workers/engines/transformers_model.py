@@ -1,12 +1,7 @@
-"""Loading a causal LM for the CPU engine: a model folder as is, a GGUF file converted once.
-
-A GGUF file is dequantised into a safetensors folder under ``cache_dir`` (keyed by the file's
-name, size and mtime, so a changed file converts again), written to a temporary folder and
-renamed into place, so a crash never leaves half a folder and concurrent workers agree. The
-conversion does not need ``accelerate``: the tensors are read with transformers' own GGUF
-reader into the parameter names of a model built on the meta device.
-
-Everything here is synchronous and slow; the engine calls it from its torch thread.
+"""Loading a causal LM for the CPU engine: a model folder as is, a GGUF file converted once into a
+safetensors folder under ``cache_dir`` (:func:`convert_gguf`; it needs no ``accelerate``: the tensors
+are read with transformers' own GGUF reader into the parameter names of a model built on the meta
+device). Everything here is synchronous and slow; the engine calls it from its torch thread.
 """
 
 from __future__ import annotations
@@ -56,7 +51,9 @@ def converted_folder(gguf: Path, cache_dir: Path) -> Path:
 
 
 def convert_gguf(gguf: Path, cache_dir: Path, on_phase: Callable[[str], None] | None = None) -> Path:
-    """Convert ``gguf`` to a safetensors model folder (once) and return the folder."""
+    """Convert ``gguf`` to a safetensors model folder (once) and return the folder: dequantised into a
+    folder keyed by its name, size and mtime (a changed file converts again), written to a temporary
+    folder and renamed into place, so a crash never leaves half a folder and concurrent workers agree."""
     target = converted_folder(gguf, cache_dir)
     if (target / "config.json").is_file():
         return target

@@ -1,73 +1,10 @@
-"""The TensorRT-LLM engine: its LLM API (PyTorch backend by default) in this process, streaming.
-
-WRITTEN FROM TensorRT-LLM'S DOCUMENTATION AND SOURCE ONLY: this adapter has NEVER run against real
-TensorRT-LLM (it cannot be installed on the machines it was written on). Every call below was read
-from the source file or page named next to it (repository NVIDIA/TensorRT-LLM unless a URL is given);
-the unit tests drive it against a fake ``tensorrt_llm`` built from the same reading
-(tests/unit/test_trtllm_mapping.py). Where the sources were ambiguous a comment says so.
-
-The mapping between llamamesh and TensorRT-LLM is pure functions over plain data in the sibling
-modules (trtllm_args.py: the LLM's arguments; trtllm_requests.py: sampling parameters and errors;
-trtllm_outputs.py: cumulative outputs as deltas; trtllm_stats.py: the iteration stats; what both GPU
-adapters share, in adapter.py); :class:`TrtllmEngine` is the thin layer that builds TensorRT-LLM
-objects from them, on the stream skeleton it shares with vLLM's (adapter.LibraryEngine).
-``tensorrt_llm`` is imported only by trtllm_args.Api, from :meth:`TrtllmEngine.start` (and this
-module only when the registry builds the engine).
-
-TensorRT-LLM APIs used, and nothing else:
-
-- ``tensorrt_llm.llmapi``: ``LLM``, ``SamplingParams``, ``KvCacheConfig``, ``RequestError``
-  (tensorrt_llm/llmapi/__init__.py); ``tensorrt_llm._tensorrt_engine.LLM`` for a directory of built
-  engines (tensorrt_llm/_tensorrt_engine/__init__.py; the PyTorch ``LLM`` refuses TensorRT-only
-  arguments and points there, tensorrt_llm/llmapi/llm.py ``_validate_args_for_torch_backend``).
-- ``LLM(model=, tokenizer=, tensor_parallel_size=, dtype=, trust_remote_code=, max_seq_len=,
-  max_batch_size=, max_num_tokens=, kv_cache_config=, enable_iter_perf_stats=)``: the explicit
-  arguments of ``BaseLLM.__init__`` and ``BaseLlmArgs`` / ``TorchLlmArgs`` fields; an unknown keyword
-  raises ValueError ("got invalid argument") (tensorrt_llm/llmapi/llm.py, tensorrt_llm/llmapi/llm_args.py;
-  https://nvidia.github.io/TensorRT-LLM/llm-api/reference/TorchLlmArgs.html).
-- ``KvCacheConfig(free_gpu_memory_fraction=, enable_block_reuse=)`` (llm_args.py).
-- ``LLM.generate_async(inputs, sampling_params=, streaming=True)``: a plain (not async) method that
-  submits and returns a ``RequestOutput``; RuntimeError("LLM is shutting down") once shut down,
-  ValueError from its argument checks (llm.py); ``inputs`` a ``TokensPrompt``, i.e. a dict with
-  ``prompt_token_ids`` (tensorrt_llm/inputs/data.py). Usage as in
-  https://nvidia.github.io/TensorRT-LLM/examples/llm_inference_async_streaming.html.
-- ``RequestOutput`` / ``GenerationResult`` (tensorrt_llm/executor/result.py): ``async for`` yields the
-  result itself after each response, CUMULATIVE (``outputs[0]`` is a ``CompletionOutput`` whose
-  ``.text`` / ``.token_ids`` / ``.logprobs`` grow); ``.finish_reason`` ('stop', 'length', 'timeout',
-  'cancelled'); ``.stop_reason`` (the stop string or stop token id); ``.finished``; ``.abort()``.
-  Deltas are cut here from the cumulative fields rather than with ``text_diff`` / ``token_ids_diff``
-  (which exist): at a stop TensorRT-LLM trims the stop string / stop-word tokens off the cumulative
-  fields, which the diff helpers do not account for.
-- Errors while iterating: ``RequestError`` (a RuntimeError) fails one request; any other error comes
-  from a background thread or process, and TensorRT-LLM shuts the LLM down before raising it
-  (tensorrt_llm/executor/executor.py ``_handle_background_error``, executor/utils.py).
-- ``SamplingParams(max_tokens, temperature, top_p, top_k, min_p, presence_penalty, frequency_penalty,
-  repetition_penalty, stop, stop_token_ids, seed, ignore_eos, min_tokens, logprobs, guided_decoding)``;
-  ValueError from its ``_validate`` (tensorrt_llm/sampling_params.py).
-- ``GuidedDecodingParams(json | json_object | regex | grammar)`` and ``LLM(guided_decoding_backend=
-  "xgrammar")`` for a response_format (the LLM API's guided decoding example); never run here.
-- ``LLM.get_stats_async(timeout)``: an ``IterationResult``, async iterable of per-iteration dicts, that
-  ends after ``timeout`` seconds without one (llm.py; executor/executor.py ``aget_stats``;
-  executor/result.py ``IterationResult``); keys ``numActiveRequests``, ``numQueuedRequests``,
-  ``kvCacheStats.usedNumBlocks`` / ``maxNumBlocks`` / ``freeNumBlocks``. The PyTorch backend produces
-  them only with ``enable_iter_perf_stats`` (docs/source/commands/trtllm-serve.rst, "Metrics Endpoint").
-- ``LLM.tokenizer``: a ``TransformersTokenizer`` wrapping the Hugging Face tokenizer as ``.tokenizer``
-  (llm.py, tensorrt_llm/llmapi/tokenizer.py). The wrapper does not forward ``chat_template``, so
-  prompts are rendered with the wrapped tokenizer (``chat_template``, ``apply_chat_template``, ``encode``).
-- ``LLM._check_health()`` (private; newer releases only, behind trtllm-serve's ``/health``:
-  tensorrt_llm/serve/openai_server.py), used only when it exists.
-- ``LLM.shutdown()`` (llm.py), run off the event loop.
-- LoRA (https://nvidia.github.io/TensorRT-LLM/features/lora.html, the PyTorch backend):
-  ``tensorrt_llm.lora_manager.LoraConfig(lora_dir=, max_lora_rank=, max_loras=, max_cpu_loras=,
-  lora_target_modules=)`` as ``LLM(lora_config=)``, and ``tensorrt_llm.executor.request.LoRARequest(name,
-  int_id, path)`` as ``generate_async(..., lora_request=)``; an adapter is loaded from its folder at its
-  first request and kept in the LoRA cache. Never run here.
-
-(and ``torch.cuda.device_count()`` for the default tensor parallel size.)
-
-``start()`` builds the LLM on the event loop thread, as vllm.py does (building it in a worker thread
-was not verified: TensorRT-LLM spawns MPI workers and registers atexit / signal handlers), blocking
-the loop until the model is loaded; the worker does not lease before that.
+"""The TensorRT-LLM engine (:class:`TrtllmEngine`): its LLM API (PyTorch backend by default) in this
+process, streaming. WRITTEN FROM TensorRT-LLM'S DOCUMENTATION AND SOURCE ONLY: this adapter has NEVER
+run against real TensorRT-LLM. Each function that calls TensorRT-LLM names the source file or page it
+was read from (repository NVIDIA/TensorRT-LLM unless a URL is given), and says where the sources were
+ambiguous; the unit tests drive it against a fake ``tensorrt_llm`` built from the same reading
+(tests/unit/test_trtllm_mapping.py). The mappings are pure functions in the sibling trtllm_*.py
+modules; ``tensorrt_llm`` is imported only by trtllm_args.Api, when the engine starts.
 """
 
 
@@ -103,8 +40,10 @@ class _Stream:
 
 
 def _prompt_tokenizer(tokenizer: Any) -> Any:
-    """The Hugging Face tokenizer inside TensorRT-LLM's TransformersTokenizer (which does not forward
-    ``chat_template``); a tokenizer without one is used as it is."""
+    """The Hugging Face tokenizer inside TensorRT-LLM's TransformersTokenizer (``LLM.tokenizer``,
+    wrapping it as ``.tokenizer``: llm.py, tensorrt_llm/llmapi/tokenizer.py), which does not forward
+    ``chat_template``; prompts are rendered with the wrapped one (``chat_template``,
+    ``apply_chat_template``, ``encode``). A tokenizer without one is used as it is."""
     inner = getattr(tokenizer, "tokenizer", None)
     return inner if inner is not None and hasattr(inner, "encode") else tokenizer
 
@@ -140,9 +79,10 @@ class TrtllmEngine(LibraryEngine):
         self._submitted = False
         self._lora_request_type: Any = None  # the LoRARequest class, once started with LoRA on
 
-    # --- LoRA adapters (LoraConfig at start, a LoRARequest per request; never run on real TensorRT-LLM).
-    # TensorRT-LLM loads an adapter from its folder at its first request, and keeps it in its LoRA cache
-    # (max_loras on the GPU, max_cpu_loras in memory); the LLM API has no call to load or drop one.
+    # --- LoRA adapters (LoraConfig at start, a LoRARequest per request; never run on real TensorRT-LLM:
+    # https://nvidia.github.io/TensorRT-LLM/features/lora.html, the PyTorch backend). TensorRT-LLM loads
+    # an adapter from its folder at its first request, and keeps it in its LoRA cache (max_loras on the
+    # GPU, max_cpu_loras in memory); the LLM API has no call to load or drop one.
 
     async def load_adapter(self, name: str, path: str) -> None:
         """Serve adapter ``name`` from the PEFT folder ``path`` (loaded at its first request);
@@ -165,7 +105,9 @@ class TrtllmEngine(LibraryEngine):
         """Import tensorrt_llm and build the LLM (loads the model, blocking the loop meanwhile).
 
         A bad setting raises InvalidRequest naming it (``trtllm.<field>``); a missing tensorrt_llm or any
-        other failure to load raises EngineDead."""
+        other failure to load raises EngineDead. The LLM is built on the event loop thread, as vllm.py
+        does (building it in a worker thread was not verified: TensorRT-LLM spawns MPI workers and
+        registers atexit / signal handlers); the worker does not lease before it is loaded."""
         if self._llm is not None:
             return
         self._starting = "starting TensorRT-LLM (weights, KV cache)"
@@ -183,7 +125,7 @@ class TrtllmEngine(LibraryEngine):
         api = Api(settings.backend)
         device_count = self._device_count
         if device_count is None and not settings.tensor_parallel_size and settings.backend == "pytorch":
-            import torch
+            import torch  # torch.cuda.device_count(): the default tensor parallel size
 
             device_count = torch.cuda.device_count()
         kwargs = llm_kwargs(self._settings, settings, device_count or 0)
@@ -223,8 +165,8 @@ class TrtllmEngine(LibraryEngine):
             await asyncio.sleep(figures.interval_s)
 
     async def shutdown(self) -> None:
-        """Abort what runs and shut TensorRT-LLM down (off the loop); streams still pending end with
-        EngineDead. Safe if never started."""
+        """Abort what runs and shut TensorRT-LLM down (``LLM.shutdown()``, llm.py, off the loop);
+        streams still pending end with EngineDead. Safe if never started."""
         if self._dead is None:
             self._dead = "the engine was shut down"
         await cancel_task(self._stats_task)
@@ -239,7 +181,8 @@ class TrtllmEngine(LibraryEngine):
 
     async def check_health(self) -> None:
         """Raise EngineDead if the engine is not running, a stream saw it die, or TensorRT-LLM's own
-        (private) health check says so."""
+        health check says so: ``LLM._check_health()``, private, in newer releases only (behind
+        trtllm-serve's ``/health``: tensorrt_llm/serve/openai_server.py), used only when it exists."""
         llm, _ = self._started()
         check = getattr(llm, "_check_health", None)
         if not callable(check):
@@ -259,6 +202,7 @@ class TrtllmEngine(LibraryEngine):
     # --- requests
 
     def _abort_result(self, state: _Stream) -> None:
+        """``RequestOutput.abort()`` (tensorrt_llm/executor/result.py), once, while it runs."""
         result = state.result
         if result is None or state.abort_sent or result.finished:
             return
@@ -271,6 +215,13 @@ class TrtllmEngine(LibraryEngine):
     def _submit(
         self, llm: Any, api: Api, ids: list[int], params: Any, input_field: str, request: GenerationRequest
     ) -> Any:
+        """``LLM.generate_async(inputs, sampling_params=, streaming=True)``: a plain (not async) method
+        that submits and returns a ``RequestOutput``; ``inputs`` a ``TokensPrompt``, i.e. a dict with
+        ``prompt_token_ids`` (tensorrt_llm/inputs/data.py); with an adapter, ``lora_request=`` a
+        ``LoRARequest(name, int_id, path)``. It raises ValueError from its argument checks
+        (InvalidRequest here) and RuntimeError("LLM is shutting down") once shut down (EngineDead
+        here) (llm.py). Usage as in
+        https://nvidia.github.io/TensorRT-LLM/examples/llm_inference_async_streaming.html."""
         constraint = request.sampling.constraint
         lora: dict[str, Any] = {}
         path = self._adapter_path(request)
@@ -293,6 +244,9 @@ class TrtllmEngine(LibraryEngine):
         return _Stream()
 
     def _library_params(self, request: GenerationRequest, api: Any, input_field: str) -> Any:
+        """``SamplingParams`` (trtllm_requests.sampling_kwargs), with ``guided_decoding`` a
+        ``GuidedDecodingParams`` for a response_format (the LLM API's guided decoding example; never
+        run here). Its ValueError (``_validate``) is InvalidRequest naming our field."""
         constraint = library_constraint(request, self.library)
         try:
             kwargs = sampling_kwargs(request.sampling)
@@ -309,6 +263,14 @@ class TrtllmEngine(LibraryEngine):
         self, llm: Any, api: Any, request: GenerationRequest, ids: list[int], params: Any, state: Any,
         input_field: str, tokenize_ms: float,
     ) -> AsyncIterator[TokenDelta]:  # fmt: skip
+        """The request's deltas. ``async for`` over a ``RequestOutput`` / ``GenerationResult``
+        (tensorrt_llm/executor/result.py) yields the result itself after each response, CUMULATIVE
+        (``outputs[0]`` is a ``CompletionOutput`` whose ``.text`` / ``.token_ids`` / ``.logprobs``
+        grow; trtllm_outputs.delta_of cuts them), with ``.finished``. Errors while iterating:
+        ``RequestError`` (a RuntimeError) fails one request (InternalError here); any other comes from
+        a background thread or process, and TensorRT-LLM shuts the LLM down before raising it
+        (tensorrt_llm/executor/executor.py ``_handle_background_error``, executor/utils.py):
+        EngineDead here."""
         # TensorRT-LLM's outputs hold only what it generates (SamplingParams.exclude_input_from_output
         # defaults to True); its detokenizer starts at the output, without resumed tokens as context.
         state.result = self._submit(llm, api, ids, params, input_field, request)

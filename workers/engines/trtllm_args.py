@@ -28,7 +28,14 @@ def llm_kwargs(worker: WorkerSettings, settings: TrtllmSettings, device_count: i
     """The ``LLM(...)`` keyword arguments for these settings (without ``kv_cache_config``): only the set
     ones. ``device_count`` (the GPUs visible to the worker) is the tensor parallel size when the setting
     is 0 on the pytorch backend; an engine directory keeps the parallelism it was built with.
-    Raises InvalidRequest naming the settings field for what can be checked without TensorRT-LLM."""
+    Raises InvalidRequest naming the settings field for what can be checked without TensorRT-LLM.
+
+    ``LLM(model=, tokenizer=, tensor_parallel_size=, dtype=, trust_remote_code=, max_seq_len=,
+    max_batch_size=, max_num_tokens=, kv_cache_config=, enable_iter_perf_stats=)``: the explicit
+    arguments of ``BaseLLM.__init__`` and ``BaseLlmArgs`` / ``TorchLlmArgs`` fields; an unknown keyword
+    raises ValueError ("got invalid argument"), which :func:`setting_of` names
+    (tensorrt_llm/llmapi/llm.py, tensorrt_llm/llmapi/llm_args.py;
+    https://nvidia.github.io/TensorRT-LLM/llm-api/reference/TorchLlmArgs.html)."""
     if not worker.model_path:
         raise InvalidRequest.field(
             "worker.model_path", "the trtllm engine needs a checkpoint folder, id or engine directory"
@@ -46,7 +53,8 @@ def llm_kwargs(worker: WorkerSettings, settings: TrtllmSettings, device_count: i
             kwargs[name] = value
     if settings.backend == "pytorch":
         # stats() needs TensorRT-LLM's iteration stats; the PyTorch backend keeps them only when asked
-        # (the docs warn of a slight cost). The TensorRT backend has them on and no such field.
+        # (the docs warn of a slight cost: docs/source/commands/trtllm-serve.rst, "Metrics Endpoint").
+        # The TensorRT backend has them on and no such field.
         kwargs["enable_iter_perf_stats"] = True
         # response_format: guided decoding needs its backend chosen when the LLM is built (the LLM API
         # docs' guided decoding example); unverified here, like the rest of this adapter.
@@ -55,9 +63,10 @@ def llm_kwargs(worker: WorkerSettings, settings: TrtllmSettings, device_count: i
 
 
 def lora_kwargs(worker: WorkerSettings, settings: TrtllmSettings) -> dict[str, Any] | None:
-    """``LoraConfig`` keyword arguments (the TensorRT-LLM LoRA docs' fields), or None when LoRA is off:
-    the worker's own adapters (LLAMAMESH_WORKER_ADAPTERS) go in ``lora_dir``; InvalidRequest names a bad
-    setting."""
+    """``LoraConfig`` keyword arguments (``lora_dir=, max_lora_rank=, max_loras=, max_cpu_loras=,
+    lora_target_modules=``: https://nvidia.github.io/TensorRT-LLM/features/lora.html, the PyTorch
+    backend), or None when LoRA is off: the worker's own adapters (LLAMAMESH_WORKER_ADAPTERS) go in
+    ``lora_dir``; InvalidRequest names a bad setting."""
     own = adapter_table(worker.adapters)
     if not own and not settings.enable_lora:
         return None
@@ -76,7 +85,8 @@ def lora_kwargs(worker: WorkerSettings, settings: TrtllmSettings) -> dict[str, A
 
 
 def kv_cache_kwargs(settings: TrtllmSettings) -> dict[str, Any]:
-    """``KvCacheConfig`` keyword arguments: only the set ones (empty: TensorRT-LLM's default config)."""
+    """``KvCacheConfig(free_gpu_memory_fraction=, enable_block_reuse=)`` keyword arguments
+    (tensorrt_llm/llmapi/llm_args.py): only the set ones (empty: TensorRT-LLM's default config)."""
     kwargs: dict[str, Any] = {}
     if fraction := settings.free_gpu_memory_fraction:  # (the settings keep it in [0, 1])
         kwargs["free_gpu_memory_fraction"] = fraction
@@ -95,7 +105,12 @@ def setting_of(message: str, keys: Sequence[str]) -> str:
 
 
 class Api:
-    """The TensorRT-LLM names the engine uses, imported once by :meth:`TrtllmEngine.start`."""
+    """The TensorRT-LLM names the engine uses, imported once by :meth:`TrtllmEngine.start`: from
+    ``tensorrt_llm.llmapi``, ``LLM``, ``SamplingParams``, ``GuidedDecodingParams``, ``KvCacheConfig``,
+    ``RequestError`` (tensorrt_llm/llmapi/__init__.py); for a directory of built engines (the
+    tensorrt backend), ``tensorrt_llm._tensorrt_engine.LLM`` instead (tensorrt_llm/_tensorrt_engine/
+    __init__.py; the PyTorch ``LLM`` refuses TensorRT-only arguments and points there,
+    tensorrt_llm/llmapi/llm.py ``_validate_args_for_torch_backend``)."""
 
     def __init__(self, backend: str) -> None:
         try:
@@ -119,7 +134,9 @@ class Api:
 
     @staticmethod
     def lora() -> tuple[Any, Any]:
-        """(LoraConfig, LoRARequest), imported only when LoRA is on (the paths of TensorRT-LLM's LoRA docs)."""
+        """(LoraConfig, LoRARequest), imported only when LoRA is on (the paths of TensorRT-LLM's LoRA docs:
+        ``tensorrt_llm.lora_manager.LoraConfig`` as ``LLM(lora_config=)``,
+        ``tensorrt_llm.executor.request.LoRARequest(name, int_id, path)`` per request)."""
         from tensorrt_llm.executor.request import LoRARequest
         from tensorrt_llm.lora_manager import LoraConfig
 

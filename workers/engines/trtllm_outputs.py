@@ -15,8 +15,9 @@ from workers.engines.adapter import token_logprobs
 
 
 def finish_reason_of(reason: str | None, stop_reason: int | str | None) -> FinishReason | None:
-    """TensorRT-LLM's finish_reason/stop_reason as ours (adapter.finish_reason_of): "cancelled" is
-    CANCELLED; "timeout" (a request timeout, which we never set) and anything else raise InternalError."""
+    """TensorRT-LLM's finish_reason ('stop', 'length', 'timeout', 'cancelled') and stop_reason (the stop
+    string or stop token id) as ours (adapter.finish_reason_of): "cancelled" is CANCELLED; "timeout" (a
+    request timeout, which we never set) and anything else raise InternalError."""
     return adapter.finish_reason_of(reason, stop_reason, engine="TensorRT-LLM", cancelled="cancelled")
 
 
@@ -31,7 +32,9 @@ class Sent:
 def delta_of(output: Any, sent: Sent, n_logprobs: int | None) -> TokenDelta:
     """What one cumulative TensorRT-LLM output adds to what was ``sent`` (advanced in place). At a stop
     TensorRT-LLM trims the stop string (text) and stop-word tokens off the cumulative fields; what was
-    already sent stays sent (TensorRT-LLM does not hold back a possible stop-string prefix as vLLM does)."""
+    already sent stays sent (TensorRT-LLM does not hold back a possible stop-string prefix as vLLM does).
+    Cut from the cumulative fields rather than with ``text_diff`` / ``token_ids_diff`` (which exist:
+    tensorrt_llm/executor/result.py), which do not account for that trimming."""
     if not output.outputs:
         return TokenDelta()
     completion = output.outputs[0]

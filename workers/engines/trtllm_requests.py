@@ -27,7 +27,11 @@ _PROMPT_TOO_LONG = re.compile(r"prompt length|prompt_len|input length", re.I)
 def sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
     """TensorRT-LLM SamplingParams keyword arguments: max_tokens and temperature always (our defaults;
     TensorRT-LLM samples greedily when temperature, top_p and top_k are all unset, and stops at 32
-    tokens), every other field only when set; top_k -1 or 0 becomes TensorRT-LLM's 0 (all logits)."""
+    tokens), every other field only when set; top_k -1 or 0 becomes TensorRT-LLM's 0 (all logits).
+    Its fields used: ``max_tokens, temperature, top_p, top_k, min_p, presence_penalty,
+    frequency_penalty, repetition_penalty, stop, stop_token_ids, seed, ignore_eos, min_tokens,
+    logprobs, guided_decoding``; it raises ValueError from its ``_validate``
+    (tensorrt_llm/sampling_params.py)."""
     # min_p: SamplingParams documents it ("None means using C++ runtime default 0.0"); whether the
     # PyTorch backend's sampler applies it is not stated in what we read. A release whose SamplingParams
     # lacks a field refuses it with TypeError, which stream() reports naming the field.

@@ -41,7 +41,13 @@ class IterationStats:
     async def drain(self, llm: Any) -> int:
         """Take the iteration stats as they come (one per engine step while busy) until none came for
         ``interval_s`` (IterationResult then ends, and stays ended until the next request); returns
-        how many held figures. A failure is logged: stats are not worth the worker."""
+        how many held figures. A failure is logged: stats are not worth the worker.
+
+        ``LLM.get_stats_async(timeout)``: an ``IterationResult``, async iterable of per-iteration
+        dicts (tensorrt_llm/llmapi/llm.py; executor/executor.py ``aget_stats``; executor/result.py
+        ``IterationResult``), with keys ``numActiveRequests``, ``numQueuedRequests``,
+        ``kvCacheStats.usedNumBlocks`` / ``maxNumBlocks`` / ``freeNumBlocks``; the PyTorch backend
+        produces them only with ``enable_iter_perf_stats``."""
         seen = 0
         try:
             async for stat in llm.get_stats_async(timeout=self.interval_s):

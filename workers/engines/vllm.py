@@ -1,30 +1,10 @@
-"""The GPU engine: vLLM 0.26's ``AsyncLLM`` in this process, streaming DELTA outputs.
-
-:class:`VllmEngine` is the thin layer that builds vLLM objects from the pure mappings of its sibling
-modules (vllm_args.py: the engine arguments; vllm_requests.py: sampling parameters, priority and
-errors; vllm_outputs.py: outputs as deltas; vllm_stats.py: the scheduler figures), on the stream
-skeleton it shares with TensorRT-LLM's (adapter.LibraryEngine). ``vllm`` is imported only when the
-engine starts (this module itself only when the registry builds the engine).
-
-vLLM 0.26.0 APIs used here (the sibling modules name theirs):
-
-- ``vllm.v1.engine.async_llm.AsyncLLM``: ``from_vllm_config(stat_loggers=...)``, ``generate``,
-  ``abort``, ``add_lora``, ``remove_lora``, ``check_health``, ``errored``, ``get_tokenizer``,
-  ``do_log_stats``, ``shutdown``, ``model_config.max_model_len``, ``model_config.get_vocab_size()``,
-  ``vllm_config.scheduler_config.max_num_seqs``
-- ``vllm.sampling_params.SamplingParams``, ``StructuredOutputsParams`` (a response_format) and
-  ``RequestOutputKind.DELTA``; ``vllm.lora.request.LoRARequest``
-- ``vllm.inputs.tokens_input`` (an already-tokenized prompt; vLLM does no tokenization of its own)
-- ``vllm.v1.engine.exceptions.EngineDeadError`` and ``EngineGenerateError``; ``ValueError`` (and its
-  subclass ``vllm.exceptions.VLLMValidationError``, read through its ``parameter`` attribute)
-- ``vllm.usage.usage_lib.UsageContext.OPENAI_API_SERVER`` (the scheduler defaults of ``vllm serve``)
-- ``vllm.envs.VLLM_LOG_STATS_INTERVAL``
-
-The tokenizer vLLM returns is used through its Hugging Face surface: ``chat_template``,
-``apply_chat_template``, ``encode``.
-
-``start()`` builds the engine on the event loop thread, as ``vllm serve`` does: it blocks the loop
-until the model is loaded (the worker does not lease before that).
+"""The GPU engine (:class:`VllmEngine`): vLLM 0.26's ``AsyncLLM`` in this process, streaming DELTA
+outputs. It is the thin layer that builds vLLM objects from the pure mappings of its sibling modules
+(vllm_args.py: the engine arguments; vllm_requests.py: sampling parameters, priority and errors;
+vllm_outputs.py: outputs as deltas; vllm_stats.py: the scheduler figures), on the stream skeleton it
+shares with TensorRT-LLM's (adapter.LibraryEngine). ``vllm`` is imported only when the engine starts
+(this module itself only when the registry builds the engine); each part names the vLLM 0.26.0 APIs
+it uses.
 """
 
 from __future__ import annotations
@@ -56,7 +36,12 @@ class _Stream:
 
 
 class _Vllm:
-    """The vLLM names the engine uses, imported once by :meth:`VllmEngine.start`."""
+    """The vLLM names the engine uses, imported once by :meth:`VllmEngine.start`:
+    ``vllm.inputs.tokens_input`` (an already-tokenized prompt; vLLM does no tokenization of its own),
+    ``vllm.lora.request.LoRARequest``, ``vllm.sampling_params.SamplingParams``,
+    ``StructuredOutputsParams`` (a response_format) and ``RequestOutputKind.DELTA``,
+    ``vllm.v1.engine.exceptions.EngineDeadError`` and ``EngineGenerateError``,
+    ``vllm.envs.VLLM_LOG_STATS_INTERVAL``."""
 
     def __init__(self) -> None:
         import vllm.envs
@@ -115,7 +100,7 @@ class VllmEngine(LibraryEngine):
     def starting(self) -> str:
         return self._starting
 
-    # --- LoRA adapters (vLLM's LoRARequest; tested on an H200 with vLLM 0.26: tests/e2e/test_node.py).
+    # --- LoRA adapters (vLLM's LoRARequest; tested on a GPU with vLLM 0.26: tests/e2e/test_node.py).
     # vLLM loads an adapter into the engine core at load_adapter, or at its first request.
 
     async def load_adapter(self, name: str, path: str) -> None:
@@ -138,8 +123,10 @@ class VllmEngine(LibraryEngine):
     # --- lifecycle
 
     async def start(self) -> None:
-        """Build vLLM's config and engine (loads the model, blocking the loop meanwhile, as ``vllm serve``;
-        with a ``core`` it connects to an engine core another process started).
+        """Build vLLM's config and engine (loads the model, blocking the loop meanwhile, as ``vllm serve``
+        does: the worker does not lease before that; with a ``core`` it connects to an engine core
+        another process started). Reads ``model_config.max_model_len``,
+        ``model_config.get_vocab_size()`` and ``vllm_config.scheduler_config.max_num_seqs``.
 
         A bad engine argument raises InvalidRequest naming the setting (``vllm.<field>``); any other
         failure to load raises EngineDead."""
@@ -169,7 +156,11 @@ class VllmEngine(LibraryEngine):
                  tensor_parallel_size=config.parallel_config.tensor_parallel_size)  # fmt: skip
 
     def _build(self, engine_args: Any, config: Any) -> tuple[Any, Any]:
-        """vLLM's AsyncLLM for ``config`` and its tokenizer; EngineDead if it cannot start."""
+        """vLLM's AsyncLLM for ``config`` and its tokenizer; EngineDead if it cannot start.
+        ``vllm.v1.engine.async_llm.AsyncLLM.from_vllm_config(stat_loggers=...)`` with
+        ``vllm.usage.usage_lib.UsageContext.OPENAI_API_SERVER`` (the scheduler defaults of ``vllm
+        serve``); the tokenizer ``get_tokenizer`` returns is used through its Hugging Face surface
+        (``chat_template``, ``apply_chat_template``, ``encode``)."""
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -245,6 +236,8 @@ class VllmEngine(LibraryEngine):
         return _Stream()
 
     def _invalid(self, exc: BaseException, input_field: str, constraint: ResponseConstraint | None) -> InvalidRequest:
+        """vLLM's ``ValueError`` (and its subclass ``vllm.exceptions.VLLMValidationError``, read
+        through its ``parameter`` attribute) as ours, naming our field."""
         message = exc.args[0] if exc.args and isinstance(exc.args[0], str) else str(exc)
         return constraint_error(message, constraint) or invalid_from_vllm(
             message, getattr(exc, "parameter", None), input_field
@@ -267,6 +260,9 @@ class VllmEngine(LibraryEngine):
         self, llm: Any, api: Any, request: GenerationRequest, ids: list[int], params: Any, state: Any,
         input_field: str, tokenize_ms: float,
     ) -> AsyncIterator[TokenDelta]:  # fmt: skip
+        """The request's deltas from ``AsyncLLM.generate`` (one DELTA output per step). vLLM's
+        ``EngineDeadError`` (or an ``EngineGenerateError`` once ``llm.errored``) is EngineDead, any
+        other ``EngineGenerateError`` InternalError, a ``ValueError`` InvalidRequest."""
         n_logprobs = request.sampling.logprobs
         priority = engine_priority(request, self._policy)
         lora: dict[str, Any] = {}

@@ -25,9 +25,9 @@ _ENGINE_FIELDS = (
 )  # fmt: skip
 SCHEDULING_POLICIES = ("priority", "fcfs")
 # The step budget of a batch worker (max_num_batched_tokens 0 with LLAMAMESH_BATCH_MAX_SHARE 1): twice
-# what offline ``LLM`` uses on an H100/H200 (16384). On one H200 a 1000-prompt batch at 512 in / 128 out
-# reached 0.90-0.95x of offline LLM.generate with 16384 and 1.0x with 32768 (65536 was no better); the
-# server default, 8192, gave 0.94x on two GPUs (docs/benchmarks.md).
+# what offline ``LLM`` uses on an H100/H200 (16384). A batch then keeps up with offline LLM.generate,
+# which offline's own budget and vLLM's server default (8192) fall short of, and a larger budget does
+# not beat (docs/benchmarks.md, "A 1000-prompt batch against offline LLM.generate").
 BATCH_STEP_TOKENS = 32768
 # AsyncEngineArgs fields that come from WorkerSettings.
 _FROM_WORKER = {"model": "model_path", "served_model_name": "model"}

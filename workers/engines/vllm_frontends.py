@@ -1,22 +1,8 @@
-"""One vLLM engine core shared by several frontend processes, the way ``vllm serve --api-server-count N``
-runs it, with vLLM's own machinery (``launch_core_engines``, ``APIServerProcessManager``): the vllm
-engine's SharedCore (workers/engines/registry.py).
-
-Why: with one frontend, every engine step's outputs for all running requests (hundreds at high
-concurrency) are turned into request outputs, detokenised and published by one Python event loop,
-which then lags the GPU. With N frontends each handles 1/N of the requests; the engine core process
-routes each request's outputs to the frontend that submitted it.
-
-This module only starts and supervises processes, and builds each frontend's engine; what runs in a
-frontend is ``target`` (for the worker: workers/frontends.py), called by vLLM in a spawned process as
-``target(listen_address, sock, args, client_config)``. It never imports redis or grpc.
-
-vLLM 0.26.0 APIs used: ``AsyncEngineArgs._api_process_count`` / ``_api_process_rank`` (as
-``vllm serve`` sets them), ``create_engine_config``, ``vllm.v1.executor.Executor.get_class``,
-``vllm.v1.engine.utils.get_engine_zmq_addresses`` and ``launch_core_engines``,
-``vllm.v1.utils.APIServerProcessManager(target_server_fn=...)`` with ``gather_actual_addresses`` and
-``shutdown``, ``vllm.v1.utils.wait_for_completion_or_failure``, the managers' ``shutdown``; the
-``client_count`` / ``client_index`` of the ``client_config`` each frontend is given.
+"""One vLLM engine core shared by several frontend processes, the way ``vllm serve --api-server-count
+N`` runs it, with vLLM's own machinery: the vllm engine's SharedCore process mode
+(workers/engines/registry.py). This module only starts and supervises processes, and builds each
+frontend's engine; what runs in a frontend is ``target`` (for the worker: workers/frontends.py). It
+never imports redis or grpc.
 """
 
 from __future__ import annotations
@@ -39,12 +25,26 @@ log = structlog.get_logger(__name__)
 
 
 class VllmCore:
-    """The engine core and ``vllm.frontends`` frontend processes (registry.SharedCore)."""
+    """The engine core and ``vllm.frontends`` frontend processes (registry.SharedCore).
+
+    Why: with one frontend, every engine step's outputs for all running requests (hundreds at high
+    concurrency) are turned into request outputs, detokenised and published by one Python event loop,
+    which then lags the GPU. With N frontends each handles 1/N of the requests; the engine core
+    process routes each request's outputs to the frontend that submitted it.
+
+    vLLM 0.26.0 APIs used: ``create_engine_config`` (vllm_args.py, with ``AsyncEngineArgs.
+    _api_process_count`` / ``_api_process_rank`` as ``vllm serve`` sets them),
+    ``vllm.v1.executor.Executor.get_class``, ``vllm.v1.engine.utils.get_engine_zmq_addresses`` and
+    ``launch_core_engines``, ``vllm.v1.utils.APIServerProcessManager(target_server_fn=...)`` with
+    ``gather_actual_addresses`` and ``shutdown``, ``vllm.v1.utils.wait_for_completion_or_failure``, the
+    managers' ``shutdown``; the ``client_count`` / ``client_index`` of the ``client_config`` each
+    frontend is given."""
 
     def run(self, settings: Settings, target: Target, shutdown_timeout_s: float) -> int:
         """Start the engine core, then ``vllm.frontends`` processes running ``target`` with ``settings``;
         supervise them until SIGTERM/SIGINT (forwarded to the frontends, which drain, then the core is
-        stopped) or until any of them dies. Returns 0 after a requested stop, 1 when a process died."""
+        stopped) or until any of them dies. Returns 0 after a requested stop, 1 when a process died.
+        vLLM calls ``target(listen_address, sock, args, client_config)`` in each spawned frontend."""
         from vllm.v1.engine.utils import get_engine_zmq_addresses
         from vllm.v1.executor import Executor
 
