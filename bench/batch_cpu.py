@@ -44,9 +44,14 @@ def params(max_tokens: int) -> pb.GenerateRequest:
 
 async def run_batch(c: Client, name: str, docs: list[str], max_tokens: int) -> tuple[float, bpb.Batch]:
     t0 = time.perf_counter()
-    req = bpb.BatchGenerateRequest(batch_id=name, summarise=bpb.Summarise(
-        template=TEMPLATE, params=params(max_tokens),
-        documents=[bpb.Document(custom_id=f"d{i}", text=d) for i, d in enumerate(docs)]))  # fmt: skip
+    req = bpb.BatchGenerateRequest(
+        batch_id=name,
+        summarise=bpb.Summarise(
+            template=TEMPLATE,
+            params=params(max_tokens),
+            documents=[bpb.Document(custom_id=f"d{i}", text=d) for i, d in enumerate(docs)],
+        ),
+    )
     b = await c.batches.BatchGenerate(req)
     while b.state not in ENDED:
         await asyncio.sleep(0.05)  # polling for the end: adds at most 50 ms to the measured time
@@ -77,9 +82,14 @@ async def ttft(c: Client, probes: int) -> list[float]:
 
 
 async def ttft_under_batch(c: Client, name: str, probes: int, max_tokens: int) -> tuple[list[float], int]:
-    req = bpb.BatchGenerateRequest(batch_id=name, summarise=bpb.Summarise(
-        template=TEMPLATE, params=params(max_tokens),
-        documents=[bpb.Document(custom_id=f"d{i}", text=d) for i, d in enumerate(DOCS)]))  # fmt: skip
+    req = bpb.BatchGenerateRequest(
+        batch_id=name,
+        summarise=bpb.Summarise(
+            template=TEMPLATE,
+            params=params(max_tokens),
+            documents=[bpb.Document(custom_id=f"d{i}", text=d) for i, d in enumerate(DOCS)],
+        ),
+    )
     await c.batches.BatchGenerate(req)
     while (await c.batches.GetBatch(bpb.GetBatchRequest(batch_id=name))).counts.processing == len(DOCS):  # noqa: ASYNC110 - another process
         await asyncio.sleep(0.05)  # until the batch is running
@@ -108,9 +118,12 @@ async def main_async(address: str, a: argparse.Namespace) -> dict:
             rows["ttft_idle"] += await ttft(c, a.probes)
             got, _ = await ttft_under_batch(c, f"load-{r}-{time.time_ns()}", a.probes, a.max_tokens)
             rows["ttft_batch"] += got
-            print(f"run {r + 1}: batch {rows['batch'][-1]:.1f} tok/s, concurrent {rows['concurrent'][-1]:.1f} tok/s, "
-                  f"TTFT idle {statistics.median(rows['ttft_idle'][-a.probes:]):.0f} ms, under batch "
-                  f"{statistics.median(got):.0f} ms", flush=True)  # fmt: skip
+            print(
+                f"run {r + 1}: batch {rows['batch'][-1]:.1f} tok/s, concurrent {rows['concurrent'][-1]:.1f} tok/s, "
+                f"TTFT idle {statistics.median(rows['ttft_idle'][-a.probes :]):.0f} ms, under batch "
+                f"{statistics.median(got):.0f} ms",
+                flush=True,
+            )
     return rows
 
 
@@ -130,10 +143,15 @@ def main() -> None:
         port = s.getsockname()[1]
         s.close()
         settings = base.with_overrides(
-            redis={"url": ""}, gateway={"port": port}, log={"level": "warning"},
-            worker={"engine": "transformers", "threads": a.threads or base.worker.torch_threads(),
-                    "max_inflight": a.max_inflight},
-        )  # fmt: skip
+            redis={"url": ""},
+            gateway={"port": port},
+            log={"level": "warning"},
+            worker={
+                "engine": "transformers",
+                "threads": a.threads or base.worker.torch_threads(),
+                "max_inflight": a.max_inflight,
+            },
+        )
         node = Node(settings, log_file=Path(tmp) / "node.log")
         node.start()
         try:
@@ -142,13 +160,17 @@ def main() -> None:
             node.stop()
     b = settings.batch
     med = {k: statistics.median(v) for k, v in rows.items()}
-    print(f"\n{a.docs} documents x {a.max_tokens} tokens, greedy, {settings.worker.threads} torch thread(s), "
-          f"max_inflight {a.max_inflight}, batch share {b.min_share:g}-{b.max_share:g}, {a.runs} runs alternating")
+    print(
+        f"\n{a.docs} documents x {a.max_tokens} tokens, greedy, {settings.worker.threads} torch thread(s), "
+        f"max_inflight {a.max_inflight}, batch share {b.min_share:g}-{b.max_share:g}, {a.runs} runs alternating"
+    )
     print(f"batch       {med['batch']:7.1f} tok/s  (runs {', '.join(f'{x:.1f}' for x in rows['batch'])})")
     print(f"concurrent  {med['concurrent']:7.1f} tok/s  (runs {', '.join(f'{x:.1f}' for x in rows['concurrent'])})")
     print(f"batch / concurrent = {med['batch'] / med['concurrent']:.2f}")
-    print(f"interactive TTFT p50: idle {med['ttft_idle']:.0f} ms, under batch load {med['ttft_batch']:.0f} ms "
-          f"({med['ttft_batch'] / med['ttft_idle']:.2f} x; target <= 1.20)")
+    print(
+        f"interactive TTFT p50: idle {med['ttft_idle']:.0f} ms, under batch load {med['ttft_batch']:.0f} ms "
+        f"({med['ttft_batch'] / med['ttft_idle']:.2f} x; target <= 1.20)"
+    )
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is not in git: made on first use
         a.json.write_text(json.dumps({"rows": rows, "median": med}, indent=1))

@@ -30,10 +30,16 @@ async def run_batch(
     c: Client, name: str, prompts: list[str], output_len: int, done: asyncio.Event | None = None
 ) -> dict:
     """Submit one batch and wait for its end (``done`` is set then, before its results are read)."""
-    req = bpb.BatchGenerateRequest(batch_id=name, items=[
-        bpb.BatchItem(custom_id=f"p{i}", request=pb.GenerateRequest(
-            prompt=p, max_tokens=output_len, ignore_eos=True, temperature=1.0))
-        for i, p in enumerate(prompts)])  # fmt: skip
+    req = bpb.BatchGenerateRequest(
+        batch_id=name,
+        items=[
+            bpb.BatchItem(
+                custom_id=f"p{i}",
+                request=pb.GenerateRequest(prompt=p, max_tokens=output_len, ignore_eos=True, temperature=1.0),
+            )
+            for i, p in enumerate(prompts)
+        ],
+    )
     t0 = time.perf_counter()
     b = await c.batches.BatchGenerate(req)
     submitted = time.perf_counter() - t0
@@ -47,9 +53,17 @@ async def run_batch(
     async for r in c.batches.StreamBatchResults(bpb.StreamBatchResultsRequest(batch_id=name, follow=False)):
         out_tokens += r.usage.completion_tokens
         in_tokens += r.usage.prompt_tokens
-    return {"state": bpb.BatchState.Name(b.state), "succeeded": b.counts.succeeded, "total": b.counts.total,
-            "elapsed_s": elapsed, "submit_s": submitted, "output_tokens": out_tokens, "input_tokens": in_tokens,
-            "output_tok_per_s": out_tokens / elapsed, "requests_per_s": b.counts.succeeded / elapsed}  # fmt: skip
+    return {
+        "state": bpb.BatchState.Name(b.state),
+        "succeeded": b.counts.succeeded,
+        "total": b.counts.total,
+        "elapsed_s": elapsed,
+        "submit_s": submitted,
+        "output_tokens": out_tokens,
+        "input_tokens": in_tokens,
+        "output_tok_per_s": out_tokens / elapsed,
+        "requests_per_s": b.counts.succeeded / elapsed,
+    }
 
 
 async def main_async(a: argparse.Namespace) -> dict:
@@ -59,8 +73,14 @@ async def main_async(a: argparse.Namespace) -> dict:
         if a.warmup:
             await run_batch(c, f"warm-{time.time_ns()}", prompts[: a.warmup], a.output_len)
         res = await run_batch(c, f"bench-{time.time_ns()}", prompts[a.warmup :], a.output_len)
-    return {"bench": "llamamesh BatchGenerate", "label": a.label, "num_prompts": a.num_prompts,
-            "input_len": a.input_len, "output_len": a.output_len, **res}  # fmt: skip
+    return {
+        "bench": "llamamesh BatchGenerate",
+        "label": a.label,
+        "num_prompts": a.num_prompts,
+        "input_len": a.input_len,
+        "output_len": a.output_len,
+        **res,
+    }
 
 
 def main() -> None:

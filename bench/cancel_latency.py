@@ -84,9 +84,11 @@ def main() -> None:
         port = s.getsockname()[1]
         s.close()
         settings = Settings.from_env().with_overrides(
-            redis={"url": ""}, gateway={"port": port}, log={"format": "json"},
+            redis={"url": ""},
+            gateway={"port": port},
+            log={"format": "json"},
             worker={"engine": "fake", "fake_step_s": a.step_ms / 1000, "max_inflight": 64},
-        )  # fmt: skip
+        )
         log = Path(tmp) / "node.log"
         node = Node(settings, log_file=log)
         node.start()
@@ -106,11 +108,17 @@ def main() -> None:
     res = {}
     for how in ("disconnect", "cancel-rpc"):
         ms = [(done[r] - t) * 1000 for r, t in sent.items() if r.startswith(how) and r in done]
-        res[how] = {"n": len(ms), "missing": sum(1 for r in sent if r.startswith(how) and r not in done),
-                    "p50_ms": round(statistics.median(ms), 1), "p99_ms": round(pct(ms, 0.99), 1),
-                    "max_ms": round(max(ms), 1)}  # fmt: skip
-        print(f"{how:11s} -> abort: p50 {res[how]['p50_ms']} ms, p99 {res[how]['p99_ms']} ms, "
-              f"max {res[how]['max_ms']} ms ({res[how]['n']} requests, {res[how]['missing']} never aborted)")
+        res[how] = {
+            "n": len(ms),
+            "missing": sum(1 for r in sent if r.startswith(how) and r not in done),
+            "p50_ms": round(statistics.median(ms), 1),
+            "p99_ms": round(pct(ms, 0.99), 1),
+            "max_ms": round(max(ms), 1),
+        }
+        print(
+            f"{how:11s} -> abort: p50 {res[how]['p50_ms']} ms, p99 {res[how]['p99_ms']} ms, "
+            f"max {res[how]['max_ms']} ms ({res[how]['n']} requests, {res[how]['missing']} never aborted)"
+        )
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is not in git: made on first use
         a.json.write_text(json.dumps(res, indent=1))

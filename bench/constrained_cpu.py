@@ -40,10 +40,11 @@ async def one(engine: TransformersEngine, i: int, max_tokens: int, constrained: 
     """(seconds per token after the first, tokens) of one request: decode steps, without the prefill."""
     constraint = ResponseConstraint(ConstraintKind.JSON_SCHEMA, text=json.dumps(SCHEMA)) if constrained else None
     req = GenerationRequest(
-        request_id=uuid.uuid4().hex, model="m",
+        request_id=uuid.uuid4().hex,
+        model="m",
         messages=(ChatMessage("user", f"Describe person number {i} as JSON: name, age, hobbies, city."),),
         sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, constraint=constraint),
-    )  # fmt: skip
+    )
     first = last = 0.0
     n = 0
     async for delta in engine.stream(req):
@@ -72,12 +73,22 @@ async def main_async(a: argparse.Namespace) -> None:
                     rows[constrained].append(await round_(engine, streams, a.max_tokens, constrained))
             free = statistics.median(r["ms_per_token"] for r in rows[False])
             json_ = statistics.median(r["ms_per_token"] for r in rows[True])
-            print(json.dumps({"streams": streams, "threads": a.threads, "rounds": a.rounds,
-                              "free_ms_per_token": round(free, 2), "schema_ms_per_token": round(json_, 2),
-                              "ratio": round(json_ / free, 3),
-                              "free_runs": [round(r["ms_per_token"], 2) for r in rows[False]],
-                              "schema_runs": [round(r["ms_per_token"], 2) for r in rows[True]],
-                              "schema_tokens": [r["tokens"] for r in rows[True]]}), flush=True)  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        "streams": streams,
+                        "threads": a.threads,
+                        "rounds": a.rounds,
+                        "free_ms_per_token": round(free, 2),
+                        "schema_ms_per_token": round(json_, 2),
+                        "ratio": round(json_ / free, 3),
+                        "free_runs": [round(r["ms_per_token"], 2) for r in rows[False]],
+                        "schema_runs": [round(r["ms_per_token"], 2) for r in rows[True]],
+                        "schema_tokens": [r["tokens"] for r in rows[True]],
+                    }
+                ),
+                flush=True,
+            )
     finally:
         await engine.shutdown()
 

@@ -42,8 +42,17 @@ from metrics_cost import start, tokenizer_dir  # bench/ is on the path of `pytho
 from soak import Node
 
 HERE = Path(__file__).resolve().parent
-KEYS = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "gateway_cores", "worker_cores",
-        "queue_p50_ms", "srv_ttft_p50_ms")
+KEYS = (
+    "tok_s",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "gateway_cores",
+    "worker_cores",
+    "queue_p50_ms",
+    "srv_ttft_p50_ms",
+)
 
 
 def no_hiredis(root: Path) -> str:
@@ -69,9 +78,12 @@ def one_run(args: argparse.Namespace, tokenizer: str, side: str, workdir: Path) 
     # Room for every stream: the worker keeps LLAMAMESH_WORKER_TENANT_HEADROOM (1) slot for other
     # tenants, so with max_inflight = concurrency one stream of the client's (one tenant) would wait a
     # whole request for a slot each round.
-    env = {"LLAMAMESH_WORKER_MAX_INFLIGHT": str(max(2 * args.concurrency, 16)),
-           "LLAMAMESH_WORKER_FAKE_STEP_S": str(args.step_s), "LLAMAMESH_GATEWAY_PROCESSES": gateways,
-           "LLAMAMESH_GATEWAY_EVENT_LOOP": event_loop}  # fmt: skip
+    env = {
+        "LLAMAMESH_WORKER_MAX_INFLIGHT": str(max(2 * args.concurrency, 16)),
+        "LLAMAMESH_WORKER_FAKE_STEP_S": str(args.step_s),
+        "LLAMAMESH_GATEWAY_PROCESSES": gateways,
+        "LLAMAMESH_GATEWAY_EVENT_LOOP": event_loop,
+    }
     env.update(x.split("=", 1) for x in extra)
     if not code or len(parts) >= 4:
         env["LLAMAMESH_WORKER_FAKE_CLOCK"] = clock
@@ -86,12 +98,32 @@ def one_run(args: argparse.Namespace, tokenizer: str, side: str, workdir: Path) 
         os.chdir(here)
     try:
         out = workdir / "load.json"
-        cmd = [sys.executable, str(HERE / "load.py"), "--address", node.address, "--tokenizer", tokenizer,
-               "--concurrency", str(args.concurrency), "--num-requests", str(args.num_requests),
-               "--warmups", str(args.concurrency), "--input-len", str(args.input_len),
-               "--output-len", str(args.output_len), "--label", side, "--json", str(out),
-               "--watch", f"gateway={node.procs['gateway'].pid}",
-               "--watch", f"worker={node.procs['worker'].pid}"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            str(HERE / "load.py"),
+            "--address",
+            node.address,
+            "--tokenizer",
+            tokenizer,
+            "--concurrency",
+            str(args.concurrency),
+            "--num-requests",
+            str(args.num_requests),
+            "--warmups",
+            str(args.concurrency),
+            "--input-len",
+            str(args.input_len),
+            "--output-len",
+            str(args.output_len),
+            "--label",
+            side,
+            "--json",
+            str(out),
+            "--watch",
+            f"gateway={node.procs['gateway'].pid}",
+            "--watch",
+            f"worker={node.procs['worker'].pid}",
+        ]
         if args.keep:  # each request's start, TTFT and end, for bench/waves.py
             cmd += ["--records", str(workdir / "records.jsonl")]
         names = ("gateway", "worker") if args.py_spy else ()
@@ -103,22 +135,31 @@ def one_run(args: argparse.Namespace, tokenizer: str, side: str, workdir: Path) 
     finally:
         node.stop()
     cores = res.get("cpu_cores", {})
-    row = {"side": side, "tok_s": round(res["output_tok_per_s"], 1),
-           "ttft_p50_ms": round(res["ttft_ms_p50"], 1), "ttft_p99_ms": round(res["ttft_ms_p99"], 1),
-           "itl_p50_ms": round(res["itl_ms_p50"], 2), "itl_p99_ms": round(res["itl_ms_p99"], 2),
-           "gateway_cores": cores.get("gateway", {}).get("total"),
-           "worker_cores": cores.get("worker", {}).get("total"),
-           # The server's view of TTFT: gateway accept -> worker start (queue), -> first token.
-           "queue_p50_ms": round(res["server_queue_ms_p50"], 1),
-           "srv_ttft_p50_ms": round(res["server_ttft_ms_p50"], 1)}  # fmt: skip
+    row = {
+        "side": side,
+        "tok_s": round(res["output_tok_per_s"], 1),
+        "ttft_p50_ms": round(res["ttft_ms_p50"], 1),
+        "ttft_p99_ms": round(res["ttft_ms_p99"], 1),
+        "itl_p50_ms": round(res["itl_ms_p50"], 2),
+        "itl_p99_ms": round(res["itl_ms_p99"], 2),
+        "gateway_cores": cores.get("gateway", {}).get("total"),
+        "worker_cores": cores.get("worker", {}).get("total"),
+        # The server's view of TTFT: gateway accept -> worker start (queue), -> first token.
+        "queue_p50_ms": round(res["server_queue_ms_p50"], 1),
+        "srv_ttft_p50_ms": round(res["server_ttft_ms_p50"], 1),
+    }
     print(json.dumps(row), flush=True)
     return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sides", nargs="+", default=["python:1:asyncio", "hiredis:1:asyncio", "hiredis:1", "hiredis:2"],
-                    help="PARSER:GATEWAYS[:LOOP[:CLOCK]][+NAME=VALUE...][@DIR]")
+    ap.add_argument(
+        "--sides",
+        nargs="+",
+        default=["python:1:asyncio", "hiredis:1:asyncio", "hiredis:1", "hiredis:2"],
+        help="PARSER:GATEWAYS[:LOOP[:CLOCK]][+NAME=VALUE...][@DIR]",
+    )
     ap.add_argument("--pairs", type=int, default=2, help="rounds of every side")
     ap.add_argument("--step-s", type=float, default=0.02, help="the fake engine's step (0: no cost)")
     ap.add_argument("--concurrency", type=int, default=256)
@@ -129,8 +170,12 @@ def main() -> None:
     ap.add_argument("--run-timeout-s", type=float, default=300)
     ap.add_argument("--json", default="", help="write the runs and the medians here")
     ap.add_argument("--keep", default="", help="keep each run's node folder (its processes' logs) under here")
-    ap.add_argument("--py-spy", default="", metavar="PATH",
-                    help="this py-spy records the gateway and the worker of each run (with --keep)")
+    ap.add_argument(
+        "--py-spy",
+        default="",
+        metavar="PATH",
+        help="this py-spy records the gateway and the worker of each run (with --keep)",
+    )
     args = ap.parse_args()
     tokenizer = args.tokenizer or tokenizer_dir()
     rows = []
@@ -141,9 +186,12 @@ def main() -> None:
                 name = side.replace(":", "-").replace("@", "-at-").replace("/", "_")
                 rows.append(one_run(args, tokenizer, side, root / f"{n}-{name}"))
     offered = args.concurrency / args.step_s if args.step_s else 0.0
-    print(f"\n{args.concurrency} streams, {args.input_len} in / {args.output_len} out, fake engine step "
-          f"{args.step_s * 1e3:.0f} ms" + (f" (offered {offered:.0f} tok/s)" if offered else " (zero cost)")
-          + f", {os.cpu_count()} cores, {args.pairs} round(s), medians")  # fmt: skip
+    print(
+        f"\n{args.concurrency} streams, {args.input_len} in / {args.output_len} out, fake engine step "
+        f"{args.step_s * 1e3:.0f} ms"
+        + (f" (offered {offered:.0f} tok/s)" if offered else " (zero cost)")
+        + f", {os.cpu_count()} cores, {args.pairs} round(s), medians"
+    )
     width = max(20, *(len(s) + 2 for s in args.sides))
     print(f"{'side':{width}}" + "".join(f"{k:>16}" for k in KEYS) + ("   share of offered" if offered else ""))
     medians = {}

@@ -81,9 +81,23 @@ class Node:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        args = [redis_binary(), "--port", str(self.redis_port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-                "--save", "", "--appendonly", "no", "--logfile", str(self.dir / "redis.log"),
-                "--hz", str(self.hz)]  # fmt: skip
+        args = [
+            redis_binary(),
+            "--port",
+            str(self.redis_port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.dir),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--logfile",
+            str(self.dir / "redis.log"),
+            "--hz",
+            str(self.hz),
+        ]
         self.procs["redis"] = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
         def up() -> bool:
@@ -95,8 +109,9 @@ class Node:
         wait_for(up, 10, "redis", self.procs)
         for name, module in (("gateway", "services"), ("worker", "workers")):
             with (self.dir / f"{name}.log").open("ab") as out:
-                self.procs[name] = subprocess.Popen([sys.executable, "-m", module], env=self.env, stdout=out,
-                                                    stderr=out)  # fmt: skip
+                self.procs[name] = subprocess.Popen(
+                    [sys.executable, "-m", module], env=self.env, stdout=out, stderr=out
+                )
         wait_for(lambda: serving(self.address, f"llamamesh.backend.{POOL}"), 60, "the pool to be SERVING", self.procs)
 
     def waiting(self, tenant: str) -> int:
@@ -151,8 +166,9 @@ async def burst(stub: generation_pb2_grpc.GenerationServiceStub, args: argparse.
     n, mean = args.a_requests, args.a_tokens
     lengths = [max(1, round(mean * (0.5 + i / max(1, n - 1)))) for i in range(n)]  # mean +- 50 %, even spread
     t0 = time.perf_counter()
-    got = await asyncio.gather(*(generate(stub, "tenant-a", f"a {i}", lengths[(i * 7919) % n]) for i in range(n)),
-                               return_exceptions=True)  # fmt: skip
+    got = await asyncio.gather(
+        *(generate(stub, "tenant-a", f"a {i}", lengths[(i * 7919) % n]) for i in range(n)), return_exceptions=True
+    )
     return n / (time.perf_counter() - t0), sum(isinstance(g, BaseException) for g in got)
 
 
@@ -193,9 +209,11 @@ def report(idle: Result, alone: Result, fair: Result, fifo: Result, args: argpar
     def rps(r: Result) -> str:
         return f"{r.a_rps:7.1f} req/s" + (f" ({r.a_errors} failed)" if r.a_errors else "")
 
-    print(f"\nredis hz {args.redis_hz}; fake engine: {args.max_inflight} slots, {args.step_s * 1000:g} ms a step; "
-          f"A: {args.a_requests} requests "
-          f"at once, ~{args.a_tokens} tokens; B: {args.b_requests} one by one, {args.b_tokens} tokens")  # fmt: skip
+    print(
+        f"\nredis hz {args.redis_hz}; fake engine: {args.max_inflight} slots, {args.step_s * 1000:g} ms a step; "
+        f"A: {args.a_requests} requests "
+        f"at once, ~{args.a_tokens} tokens; B: {args.b_requests} one by one, {args.b_tokens} tokens"
+    )
     print(f"{'B TTFT (ms)':<28} {'p50':>9} {'p95':>9} {'max':>9} {'mean':>9}   A throughput")
     print(row("idle pool (B alone)", idle, ""))
     print(row("A alone", alone, rps(alone)))
@@ -204,8 +222,10 @@ def report(idle: Result, alone: Result, fair: Result, fifo: Result, args: argpar
     ratio = pct(fair.b_ttft_ms, 50) / pct(idle.b_ttft_ms, 50)
     share = fair.a_rps / alone.a_rps
     ok = ratio <= 2.0 and share >= 0.9
-    print(f"\nB's TTFT p50 behind A's burst = {ratio:.2f} x idle (target <= 2); A's throughput = {share:.2f} x alone "
-          f"(target >= 0.9): {'ok' if ok else 'MISSED'}")  # fmt: skip
+    print(
+        f"\nB's TTFT p50 behind A's burst = {ratio:.2f} x idle (target <= 2); A's throughput = {share:.2f} x alone "
+        f"(target >= 0.9): {'ok' if ok else 'MISSED'}"
+    )
     return ok
 
 
@@ -229,9 +249,13 @@ def main() -> None:
     ap.add_argument("--b-tokens", type=int, default=16)
     ap.add_argument("--max-inflight", type=int, default=16)
     ap.add_argument("--step-s", type=float, default=0.02)
-    ap.add_argument("--redis-hz", type=int, default=10,
-                    help="Redis's hz (its default 10): how often an idle server ends short blocking reads; the "
-                         "worker's batch reads (BLOCK 1) take up to 1/hz s on an idle server")  # fmt: skip
+    ap.add_argument(
+        "--redis-hz",
+        type=int,
+        default=10,
+        help="Redis's hz (its default 10): how often an idle server ends short blocking reads; the "
+        "worker's batch reads (BLOCK 1) take up to 1/hz s on an idle server",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
     args = ap.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="llamamesh-fair-"))

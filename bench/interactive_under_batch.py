@@ -61,9 +61,14 @@ def interactive_summary(rec: list[dict], until: float | None = None) -> dict:
         rec = [r for r in rec if r["end"] <= until]
     ttft = [r["ttft"] * 1e3 for r in rec]
     itl = [x * 1e3 for r in rec for x in r["itl"]]
-    return {"requests": len(rec), "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99),
-            "itl_ms_p50": pct(itl, 50), "itl_ms_p99": pct(itl, 99),
-            "output_tokens": sum(r["ntok"] for r in rec)}  # fmt: skip
+    return {
+        "requests": len(rec),
+        "ttft_ms_p50": pct(ttft, 50),
+        "ttft_ms_p99": pct(ttft, 99),
+        "itl_ms_p50": pct(itl, 50),
+        "itl_ms_p99": pct(itl, 99),
+        "output_tokens": sum(r["ntok"] for r in rec),
+    }
 
 
 class Llamamesh:
@@ -77,8 +82,9 @@ class Llamamesh:
         self.client = Client(a.address)
         # One connection per 32 streams (as bench/load.py): one gateway process serves each connection.
         n = max(1, max(a.concurrency, a.burst_concurrency) // 32) if a.spread else 1
-        self.channels = [grpc.aio.insecure_channel(a.address, options=[("grpc.use_local_subchannel_pool", 1)])
-                         for _ in range(n)]  # fmt: skip
+        self.channels = [
+            grpc.aio.insecure_channel(a.address, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(n)
+        ]
         self.stubs = [generation_pb2_grpc.GenerationServiceStub(c) for c in self.channels]
         self._sem = asyncio.Semaphore(1 << 30)
 
@@ -145,9 +151,14 @@ class OpenAI:
         elapsed = time.perf_counter() - t0
         done.set()
         failed = [r for r in results if isinstance(r, BaseException)]
-        return {"state": "COMPLETED" if not failed else f"{len(failed)} FAILED: {failed[0]!r}"[:300],
-                "succeeded": len(tokens), "total": len(prompts), "elapsed_s": elapsed,
-                "output_tokens": sum(tokens), "output_tok_per_s": sum(tokens) / elapsed}  # fmt: skip
+        return {
+            "state": "COMPLETED" if not failed else f"{len(failed)} FAILED: {failed[0]!r}"[:300],
+            "succeeded": len(tokens),
+            "total": len(prompts),
+            "elapsed_s": elapsed,
+            "output_tokens": sum(tokens),
+            "output_tok_per_s": sum(tokens) / elapsed,
+        }
 
 
 def burst_sizes(starts: list[float], window_s: float) -> list[int]:
@@ -171,12 +182,20 @@ async def bursts(side: Llamamesh | OpenAI, a: argparse.Namespace, base: dict, pr
     rec = await closed_loop(side.interactive(prompts), a.burst_concurrency, n, None)
     starts = [r["start"] - t0 for r in rec]
     sizes = burst_sizes(starts, a.burst_window_s)
-    return {**base, "phase": "closed", "concurrency": a.burst_concurrency, **interactive_summary(rec),
-            "output_tok_per_s": sum(r["ntok"] for r in rec) / (max(r["end"] for r in rec) - t0),
-            "burst_window_ms": a.burst_window_s * 1e3, "bursts": len(sizes),
-            "burst_size_mean": sum(sizes) / len(sizes), "burst_size_p50": pct(sizes, 50),
-            "burst_size_p99": pct(sizes, 99), "burst_size_max": max(sizes),
-            "starts_s": [round(x, 4) for x in sorted(starts)]}  # fmt: skip
+    return {
+        **base,
+        "phase": "closed",
+        "concurrency": a.burst_concurrency,
+        **interactive_summary(rec),
+        "output_tok_per_s": sum(r["ntok"] for r in rec) / (max(r["end"] for r in rec) - t0),
+        "burst_window_ms": a.burst_window_s * 1e3,
+        "bursts": len(sizes),
+        "burst_size_mean": sum(sizes) / len(sizes),
+        "burst_size_p50": pct(sizes, 50),
+        "burst_size_p99": pct(sizes, 99),
+        "burst_size_max": max(sizes),
+        "starts_s": [round(x, 4) for x in sorted(starts)],
+    }
 
 
 async def _when(event: asyncio.Event) -> float:
@@ -187,8 +206,14 @@ async def _when(event: asyncio.Event) -> float:
 async def main_async(a: argparse.Namespace) -> list[dict]:
     n_inter = a.num_requests or 8 * a.concurrency
     # Every phase gets prompts of its own: none is a prefix-cache hit.
-    sizes = {"warm": a.warmups, "alone": n_inter, "batch": a.batch_items, "batch_mixed": a.batch_items,
-             "mixed": 4 * n_inter, "closed": 8 * a.burst_concurrency}  # fmt: skip
+    sizes = {
+        "warm": a.warmups,
+        "alone": n_inter,
+        "batch": a.batch_items,
+        "batch_mixed": a.batch_items,
+        "mixed": 4 * n_inter,
+        "closed": 8 * a.burst_concurrency,
+    }
     prompts = make_prompts(a.tokenizer, sum(sizes.values()), a.input_len, a.seed)
     cut = dict(zip(sizes, itertools.accumulate(sizes.values(), initial=0), strict=False))
     part = {k: prompts[cut[k] : cut[k] + n] for k, n in sizes.items()}
@@ -196,8 +221,14 @@ async def main_async(a: argparse.Namespace) -> list[dict]:
     side: Llamamesh | OpenAI = Llamamesh(a) if a.target == "llamamesh" else OpenAI(a)
     await side.start()
     out: list[dict] = []
-    base = {"label": a.label, "target": a.target, "concurrency": a.concurrency, "input_len": a.input_len,
-            "output_len": a.output_len, "batch_items": a.batch_items}  # fmt: skip
+    base = {
+        "label": a.label,
+        "target": a.target,
+        "concurrency": a.concurrency,
+        "input_len": a.input_len,
+        "output_len": a.output_len,
+        "batch_items": a.batch_items,
+    }
     try:
         if warm:
             await closed_loop(side.interactive(warm), min(a.concurrency, len(warm)), len(warm), None)
@@ -220,8 +251,14 @@ async def main_async(a: argparse.Namespace) -> list[dict]:
         res = await job
         # Only the interactive requests that ended before the batch did (the last ones overlap its end).
         inside = interactive_summary(rec, until=await ended)
-        mixed = {**base, "phase": "mixed", **inside, "interactive_window_s": await ended - t1, "batch": res,
-                 "interactive_requests_after_batch_end": len(rec) - inside["requests"]}  # fmt: skip
+        mixed = {
+            **base,
+            "phase": "mixed",
+            **inside,
+            "interactive_window_s": await ended - t1,
+            "batch": res,
+            "interactive_requests_after_batch_end": len(rec) - inside["requests"],
+        }
         out.append(mixed)
         print("[mixed] " + json.dumps(mixed), flush=True)
         if a.burst_concurrency:
@@ -230,12 +267,13 @@ async def main_async(a: argparse.Namespace) -> list[dict]:
     finally:
         await side.close()
     summary = {
-        **base, "phase": "summary",
+        **base,
+        "phase": "summary",
         "ttft_p99_mixed_over_alone": out[2]["ttft_ms_p99"] / out[0]["ttft_ms_p99"],
         "ttft_p50_mixed_over_alone": out[2]["ttft_ms_p50"] / out[0]["ttft_ms_p50"],
         "itl_p99_mixed_over_alone": out[2]["itl_ms_p99"] / out[0]["itl_ms_p99"],
         "batch_mixed_over_alone": out[2]["batch"]["output_tok_per_s"] / out[1]["output_tok_per_s"],
-    }  # fmt: skip
+    }
     out.append(summary)
     print("[mixed] " + json.dumps(summary), flush=True)
     return out
@@ -263,8 +301,12 @@ def main() -> None:
         help="then a closed loop at this concurrency (no batch): how clustered are request starts",
     )
     ap.add_argument("--burst-window-s", type=float, default=0.005)
-    ap.add_argument("--spread", action=argparse.BooleanOptionalAction, default=True,
-                    help="llamamesh: one channel per 32 streams (--no-spread: one channel for all)")
+    ap.add_argument(
+        "--spread",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="llamamesh: one channel per 32 streams (--no-spread: one channel for all)",
+    )
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)

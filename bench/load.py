@@ -85,8 +85,19 @@ async def _one(stub: Any, prompt: str, output_len: int, sem: asyncio.Semaphore, 
                 t = m.timings
                 timings = (t.queue_wait.ToNanoseconds() / 1e6, t.time_to_first_token.ToNanoseconds() / 1e6)
         # queue_ms / server_ttft_ms: the server's own view (gateway accept -> worker start / -> first token)
-        rec.append({"start": t0, "ttft": first - t0, "itl": itl, "ntok": ntok, "e2e": last - t0, "end": last,
-                    "prompt_tokens": usage[0] if usage else 0, "queue_ms": timings[0], "server_ttft_ms": timings[1]})
+        rec.append(
+            {
+                "start": t0,
+                "ttft": first - t0,
+                "itl": itl,
+                "ntok": ntok,
+                "e2e": last - t0,
+                "end": last,
+                "prompt_tokens": usage[0] if usage else 0,
+                "queue_ms": timings[0],
+                "server_ttft_ms": timings[1],
+            }
+        )
 
 
 async def _one_openai(session: Any, url: str, body: dict, sem: asyncio.Semaphore, rec: list[dict]) -> None:
@@ -113,15 +124,31 @@ async def _one_openai(session: Any, url: str, body: dict, sem: asyncio.Semaphore
                     else:
                         first = now
                     last = now
-        rec.append({"start": t0, "ttft": first - t0, "itl": itl, "ntok": ntok, "e2e": last - t0, "end": last,
-                    "prompt_tokens": n_prompt, "queue_ms": float("nan"), "server_ttft_ms": float("nan")})
+        rec.append(
+            {
+                "start": t0,
+                "ttft": first - t0,
+                "itl": itl,
+                "ntok": ntok,
+                "e2e": last - t0,
+                "end": last,
+                "prompt_tokens": n_prompt,
+                "queue_ms": float("nan"),
+                "server_ttft_ms": float("nan"),
+            }
+        )
 
 
-def completion_body(model: str, prompt: str, output_len: int, priority: int | None = None,
-                    stream: bool = True) -> dict:
+def completion_body(model: str, prompt: str, output_len: int, priority: int | None = None, stream: bool = True) -> dict:
     """A ``/v1/completions`` body of the same request as ``_one``'s Generate."""
-    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True,
-                            "temperature": 1.0, "stream": stream}  # fmt: skip
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "ignore_eos": True,
+        "temperature": 1.0,
+        "stream": stream,
+    }
     if priority is not None:
         body["priority"] = priority
     if stream:
@@ -136,8 +163,9 @@ async def _run(target: str, prompts: list[str], concurrency: int, output_len: in
         import aiohttp
 
         url, model = target[len("openai:") :].rsplit("|", 1)
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                        timeout=aiohttp.ClientTimeout(total=3600))  # fmt: skip
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=3600)
+        )
         endpoint = url.rstrip("/") + "/v1/completions"
 
         def one(i: int, p: str, sem: asyncio.Semaphore, rec: list[dict]) -> Any:
@@ -147,8 +175,10 @@ async def _run(target: str, prompts: list[str], concurrency: int, output_len: in
             await session.close()
     else:
         # One channel per 32 streams: HTTP/2 flow control and one TCP connection per channel.
-        channels = [grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
-                    for _ in range(max(1, concurrency // 32))]  # fmt: skip
+        channels = [
+            grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+            for _ in range(max(1, concurrency // 32))
+        ]
         stubs = [generation_pb2_grpc.GenerationServiceStub(c) for c in channels]
 
         def one(i: int, p: str, sem: asyncio.Semaphore, rec: list[dict]) -> Any:
@@ -240,28 +270,40 @@ def summarise(rec: list[dict], duration: float, label: str, concurrency: int) ->
     n_out = sum(r["ntok"] for r in rec)
     n_in = sum(r["prompt_tokens"] for r in rec)
     return {
-        "label": label, "concurrency": concurrency, "num_requests": len(rec), "duration_s": duration,
-        "output_tokens": n_out, "prompt_tokens_mean": n_in / max(len(rec), 1),
-        "output_tok_per_s": n_out / duration, "total_tok_per_s": (n_out + n_in) / duration,
-        "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99),
-        "itl_ms_p50": pct(itl, 50), "itl_ms_p99": pct(itl, 99),
+        "label": label,
+        "concurrency": concurrency,
+        "num_requests": len(rec),
+        "duration_s": duration,
+        "output_tokens": n_out,
+        "prompt_tokens_mean": n_in / max(len(rec), 1),
+        "output_tok_per_s": n_out / duration,
+        "total_tok_per_s": (n_out + n_in) / duration,
+        "ttft_ms_p50": pct(ttft, 50),
+        "ttft_ms_p99": pct(ttft, 99),
+        "itl_ms_p50": pct(itl, 50),
+        "itl_ms_p99": pct(itl, 99),
         # TTFT split: client -> gateway accept, then queue wait (accept -> worker start), then worker start
         # -> first token (tokenisation, vLLM's queue, prefill); the rest is the way back to the client.
         "server_queue_ms_p50": pct([r["queue_ms"] for r in rec], 50),
         "server_ttft_ms_p50": pct([r["server_ttft_ms"] for r in rec], 50),
-        "tpot_ms_p50": pct(tpot, 50), "tpot_ms_mean": statistics.fmean(tpot) if tpot else float("nan"),
+        "tpot_ms_p50": pct(tpot, 50),
+        "tpot_ms_mean": statistics.fmean(tpot) if tpot else float("nan"),
         # A closed loop's requests take the same time end to end on any frontend that keeps the engine's
         # throughput: a lower TTFT there comes with a higher TPOT (docs/benchmarks.md).
         "ttft_ms_mean": statistics.fmean(ttft) if ttft else float("nan"),
-        "e2e_ms_p50": pct(e2e, 50), "e2e_ms_mean": statistics.fmean(e2e) if e2e else float("nan"),
+        "e2e_ms_p50": pct(e2e, 50),
+        "e2e_ms_mean": statistics.fmean(e2e) if e2e else float("nan"),
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--address", default="127.0.0.1:50051")
-    ap.add_argument("--openai-url", default="",
-                    help="drive an OpenAI-compatible server (vllm serve) at this URL instead, with the same loop")
+    ap.add_argument(
+        "--openai-url",
+        default="",
+        help="drive an OpenAI-compatible server (vllm serve) at this URL instead, with the same loop",
+    )
     ap.add_argument("--model", default="", help="with --openai-url: the model name it serves")
     ap.add_argument("--tokenizer", required=True, help="folder with the model's tokenizer")
     ap.add_argument("--concurrency", type=int, default=64)
@@ -270,14 +312,25 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--processes", type=int, default=1, help="client processes sharing the load")
-    ap.add_argument("--seed", type=int, default=0,
-                    help="of the prompts; give each run on one server its own: a repeated prompt is a prefix-cache hit")
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="of the prompts; give each run on one server its own: a repeated prompt is a prefix-cache hit",
+    )
     ap.add_argument("--label", default="llamamesh")
     ap.add_argument("--json", help="append the result as one JSON line to this file")
-    ap.add_argument("--records", help="append each request's start, TTFT and end (s from the first start) "
-                    "as one JSON line to this file")
-    ap.add_argument("--watch", action="append", default=[], metavar="NAME=PID",
-                    help="report the CPU cores this process and its children used while measuring")
+    ap.add_argument(
+        "--records",
+        help="append each request's start, TTFT and end (s from the first start) as one JSON line to this file",
+    )
+    ap.add_argument(
+        "--watch",
+        action="append",
+        default=[],
+        metavar="NAME=PID",
+        help="report the CPU cores this process and its children used while measuring",
+    )
     a = ap.parse_args()
     if a.openai_url and not a.model:
         ap.error("--model is needed with --openai-url")
@@ -306,8 +359,9 @@ def main() -> None:
         outs = [_worker((target, parts[0], concs[0], a.output_len, wparts[0], 0.0))]
     else:
         with mp.get_context("spawn").Pool(p) as pool:
-            outs = pool.map(_worker, [(target, parts[i], concs[i], a.output_len, wparts[i], start_at)
-                                      for i in range(p)])
+            outs = pool.map(
+                _worker, [(target, parts[i], concs[i], a.output_len, wparts[i], start_at) for i in range(p)]
+            )
     rec = [r for o in outs for r in o["rec"]]
     t0 = min(r["start"] for r in rec) if p == 1 else min(o["t0"] for o in outs)
     duration = max(r["end"] for r in rec) - t0

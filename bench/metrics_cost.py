@@ -80,8 +80,10 @@ def start(node: Node, pin: bool) -> None:
 
 
 def one_run(args: argparse.Namespace, tokenizer: str, metrics_on: bool, workdir: Path) -> dict:
-    env = {"LLAMAMESH_WORKER_MAX_INFLIGHT": str(max(args.concurrency, 16)),
-           "LLAMAMESH_WORKER_FAKE_STEP_S": str(args.step_s)}  # fmt: skip
+    env = {
+        "LLAMAMESH_WORKER_MAX_INFLIGHT": str(max(args.concurrency, 16)),
+        "LLAMAMESH_WORKER_FAKE_STEP_S": str(args.step_s),
+    }
     urls: list[str] = []
     if metrics_on:
         gw, wk = free_port(), free_port()
@@ -95,13 +97,34 @@ def one_run(args: argparse.Namespace, tokenizer: str, metrics_on: bool, workdir:
         if urls:
             scraper.start()
         out = workdir / "load.json"
-        cmd = [sys.executable, str(HERE / "load.py"), "--address", node.address, "--tokenizer", tokenizer,
-               "--concurrency", str(args.concurrency), "--num-requests", str(args.num_requests),
-               "--warmups", str(args.concurrency), "--input-len", str(args.input_len),
-               "--output-len", str(args.output_len), "--processes", str(args.client_processes),
-               "--label", "on" if metrics_on else "off", "--json", str(out),
-               "--watch", f"gateway={node.procs['gateway'].pid}",
-               "--watch", f"worker={node.procs['worker'].pid}"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            str(HERE / "load.py"),
+            "--address",
+            node.address,
+            "--tokenizer",
+            tokenizer,
+            "--concurrency",
+            str(args.concurrency),
+            "--num-requests",
+            str(args.num_requests),
+            "--warmups",
+            str(args.concurrency),
+            "--input-len",
+            str(args.input_len),
+            "--output-len",
+            str(args.output_len),
+            "--processes",
+            str(args.client_processes),
+            "--label",
+            "on" if metrics_on else "off",
+            "--json",
+            str(out),
+            "--watch",
+            f"gateway={node.procs['gateway'].pid}",
+            "--watch",
+            f"worker={node.procs['worker'].pid}",
+        ]
         with cores(args.pin, set(range(4, 4 + max(2, args.client_processes)))):
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=args.run_timeout_s)
         res = json.loads(out.read_text().splitlines()[-1])
@@ -114,10 +137,16 @@ def one_run(args: argparse.Namespace, tokenizer: str, metrics_on: bool, workdir:
         per_1k[name] = used * 1000 / res["output_tok_per_s"]  # CPU s per 1 000 tokens
     if metrics_on and not sizes:
         raise RuntimeError("metrics on, but no scrape happened during the run")
-    row = {"metrics": "on" if metrics_on else "off", "tok_s": res["output_tok_per_s"],
-           "ttft_p50_ms": res["ttft_ms_p50"], "itl_p99_ms": res["itl_ms_p99"],
-           "gateway_cpu_s_per_1k": per_1k["gateway"], "worker_cpu_s_per_1k": per_1k["worker"],
-           "scrapes": len(sizes), "scrape_bytes": max(sizes, default=0)}  # fmt: skip
+    row = {
+        "metrics": "on" if metrics_on else "off",
+        "tok_s": res["output_tok_per_s"],
+        "ttft_p50_ms": res["ttft_ms_p50"],
+        "itl_p99_ms": res["itl_ms_p99"],
+        "gateway_cpu_s_per_1k": per_1k["gateway"],
+        "worker_cpu_s_per_1k": per_1k["worker"],
+        "scrapes": len(sizes),
+        "scrape_bytes": max(sizes, default=0),
+    }
     print(json.dumps(row), flush=True)
     return row
 
@@ -150,19 +179,28 @@ def main() -> None:
 
     print(f"\n{args.pairs} pairs, {args.concurrency} streams, {args.output_len} tokens each, fake step {args.step_s} s")
     print(f"{'':28}{'off':>10}{'on':>10}{'on/off':>9}")
-    for key, label in (("tok_s", "output tok/s"), ("gateway_cpu_s_per_1k", "gateway CPU s / 1k tok"),
-                       ("worker_cpu_s_per_1k", "worker CPU s / 1k tok"), ("ttft_p50_ms", "TTFT p50 ms"),
-                       ("itl_p99_ms", "ITL p99 ms")):  # fmt: skip
+    for key, label in (
+        ("tok_s", "output tok/s"),
+        ("gateway_cpu_s_per_1k", "gateway CPU s / 1k tok"),
+        ("worker_cpu_s_per_1k", "worker CPU s / 1k tok"),
+        ("ttft_p50_ms", "TTFT p50 ms"),
+        ("itl_p99_ms", "ITL p99 ms"),
+    ):
         a, b = med("off", key), med("on", key)
-        print(f"{label:28}{a:10.1f}{b:10.1f}{b / a:9.3f}" if key == "tok_s" or "ms" in key
-              else f"{label:28}{a:10.4f}{b:10.4f}{b / a:9.3f}")  # fmt: skip
+        print(
+            f"{label:28}{a:10.1f}{b:10.1f}{b / a:9.3f}"
+            if key == "tok_s" or "ms" in key
+            else f"{label:28}{a:10.4f}{b:10.4f}{b / a:9.3f}"
+        )
     pair_ratios = [rows[2 * i + 1]["tok_s"] / rows[2 * i]["tok_s"] for i in range(args.pairs)]
     print("tok/s on/off per pair:", " ".join(f"{r:.3f}" for r in pair_ratios))
     if len(pair_ratios) > 1:
         mean, sd = statistics.fmean(pair_ratios), statistics.stdev(pair_ratios)
         spread = statistics.stdev(r["tok_s"] for r in rows if r["metrics"] == "off") / med("off", "tok_s")
-        print(f"pair ratio: median {statistics.median(pair_ratios):.3f}, mean {mean:.3f} +- {sd:.3f} (sd); "
-              f"off runs spread {spread:.1%} (sd / median)")
+        print(
+            f"pair ratio: median {statistics.median(pair_ratios):.3f}, mean {mean:.3f} +- {sd:.3f} (sd); "
+            f"off runs spread {spread:.1%} (sd / median)"
+        )
 
 
 if __name__ == "__main__":

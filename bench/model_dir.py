@@ -23,23 +23,48 @@ from workers.engines.transformers_model import convert_in_subprocess
 
 # Llama-3.1-8B's shape; vocab_size is the tokenizer's.
 CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-    "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2,
-    "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
-    "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False,
-    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
-    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
-    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
-}  # fmt: skip
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+}
 # SmolLM2-Instruct ends a turn with <|im_end|> (id 2); the class loads with any transformers 5.
 TOKENIZER_CONFIG = {
-    "add_prefix_space": False, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
-    "pad_token": "<|im_end|>", "unk_token": "<|endoftext|>", "clean_up_tokenization_spaces": False,
-    "model_max_length": 131072, "tokenizer_class": "PreTrainedTokenizerFast",
-}  # fmt: skip
+    "add_prefix_space": False,
+    "bos_token": "<|im_start|>",
+    "eos_token": "<|im_end|>",
+    "pad_token": "<|im_end|>",
+    "unk_token": "<|endoftext|>",
+    "clean_up_tokenization_spaces": False,
+    "model_max_length": 131072,
+    "tokenizer_class": "PreTrainedTokenizerFast",
+}
 
 
 def main() -> None:

@@ -83,10 +83,16 @@ _WORDS = (
     "before must through back years where much your way well down should"
 )
 WORDS = tuple(_WORDS.split())
-QUESTIONS = ("What is the main subject of the text above?", "Which word appears most often in it?",
-             "Summarise the text in one sentence.", "What would a good title for it be?",
-             "Who is the text written for?", "Name three words from its first line.",
-             "Is the text a story, a report or a list?", "What should a reader do after reading it?")  # fmt: skip
+QUESTIONS = (
+    "What is the main subject of the text above?",
+    "Which word appears most often in it?",
+    "Summarise the text in one sentence.",
+    "What would a good title for it be?",
+    "Who is the text written for?",
+    "Name three words from its first line.",
+    "Is the text a story, a report or a list?",
+    "What should a reader do after reading it?",
+)
 SIDES = {"shared": ("affinity off", "affinity on"), "html": ("no normalisation", "normalised")}
 
 
@@ -138,12 +144,16 @@ class Fleet(Node):
 
     def spawn_worker(self, i: int) -> None:
         metrics_port, health_port = self.ports[i]
-        env = {**self.env, "LLAMAMESH_WORKER_CONSUMER": self.names[i],
-               "LLAMAMESH_WORKER_METRICS_PORT": str(metrics_port),
-               "LLAMAMESH_WORKER_HEALTH_PORT": str(health_port)}  # fmt: skip
+        env = {
+            **self.env,
+            "LLAMAMESH_WORKER_CONSUMER": self.names[i],
+            "LLAMAMESH_WORKER_METRICS_PORT": str(metrics_port),
+            "LLAMAMESH_WORKER_HEALTH_PORT": str(health_port),
+        }
         with (self.dir / f"worker-{i}.log").open("ab") as out:
-            self.procs[f"worker-{i}"] = subprocess.Popen([sys.executable, "-m", "workers"], env=env, stdout=out,
-                                                         stderr=out, start_new_session=True)  # fmt: skip
+            self.procs[f"worker-{i}"] = subprocess.Popen(
+                [sys.executable, "-m", "workers"], env=env, stdout=out, stderr=out, start_new_session=True
+            )
 
     def ready(self, i: int) -> bool:
         try:
@@ -231,35 +241,49 @@ def gpu_released() -> None:
     if not shutil.which("nvidia-smi"):
         return
     query = ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"]
-    wait_for(lambda: not subprocess.run(query, capture_output=True, text=True).stdout.strip(), 60,
-             "the GPU to be released")  # fmt: skip
+    wait_for(
+        lambda: not subprocess.run(query, capture_output=True, text=True).stdout.strip(), 60, "the GPU to be released"
+    )
 
 
 def fleet_env(args: argparse.Namespace, workload: str, b_side: bool) -> dict[str, str]:
     affinity = b_side or workload == "html"
     model = Path(args.model_path).name if args.engine == "vllm" else "smollm2-135m-instruct"
-    env = {"LLAMAMESH_WORKER_POOL": POOL, "LLAMAMESH_WORKER_MODEL": model,
-           "LLAMAMESH_GATEWAY_MODELS": f"{model}={POOL}", "LLAMAMESH_WORKER_ENGINE": args.engine,
-           "LLAMAMESH_WORKER_MAX_INFLIGHT": str(args.max_inflight),
-           "LLAMAMESH_WORKER_GRACE_S": "5", "LLAMAMESH_LOG_LEVEL": args.log_level,
-           "LLAMAMESH_REDIS_AFFINITY_PARTITIONS": str(args.partitions if affinity else 0),
-           "LLAMAMESH_GATEWAY_NORMALIZE_RULES": HTML_IDS_RULE if workload == "html" and b_side else ""}  # fmt: skip
+    env = {
+        "LLAMAMESH_WORKER_POOL": POOL,
+        "LLAMAMESH_WORKER_MODEL": model,
+        "LLAMAMESH_GATEWAY_MODELS": f"{model}={POOL}",
+        "LLAMAMESH_WORKER_ENGINE": args.engine,
+        "LLAMAMESH_WORKER_MAX_INFLIGHT": str(args.max_inflight),
+        "LLAMAMESH_WORKER_GRACE_S": "5",
+        "LLAMAMESH_LOG_LEVEL": args.log_level,
+        "LLAMAMESH_REDIS_AFFINITY_PARTITIONS": str(args.partitions if affinity else 0),
+        "LLAMAMESH_GATEWAY_NORMALIZE_RULES": HTML_IDS_RULE if workload == "html" and b_side else "",
+    }
     if args.engine == "fake":
-        return env | {"LLAMAMESH_WORKER_FAKE_STEP_S": str(args.fake_step_s),
-                      "LLAMAMESH_WORKER_MAX_MODEL_LEN": str(args.max_model_len)}  # fmt: skip
-    env |= {"LLAMAMESH_WORKER_MODEL_PATH": args.model_path, "LLAMAMESH_VLLM_DTYPE": "bfloat16",
-            "LLAMAMESH_VLLM_GPU_MEMORY_UTILIZATION": str(args.gpu_memory_utilization),
-            "LLAMAMESH_VLLM_ENABLE_PREFIX_CACHING": "true", "LLAMAMESH_VLLM_MAX_MODEL_LEN": str(args.max_model_len),
-            "LLAMAMESH_VLLM_MAX_NUM_SEQS": str(args.max_inflight), "LLAMAMESH_VLLM_FRONTENDS": "1",
-            "LLAMAMESH_VLLM_TENSOR_PARALLEL_SIZE": "1", "LLAMAMESH_VLLM_SEED": "0",
-            "LLAMAMESH_VLLM_LOAD_FORMAT": args.load_format,
-            "LLAMAMESH_VLLM_EXTRA_ARGS": json.dumps({"num_gpu_blocks_override": args.kv_blocks} if args.kv_blocks
-                                                    else {})}  # fmt: skip
+        return env | {
+            "LLAMAMESH_WORKER_FAKE_STEP_S": str(args.fake_step_s),
+            "LLAMAMESH_WORKER_MAX_MODEL_LEN": str(args.max_model_len),
+        }
+    env |= {
+        "LLAMAMESH_WORKER_MODEL_PATH": args.model_path,
+        "LLAMAMESH_VLLM_DTYPE": "bfloat16",
+        "LLAMAMESH_VLLM_GPU_MEMORY_UTILIZATION": str(args.gpu_memory_utilization),
+        "LLAMAMESH_VLLM_ENABLE_PREFIX_CACHING": "true",
+        "LLAMAMESH_VLLM_MAX_MODEL_LEN": str(args.max_model_len),
+        "LLAMAMESH_VLLM_MAX_NUM_SEQS": str(args.max_inflight),
+        "LLAMAMESH_VLLM_FRONTENDS": "1",
+        "LLAMAMESH_VLLM_TENSOR_PARALLEL_SIZE": "1",
+        "LLAMAMESH_VLLM_SEED": "0",
+        "LLAMAMESH_VLLM_LOAD_FORMAT": args.load_format,
+        "LLAMAMESH_VLLM_EXTRA_ARGS": json.dumps({"num_gpu_blocks_override": args.kv_blocks} if args.kv_blocks else {}),
+    }
     return env
 
 
-def one_run(args: argparse.Namespace, pair: int, workload: str, b_side: bool, main: list[str], warm: list[str],
-            workdir: Path) -> dict:  # fmt: skip
+def one_run(
+    args: argparse.Namespace, pair: int, workload: str, b_side: bool, main: list[str], warm: list[str], workdir: Path
+) -> dict:
     t_fleet = time.monotonic()
     fleet = Fleet(workdir, fleet_env(args, workload, b_side))
     affinity = b_side or workload == "html"
@@ -279,18 +303,30 @@ def one_run(args: argparse.Namespace, pair: int, workload: str, b_side: bool, ma
     res = summarise(rec, max(r["end"] for r in rec) - out["t0"], workload, args.concurrency)
     d = collections.defaultdict(float, {k: v - before.get(k, 0.0) for k, v in after.items()})
     queries = d[(QUERIES, "")]
-    row = {"pair": pair, "workload": workload, "side": SIDES[workload][b_side], "b": b_side,
-           "partitions": args.partitions if affinity else 0, "normalised": workload == "html" and b_side,
-           "requests": res["num_requests"], "prompt_tokens_mean": round(res["prompt_tokens_mean"], 1),
-           "tok_s": round(res["output_tok_per_s"], 1), "ttft_p50_ms": round(res["ttft_ms_p50"], 1),
-           "ttft_p99_ms": round(res["ttft_ms_p99"], 1), "itl_p50_ms": round(res["itl_ms_p50"], 2),
-           "hit_rate": round(d[(HITS, "")] / queries, 4) if queries else None,
-           "cache_hits": d[(HITS, "")], "cache_queries": queries,
-           "leases_own": d[(LEASES, "own")], "leases_stolen": d[(LEASES, "stolen")],
-           "jobs_per_worker": [d[(STARTED, str(m))] for m, _ in fleet.ports],
-           "jobs_predicted": fleet.predicted(main, args.partitions) if affinity else None,
-           "load_s": round(res["duration_s"], 2), "fleet_start_s": round(started_s, 1),
-           "run_s": round(time.monotonic() - t_fleet, 1)}  # fmt: skip
+    row = {
+        "pair": pair,
+        "workload": workload,
+        "side": SIDES[workload][b_side],
+        "b": b_side,
+        "partitions": args.partitions if affinity else 0,
+        "normalised": workload == "html" and b_side,
+        "requests": res["num_requests"],
+        "prompt_tokens_mean": round(res["prompt_tokens_mean"], 1),
+        "tok_s": round(res["output_tok_per_s"], 1),
+        "ttft_p50_ms": round(res["ttft_ms_p50"], 1),
+        "ttft_p99_ms": round(res["ttft_ms_p99"], 1),
+        "itl_p50_ms": round(res["itl_ms_p50"], 2),
+        "hit_rate": round(d[(HITS, "")] / queries, 4) if queries else None,
+        "cache_hits": d[(HITS, "")],
+        "cache_queries": queries,
+        "leases_own": d[(LEASES, "own")],
+        "leases_stolen": d[(LEASES, "stolen")],
+        "jobs_per_worker": [d[(STARTED, str(m))] for m, _ in fleet.ports],
+        "jobs_predicted": fleet.predicted(main, args.partitions) if affinity else None,
+        "load_s": round(res["duration_s"], 2),
+        "fleet_start_s": round(started_s, 1),
+        "run_s": round(time.monotonic() - t_fleet, 1),
+    }
     print(json.dumps(row), flush=True)
     return row
 
@@ -314,17 +350,24 @@ def report(rows: list[dict], args: argparse.Namespace) -> dict:
         if not a or not b:
             continue
         side_a, side_b = SIDES[workload]
-        print(f"\n{workload}: {args.docs} documents x {args.questions} questions, ~{a[0]['prompt_tokens_mean']:.0f} "
-              f"prompt tokens, {args.max_tokens} out, concurrency {args.concurrency}, {args.engine} engine, "
-              f"{min(len(a), len(b))} pair(s), medians")  # fmt: skip
+        print(
+            f"\n{workload}: {args.docs} documents x {args.questions} questions, ~{a[0]['prompt_tokens_mean']:.0f} "
+            f"prompt tokens, {args.max_tokens} out, concurrency {args.concurrency}, {args.engine} engine, "
+            f"{min(len(a), len(b))} pair(s), medians"
+        )
         print(f"{'':24}{side_a:>18}{side_b:>18}{'B/A':>8}   target")
         med = {k: (median(a, k), median(b, k)) for k in ("hit_rate", "tok_s", "ttft_p50_ms", "ttft_p99_ms")}
         hr = med["hit_rate"]
         fmt = lambda x: "n/a" if x is None else f"{x:.1%}"  # noqa: E731
-        print(f"{'prefix-cache hit rate':24}{fmt(hr[0]):>18}{fmt(hr[1]):>18}{'':8}   >= 90 % on B: "
-              f"{verdict(None if hr[1] is None else hr[1] >= 0.90, args.engine)}")  # fmt: skip
-        for key, label, want in (("tok_s", "output tok/s", ">= 1.30x"), ("ttft_p50_ms", "TTFT p50 ms", "<= 0.70x"),
-                                 ("ttft_p99_ms", "TTFT p99 ms", "")):  # fmt: skip
+        print(
+            f"{'prefix-cache hit rate':24}{fmt(hr[0]):>18}{fmt(hr[1]):>18}{'':8}   >= 90 % on B: "
+            f"{verdict(None if hr[1] is None else hr[1] >= 0.90, args.engine)}"
+        )
+        for key, label, want in (
+            ("tok_s", "output tok/s", ">= 1.30x"),
+            ("ttft_p50_ms", "TTFT p50 ms", "<= 0.70x"),
+            ("ttft_p99_ms", "TTFT p99 ms", ""),
+        ):
             x, y = med[key]
             ratio = y / x if x and y is not None else float("nan")
             ok = ratio >= 1.30 if key == "tok_s" else ratio <= 0.70
@@ -332,13 +375,18 @@ def report(rows: list[dict], args: argparse.Namespace) -> dict:
             print(f"{label:24}{x:>18.1f}{y:>18.1f}{ratio:>8.3f}   {tail}")
         leases = [f"{median(rs, 'leases_own'):.0f} / {median(rs, 'leases_stolen'):.0f}" for rs in (a, b)]
         print(f"{'leases own / stolen':24}{leases[0]:>18}{leases[1]:>18}")
-        split = lambda r: "/".join(f"{j:.0f}" for j in r["jobs_per_worker"]) + (  # noqa: E731
-            f" (owners: {'/'.join(map(str, r['jobs_predicted']))})" if r["jobs_predicted"] else "")
+
+        def split(r: dict) -> str:
+            owners = f" (owners: {'/'.join(map(str, r['jobs_predicted']))})" if r["jobs_predicted"] else ""
+            return "/".join(f"{j:.0f}" for j in r["jobs_per_worker"]) + owners
+
         print(f"jobs per worker, A runs then B runs: {' | '.join(split(r) for r in a + b)}")
         pairs = [y["tok_s"] / x["tok_s"] for x, y in zip(a, b, strict=False)]  # a budget may cut the last pair
         print("tok/s B/A per pair:", " ".join(f"{p:.3f}" for p in pairs))
-        print(f"hit-rate ceiling: about {(args.questions - 1) / args.questions:.1%} of the tokens a document's "
-              f"questions share (its first request finds nothing cached; {args.questions} questions each)")
+        print(
+            f"hit-rate ceiling: about {(args.questions - 1) / args.questions:.1%} of the tokens a document's "
+            f"questions share (its first request finds nothing cached; {args.questions} questions each)"
+        )
         summary[workload] = {"a": side_a, "b": side_b, "medians": med, "tok_s_ratio_per_pair": pairs}
     return summary
 
@@ -355,8 +403,12 @@ def main() -> None:
     ap.add_argument("--doc-tokens", type=int, default=2000)
     ap.add_argument("--questions", type=int, default=8)
     ap.add_argument("--html-rows", type=int, default=16, help="rows of two id-carrying cells each")
-    ap.add_argument("--html-at", choices=["question", "start"], default="start",
-                    help="the table before the document (the default), or between document and question")
+    ap.add_argument(
+        "--html-at",
+        choices=["question", "start"],
+        default="start",
+        help="the table before the document (the default), or between document and question",
+    )
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--warmups", type=int, default=16)
@@ -382,8 +434,10 @@ def main() -> None:
     work = {w: prompts(args, docs, w) for w in args.workload}
     rng = random.Random(args.seed + 2)
     warm = [f"Warm-up {i}: " + " ".join(rng.choice(WORDS) for _ in range(64)) for i in range(args.warmups)]
-    print(f"{len(docs)} documents made in {time.monotonic() - t0:.1f} s; {os.cpu_count()} cores; engine {args.engine}",
-          flush=True)  # fmt: skip
+    print(
+        f"{len(docs)} documents made in {time.monotonic() - t0:.1f} s; {os.cpu_count()} cores; engine {args.engine}",
+        flush=True,
+    )
     plan = [(pair, w, b) for pair in range(args.pairs) for w in args.workload for b in (False, True)]
     rows: list[dict] = []
     failed = ""
@@ -409,8 +463,9 @@ def main() -> None:
             Path(args.json).write_text(json.dumps({"args": vars(args), "runs": rows}, indent=1))
     summary = report(rows, args)
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": rows, "summary": summary,
-                                               "failed": failed}, indent=1))  # fmt: skip
+        Path(args.json).write_text(
+            json.dumps({"args": vars(args), "runs": rows, "summary": summary, "failed": failed}, indent=1)
+        )
     if not args.logs:
         shutil.rmtree(root, ignore_errors=True)
     if failed:

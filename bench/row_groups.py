@@ -32,8 +32,12 @@ from workers.engines.transformers_model import load
 
 
 def admission(vocab: int) -> Admission:
-    r = GenerationRequest(uuid.uuid4().hex, "m", messages=(ChatMessage("user", "Tell me a long story about the sea."),),
-                          sampling=SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True))  # fmt: skip
+    r = GenerationRequest(
+        uuid.uuid4().hex,
+        "m",
+        messages=(ChatMessage("user", "Tell me a long story about the sea."),),
+        sampling=SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True),
+    )
     return Admission(r, resolve_sampling(r.sampling, vocab))
 
 
@@ -81,16 +85,26 @@ def main() -> None:
                 set_grouped(loaded.model, on)
                 took[name].append(time_steps(batch, size, args.steps))
         inv, free = statistics.median(took["invariant"]), statistics.median(took["free"])
-        rows.append({"batch": size, "invariant_ms": round(inv * 1e3, 1), "free_ms": round(free * 1e3, 1),
-                     "invariant_tok_s": round(size / inv, 1), "free_tok_s": round(size / free, 1),
-                     "ratio": round(free / inv, 3)})  # fmt: skip
-    print(f"threads={args.threads} dtype={args.dtype} steps={args.steps} rounds={args.rounds} "
-          f"torch={torch.__version__}")  # fmt: skip
+        rows.append(
+            {
+                "batch": size,
+                "invariant_ms": round(inv * 1e3, 1),
+                "free_ms": round(free * 1e3, 1),
+                "invariant_tok_s": round(size / inv, 1),
+                "free_tok_s": round(size / free, 1),
+                "ratio": round(free / inv, 3),
+            }
+        )
+    print(
+        f"threads={args.threads} dtype={args.dtype} steps={args.steps} rounds={args.rounds} torch={torch.__version__}"
+    )
     print("| batch | invariant ms/step | free ms/step | invariant tok/s | free tok/s | invariant / free (tok/s) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['batch']} | {r['invariant_ms']} | {r['free_ms']} | {r['invariant_tok_s']} | "
-              f"{r['free_tok_s']} | {r['ratio']} |")  # fmt: skip
+        print(
+            f"| {r['batch']} | {r['invariant_ms']} | {r['free_ms']} | {r['invariant_tok_s']} | "
+            f"{r['free_tok_s']} | {r['ratio']} |"
+        )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is not in git: made on first use
         Path(args.json).write_text(json.dumps(rows, indent=1))

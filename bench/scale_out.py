@@ -61,10 +61,17 @@ def redis_side(kind: str, workdir: Path) -> Iterator[tuple[str, list[int]]]:
 @contextlib.contextmanager
 def fleet(url: str, workers: int, step_s: float, workdir: Path) -> Iterator[tuple[str, dict[str, int]]]:
     port = free_port()
-    env = {**os.environ, "LLAMAMESH_REDIS_URL": url, "LLAMAMESH_REDIS_PREFIX": f"bench:{uuid.uuid4().hex[:6]}",
-           "LLAMAMESH_GATEWAY_PORT": str(port), "LLAMAMESH_WORKER_ENGINE": "fake",
-           "LLAMAMESH_WORKER_FAKE_STEP_S": str(step_s), "LLAMAMESH_WORKER_MAX_INFLIGHT": "256",
-           "LLAMAMESH_GATEWAY_MAX_TOKENS_CAP": "100000", "LLAMAMESH_LOG_LEVEL": "warning"}  # fmt: skip
+    env = {
+        **os.environ,
+        "LLAMAMESH_REDIS_URL": url,
+        "LLAMAMESH_REDIS_PREFIX": f"bench:{uuid.uuid4().hex[:6]}",
+        "LLAMAMESH_GATEWAY_PORT": str(port),
+        "LLAMAMESH_WORKER_ENGINE": "fake",
+        "LLAMAMESH_WORKER_FAKE_STEP_S": str(step_s),
+        "LLAMAMESH_WORKER_MAX_INFLIGHT": "256",
+        "LLAMAMESH_GATEWAY_MAX_TOKENS_CAP": "100000",
+        "LLAMAMESH_LOG_LEVEL": "warning",
+    }
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
         with (workdir / "gateway.log").open("ab") as out:
@@ -72,9 +79,11 @@ def fleet(url: str, workers: int, step_s: float, workdir: Path) -> Iterator[tupl
         for i in range(workers):
             with (workdir / f"worker-{i}.log").open("ab") as out:
                 procs[f"worker-{i}"] = subprocess.Popen(
-                    [sys.executable, "-m", "workers"], env={**env, "LLAMAMESH_WORKER_CONSUMER": f"bench-w{i}"},
-                    stdout=out, stderr=out,
-                )  # fmt: skip
+                    [sys.executable, "-m", "workers"],
+                    env={**env, "LLAMAMESH_WORKER_CONSUMER": f"bench-w{i}"},
+                    stdout=out,
+                    stderr=out,
+                )
         address = f"127.0.0.1:{port}"
         deadline = time.monotonic() + 120
         while not serving(address, "llamamesh.backend.cpu"):
@@ -110,16 +119,23 @@ async def closed_loop(address: str, concurrency: int, tokens: int, seconds: floa
                     counted["errors"] += 1
 
         await asyncio.gather(*(one_client() for _ in range(concurrency)))
-    return {"tokens_per_s": counted["tokens"] / seconds, "requests_per_s": counted["requests"] / seconds,
-            "errors": counted["errors"]}  # fmt: skip
+    return {
+        "tokens_per_s": counted["tokens"] / seconds,
+        "requests_per_s": counted["requests"] / seconds,
+        "errors": counted["errors"],
+    }
 
 
 def one(kind: str, workers: int, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        with redis_side(kind, workdir / "redis") as (url, redis_pids), fleet(url, workers, args.step_s, workdir) as (
-            address, pids,
-        ):  # fmt: skip
+        with (
+            redis_side(kind, workdir / "redis") as (url, redis_pids),
+            fleet(url, workers, args.step_s, workdir) as (
+                address,
+                pids,
+            ),
+        ):
             everything = {**pids, **{f"redis-{i}": p for i, p in enumerate(redis_pids)}}
             before = {n: cpu_s(p) for n, p in everything.items()}
             warm_t0 = time.monotonic()
@@ -129,13 +145,15 @@ def one(kind: str, workers: int, args: argparse.Namespace) -> dict:
     total_tokens = result["tokens_per_s"] * (args.seconds + args.warmup_s)
     per_k = lambda s: round(1000 * s / max(1.0, total_tokens), 3)  # noqa: E731
     return {
-        "redis": kind, "workers": workers, **{k: round(v, 1) for k, v in result.items()},
+        "redis": kind,
+        "workers": workers,
+        **{k: round(v, 1) for k, v in result.items()},
         "cpu_s_per_1k_tokens": {
             "gateway": per_k(used["gateway"]),
             "workers": per_k(sum(v for n, v in used.items() if n.startswith("worker"))),
             "redis": per_k(sum(v for n, v in used.items() if n.startswith("redis"))),
         },
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -150,16 +168,21 @@ def main() -> None:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     rows = []
-    print(f"{os.cpu_count()} cores; {args.concurrency} streams of {args.tokens} tokens; "
-          f"fake engine, {args.step_s} s a step")
+    print(
+        f"{os.cpu_count()} cores; {args.concurrency} streams of {args.tokens} tokens; "
+        f"fake engine, {args.step_s} s a step"
+    )
     print(f"{'redis':8} {'workers':>7} {'tok/s':>9} {'req/s':>7} {'err':>4}  cpu s / 1k tokens: gateway workers redis")
     for workers in args.workers:
         for kind in args.redis:  # side by side at each size
             r = one(kind, workers, args)
             rows.append(r)
             c = r["cpu_s_per_1k_tokens"]
-            print(f"{kind:8} {workers:7d} {r['tokens_per_s']:9.0f} {r['requests_per_s']:7.1f} {r['errors']:4.0f}"
-                  f"  {c['gateway']:.3f} {c['workers']:.3f} {c['redis']:.3f}", flush=True)  # fmt: skip
+            print(
+                f"{kind:8} {workers:7d} {r['tokens_per_s']:9.0f} {r['requests_per_s']:7.1f} {r['errors']:4.0f}"
+                f"  {c['gateway']:.3f} {c['workers']:.3f} {c['redis']:.3f}",
+                flush=True,
+            )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is not in git: made on first use
         Path(args.json).write_text(json.dumps(rows, indent=2))

@@ -58,7 +58,9 @@ async def run_llamamesh(address: str, max_tokens: int) -> dict[str, float | list
 def run_direct(loaded: transformers_model.LoadedModel, max_tokens: int) -> dict[str, float | list[int]]:
     tok = loaded.tokenizer
     enc = tok.apply_chat_template(
-        [{"role": r, "content": c} for r, c in PROMPT], add_generation_prompt=True, return_tensors="pt",
+        [{"role": r, "content": c} for r, c in PROMPT],
+        add_generation_prompt=True,
+        return_tensors="pt",
         return_dict=True,
     )
     with torch.inference_mode():
@@ -68,7 +70,7 @@ def run_direct(loaded: transformers_model.LoadedModel, max_tokens: int) -> dict[
         t0 = time.perf_counter()
         out = loaded.model.generate(**enc, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
         total = time.perf_counter() - t0
-    ids = out[0, enc["input_ids"].shape[1]:].tolist()
+    ids = out[0, enc["input_ids"].shape[1] :].tolist()
     assert first.shape[1] == enc["input_ids"].shape[1] + 1
     return {
         "tokens": len(ids),
@@ -92,7 +94,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         port = _free_port()
         settings = base.with_overrides(
-            redis={"url": ""}, gateway={"port": port}, worker={"engine": "transformers", "threads": threads},
+            redis={"url": ""},
+            gateway={"port": port},
+            worker={"engine": "transformers", "threads": threads},
             log={"level": "warning"},
         )
         node = Node(settings, log_file=Path(tmp) / "node.log")
@@ -123,8 +127,10 @@ async def _warm(address: str) -> None:
 
 def _report(rows: list[tuple[str, dict]], args: argparse.Namespace, threads: int) -> None:
     print()
-    print(f"single stream, greedy, {args.max_tokens} tokens (EOS suppressed), bf16, {threads} torch thread(s), "
-          f"{args.runs} runs each, alternating")
+    print(
+        f"single stream, greedy, {args.max_tokens} tokens (EOS suppressed), bf16, {threads} torch thread(s), "
+        f"{args.runs} runs each, alternating"
+    )
     print(f"{'path':<11} {'tok/s (median)':>15} {'runs':>26} {'TTFT ms':>9} {'decode tok/s':>13}")
     summary = {}
     for name in ("llamamesh", "direct"):
@@ -137,21 +143,29 @@ def _report(rows: list[tuple[str, dict]], args: argparse.Namespace, threads: int
             "decode_tok_s_median": statistics.median(r["decode_tok_s"] for r in rs),
         }
         s = summary[name]
-        print(f"{name:<11} {s['tok_s_median']:>15.1f} {', '.join(f'{x:.1f}' for x in tps):>26} "
-              f"{s['ttft_ms_median']:>9.0f} {s['decode_tok_s_median']:>13.1f}")
+        print(
+            f"{name:<11} {s['tok_s_median']:>15.1f} {', '.join(f'{x:.1f}' for x in tps):>26} "
+            f"{s['ttft_ms_median']:>9.0f} {s['decode_tok_s_median']:>13.1f}"
+        )
     ratio = summary["llamamesh"]["tok_s_median"] / summary["direct"]["tok_s_median"]
-    same = {name: all(r["ids"] == rs[0]["ids"] for r in rs)
-            for name in ("llamamesh", "direct") for rs in [[r for n, r in rows if n == name]]}
+    same = {
+        name: all(r["ids"] == rs[0]["ids"] for r in rs)
+        for name in ("llamamesh", "direct")
+        for rs in [[r for n, r in rows if n == name]]
+    }
     a, b = rows[0][1]["ids"], rows[1][1]["ids"]
     common = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
     print(f"llamamesh / direct = {ratio:.3f}")
-    print(f"greedy tokens identical across runs: llamamesh {same['llamamesh']}, direct {same['direct']}; "
-          f"the two paths agree on the first {common} of {len(a)} tokens (bf16 kernels differ: the engine "
-          f"pads attention to fixed lengths so batching never changes a sequence's result)")
+    print(
+        f"greedy tokens identical across runs: llamamesh {same['llamamesh']}, direct {same['direct']}; "
+        f"the two paths agree on the first {common} of {len(a)} tokens (bf16 kernels differ: the engine "
+        f"pads attention to fixed lengths so batching never changes a sequence's result)"
+    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is not in git: made on first use
-        args.json.write_text(json.dumps({"summary": summary, "ratio": ratio, "identical": same,
-                                         "common_prefix": common}, indent=1))
+        args.json.write_text(
+            json.dumps({"summary": summary, "ratio": ratio, "identical": same, "common_prefix": common}, indent=1)
+        )
 
 
 def _free_port() -> int:

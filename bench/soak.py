@@ -118,8 +118,21 @@ class Node:
         return f"127.0.0.1:{self.port}"
 
     def start_redis(self) -> None:
-        args = [redis_binary(), "--port", str(self.redis_port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-                "--save", "", "--appendonly", "no", "--logfile", str(self.dir / "redis.log")]  # fmt: skip
+        args = [
+            redis_binary(),
+            "--port",
+            str(self.redis_port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.dir),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--logfile",
+            str(self.dir / "redis.log"),
+        ]
         self.procs["redis"] = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.redis_port, socket_connect_timeout=0.2)
 
@@ -210,8 +223,9 @@ class Driver:
             return "disconnect"
         return "generate"
 
-    async def one(self, gen: generation_pb2_grpc.GenerationServiceStub, bat: batch_pb2_grpc.BatchServiceStub,
-                  i: int) -> None:  # fmt: skip
+    async def one(
+        self, gen: generation_pb2_grpc.GenerationServiceStub, bat: batch_pb2_grpc.BatchServiceStub, i: int
+    ) -> None:
         kind = self.kind(i)
         t = self.tally
         try:
@@ -250,11 +264,14 @@ class Driver:
         owner = ((TENANT_HEADER, f"tenant-{i % 4}"),)
         req = bpb.BatchGenerateRequest(
             batch_id=f"soak-{i}",
-            items=[bpb.BatchItem(custom_id=f"c{k}", request=pb.GenerateRequest(prompt=f"item {k} of {i}",
-                                                                               max_tokens=1 + k % 4))
-                   for k in range(n)],
+            items=[
+                bpb.BatchItem(
+                    custom_id=f"c{k}", request=pb.GenerateRequest(prompt=f"item {k} of {i}", max_tokens=1 + k % 4)
+                )
+                for k in range(n)
+            ],
             completion_window_s=20,
-        )  # fmt: skip
+        )
         b = await bat.BatchGenerate(req, metadata=owner, timeout=30)
         if cancel:
             b = await bat.CancelBatch(bpb.CancelBatchRequest(batch_id=b.batch_id), metadata=owner, timeout=30)
@@ -285,10 +302,17 @@ class Driver:
         elapsed = time.monotonic() - t0
         done0, t_0 = (last.done, last.elapsed_s) if last is not None else (0, 0.0)
         rate = (self.tally.done - done0) / max(elapsed - t_0, 1e-9)
-        return Sample(pct=pct, done=self.tally.done, elapsed_s=elapsed, rate=rate,
-                      used_mib=mem["used_memory"] / 2**20, dbsize=await r.dbsize(), consumers=consumers,
-                      gateway_mib=rss_mib(self.node.procs["gateway"].pid),
-                      worker_mib=rss_mib(self.node.procs["worker"].pid))  # fmt: skip
+        return Sample(
+            pct=pct,
+            done=self.tally.done,
+            elapsed_s=elapsed,
+            rate=rate,
+            used_mib=mem["used_memory"] / 2**20,
+            dbsize=await r.dbsize(),
+            consumers=consumers,
+            gateway_mib=rss_mib(self.node.procs["gateway"].pid),
+            worker_mib=rss_mib(self.node.procs["worker"].pid),
+        )
 
     async def run(self, r: aioredis.Redis) -> list[Sample]:
         a = self.args
@@ -322,15 +346,20 @@ class Driver:
         return samples
 
 
-HEAD = (f"{'%':>4} {'done':>8} {'time s':>7} {'units/s':>7} {'redis MiB':>9} {'keys':>7} {'consumers':>9} "
-        f"{'gateway MiB':>11} {'worker MiB':>10}")  # fmt: skip
+HEAD = (
+    f"{'%':>4} {'done':>8} {'time s':>7} {'units/s':>7} {'redis MiB':>9} {'keys':>7} {'consumers':>9} "
+    f"{'gateway MiB':>11} {'worker MiB':>10}"
+)
 
 
 def print_row(s: Sample) -> None:
     if s.pct == 0:
         print(HEAD)
-    print(f"{s.pct:>4} {s.done:>8} {s.elapsed_s:>7.1f} {s.rate:>7.0f} {s.used_mib:>9.2f} {s.dbsize:>7} "
-          f"{s.consumers:>9} {s.gateway_mib:>11.1f} {s.worker_mib:>10.1f}", flush=True)  # fmt: skip
+    print(
+        f"{s.pct:>4} {s.done:>8} {s.elapsed_s:>7.1f} {s.rate:>7.0f} {s.used_mib:>9.2f} {s.dbsize:>7} "
+        f"{s.consumers:>9} {s.gateway_mib:>11.1f} {s.worker_mib:>10.1f}",
+        flush=True,
+    )
 
 
 async def pending(r: aioredis.Redis, keys: Keys) -> dict[str, int]:
@@ -359,8 +388,11 @@ async def main_async(args: argparse.Namespace, node: Node) -> int:
     failed: list[str] = []
     try:
         driver = Driver(node, args)
-        print(f"soak: {args.requests} units, concurrency {args.concurrency}, redis {redis_binary()}, "
-              f"gateway pid {node.procs['gateway'].pid}", flush=True)  # fmt: skip
+        print(
+            f"soak: {args.requests} units, concurrency {args.concurrency}, redis {redis_binary()}, "
+            f"gateway pid {node.procs['gateway'].pid}",
+            flush=True,
+        )
         samples = await driver.run(r)
         wall = samples[-1].elapsed_s
         t = driver.tally
@@ -370,8 +402,11 @@ async def main_async(args: argparse.Namespace, node: Node) -> int:
         while any(left.values()) and time.monotonic() < deadline:
             await asyncio.sleep(0.2)  # polling the queue, bounded by the deadline
             left = await pending(r, keys)
-        print(f"\nrate: {t.done / wall:.0f} units/s over {wall:.1f} s ({t.tokens} streamed tokens, {t.batches} batches "
-              f"of {args.batch_items} items); outcomes {dict(sorted(t.outcomes.items()))}", flush=True)  # fmt: skip
+        print(
+            f"\nrate: {t.done / wall:.0f} units/s over {wall:.1f} s ({t.tokens} streamed tokens, {t.batches} batches "
+            f"of {args.batch_items} items); outcomes {dict(sorted(t.outcomes.items()))}",
+            flush=True,
+        )
         print(f"errors: {dict(sorted(t.errors.items())) or 'none'}")
         print(f"at the end: {left}")
         if any(left.values()):
@@ -381,14 +416,19 @@ async def main_async(args: argparse.Namespace, node: Node) -> int:
         later = [s for s in samples if s.pct > warm.pct]
         if not later:
             failed.append(f"too short to judge growth: no sample after {args.warmup_s:.0f} s of warm-up and another")
-        for what, get in (("redis used_memory", lambda s: s.used_mib), ("gateway RSS", lambda s: s.gateway_mib),
-                          ("worker RSS", lambda s: s.worker_mib)):  # fmt: skip
+        for what, get in (
+            ("redis used_memory", lambda s: s.used_mib),
+            ("gateway RSS", lambda s: s.gateway_mib),
+            ("worker RSS", lambda s: s.worker_mib),
+        ):
             top = max((get(s) for s in later), default=get(warm))
             growth = top / get(warm) - 1
             end = samples[-1]
             per_unit = (get(end) - get(warm)) * 2**20 / max(end.done - warm.done, 1)
-            print(f"{what}: {get(warm):.2f} MiB after warm-up ({warm.pct} %), at most {top:.2f} MiB later "
-                  f"({growth:+.1%}; limit {args.max_growth:+.0%}); end minus warm-up {per_unit:+.1f} B/unit")
+            print(
+                f"{what}: {get(warm):.2f} MiB after warm-up ({warm.pct} %), at most {top:.2f} MiB later "
+                f"({growth:+.1%}; limit {args.max_growth:+.0%}); end minus warm-up {per_unit:+.1f} B/unit"
+            )
             if growth > args.max_growth:
                 failed.append(f"{what} grew {growth:+.1%} after warm-up")
         calls = t.done - t.batches
@@ -398,8 +438,10 @@ async def main_async(args: argparse.Namespace, node: Node) -> int:
             print(f"\nidle for {args.settle_s:.0f} s (every lifetime passes) ...", flush=True)
             await asyncio.sleep(args.settle_s)  # waiting out the TTLs under test
             s = await driver.sample(r, 100, time.monotonic())
-            print(f"idle: redis {s.used_mib:.2f} MiB, {s.dbsize} keys, {s.consumers} consumer(s), "
-                  f"gateway {s.gateway_mib:.1f} MiB, worker {s.worker_mib:.1f} MiB")  # fmt: skip
+            print(
+                f"idle: redis {s.used_mib:.2f} MiB, {s.dbsize} keys, {s.consumers} consumer(s), "
+                f"gateway {s.gateway_mib:.1f} MiB, worker {s.worker_mib:.1f} MiB"
+            )
             for kind, n in sorted((await key_kinds(r, node.prefix)).items()):
                 print(f"  {n:>6}  {kind}")
             dead = await r.xlen(keys.dead_letters(POOL))

@@ -52,12 +52,18 @@ def main() -> None:
         assert batched == one, "a batch gave other ids than one call each"
         rows.append({"round": r, "one_each_ms": round((t1 - t0) * 1e3, 1), "batched_ms": round((t2 - t1) * 1e3, 1)})
         print(json.dumps(rows[-1]), flush=True)
-    print(json.dumps({
-        "wave": a.wave, "input_len": a.input_len, "cpus": os.cpu_count(),
-        "one_each_ms_median": statistics.median(x["one_each_ms"] for x in rows),
-        "batched_ms_median": statistics.median(x["batched_ms"] for x in rows),
-        "same_ids": True,
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "wave": a.wave,
+                "input_len": a.input_len,
+                "cpus": os.cpu_count(),
+                "one_each_ms_median": statistics.median(x["one_each_ms"] for x in rows),
+                "batched_ms_median": statistics.median(x["batched_ms"] for x in rows),
+                "same_ids": True,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

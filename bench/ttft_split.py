@@ -93,8 +93,10 @@ def prom_split(path: str, quiet_polls: int = 3) -> list[dict]:
     out = []
     for a, b in phases:
         before, after = polls[a][1], polls[b][1]
-        row: dict = {"requests": int(after.get(count, 0) - before.get(count, 0)),
-                     "seconds": round(polls[b][0] - polls[a][0], 1)}
+        row: dict = {
+            "requests": int(after.get(count, 0) - before.get(count, 0)),
+            "seconds": round(polls[b][0] - polls[a][0], 1),
+        }
         for key, metric in PROM.items():
             n = after.get(metric + "_count", 0) - before.get(metric + "_count", 0)
             s = after.get(metric + "_sum", 0) - before.get(metric + "_sum", 0)

@@ -44,8 +44,9 @@ def runs(paths: list[Path], concurrency: int) -> list[tuple[str, list[tuple[floa
             d = json.loads(text)
             if d["max_concurrency"] == concurrency:
                 t0 = min(d["start_times"])
-                rows = sorted((s - t0, t, t + sum(itl))
-                              for s, t, itl in zip(d["start_times"], d["ttfts"], d["itls"], strict=True))
+                rows = sorted(
+                    (s - t0, t, t + sum(itl)) for s, t, itl in zip(d["start_times"], d["ttfts"], d["itls"], strict=True)
+                )
                 out.append((f"vllm bench serve {path.parent.name}", rows))
     return out
 
@@ -67,8 +68,10 @@ def main() -> None:
         print(f"{label[:40]:40} TTFT p50 {pct(ttft, 50):5.0f} p99 {pct(ttft, 99):5.0f} ms; by 128 in order: {groups}")
         print(f"{'':40} starts per 0.5 s: {' '.join(map(str, bins))}")
         tpot = statistics.fmean((e - t) / (TOKENS_OUT - 1) for t, e in zip(ttft, e2e, strict=True))
-        print(f"{'':40} mean TTFT {statistics.fmean(ttft):5.0f} ms, TPOT {tpot:5.2f} ms, end to end "
-              f"{statistics.fmean(e2e):5.0f} ms")
+        print(
+            f"{'':40} mean TTFT {statistics.fmean(ttft):5.0f} ms, TPOT {tpot:5.2f} ms, end to end "
+            f"{statistics.fmean(e2e):5.0f} ms"
+        )
 
 
 if __name__ == "__main__":

@@ -111,8 +111,6 @@ class RateLimited(CapacityError):
     code = "rate_limited"
 
 
-
-
 # --- unavailable: a dependency is down; another attempt may succeed.
 class Unavailable(LlamameshError):
     code = "unavailable"

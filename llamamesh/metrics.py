@@ -27,78 +27,140 @@ log = structlog.get_logger(__name__)
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 # Latencies from a millisecond to ten minutes; token gaps finer.
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
-                   300.0, 600.0)  # fmt: skip
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
 TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 # --- gateway
 # The hot path stays cheap: per-request histograms are observed once per request (the inter-token
 # latency once per streamed message that carries tokens), token counts are added at a request's end.
 
-REQUESTS = Counter("llamamesh_requests", "RPCs finished, by method, gRPC status code and pool ('' if none)",
-                   ["method", "code", "pool"])  # fmt: skip
-REQUEST_DURATION = Histogram("llamamesh_request_duration_seconds", "RPC duration, accept to end", ["method"],
-                             buckets=LATENCY_BUCKETS)  # fmt: skip
+REQUESTS = Counter(
+    "llamamesh_requests", "RPCs finished, by method, gRPC status code and pool ('' if none)", ["method", "code", "pool"]
+)
+REQUEST_DURATION = Histogram(
+    "llamamesh_request_duration_seconds", "RPC duration, accept to end", ["method"], buckets=LATENCY_BUCKETS
+)
 INFLIGHT = Gauge("llamamesh_inflight_requests", "RPCs being served now", multiprocess_mode="livesum")
-TTFT = Histogram("llamamesh_time_to_first_token_seconds", "Gateway accept to the first token relayed", ["pool"],
-                 buckets=LATENCY_BUCKETS)  # fmt: skip
-ITL = Histogram("llamamesh_inter_token_latency_seconds", "Gap between successive relayed messages carrying tokens",
-                ["pool"], buckets=TOKEN_GAP_BUCKETS)  # fmt: skip
-QUEUE_WAIT = Histogram("llamamesh_queue_wait_seconds", "Gateway accept to a worker starting the request", ["pool"],
-                       buckets=LATENCY_BUCKETS)  # fmt: skip
+TTFT = Histogram(
+    "llamamesh_time_to_first_token_seconds",
+    "Gateway accept to the first token relayed",
+    ["pool"],
+    buckets=LATENCY_BUCKETS,
+)
+ITL = Histogram(
+    "llamamesh_inter_token_latency_seconds",
+    "Gap between successive relayed messages carrying tokens",
+    ["pool"],
+    buckets=TOKEN_GAP_BUCKETS,
+)
+QUEUE_WAIT = Histogram(
+    "llamamesh_queue_wait_seconds", "Gateway accept to a worker starting the request", ["pool"], buckets=LATENCY_BUCKETS
+)
 PROMPT_TOKENS = Counter("llamamesh_prompt_tokens", "Prompt tokens of finished requests", ["pool"])
 GENERATION_TOKENS = Counter("llamamesh_generation_tokens", "Tokens relayed to callers", ["pool"])
-QUEUE_DEPTH = Gauge("llamamesh_queue_depth", "Jobs waiting unleased in the pool's work streams", ["pool"],
-                    multiprocess_mode="livemax")  # fmt: skip
-QUEUE_PENDING = Gauge("llamamesh_queue_pending", "Jobs leased by a worker and not yet acked", ["pool"],
-                      multiprocess_mode="livemax")  # fmt: skip
-BREAKER_STATE = Gauge("llamamesh_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open", ["pool"],
-                      multiprocess_mode="livemax")  # fmt: skip
-BREAKER_TRANSITIONS = Counter("llamamesh_breaker_transitions", "Breaker transitions, by the state moved to",
-                              ["pool", "to"])  # fmt: skip
+QUEUE_DEPTH = Gauge(
+    "llamamesh_queue_depth", "Jobs waiting unleased in the pool's work streams", ["pool"], multiprocess_mode="livemax"
+)
+QUEUE_PENDING = Gauge(
+    "llamamesh_queue_pending", "Jobs leased by a worker and not yet acked", ["pool"], multiprocess_mode="livemax"
+)
+BREAKER_STATE = Gauge(
+    "llamamesh_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open", ["pool"], multiprocess_mode="livemax"
+)
+BREAKER_TRANSITIONS = Counter(
+    "llamamesh_breaker_transitions", "Breaker transitions, by the state moved to", ["pool", "to"]
+)
 FAILOVERS = Counter("llamamesh_failovers", "Requests moved to another worker or pool after a loss", ["pool"])
 DEAD_LETTERS = Counter("llamamesh_dead_letters", "Requests set aside in the pool's dead-letter stream", ["pool"])
-ADMISSION_REJECTED = Counter("llamamesh_admission_rejected", "Requests refused before queueing, by reason",
-                             ["reason"])  # fmt: skip
-WORKERS = Gauge("llamamesh_workers", "Workers of the pool by heartbeat state, as the gateway sees them",
-                ["pool", "state"], multiprocess_mode="livemax")  # fmt: skip
+ADMISSION_REJECTED = Counter("llamamesh_admission_rejected", "Requests refused before queueing, by reason", ["reason"])
+WORKERS = Gauge(
+    "llamamesh_workers",
+    "Workers of the pool by heartbeat state, as the gateway sees them",
+    ["pool", "state"],
+    multiprocess_mode="livemax",
+)
 # At risk: open (not cancelling) batches with unfinished items and less than AT_RISK_FRACTION of their
 # completion window left before their deadline (expires_at); set by the gateway's batch sweeper.
 AT_RISK_FRACTION = 0.1
-BATCHES_AT_RISK = Gauge("llamamesh_batches_at_risk",
-                        "Open batches with unfinished items and under 10% of their completion window left",
-                        multiprocess_mode="livemax")  # fmt: skip
+BATCHES_AT_RISK = Gauge(
+    "llamamesh_batches_at_risk",
+    "Open batches with unfinished items and under 10% of their completion window left",
+    multiprocess_mode="livemax",
+)
 # Counted once per request (a Generate, a Tokenize, a batch item) and rule that changed its text,
 # however many matches the rule rewrote in it (services/normalize.py).
-PROMPT_REWRITES = Counter("llamamesh_prompt_rewrites", "Requests whose prompt or messages a normalisation rule "
-                          "changed, by rule", ["rule"])  # fmt: skip
-QUEUE_FULL = Gauge("llamamesh_queue_full", "1 while Redis refuses writes at its maxmemory (full), as this "
-                   "gateway's health check finds", multiprocess_mode="livemax")  # fmt: skip
-DISCONNECT_CANCEL = Histogram("llamamesh_disconnect_cancel_seconds",
-                              "Caller gone to the cancel flag written for its worker", buckets=LATENCY_BUCKETS)
+PROMPT_REWRITES = Counter(
+    "llamamesh_prompt_rewrites", "Requests whose prompt or messages a normalisation rule changed, by rule", ["rule"]
+)
+QUEUE_FULL = Gauge(
+    "llamamesh_queue_full",
+    "1 while Redis refuses writes at its maxmemory (full), as this gateway's health check finds",
+    multiprocess_mode="livemax",
+)
+DISCONNECT_CANCEL = Histogram(
+    "llamamesh_disconnect_cancel_seconds",
+    "Caller gone to the cancel flag written for its worker",
+    buckets=LATENCY_BUCKETS,
+)
 
 # --- worker
 
 JOBS_STARTED = Counter("llamamesh_jobs_started", "Jobs a worker started", ["pool"])
-JOBS_FINISHED = Counter("llamamesh_jobs_finished", "Jobs a worker finished, by status (ok or the failure code)",
-                        ["pool", "status"])  # fmt: skip
+JOBS_FINISHED = Counter(
+    "llamamesh_jobs_finished", "Jobs a worker finished, by status (ok or the failure code)", ["pool", "status"]
+)
 WORKER_TOKENS = Counter("llamamesh_worker_generated_tokens", "Tokens the worker's engine generated", ["pool"])
-AFFINITY_LEASES = Counter("llamamesh_affinity_leases", "Jobs a worker leased with prefix affinity on, by kind: own "
-                          "(from a partition it owns: its prefix cache may hold it) or stolen (another's, "
-                          "taken while it had nothing of its own)", ["pool", "kind"])  # fmt: skip
-ENGINE_STEPS = Counter("llamamesh_engine_steps", "Engine steps run (transformers: batched forward passes; vLLM: "
-                       "engine-core output batches this worker received; fake: tokens); rate() is the step "
-                       "throughput, generated tokens over steps the tokens per step", ["pool"])  # fmt: skip
-WORKER_INFLIGHT = Gauge("llamamesh_worker_inflight_jobs", "Jobs the worker runs now", ["pool"],
-                        multiprocess_mode="livesum")  # fmt: skip
-ENGINE_RUNNING = Gauge("llamamesh_engine_running_requests", "Requests running in the engine", ["pool"],
-                       multiprocess_mode="livesum")  # fmt: skip
-ENGINE_WAITING = Gauge("llamamesh_engine_waiting_requests", "Requests waiting inside the engine", ["pool"],
-                       multiprocess_mode="livesum")  # fmt: skip
-BATCH_ITEMS = Counter("llamamesh_batch_items", "Batch item results recorded by workers, by state (the item's status)",
-                      ["state"])  # fmt: skip
-KV_CACHE_USAGE = Gauge("llamamesh_engine_kv_cache_usage_ratio", "Fraction of the KV cache in use (largest worker)",
-                       ["pool"], multiprocess_mode="livemax")  # fmt: skip
+AFFINITY_LEASES = Counter(
+    "llamamesh_affinity_leases",
+    "Jobs a worker leased with prefix affinity on, by kind: own "
+    "(from a partition it owns: its prefix cache may hold it) or stolen (another's, "
+    "taken while it had nothing of its own)",
+    ["pool", "kind"],
+)
+ENGINE_STEPS = Counter(
+    "llamamesh_engine_steps",
+    "Engine steps run (transformers: batched forward passes; vLLM: "
+    "engine-core output batches this worker received; fake: tokens); rate() is the step "
+    "throughput, generated tokens over steps the tokens per step",
+    ["pool"],
+)
+WORKER_INFLIGHT = Gauge(
+    "llamamesh_worker_inflight_jobs", "Jobs the worker runs now", ["pool"], multiprocess_mode="livesum"
+)
+ENGINE_RUNNING = Gauge(
+    "llamamesh_engine_running_requests", "Requests running in the engine", ["pool"], multiprocess_mode="livesum"
+)
+ENGINE_WAITING = Gauge(
+    "llamamesh_engine_waiting_requests", "Requests waiting inside the engine", ["pool"], multiprocess_mode="livesum"
+)
+BATCH_ITEMS = Counter(
+    "llamamesh_batch_items", "Batch item results recorded by workers, by state (the item's status)", ["state"]
+)
+KV_CACHE_USAGE = Gauge(
+    "llamamesh_engine_kv_cache_usage_ratio",
+    "Fraction of the KV cache in use (largest worker)",
+    ["pool"],
+    multiprocess_mode="livemax",
+)
 
 BREAKER_VALUES = {"closed": 0, "half_open": 1, "open": 2}
 

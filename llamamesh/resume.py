@@ -6,7 +6,13 @@ from llamamesh.client.resume import CANCEL_TIMEOUT_S, RESUMED_REASONS, Resumptio
 from llamamesh.client.status import error_reason
 
 __all__ = [
-    "CANCEL_TIMEOUT_S", "RESUMED_REASONS", "Resumption", "error_reason", "resumed", "resumed_sync", "worth_resuming",
-]  # fmt: skip
+    "CANCEL_TIMEOUT_S",
+    "RESUMED_REASONS",
+    "Resumption",
+    "error_reason",
+    "resumed",
+    "resumed_sync",
+    "worth_resuming",
+]
 
 warnings.warn("llamamesh.resume moved to llamamesh.client.resume", DeprecationWarning, stacklevel=2)

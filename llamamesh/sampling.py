@@ -64,8 +64,13 @@ def violations(p: SamplingParams, max_tokens_cap: int | None = None) -> list[Fie
         v = getattr(p, name)
         _float(out, name, v, v is not None and -2 <= v <= 2, "must be in [-2, 2]")
     r = p.repetition_penalty
-    _float(out, "repetition_penalty", r, r is not None and 0 < r <= MAX_REPETITION_PENALTY,
-           f"must be in (0, {MAX_REPETITION_PENALTY:g}]")  # fmt: skip
+    _float(
+        out,
+        "repetition_penalty",
+        r,
+        r is not None and 0 < r <= MAX_REPETITION_PENALTY,
+        f"must be in (0, {MAX_REPETITION_PENALTY:g}]",
+    )
     for i, s in enumerate(p.stop):
         if not s:
             out.append(FieldViolation(f"stop[{i}]", "stop strings must not be empty"))
@@ -83,8 +88,11 @@ def violations(p: SamplingParams, max_tokens_cap: int | None = None) -> list[Fie
         if not 1 <= p.n <= MAX_SAMPLES:
             out.append(FieldViolation("n", f"must be in [1, {MAX_SAMPLES}], got {p.n}"))
         elif p.n > 1 and t is not None and math.isfinite(t) and t < SAMPLING_EPS:
-            out.append(FieldViolation("n", f"n > 1 needs sampling (temperature > 0): greedy decoding gives {p.n} "
-                                           "identical samples"))  # fmt: skip
+            out.append(
+                FieldViolation(
+                    "n", f"n > 1 needs sampling (temperature > 0): greedy decoding gives {p.n} identical samples"
+                )
+            )
     if p.constraint is not None:
         out += constraint_violations(p.constraint)
         if p.ignore_eos:

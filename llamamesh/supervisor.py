@@ -156,11 +156,21 @@ class Supervisor:
         state.restart_at = now + delay
         looping = state.quick_exits >= self.backoff.report_after
         if looping and not state.crash_looping:
-            log.error("child_crash_looping", child=state.name, exits_in_a_row=state.quick_exits,
-                      exit_code=state.last_exit, restart_in_s=round(delay, 1))  # fmt: skip
+            log.error(
+                "child_crash_looping",
+                child=state.name,
+                exits_in_a_row=state.quick_exits,
+                exit_code=state.last_exit,
+                restart_in_s=round(delay, 1),
+            )
         else:
-            log.warning("child_exited", child=state.name, exit_code=state.last_exit, ran_s=round(ran, 1),
-                        restart_in_s=round(delay, 1))  # fmt: skip
+            log.warning(
+                "child_exited",
+                child=state.name,
+                exit_code=state.last_exit,
+                ran_s=round(ran, 1),
+                restart_in_s=round(delay, 1),
+            )
         state.crash_looping = looping
         if self.on_exit is not None:
             try:

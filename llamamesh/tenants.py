@@ -79,10 +79,12 @@ def _limits(name: str, raw: Any, defaults: LimitsSettings) -> LimitsSettings:
             raise ValueError(f"tenants file: tenants.{name}.limits.{k} is not a limit (known: {known})")
         want = _LIMIT_FIELDS[k]
         ok = (
-            isinstance(v, str) if want == "str"
-            else isinstance(v, int | float) and not isinstance(v, bool) if want == "float"
+            isinstance(v, str)
+            if want == "str"
+            else isinstance(v, int | float) and not isinstance(v, bool)
+            if want == "float"
             else isinstance(v, int) and not isinstance(v, bool)
-        )  # fmt: skip
+        )
         if not ok:
             raise ValueError(f"tenants file: tenants.{name}.limits.{k} must be a {want}, got {v!r}")
         values[k] = float(v) if want == "float" else v
@@ -119,8 +121,9 @@ class Tenants:
             certs = t.get("certificates") or []
             if not isinstance(certs, list) or not all(isinstance(c, str) and c for c in certs):
                 raise ValueError(f"tenants file: tenants.{name}.certificates must be a list of names")
-            tenants[name] = Tenant(name, _limits(name, t.get("limits") or {}, defaults), bool(t.get("admin")),
-                                   tuple(certs))  # fmt: skip
+            tenants[name] = Tenant(
+                name, _limits(name, t.get("limits") or {}, defaults), bool(t.get("admin")), tuple(certs)
+            )
         keys: dict[str, _Key] = {}
         for key_id, k in (doc.get("keys") or {}).items():
             if not isinstance(k, Mapping) or not isinstance(k.get("sha256"), str) or k.get("tenant") not in tenants:
@@ -235,9 +238,12 @@ def create_key(path: str, tenant: str, admin: bool = False) -> tuple[str, str]:
     with _editing(path) as doc:
         doc["tenants"].setdefault(tenant, {})
         doc["keys"][key_id] = {
-            "tenant": tenant, "sha256": hashlib.sha256(key.encode()).hexdigest(), "admin": admin,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "revoked": False,
-        }  # fmt: skip
+            "tenant": tenant,
+            "sha256": hashlib.sha256(key.encode()).hexdigest(),
+            "admin": admin,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "revoked": False,
+        }
     return key_id, key
 
 

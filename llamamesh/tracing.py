@@ -84,9 +84,13 @@ def server_span(method: str, metadata: Iterable[tuple[str, str | bytes]] | None)
     headers = {k.lower(): v for k, v in metadata or () if isinstance(v, str)}
     attributes = {"rpc.system": "grpc", "rpc.method": method}
     with tracer().start_as_current_span(
-        method, context=extract(headers), kind=trace.SpanKind.SERVER, attributes=attributes,
-        record_exception=False, set_status_on_exception=False,
-    ) as span:  # fmt: skip
+        method,
+        context=extract(headers),
+        kind=trace.SpanKind.SERVER,
+        attributes=attributes,
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
         bind_trace_id(span)
         try:
             yield span
@@ -116,8 +120,9 @@ class JobSpan:
         if 0 < accepted_ns < started_ns:
             t.start_span("queue_wait", context=parent, start_time=accepted_ns).end(end_time=started_ns)
         self.started_ns = started_ns
-        self.span = t.start_span("job", context=parent, kind=trace.SpanKind.CONSUMER, start_time=started_ns,
-                                 attributes=attributes)  # fmt: skip
+        self.span = t.start_span(
+            "job", context=parent, kind=trace.SpanKind.CONSUMER, start_time=started_ns, attributes=attributes
+        )
         self._token = otel_context.attach(trace.set_span_in_context(self.span, parent))
         bind_trace_id(self.span)
 

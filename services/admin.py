@@ -38,10 +38,19 @@ def backend_pb(pool: Pool, fallback: str, depth: QueueDepth | None = None) -> pb
         out.queue_depth, out.queue_pending = depth.waiting, depth.leased
     for w in pool.workers:
         added = out.workers.add(
-            name=w.worker, model=w.model, engine=w.engine, inflight=w.inflight, max_inflight=w.max_inflight,
-            running=w.running, waiting=w.waiting, kv_cache_usage=w.kv_cache_usage, state=w.state, detail=w.detail,
-            adapters=w.adapters, adapter_errors=w.adapter_errors,
-        )  # fmt: skip
+            name=w.worker,
+            model=w.model,
+            engine=w.engine,
+            inflight=w.inflight,
+            max_inflight=w.max_inflight,
+            running=w.running,
+            waiting=w.waiting,
+            kv_cache_usage=w.kv_cache_usage,
+            state=w.state,
+            detail=w.detail,
+            adapters=w.adapters,
+            adapter_errors=w.adapter_errors,
+        )
         if w.since_unix_s:
             added.since.FromNanoseconds(int(w.since_unix_s * 1e9))
     for t in pool.breaker.transitions:
@@ -72,9 +81,12 @@ def _wait_until(request: pb.LoadAdapterRequest | pb.UnloadAdapterRequest, contex
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     def __init__(
-        self, backends: Backends, registry: AdapterRegistry | None = None, models: Sequence[ModelInfo] = (),
+        self,
+        backends: Backends,
+        registry: AdapterRegistry | None = None,
+        models: Sequence[ModelInfo] = (),
         poll_s: float = 0.2,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """``registry``: where run-time LoRA adapters are recorded per pool (the queue); ``models``: the
         models this gateway routes (LoadAdapter names one)."""
         self._backends = backends
@@ -147,6 +159,6 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         b = self._backends
         pools = sorted(b.pools.items())
         depths = await asyncio.gather(*(b.queue_depth(name) for name, _p in pools))
-        return pb.ListBackendsResponse(backends=[
-            backend_pb(p, b.fallback.get(name, ""), d) for (name, p), d in zip(pools, depths, strict=True)
-        ])  # fmt: skip
+        return pb.ListBackendsResponse(
+            backends=[backend_pb(p, b.fallback.get(name, ""), d) for (name, p), d in zip(pools, depths, strict=True)]
+        )

@@ -43,9 +43,15 @@ class Attachment:
     and ``offset`` must be 0). ``count``: a re-attach (it stops a detach timer)."""
 
     def __init__(
-        self, queue: RelayQueue, liveness: Liveness, timers: DetachTimers, request_id: str, offset: int = 0,
-        count: bool = True, sample_offsets: Sequence[int] = (),
-    ) -> None:  # fmt: skip
+        self,
+        queue: RelayQueue,
+        liveness: Liveness,
+        timers: DetachTimers,
+        request_id: str,
+        offset: int = 0,
+        count: bool = True,
+        sample_offsets: Sequence[int] = (),
+    ) -> None:
         self._queue = queue
         self._liveness = liveness
         self._timers = timers
@@ -63,12 +69,17 @@ class Attachment:
         records = await self.records()
         if self._count:
             await self._queue.attach(self.request_id)
-            log.info("request_attached", request_id=self.request_id, offset=self._offset,
-                     sample_offsets=list(self._sample_offsets))  # fmt: skip
+            log.info(
+                "request_attached",
+                request_id=self.request_id,
+                offset=self._offset,
+                sample_offsets=list(self._sample_offsets),
+            )
         try:
             for i, rec in enumerate(records):
-                head = GenerationRequest(request_id=self.request_id, model=rec.model,
-                                         accepted_unix_ns=rec.accepted_unix_ns)  # fmt: skip
+                head = GenerationRequest(
+                    request_id=self.request_id, model=rec.model, accepted_unix_ns=rec.accepted_unix_ns
+                )
                 if i + 1 < len(records):
                     for ev in self.abandoned(rec, records[i + 1], await self._queue.read_events(rec.attempt_id)):
                         yield head, ev

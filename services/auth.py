@@ -133,8 +133,14 @@ class Gatekeeper(grpc.aio.ServerInterceptor):
         except errors.LlamameshError as exc:
             metrics.rejected(exc)
             outcome = status.code_for(exc).name.lower()
-            log.info("auth_decided", method=method, outcome=outcome, tenant=who.tenant if who else None,
-                     key_id=who.key_id if who else None, reason=exc.message)  # fmt: skip
+            log.info(
+                "auth_decided",
+                method=method,
+                outcome=outcome,
+                tenant=who.tenant if who else None,
+                key_id=who.key_id if who else None,
+                reason=exc.message,
+            )
             raise
         log.info("auth_decided", method=method, outcome="allowed", tenant=who.tenant, key_id=who.key_id, via=who.via)
         return who
@@ -210,9 +216,9 @@ def _checked(deserialize: Callable[[bytes], Any] | None, limit: int, setting: st
 
     def parse(data: bytes) -> Any:
         if len(data) > limit:
-            return _Refused(errors.InvalidRequest.field(
-                "request", f"the request is {len(data)} bytes; at most {limit} ({setting})"
-            ))  # fmt: skip
+            return _Refused(
+                errors.InvalidRequest.field("request", f"the request is {len(data)} bytes; at most {limit} ({setting})")
+            )
         if deserialize is None:
             return data
         try:

@@ -61,8 +61,9 @@ class Backends:
         self.fallback = dict(fallback)
         names = list(dict.fromkeys([*pools, *self.fallback, *self.fallback.values()]))
         self._clock = clock
-        self.pools = {p: Pool(p, Breaker(p, settings, clock=clock), empty_since=clock(), tokens=TokenRate(clock))
-                      for p in names}  # fmt: skip
+        self.pools = {
+            p: Pool(p, Breaker(p, settings, clock=clock), empty_since=clock(), tokens=TokenRate(clock)) for p in names
+        }
         for p in names:
             metrics.BREAKER_STATE.labels(p).set(0)
         self._on_health = on_health
@@ -109,15 +110,22 @@ class Backends:
             p = self.pools[candidate]
             if p.live and p.breaker.allow():
                 if candidate != pool:
-                    log.info("request_fallback", pool=pool, to=candidate, state=self.pools[pool].breaker.state.value,
-                             live_workers=len(self.pools[pool].workers))  # fmt: skip
+                    log.info(
+                        "request_fallback",
+                        pool=pool,
+                        to=candidate,
+                        state=self.pools[pool].breaker.state.value,
+                        live_workers=len(self.pools[pool].workers),
+                    )
                 return candidate
         p = self.pools[pool]
         if p.breaker.allow():
             return pool
         why = "is failing (circuit open)" if p.live else "has no live worker (circuit open)"
-        raise errors.NoWorkers(f"the backend pool {pool!r} {why}" + (
-            f" and its fallback {fallback!r} cannot take requests" if fallback else ""))  # fmt: skip
+        raise errors.NoWorkers(
+            f"the backend pool {pool!r} {why}"
+            + (f" and its fallback {fallback!r} cannot take requests" if fallback else "")
+        )
 
     def stranded(self, pool: str) -> bool:
         """A request still waiting for ``pool`` (no worker has it) would be better off elsewhere:
@@ -217,7 +225,12 @@ class Backends:
         serving = p.serving()
         if self._serving.get(p.name) != serving:
             self._serving[p.name] = serving
-            log.info("backend_health_changed", pool=p.name, serving=serving, state=p.breaker.state.value,
-                     live_workers=len(p.workers))  # fmt: skip
+            log.info(
+                "backend_health_changed",
+                pool=p.name,
+                serving=serving,
+                state=p.breaker.state.value,
+                live_workers=len(p.workers),
+            )
             if self._on_health is not None:
                 await self._on_health(p.name, serving)

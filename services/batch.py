@@ -109,10 +109,16 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
         scoped = scoped_id(who.tenant, batch_id)
         now = time.time()
         info = BatchInfo(
-            batch_id=scoped, state=BatchState.VALIDATING, owner=who.tenant, model=items[0][0].id,
-            total=len(items), completion_window_s=window, created_at=now, expires_at=now + window,
+            batch_id=scoped,
+            state=BatchState.VALIDATING,
+            owner=who.tenant,
+            model=items[0][0].id,
+            total=len(items),
+            completion_window_s=window,
+            created_at=now,
+            expires_at=now + window,
             metadata=MappingProxyType(dict(request.metadata)),
-        )  # fmt: skip
+        )
         fingerprint = hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest()
         access = access_of(who)
         trace = tracing.carrier()  # this RPC's span: every item's job span is its child
@@ -143,9 +149,13 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
         return items
 
     async def _stored(
-        self, who: Identity, info: BatchInfo, fingerprint: str, queued: list[tuple[str, GenerationRequest]],
+        self,
+        who: Identity,
+        info: BatchInfo,
+        fingerprint: str,
+        queued: list[tuple[str, GenerationRequest]],
         size: int,
-    ) -> tuple[BatchInfo, bool]:  # fmt: skip
+    ) -> tuple[BatchInfo, bool]:
         """Store the batch and queue its items, within the tenant's budgets: (the batch as stored,
         whether it is new). A batch that was not stored holds nothing of the budgets."""
         quotas = self._admission.quotas
@@ -215,4 +225,3 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
                 return
             if not got:  # nothing within block_ms: has the batch ended meanwhile?
                 info = await self._mine(request.batch_id, context)
-

@@ -49,8 +49,11 @@ def batch_pb(info: BatchInfo) -> bpb.Batch:
         ts = _ts(when)
         if ts is not None and hasattr(msg, f"{state}_at"):
             getattr(msg, f"{state}_at").CopyFrom(ts)
-    for name, when in (("created_at", info.created_at), ("expires_at", info.expires_at),
-                       ("results_expire_at", info.results_expire_at)):  # fmt: skip
+    for name, when in (
+        ("created_at", info.created_at),
+        ("expires_at", info.expires_at),
+        ("results_expire_at", info.results_expire_at),
+    ):
         ts = _ts(when)
         if ts is not None:
             getattr(msg, name).CopyFrom(ts)

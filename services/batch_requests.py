@@ -59,9 +59,12 @@ def _item_violation(path: str, v: FieldViolation) -> FieldViolation:
 
 
 def batch_requests(
-    r: bpb.BatchGenerateRequest, gw: GatewaySettings, b: BatchSettings, models: Sequence[ModelInfo],
+    r: bpb.BatchGenerateRequest,
+    gw: GatewaySettings,
+    b: BatchSettings,
+    models: Sequence[ModelInfo],
     tenant: str = DEFAULT_TENANT,
-) -> tuple[str, int, list[tuple[ModelInfo, GenerationRequest]]]:  # fmt: skip
+) -> tuple[str, int, list[tuple[ModelInfo, GenerationRequest]]]:
     """Validate a whole BatchGenerateRequest: (batch id as the caller knows it, completion window,
     items of ``tenant``). Raises InvalidRequest naming every bad field (or NotFound for an unknown
     model); nothing is written. Item ids (``b~<scoped batch id>~<n>``) meet no caller's id."""
@@ -100,8 +103,18 @@ def batch_requests(
             bad.append(FieldViolation(f"{path}.request.model", f"every item must use one model ({out[0][0].id})"))
             continue
         scoped = scoped_id(tenant, batch_id)
-        out.append((model, replace(req, request_id=f"b~{scoped}~{n}", batch_id=scoped, custom_id=custom_id,
-                                   tenant="" if tenant == DEFAULT_TENANT else tenant)))  # fmt: skip
+        out.append(
+            (
+                model,
+                replace(
+                    req,
+                    request_id=f"b~{scoped}~{n}",
+                    batch_id=scoped,
+                    custom_id=custom_id,
+                    tenant="" if tenant == DEFAULT_TENANT else tenant,
+                ),
+            )
+        )
     if bad:
         raise InvalidRequest(bad)
     return batch_id, window, out

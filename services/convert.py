@@ -127,8 +127,11 @@ def _sampling(r: pb.GenerateRequest, s: GatewaySettings, bad: list[FieldViolatio
     found = sampling.violations(params, s.max_tokens_cap)
     if len(r.stop) > MAX_STOP_STRINGS:
         found.append(FieldViolation("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(r.stop)}"))
-    found += [FieldViolation(f"stop[{i}]", f"at most {MAX_STOP_LENGTH} characters")
-              for i, x in enumerate(r.stop) if len(x) > MAX_STOP_LENGTH]  # fmt: skip
+    found += [
+        FieldViolation(f"stop[{i}]", f"at most {MAX_STOP_LENGTH} characters")
+        for i, x in enumerate(r.stop)
+        if len(x) > MAX_STOP_LENGTH
+    ]
     bad.extend(found)
     return params if found else sampling.normalized(params)
 
@@ -185,9 +188,12 @@ def generate_request(
 
 
 def _prefix_key(
-    r: pb.GenerateRequest, prompt: str | None, messages: tuple[ChatMessage, ...] | None, s: GatewaySettings,
+    r: pb.GenerateRequest,
+    prompt: str | None,
+    messages: tuple[ChatMessage, ...] | None,
+    s: GatewaySettings,
     bad: list[FieldViolation],
-) -> str:  # fmt: skip
+) -> str:
     """The caller's prefix_key (bounded), else a hash of the input's start (prefix affinity)."""
     if r.HasField("prefix_key"):
         if len(r.prefix_key) > MAX_PREFIX_KEY_CHARS:
@@ -259,8 +265,9 @@ def cancelled_response(req: GenerationRequest) -> pb.GenerateResponse:
 
 
 def model_list(models: Sequence[ModelInfo]) -> pb.ListModelsResponse:
-    return pb.ListModelsResponse(models=[pb.Model(id=m.id, pool=m.pool, default=m.default, base=m.base,
-                                                  adapter=m.adapter) for m in models])  # fmt: skip
+    return pb.ListModelsResponse(
+        models=[pb.Model(id=m.id, pool=m.pool, default=m.default, base=m.base, adapter=m.adapter) for m in models]
+    )
 
 
 def check_adapter(adapter: str, model: ModelInfo, adapters_of: Callable[[str], frozenset[str] | None]) -> None:

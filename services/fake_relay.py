@@ -38,9 +38,13 @@ class ScriptedRelay:
         return out
 
     async def generate(
-        self, request: GenerationRequest, pool: str, progress: Progress, resumable: bool = False,
+        self,
+        request: GenerationRequest,
+        pool: str,
+        progress: Progress,
+        resumable: bool = False,
         caller: Caller | None = None,
-    ) -> AsyncGenerator[JobEvent, None]:  # fmt: skip
+    ) -> AsyncGenerator[JobEvent, None]:
         progress.pool = pool
         ended = False
         try:

@@ -93,12 +93,10 @@ async def start_gateway(
     limits: LimitsSettings | None = None,
     quotas: Quotas | None = None,
 ) -> Gateway:
-    """Build and start the server on ``settings.host``; port 0 picks a free port. ``share_port``: one
-    of several gateway processes on the same port (SO_REUSEPORT); otherwise a taken port fails.
-    ``auth.file``: callers must authenticate (services/auth.py); ``quotas``: tenants' budgets are
-    enforced (none: unlimited, e.g. over the in-memory queue of unit tests); ``batches``: the batch
-    service runs (the batch store needs Redis: the in-memory queue of unit tests has none). A bad
-    routing or normalisation rule raises ValueError before anything starts."""
+    """Build and start the server on ``settings.host`` (port 0: a free one; ``share_port``: one of
+    several gateway processes on it, SO_REUSEPORT). ``auth.file``: callers must authenticate;
+    ``quotas``: tenants' budgets are enforced; ``batches``: the batch service runs. A bad routing
+    or normalisation rule raises ValueError before anything starts."""
     models = settings.model_table()
     policy = RoutingPolicy.parse(settings.routes, tokenizer_counter(settings.tokenizer) if settings.tokenizer else None)
     normalizer = Normalizer.parse(settings.normalize_rules, settings.affinity_prefix_chars)
@@ -110,46 +108,75 @@ async def start_gateway(
     acceptors = Acceptors(server, [gatekeeper], settings.acceptors)  # before any service is added
     admission = Admission(quotas)
     services = [GENERATION_SERVICE, ADMIN_SERVICE, *([BATCH_SERVICE] if batches is not None else [])]
-    reporter = HealthReporter(queue, services, interval_s=settings.health_interval_s,
-                              data_loss_hold_s=settings.data_loss_hold_s)  # fmt: skip
-    backends = _backends(queue, settings, breaker or BreakerSettings(), [*(m.pool for m in models), *policy.pools],
-                         reporter)  # fmt: skip
-    relay = QueueRelay(queue, settings, backends, policy, reporter.queue_generation)
-    generation_pb2_grpc.add_GenerationServiceServicer_to_server(
-        GenerationServicer(relay, settings, models, admission, normalizer, adapters_of=backends.adapters), server
+    reporter = HealthReporter(
+        queue, services, interval_s=settings.health_interval_s, data_loss_hold_s=settings.data_loss_hold_s
     )
+    backends = _backends(
+        queue, settings, breaker or BreakerSettings(), [*(m.pool for m in models), *policy.pools], reporter
+    )
+    relay = QueueRelay(queue, settings, backends, policy, reporter.queue_generation)
+    generation = GenerationServicer(relay, settings, models, admission, normalizer, adapters_of=backends.adapters)
+    generation_pb2_grpc.add_GenerationServiceServicer_to_server(generation, server)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(backends, queue, models), server)
     sweeper = None
     if batches is not None:
-        servicer = BatchServicer(batches, settings, batch, models, policy, admission=admission, normalizer=normalizer,
-                                 adapters_of=backends.adapters)  # fmt: skip
+        adapters = backends.adapters
+        servicer = BatchServicer(
+            batches, settings, batch, models, policy, admission=admission, normalizer=normalizer, adapters_of=adapters
+        )
         batch_pb2_grpc.add_BatchServiceServicer_to_server(servicer, server)
         sweeper = BatchSweeper(batches, batch.sweep_interval_s, quotas, batch.retention_s)
     _add_health(server, reporter, services if settings.reflection else None)
-    gateway = Gateway(server=server, health=reporter, backends=backends, relay=relay, port=0, sweeper=sweeper,
-                      admission=admission, acceptors=acceptors)  # fmt: skip
+    gateway = Gateway(
+        server=server,
+        health=reporter,
+        backends=backends,
+        relay=relay,
+        port=0,
+        sweeper=sweeper,
+        admission=admission,
+        acceptors=acceptors,
+    )
     await _start(gateway, settings, port, share_port)
-    log.info("gateway_started", host=settings.host, port=gateway.port, tls=bool(settings.tls_cert),
-             mtls=bool(settings.tls_client_ca), health_port=gateway.health_port or None,
-             acceptors=acceptors.n)  # fmt: skip
+    _log_started(gateway, settings, normalizer, tenants)
+    return gateway
+
+
+def _log_started(
+    gateway: Gateway, settings: GatewaySettings, normalizer: Normalizer, tenants: TenantsFile | None
+) -> None:
+    log.info(
+        "gateway_started",
+        host=settings.host,
+        port=gateway.port,
+        tls=bool(settings.tls_cert),
+        mtls=bool(settings.tls_client_ca),
+        health_port=gateway.health_port or None,
+        acceptors=gateway.acceptors.n if gateway.acceptors else 0,
+    )
     if normalizer:
         log.info("normalize_rules_loaded", rules=[r.name for r in normalizer.rules])
     if tenants is not None:
         log.info("gateway_auth", tenants=len(tenants.current().tenants), file=tenants.path)
-    return gateway
 
 
 def _grpc_server(
-    settings: GatewaySettings, batch: BatchSettings, tenants: TenantsFile | None, limits: LimitsSettings,
+    settings: GatewaySettings,
+    batch: BatchSettings,
+    tenants: TenantsFile | None,
+    limits: LimitsSettings,
     share_port: bool,
-) -> tuple[grpc.aio.Server, Gatekeeper]:  # fmt: skip
+) -> tuple[grpc.aio.Server, Gatekeeper]:
     """The grpc.aio server, behind the gatekeeper (authentication, concurrency, request sizes)."""
     # The transport takes the largest request of any RPC; the gatekeeper bounds each RPC's own.
     batch_bytes = batch.max_bytes + 1024 * 1024  # a batch just past max_bytes: INVALID_ARGUMENT naming it
     gatekeeper = Gatekeeper(
-        tenants, limits, settings.max_concurrent_rpcs, settings.max_request_bytes,
+        tenants,
+        limits,
+        settings.max_concurrent_rpcs,
+        settings.max_request_bytes,
         {f"/{BATCH_SERVICE}/BatchGenerate": (batch_bytes, "LLAMAMESH_BATCH_MAX_BYTES")},
-    )  # fmt: skip
+    )
     server = grpc.aio.server(
         interceptors=[gatekeeper],
         options=[
@@ -165,9 +192,12 @@ def _backends(
 ) -> Backends:
     """The view of ``pools`` (and their fallbacks), its health and the queue's told to ``reporter``."""
     backends = Backends(
-        queue, pools, settings.fallback_table(), breaker,
+        queue,
+        pools,
+        settings.fallback_table(),
+        breaker,
         on_health=lambda pool, up: reporter.set_backend(backend_service(pool), up),
-    )  # fmt: skip
+    )
     reporter.watch(backends.saw_queue)
     reporter.watch_writes(backends.saw_writes)
     return backends

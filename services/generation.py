@@ -44,9 +44,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     here (NOT_FOUND, never "exists")."""
 
     def __init__(
-        self, relay: Relay, settings: GatewaySettings, models: Sequence[ModelInfo], admission: Admission | None = None,
-        normalizer: Normalizer | None = None, adapters_of: Callable[[str], frozenset[str] | None] = lambda pool: None,
-    ) -> None:  # fmt: skip
+        self,
+        relay: Relay,
+        settings: GatewaySettings,
+        models: Sequence[ModelInfo],
+        admission: Admission | None = None,
+        normalizer: Normalizer | None = None,
+        adapters_of: Callable[[str], frozenset[str] | None] = lambda pool: None,
+    ) -> None:
         """``adapters_of(pool)``: the LoRA adapters the pool's ready workers serve (None: not known)."""
         self._relay = relay
         self._s = settings
@@ -71,9 +76,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         remaining = context.time_remaining()
         deadline = time.time_ns() + int(remaining * 1e9) if remaining is not None else 0
         # The caller's deadline is the job's: workers drop or abort it then.
-        req = replace(req, request_id=scoped_id(who.tenant, public), deadline_unix_ns=deadline,
-                      tenant="" if who.tenant == DEFAULT_TENANT else who.tenant,
-                      trace=tracing.carrier())  # fmt: skip  # the RPC's span: the worker's parent
+        req = replace(
+            req,
+            request_id=scoped_id(who.tenant, public),
+            deadline_unix_ns=deadline,
+            tenant="" if who.tenant == DEFAULT_TENANT else who.tenant,
+            trace=tracing.carrier(),
+        )  # the RPC's span: the worker's parent
         caller = Caller(_fingerprint(request), access_of(who), who.limits.weight)
         structlog.contextvars.bind_contextvars(request_id=public)
         note(tenant=who.tenant)
@@ -88,9 +97,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         yield convert.generate_response(req, ev, request_id=public)
         finally:
             await self._admission.spent(who, progress.tokens)
-            note(pool=progress.pool or None, route=progress.route, failovers=progress.failovers or None,
-                 finish_reason=progress.finish or None, completion_tokens=progress.tokens,
-                 ttft_ms=progress.ttft_ms)  # fmt: skip
+            note(
+                pool=progress.pool or None,
+                route=progress.route,
+                failovers=progress.failovers or None,
+                finish_reason=progress.finish or None,
+                completion_tokens=progress.tokens,
+                ttft_ms=progress.ttft_ms,
+            )
 
     def _normalized(self, req: GenerationRequest) -> GenerationRequest:
         out = self._normalizer.apply(req)
@@ -107,8 +121,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         public = _checked_id(request.request_id)
         structlog.contextvars.bind_contextvars(request_id=public)
         note(tenant=who.tenant)
-        attached = self._relay.attach(scoped_id(who.tenant, public), request.offset,
-                                      sample_offsets=tuple(request.sample_offsets))  # fmt: skip
+        attached = self._relay.attach(
+            scoped_id(who.tenant, public), request.offset, sample_offsets=tuple(request.sample_offsets)
+        )
         async with self._admission.stream(who), aclosing(attached) as events:
             async for head, ev in events:
                 yield convert.generate_response(head, ev, request_id=public)
@@ -129,9 +144,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         return convert.model_list(convert.with_adapters(self._models, self._adapters_of))
 
     @rpc("Tokenize")
-    async def Tokenize(
-        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
-    ) -> pb.TokenizeResponse:
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         """Tokenize on a worker of the model's pool (the engine owns the tokenizer), after the
         same normalisation as Generate, so the count is that of the text generation would see."""
         identity(context)  # a bad tenant header is refused here too

@@ -105,8 +105,11 @@ class HealthReporter:
         if self._epoch and epoch != self._epoch:
             self.data_losses += 1
             self._held_until = time.monotonic() + self._hold_s
-            log.error("redis_data_lost", hold_s=self._hold_s,
-                      detail="Redis answers without the queue's data: open requests end UNAVAILABLE")  # fmt: skip
+            log.error(
+                "redis_data_lost",
+                hold_s=self._hold_s,
+                detail="Redis answers without the queue's data: open requests end UNAVAILABLE",
+            )
         self._epoch = epoch
         await self._set(time.monotonic() >= self._held_until)
         await self._check_writes()

@@ -77,8 +77,11 @@ class Pool:
 
     def what_is_wrong(self) -> str:
         """What its workers say, for an error message: the starting ones' progress, the failed ones' reasons."""
-        parts = [f"worker {w.worker} is {w.state}" + (f": {w.detail}" if w.detail else "")
-                 for w in self.workers if not w.ready][:3]  # fmt: skip
+        parts = [
+            f"worker {w.worker} is {w.state}" + (f": {w.detail}" if w.detail else "")
+            for w in self.workers
+            if not w.ready
+        ][:3]
         return "; ".join(parts)
 
     def usable(self) -> bool:

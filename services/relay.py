@@ -33,9 +33,13 @@ log = structlog.get_logger(__name__)
 
 class Relay(Protocol):
     def generate(
-        self, request: GenerationRequest, pool: str, progress: Progress, resumable: bool = False,
+        self,
+        request: GenerationRequest,
+        pool: str,
+        progress: Progress,
+        resumable: bool = False,
         caller: Caller | None = None,
-    ) -> AsyncGenerator[JobEvent, None]:  # fmt: skip
+    ) -> AsyncGenerator[JobEvent, None]:
         """The request's events as its caller numbers them, to the terminal one. Raises domain
         errors (a failure event becomes its error; AlreadyExists when the request id names a
         different request of ``caller``'s tenant). When the iteration stops early (the caller went
@@ -86,9 +90,13 @@ class QueueRelay:
         await self.timers.close()
 
     def generate(
-        self, request: GenerationRequest, pool: str, progress: Progress, resumable: bool = False,
+        self,
+        request: GenerationRequest,
+        pool: str,
+        progress: Progress,
+        resumable: bool = False,
         caller: Caller | None = None,
-    ) -> AsyncGenerator[JobEvent, None]:  # fmt: skip
+    ) -> AsyncGenerator[JobEvent, None]:
         return RelayedRequest(self._parts, request, pool, progress, resumable, caller).events()
 
     def attach(

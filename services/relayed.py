@@ -73,9 +73,14 @@ class RelayedRequest:
     it takes are the other public methods, in the order they are listed."""
 
     def __init__(
-        self, parts: RelayParts, request: GenerationRequest, pool: str, progress: Progress, resumable: bool = False,
+        self,
+        parts: RelayParts,
+        request: GenerationRequest,
+        pool: str,
+        progress: Progress,
+        resumable: bool = False,
         caller: Caller | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._p = parts
         self.req = request
         self.progress = progress
@@ -162,9 +167,17 @@ class RelayedRequest:
         self._p.liveness.check_pool(self.pool)  # no worker came for a while: say so now, not at the deadline
         self._p.liveness.check_reachable(self.pool, self.req.deadline_unix_ns)
         req, who = self.req, self.who
-        self.record = Attempt(self.attempt.request_id, self.base, self.pool, req.model, req.accepted_unix_ns,
-                              self.resumable, who.fingerprint, self.streams.bases(),
-                              tuple(sorted(self.streams.ended)))  # fmt: skip
+        self.record = Attempt(
+            self.attempt.request_id,
+            self.base,
+            self.pool,
+            req.model,
+            req.accepted_unix_ns,
+            self.resumable,
+            who.fingerprint,
+            self.streams.bases(),
+            tuple(sorted(self.streams.ended)),
+        )
         return await self._p.queue.begin(req.request_id, self.record, first=self.attempts == 0)
 
     async def follow_accepted(self) -> AsyncGenerator[JobEvent, None]:
@@ -311,8 +324,13 @@ class RelayedRequest:
         assert self.attempt is not None
         await asyncio.shield(cancel_quietly(self._p.queue, self.attempt.request_id))
         metrics.FAILOVERS.labels(pool).inc()
-        log.warning("request_failed_over", pool=pool, error=str(exc), attempt=self.attempts + 1,
-                    resumed_tokens=self.streams.total)  # fmt: skip
+        log.warning(
+            "request_failed_over",
+            pool=pool,
+            error=str(exc),
+            attempt=self.attempts + 1,
+            resumed_tokens=self.streams.total,
+        )
 
     async def _set_aside(self, deliveries: int, exc: BaseException) -> None:
         """Record the request in its pool's dead-letter stream (a failure to is logged)."""

@@ -43,9 +43,16 @@ async def serve(settings: Settings, share_port: bool = False) -> None:
     queue = RedisQueue.from_settings(settings.redis)
     batches = RedisBatches.from_settings(queue.client, queue.keys, settings.batch, replicas=queue.replicas)
     gateway = await start_gateway(
-        queue, settings.gateway, share_port=share_port, breaker=settings.breaker, batches=batches, batch=settings.batch,
-        auth=settings.auth, limits=settings.limits, quotas=RedisQuotas(queue.client, queue.keys, queue.retention),
-    )  # fmt: skip
+        queue,
+        settings.gateway,
+        share_port=share_port,
+        breaker=settings.breaker,
+        batches=batches,
+        batch=settings.batch,
+        auth=settings.auth,
+        limits=settings.limits,
+        quotas=RedisQuotas(queue.client, queue.keys, queue.retention),
+    )
     log.info("heap_frozen", objects=serving_heap())
     try:
         await stop.wait()
@@ -99,8 +106,10 @@ def main() -> None:
     except ValueError as exc:  # a bad setting: one line naming it, exit code 1
         sys.exit(f"error: {exc}")
     if settings.gateway.event_loop not in EVENT_LOOPS:  # (uvloop may be missing where the Literal allows it)
-        sys.exit(f"error: LLAMAMESH_GATEWAY_EVENT_LOOP: expected one of {', '.join(EVENT_LOOPS)}, "
-                 f"got {settings.gateway.event_loop!r}")  # fmt: skip
+        sys.exit(
+            f"error: LLAMAMESH_GATEWAY_EVENT_LOOP: expected one of {', '.join(EVENT_LOOPS)}, "
+            f"got {settings.gateway.event_loop!r}"
+        )
     logs.configure(settings.log, "gateway")
     tracing.configure("gateway")
     if settings.gateway.processes > 1:

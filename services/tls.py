@@ -159,4 +159,3 @@ def peer_identities(context: grpc.aio.ServicerContext) -> tuple[str, ...]:
             if name and name not in out:
                 out.append(name)
     return tuple(out)
-

@@ -17,7 +17,7 @@ from llamamesh import metrics, tracing
 from llamamesh.backoff import Delays
 from llamamesh.errors import EngineDead, LlamameshError, QueueUnavailable
 from llamamesh.queue.protocol import BatchStore, Lease
-from llamamesh.types import FinishReason, ItemResult, ItemStatus, Usage
+from llamamesh.types import FinishReason, GenerationRequest, ItemResult, ItemStatus, TokenDelta, Usage
 from workers.samples import Samples
 
 log = structlog.get_logger(__name__)
@@ -41,46 +41,78 @@ async def record(batches: BatchStore, lease: Lease, result: ItemResult, **timing
             break
         except QueueUnavailable:
             log.warning("batch_record_failed", retry_in_s=round(await delays.wait(), 3))
-    log.info("batch_item_finished", batch_id=lease.request.batch_id, custom_id=result.custom_id,
-             status=result.status.value, duplicate=not fresh, **timings)  # fmt: skip
+    log.info(
+        "batch_item_finished",
+        batch_id=lease.request.batch_id,
+        custom_id=result.custom_id,
+        status=result.status.value,
+        duplicate=not fresh,
+        **timings,
+    )
     if fresh:
         metrics.BATCH_ITEMS.labels(result.status.value).inc()
+
+
+class _Gathered:
+    """What an item's stream produced: each sample's text and end, the tokens, the first token's
+    time and the engine's own timings."""
+
+    def __init__(self, req: GenerationRequest) -> None:
+        self.req = req
+        self.n = req.sampling.samples
+        self.texts: dict[int, list[str]] = {k: [] for k in range(self.n)}
+        self.ends: dict[int, FinishReason] = {}
+        self.tokens = 0
+        self.first_token = 0
+        self.engine_timings: tuple[tuple[str, float], ...] = ()
+
+    def add(self, delta: TokenDelta) -> ItemResult | None:
+        """Take one delta; the item's result once every sample has ended."""
+        self.texts[delta.sample].append(delta.text)
+        self.tokens += len(delta.token_ids)
+        if delta.token_ids and not self.first_token:
+            self.first_token = time.time_ns()
+        if delta.engine_timings_ms:
+            self.engine_timings = delta.engine_timings_ms
+        if delta.finish_reason is None:
+            return None
+        self.ends[delta.sample] = delta.finish_reason
+        if len(self.ends) < self.n:
+            return None  # (n > 1) the other samples go on
+        texts = ["".join(self.texts[k]) for k in range(self.n)]
+        samples = tuple((texts[k], self.ends.get(k)) for k in range(self.n)) if self.n > 1 else ()
+        usage = Usage(delta.prompt_tokens or 0, self.tokens)
+        return ItemResult(self.req.custom_id, ItemStatus.SUCCEEDED, texts[0], self.ends.get(0), usage, samples=samples)
+
+    def timings(self, started: int) -> dict[str, float | None]:
+        """When the item started after the batch was accepted, how long it ran, its first token, and
+        the engine's own split (bench/ttft_split.py reads them, as job_finished's)."""
+        accepted = self.req.accepted_unix_ns
+        return {
+            "start_ms": round((started - accepted) / 1e6, 2) if accepted else None,
+            "duration_ms": round((time.time_ns() - started) / 1e6, 2),
+            "first_token_ms": round((self.first_token - started) / 1e6, 2) if self.first_token else None,
+            **{f"{name}_ms": ms for name, ms in self.engine_timings},
+        }
 
 
 async def run_batch_item(lease: Lease, engine: Samples, batches: BatchStore) -> None:
     """Generate the item (every sample of it, n > 1) and record its result (under ``shield``). Raises
     EngineDead without recording, so the worker stops and the item goes to another worker."""
     req = lease.request
-    n = req.sampling.samples
-    texts: dict[int, list[str]] = {k: [] for k in range(n)}
-    ends: dict[int, FinishReason] = {}
-    n_tokens = 0
-    first_token = 0
-    engine_timings: tuple[tuple[str, float], ...] = ()
+    gathered = _Gathered(req)
     result: ItemResult | None = None
     outcome = "cancelled"  # (for the span) unless it records a result or the engine dies
     # A span under the BatchGenerate RPC's: queue_wait from the batch's acceptance, then the item.
     started = time.time_ns()
-    traced = tracing.JobSpan(req.trace, req.accepted_unix_ns, started, **{
-        "llamamesh.request_id": req.request_id, "llamamesh.pool": lease.pool, "llamamesh.kind": "batch_item",
-        "llamamesh.batch_id": req.batch_id})  # fmt: skip
+    attributes = {"llamamesh.request_id": req.request_id, "llamamesh.pool": lease.pool}
+    attributes |= {"llamamesh.kind": "batch_item", "llamamesh.batch_id": req.batch_id}
+    traced = tracing.JobSpan(req.trace, req.accepted_unix_ns, started, **attributes)
     try:
         async for delta in engine.stream(req):
-            texts[delta.sample].append(delta.text)
-            n_tokens += len(delta.token_ids)
-            if delta.token_ids and not first_token:
-                first_token = time.time_ns()
-            if delta.engine_timings_ms:
-                engine_timings = delta.engine_timings_ms
             if delta.finish_reason is FinishReason.CANCELLED:
                 return  # aborted by this worker's drain: another worker redoes it
-            if delta.finish_reason is not None:
-                ends[delta.sample] = delta.finish_reason
-                if len(ends) < n:
-                    continue  # (n > 1) the other samples go on
-                samples = tuple(("".join(texts[k]), ends.get(k)) for k in range(n)) if n > 1 else ()
-                result = ItemResult(req.custom_id, ItemStatus.SUCCEEDED, "".join(texts[0]), ends.get(0),
-                                    Usage(delta.prompt_tokens or 0, n_tokens), samples=samples)  # fmt: skip
+            result = gathered.add(delta) or result
     except EngineDead:
         outcome = "engine_dead"
         raise
@@ -92,12 +124,6 @@ async def run_batch_item(lease: Lease, engine: Samples, batches: BatchStore) -> 
     finally:
         if result is not None:
             outcome = "ok" if result.status is ItemStatus.SUCCEEDED else (result.error_code or result.status.value)
-        traced.end(outcome, first_token)
+        traced.end(outcome, gathered.first_token)
     if result is not None:
-        # When the item started after the batch was accepted, how long it ran, its first token, and
-        # the engine's own split (bench/ttft_split.py reads them, as job_finished's).
-        timings = {"start_ms": round((started - req.accepted_unix_ns) / 1e6, 2) if req.accepted_unix_ns else None,
-                   "duration_ms": round((time.time_ns() - started) / 1e6, 2),
-                   "first_token_ms": round((first_token - started) / 1e6, 2) if first_token else None,
-                   **{f"{name}_ms": ms for name, ms in engine_timings}}  # fmt: skip
-        await asyncio.shield(record(batches, lease, result, **timings))
+        await asyncio.shield(record(batches, lease, result, **gathered.timings(started)))

@@ -80,9 +80,17 @@ class Job:
         EngineDead after publishing, so that the worker stops; re-raises CancelledError."""
         req = self.request
         structlog.contextvars.bind_contextvars(request_id=req.request_id)
-        span = tracing.JobSpan(req.trace, req.accepted_unix_ns, self.started, **{
-            "llamamesh.request_id": req.request_id, "llamamesh.pool": self.lease.pool,
-            "llamamesh.worker": self.worker, "llamamesh.kind": req.kind.value})  # fmt: skip
+        span = tracing.JobSpan(
+            req.trace,
+            req.accepted_unix_ns,
+            self.started,
+            **{
+                "llamamesh.request_id": req.request_id,
+                "llamamesh.pool": self.lease.pool,
+                "llamamesh.worker": self.worker,
+                "llamamesh.kind": req.kind.value,
+            },
+        )
         if not self.probe:
             metrics.JOBS_STARTED.labels(self.lease.pool).inc()
         timer: asyncio.TimerHandle | None = None
@@ -206,9 +214,14 @@ class Job:
         if event.finished is not None:
             f = event.finished
             ttft = _ms(self.first_token - req.accepted_unix_ns) if self.first_token and req.accepted_unix_ns else None
-            fields.update(status="ok", finish_reason=f.finish_reason.value, prompt_tokens=f.usage.prompt_tokens,
-                          completion_tokens=f.usage.completion_tokens, ttft_ms=ttft,
-                          **{f"{name}_ms": ms for name, ms in self._engine_timings})  # fmt: skip
+            fields.update(
+                status="ok",
+                finish_reason=f.finish_reason.value,
+                prompt_tokens=f.usage.prompt_tokens,
+                completion_tokens=f.usage.completion_tokens,
+                ttft_ms=ttft,
+                **{f"{name}_ms": ms for name, ms in self._engine_timings},
+            )
         elif event.failed is not None:
             fields.update(status=event.failed.code, error=event.failed.message)
         else:

@@ -82,9 +82,16 @@ async def _create_engine(settings: Settings, queue: RedisQueue) -> Engine:
     the loop for seconds: torch, vLLM). An engine that cannot be built is announced ``failed`` and
     raises EngineDead."""
     ws = settings.worker
-    status = WorkerStatus(worker=ws.consumer_name(), pool=ws.pool, model=ws.model, engine=ws.engine,
-                          max_inflight=ws.max_inflight, state=WorkerState.STARTING.value,
-                          detail=f"importing the {ws.engine} engine", since_unix_s=time.time())  # fmt: skip
+    status = WorkerStatus(
+        worker=ws.consumer_name(),
+        pool=ws.pool,
+        model=ws.model,
+        engine=ws.engine,
+        max_inflight=ws.max_inflight,
+        state=WorkerState.STARTING.value,
+        detail=f"importing the {ws.engine} engine",
+        since_unix_s=time.time(),
+    )
     with contextlib.suppress(QueueUnavailable):
         await queue.heartbeat(status, max(ws.start_timeout_s, ws.heartbeat_ttl_s))
     try:

@@ -31,8 +31,13 @@ def visible_gpus(env: Mapping[str, str]) -> list[str]:
     if given is not None:
         return [g.strip() for g in given.split(",") if g.strip()]
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return []
     return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
@@ -77,16 +82,25 @@ def run_replicas(settings: Settings, groups: list[list[str]]) -> int:
     children = []
     for i, group in enumerate(groups):
         consumer = f"{base}-r{i}"
-        child_env = {"CUDA_VISIBLE_DEVICES": ",".join(group), "LLAMAMESH_WORKER_CONSUMER": consumer,
-                     "LLAMAMESH_WORKER_METRICS_PORT": "0", "LLAMAMESH_WORKER_HEALTH_PORT": "0",
-                     **agg.children_env()}  # fmt: skip
+        child_env = {
+            "CUDA_VISIBLE_DEVICES": ",".join(group),
+            "LLAMAMESH_WORKER_CONSUMER": consumer,
+            "LLAMAMESH_WORKER_METRICS_PORT": "0",
+            "LLAMAMESH_WORKER_HEALTH_PORT": "0",
+            **agg.children_env(),
+        }
         children.append(Child(f"replica-{i}", (sys.executable, "-m", "workers"), child_env))
     sup = Supervisor(children, on_exit=lambda state: agg.process_dead(state.pid))
     health = supervisor_health(settings, [c.env["LLAMAMESH_WORKER_CONSUMER"] for c in children])
     sup.start()
     for i, (group, state) in enumerate(zip(groups, sup.states.values(), strict=True)):
-        log.info("replica_started", replica=i, pid=state.pid, gpus=",".join(group),
-                 consumer=state.child.env["LLAMAMESH_WORKER_CONSUMER"])  # fmt: skip
+        log.info(
+            "replica_started",
+            replica=i,
+            pid=state.pid,
+            gpus=",".join(group),
+            consumer=state.child.env["LLAMAMESH_WORKER_CONSUMER"],
+        )
     try:
         sup.run()
     finally:

@@ -30,8 +30,13 @@ def sample_requests(request: GenerationRequest) -> list[tuple[int, GenerationReq
             max_tokens=None if s.max_tokens is None else s.max_tokens - len(done),
             min_tokens=None if s.min_tokens is None else max(0, s.min_tokens - len(done)),
         )
-        sub = replace(request, request_id=f"{request.request_id}~s{k}", sampling=params,
-                      resume_token_ids=tuple(done), resume_samples=MappingProxyType({}))  # fmt: skip
+        sub = replace(
+            request,
+            request_id=f"{request.request_id}~s{k}",
+            sampling=params,
+            resume_token_ids=tuple(done),
+            resume_samples=MappingProxyType({}),
+        )
         out.append((k, sub))
     return out
 
@@ -127,8 +132,9 @@ class Samples:
                     # One sample aborted (the request's abort reaches all of them): the request ends
                     # with one CANCELLED once every sample stopped.
                     if cancelled is None:
-                        cancelled = TokenDelta(finish_reason=FinishReason.CANCELLED,
-                                               prompt_tokens=item.prompt_tokens, sample=item.sample)  # fmt: skip
+                        cancelled = TokenDelta(
+                            finish_reason=FinishReason.CANCELLED, prompt_tokens=item.prompt_tokens, sample=item.sample
+                        )
                         await self.abort(rid)
                     continue
                 if cancelled is not None:

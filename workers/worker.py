@@ -66,8 +66,9 @@ class Worker:
         self._samples = Samples(engine)  # generation jobs go through it (GenerateRequest.n)
         self.outbox = Outbox(queue, on_cancel=self._cancel, on_fail=self._outbox_failed)
         self.jobs = Inflight(self._samples, self.outbox, batches, self.name, self.life)
-        self._leasing = Leasing(settings, queue, batches, batch or BatchSettings(), block_ms, self.jobs,
-                                self.outbox, self.life)  # fmt: skip
+        self._leasing = Leasing(
+            settings, queue, batches, batch or BatchSettings(), block_ms, self.jobs, self.outbox, self.life
+        )
         self.adapters = LoraAdapters(settings, queue, engine, self.life)
         self._heartbeat = Heartbeat(settings, queue, batches, engine, self.life, self.jobs, self.adapters)
         self._watchdog = Watchdog(settings, engine, self._samples, self.life)

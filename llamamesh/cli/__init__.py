@@ -1,15 +1,15 @@
 """The ``llamamesh`` command.
 
-  llamamesh serve                 a whole node: embedded Valkey (unless LLAMAMESH_REDIS_URL), gateway, CPU worker
-  llamamesh gateway | worker      one process of a node (what Kubernetes runs)
-  llamamesh generate "..."        stream an answer to the terminal
-  llamamesh demo "..."            start a node, stream one answer, stop
-  llamamesh models | tokenize     the models served; a prompt's token ids
-  llamamesh top [--once]          each pool: workers, requests in flight / slots, queue, tokens/s (AdminService)
-  llamamesh batch submit FILE.jsonl [--summarise]   submit a durable batch, show its progress
-  llamamesh batch status | results | cancel | list  follow it (JSONL formats: llamamesh/cli/batchfile.py)
-  llamamesh auth create-key TENANT [--admin] | revoke-key KEY_ID | list-keys   the tenants file
-  llamamesh config                the effective configuration, secrets redacted
+llamamesh serve                 a whole node: embedded Valkey (unless LLAMAMESH_REDIS_URL), gateway, CPU worker
+llamamesh gateway | worker      one process of a node (what Kubernetes runs)
+llamamesh generate "..."        stream an answer to the terminal
+llamamesh demo "..."            start a node, stream one answer, stop
+llamamesh models | tokenize     the models served; a prompt's token ids
+llamamesh top [--once]          each pool: workers, requests in flight / slots, queue, tokens/s (AdminService)
+llamamesh batch submit FILE.jsonl [--summarise]   submit a durable batch, show its progress
+llamamesh batch status | results | cancel | list  follow it (JSONL formats: llamamesh/cli/batchfile.py)
+llamamesh auth create-key TENANT [--admin] | revoke-key KEY_ID | list-keys   the tenants file
+llamamesh config                the effective configuration, secrets redacted
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ COMMANDS = (serve, generate, models, top, batch, auth, config)
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="llamamesh", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="llamamesh", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--version", action="version", version=f"llamamesh {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     for command in COMMANDS:

@@ -34,8 +34,11 @@ def cmd_auth(args: argparse.Namespace) -> int:
         if args.action == "create-key":
             key_id, key = tenants.create_key(path, args.tenant, admin=args.admin)
             print(key)
-            print(f"key id {key_id} for tenant {args.tenant}{' (admin)' if args.admin else ''} added to {path}; "
-                  "the key is shown only now", file=sys.stderr)  # fmt: skip
+            print(
+                f"key id {key_id} for tenant {args.tenant}{' (admin)' if args.admin else ''} added to {path}; "
+                "the key is shown only now",
+                file=sys.stderr,
+            )
         elif args.action == "revoke-key":
             tenants.revoke_key(path, args.key_id)
             print(f"key {args.key_id} revoked in {path}", file=sys.stderr)

@@ -35,8 +35,12 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         if name == "results":
             a.add_argument("-o", "--output", help="append the results to this JSONL file (default: stdout)")
             a.add_argument("--cursor", help="resume after this result's cursor")
-            a.add_argument("--follow", action=argparse.BooleanOptionalAction, default=True,
-                           help="wait until the batch ends (default)")  # fmt: skip
+            a.add_argument(
+                "--follow",
+                action=argparse.BooleanOptionalAction,
+                default=True,
+                help="wait until the batch ends (default)",
+            )
         a.set_defaults(func=cmd_batch)
 
 
@@ -81,8 +85,10 @@ async def _batch(args: argparse.Namespace, lines: list[str], out: TextIO) -> int
                 await ACTIONS[args.action](c.batches, meta, args, out)
         except grpc.aio.AioRpcError as exc:
             fields = field_violations(exc)
-            print(f"error: {exc.code().name}: {exc.details()}" + (f" (fields: {', '.join(fields)})" if fields else ""),
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"error: {exc.code().name}: {exc.details()}" + (f" (fields: {', '.join(fields)})" if fields else ""),
+                file=sys.stderr,
+            )
             return 1
         except ValueError as exc:  # a bad input file, or flags that do not go together
             print(f"error: {exc}", file=sys.stderr)
@@ -96,8 +102,9 @@ async def _submit(stub: Any, meta: Metadata, args: argparse.Namespace, lines: li
     if args.window:
         req.completion_window_s = args.window
     if args.summarise:
-        params = build_request(model=args.model, max_tokens=args.max_tokens, temperature=args.temperature,
-                               json_schema=args.json_schema)  # fmt: skip
+        params = build_request(
+            model=args.model, max_tokens=args.max_tokens, temperature=args.temperature, json_schema=args.json_schema
+        )
         req.summarise.CopyFrom(batchfile.summarise_request(lines, params, args.template or ""))
     elif args.json_schema:
         raise ValueError("--json-schema goes with --summarise (items carry their own response_format)")
@@ -121,8 +128,10 @@ def _progress(b: bpb.Batch, out: TextIO) -> None:
     width = 30
     bar = "#" * (width * done // max(c.total, 1))
     state = bpb.BatchState.Name(b.state).removeprefix("BATCH_STATE_").lower()
-    out.write(f"\r[{bar:<{width}}] {done}/{c.total} {state}: {c.succeeded} ok, {c.errored} errored, "
-              f"{c.cancelled} cancelled, {c.expired} expired ")  # fmt: skip
+    out.write(
+        f"\r[{bar:<{width}}] {done}/{c.total} {state}: {c.succeeded} ok, {c.errored} errored, "
+        f"{c.cancelled} cancelled, {c.expired} expired "
+    )
     out.flush()
 
 

@@ -34,7 +34,7 @@ def summarise_request(lines: Iterable[str], params: pb.GenerateRequest, template
     docs = []
     for n, obj in read_lines(lines):
         if not isinstance(obj.get("text"), str):
-            raise ValueError(f"line {n}: needs a \"text\" string")
+            raise ValueError(f'line {n}: needs a "text" string')
         docs.append(bpb.Document(custom_id=str(obj.get("custom_id", "")), text=obj["text"]))
     return bpb.Summarise(template=template, documents=docs, params=params)
 

@@ -78,8 +78,12 @@ def generation_flags(p: argparse.ArgumentParser) -> None:
 
 
 def format_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json-schema", metavar="FILE", type=file_text,
-                   help="the answer is JSON that validates against the JSON schema in FILE")  # fmt: skip
+    p.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        type=file_text,
+        help="the answer is JSON that validates against the JSON schema in FILE",
+    )
 
 
 def file_text(path: str) -> str:
@@ -98,8 +102,9 @@ def client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls", action="store_true", help="TLS with the system's CAs (implied by --tls-ca)")
     p.add_argument("--tls-cert", help="mutual TLS: this client's certificate (LLAMAMESH_CLIENT_TLS_CERT)")
     p.add_argument("--tls-key", help="mutual TLS: this client's key (LLAMAMESH_CLIENT_TLS_KEY)")
-    p.add_argument("--tls-server-name",
-                   help="the name the gateway's certificate must carry (LLAMAMESH_CLIENT_TLS_SERVER_NAME)")  # fmt: skip
+    p.add_argument(
+        "--tls-server-name", help="the name the gateway's certificate must carry (LLAMAMESH_CLIENT_TLS_SERVER_NAME)"
+    )
 
 
 def client_settings(args: argparse.Namespace) -> ClientSettings:

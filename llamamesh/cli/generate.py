@@ -49,8 +49,10 @@ async def stream_answer(address: str, args: argparse.Namespace, wait_s: float, o
                 last = msg
         except grpc.aio.AioRpcError as err:
             fields = field_violations(err)
-            print(f"\nerror: {err.code().name}: {err.details()}" + (f" (fields: {fields})" if fields else ""),
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"\nerror: {err.code().name}: {err.details()}" + (f" (fields: {fields})" if fields else ""),
+                file=sys.stderr,
+            )
             return 1
     for k in sorted(samples):
         finish = _finish(ends[k]) if ends[k] else None
@@ -69,9 +71,18 @@ def _prompt(args: argparse.Namespace) -> tuple[str | None, Messages | None]:
 
 def _fields(args: argparse.Namespace, n: int) -> dict[str, Any]:
     temperature = args.temperature if args.temperature is not None else (1.0 if n > 1 else 0.0)
-    return dict(model=args.model or None, max_tokens=args.max_tokens, temperature=temperature, top_p=args.top_p,
-                seed=args.seed, stop=args.stop, n=args.n, json_schema=args.json_schema, regex=args.regex,
-                choice=args.choice)  # fmt: skip
+    return dict(
+        model=args.model or None,
+        max_tokens=args.max_tokens,
+        temperature=temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+        n=args.n,
+        json_schema=args.json_schema,
+        regex=args.regex,
+        choice=args.choice,
+    )
 
 
 def _summary(last: pb.GenerateResponse) -> None:

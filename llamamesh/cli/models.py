@@ -42,8 +42,11 @@ def cmd_models(args: argparse.Namespace) -> int:
     async def run() -> None:
         async with flags.client(args.address, args) as c:
             for m in await c.list_models():
-                print(f"{m.id}\tpool={m.pool}" + ("\tdefault" if m.default else "")
-                      + (f"\tadapter of {m.base}" if m.adapter else ""))  # fmt: skip
+                print(
+                    f"{m.id}\tpool={m.pool}"
+                    + ("\tdefault" if m.default else "")
+                    + (f"\tadapter of {m.base}" if m.adapter else "")
+                )
 
     asyncio.run(run())
     return 0
@@ -59,15 +62,18 @@ def cmd_adapter(args: argparse.Namespace) -> int:
                 print(f"adapter {args.name} served by {', '.join(workers)}")
             else:
                 pending = await c.unload_adapter(args.name, args.model, args.wait)
-                print(f"adapter {args.name} unloaded" + (f"; still served by {', '.join(pending)} (in use)"
-                                                          if pending else ""))  # fmt: skip
+                print(
+                    f"adapter {args.name} unloaded"
+                    + (f"; still served by {', '.join(pending)} (in use)" if pending else "")
+                )
 
     try:
         asyncio.run(run())
     except grpc.aio.AioRpcError as err:
         fields = field_violations(err)
-        print(f"error: {err.code().name}: {err.details()}" + (f" (fields: {fields})" if fields else ""),
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"error: {err.code().name}: {err.details()}" + (f" (fields: {fields})" if fields else ""), file=sys.stderr
+        )
         return 1
     return 0
 

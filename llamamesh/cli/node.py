@@ -112,8 +112,12 @@ class Node:
         w = self.settings.worker
         self._metrics = metrics.Aggregate(w.metrics_port, w.metrics_host, "worker", prometheus_multiproc_dir())
         env = self.settings.to_env()
-        worker_env = {**env, "LLAMAMESH_WORKER_METRICS_PORT": "0", "LLAMAMESH_WORKER_HEALTH_PORT": "0",
-                      **self._metrics.children_env()}  # fmt: skip
+        worker_env = {
+            **env,
+            "LLAMAMESH_WORKER_METRICS_PORT": "0",
+            "LLAMAMESH_WORKER_HEALTH_PORT": "0",
+            **self._metrics.children_env(),
+        }
         if self._log_file is not None:
             self._log_file.parent.mkdir(parents=True, exist_ok=True)
             self._log_handle = self._log_file.open("ab")
@@ -126,8 +130,13 @@ class Node:
         self.supervisor.start()
         if self._embedded is not None and self._embedded.process is not None:
             self.supervisor.watch("redis", self._embedded.process)
-        log.info("node_started", address=self.address, redis=self.settings.redis.url, workers=self._n_workers,
-                 metrics=self.metrics_urls)  # fmt: skip
+        log.info(
+            "node_started",
+            address=self.address,
+            redis=self.settings.redis.url,
+            workers=self._n_workers,
+            metrics=self.metrics_urls,
+        )
 
     def _worker_exited(self, state: ChildState) -> None:
         """Write the exit into the worker's heartbeat (keeping the reason it gave, if it failed to

@@ -21,8 +21,20 @@ import grpc
 from llamamesh.cli import flags
 from llamamesh.v1 import admin_pb2 as pb
 
-POOL_COLUMNS = ("POOL", "BREAKER", "SERVING", "READY", "STARTING", "FAILED", "INFLIGHT/SLOTS", "QUEUED", "LEASED",
-                "WAIT", "TOK/S", "FALLBACK")  # fmt: skip
+POOL_COLUMNS = (
+    "POOL",
+    "BREAKER",
+    "SERVING",
+    "READY",
+    "STARTING",
+    "FAILED",
+    "INFLIGHT/SLOTS",
+    "QUEUED",
+    "LEASED",
+    "WAIT",
+    "TOK/S",
+    "FALLBACK",
+)
 WORKER_COLUMNS = ("  WORKER", "STATE", "ENGINE", "MODEL", "INFLIGHT/SLOTS", "RUNNING", "WAITING", "KV", "DETAIL")
 
 
@@ -41,17 +53,33 @@ def pool_row(b: pb.Backend) -> list[str]:
     inflight = sum(w.inflight for w in b.workers)
     slots = sum(w.max_inflight for w in b.workers if w.state == "ready")
     return [
-        b.pool, b.breaker_state, "yes" if b.serving else "no", str(states["ready"]), str(states["starting"]),
-        str(states["failed"]), f"{inflight}/{slots}", _optional(b, "queue_depth"), _optional(b, "queue_pending"),
-        f"{b.queue_wait_s:.2f}s", f"{b.tokens_per_s:.1f}", b.fallback or "-",
-    ]  # fmt: skip
+        b.pool,
+        b.breaker_state,
+        "yes" if b.serving else "no",
+        str(states["ready"]),
+        str(states["starting"]),
+        str(states["failed"]),
+        f"{inflight}/{slots}",
+        _optional(b, "queue_depth"),
+        _optional(b, "queue_pending"),
+        f"{b.queue_wait_s:.2f}s",
+        f"{b.tokens_per_s:.1f}",
+        b.fallback or "-",
+    ]
 
 
 def worker_row(w: pb.Worker) -> list[str]:
     return [
-        f"  {w.name}", w.state, w.engine, w.model or "-", f"{w.inflight}/{w.max_inflight}", str(w.running),
-        str(w.waiting), f"{w.kv_cache_usage:.0%}", w.detail,
-    ]  # fmt: skip
+        f"  {w.name}",
+        w.state,
+        w.engine,
+        w.model or "-",
+        f"{w.inflight}/{w.max_inflight}",
+        str(w.running),
+        str(w.waiting),
+        f"{w.kv_cache_usage:.0%}",
+        w.detail,
+    ]
 
 
 def render(resp: pb.ListBackendsResponse, title: str = "") -> str:

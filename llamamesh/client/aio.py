@@ -51,8 +51,15 @@ class Client(Stubs[grpc.aio.Channel]):
         streams should open about one per 32 streams (``LLAMAMESH_GATEWAY_PROCESSES`` > 1 then serves
         them all); the other calls, and ``stub``, use the first."""
         conn = Connection(api_key, tls, tls_ca, tls_cert, tls_key, tls_server_name, retries, load_balancing)
-        self._open("Client", address, channel, conn, connections, resume_attempts,
-                   lambda a, own: conn.aio_channel(a, own_connection=own))  # fmt: skip
+        self._open(
+            "Client",
+            address,
+            channel,
+            conn,
+            connections,
+            resume_attempts,
+            lambda a, own: conn.aio_channel(a, own_connection=own),
+        )
 
     @classmethod
     def from_settings(cls, address: str, settings: ClientSettings, tls: bool = False) -> Client:

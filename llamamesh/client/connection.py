@@ -103,11 +103,18 @@ def service_config(retries: int, load_balancing: str) -> str:
     if load_balancing == "round_robin":
         config["healthCheckConfig"] = {"serviceName": ""}
     if retries:
-        config["methodConfig"] = [{
-            "name": [{"service": s} for s in RETRIED_SERVICES],
-            "retryPolicy": {"maxAttempts": min(retries + 1, 5), "initialBackoff": "0.2s", "maxBackoff": "2s",
-                            "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
-        }]  # fmt: skip
+        config["methodConfig"] = [
+            {
+                "name": [{"service": s} for s in RETRIED_SERVICES],
+                "retryPolicy": {
+                    "maxAttempts": min(retries + 1, 5),
+                    "initialBackoff": "0.2s",
+                    "maxBackoff": "2s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
     return json.dumps(config)
 
 

@@ -72,9 +72,13 @@ class SyncMetadata(
 
     def _details(self, d: Any) -> grpc.ClientCallDetails:
         return _SyncDetails(
-            d.method, d.timeout, (*(d.metadata or ()), *self._extra), d.credentials,
-            getattr(d, "wait_for_ready", None), getattr(d, "compression", None),
-        )  # fmt: skip
+            d.method,
+            d.timeout,
+            (*(d.metadata or ()), *self._extra),
+            d.credentials,
+            getattr(d, "wait_for_ready", None),
+            getattr(d, "compression", None),
+        )
 
     def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
         return continuation(self._details(client_call_details), request)

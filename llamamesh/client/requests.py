@@ -30,9 +30,7 @@ def response_format(**given: Any) -> pb.ResponseFormat | None:
     return pb.ResponseFormat(**{kind: value})
 
 
-def build_request(
-    prompt: str | None = None, messages: Messages | None = None, **fields: Any
-) -> pb.GenerateRequest:
+def build_request(prompt: str | None = None, messages: Messages | None = None, **fields: Any) -> pb.GenerateRequest:
     """A GenerateRequest from a prompt or (role, content) pairs plus any request fields. A response
     format can be given as one of ``json_schema=`` (a dict or JSON text), ``json_object=True``,
     ``regex=``, ``choice=[...]`` or ``grammar=`` (or as ``response_format=`` itself)."""

@@ -17,10 +17,18 @@ ChannelT = TypeVar("ChannelT")
 
 def options_of(settings: ClientSettings, tls: bool = False) -> dict[str, Any]:
     """The client keywords ``settings`` give (``tls``: TLS even without a CA file)."""
-    return {"api_key": settings.api_key, "tls": tls, "tls_ca": settings.tls_ca, "tls_cert": settings.tls_cert,
-            "tls_key": settings.tls_key, "tls_server_name": settings.tls_server_name, "retries": settings.retries,
-            "load_balancing": settings.load_balancing, "connections": settings.connections,
-            "resume_attempts": settings.resume_attempts}  # fmt: skip
+    return {
+        "api_key": settings.api_key,
+        "tls": tls,
+        "tls_ca": settings.tls_ca,
+        "tls_cert": settings.tls_cert,
+        "tls_key": settings.tls_key,
+        "tls_server_name": settings.tls_server_name,
+        "retries": settings.retries,
+        "load_balancing": settings.load_balancing,
+        "connections": settings.connections,
+        "resume_attempts": settings.resume_attempts,
+    }
 
 
 class Stubs(Generic[ChannelT]):
@@ -29,9 +37,15 @@ class Stubs(Generic[ChannelT]):
     type stubs): hence the ignores on creating them."""
 
     def _open(
-        self, kind: str, address: str, channel: ChannelT | None, conn: Connection, connections: int,
-        resume_attempts: int, make: Callable[[str, bool], ChannelT],
-    ) -> None:  # fmt: skip
+        self,
+        kind: str,
+        address: str,
+        channel: ChannelT | None,
+        conn: Connection,
+        connections: int,
+        resume_attempts: int,
+        make: Callable[[str, bool], ChannelT],
+    ) -> None:
         """Raises ValueError naming ``kind`` for options that do not go together."""
         if channel is not None and (conn != Connection() or connections != 1):
             raise ValueError(f"{kind}: give either a channel or connection options, not both")

@@ -40,8 +40,15 @@ class SyncClient(Stubs[grpc.Channel]):
     ) -> None:
         """``channel`` and ``connections``: as in ``Client``."""
         conn = Connection(api_key, tls, tls_ca, tls_cert, tls_key, tls_server_name, retries, load_balancing)
-        self._open("SyncClient", address, channel, conn, connections, resume_attempts,
-                   lambda a, own: conn.channel(a, own_connection=own))  # fmt: skip
+        self._open(
+            "SyncClient",
+            address,
+            channel,
+            conn,
+            connections,
+            resume_attempts,
+            lambda a, own: conn.channel(a, own_connection=own),
+        )
 
     @classmethod
     def from_settings(cls, address: str, settings: ClientSettings, tls: bool = False) -> SyncClient:

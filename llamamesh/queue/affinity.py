@@ -36,9 +36,13 @@ def share(partitions: int, live: int, short: bool) -> int:
 
 
 def assign(
-    owners: Mapping[int, tuple[str, int]], members: Mapping[str, int], me: str, now_ms: int, ttl_ms: int,
+    owners: Mapping[int, tuple[str, int]],
+    members: Mapping[str, int],
+    me: str,
+    now_ms: int,
+    ttl_ms: int,
     partitions: int,
-) -> tuple[dict[int, tuple[str, int]], dict[str, int], list[int]]:  # fmt: skip
+) -> tuple[dict[int, tuple[str, int]], dict[str, int], list[int]]:
     """One ownership step of worker ``me`` (a ready worker's heartbeat): the new owners (partition
     -> (worker, expiry ms)), the new members (worker -> expiry ms, expired ones gone) and the
     partitions ``me`` owns now, in order. lua/own_partitions.lua is the same step on Redis.

@@ -97,18 +97,26 @@ class BatchItems:
             by_batch.setdefault(req.batch_id, []).append(req.custom_id)
         now = time.time()
         with unreachable():
-            replies = await call_scripts(self._r, [
-                (self._start, [self.keys.batch(bid), self.keys.batch_started(bid)], [now, *cids])
-                for bid, cids in by_batch.items()
-            ])  # fmt: skip
+            replies = await call_scripts(
+                self._r,
+                [
+                    (self._start, [self.keys.batch(bid), self.keys.batch_started(bid)], [now, *cids])
+                    for bid, cids in by_batch.items()
+                ],
+            )
         if bad:
             await groups.drop(self._r, self.keys.batch_items(pool), bad)
         gate = {bid: r.decode() if isinstance(r, bytes) else str(r) for bid, r in zip(by_batch, replies, strict=False)}
         return [
-            Lease(pool, eid, req, cancelled=gate[req.batch_id] not in ("ok", "expired"),
-                  expired=gate[req.batch_id] == "expired")
+            Lease(
+                pool,
+                eid,
+                req,
+                cancelled=gate[req.batch_id] not in ("ok", "expired"),
+                expired=gate[req.batch_id] == "expired",
+            )
             for eid, req in decoded
-        ]  # fmt: skip
+        ]
 
     async def discard(self, lease: Lease) -> None:
         """Ack and drop a leased item without a result (a second copy of an item already running)."""
@@ -125,11 +133,19 @@ class BatchItems:
         here: execution is at least once, the result exactly once."""
         req = lease.request
         with unreachable():
-            done = int(await self._record(
-                keys=batch_record.item_keys(self.keys, req.batch_id),
-                args=[req.custom_id, result.status.value, codec.encode_result(result), time.time(),
-                      self.retention.batch_s, self.fail_after],
-            ))  # fmt: skip
+            done = int(
+                await self._record(
+                    keys=batch_record.item_keys(self.keys, req.batch_id),
+                    args=[
+                        req.custom_id,
+                        result.status.value,
+                        codec.encode_result(result),
+                        time.time(),
+                        self.retention.batch_s,
+                        self.fail_after,
+                    ],
+                )
+            )
         await self.discard(lease)
         if done == 2:
             await self.settle(req.batch_id)

@@ -51,8 +51,13 @@ def waits(info: BatchInfo) -> bool:
 def item_keys(keys: Keys, batch_id: str) -> list[str]:
     """The keys an item's result touches (record_result.lua, skip_unstarted.lua): meta, done,
     results, ids, started."""
-    return [keys.batch(batch_id), keys.batch_done(batch_id), keys.batch_results(batch_id),
-            keys.batch_ids(batch_id), keys.batch_started(batch_id)]  # fmt: skip
+    return [
+        keys.batch(batch_id),
+        keys.batch_done(batch_id),
+        keys.batch_results(batch_id),
+        keys.batch_ids(batch_id),
+        keys.batch_started(batch_id),
+    ]
 
 
 def _float(raw: Any, default: float = 0.0) -> float:

@@ -76,8 +76,14 @@ class RedisBatches:
     def from_settings(
         cls, client: aioredis.Redis, keys: Keys, settings: BatchSettings, replicas: Replicas | None = None
     ) -> RedisBatches:
-        return cls(client, keys, settings.retention_s, settings.fail_after, claim_idle_s=settings.claim_idle_s,
-                   replicas=replicas)  # fmt: skip
+        return cls(
+            client,
+            keys,
+            settings.retention_s,
+            settings.fail_after,
+            claim_idle_s=settings.claim_idle_s,
+            replicas=replicas,
+        )
 
     # ---- the gateway's side --------------------------------------------------
     async def create(
@@ -123,8 +129,9 @@ class RedisBatches:
         finish; the batch is cancelled with the last); an ended one is returned as it is. None if
         unknown."""
         with unreachable():
-            replies = await self._replicas.script(self._r, self._cancel, keys=[self.keys.batch(batch_id)],
-                                                  args=[time.time()])  # fmt: skip
+            replies = await self._replicas.script(
+                self._r, self._cancel, keys=[self.keys.batch(batch_id)], args=[time.time()]
+            )
         state = replies[0]
         if state:
             self._replicas.check(replies, "the cancel")

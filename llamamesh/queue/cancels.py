@@ -80,5 +80,7 @@ class CancelFlags:
                 flags = await pipe.execute()
         gone = self.cancelled(requests, flags[:n_flags])
         begun = flags[n_flags:] if reclaimed else [False] * len(leases)
-        return [dataclasses.replace(lease, cancelled=lease.request.request_id in gone, started=bool(b))
-                for lease, b in zip(leases, begun, strict=True)]  # fmt: skip
+        return [
+            dataclasses.replace(lease, cancelled=lease.request.request_id in gone, started=bool(b))
+            for lease, b in zip(leases, begun, strict=True)
+        ]

@@ -115,9 +115,7 @@ def decode_job(data: bytes) -> GenerationRequest:
         model=job.model,
         prompt=job.prompt if which == "prompt" else None,
         messages=(
-            tuple(ChatMessage(m.role, m.content) for m in job.messages.messages)
-            if which == "messages"
-            else None
+            tuple(ChatMessage(m.role, m.content) for m in job.messages.messages) if which == "messages" else None
         ),
         sampling=SamplingParams(**values),  # type: ignore[arg-type]  # fields come from the dataclass itself
         priority=job.priority,

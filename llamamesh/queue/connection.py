@@ -24,8 +24,10 @@ def tls_options(settings: RedisSettings) -> dict[str, Any]:
     files = {"ssl_ca_certs": settings.tls_ca, "ssl_certfile": settings.tls_cert, "ssl_keyfile": settings.tls_key}
     if not settings.url.startswith(("rediss://", "rediss+sentinel://", "rediss+cluster://")):
         if any(files.values()):
-            raise ValueError("LLAMAMESH_REDIS_TLS_* are set but LLAMAMESH_REDIS_URL is not rediss:// "
-                             "(or rediss+sentinel://, rediss+cluster://)")  # fmt: skip
+            raise ValueError(
+                "LLAMAMESH_REDIS_TLS_* are set but LLAMAMESH_REDIS_URL is not rediss:// "
+                "(or rediss+sentinel://, rediss+cluster://)"
+            )
         return {}
     if bool(settings.tls_cert) != bool(settings.tls_key):
         raise ValueError("LLAMAMESH_REDIS_TLS_CERT and LLAMAMESH_REDIS_TLS_KEY must be set together")
@@ -56,8 +58,9 @@ class _HiredisPacking:
             return [hiredis.pack_command(args)]
         except TypeError as exc:
             kinds = sorted({type(a).__name__ for a in args if not isinstance(a, (str, bytes, int, float))})
-            raise DataError(f"Invalid input of type: {', '.join(kinds) or exc}. "
-                            "Convert to a bytes, string, int or float first.") from exc  # fmt: skip
+            raise DataError(
+                f"Invalid input of type: {', '.join(kinds) or exc}. Convert to a bytes, string, int or float first."
+            ) from exc
 
 
 _PACKED: dict[type, type] = {}

@@ -29,9 +29,16 @@ from llamamesh.types import GenerationRequest, JobEvent
 
 class EventStreams:
     def __init__(
-        self, client: aioredis.Redis, keys: Keys, retention: Retention, flags: CancelFlags, attempts: AttemptsLog,
-        clock: Callable[[], float], block_ms: int, outage_grace_s: float,
-    ) -> None:  # fmt: skip
+        self,
+        client: aioredis.Redis,
+        keys: Keys,
+        retention: Retention,
+        flags: CancelFlags,
+        attempts: AttemptsLog,
+        clock: Callable[[], float],
+        block_ms: int,
+        outage_grace_s: float,
+    ) -> None:
         self._r = client
         self.keys = keys
         self.retention = retention

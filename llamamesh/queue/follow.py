@@ -135,9 +135,13 @@ class EventFollower:
     place; only an outage longer than ``outage_grace_s`` reaches them, as ``QueueUnavailable``."""
 
     def __init__(
-        self, client: aioredis.Redis, keys: Keys, block_ms: int, wake_ttl_s: int = Retention.event_idle_s,
+        self,
+        client: aioredis.Redis,
+        keys: Keys,
+        block_ms: int,
+        wake_ttl_s: int = Retention.event_idle_s,
         outage_grace_s: float = 0.0,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._r = client
         self._keys = keys
         self._id = uuid.uuid4().hex

@@ -44,12 +44,16 @@ class BatchIntake:
     def batch_keys(self, batch_id: str) -> list[str]:
         """Every key of the batch's own slot, its record first."""
         k = self.keys
-        return [k.batch(batch_id), k.batch_done(batch_id), k.batch_results(batch_id), k.batch_ids(batch_id),
-                k.batch_started(batch_id), k.batch_queued(batch_id)]  # fmt: skip
+        return [
+            k.batch(batch_id),
+            k.batch_done(batch_id),
+            k.batch_results(batch_id),
+            k.batch_ids(batch_id),
+            k.batch_started(batch_id),
+            k.batch_queued(batch_id),
+        ]
 
-    async def create(
-        self, info: BatchInfo, fingerprint: str, items: Sequence[tuple[str, GenerationRequest]]
-    ) -> bool:
+    async def create(self, info: BatchInfo, fingerprint: str, items: Sequence[tuple[str, GenerationRequest]]) -> bool:
         """Store the batch and queue every item (``(pool, request)`` each) that is not queued yet;
         True if it is new. AlreadyExists when the id names a batch with another fingerprint. On any
         failure what this call wrote is dropped, if Redis lets it, and the error raised.
@@ -118,9 +122,12 @@ class BatchIntake:
                     self._replicas.check(await pipe.execute(), "the batch")
 
     async def _enqueue(
-        self, info: BatchInfo, items: Sequence[tuple[str, GenerationRequest]], created: bool,
+        self,
+        info: BatchInfo,
+        items: Sequence[tuple[str, GenerationRequest]],
+        created: bool,
         written: list[tuple[str, str]],
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Steps 3-5 for the items not queued yet, adding each entry it writes to ``written``.
         Raises QueueUnavailable unless the batch is sealed."""
         bid = info.batch_id
@@ -230,10 +237,21 @@ class BatchIntake:
 def _record(info: BatchInfo, fingerprint: str, items: Sequence[tuple[str, GenerationRequest]]) -> dict[str, Any]:
     """A new batch's record (batch_record.py reads it), as create_batch.lua stores it."""
     return {
-        "id": info.batch_id, "state": BatchState.IN_PROGRESS.value, "owner": info.owner, "model": info.model,
-        "total": info.total, "completion_window_s": info.completion_window_s, "created_at": info.created_at,
-        "expires_at": info.expires_at, "fingerprint": fingerprint, "metadata": json.dumps(dict(info.metadata)),
-        "t:validating": info.created_at, "t:in_progress": time.time(),
+        "id": info.batch_id,
+        "state": BatchState.IN_PROGRESS.value,
+        "owner": info.owner,
+        "model": info.model,
+        "total": info.total,
+        "completion_window_s": info.completion_window_s,
+        "created_at": info.created_at,
+        "expires_at": info.expires_at,
+        "fingerprint": fingerprint,
+        "metadata": json.dumps(dict(info.metadata)),
+        "t:validating": info.created_at,
+        "t:in_progress": time.time(),
         "pools": ",".join(sorted({pool for pool, _request in items})),
-        "succeeded": 0, "errored": 0, "cancelled": 0, "expired": 0,
-    }  # fmt: skip
+        "succeeded": 0,
+        "errored": 0,
+        "cancelled": 0,
+        "expired": 0,
+    }

@@ -319,9 +319,12 @@ class Retention:
         out = cls()
         if redis is not None:
             out = replace(
-                out, event_s=redis.event_ttl_s, event_idle_s=redis.event_idle_ttl_s,
-                dead_letters=redis.dead_letter_maxlen, consumer_idle_s=redis.consumer_idle_s,
-            )  # fmt: skip
+                out,
+                event_s=redis.event_ttl_s,
+                event_idle_s=redis.event_idle_ttl_s,
+                dead_letters=redis.dead_letter_maxlen,
+                consumer_idle_s=redis.consumer_idle_s,
+            )
         if batch is not None:
             out = replace(out, batch_s=batch.retention_s)
         return out

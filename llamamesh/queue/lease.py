@@ -47,9 +47,15 @@ class Taken(NamedTuple):
 
 class Leasing:
     def __init__(
-        self, client: aioredis.Redis, keys: Keys, work: WorkStreams, flags: CancelFlags,
-        owned: Callable[[str, str], list[int]], clock: Callable[[], float], steal_after_ms: int,
-    ) -> None:  # fmt: skip
+        self,
+        client: aioredis.Redis,
+        keys: Keys,
+        work: WorkStreams,
+        flags: CancelFlags,
+        owned: Callable[[str, str], list[int]],
+        clock: Callable[[], float],
+        steal_after_ms: int,
+    ) -> None:
         self._r = client
         self.keys = keys
         self._work = work
@@ -108,9 +114,15 @@ class Leasing:
         fair.set_tenants(await self._work.tenants(pool), self._clock())
 
     async def _look(
-        self, pool: str, consumer: str, count: int, fair: FairShare, exclude: Collection[str],
-        owned: Sequence[int | None], others: Sequence[int],
-    ) -> list[Taken]:  # fmt: skip
+        self,
+        pool: str,
+        consumer: str,
+        count: int,
+        fair: FairShare,
+        exclude: Collection[str],
+        owned: Sequence[int | None],
+        others: Sequence[int],
+    ) -> list[Taken]:
         """Without blocking: the rounds over the tenants' ``owned`` partitions; only if they gave
         nothing, over those of tenants that came meanwhile (read again first); only if that gave
         nothing either, over the ``others`` (a steal: the oldest jobs that waited
@@ -124,14 +136,19 @@ class Leasing:
             if owned and (fresh := set(fair.tenants) - before - set(exclude)):
                 got = await self._rounds(pool, consumer, count, fair, fresh, owned)
         if not got and others:
-            got = await self._rounds(pool, consumer, count, fair, set(fair.tenants) - set(exclude), others,
-                                     stolen=True)  # fmt: skip
+            got = await self._rounds(pool, consumer, count, fair, set(fair.tenants) - set(exclude), others, stolen=True)
         return got
 
     async def _rounds(
-        self, pool: str, consumer: str, count: int, fair: FairShare, candidates: set[str],
-        partitions: Sequence[int | None], stolen: bool = False,
-    ) -> list[Taken]:  # fmt: skip
+        self,
+        pool: str,
+        consumer: str,
+        count: int,
+        fair: FairShare,
+        candidates: set[str],
+        partitions: Sequence[int | None],
+        stolen: bool = False,
+    ) -> list[Taken]:
         """Non-blocking leases by the fair share's plan until ``count`` or no candidate is left: a
         tenant's share is read from its stream (affinity off), or is the oldest jobs among its
         ``partitions`` (take_oldest.lua, one script a tenant). Streams found missing are made again."""
@@ -175,25 +192,40 @@ class Leasing:
         ``stolen`` (others' partitions): only jobs that waited ``affinity_steal_after_ms``."""
         age = self._steal_after_ms if stolen else 0
         with unreachable("cannot read the work stream"):
-            replies = await call_scripts(self._r, [
-                (self._take, [self.keys.work(pool, tenant, k) for k in partitions], [WORKER_GROUP, consumer, n, age])
-                for tenant, n in asks.items()
-            ])  # fmt: skip
+            replies = await call_scripts(
+                self._r,
+                [
+                    (
+                        self._take,
+                        [self.keys.work(pool, tenant, k) for k in partitions],
+                        [WORKER_GROUP, consumer, n, age],
+                    )
+                    for tenant, n in asks.items()
+                ],
+            )
         out: list[tuple[list[Taken], bool]] = []
         for tenant, reply in zip(asks, replies, strict=True):
             if isinstance(reply, BaseException):
                 raise QueueUnavailable(f"cannot read the work stream: {reply}") from reply
             taken, missing = reply
-            entries = [Taken(tenant, partitions[int(i) - 1], eid.decode(), dict(zip(f[::2], f[1::2], strict=True)),
-                             stolen) for i, eid, f in taken]  # fmt: skip
+            entries = [
+                Taken(tenant, partitions[int(i) - 1], eid.decode(), dict(zip(f[::2], f[1::2], strict=True)), stolen)
+                for i, eid, f in taken
+            ]
             entries.sort(key=lambda e: entry_order(e.entry_id))  # oldest first (ids of one ms: any order)
             out.append((entries, bool(missing)))
         return out
 
     async def _block(
-        self, pool: str, consumer: str, count: int, block_ms: int, fair: FairShare, exclude: Collection[str],
+        self,
+        pool: str,
+        consumer: str,
+        count: int,
+        block_ms: int,
+        fair: FairShare,
+        exclude: Collection[str],
         partitions: Sequence[int | None],
-    ) -> list[Taken]:  # fmt: skip
+    ) -> list[Taken]:
         """One blocking read of the ``partitions`` of every tenant's stream (but ``exclude``'s), a
         few jobs of each (``count`` shared out); a race that fills several streams at once may
         return more than ``count``: those go back (give_back_job.lua)."""
@@ -203,8 +235,9 @@ class Leasing:
         each = max(1, count // len(streams))
         with unreachable("cannot read the work stream"):
             try:
-                reply: Any = await self._r.xreadgroup(WORKER_GROUP, consumer, dict.fromkeys(streams, ">"),
-                                                      count=each, block=block_ms)  # fmt: skip
+                reply: Any = await self._r.xreadgroup(
+                    WORKER_GROUP, consumer, dict.fromkeys(streams, ">"), count=each, block=block_ms
+                )
             except ResponseError as exc:
                 if not groups.gone(exc):
                     raise
@@ -214,8 +247,9 @@ class Leasing:
         if len(got) > count:
             with unreachable():
                 for t in got[count:]:
-                    await self._give_back(keys=[self.keys.work(pool, t.tenant, t.partition)],
-                                          args=[WORKER_GROUP, t.entry_id])  # fmt: skip
+                    await self._give_back(
+                        keys=[self.keys.work(pool, t.tenant, t.partition)], args=[WORKER_GROUP, t.entry_id]
+                    )
             got = got[:count]
         return got
 
@@ -236,8 +270,16 @@ class Leasing:
                 log.error("job_undecodable", pool=pool, tenant=t.tenant, entry_id=t.entry_id)
                 bad.setdefault((t.tenant, t.partition), []).append(t.entry_id)
                 continue
-            leased.append(Lease(pool=pool, entry_id=t.entry_id, request=request, tenant=t.tenant,
-                                partition=t.partition, stolen=t.stolen))  # fmt: skip
+            leased.append(
+                Lease(
+                    pool=pool,
+                    entry_id=t.entry_id,
+                    request=request,
+                    tenant=t.tenant,
+                    partition=t.partition,
+                    stolen=t.stolen,
+                )
+            )
         for (tenant, k), eids in bad.items():
             await groups.drop(self._r, self.keys.work(pool, tenant, k), eids)
         return await self._flags.flagged(leased)

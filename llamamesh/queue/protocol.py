@@ -223,9 +223,15 @@ class WorkQueue(AdapterRegistry, Protocol):
         ...
 
     async def reclaim(
-        self, pool: str, consumer: str, min_idle_ms: int, count: int, max_deliveries: int, own: bool = False,
+        self,
+        pool: str,
+        consumer: str,
+        min_idle_ms: int,
+        count: int,
+        max_deliveries: int,
+        own: bool = False,
         running: Collection[str] = (),
-    ) -> list[Lease]:  # fmt: skip
+    ) -> list[Lease]:
         """Take over up to ``count`` jobs leased and left untouched for ``min_idle_ms``, from all of
         the pool's work streams: their worker died, or this consumer's own ones that it does not run
         (``running``: the ``Lease.ref`` of those it does), e.g. a lease whose reply was lost, or an
@@ -245,9 +251,7 @@ class WorkQueue(AdapterRegistry, Protocol):
     async def leave(self, pool: str, worker: str) -> None:
         """Withdraw this worker's heartbeat (a clean stop)."""
 
-    async def publish(
-        self, events: Sequence[tuple[Lease, JobEvent]], watch: Sequence[GenerationRequest]
-    ) -> set[str]:
+    async def publish(self, events: Sequence[tuple[Lease, JobEvent]], watch: Sequence[GenerationRequest]) -> set[str]:
         """Write events in one round trip, in order.
 
         A terminal event also expires the event stream and acks the lease. Returns

@@ -56,15 +56,17 @@ class RedisQuotas:
             return
         burst = limits.burst or max(1, math.ceil(rps))
         with unreachable():
-            got: Any = await self._admit(keys=[self.keys.tenant_rate(tenant)],
-                                         args=[rps, burst, tpm, self.retention.rate_ms])  # fmt: skip
+            got: Any = await self._admit(
+                keys=[self.keys.tenant_rate(tenant)], args=[rps, burst, tpm, self.retention.rate_ms]
+            )
         if got != 0:
             wait_ms, which = int(got[0]), got[1].decode()
             most = f"{rps:g} requests a second" if which == "requests_per_s" else f"{tpm} tokens a minute"
             raise RateLimited(
                 f"tenant {tenant!r} is over its limit of {most} (LLAMAMESH_LIMITS_{which.upper()}); "
-                f"retry in {wait_ms / 1000:.3f} s", retry_after_s=wait_ms / 1000,
-            )  # fmt: skip
+                f"retry in {wait_ms / 1000:.3f} s",
+                retry_after_s=wait_ms / 1000,
+            )
 
     async def spend(self, tenant: str, limits: LimitsSettings, tokens: int) -> None:
         """What a request generated, taken off when it ends: the bucket may go below zero, and later
@@ -72,8 +74,9 @@ class RedisQuotas:
         if limits.tokens_per_min <= 0 or tokens <= 0:
             return
         with unreachable():
-            await self._spend(keys=[self.keys.tenant_rate(tenant)],
-                              args=[limits.tokens_per_min, tokens, self.retention.rate_ms])  # fmt: skip
+            await self._spend(
+                keys=[self.keys.tenant_rate(tenant)], args=[limits.tokens_per_min, tokens, self.retention.rate_ms]
+            )
 
     async def open_stream(self, tenant: str, limits: LimitsSettings, stream_id: str) -> None:
         """Concurrent streams: a sorted set of stream ids with lease expiries; the gateway holding a
@@ -81,13 +84,18 @@ class RedisQuotas:
         if limits.max_streams <= 0:
             return
         with unreachable():
-            n = int(await self._open(keys=[self.keys.tenant_streams(tenant)],
-                                     args=[stream_id, limits.max_streams, self.retention.stream_lease_ms]))  # fmt: skip
+            n = int(
+                await self._open(
+                    keys=[self.keys.tenant_streams(tenant)],
+                    args=[stream_id, limits.max_streams, self.retention.stream_lease_ms],
+                )
+            )
         if n:
             raise RateLimited(
                 f"tenant {tenant!r} has {n} streams open, its limit (LLAMAMESH_LIMITS_MAX_STREAMS); "
-                "retry when one has ended", retry_after_s=1.0,
-            )  # fmt: skip
+                "retry when one has ended",
+                retry_after_s=1.0,
+            )
 
     async def close_stream(self, tenant: str, stream_id: str) -> None:
         with unreachable():
@@ -101,8 +109,13 @@ class RedisQuotas:
             return
         lease_ms = self.retention.stream_lease_ms
         with unreachable():
-            await call_scripts(self._r, [(self._renew, [self.keys.tenant_streams(tenant)], [lease_ms, *ids])
-                                         for tenant, ids in by_tenant.items()])  # fmt: skip
+            await call_scripts(
+                self._r,
+                [
+                    (self._renew, [self.keys.tenant_streams(tenant)], [lease_ms, *ids])
+                    for tenant, ids in by_tenant.items()
+                ],
+            )
 
     async def reserve_batch(self, tenant: str, limits: LimitsSettings, batch_id: str, items: int, size: int) -> bool:
         """Batches: items not finished and bytes kept, reserved whole when a batch is accepted (once
@@ -122,12 +135,14 @@ class RedisQuotas:
         if which == 1:
             raise RateLimited(
                 f"tenant {tenant!r} has {held} batch items not finished; {items} more would pass its limit of "
-                f"{limits.max_batch_items} (LLAMAMESH_LIMITS_MAX_BATCH_ITEMS)", retry_after_s=BATCH_ITEMS_RETRY_S,
-            )  # fmt: skip
+                f"{limits.max_batch_items} (LLAMAMESH_LIMITS_MAX_BATCH_ITEMS)",
+                retry_after_s=BATCH_ITEMS_RETRY_S,
+            )
         raise RateLimited(
             f"tenant {tenant!r} keeps {held} bytes of batches; {size} more would pass its limit of "
-            f"{limits.max_batch_bytes} (LLAMAMESH_LIMITS_MAX_BATCH_BYTES)", retry_after_s=BATCH_BYTES_RETRY_S,
-        )  # fmt: skip
+            f"{limits.max_batch_bytes} (LLAMAMESH_LIMITS_MAX_BATCH_BYTES)",
+            retry_after_s=BATCH_BYTES_RETRY_S,
+        )
 
     def _give_call(self, tenant: str, batch_id: str, what: str) -> tuple[Any, list[str], list[str]]:
         k = self.keys

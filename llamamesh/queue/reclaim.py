@@ -29,9 +29,14 @@ _Stream = tuple[str, int | None]
 
 class Reclaimer:
     def __init__(
-        self, client: aioredis.Redis, keys: Keys, retention: Retention, work: WorkStreams, leasing: Leasing,
+        self,
+        client: aioredis.Redis,
+        keys: Keys,
+        retention: Retention,
+        work: WorkStreams,
+        leasing: Leasing,
         flags: CancelFlags,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._r = client
         self.keys = keys
         self.retention = retention
@@ -40,9 +45,15 @@ class Reclaimer:
         self._flags = flags
 
     async def reclaim(
-        self, pool: str, consumer: str, min_idle_ms: int, count: int, max_deliveries: int, own: bool = False,
+        self,
+        pool: str,
+        consumer: str,
+        min_idle_ms: int,
+        count: int,
+        max_deliveries: int,
+        own: bool = False,
         running: Collection[str] = (),
-    ) -> list[Lease]:  # fmt: skip
+    ) -> list[Lease]:
         """Each of the pool's work streams (every tenant's): XPENDING, then XCLAIM of up to ``count``
         stale entries in all, one pipeline each; a job delivered more than ``max_deliveries`` times
         goes to the dead letters. Raises QueueUnavailable."""
@@ -60,8 +71,9 @@ class Reclaimer:
                 continue
             times = delivered[(t, k)].get(eid, 1)
             if times > max_deliveries:
-                await self.dead_letter(pool, eid, req, f"the {times - 1} workers that took it died", times, tenant=t,
-                                       partition=k)  # fmt: skip
+                await self.dead_letter(
+                    pool, eid, req, f"the {times - 1} workers that took it died", times, tenant=t, partition=k
+                )
             else:
                 leases.append(Lease(pool=pool, entry_id=eid, request=req, tenant=t, partition=k))
         log.info("jobs_reclaimed", pool=pool, count=len(leases), dead=len(entries) - len(leases), own=own)
@@ -77,9 +89,14 @@ class Reclaimer:
         async with self._r.pipeline(transaction=False) as pipe:
             for t, k in where:
                 pipe.xpending_range(
-                    self.keys.work(pool, t, k), WORKER_GROUP, min="-", max="+", count=count,
-                    consumername=consumer if own else None, idle=None if own else min_idle_ms,
-                )  # fmt: skip
+                    self.keys.work(pool, t, k),
+                    WORKER_GROUP,
+                    min="-",
+                    max="+",
+                    count=count,
+                    consumername=consumer if own else None,
+                    idle=None if own else min_idle_ms,
+                )
             pending = await pipe.execute(raise_on_error=False)
         delivered: dict[_Stream, dict[str, int]] = {}
         n = 0
@@ -115,9 +132,15 @@ class Reclaimer:
         return entries
 
     async def dead_letter(
-        self, pool: str, entry_id: str, request: GenerationRequest, reason: str, deliveries: int, tenant: str = "",
+        self,
+        pool: str,
+        entry_id: str,
+        request: GenerationRequest,
+        reason: str,
+        deliveries: int,
+        tenant: str = "",
         partition: int | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Move a poison job to the pool's dead-letter stream (with ``reason``), tell its caller
         (a terminal failure on its events), and drop it from its work stream (``tenant``'s, or its
         ``partition`` of it)."""

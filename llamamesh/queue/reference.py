@@ -18,9 +18,18 @@ COMMAND = ".venv/bin/python -m llamamesh.queue.reference docs/architecture.md"
 BEGIN = f"<!-- keys: rendered from llamamesh/queue/keys.py by `{COMMAND}` -->"
 END = "<!-- /keys -->"
 # What each parameter of a key method stands for in the table.
-PLACEHOLDERS = {"pool": "<pool>", "tenant": "<tenant>", "request_id": "<id>", "caller_id": "<id>",
-                "batch_id": "<batch>", "owner": "<owner>", "name": "<worker>", "partition": "<k>",
-                "follower_id": "<gateway>", "tag": ""}  # fmt: skip
+PLACEHOLDERS = {
+    "pool": "<pool>",
+    "tenant": "<tenant>",
+    "request_id": "<id>",
+    "caller_id": "<id>",
+    "batch_id": "<batch>",
+    "owner": "<owner>",
+    "name": "<worker>",
+    "partition": "<k>",
+    "follower_id": "<gateway>",
+    "tag": "",
+}
 # Keys named through another method (the table lists each key once).
 ALIASES = {"work"}
 

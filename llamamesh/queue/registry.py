@@ -169,6 +169,8 @@ class WorkerRegistry:
                 pipe.srem(self.keys.workers(pool), worker)
                 await pipe.execute()
             if self._work.partitions:
-                await self._own(keys=[self.keys.owners(pool), self.keys.partitions(pool)],
-                                args=[worker, 0, self._work.partitions, "leave"])  # fmt: skip
+                await self._own(
+                    keys=[self.keys.owners(pool), self.keys.partitions(pool)],
+                    args=[worker, 0, self._work.partitions, "leave"],
+                )
         self._owned.pop((pool, worker), None)

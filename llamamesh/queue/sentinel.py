@@ -34,13 +34,22 @@ def sentinel_client(settings: RedisSettings) -> aioredis.Redis:
     assert url is not None
     tls = {"ssl": True, **tls_options(settings)} if url.tls else tls_options(settings)
     # A Sentinel that does not answer is skipped for the next one, at once.
-    asking = {"socket_timeout": SENTINEL_TIMEOUT_S, "socket_connect_timeout": SENTINEL_TIMEOUT_S,
-              "retry": Retry(NoBackoff(), 0)}  # fmt: skip
+    asking = {
+        "socket_timeout": SENTINEL_TIMEOUT_S,
+        "socket_connect_timeout": SENTINEL_TIMEOUT_S,
+        "retry": Retry(NoBackoff(), 0),
+    }
     sentinels = Sentinel(list(url.sentinels), sentinel_kwargs=asking)
     client: aioredis.Redis = sentinels.master_for(
-        url.service, redis_class=_SentinelRedis, connection_pool_class=_SentinelPool,
-        db=url.db, username=url.username, password=url.password, **tls, **options(settings),
-    )  # fmt: skip
+        url.service,
+        redis_class=_SentinelRedis,
+        connection_pool_class=_SentinelPool,
+        db=url.db,
+        username=url.username,
+        password=url.password,
+        **tls,
+        **options(settings),
+    )
     client.connection_pool.connection_class = hiredis_packed(client.connection_pool.connection_class)
     return client
 

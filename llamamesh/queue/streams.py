@@ -52,11 +52,13 @@ class RedisQueue:
         self._work = WorkStreams(r, keys, kept, self.replicas, settings.affinity_partitions)
         self._flags = CancelFlags(r, keys, kept, self.replicas)
         self._attempts = AttemptsLog(r, keys, kept)
-        self._events = EventStreams(r, keys, kept, self._flags, self._attempts, clock, settings.block_ms,
-                                    settings.outage_grace_s)  # fmt: skip
+        self._events = EventStreams(
+            r, keys, kept, self._flags, self._attempts, clock, settings.block_ms, settings.outage_grace_s
+        )
         self._registry = WorkerRegistry(r, keys, kept, self._work, clock)
-        self._leasing = Leasing(r, keys, self._work, self._flags, self._registry.owned, clock,
-                                settings.affinity_steal_after_ms)  # fmt: skip
+        self._leasing = Leasing(
+            r, keys, self._work, self._flags, self._registry.owned, clock, settings.affinity_steal_after_ms
+        )
         self._reclaimer = Reclaimer(r, keys, kept, self._work, self._leasing, self._flags)
         self._adapters = AdapterTable(r, keys)
 
@@ -145,15 +147,27 @@ class RedisQueue:
         return await self._leasing.lease(pool, consumer, count, block_ms, exclude)
 
     async def reclaim(
-        self, pool: str, consumer: str, min_idle_ms: int, count: int, max_deliveries: int, own: bool = False,
+        self,
+        pool: str,
+        consumer: str,
+        min_idle_ms: int,
+        count: int,
+        max_deliveries: int,
+        own: bool = False,
         running: Collection[str] = (),
-    ) -> list[Lease]:  # fmt: skip
+    ) -> list[Lease]:
         return await self._reclaimer.reclaim(pool, consumer, min_idle_ms, count, max_deliveries, own, running)
 
     async def dead_letter(
-        self, pool: str, entry_id: str, request: GenerationRequest, reason: str, deliveries: int, tenant: str = "",
+        self,
+        pool: str,
+        entry_id: str,
+        request: GenerationRequest,
+        reason: str,
+        deliveries: int,
+        tenant: str = "",
         partition: int | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         await self._reclaimer.dead_letter(pool, entry_id, request, reason, deliveries, tenant, partition)
 
     async def set_aside(self, pool: str, request: GenerationRequest, reason: str, deliveries: int) -> None:

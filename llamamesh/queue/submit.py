@@ -64,11 +64,24 @@ class WorkStreams:
         with unreachable():
             replies = await self._submissions.call(
                 self._submit,
-                keys=[self.keys.work(pool, tenant, partition), self.keys.submitted(pool, request.request_id),
-                      self.keys.tenants(pool), self.keys.partitions(pool), *every],
-                args=[JOB_FIELD, codec.encode_job(request), max_waiting, WORKER_GROUP,
-                      self.retention.submitted_ttl_s, tenant, repr(float(weight)), self.partitions],
-            )  # fmt: skip
+                keys=[
+                    self.keys.work(pool, tenant, partition),
+                    self.keys.submitted(pool, request.request_id),
+                    self.keys.tenants(pool),
+                    self.keys.partitions(pool),
+                    *every,
+                ],
+                args=[
+                    JOB_FIELD,
+                    codec.encode_job(request),
+                    max_waiting,
+                    WORKER_GROUP,
+                    self.retention.submitted_ttl_s,
+                    tenant,
+                    repr(float(weight)),
+                    self.partitions,
+                ],
+            )
         waiting = int(replies[0])
         if waiting == -3:
             await self.misconfigured(pool)
@@ -116,8 +129,11 @@ class WorkStreams:
         without its data: the gateways' readiness goes NOT_SERVING on the same loss)."""
         for tenant in sorted(lost):
             with unreachable("cannot create the consumer group"):
-                made = int(await self._remake(keys=[self.keys.tenants(pool), *self.streams_of(pool, tenant)],
-                                              args=[tenant, WORKER_GROUP]))  # fmt: skip
+                made = int(
+                    await self._remake(
+                        keys=[self.keys.tenants(pool), *self.streams_of(pool, tenant)], args=[tenant, WORKER_GROUP]
+                    )
+                )
             if made and not tenant:
                 log.error("consumer_group_missing", pool=pool, detail="Redis lost the work stream; recreating it")
 
@@ -127,8 +143,11 @@ class WorkStreams:
         forgotten = []
         with unreachable():
             for t in tenants:
-                if t and int(await self._forget(keys=[self.keys.tenants(pool), *self.streams_of(pool, t)],
-                                                args=[t, WORKER_GROUP])):  # fmt: skip
+                if t and int(
+                    await self._forget(
+                        keys=[self.keys.tenants(pool), *self.streams_of(pool, t)], args=[t, WORKER_GROUP]
+                    )
+                ):
                     forgotten.append(t)
         return forgotten
 

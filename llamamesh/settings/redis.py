@@ -51,8 +51,9 @@ def parse_sentinel_url(url: str) -> SentinelUrl:
         raise ValueError(f"LLAMAMESH_REDIS_URL: no Sentinel host:port; expected {SENTINEL_FORM}")
     parts = path.rstrip("/").split("/") if path.strip("/") else []
     if not parts or not parts[0]:
-        raise ValueError(f"LLAMAMESH_REDIS_URL: no service name (the Sentinels' name of the primary); "
-                         f"expected {SENTINEL_FORM}")  # fmt: skip
+        raise ValueError(
+            f"LLAMAMESH_REDIS_URL: no service name (the Sentinels' name of the primary); expected {SENTINEL_FORM}"
+        )
     if len(parts) > 2:
         raise ValueError(f"LLAMAMESH_REDIS_URL: too many path parts; expected {SENTINEL_FORM}")
     db = 0

@@ -173,10 +173,19 @@ def _specs_of(cls: type[Section]) -> tuple[Spec, ...]:
     out = []
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]  # a Section subclass is a dataclass
         kind, choices, optional = _kind_of(hints[f.name], cls, f.name)
-        out.append(Spec(
-            section=cls.section, name=f.name, env=env_name(cls.section, f.name), kind=kind, choices=choices,
-            optional=optional, bounds=f.metadata.get("bounds"), default=f.default, shown=f.metadata.get("shown", ""),
-        ))  # fmt: skip
+        out.append(
+            Spec(
+                section=cls.section,
+                name=f.name,
+                env=env_name(cls.section, f.name),
+                kind=kind,
+                choices=choices,
+                optional=optional,
+                bounds=f.metadata.get("bounds"),
+                default=f.default,
+                shown=f.metadata.get("shown", ""),
+            )
+        )
     return tuple(out)
 
 

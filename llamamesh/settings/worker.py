@@ -25,8 +25,9 @@ def adapter_table(raw: str) -> dict[str, str]:
     for item in (x.strip() for x in raw.split(",") if x.strip()):
         name, sep, path = (part.strip() for part in item.partition("="))
         if not sep or not path or not ADAPTER_NAME.match(name):
-            raise ValueError(f"LLAMAMESH_WORKER_ADAPTERS: expected name=path (name: 1-64 of A-Z a-z 0-9 . _ -), "
-                             f"got {item!r}")  # fmt: skip
+            raise ValueError(
+                f"LLAMAMESH_WORKER_ADAPTERS: expected name=path (name: 1-64 of A-Z a-z 0-9 . _ -), got {item!r}"
+            )
         if name in out:
             raise ValueError(f"LLAMAMESH_WORKER_ADAPTERS: adapter {name!r} is listed twice")
         out[name] = path

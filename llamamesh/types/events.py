@@ -148,8 +148,14 @@ class JobEvent:
             chars += len(ev.text)
             ids.extend(ev.token_ids)
             logprobs.extend(ev.logprobs)
-        return replace(last, text="".join(texts), token_ids=tuple(ids), logprobs=tuple(logprobs),
-                       index=first.index, marks=tuple(marks))  # fmt: skip
+        return replace(
+            last,
+            text="".join(texts),
+            token_ids=tuple(ids),
+            logprobs=tuple(logprobs),
+            index=first.index,
+            marks=tuple(marks),
+        )
 
     def text_before(self, k: int) -> int:
         """How many characters of ``text`` go with the first ``k`` of ``token_ids``: the text of the

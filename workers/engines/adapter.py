@@ -184,9 +184,16 @@ class LibraryEngine(abc.ABC):
 
     @abc.abstractmethod
     def _deltas(
-        self, llm: Any, api: Any, request: GenerationRequest, ids: list[int], params: Any, state: Any,
-        input_field: str, tokenize_ms: float,
-    ) -> AsyncIterator[TokenDelta]:  # fmt: skip
+        self,
+        llm: Any,
+        api: Any,
+        request: GenerationRequest,
+        ids: list[int],
+        params: Any,
+        state: Any,
+        input_field: str,
+        tokenize_ms: float,
+    ) -> AsyncIterator[TokenDelta]:
         """Run ``ids`` in the library and map each output to a delta; the last one has a finish reason
         (and ends the iteration), or the iteration ends without one when the request was aborted.
         Closing it early must stop the request in the library where the library does not."""

@@ -56,8 +56,10 @@ def library_constraint(request: GenerationRequest, engine: str) -> ResponseConst
     so it is refused as Unavailable (the CPU engine feeds them through its grammar instead)."""
     c = request.sampling.constraint
     if c is not None and request.resume_token_ids:
-        raise Unavailable(f"{engine} cannot resume a request with a response_format mid-stream: its grammar "
-                          "would start again after the tokens already sent")  # fmt: skip
+        raise Unavailable(
+            f"{engine} cannot resume a request with a response_format mid-stream: its grammar "
+            "would start again after the tokens already sent"
+        )
     return c
 
 

@@ -55,8 +55,11 @@ def checked(params: SamplingParams, vocab_size: int | None = None) -> SamplingPa
     field; the first violation of a list field names the field itself (``stop``, not ``stop[1]``)."""
     found = sampling.violations(params)
     if vocab_size is not None and not any(v.field.startswith("stop_token_ids") for v in found):
-        found += [FieldViolation("stop_token_ids", f"token ids must be in [0, {vocab_size}), got {t}")
-                  for t in params.stop_token_ids if t >= vocab_size][:1]  # fmt: skip
+        found += [
+            FieldViolation("stop_token_ids", f"token ids must be in [0, {vocab_size}), got {t}")
+            for t in params.stop_token_ids
+            if t >= vocab_size
+        ][:1]
     if found:
         raise InvalidRequest([FieldViolation(v.field.split("[")[0], v.description) for v in found])
     return sampling.normalized(params)

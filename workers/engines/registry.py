@@ -130,12 +130,26 @@ ENGINES: dict[str, EngineSpec] = {
     for spec in (
         EngineSpec("fake", _fake),
         EngineSpec("transformers", _transformers, constraints=Grammars),
-        EngineSpec("vllm", _vllm, constraints=vllm_structured, section="vllm", settings_class=VllmSettings,
-                   devices_field="tensor_parallel_size", frontends_field="frontends", shared_core=_vllm_core),
-        EngineSpec("trtllm", _trtllm, constraints=trtllm_guided, section="trtllm", settings_class=TrtllmSettings,
-                   devices_field="tensor_parallel_size"),
+        EngineSpec(
+            "vllm",
+            _vllm,
+            constraints=vllm_structured,
+            section="vllm",
+            settings_class=VllmSettings,
+            devices_field="tensor_parallel_size",
+            frontends_field="frontends",
+            shared_core=_vllm_core,
+        ),
+        EngineSpec(
+            "trtllm",
+            _trtllm,
+            constraints=trtllm_guided,
+            section="trtllm",
+            settings_class=TrtllmSettings,
+            devices_field="tensor_parallel_size",
+        ),
     )
-}  # fmt: skip
+}
 
 
 def spec_of(name: str) -> EngineSpec:

@@ -115,8 +115,14 @@ class TransformersEngine:
         def load_batch() -> Batch:
             loaded = load(s.model_path, s.cache_dir, s.dtype, s.torch_threads(), on_phase=phase)
             phase("preparing the batch")
-            batch = Batch(loaded.model, loaded.tokenizer, s.max_model_len, s.batch_invariant, s.resume_replay_tokens,
-                          grammars=self._grammars)  # fmt: skip
+            batch = Batch(
+                loaded.model,
+                loaded.tokenizer,
+                s.max_model_len,
+                s.batch_invariant,
+                s.resume_replay_tokens,
+                grammars=self._grammars,
+            )
             for name, path in adapter_table(s.adapters).items():
                 phase(f"loading adapter {name}")
                 try:

@@ -279,8 +279,9 @@ class Batch:
             tokens: list[int | None] = list(sample_batch(logits, [s.sampler for s in seqs]))
         except Exception:  # find the row at fault: each alone
             tokens = [self._sample_one(seq, logits[i : i + 1]) for i, seq in enumerate(seqs)]
-        rows = [i for i, s in enumerate(seqs)
-                if s.params.logprobs is not None and not s.replay and tokens[i] is not None]  # fmt: skip
+        rows = [
+            i for i, s in enumerate(seqs) if s.params.logprobs is not None and not s.replay and tokens[i] is not None
+        ]
         logprobs: dict[int, TokenLogprob] = {}
         if rows:
             top = [seqs[i].params.logprobs or 0 for i in rows]

@@ -7,7 +7,6 @@ ambiguous; the unit tests drive it against a fake ``tensorrt_llm`` built from th
 modules; ``tensorrt_llm`` is imported only by trtllm_args.Api, when the engine starts.
 """
 
-
 from __future__ import annotations
 
 import asyncio
@@ -151,8 +150,12 @@ class TrtllmEngine(LibraryEngine):
             raise EngineDead(self._dead)
         self._llm, self._api, self._tokenizer = llm, api, _prompt_tokenizer(tokenizer)
         self._stats_task = asyncio.create_task(self._poll_stats(), name="trtllm-stats")
-        log.info("trtllm_started", model=self._settings.model_path, backend=settings.backend,
-                 tensor_parallel_size=kwargs.get("tensor_parallel_size"))  # fmt: skip
+        log.info(
+            "trtllm_started",
+            model=self._settings.model_path,
+            backend=settings.backend,
+            tensor_parallel_size=kwargs.get("tensor_parallel_size"),
+        )
 
     async def _poll_stats(self) -> None:
         """Owned by the engine: started by start(), cancelled and awaited by shutdown(). An idle engine
@@ -260,9 +263,16 @@ class TrtllmEngine(LibraryEngine):
         check_prompt_tokens(n_tokens, self._trtllm_settings.max_seq_len, input_field)
 
     async def _deltas(
-        self, llm: Any, api: Any, request: GenerationRequest, ids: list[int], params: Any, state: Any,
-        input_field: str, tokenize_ms: float,
-    ) -> AsyncIterator[TokenDelta]:  # fmt: skip
+        self,
+        llm: Any,
+        api: Any,
+        request: GenerationRequest,
+        ids: list[int],
+        params: Any,
+        state: Any,
+        input_field: str,
+        tokenize_ms: float,
+    ) -> AsyncIterator[TokenDelta]:
         """The request's deltas. ``async for`` over a ``RequestOutput`` / ``GenerationResult``
         (tensorrt_llm/executor/result.py) yields the result itself after each response, CUMULATIVE
         (``outputs[0]`` is a ``CompletionOutput`` whose ``.text`` / ``.token_ids`` / ``.logprobs``
@@ -300,4 +310,3 @@ class TrtllmEngine(LibraryEngine):
     def _left(self, state: Any) -> None:
         if self._dead is None:  # TensorRT-LLM would go on generating for no one
             self._abort_result(state)
-

@@ -18,9 +18,15 @@ from workers.engines.params import library_sampling_kwargs
 
 # Our SamplingParams fields passed to TensorRT-LLM only when set (same names on both sides).
 _OPTIONAL_SAMPLING = (
-    "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
-    "ignore_eos", "min_tokens",
-)  # fmt: skip
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "ignore_eos",
+    "min_tokens",
+)
 _PROMPT_TOO_LONG = re.compile(r"prompt length|prompt_len|input length", re.I)
 
 

@@ -151,9 +151,13 @@ class VllmEngine(LibraryEngine):
         if not engine_args.disable_log_stats:
             # vLLM's periodic throughput line, as `vllm serve` prints it.
             self._log_task = asyncio.create_task(self._log_stats(api.log_stats_interval_s), name="vllm-log-stats")
-        log.info("vllm_started", model=self._settings.model_path, max_model_len=self._max_model_len,
-                 max_num_seqs=config.scheduler_config.max_num_seqs,
-                 tensor_parallel_size=config.parallel_config.tensor_parallel_size)  # fmt: skip
+        log.info(
+            "vllm_started",
+            model=self._settings.model_path,
+            max_model_len=self._max_model_len,
+            max_num_seqs=config.scheduler_config.max_num_seqs,
+            tensor_parallel_size=config.parallel_config.tensor_parallel_size,
+        )
 
     def _build(self, engine_args: Any, config: Any) -> tuple[Any, Any]:
         """vLLM's AsyncLLM for ``config`` and its tokenizer; EngineDead if it cannot start.
@@ -257,9 +261,16 @@ class VllmEngine(LibraryEngine):
         check_prompt_len(n_tokens, self._max_model_len, input_field)
 
     async def _deltas(
-        self, llm: Any, api: Any, request: GenerationRequest, ids: list[int], params: Any, state: Any,
-        input_field: str, tokenize_ms: float,
-    ) -> AsyncIterator[TokenDelta]:  # fmt: skip
+        self,
+        llm: Any,
+        api: Any,
+        request: GenerationRequest,
+        ids: list[int],
+        params: Any,
+        state: Any,
+        input_field: str,
+        tokenize_ms: float,
+    ) -> AsyncIterator[TokenDelta]:
         """The request's deltas from ``AsyncLLM.generate`` (one DELTA output per step). vLLM's
         ``EngineDeadError`` (or an ``EngineGenerateError`` once ``llm.errored``) is EngineDead, any
         other ``EngineGenerateError`` InternalError, a ``ValueError`` InvalidRequest."""
@@ -307,4 +318,3 @@ class VllmEngine(LibraryEngine):
 
     def _abort_in_library(self, request_id: str, state: Any) -> Awaitable[None] | None:
         return self._llm.abort(request_id) if self._llm is not None else None
-

@@ -19,10 +19,23 @@ from llamamesh.settings import BatchSettings, VllmSettings, WorkerSettings, adap
 
 # VllmSettings fields forwarded when non-empty / non-zero / true.
 _ENGINE_FIELDS = (
-    "tokenizer", "dtype", "max_model_len", "gpu_memory_utilization", "block_size", "quantization",
-    "load_format", "enforce_eager", "max_num_seqs", "max_num_batched_tokens", "swap_space", "seed",
-    "scheduling_policy", "enable_lora", "max_loras", "max_lora_rank",
-)  # fmt: skip
+    "tokenizer",
+    "dtype",
+    "max_model_len",
+    "gpu_memory_utilization",
+    "block_size",
+    "quantization",
+    "load_format",
+    "enforce_eager",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "swap_space",
+    "seed",
+    "scheduling_policy",
+    "enable_lora",
+    "max_loras",
+    "max_lora_rank",
+)
 SCHEDULING_POLICIES = ("priority", "fcfs")
 # The step budget of a batch worker (max_num_batched_tokens 0 with LLAMAMESH_BATCH_MAX_SHARE 1): twice
 # what offline ``LLM`` uses on an H100/H200 (16384). A batch then keeps up with offline LLM.generate,

@@ -53,8 +53,13 @@ class VllmCore:
         n = settings.vllm.frontends
         # The same validation and error naming as a single-process engine.
         engine_args, config = engine_config(settings.worker, settings.vllm, api_processes=n)
-        processes = _Processes(config, Executor.get_class(config), not engine_args.disable_log_stats,
-                               get_engine_zmq_addresses(config, n), n)  # fmt: skip
+        processes = _Processes(
+            config,
+            Executor.get_class(config),
+            not engine_args.disable_log_stats,
+            get_engine_zmq_addresses(config, n),
+            n,
+        )
         code = 0
         try:
             with _signals_stop():

@@ -14,9 +14,17 @@ from workers.engines.params import library_sampling_kwargs
 # Our SamplingParams fields passed to vLLM only when set (same names on both sides). Where our defaults
 # differ from vLLM's (max_tokens 16), they follow the CPU engine.
 _OPTIONAL_SAMPLING = (
-    "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "seed", "ignore_eos", "min_tokens", "logprobs", "n",
-)  # fmt: skip
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "ignore_eos",
+    "min_tokens",
+    "logprobs",
+    "n",
+)
 # Added to a batch item's vLLM priority (lower runs first) so that every interactive request, whatever
 # its own priority, is admitted before any batch item.
 BATCH_PRIORITY_OFFSET = 1 << 20

@@ -179,8 +179,7 @@ class MemoryBatches:
             return False
         self._add(b, result)
         i = b.info
-        if (self.fail_after and i.state is BatchState.IN_PROGRESS and i.succeeded == 0
-                and i.errored >= self.fail_after):  # fmt: skip
+        if self.fail_after and i.state is BatchState.IN_PROGRESS and i.succeeded == 0 and i.errored >= self.fail_after:
             self._enter(b, BatchState.FAILED)
             await self.settle(req.batch_id)
         self._finish(b)
@@ -198,9 +197,15 @@ class MemoryBatches:
             return
         now = time.time()
         if i.state is not BatchState.FAILED and not i.results_expire_at:
-            final = (BatchState.CANCELLED if i.state is BatchState.CANCELLING
-                     else BatchState.EXPIRED if i.expired else BatchState.COMPLETED)  # fmt: skip
-            self._set(b, state=final, times=MappingProxyType({**i.times, BatchState.FINALIZING.value: now,
-                                                              final.value: now}))  # fmt: skip
+            final = (
+                BatchState.CANCELLED
+                if i.state is BatchState.CANCELLING
+                else BatchState.EXPIRED
+                if i.expired
+                else BatchState.COMPLETED
+            )
+            self._set(
+                b, state=final, times=MappingProxyType({**i.times, BatchState.FINALIZING.value: now, final.value: now})
+            )
         if not b.info.results_expire_at:
             self._set(b, results_expire_at=now)

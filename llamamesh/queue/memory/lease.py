@@ -71,5 +71,15 @@ class MemoryLeasing(MemoryRegistry):
         p = self._pool(pool)
         for entry_id, req in taken:
             p.pending[entry_id] = (consumer, req)
-        return [Lease(pool=pool, entry_id=i, request=r, cancelled=self._is_cancelled(r), tenant=stream_tenant(r.tenant),
-                      partition=p.part.get(i), stolen=stolen) for i, r in taken]  # fmt: skip
+        return [
+            Lease(
+                pool=pool,
+                entry_id=i,
+                request=r,
+                cancelled=self._is_cancelled(r),
+                tenant=stream_tenant(r.tenant),
+                partition=p.part.get(i),
+                stolen=stolen,
+            )
+            for i, r in taken
+        ]

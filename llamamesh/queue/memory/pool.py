@@ -34,16 +34,23 @@ class Pool:
         return sorted((e for q in self.tenants.values() for e in q), key=lambda e: entry_order(e[0]))
 
     def take(
-        self, count: int, exclude: Collection[str] = (), partitions: Collection[int] | None = None,
+        self,
+        count: int,
+        exclude: Collection[str] = (),
+        partitions: Collection[int] | None = None,
         queued_before: float | None = None,
-    ) -> list[tuple[str, GenerationRequest]]:  # fmt: skip
+    ) -> list[tuple[str, GenerationRequest]]:
         """Up to ``count`` jobs, one per tenant with work per turn (round robin), none of ``exclude``;
         only of ``partitions`` when given (each tenant's oldest job there), queued before
         ``queued_before`` (monotonic s) when given."""
         taken: list[tuple[str, GenerationRequest]] = []
         while len(taken) < count:
-            heads = {t: i for t, q in self.tenants.items() if t not in exclude
-                     if (i := self._head(q, partitions, queued_before)) is not None}  # fmt: skip
+            heads = {
+                t: i
+                for t, q in self.tenants.items()
+                if t not in exclude
+                if (i := self._head(q, partitions, queued_before)) is not None
+            }
             ready = sorted(heads)
             if not ready:
                 break
@@ -57,9 +64,11 @@ class Pool:
         return any(self._head(q, partitions) is not None for t, q in self.tenants.items() if t not in exclude)
 
     def _head(
-        self, queue: list[tuple[str, GenerationRequest]], partitions: Collection[int] | None,
+        self,
+        queue: list[tuple[str, GenerationRequest]],
+        partitions: Collection[int] | None,
         queued_before: float | None = None,
-    ) -> int | None:  # fmt: skip
+    ) -> int | None:
         if partitions is None:
             return 0 if queue else None
         for i, (eid, _r) in enumerate(queue):

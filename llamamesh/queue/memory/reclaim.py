@@ -12,9 +12,15 @@ from llamamesh.types import GenerationRequest
 
 class MemoryReclaim(MemoryState):
     async def reclaim(
-        self, pool: str, consumer: str, min_idle_ms: int, count: int, max_deliveries: int, own: bool = False,
+        self,
+        pool: str,
+        consumer: str,
+        min_idle_ms: int,
+        count: int,
+        max_deliveries: int,
+        own: bool = False,
         running: Collection[str] = (),
-    ) -> list[Lease]:  # fmt: skip
+    ) -> list[Lease]:
         self._check()
         return []
 

@@ -34,8 +34,9 @@ class MemoryRegistry(MemoryState):
             p = self._pool(status.pool)
             if status.ready:
                 now_ms = int(time.monotonic() * 1000)
-                p.owners, p.members, _mine = assign(p.owners, p.members, status.worker, now_ms, int(ttl_s * 1000),
-                                                    self._parts)  # fmt: skip
+                p.owners, p.members, _mine = assign(
+                    p.owners, p.members, status.worker, now_ms, int(ttl_s * 1000), self._parts
+                )
             else:
                 _release(p, status.worker)
 
