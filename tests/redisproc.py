@@ -10,18 +10,42 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import redis
 
+from tests.waiting import wait_until
+
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def wait_answering(
+    client: redis.Redis, proc: subprocess.Popen[bytes], timeout_s: float, failed: Callable[[], str]
+) -> None:
+    """Until the starting server behind ``client`` answers PING, then close ``client``. Raises
+    RuntimeError(``failed()``) when its process exits first or it does not answer within ``timeout_s``."""
+
+    def answers() -> bool:
+        try:
+            return bool(client.ping())
+        except redis.ConnectionError:
+            if proc.poll() is not None:
+                raise RuntimeError(failed()) from None
+            return False
+
+    try:
+        wait_until(answers, timeout_s, "the server to answer PING", poll_s=0.02)
+    except TimeoutError:
+        raise RuntimeError(failed()) from None
+    finally:
+        client.close()
 
 
 def binary(kind: str) -> str:
@@ -69,19 +93,8 @@ class RedisProcess:
             *self.extra,
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout_s
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
-        try:
-            while True:
-                try:
-                    if client.ping():
-                        return
-                except redis.ConnectionError:
-                    if self.proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"{self.kind} did not start: {self.log()}") from None
-                    time.sleep(0.02)  # polling a starting server, bounded by the deadline
-        finally:
-            client.close()
+        wait_answering(client, self.proc, timeout_s, lambda: f"{self.kind} did not start: {self.log()}")
 
     def log(self) -> str:
         p = self.dir / "server.log"
@@ -170,29 +183,30 @@ class RedisClusterProcs:
     def wait_ok(self, timeout_s: float = 30.0) -> None:
         """Until every live node says cluster_state:ok with all slots served, and every replica of
         a live master has its copy (a replica that never synced cannot take over; bounded poll)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            states = []
-            for node in self.nodes:
-                if node.proc is None:
-                    continue
-                client = redis.Redis(port=node.port, socket_connect_timeout=0.5, socket_timeout=1)
-                try:
-                    info = client.execute_command("CLUSTER", "INFO").decode()
-                    replication = client.info("replication")
-                    synced = replication["role"] != "slave" or replication.get("master_link_status") == "up" or not any(
-                        n.proc is not None and n.port == replication.get("master_port") for n in self.nodes
-                    )
-                    states.append("cluster_state:ok" in info and "cluster_slots_ok:16384" in info and synced)
-                except redis.RedisError:
-                    states.append(False)
-                finally:
-                    client.close()
-            if states and all(states):
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the cluster is not ok after {timeout_s} s")
-            time.sleep(0.1)  # polling the cluster's own convergence, bounded by the deadline
+
+        def all_ok() -> bool:
+            live = [n for n in self.nodes if n.proc is not None]
+            return bool(live) and all(self._node_ok(n) for n in live)
+
+        try:
+            wait_until(all_ok, timeout_s, "cluster_state:ok on every node", poll_s=0.1)
+        except TimeoutError:
+            raise RuntimeError(f"the cluster is not ok after {timeout_s} s") from None
+
+    def _node_ok(self, node: RedisProcess) -> bool:
+        """The node says cluster_state:ok with every slot served, and has its master's copy if a replica."""
+        client = redis.Redis(port=node.port, socket_connect_timeout=0.5, socket_timeout=1)
+        try:
+            info = client.execute_command("CLUSTER", "INFO").decode()
+            replication = client.info("replication")
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
+        synced = replication["role"] != "slave" or replication.get("master_link_status") == "up" or not any(
+            n.proc is not None and n.port == replication.get("master_port") for n in self.nodes
+        )
+        return "cluster_state:ok" in info and "cluster_slots_ok:16384" in info and synced
 
     def master_of(self, key: str) -> RedisProcess:
         """The node that now serves ``key``'s slot as master."""
@@ -399,10 +413,10 @@ class SentinelGroup:
         return "\n".join(f"{p}: {p.read_text()[-tail:]}" for p in sorted(self.dir.glob("*/*.log")))
 
     def _wait(self, ok: Any, deadline: float, what: str) -> None:
-        while not ok():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"timed out waiting for {what}\n{self.logs()}")
-            time.sleep(0.05)  # polling other processes, bounded by the deadline
+        try:
+            wait_until(ok, deadline - time.monotonic(), what)
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}\n{self.logs()}") from None
 
     def stop(self) -> None:
         for i, p in enumerate(self.sentinel_procs):

@@ -29,8 +29,9 @@ from llamamesh.settings import RedisSettings
 from llamamesh.types import GenerationRequest, SamplingParams
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc as pb_grpc
-from tests.e2e.conftest import ProcessNode, wait_until
+from tests.e2e.conftest import ProcessNode
 from tests.redisproc import RedisProcess, free_port
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 

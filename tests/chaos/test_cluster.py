@@ -31,8 +31,9 @@ from llamamesh.v1 import batch_pb2_grpc
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc as pb_grpc
 from tests.chaos.test_chaos import FAST, Ledger
-from tests.e2e.conftest import ProcessNode, wait_until
+from tests.e2e.conftest import ProcessNode
 from tests.redisproc import RedisClusterProcs, free_port
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

@@ -15,7 +15,7 @@ import contextlib
 import json
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any  # redis-py types stream replies loosely
@@ -32,8 +32,9 @@ from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc as pb_grpc
 from tests.chaos.proxy import ReplyDropper
 from tests.chaos.test_chaos import FAST, Ledger, Outcome, pending, serves, started
-from tests.e2e.conftest import ProcessNode, wait_until
+from tests.e2e.conftest import ProcessNode
 from tests.redisproc import RedisProcess
+from tests.waiting import until, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -103,17 +104,6 @@ class FaultLedger(Ledger):
 
     def tokens(self) -> int:
         return sum(len(e.indexes) for e in self.entries)
-
-    async def until(self, ok: Callable[[], bool], timeout_s: float, what: str) -> None:
-        """Wait (on messages arriving) for ``ok()``, at most ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while not ok():
-            self.moved.clear()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"timed out waiting for {what}")
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.moved.wait(), left)
 
 
 async def no_pending(node: ProcessNode, timeout_s: float) -> None:
@@ -199,7 +189,7 @@ async def test_event_writes_whose_replies_are_lost_are_not_delivered_twice(
                 ended = lambda: all(c.done() for c in calls)  # noqa: E731
                 for drop, at in enumerate((20, 45, 70), start=1):  # tokens into each stream
                     reached = lambda at=at: ledger.tokens() >= 5 * at or ended()  # noqa: E731
-                    await ledger.until(reached, 30, f"{at} tokens each")
+                    await until(reached, 30, f"{at} tokens each", wake=ledger.moved)
                     if ended():
                         break
                     proxy.drop_after_next_write()
@@ -244,15 +234,17 @@ def appendonly_dir(server: RedisProcess) -> Path:
 async def batch_ended(stub: batch_pb2_grpc.BatchServiceStub, batch_id: str, timeout_s: float) -> bpb.Batch:
     """GetBatch until the batch is in an end state (riding out UNAVAILABLE while Redis comes back)."""
     ended = (bpb.BATCH_STATE_COMPLETED, bpb.BATCH_STATE_CANCELLED, bpb.BATCH_STATE_EXPIRED, bpb.BATCH_STATE_FAILED)
-    deadline = time.monotonic() + timeout_s
-    b: bpb.Batch | None = None
-    while True:
+    last: list[bpb.Batch] = []  # the last batch read: an error while Redis is out keeps it
+
+    async def batch() -> bpb.Batch | None:
         with contextlib.suppress(grpc.aio.AioRpcError):
-            b = await stub.GetBatch(bpb.GetBatchRequest(batch_id=batch_id), timeout=5)
-            if b.state in ended:
-                return b
-        assert time.monotonic() < deadline, b
-        await asyncio.sleep(0.2)  # polling another process's progress, bounded by timeout_s
+            last[:] = [await stub.GetBatch(bpb.GetBatchRequest(batch_id=batch_id), timeout=5)]
+        return last[0] if last else None
+
+    got = await until(batch, timeout_s, f"batch {batch_id} to end", done=lambda b: b is not None and b.state in ended,
+                      poll_s=0.2)  # fmt: skip
+    assert got is not None
+    return got
 
 
 async def test_redis_back_without_its_last_second_of_writes(aof_redis: RedisProcess, tmp_path: Path) -> None:
@@ -276,12 +268,12 @@ async def test_redis_back_without_its_last_second_of_writes(aof_redis: RedisProc
             assert submitted.counts.total == 8  # its items run 1.5 s each too
             # T: a second into the long streams (~20 tokens each)
             long = ledger.entries[:10]
-            await ledger.until(lambda: all(len(e.indexes) >= 20 for e in long), 30, "20 tokens each")
+            await until(lambda: all(len(e.indexes) >= 20 for e in long), 30, "20 tokens each", wake=ledger.moved)
             snapshot = tmp_path / "aof-at-T"
             await asyncio.to_thread(shutil.copytree, appendonly_dir(aof_redis), snapshot)
             at_t = (ledger.tokens(), sum(c.done() for c in calls))
             batch_at_t = await batches.GetBatch(bpb.GetBatchRequest(batch_id="rewound"))
-            await asyncio.sleep(1.0)  # the fault: a second of writes that the restart will not have
+            await asyncio.sleep(1.0)  # the fault itself: a second of writes that the restart will not have
             batch_at_kill = await batches.GetBatch(bpb.GetBatchRequest(batch_id="rewound"))
             aof_redis.kill()
             lost = (ledger.tokens() - at_t[0], sum(c.done() for c in calls) - at_t[1])
@@ -345,18 +337,18 @@ async def test_a_three_second_redis_outage_with_new_requests_arriving(aof_redis:
             load = asyncio.create_task(arrivals())
             try:
                 served_ok = lambda: sum(e.finish == "FINISH_REASON_LENGTH" for e in shorts.entries) >= 3  # noqa: E731
-                await shorts.until(served_ok, 20, "new requests served before the outage")
+                await until(served_ok, 20, "new requests served before the outage", wake=shorts.moved)
                 log_at_kill = len(n.log("gateway"))
                 down_s = time.monotonic()
                 aof_redis.kill()
-                await asyncio.sleep(3.0)  # the fault: no Redis for 3 s
+                await asyncio.sleep(3.0)  # the fault itself: no Redis for 3 s
                 await asyncio.to_thread(aof_redis.start)  # same port, same AOF; returns once it answers PING
                 back_s = time.monotonic()
                 new_ok = lambda: any(t.done() and t.result().finish and t.result().sent_s > down_s for t in tasks)  # noqa: E731
                 # requests keep arriving until one sent after the kill is served (at most 15 s; if
                 # none is, the recovery time below is infinite and the test fails there)
                 with contextlib.suppress(TimeoutError):
-                    await shorts.until(new_ok, 15, "a new request served after Redis came back")
+                    await until(new_ok, 15, "a new request served after Redis came back", wake=shorts.moved)
             finally:
                 stop.set()
                 await load

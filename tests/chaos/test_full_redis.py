@@ -19,8 +19,8 @@ from llamamesh.v1 import batch_pb2_grpc
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc as pb_grpc
 from tests.chaos.test_chaos import FAST, Ledger, serves, started
-from tests.e2e.conftest import wait_until
 from tests.redisproc import RedisProcess
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 

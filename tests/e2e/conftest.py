@@ -9,13 +9,14 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from llamamesh.client import serving
 from tests.redisproc import RedisProcess, free_port
+from tests.waiting import wait_until  # also re-exported: tests import it from here
 
 # Every node made in this session: a failing test's report gets what their logs said meanwhile
 # (tests/conftest.py: pytest_runtest_makereport), since the temporary folders do not outlive a run.
@@ -78,14 +79,21 @@ class ProcessNode:
     def _serving(self, service: str = "") -> bool:
         return serving(self.address, service)
 
-    def _wait(self, ok, deadline: float, what: str) -> None:
-        while not ok():
+    def _wait(self, ok: Callable[[], object], deadline: float, what: str) -> None:
+        """Wait for ``ok()`` until ``deadline``; fail at once, with its log, when a child process exits."""
+
+        def ready() -> bool:
+            if ok():
+                return True
             for name, p in self.procs.items():
                 if p.poll() is not None:
                     raise RuntimeError(f"{name} exited ({p.returncode}):\n{self.log(name)[-3000:]}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"timed out waiting for {what}:\n{self.log('worker')[-3000:]}")
-            time.sleep(0.1)  # polling child processes, bounded by the deadline
+            return False
+
+        try:
+            wait_until(ready, deadline - time.monotonic(), what, poll_s=0.1)
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}:\n{self.log('worker')[-3000:]}") from None
 
     def stop(self) -> None:
         for p in self.procs.values():
@@ -130,6 +138,29 @@ def _smollm2_folder(cache: Path) -> str:
     return str(convert_in_subprocess(str(cache)))
 
 
+def vllm_node(workdir: Path, redis: RedisProcess, extra_env: dict[str, str]) -> ProcessNode:
+    """A node whose worker serves the real SmolLM2-135M-Instruct on a GPU with vLLM, as two frontend
+    processes sharing one engine core (the test is skipped without CUDA and vLLM)."""
+    why = _cuda_and_vllm()
+    if why is not None:
+        pytest.skip(f"the vLLM node needs CUDA and vLLM: {why}")
+    from llamamesh.settings import WorkerSettings
+
+    env = {
+        "LLAMAMESH_WORKER_MODEL_PATH": _smollm2_folder(Path(WorkerSettings().cache_dir)),
+        "LLAMAMESH_WORKER_MAX_INFLIGHT": "64",
+        "LLAMAMESH_VLLM_FRONTENDS": "2",
+        "LLAMAMESH_VLLM_MAX_MODEL_LEN": "2048",
+        "LLAMAMESH_VLLM_GPU_MEMORY_UTILIZATION": "0.3",
+        # SmolLM2's 9 heads do not split over GPUs: on a multi-GPU host, one worker per GPU.
+        "LLAMAMESH_VLLM_TENSOR_PARALLEL_SIZE": "1",
+        # Start-up in seconds rather than a minute of torch.compile; the benchmark runs compiled.
+        "LLAMAMESH_VLLM_ENFORCE_EAGER": "true",
+        **extra_env,
+    }
+    return ProcessNode(workdir, redis, engine="vllm", pool="gpu", extra_env=env)
+
+
 @pytest.fixture(scope="session", params=["cpu", pytest.param("vllm", marks=pytest.mark.gpu)])
 def node(
     request: pytest.FixtureRequest, e2e_redis: RedisProcess, tmp_path_factory: pytest.TempPathFactory
@@ -149,42 +180,10 @@ def node(
             extra_env={"LLAMAMESH_WORKER_THREADS": "1", "LLAMAMESH_WORKER_MAX_INFLIGHT": "8", **metrics},
         )
     else:
-        why = _cuda_and_vllm()
-        if why is not None:
-            pytest.skip(f"the vLLM node needs CUDA and vLLM: {why}")
-        from llamamesh.settings import WorkerSettings
-
-        node = ProcessNode(
-            workdir,
-            e2e_redis,
-            engine="vllm",
-            pool="gpu",
-            extra_env={
-                "LLAMAMESH_WORKER_MODEL_PATH": _smollm2_folder(Path(WorkerSettings().cache_dir)),
-                "LLAMAMESH_WORKER_MAX_INFLIGHT": "64",
-                "LLAMAMESH_VLLM_FRONTENDS": "2",
-                "LLAMAMESH_VLLM_MAX_MODEL_LEN": "2048",
-                "LLAMAMESH_VLLM_GPU_MEMORY_UTILIZATION": "0.3",
-                # SmolLM2's 9 heads do not split over GPUs: on a multi-GPU host, one worker per GPU.
-                "LLAMAMESH_VLLM_TENSOR_PARALLEL_SIZE": "1",
-                # Start-up in seconds rather than a minute of torch.compile; the benchmark runs compiled.
-                "LLAMAMESH_VLLM_ENFORCE_EAGER": "true",
-                # LoRA on (test_node.py loads an adapter at run time).
-                "LLAMAMESH_VLLM_ENABLE_LORA": "true",
-                **metrics,
-            },
-        )
+        # LoRA on: test_node.py loads an adapter at run time.
+        node = vllm_node(workdir, e2e_redis, {"LLAMAMESH_VLLM_ENABLE_LORA": "true", **metrics})
     try:
         node.start()
         yield node
     finally:
         node.stop()
-
-
-def wait_until(ok, timeout_s: float, what: str) -> None:
-    """Wait for ``ok()`` (another process's state), at most ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not ok():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.05)  # polling other processes, bounded by the deadline

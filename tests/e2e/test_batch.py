@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -24,8 +23,9 @@ from llamamesh.queue.keys import WORKER_GROUP, Keys
 from llamamesh.v1 import batch_pb2 as bpb
 from llamamesh.v1 import batch_pb2_grpc
 from llamamesh.v1 import generation_pb2 as pb
-from tests.e2e.conftest import ProcessNode, wait_until
+from tests.e2e.conftest import ProcessNode
 from tests.redisproc import RedisProcess
+from tests.waiting import until, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -75,19 +75,19 @@ async def stub(node: ProcessNode) -> AsyncIterator[batch_pb2_grpc.BatchServiceSt
         yield batch_pb2_grpc.BatchServiceStub(ch)
 
 
+ENDED = (bpb.BATCH_STATE_COMPLETED, bpb.BATCH_STATE_CANCELLED, bpb.BATCH_STATE_EXPIRED, bpb.BATCH_STATE_FAILED)
+
+
 async def until_ended(stub: batch_pb2_grpc.BatchServiceStub, batch_id: str, timeout_s: float) -> bpb.Batch:
-    ended = (bpb.BATCH_STATE_COMPLETED, bpb.BATCH_STATE_CANCELLED, bpb.BATCH_STATE_EXPIRED, bpb.BATCH_STATE_FAILED)
-    return await until(stub, batch_id, lambda b: b.state in ended, timeout_s)
+    return await batch_until(stub, batch_id, lambda b: b.state in ENDED, timeout_s)
 
 
-async def until(
+async def batch_until(
     stub: batch_pb2_grpc.BatchServiceStub, batch_id: str, done: Callable[[bpb.Batch], bool], timeout_s: float
 ) -> bpb.Batch:
-    deadline = time.monotonic() + timeout_s
-    while not done(b := await stub.GetBatch(bpb.GetBatchRequest(batch_id=batch_id))):
-        assert time.monotonic() < deadline, b
-        await asyncio.sleep(0.2)  # polling another process's progress, bounded by timeout_s
-    return b
+    """GetBatch until ``done`` holds of the batch (another process's progress); fails showing the last seen."""
+    get = lambda: stub.GetBatch(bpb.GetBatchRequest(batch_id=batch_id))  # noqa: E731
+    return await until(get, timeout_s, f"batch {batch_id}", done=done, poll_s=0.2)
 
 
 def assert_counts(b: bpb.Batch) -> None:
@@ -204,7 +204,7 @@ async def test_redis_restart_with_aof_loses_nothing(tmp_path: Path, stop: str) -
             redis.start()  # same port, same AOF file
             try:
                 b = await asyncio.wait_for(_until_ended_retrying(stub, "aof"), 180)
-            except (AssertionError, asyncio.TimeoutError):
+            except (TimeoutError, asyncio.TimeoutError):
                 print(_batch_stream_state(node, "aof"))  # shown with the failure
                 raise
             assert b.state == bpb.BATCH_STATE_COMPLETED and b.counts.succeeded == 12, b
@@ -239,13 +239,19 @@ def _batch_stream_state(node: ProcessNode, batch_id: str) -> str:
 
 async def _until_ended_retrying(stub: batch_pb2_grpc.BatchServiceStub, batch_id: str) -> bpb.Batch:
     """Like until_ended, riding out UNAVAILABLE while Redis comes back."""
-    while True:
+
+    async def batch() -> bpb.Batch | None:
         try:
-            return await until_ended(stub, batch_id, 170)
+            return await stub.GetBatch(bpb.GetBatchRequest(batch_id=batch_id))
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.UNAVAILABLE:
                 raise
-            await asyncio.sleep(0.2)  # Redis restarting: bounded by the caller's wait_for
+            return None  # Redis restarting
+
+    got = await until(batch, 170, f"batch {batch_id} to end", done=lambda b: b is not None and b.state in ENDED,
+                      poll_s=0.2)  # fmt: skip
+    assert got is not None
+    return got
 
 
 @pytest.mark.timeout(200)
@@ -290,7 +296,7 @@ async def test_a_batch_whose_first_items_all_fail_ends_failed(stub: batch_pb2_gr
     b = await until_ended(stub, "doomed", 120)
     assert b.state == bpb.BATCH_STATE_FAILED, b  # LLAMAMESH_BATCH_FAIL_AFTER=3 errors, none succeeded
     # FAILED is shown at once; its unstarted items end cancelled just after and its running ones finish
-    b = await until(stub, "doomed", lambda b: b.counts.processing == 0, 60)
+    b = await batch_until(stub, "doomed", lambda b: b.counts.processing == 0, 60)
     assert b.state == bpb.BATCH_STATE_FAILED, b
     assert b.counts.errored >= 3 and b.counts.cancelled >= 1 and b.counts.errored + b.counts.cancelled == 40
     assert_counts(b)

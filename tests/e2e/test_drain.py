@@ -15,8 +15,9 @@ import grpc
 import pytest
 
 from llamamesh.client import Client
-from tests.e2e.conftest import ProcessNode, wait_until
+from tests.e2e.conftest import ProcessNode
 from tests.redisproc import RedisProcess, free_port
+from tests.waiting import until, wait_until
 from tests.workers.test_health_http import get
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -56,14 +57,15 @@ async def test_a_sigtermed_gateway_fails_no_call_of_a_client_sending_through_bot
                         failed.append(f"{exc.code().name}: {exc.details()}")
 
             senders = [asyncio.create_task(sender()) for _ in range(SENDERS)]
-            await asyncio.sleep(1.0)  # both gateways serve
+            both = lambda: served(node, "gateway") and served(node, "gateway2") and len(ok) > SENDERS  # noqa: E731
+            await until(both, 30, "calls served by both gateways", poll_s=0.1)
             before = served(node, "gateway")
             assert before > 0 and len(ok) > SENDERS, (before, len(ok))
             node.procs["gateway"].send_signal(signal.SIGTERM)
             t_term = time.monotonic()
             code = await asyncio.to_thread(node.procs["gateway"].wait, 30)
             t_exit = time.monotonic()
-            await asyncio.sleep(1.0)  # and on through the second alone
+            await until(lambda: sum(1 for t in ok if t > t_exit) > SENDERS, 30, "calls through the second alone")
             stop.set()
             await asyncio.wait_for(asyncio.gather(*senders), 30)
         assert code == 0
@@ -93,8 +95,9 @@ async def test_a_draining_worker_says_not_ready_and_alive_on_its_health_port(
         node.start(timeout_s=60)
         assert get(port, "/readyz")[0] == 200 and get(port, "/livez")[0] == 200
         async with Client(node.address) as c:
-            stream = asyncio.create_task(_collect(c.generate("x", max_tokens=100, ignore_eos=True, timeout=30)))
-            await asyncio.sleep(0.5)  # it runs on the worker
+            got: list = []
+            stream = asyncio.create_task(_collect(c.generate("x", max_tokens=100, ignore_eos=True, timeout=30), got))
+            await until(lambda: got, 30, "the first tokens: it runs on the worker")
             node.procs["worker"].send_signal(signal.SIGTERM)
             await asyncio.to_thread(wait_until, lambda: get(port, "/readyz")[0] == 503, 10, "readyz 503")
             _status, body = get(port, "/readyz")
@@ -107,6 +110,8 @@ async def test_a_draining_worker_says_not_ready_and_alive_on_its_health_port(
         node.stop()
 
 
-async def _collect(stream) -> list:  # type: ignore[no-untyped-def]
-    return [m async for m in stream]
+async def _collect(stream, into: list) -> list:  # type: ignore[no-untyped-def]
+    async for m in stream:
+        into.append(m)
+    return into
 

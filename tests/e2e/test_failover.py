@@ -15,8 +15,9 @@ import pytest
 from llamamesh.client import Client
 from llamamesh.v1 import generation_pb2 as pb
 from tests.e2e.conftest import ProcessNode
-from tests.e2e.test_fallback import FAST, SERVING, _is, wait_for
+from tests.e2e.test_fallback import BACKUP, FAST, SERVING, _is
 from tests.redisproc import RedisProcess
+from tests.waiting import until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -50,7 +51,7 @@ async def test_kill_mid_stream_continues_with_the_same_tokens(node: ProcessNode)
     n_tokens = 48
     kwargs = {"messages": PROMPT, "max_tokens": n_tokens, "temperature": 0.0, "ignore_eos": True}
     async with Client(node.address) as c:
-        await wait_for(lambda: _is(c, "llamamesh.backend.backup", SERVING), 120, "the backup pool to be SERVING")
+        await until(lambda: _is(c, BACKUP, SERVING), 120, "the backup pool to be SERVING", poll_s=0.05)
         reference = [m async for m in c.generate(**kwargs)]  # on the primary (routing prefers it)
         ref_ids = [t for m in reference for t in m.token_ids]
         assert len(ref_ids) == n_tokens
@@ -95,7 +96,7 @@ async def test_kill_mid_stream_of_a_json_schema_request_resumes_inside_the_gramm
     kwargs = {"messages": [("user", "Describe a person as JSON.")], "max_tokens": 96, "temperature": 0.0,
               "json_schema": schema}  # fmt: skip
     async with Client(node.address) as c:
-        await wait_for(lambda: _is(c, "llamamesh.backend.backup", SERVING), 120, "the backup pool to be SERVING")
+        await until(lambda: _is(c, BACKUP, SERVING), 120, "the backup pool to be SERVING", poll_s=0.05)
         reference = "".join([m.text async for m in c.generate(**kwargs)])
         jsonschema.validate(json.loads(reference), schema)
         got: list[pb.GenerateResponse] = []
@@ -119,7 +120,7 @@ async def test_kill_mid_stream_of_n_samples_resumes_each_from_its_own_tokens(nod
     n_tokens = 32
     kwargs = {"messages": PROMPT, "max_tokens": n_tokens, "temperature": 1.0, "seed": 11, "ignore_eos": True, "n": 3}
     async with Client(node.address) as c:
-        await wait_for(lambda: _is(c, "llamamesh.backend.backup", SERVING), 120, "the backup pool to be SERVING")
+        await until(lambda: _is(c, BACKUP, SERVING), 120, "the backup pool to be SERVING", poll_s=0.05)
         got: list[pb.GenerateResponse] = []
         killed_at: dict[int, int] = {}
         async for m in c.generate(**kwargs):
@@ -143,9 +144,7 @@ async def test_kill_mid_stream_of_n_samples_resumes_each_from_its_own_tokens(nod
         jobs = [json.loads(x) for x in node.log("backup").splitlines() if '"job_finished"' in x]
         return [j for j in jobs if j.get("request_id") == f"{got[-1].request_id}~1"]
 
-    async def logged() -> bool:  # the worker logs job_finished after its last event is out: the caller may be first
-        return bool(resumed())
-
-    await wait_for(logged, 10, "the backup worker's job_finished line")
+    # The worker logs job_finished after its last event is out: the caller may be first.
+    await until(resumed, 10, "the backup worker's job_finished line", poll_s=0.05)
     (job,) = resumed()
     assert job["completion_tokens"] == 3 * n_tokens - moved[0]["resumed_tokens"]

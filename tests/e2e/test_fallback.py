@@ -19,6 +19,7 @@ from llamamesh.v1 import generation_pb2 as pb
 from tests.e2e.conftest import ProcessNode
 from tests.e2e.test_node import run_grpcurl
 from tests.redisproc import RedisProcess
+from tests.waiting import until, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -55,16 +56,6 @@ def node(e2e_redis: RedisProcess, tmp_path: Path) -> Iterator[ProcessNode]:
         n.stop()
 
 
-async def wait_for(check, timeout_s: float, what: str) -> float:
-    """Poll an async check until it holds; returns the seconds it took."""
-    t0 = time.monotonic()
-    while not await check():
-        if time.monotonic() - t0 > timeout_s:
-            raise TimeoutError(what)
-        await asyncio.sleep(0.05)  # polling another process's state, bounded by timeout_s
-    return time.monotonic() - t0
-
-
 def transitions(node: ProcessNode) -> list[tuple[str, str, str]]:
     out = []
     for line in node.log("gateway").splitlines():
@@ -82,7 +73,7 @@ async def generate_ok(c: Client, i: int) -> str:
 
 async def test_kill_primary_falls_back_without_errors_then_recovers(node: ProcessNode) -> None:
     async with Client(node.address) as c:
-        await wait_for(lambda: _is(c, BACKUP, SERVING), 20, "the backup pool to be SERVING")
+        await until(lambda: _is(c, BACKUP, SERVING), 20, "the backup pool to be SERVING", poll_s=0.05)
         assert await c.health(PRIMARY) == SERVING
 
         # steady traffic throughout: (start time, None or the gRPC error) per request
@@ -101,15 +92,16 @@ async def test_kill_primary_falls_back_without_errors_then_recovers(node: Proces
                 i += 1
 
         load = asyncio.create_task(traffic())
-        await wait_for(lambda: _true(len(served) >= 5), 20, "traffic before the kill")
+        await until(lambda: len(served) >= 5, 20, "traffic before the kill")
         node.procs["worker"].send_signal(signal.SIGKILL)
         node.procs["worker"].wait(10)
         t_kill = time.monotonic()
-        await wait_for(lambda: _is(c, PRIMARY, NOT_SERVING), 10, "the primary to be NOT_SERVING")
-        await wait_for(lambda: _true(("primary", "closed", "open") in transitions(node)), 10, "the breaker to open")
+        await until(lambda: _is(c, PRIMARY, NOT_SERVING), 10, "the primary to be NOT_SERVING", poll_s=0.05)
+        opened = ("primary", "closed", "open")
+        await until(lambda: opened in transitions(node), 10, "the breaker to open", poll_s=0.05)
         opened_after = time.monotonic() - t_kill
         before = len(served)
-        await wait_for(lambda: _true(len(served) >= before + 10), 20, "traffic on the fallback")
+        await until(lambda: len(served) >= before + 10, 20, "traffic on the fallback")
         stop.set()
         await asyncio.wait_for(load, 30)
         # Every request that started after the kill was served (by the fallback), none failed.
@@ -127,14 +119,14 @@ async def test_kill_primary_falls_back_without_errors_then_recovers(node: Proces
         # that worker is ready the pool serves again
         node.spawn("worker2", "workers")
         closed = ("primary", "open", "closed")
-        await wait_for(lambda: _true(closed in transitions(node)), 20, "the breaker to close")
-        await wait_for(lambda: _is(c, PRIMARY, SERVING), 20, "the primary to serve again")
+        await until(lambda: closed in transitions(node), 20, "the breaker to close", poll_s=0.05)
+        await until(lambda: _is(c, PRIMARY, SERVING), 20, "the primary to serve again", poll_s=0.05)
         await generate_ok(c, 999)
 
 
 async def test_a_flood_of_invalid_requests_never_opens_a_breaker(node: ProcessNode) -> None:
     async with Client(node.address) as c:
-        await wait_for(lambda: _is(c, PRIMARY, SERVING), 20, "the primary pool to be SERVING")
+        await until(lambda: _is(c, PRIMARY, SERVING), 20, "the primary pool to be SERVING", poll_s=0.05)
         before = len(transitions(node))  # (none but a pool's at start, before its worker came)
         bad = [
             pb.GenerateRequest(prompt="x", top_p=3),  # rejected by the gateway
@@ -163,26 +155,20 @@ def list_backends(node: ProcessNode) -> dict[str, dict]:
 
 
 def test_grpcurl_shows_each_pools_health_and_breaker(node: ProcessNode) -> None:
-    deadline = time.monotonic() + 20
-    while True:
-        out = run_grpcurl("-d", json.dumps({"service": BACKUP}), node.address, "grpc.health.v1.Health/Check")
-        if out.returncode == 0 and json.loads(out.stdout)["status"] == "SERVING":
-            break
-        assert time.monotonic() < deadline, out.stdout + out.stderr
-        time.sleep(0.1)  # polling the gateway, bounded by the deadline
+    def health(service: str) -> str:
+        """The service's status as grpcurl reads it (what grpcurl said when it failed)."""
+        out = run_grpcurl("-d", json.dumps({"service": service}), node.address, "grpc.health.v1.Health/Check")
+        return str(json.loads(out.stdout)["status"]) if out.returncode == 0 else out.stdout + out.stderr
+
+    wait_until(lambda: health(BACKUP), 20, "the backup pool SERVING", done=lambda s: s == "SERVING", poll_s=0.1)
     for service in (PRIMARY, "llamamesh.liveness", ""):
         out = run_grpcurl("-d", json.dumps({"service": service}), node.address, "grpc.health.v1.Health/Check")
         assert json.loads(out.stdout)["status"] == "SERVING", (service, out.stdout, out.stderr)
     node.procs["worker"].send_signal(signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while json.loads(run_grpcurl("-d", json.dumps({"service": PRIMARY}), node.address,
-                                 "grpc.health.v1.Health/Check").stdout)["status"] != "NOT_SERVING":  # fmt: skip
-        assert time.monotonic() < deadline
-        time.sleep(0.1)  # polling the gateway, bounded by the deadline
+    wait_until(lambda: health(PRIMARY), 10, "the primary NOT_SERVING", done=lambda s: s == "NOT_SERVING", poll_s=0.1)
     # the admin RPC shows why: the breaker's state and transition, and who is alive where
-    while (backends := list_backends(node))["primary"]["breaker_state"] != "open":
-        assert time.monotonic() < deadline, backends
-        time.sleep(0.1)  # polling the gateway, bounded by the deadline
+    backends = wait_until(lambda: list_backends(node), 10, "the primary's breaker open",
+                          done=lambda got: got["primary"]["breaker_state"] == "open", poll_s=0.1)  # fmt: skip
     primary, backup = backends["primary"], backends["backup"]
     assert primary["fallback"] == "backup" and not primary.get("workers") and not primary.get("serving")
     (t,) = primary["transitions"]
@@ -195,5 +181,3 @@ async def _is(c: Client, service: str, state: int) -> bool:
     return await c.health(service) == state
 
 
-async def _true(value: bool) -> bool:
-    return value

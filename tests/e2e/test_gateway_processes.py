@@ -15,8 +15,9 @@ import pytest
 
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc
-from tests.e2e.conftest import ProcessNode, wait_until
+from tests.e2e.conftest import ProcessNode
 from tests.redisproc import RedisProcess
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 

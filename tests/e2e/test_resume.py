@@ -17,8 +17,9 @@ import pytest
 
 from llamamesh.client import Client, by_sample, serving
 from llamamesh.v1 import generation_pb2 as pb
-from tests.e2e.conftest import ProcessNode, wait_until
+from tests.e2e.conftest import ProcessNode
 from tests.redisproc import RedisProcess, free_port
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

@@ -21,8 +21,8 @@ import pytest
 
 from llamamesh.client import Client
 from llamamesh.v1 import admin_pb2
-from tests.e2e.conftest import wait_until
 from tests.redisproc import free_port
+from tests.waiting import until, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -104,15 +104,18 @@ async def test_a_killed_worker_is_back_within_30_s_and_the_node_never_stopped(se
         reference = await greedy(c, temperature=0.0)
         os.kill(worker, signal.SIGKILL)
         t0 = time.monotonic()
-        back = None
-        while time.monotonic() - t0 < 30:
+
+        async def answers_again() -> bool:
             try:  # waits while the pool has no worker or a starting one; the 15-s timeout bounds a try
-                if await asyncio.wait_for(greedy(c, temperature=0.0), 15) == reference:
-                    back = time.monotonic() - t0
-                    break
+                return await asyncio.wait_for(greedy(c, temperature=0.0), 15) == reference
             except (grpc.aio.AioRpcError, asyncio.TimeoutError):
-                await asyncio.sleep(0.5)  # UNAVAILABLE while nobody serves: try again
-        assert back is not None, served.text()[-3000:]
+                return False  # UNAVAILABLE while nobody serves: try again
+
+        try:
+            await until(answers_again, 30, "the same answer from a new worker", poll_s=0.5)
+        except TimeoutError as exc:
+            raise AssertionError(served.text()[-3000:]) from exc
+        back = time.monotonic() - t0
         new = workers_of(served.proc.pid)
         assert len(new) == 1 and new != [worker]
         assert served.proc.poll() is None  # the node (gateway, Valkey) never stopped
@@ -120,11 +123,7 @@ async def test_a_killed_worker_is_back_within_30_s_and_the_node_never_stopped(se
             reply = await c.admin.ListBackends(admin_pb2.ListBackendsRequest())
             return [w.state for b in reply.backends if b.pool == "cpu" for w in b.workers]
 
-        for _ in range(50):
-            if await states() == ["ready"]:
-                break
-            await asyncio.sleep(0.1)
-        assert await states() == ["ready"]
+        await until(states, 5, "the gateway to list one ready worker", done=lambda s: s == ["ready"], poll_s=0.1)
     assert '"child_exited"' in served.text() and '"exit_code": -9' in served.text()
     served.proc.send_signal(signal.SIGTERM)
     assert served.proc.wait(60) == 0

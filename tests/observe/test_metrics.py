@@ -9,7 +9,6 @@ import contextlib
 import json
 import shutil
 import subprocess
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -22,9 +21,10 @@ import pytest
 
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc
-from tests.e2e.conftest import ProcessNode, e2e_redis, wait_until
+from tests.e2e.conftest import ProcessNode, e2e_redis
 from tests.observe.test_rules import RATE_INTERVAL, alert_rules, dashboard_exprs, metric_names
 from tests.redisproc import RedisProcess, free_port
+from tests.waiting import until, wait_until
 
 __all__ = ["e2e_redis"]  # the session's Redis fixture
 
@@ -85,12 +85,8 @@ class Prometheus:
 
     def wait_for(self, promql: str, want: float, timeout_s: float = 30) -> None:
         """Poll until ``promql`` gives ``want`` (Prometheus scraped after the requests), bounded."""
-        deadline = time.monotonic() + timeout_s
-        got = self.query(promql)
-        while got != want and time.monotonic() < deadline:
-            time.sleep(0.25)  # polling another process's scrape, bounded by the deadline
-            got = self.query(promql)
-        assert got == want, f"{promql} = {got}, expected {want}"
+        wait_until(lambda: self.query(promql), timeout_s, f"{promql} = {want}", done=lambda got: got == want,
+                   poll_s=0.25)  # fmt: skip
 
     def up(self) -> float | None:
         return self.query("sum(up)")
@@ -254,11 +250,11 @@ async def test_every_dashboard_and_alert_expression_evaluates_against_a_real_nod
         await generate(node.address, N)
         prom.wait_for('sum(llamamesh_requests_total{method="Generate",code="OK"})', N)
         # rate() over RATE_INTERVAL needs two samples of each served count, from both scrapes: poll
-        deadline = time.monotonic() + 30
-        failed, empty = evaluate(prom)
-        while (failed or empty) and time.monotonic() < deadline:
-            await asyncio.sleep(0.5)  # polling another process's scrapes, bounded by the deadline
-            failed, empty = evaluate(prom)
+        try:
+            failed, empty = await until(lambda: evaluate(prom), 30, "every expression to evaluate with series",
+                                        done=lambda got: not got[0] and not got[1], poll_s=0.5)  # fmt: skip
+        except TimeoutError:
+            failed, empty = evaluate(prom)  # the assertions below say which
         assert not failed, failed
         assert not empty, f"no series on a real node: {empty}"
 

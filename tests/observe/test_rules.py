@@ -15,7 +15,6 @@ import re
 import shutil
 import subprocess
 import threading
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -27,6 +26,7 @@ import pytest
 import yaml
 
 from tests.redisproc import free_port
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -282,11 +282,8 @@ class Prometheus:
 
     def wait_for(self, expr: str, what: str, timeout_s: float = 30.0) -> None:
         """Poll until expr returns a series."""
-        deadline = time.monotonic() + timeout_s
-        while not self.query(expr).get("data", {}).get("result"):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"Prometheus never had {what}")
-            time.sleep(0.1)  # polling Prometheus's scrapes, bounded by the deadline
+        wait_until(lambda: self.query(expr).get("data", {}).get("result"), timeout_s, f"Prometheus to have {what}",
+                   poll_s=0.1)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -316,17 +313,25 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]
     )
     try:
         prom = Prometheus(f"http://127.0.0.1:{port}")
-        deadline = time.monotonic() + 30
-        while True:
+
+        def failed() -> str:
+            return f"prometheus did not start: {(workdir / 'prometheus.log').read_text()[-2000:]}"
+
+        def ready() -> bool:
             try:
                 with urllib.request.urlopen(f"{prom.url}/-/ready", timeout=2) as reply:
                     if reply.status == 200:
-                        break
+                        return True
             except (urllib.error.URLError, ConnectionError):
                 pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"prometheus did not start: {(workdir / 'prometheus.log').read_text()[-2000:]}")
-            time.sleep(0.05)  # polling a starting server, bounded by the deadline
+            if proc.poll() is not None:
+                raise RuntimeError(failed())
+            return False
+
+        try:
+            wait_until(ready, 30, "Prometheus to be ready")
+        except TimeoutError:
+            raise RuntimeError(failed()) from None
         prom.wait_for('count_over_time(up{job="static"}[1m]) >= 3 and up{job="static"} == 1', "three good scrapes")
         yield prom
     finally:
@@ -368,15 +373,15 @@ def test_alert_expression_parses(prometheus: Prometheus, rule: dict[str, Any]) -
 
 def test_prometheus_evaluates_every_rule(prometheus: Prometheus) -> None:
     expected = {rule["alert"] for rule in alert_rules()}
-    deadline = time.monotonic() + 30
-    while True:
+
+    def health() -> dict[str, tuple[str, str]]:
         groups = prometheus.get("/api/v1/rules")["data"]["groups"]
-        health = {r["name"]: (r["health"], r.get("lastError", "")) for g in groups for r in g["rules"]}
-        assert not [h for h in health.values() if h[0] == "err"], health
-        if health.keys() == expected and all(h[0] == "ok" for h in health.values()):
-            return
-        assert time.monotonic() < deadline, health
-        time.sleep(0.1)  # polling the rule evaluations, bounded by the deadline
+        got = {r["name"]: (r["health"], r.get("lastError", "")) for g in groups for r in g["rules"]}
+        assert not [h for h in got.values() if h[0] == "err"], got
+        return got
+
+    every_rule_ok = lambda got: got.keys() == expected and all(h[0] == "ok" for h in got.values())  # noqa: E731
+    wait_until(health, 30, "every rule evaluated", done=every_rule_ok, poll_s=0.1)
 
 
 def test_pool_variable_lists_pools(prometheus: Prometheus) -> None:

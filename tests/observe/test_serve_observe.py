@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 
 from tests.e2e.test_serve import CLI, clean_env, serve_node
 from tests.observe.test_tracing import Receiver, receiver
+from tests.waiting import wait_until
 
 __all__ = ["receiver"]  # the OTLP receiver fixture
 
@@ -50,21 +50,21 @@ def test_serve_prints_metrics_urls_that_show_the_names_and_traces_reach_otlp(
         out = subprocess.run([str(CLI), "generate", "--address", served.address, "--max-tokens", "4", "Hi"],
                              env=clean_env(tmp_path), capture_output=True, text=True, timeout=120)  # fmt: skip
         assert out.returncode == 0, out.stderr
-        deadline = time.monotonic() + 15
-        while True:  # bounded poll: the RPC's end and the worker's heartbeat update them
+
+        def missing() -> list[str]:  # the RPC's end and the worker's heartbeat update them
             gw, wk = page(urls["gateway"]), page(urls["workers"])
-            missing = [n for n in GATEWAY_NAMES if n not in gw] + [n for n in WORKER_NAMES if n not in wk]
-            if not missing or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)  # polling the endpoints, bounded by the deadline
-        assert not missing, missing
+            return [n for n in GATEWAY_NAMES if n not in gw] + [n for n in WORKER_NAMES if n not in wk]
+
+        wait_until(missing, 15, "every metric on its endpoint", done=lambda names: not names, poll_s=0.2)
+        gw = page(urls["gateway"])
         assert 'llamamesh_requests_total{code="OK",method="Generate",pool="cpu"} 1.0' in gw, gw[:3000]
-        deadline = time.monotonic() + 30
-        while True:  # bounded poll: both processes export within their schedule delay
+
+        def job_under_generate() -> bool:  # each process exports within its schedule delay
             gen = next((s for svc, s in rec.spans if (svc, s.name) == ("gateway", "Generate")), None)
-            job = gen and next((s for svc, s in rec.spans if (svc, s.name) == ("worker", "job")
-                                and s.trace_id == gen.trace_id), None)  # fmt: skip
-            if job is not None:
-                break
-            assert time.monotonic() < deadline, sorted({(svc, s.name) for svc, s in rec.spans})
-            time.sleep(0.1)  # polling the receiver, bounded by the deadline
+            return gen is not None and any((svc, s.name) == ("worker", "job") and s.trace_id == gen.trace_id
+                                           for svc, s in rec.spans)  # fmt: skip
+
+        try:
+            wait_until(job_under_generate, 30, "the Generate span and its job's span", poll_s=0.1)
+        except TimeoutError as exc:
+            raise AssertionError(sorted({(svc, s.name) for svc, s in rec.spans})) from exc

@@ -7,7 +7,6 @@ are spans of the worker under the BatchGenerate RPC's span."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -23,6 +22,7 @@ from llamamesh.v1 import batch_pb2_grpc, generation_pb2_grpc
 from llamamesh.v1 import generation_pb2 as pb
 from tests.e2e.conftest import ProcessNode, e2e_redis
 from tests.redisproc import RedisProcess, free_port
+from tests.waiting import wait_until
 
 __all__ = ["e2e_redis"]  # the session's Redis fixture
 
@@ -83,13 +83,16 @@ def traced(
 def wait_for_spans(rec: Receiver, trace_id: str, want: set[tuple[str, str]], count: int = 1) -> list[tuple[str, Span]]:
     """The trace's spans once ``count`` of each (service, name) in ``want`` arrived (bounded poll:
     both processes export within their schedule delay)."""
-    deadline = time.monotonic() + 30
-    while True:
-        spans = rec.of_trace(trace_id)
+
+    def arrived(spans: list[tuple[str, Span]]) -> bool:
         seen = [(svc, s.name) for svc, s in spans]
-        if all(seen.count(w) >= count for w in want) or time.monotonic() > deadline:
-            return spans
-        time.sleep(0.1)  # polling the receiver, bounded by the deadline
+        return all(seen.count(w) >= count for w in want)
+
+    try:
+        return wait_until(lambda: rec.of_trace(trace_id), 30, f"{count} of each of {sorted(want)}", done=arrived,
+                          poll_s=0.1)  # fmt: skip
+    except TimeoutError:
+        return rec.of_trace(trace_id)  # the callers' assertions say what is missing
 
 
 def parents(spans: list[tuple[str, Span]], span: Span) -> Span:

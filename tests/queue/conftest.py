@@ -9,9 +9,12 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+from llamamesh.queue.memory import MemoryQueue
 from llamamesh.queue.redisio import connect
+from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import RedisSettings
 from tests.redisproc import RedisClusterProcs, RedisProcess
+from tests.waiting import blocked_in
 
 
 @pytest.fixture(scope="session", params=["redis", "valkey", "cluster"])
@@ -48,3 +51,11 @@ def single_server_only(settings: RedisSettings, why: str) -> None:
     """Skip a test of one server's own accounting (its command counts, clients, restart) on the cluster."""
     if settings.url.startswith("redis+cluster://"):
         pytest.skip(f"single server only: {why}")
+
+
+async def reader_blocked(queue: RedisQueue | MemoryQueue, command: str) -> bool:
+    """Whether a read of ``queue`` waits for something to arrive: on Redis a client blocked in
+    ``command`` ("xread", "xreadgroup"), in the fake a waiter on its condition."""
+    if isinstance(queue, MemoryQueue):
+        return bool(queue._changed._waiters)  # asyncio.Condition's waiters: the fake's blocked reads
+    return await blocked_in(queue.client, command) > 0

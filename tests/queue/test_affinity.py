@@ -23,8 +23,9 @@ from llamamesh.queue.protocol import QueueDepth, split_ref
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import RedisSettings
 from llamamesh.types import Finished, FinishReason, GenerationRequest, JobEvent, Usage, WorkerState, WorkerStatus
-from tests.queue.conftest import raw_client
+from tests.queue.conftest import raw_client, reader_blocked
 from tests.queue.jobs import req
+from tests.waiting import until
 
 pytestmark = [pytest.mark.timeout(30)]
 
@@ -154,7 +155,7 @@ async def test_the_same_prefix_key_goes_to_the_worker_that_owns_it(queue: Any) -
     assert {x.partition for x in mine} == {partition_of(job("x", a), P)}
     # the owner, blocked on its own partitions, gets the next one at once
     waiting = asyncio.create_task(queue.lease("cpu", "w1", 1, 2000))
-    await asyncio.sleep(0.1)  # w1 is in its blocking read of its own partitions
+    await until(lambda: reader_blocked(queue, "xreadgroup"), 10, "w1's blocking read of its own partitions")
     await queue.submit("cpu", job("a3", a))
     (got,) = await waiting
     assert got.request.request_id == "a3" and not got.stolen
@@ -166,7 +167,7 @@ async def test_an_idle_worker_steals_a_busy_owners_queued_job_within_the_bound(q
     a = key_in(queue.owned("cpu", "w1"))
     # w1 is busy (it does not lease): w2, idle, blocked on its own partitions, takes w1's job
     thief = asyncio.create_task(queue.lease("cpu", "w2", 1, 5000))
-    await asyncio.sleep(0.1)
+    await until(lambda: reader_blocked(queue, "xreadgroup"), 10, "w2's blocking read of its own partitions")
     t0 = time.monotonic()
     await queue.submit("cpu", job("a0", a))
     (got,) = await thief
@@ -189,7 +190,7 @@ async def test_a_dead_workers_partitions_move_to_the_others(queue: Any) -> None:
     ttl = 0.3
     await share(queue, ttl_s=ttl)
     a = key_in(queue.owned("cpu", "w1"))
-    await asyncio.sleep(ttl + 0.1)  # w1 stops heartbeating
+    await asyncio.sleep(ttl + 0.1)  # time passing on purpose: w1 stops heartbeating, its heartbeat's TTL runs out
     await beat(queue, "w2", ttl)
     assert queue.owned("cpu", "w2") == list(range(P))
     await queue.submit("cpu", job("a0", a))
@@ -214,7 +215,7 @@ async def test_a_dead_workers_leased_jobs_are_reclaimed_once_and_poison_is_set_a
         for i in range(3):
             await q.submit("cpu", job(f"a{i}", a, tenant="t" if i else ""))
         assert len(await q.lease("cpu", "w1", 3, 0)) == 3
-        await asyncio.sleep(ttl + 0.1)  # w1 died with its jobs leased
+        await asyncio.sleep(ttl + 0.1)  # time passing on purpose: w1 died with its jobs leased, its TTL runs out
         await beat(q, "w2", ttl)
         got = await asyncio.gather(q.reclaim("cpu", "w2", 200, 10, 3), q.reclaim("cpu", "w3", 200, 10, 3))
         assert sorted(ids([x for leases in got for x in leases])) == ["a0", "a1", "a2"]
@@ -223,7 +224,7 @@ async def test_a_dead_workers_leased_jobs_are_reclaimed_once_and_poison_is_set_a
         w2 = {x.request.request_id: x for x in got[0] + got[1]}
         assert split_ref(w2["a1"].ref) == ("t", w2["a1"].partition, w2["a1"].entry_id)
         await q.publish([(w2["a0"], done())], [])
-        await asyncio.sleep(0.25)
+        await asyncio.sleep(0.25)  # time passing on purpose: a1 and a2 age past the 200 ms idle time
         await q.heartbeat(WorkerStatus(worker="w2", pool="cpu"), ttl, touch=[w2["a1"].ref])
         # a2 was untouched: delivered twice already, its next taker is its third, past 2 deliveries
         assert await q.reclaim("cpu", "w4", 200, 10, max_deliveries=2) == []

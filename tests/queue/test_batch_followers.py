@@ -18,6 +18,7 @@ from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import RedisSettings
 from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, ItemStatus
 from tests.queue.conftest import raw_client
+from tests.waiting import blocked_in, until
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
 
@@ -40,6 +41,12 @@ class Stores:
         """The reader client's connections, as the server counts them (CLIENT LIST)."""
         clients = await self._observer.client_list()
         return sum(1 for c in clients if c.get("name") == self._name)
+
+    async def blocked(self) -> int:
+        """The reader client's connections blocked in XREAD (on a cluster, where raw_client names
+        no client, every client's)."""
+        cluster = isinstance(self._observer, aioredis.RedisCluster)
+        return await blocked_in(self._observer, "xread", None if cluster else self._name)
 
     async def batches(self, n: int) -> list[Lease]:
         """``n`` batches of one item each, created and leased on the writer's side."""
@@ -71,14 +78,6 @@ async def stores(redis_settings: RedisSettings) -> AsyncIterator[Stores]:
     await q.close()
 
 
-async def until(check: object, timeout_s: float = 10.0) -> None:
-    """Poll ``check()`` (bounded) until it is true."""
-    deadline = time.monotonic() + timeout_s
-    while not check():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "timed out waiting"
-        await asyncio.sleep(0.01)
-
-
 def followers(store: RedisBatches) -> int:
     follower = store._follower
     return 0 if follower is None else follower.followers
@@ -89,11 +88,10 @@ async def test_many_waiting_readers_hold_a_bounded_number_of_connections(stores:
     store = stores.reader
     # One reader first, so the shared XREAD is blocked when the others arrive (each must wake it).
     first = asyncio.create_task(store.results("b0", "0-0", 30_000))
-    await until(lambda: followers(store) == 1)
-    await asyncio.sleep(0.05)
+    await until(stores.blocked, 10, "the first reader's shared XREAD to block")
     rest = [asyncio.create_task(store.results(f"b{i}", "0-0", 30_000)) for i in range(1, N)]
     tasks = [first, *rest]
-    await until(lambda: followers(store) == N)
+    await until(lambda: followers(store) == N, 10, f"{N} followers")
     waiting = await stores.connections()
     assert waiting <= MOST_CONNECTIONS, f"{waiting} connections for {N} waiting readers"
     assert not any(t.done() for t in tasks)
@@ -124,7 +122,7 @@ async def test_a_reader_after_its_cursor_waits_and_wakes_on_the_next_result(stor
     assert await store.results("two", there[0][0], 200) == []  # nothing after it within the block
     assert 0.15 <= time.monotonic() - t0 < 2
     later = asyncio.create_task(store.results("two", there[0][0], 10_000))
-    await until(lambda: followers(store) == 1)
+    await until(lambda: followers(store) == 1, 10, "one follower")
     await stores.writer.record(leases[1], ItemResult(leases[1].request.custom_id, ItemStatus.SUCCEEDED))
     got = await asyncio.wait_for(later, 5)
     assert [r.custom_id for _c, r in got] == [leases[1].request.custom_id]
@@ -134,7 +132,7 @@ async def test_a_reader_after_its_cursor_waits_and_wakes_on_the_next_result(stor
 async def test_cancelled_readers_leave_no_follower_behind(stores: Stores) -> None:
     store = stores.reader
     tasks = [asyncio.create_task(store.results(f"never{i}", "0-0", 60_000)) for i in range(50)]
-    await until(lambda: followers(store) == 50)
+    await until(lambda: followers(store) == 50, 10, "50 followers")
     for t in tasks:
         t.cancel()
     outcomes = await asyncio.gather(*tasks, return_exceptions=True)
@@ -144,7 +142,7 @@ async def test_cancelled_readers_leave_no_follower_behind(stores: Stores) -> Non
     # The follower still serves the next reader.
     leases = await stores.batches(1)
     after = asyncio.create_task(store.results("b0", "0-0", 10_000))
-    await until(lambda: followers(store) == 1)
+    await until(lambda: followers(store) == 1, 10, "one follower")
     await stores.writer.record(leases[0], ItemResult(leases[0].request.custom_id, ItemStatus.SUCCEEDED))
     assert [r.custom_id for _c, r in await asyncio.wait_for(after, 5)] == ["b0-c"]
 
@@ -152,7 +150,7 @@ async def test_cancelled_readers_leave_no_follower_behind(stores: Stores) -> Non
 async def test_a_cursor_that_is_no_stream_id_is_refused_before_the_shared_read(stores: Stores) -> None:
     store = stores.reader
     ok = asyncio.create_task(store.results("fine", "0-0", 10_000))
-    await until(lambda: followers(store) == 1)
+    await until(lambda: followers(store) == 1, 10, "one follower")
     for bad in ("99999999999999999999-0", "0-18446744073709551616", "$", "", "1-2-3", "+"):
         for block_ms in (None, 500):
             with pytest.raises(InvalidRequest) as exc:
@@ -169,7 +167,7 @@ async def test_a_cursor_that_is_no_stream_id_is_refused_before_the_shared_read(s
 async def test_close_stops_the_follower(stores: Stores) -> None:
     store = stores.reader
     waiting = asyncio.create_task(store.results("x", "0-0", 300))
-    await until(lambda: followers(store) == 1)
+    await until(lambda: followers(store) == 1, 10, "one follower")
     await store.close()
     assert store._follower is None
     assert await asyncio.wait_for(waiting, 5) == []  # the block's end

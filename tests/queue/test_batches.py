@@ -108,7 +108,7 @@ async def test_the_sweep_expires_unstarted_items_past_the_deadline_without_any_w
     assert [(x.cancelled, x.expired) for x in started] == [(False, False)]
     early = await store.settle("late")  # before the deadline: nothing to do
     assert early is not None and counts(early) == (3, 0, 0, 0, 0)
-    await asyncio.sleep(0.6)  # past a deadline that the store reads from the clock
+    await asyncio.sleep(0.6)  # time passing on purpose: past a deadline the store reads from time.time()
     assert await store.sweep() >= 1
     mid = await store.get("late")
     assert mid is not None and mid.state is BatchState.IN_PROGRESS and counts(mid) == (1, 0, 0, 0, 2)
@@ -162,7 +162,7 @@ async def test_the_sweep_ends_what_a_dead_worker_left_leased(redis_settings: Red
         assert await store.record(dead[0], ok("c0")) is True  # late c0 finished before the worker died
         cancelling = await store.cancel("gone")
         assert cancelling is not None and cancelling.state is BatchState.CANCELLING  # two running
-        await asyncio.sleep(0.6)  # the clock passes late's deadline and the claim idle time
+        await asyncio.sleep(0.6)  # time passing on purpose: past late's deadline and the claim idle time
         await store.touch("cpu", "live", [live[0].entry_id])
         assert await store.sweep() == 2  # late (deadline) and gone (cancelled: looked at after claim idle)
         late, gone, other = [await store.get(b) for b in ("late", "gone", "other")]
@@ -186,7 +186,7 @@ async def test_the_sweep_ends_a_failed_batchs_item_left_by_a_dead_worker(redis_s
     try:
         _leases, failed = await three_run_two_error(store, 3)
         assert failed is not None and failed.state is BatchState.FAILED and failed.processing == 1  # c2 runs on
-        await asyncio.sleep(0.6)  # its worker is dead: the claim idle time passes
+        await asyncio.sleep(0.6)  # time passing on purpose: its worker is dead, the claim idle time passes
         assert await store.sweep() == 1  # looked at after the claim idle time, not at its deadline
         end = await store.get("f")
         assert end is not None and end.state is BatchState.FAILED and counts(end) == (0, 0, 2, 1, 0)
@@ -221,7 +221,7 @@ async def test_a_dead_workers_item_behind_many_live_ones_is_reclaimed_within_a_f
         live = await store.lease_items("cpu", "live", 40, 100)
         dead = await store.lease_items("cpu", "dead", 1, 100)  # c40, after the 40 live ones
         assert len(live) == 40 and [x.request.custom_id for x in dead] == ["c40"]
-        await asyncio.sleep(0.3)  # past the claim idle time; the live worker touches its items
+        await asyncio.sleep(0.3)  # time passing on purpose: past the claim idle time; the live worker touches its items
         await store.touch("cpu", "live", [x.entry_id for x in live])
         got = []
         for _ in range(6):  # 10 entries a call: the fifth call reaches c40

@@ -6,10 +6,9 @@ owner's batch list, an event stream's life while its request runs (and the worke
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
@@ -35,16 +34,9 @@ from llamamesh.types import (
 )
 from tests.queue.conftest import raw_client
 from tests.queue.jobs import req
+from tests.waiting import until
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(30)]
-
-
-async def until(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> None:
-    """Poll ``check`` (bounded) until it holds: for what only the server's clock decides (idle times, TTLs)."""
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
 
 
 class Clock:
@@ -103,7 +95,7 @@ async def test_idle_consumers_holding_nothing_leave_the_pools_groups(redis_setti
             seen = [*(await consumers(raw, jobs)).values(), *(await consumers(raw, items)).values()]
             return all(c["idle"] >= 1000 for c in seen)
 
-        await until(idle_enough)
+        await until(idle_enough, 10, "every consumer idle for the server's 1 s", poll_s=0.05)
         await q.workers("cpu")  # the gateway's periodic look at the pool
         assert set(await consumers(raw, jobs)) == {"host-1"}
         assert await consumers(raw, items) == {}
@@ -115,7 +107,7 @@ async def test_idle_consumers_holding_nothing_leave_the_pools_groups(redis_setti
         async def host3_idle() -> bool:
             return (await consumers(raw, jobs))["host-3"]["idle"] >= 1000
 
-        await until(host3_idle)
+        await until(host3_idle, 10, "host-3 idle for the server's 1 s", poll_s=0.05)
         clock.now += 0.5
         await q.workers("cpu")
         assert "host-3" in await consumers(raw, jobs)
@@ -168,7 +160,7 @@ async def test_the_sweep_takes_purged_batches_off_their_owners_list(redis_settin
         async def purged() -> bool:
             return not await raw.exists(*(q.keys.batch(b) for b in ("d1", "d2", "d3")))
 
-        await until(purged)  # their retention (1 s) ended
+        await until(purged, 10, "the ended batches' retention (1 s) to end on the server", poll_s=0.05)
         await store.sweep(limit=2)  # bounded work per sweep
         assert await raw.zcard(q.keys.batches("o")) == 2
         await store.sweep()
@@ -210,7 +202,7 @@ async def test_a_running_requests_event_stream_is_renewed_and_an_abandoned_one_e
         async def expired() -> bool:
             return not await raw.exists(key)
 
-        await until(expired)
+        await until(expired, 10, "the abandoned event stream's TTL to run out", poll_s=0.05)
         done = JobEvent(finished=Finished(FinishReason.LENGTH, Usage(1, 3)))
         await q.publish([(lease("short"), JobEvent(text="a", token_ids=(1,))), (lease("short"), done)], [])
         assert 0 < await raw.ttl(q.keys.events("short")) <= settings.event_ttl_s

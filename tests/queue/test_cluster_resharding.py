@@ -8,7 +8,7 @@ split between the two answers ``TRYAGAIN`` until the slot has moved (llamamesh/q
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 from llamamesh.queue.redisio import connect
 from llamamesh.settings import RedisSettings
 from tests.redisproc import RedisClusterProcs
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -68,7 +69,7 @@ async def test_commands_follow_ask_and_tryagain_while_a_slot_moves(
     # a script over a and b: TRYAGAIN while they are split, then it runs where both are.
     script = c.register_script(BOTH)
     both = asyncio.create_task(script(keys=[a, b]))
-    await asyncio.sleep(1.0)  # the split lasts a second: longer than redis-py's own 16 tries
+    await asyncio.sleep(1.0)  # time passing on purpose: the split lasts longer than redis-py's own 16 tries
     assert not both.done()
     await asyncio.to_thread(migration.finish)
     assert await asyncio.wait_for(both, 10) == [b"1", b"2"]
@@ -91,19 +92,12 @@ async def test_closing_a_nodes_idle_connections_fails_no_command_on_it(
     await asyncio.gather(*(c.blpop(["{t0}:idle"], 0.05) for _ in range(4)))  # idle pooled connections
     assert len(node._free) >= 2
     closing = asyncio.create_task(node.disconnect_free_connections())
-    await asyncio.sleep(0)  # one scheduler turn: the close has begun and waits on its sockets
+    # Looked at every turn: the close has begun (it took the idle ones) and waits on their sockets.
+    await until(lambda: not node._free, 5, "the close to take the idle connections", poll_s=0)
     # What the client does for a command on the node: one connection of the node, for one command.
     assert await asyncio.gather(*(node.execute_command("GET", "{t0}:k") for _ in range(4))) == [b"v"] * 4
     await asyncio.wait_for(closing, 5)
     assert await c.get("{t0}:k") == b"v"  # the closed ones reconnect when next taken
-
-
-async def _until(check: Callable[[], bool], what: str, turns: int = 100_000) -> None:
-    for _ in range(turns):  # bounded: scheduler turns, no clock
-        if check():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError(f"never: {what}")
 
 
 async def test_a_command_cancelled_while_the_map_is_relearnt_fails_no_other_command(
@@ -119,10 +113,11 @@ async def test_a_command_cancelled_while_the_map_is_relearnt_fails_no_other_comm
     # In flight through the relearning, and not retried by redis-py (a node named: no tries left),
     # so that a closed connection shows.
     held = asyncio.create_task(c.execute_command("BLPOP", "{t0}:held", 1, target_nodes=node))
-    await _until(lambda: len(node._connections) > len(node._free), "the blocking read holds a connection")
+    await until(lambda: len(node._connections) > len(node._free), 10, "the blocking read to hold a connection")
     c._initialize = True  # as after a lost connection: the next command learns the map first
     learner = asyncio.create_task(c.get("{t0}:k"))
-    await _until(lambda: c._lock is not None and c._lock.locked(), "the next command learns the map")
+    # Looked at every turn, not on a clock: the learner must be cancelled while it holds the lock.
+    await until(lambda: c._lock is not None and c._lock.locked(), 10, "the next command to learn the map", poll_s=0)
     learner.cancel()
     assert await asyncio.wait_for(held, 10) is None  # its timeout, not a closed connection
     assert await c.get("{t0}:k") == b"v"

@@ -19,6 +19,7 @@ from llamamesh.settings import RedisSettings
 from llamamesh.types import Attempt
 from tests.queue.conftest import single_server_only
 from tests.queue.jobs import req
+from tests.waiting import until
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(30)]
 
@@ -76,7 +77,8 @@ async def test_a_caller_cancelled_before_its_pipeline_left_never_runs(
     single_server_only(redis_settings, "a cluster sends each call at once")
     pipe, echo = ScriptPipe(client), client.register_script(ECHO)
     gone = asyncio.create_task(pipe.call(echo, [key(redis_settings, "c")], ["gone"]))
-    await asyncio.sleep(0)  # the call is queued; its pipeline leaves on the next turn
+    # Looked at every turn: its pipeline leaves on the turn after the call is queued.
+    await until(lambda: len(pipe._queued) == 1, 5, "the call to be queued", poll_s=0)
     gone.cancel()
     stays = await pipe.call(echo, [key(redis_settings, "c")], ["stays"])
     assert gone.cancelled()
@@ -87,7 +89,7 @@ async def test_close_cancels_the_calls_still_queued(client: aioredis.Redis, redi
     single_server_only(redis_settings, "a cluster sends each call at once")
     pipe, echo = ScriptPipe(client), client.register_script(ECHO)
     calls = [asyncio.create_task(pipe.call(echo, [key(redis_settings, "q")], [str(i)])) for i in range(3)]
-    await asyncio.sleep(0)
+    await until(lambda: len(pipe._queued) == 3, 5, "the calls to be queued", poll_s=0)
     await pipe.close()
     await asyncio.wait(calls, timeout=5)
     assert all(c.cancelled() for c in calls)

@@ -20,8 +20,9 @@ from llamamesh.queue.protocol import Lease, entry_ref, parse_ref
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import RedisSettings
 from llamamesh.types import Finished, FinishReason, GenerationRequest, JobEvent, Usage, WorkerStatus
-from tests.queue.conftest import raw_client
+from tests.queue.conftest import raw_client, reader_blocked
 from tests.queue.jobs import req
+from tests.waiting import until
 
 pytestmark = [pytest.mark.timeout(30)]
 
@@ -155,7 +156,7 @@ async def test_a_new_tenant_is_seen_within_one_block(redis_queue: RedisQueue) ->
     await q.join("cpu")
     t0 = time.monotonic()
     blocked = asyncio.create_task(q.lease("cpu", "w1", 4, 300))
-    await asyncio.sleep(0.05)  # the worker is in its blocking read of the streams it knows
+    await until(lambda: reader_blocked(q, "xreadgroup"), 10, "the worker's blocking read of the streams it knows")
     await q.submit("cpu", job("b0", "b"))
     leases = await blocked
     if not leases:  # the block did not cover b's stream: the next lease reads the tenants again
@@ -174,7 +175,7 @@ async def test_reclaim_takes_a_dead_workers_jobs_of_every_tenant(redis_queue: Re
     assert len(dead) == 4
     mine = await q.lease("cpu", "w2", 10, 50)
     assert mine == []
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.3)  # time passing on purpose: the dead worker's entries age past the 200 ms idle time
     # w2 runs nothing; a third reclaimer racing it gets nothing twice
     got = await asyncio.gather(q.reclaim("cpu", "w2", 200, 10, 3), q.reclaim("cpu", "w3", 200, 10, 3))
     ids = sorted(x.request.request_id for leases in got for x in leases)
@@ -182,7 +183,7 @@ async def test_reclaim_takes_a_dead_workers_jobs_of_every_tenant(redis_queue: Re
     tenants = {x.request.request_id: x.tenant for leases in got for x in leases}
     assert tenants == {"d": "", "a": "a", "b": "b", "b2": "b"}
     # the count holds across streams, and a restart under the same name takes its own back
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.3)  # time passing on purpose: the reclaimed entries age past the idle time again
     assert len(await q.reclaim("cpu", "w4", 200, 3, 5)) == 3
     assert len(await q.reclaim("cpu", "w4", 0, 10, 5, own=True)) == 3
 
@@ -194,7 +195,7 @@ async def test_a_running_job_is_not_reclaimed_from_its_own_worker(redis_queue: R
     await q.submit("cpu", job("b0", "b"))
     await q.submit("cpu", job("b1", "b"))
     leases = {x.request.request_id: x for x in await q.lease("cpu", "w1", 2, 200)}
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.3)  # time passing on purpose: both entries age past the 200 ms idle time
     # it runs b0 (by its ref in b's stream), not b1 (a lease whose reply it lost)
     got = await q.reclaim("cpu", "w1", 200, 10, 3, running={leases["b0"].ref})
     assert [x.request.request_id for x in got] == ["b1"]
@@ -208,7 +209,7 @@ async def test_heartbeat_touch_keeps_another_tenants_running_job(redis_queue: Re
     await q.submit("cpu", job("orphan", "b"))
     await q.submit("cpu", job("plain", ""))
     leases = {x.request.request_id: x for x in await q.lease("cpu", "w1", 3, 200)}
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.3)  # time passing on purpose: the entries age past the 200 ms idle time
     touch = [leases["busy"].ref, leases["plain"].ref]
     await q.heartbeat(WorkerStatus(worker="w1", pool="cpu"), 1.0, touch=touch)
     assert [x.request.request_id for x in await q.reclaim("cpu", "w2", 200, 10, 3)] == ["orphan"]
@@ -236,9 +237,9 @@ async def test_a_tenants_poison_job_is_dead_lettered(
     await q.join("cpu")
     await q.submit("cpu", job("poison", "b"))
     assert len(await q.lease("cpu", "w1", 1, 200)) == 1
-    await asyncio.sleep(0.25)
+    await asyncio.sleep(0.25)  # time passing on purpose: the entry ages past the 200 ms idle time
     assert len(await q.reclaim("cpu", "w2", 200, 10, max_deliveries=2)) == 1
-    await asyncio.sleep(0.25)
+    await asyncio.sleep(0.25)  # and again
     assert await q.reclaim("cpu", "w3", 200, 10, max_deliveries=2) == []
     evs = [e async for _i, e in q.events("poison")]
     assert evs[-1].failed is not None and "set aside" in evs[-1].failed.message
@@ -288,7 +289,7 @@ async def test_an_idle_tenant_is_forgotten_and_comes_back_with_its_next_job(
         await q.publish([(x, done()) for x in leases], [])
         # a worker blocks on every stream it knows; the idle ones go under it
         waiting = asyncio.create_task(q.lease("cpu", "w1", 1, 1000))
-        await asyncio.sleep(0.1)
+        await until(lambda: reader_blocked(q, "xreadgroup"), 10, "the worker's blocking read")
         await q.prune_consumers("cpu")
         assert await raw.hgetall(keys.tenants("cpu")) == {}
         assert not await raw.exists(keys.jobs("cpu", "b"), keys.jobs("cpu", "c"))

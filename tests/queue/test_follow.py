@@ -13,6 +13,7 @@ from llamamesh.queue.follow import EventFollower
 from llamamesh.queue.keys import Keys
 from llamamesh.settings import RedisSettings
 from tests.queue.conftest import raw_client
+from tests.waiting import blocked_in, until
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(30)]
 
@@ -29,7 +30,7 @@ async def test_a_late_follower_does_not_wait_for_the_blocked_read(redis_settings
     f = EventFollower(client, keys, block_ms=10_000)
     try:
         first = await f.follow(keys.events("a"))
-        await asyncio.sleep(0.05)  # let the loop block in XREAD (10 s) on stream "a" only
+        await until(lambda: blocked_in(client, "xread"), 10, 'the loop to block in XREAD (10 s) on stream "a" only')
         late = await f.follow(keys.events("b"))
         t0 = time.monotonic()
         await client.xadd(keys.events("b"), {"e": b"x"})
@@ -46,7 +47,7 @@ async def test_many_followers_share_few_reads(redis_settings, client) -> None:
     f = EventFollower(client, keys, block_ms=2000)
     try:
         subs = [await f.follow(keys.events(f"r{i}")) for i in range(100)]
-        await asyncio.sleep(0.05)
+        await until(lambda: blocked_in(client, "xread"), 10, "each lane's XREAD", done=lambda n: n >= f.lanes)
         reads_before = f.reads
         async with client.pipeline(transaction=False) as pipe:  # one "engine step" for 100 requests
             for i in range(100):

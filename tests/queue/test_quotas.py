@@ -50,7 +50,7 @@ async def test_racing_requests_never_pass_the_burst_and_the_bucket_refills(
     with pytest.raises(RateLimited) as exc:
         await quotas.admit("t", limits)
     assert 0 < exc.value.retry_after_s <= 0.1 and "LLAMAMESH_LIMITS_REQUESTS_PER_S" in exc.value.message
-    await asyncio.sleep(exc.value.retry_after_s)
+    await asyncio.sleep(exc.value.retry_after_s)  # time passing on purpose: the bucket refills by Redis's clock
     await quotas.admit("t", limits)
     await quotas.admit("other-tenant", limits)  # its own bucket
     await other._r.aclose()
@@ -63,7 +63,7 @@ async def test_tokens_are_admitted_while_the_budget_is_above_zero_and_spent_afte
     with pytest.raises(RateLimited) as exc:
         await quotas.admit("t", limits)
     assert 0.9 < exc.value.retry_after_s <= 1.05 and "LLAMAMESH_LIMITS_TOKENS_PER_MIN" in exc.value.message
-    await asyncio.sleep(exc.value.retry_after_s)
+    await asyncio.sleep(exc.value.retry_after_s)  # time passing on purpose: the debt is paid by Redis's clock
     await quotas.admit("t", limits)
 
 
@@ -93,7 +93,7 @@ async def test_streams_are_held_renewed_and_freed_by_their_lease(
     await quotas.open_stream("t", limits, "third")  # members[1] was expired, so there is room
     with pytest.raises(RateLimited):
         await quotas.open_stream("t", limits, "fourth")
-    await asyncio.sleep(0.35)  # "another"'s short lease ends: nobody renews it
+    await asyncio.sleep(0.35)  # time passing on purpose: "another"'s short lease ends, nobody renews it
     await quotas.open_stream("t", limits, "fourth")
 
 

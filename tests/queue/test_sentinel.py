@@ -27,6 +27,7 @@ from llamamesh.types import Finished, FinishReason, ItemResult, ItemStatus, JobE
 from tests.queue.jobs import req
 from tests.queue.test_batches import batch
 from tests.redisproc import RedisProcess, SentinelGroup
+from tests.waiting import until
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
 
@@ -164,21 +165,22 @@ async def test_after_sentinel_failover_every_acknowledged_submission_is_on_the_n
                 acknowledged.append(rid)
             except QueueUnavailable as exc:
                 refused.append(exc.message)
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)  # pacing the load, not waiting: about a hundred submissions a second
 
     task = asyncio.create_task(submitting())
     try:
         await q.join("cpu")
         old = g.primary()
-        await asyncio.sleep(0.3)
+        await until(lambda: len(acknowledged) >= 10, 10, "submissions acknowledged before the failover")
         before = len(acknowledged)
         g.failover()
         new = await asyncio.to_thread(g.wait_failover, old, 0, 20)
-        await asyncio.sleep(PRIMARY_RECHECK_S + 0.5)  # the pool asks the Sentinels again within this
+        # Time passing on purpose: the pool asks the Sentinels again within PRIMARY_RECHECK_S.
+        await asyncio.sleep(PRIMARY_RECHECK_S + 0.5)
         with direct(old) as r_old, direct(new) as r_new:
             assert r_old.info("replication")["role"] == "master"  # not demoted yet: writes there would be lost
             on_old, on_new = r_old.xlen(stream), r_new.xlen(stream)
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # time passing on purpose: half a second of submissions to watch
             assert r_old.xlen(stream) == on_old, "writes went on to the old primary"
             assert r_new.xlen(stream) > on_new  # (applied; refused for want of a replica)
             stop.set()

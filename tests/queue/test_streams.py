@@ -23,8 +23,9 @@ from llamamesh.types import (
     Usage,
     WorkerStatus,
 )
-from tests.queue.conftest import raw_client, single_server_only
+from tests.queue.conftest import raw_client, reader_blocked, single_server_only
 from tests.queue.jobs import req
+from tests.waiting import until
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(30)]
 
@@ -89,7 +90,7 @@ async def test_events_block_until_written(queue) -> None:
     await queue.submit("cpu", req("b"))
     (lease,) = await queue.lease("cpu", "w1", 1, 500)
     reader = asyncio.create_task(_collect(queue, "b"))
-    await asyncio.sleep(0)  # let the reader block first
+    await until(lambda: reader_blocked(queue, "xread"), 10, "the reader to block")
     await queue.publish([(lease, JobEvent(text="x", token_ids=(5,)))], [])
     await queue.publish([(lease, done(1))], [])
     got = await asyncio.wait_for(reader, 5)
@@ -299,7 +300,7 @@ async def test_racing_reclaimers_take_each_stale_job_once(rq: RedisQueue) -> Non
     for i in range(50):
         await rq.submit("cpu", req(f"s{i}"))
     assert len(await rq.lease("cpu", "dead", 50, 500)) == 50
-    await asyncio.sleep(1.1)  # the entries age past the idle time under test
+    await asyncio.sleep(1.1)  # time passing on purpose: the entries age past the idle time under test
     # A second's idle time: a reclaimer that comes later than that after the first one claimed
     # takes the job again, as it should (CI's loaded cluster run took longer than 200 ms).
     got = await asyncio.gather(*(rq.reclaim("cpu", f"r{k}", 1000, 50, max_deliveries=3) for k in range(4)))
@@ -312,7 +313,7 @@ async def test_touched_jobs_are_not_reclaimed_and_own_jobs_come_back_on_restart(
     await rq.submit("cpu", req("busy"))
     await rq.submit("cpu", req("orphan"))
     leases = {x.request.request_id: x for x in await rq.lease("cpu", "w1", 2, 500)}
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.3)  # time passing on purpose: both entries age past the 200 ms idle time
     # w1's heartbeat says it still runs busy
     await rq.heartbeat(WorkerStatus(worker="w1", pool="cpu"), 1.0, touch=[leases["busy"].entry_id])
     assert [x.request.request_id for x in await rq.reclaim("cpu", "w2", 200, 10, 3)] == ["orphan"]
@@ -327,7 +328,7 @@ async def test_a_reclaimed_job_says_whether_its_dead_worker_had_begun_it(rq: Red
     leases = {x.request.request_id: x for x in await rq.lease("cpu", "w1", 2, 500)}
     assert not any(x.started for x in leases.values())  # a first lease never is
     await rq.publish([(leases["begun"], JobEvent(text="a", token_ids=(1,), index=0))], [])
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.3)  # time passing on purpose: both entries age past the 200 ms idle time
     got = {x.request.request_id: x.started for x in await rq.reclaim("cpu", "w2", 200, 10, 3)}
     assert got == {"begun": True, "untouched": False}
 
@@ -336,9 +337,9 @@ async def test_a_job_that_keeps_killing_workers_is_dead_lettered(rq: RedisQueue,
     await rq.join("cpu")
     await rq.submit("cpu", req("poison"))
     assert len(await rq.lease("cpu", "w1", 1, 500)) == 1  # delivery 1: w1 dies
-    await asyncio.sleep(0.25)
+    await asyncio.sleep(0.25)  # time passing on purpose: the entry ages past the 200 ms idle time
     assert len(await rq.reclaim("cpu", "w2", 200, 10, max_deliveries=2)) == 1  # delivery 2: w2 dies
-    await asyncio.sleep(0.25)
+    await asyncio.sleep(0.25)  # and again
     assert await rq.reclaim("cpu", "w3", 200, 10, max_deliveries=2) == []  # a third would be one too many
     evs = [e async for _i, e in rq.events("poison")]
     assert evs[-1].failed is not None and "set aside" in evs[-1].failed.message

@@ -3,7 +3,6 @@ worker, redis-server): who may call, as whom, and what each tenant can see of th
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -20,16 +19,16 @@ from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2
 
 from llamamesh.client import Client, field_violations
-from llamamesh.queue.memory import MemoryQueue
 from llamamesh.settings import AuthSettings, GatewaySettings
 from llamamesh.v1 import admin_pb2
 from llamamesh.v1 import batch_pb2 as bpb
 from llamamesh.v1 import generation_pb2 as pb
-from services.server import start_gateway
 from tests.e2e.test_node import grpcurl
 from tests.redisproc import RedisProcess
 from tests.security.conftest import PKI
 from tests.security.secured import SecuredNode, Tenants, create_key, key_id, start_node
+from tests.stacks import gateway_in_process
+from tests.waiting import until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -68,14 +67,15 @@ async def answer(client: Client, **fields: object) -> tuple[str, list[pb.Generat
 async def refused_soon(c: Client, within_s: float = 10) -> grpc.aio.AioRpcError:
     """The error of the first ListModels refused within ``within_s`` (the gateway reads its
     tenants file again within a second)."""
-    deadline = time.monotonic() + within_s
-    while True:
+
+    async def refusal() -> grpc.aio.AioRpcError | None:
         try:
             await c.list_models()
         except grpc.aio.AioRpcError as err:
             return err
-        assert time.monotonic() < deadline, "still accepted"
-        await asyncio.sleep(0.1)  # polling the reload, bounded by the deadline
+        return None
+
+    return await until(refusal, within_s, "a refusal (the gateway still accepts)", poll_s=0.1)
 
 
 def run_grpcurl(node: SecuredNode, *args: str) -> subprocess.CompletedProcess[str]:
@@ -124,15 +124,17 @@ async def test_no_key_bad_key_and_revoked_key_are_unauthenticated(secured: tuple
             assert code_of(exc) == grpc.StatusCode.UNAUTHENTICATED, key
     fresh = create_key(tenants.file, "alpha")
     async with node.client(fresh) as c:
-        deadline = time.monotonic() + 10
-        while True:  # a new key counts once the gateway read the file again (within a second)
+
+        async def accepted() -> bool:  # a new key counts once the gateway read the file again (within a second)
             try:
                 assert [m.id for m in await c.list_models()] == ["smollm2-135m-instruct"]
-                break
             except grpc.aio.AioRpcError as err:
-                if err.code() != grpc.StatusCode.UNAUTHENTICATED or time.monotonic() > deadline:
+                if err.code() != grpc.StatusCode.UNAUTHENTICATED:
                     raise
-            await asyncio.sleep(0.1)  # polling the reload, bounded by the deadline
+                return False
+            return True
+
+        await until(accepted, 10, "the gateway to accept the new key", poll_s=0.1)
         tenants.revoke(fresh)  # the gateway reads the file again within a second, no restart
         refused = await refused_soon(c)
         assert refused.code() == grpc.StatusCode.UNAUTHENTICATED and "revoked" in (refused.details() or "")
@@ -173,9 +175,8 @@ async def test_mutual_tls_identity_maps_to_a_tenant(pki: PKI, tmp_path: Path) ->
     auth.write_text(json.dumps(doc))
     settings = GatewaySettings(port=0, tls_cert=str(pki.server.cert), tls_key=str(pki.server.key),
                                tls_client_ca=str(pki.ca.cert))  # fmt: skip
-    gw = await start_gateway(MemoryQueue(), settings, port=0, auth=AuthSettings(file=str(auth)))
     opts = {"tls_ca": str(pki.ca.cert), "tls_cert": str(pki.client.cert), "tls_key": str(pki.client.key)}
-    try:
+    async with gateway_in_process(settings, auth=AuthSettings(file=str(auth))) as gw:
         with structlog.testing.capture_logs() as logs:
             async with Client(f"127.0.0.1:{gw.port}", **opts) as c:
                 assert [m.id for m in await c.list_models()] == ["smollm2-135m-instruct"]
@@ -187,8 +188,6 @@ async def test_mutual_tls_identity_maps_to_a_tenant(pki: PKI, tmp_path: Path) ->
         async with Client(f"127.0.0.1:{gw.port}", **opts) as c:
             refused = await refused_soon(c)
             assert refused.code() == grpc.StatusCode.UNAUTHENTICATED
-    finally:
-        await gw.stop(0)
 
 
 # --- ownership

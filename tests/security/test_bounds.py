@@ -3,7 +3,6 @@ unparseable bytes, and reflection turned off."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -12,22 +11,19 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from llamamesh.client import Client, field_violations
-from llamamesh.queue.memory import MemoryQueue
 from llamamesh.settings import GatewaySettings
 from llamamesh.v1 import generation_pb2 as pb
-from services.server import Gateway, start_gateway
+from services.server import Gateway
+from tests.stacks import gateway_in_process
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(30)
 
 
 @pytest.fixture
 async def gateway(request: pytest.FixtureRequest) -> AsyncIterator[Gateway]:
-    settings: GatewaySettings = getattr(request, "param", GatewaySettings())
-    gw = await start_gateway(MemoryQueue(), GatewaySettings(**{**settings.__dict__, "port": 0}), port=0)
-    try:
+    async with gateway_in_process(getattr(request, "param", GatewaySettings())) as gw:
         yield gw
-    finally:
-        await gw.stop(0)
 
 
 @pytest.mark.parametrize("gateway", [GatewaySettings(max_concurrent_rpcs=1, no_worker_wait_s=20)], indirect=True)
@@ -41,14 +37,15 @@ async def test_the_concurrent_rpc_cap(gateway: Gateway) -> None:
         assert "LLAMAMESH_GATEWAY_MAX_CONCURRENT_RPCS" in (exc.value.details() or "")
         assert await c.health() == health_pb2.HealthCheckResponse.SERVING  # health is never capped
         held.cancel()
-        for _ in range(200):
+
+        async def listed() -> bool:
             try:
                 assert await c.list_models()
-                break
             except grpc.aio.AioRpcError:
-                await asyncio.sleep(0.02)  # the held call's slot is given back as it ends (bounded)
-        else:
-            raise AssertionError("the slot was never given back")
+                return False
+            return True
+
+        await until(listed, 10, "the held call's slot given back as it ends", poll_s=0.02)
 
 
 @pytest.mark.parametrize("gateway", [GatewaySettings(max_prompt_chars=10)], indirect=True)

@@ -4,7 +4,6 @@ RESOURCE_EXHAUSTED and RetryInfo, queues nothing, and recovers."""
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections.abc import Iterator
 
@@ -20,6 +19,7 @@ from llamamesh.v1 import generation_pb2 as pb
 from tests.redisproc import RedisProcess, free_port
 from tests.security.conftest import PKI
 from tests.security.secured import SecuredNode, Tenants, start_node
+from tests.waiting import until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -77,7 +77,7 @@ async def test_requests_per_second(limited: tuple[SecuredNode, Tenants], securit
         wait = retry_after(exc.value)
         assert 0 < wait <= 0.5 and "LLAMAMESH_LIMITS_REQUESTS_PER_S" in (exc.value.details() or "")
         assert not queued_ever(node, security_redis, "rps", "refused-rps")
-        await asyncio.sleep(wait)  # what RetryInfo says: then it passes
+        await asyncio.sleep(wait)  # time passing on purpose: what RetryInfo says, then it passes
         await generate(c, max_tokens=1)
     async with node.client(tenants.keys["free"]) as other:  # another tenant's budget is its own
         for _ in range(5):
@@ -90,11 +90,13 @@ async def test_one_budget_across_gateways(limited: tuple[SecuredNode, Tenants]) 
     port = free_port()
     node.spawn("gateway2", "services", LLAMAMESH_GATEWAY_PORT=str(port))
     second = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while not serving(second, "llamamesh.backend.cpu", tls_ca=node.ca):
-        assert time.monotonic() < deadline and node.procs["gateway2"].poll() is None, node.log("gateway2")[-2000:]
-        await asyncio.sleep(0.1)  # polling a starting process, bounded by the deadline
-    await asyncio.sleep(1.0)  # a full bucket again (2 a second) after the test before
+
+    def second_serves() -> bool:
+        assert node.procs["gateway2"].poll() is None, node.log("gateway2")[-2000:]
+        return serving(second, "llamamesh.backend.cpu", tls_ca=node.ca)
+
+    await until(second_serves, 60, "the second gateway serving", poll_s=0.1)
+    await asyncio.sleep(1.0)  # time passing on purpose: a full bucket again (2 a second) after the test before
     async with node.client(tenants.keys["rps"]) as a, Client(second, api_key=tenants.keys["rps"], tls_ca=node.ca) as b:
         await generate(a, max_tokens=1)
         await generate(b, max_tokens=1)
@@ -114,7 +116,7 @@ async def test_tokens_per_minute(limited: tuple[SecuredNode, Tenants], security_
         wait = retry_after(exc.value)
         assert 4 < wait <= 6 and "LLAMAMESH_LIMITS_TOKENS_PER_MIN" in (exc.value.details() or "")
         assert not queued_ever(node, security_redis, "tokens", "refused-tokens")
-        await asyncio.sleep(wait)
+        await asyncio.sleep(wait)  # time passing on purpose: what RetryInfo says, then it passes
         await generate(c, max_tokens=1)
 
 
@@ -134,15 +136,16 @@ async def test_concurrent_streams(limited: tuple[SecuredNode, Tenants], security
         retry_after(exc.value)
         assert not queued_ever(node, security_redis, "streams", "refused-stream")
         held[0].cancel()
-        deadline = time.monotonic() + 10
-        while True:  # the slot is given back as the cancelled stream ends
+
+        async def served() -> bool:
             try:
                 await generate(c, max_tokens=1)
-                break
             except grpc.aio.AioRpcError as err:
-                retry_after(err)
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.05)  # polling the slot's release, bounded by the deadline
+                retry_after(err)  # refused for want of a slot, nothing else
+                return False
+            return True
+
+        await until(served, 10, "the cancelled stream's slot given back", poll_s=0.05)
         held[1].cancel()
 
 
@@ -153,23 +156,26 @@ def batch(n: int, prompt: str = "p") -> bpb.BatchGenerateRequest:
 
 
 async def until_accepted(c: Client, req: bpb.BatchGenerateRequest, within_s: float) -> bpb.Batch:
-    deadline = time.monotonic() + within_s
-    while True:
+    """The batch once the gateway takes it (the sweep gives back what ended ones held); fails with
+    the last refusal's reason."""
+
+    async def submitted() -> bpb.Batch | str:
         try:
             return await c.batches.BatchGenerate(req)
         except grpc.aio.AioRpcError as err:
             retry_after(err)
-            why = err.details()
-        if time.monotonic() > deadline:
-            raise AssertionError(f"still refused after {within_s} s: {why}")
-        await asyncio.sleep(0.1)  # polling the sweep's give-back, bounded by the deadline
+            return err.details() or ""
+
+    got = await until(submitted, within_s, "the batch to be accepted", done=lambda b: isinstance(b, bpb.Batch),
+                      poll_s=0.1)  # fmt: skip
+    assert isinstance(got, bpb.Batch)
+    return got
 
 
 async def ended(c: Client, batch_id: str, within_s: float = 30) -> None:
-    deadline = time.monotonic() + within_s
-    while (await c.batches.GetBatch(bpb.GetBatchRequest(batch_id=batch_id))).state != bpb.BATCH_STATE_COMPLETED:
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.05)  # polling the batch's progress, bounded by the deadline
+    get = lambda: c.batches.GetBatch(bpb.GetBatchRequest(batch_id=batch_id))  # noqa: E731
+    await until(get, within_s, f"batch {batch_id} completed", done=lambda b: b.state == bpb.BATCH_STATE_COMPLETED,
+                poll_s=0.05)  # fmt: skip
 
 
 async def test_batch_items_in_flight(limited: tuple[SecuredNode, Tenants]) -> None:

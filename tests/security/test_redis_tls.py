@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +19,7 @@ from llamamesh.queue.redisio import tls_options
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import GatewaySettings, RedisSettings, WorkerSettings
 from services.server import start_gateway
-from tests.redisproc import free_port
+from tests.redisproc import free_port, wait_answering
 from tests.security.conftest import PKI
 from tests.stacks import stop_in_process
 from workers.engines.fake import FakeEngine
@@ -55,20 +54,12 @@ class TLSRedis:
         client = redis.Redis(host="127.0.0.1", port=self.port, ssl=True, ssl_ca_certs=str(p.ca.cert),
                              ssl_certfile=str(p.client.cert), ssl_keyfile=str(p.client.key),
                              socket_connect_timeout=0.2)  # fmt: skip
-        deadline = time.monotonic() + timeout_s
-        try:
-            while True:
-                try:
-                    if client.ping():
-                        return
-                except redis.ConnectionError:
-                    if self.proc.poll() is not None or time.monotonic() > deadline:
-                        log_file = self.dir / "server.log"
-                        log = log_file.read_text()[-2000:] if log_file.exists() else ""
-                        raise RuntimeError(f"redis-server (TLS) did not start: {log}") from None
-                    time.sleep(0.02)  # polling a starting server, bounded by the deadline
-        finally:
-            client.close()
+
+        def failed() -> str:
+            log_file = self.dir / "server.log"
+            return f"redis-server (TLS) did not start: {log_file.read_text()[-2000:] if log_file.exists() else ''}"
+
+        wait_answering(client, self.proc, timeout_s, failed)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

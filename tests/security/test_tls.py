@@ -24,9 +24,10 @@ from llamamesh.queue.memory import MemoryQueue
 from llamamesh.settings import ClientSettings, GatewaySettings, Settings, WorkerSettings
 from llamamesh.v1 import generation_pb2 as pb
 from services import tls
-from services.server import Gateway, start_gateway
+from services.server import start_gateway
 from tests.redisproc import free_port
 from tests.security.conftest import PKI
+from tests.stacks import gateway_in_process, stop_in_process
 from workers.engines.fake import FakeEngine
 from workers.worker import Worker
 
@@ -116,15 +117,6 @@ def server_tls(pki: PKI, mutual: bool = False) -> GatewaySettings:
 # --- the gateway over TLS
 
 
-@contextlib.asynccontextmanager
-async def gateway(settings: GatewaySettings) -> AsyncIterator[Gateway]:
-    gw = await start_gateway(MemoryQueue(), settings, port=0)
-    try:
-        yield gw
-    finally:
-        await gw.stop(0)
-
-
 async def list_models(address: str, **options: str) -> list[str]:
     async with Client(address, **options) as c:  # type: ignore[arg-type]
         reply = await c.stub.ListModels(pb.ListModelsRequest(), timeout=5)
@@ -132,7 +124,7 @@ async def list_models(address: str, **options: str) -> list[str]:
 
 
 async def test_a_tls_gateway_answers_clients_trusting_its_ca_only(pki: PKI) -> None:
-    async with gateway(server_tls(pki)) as gw:
+    async with gateway_in_process(server_tls(pki)) as gw:
         address = f"127.0.0.1:{gw.port}"
         assert await list_models(address, tls_ca=str(pki.ca.cert)) == ["smollm2-135m-instruct"]
         # the name checked: localhost is in the certificate, "elsewhere" is not
@@ -169,7 +161,7 @@ async def test_peer_identities_are_empty_without_mutual_tls(pki: PKI) -> None:
 
 
 async def test_mutual_tls_gateway_serves_a_client_with_its_certificate(pki: PKI) -> None:
-    async with gateway(server_tls(pki, mutual=True)) as gw:
+    async with gateway_in_process(server_tls(pki, mutual=True)) as gw:
         settings = ClientSettings(api_key="k", tls_ca=str(pki.ca.cert), tls_cert=str(pki.client.cert),
                                   tls_key=str(pki.client.key))  # fmt: skip
         async with Client.from_settings(f"localhost:{gw.port}", settings) as c:
@@ -321,11 +313,7 @@ async def test_sync_client_streams_a_generation_over_tls_with_its_key(pki: PKI) 
 
         assert len((await asyncio.to_thread(complete)).split()) == 4
     finally:
-        stop.set()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 10)
-        await gw.stop(0)
-        await engine.shutdown()
+        await stop_in_process(stop, task, gw, engine)
 
 
 # --- the CLI
@@ -342,7 +330,7 @@ async def cli(*args: str, **env: str) -> tuple[int, str]:
 
 
 async def test_cli_reaches_a_mutual_tls_gateway_with_flags_or_environment(pki: PKI) -> None:
-    async with gateway(server_tls(pki, mutual=True)) as gw:
+    async with gateway_in_process(server_tls(pki, mutual=True)) as gw:
         address = f"127.0.0.1:{gw.port}"
         files = ["--tls-ca", str(pki.ca.cert), "--tls-cert", str(pki.client.cert), "--tls-key", str(pki.client.key)]
         env = {"LLAMAMESH_CLIENT_TLS_CA": str(pki.ca.cert), "LLAMAMESH_CLIENT_TLS_CERT": str(pki.client.cert),
@@ -385,9 +373,7 @@ async def test_a_plaintext_health_only_port_answers_probes_while_the_main_port_i
     """LLAMAMESH_GATEWAY_HEALTH_PORT: Kubernetes' gRPC probes (no TLS) read the gateway's health
     there; nothing but grpc.health.v1 is served on it, and it says NOT_SERVING through a drain."""
     health_port = free_port()
-    gw = await start_gateway(MemoryQueue(), replace(server_tls(pki, mutual=True), health_port=health_port), port=0)
-    stopped = False
-    try:
+    async with gateway_in_process(replace(server_tls(pki, mutual=True), health_port=health_port)) as gw:
         assert gw.health_port == health_port
         assert await asyncio.to_thread(serving, f"127.0.0.1:{health_port}")
         assert await asyncio.to_thread(serving, f"127.0.0.1:{health_port}", "llamamesh.liveness")
@@ -401,9 +387,4 @@ async def test_a_plaintext_health_only_port_answers_probes_while_the_main_port_i
                                    health_pb2.HealthCheckResponse.FromString)  # fmt: skip
             reply = await check(health_pb2.HealthCheckRequest(service=""), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
-        await gw.stop(0)
-        stopped = True
-        assert not await asyncio.to_thread(serving, f"127.0.0.1:{health_port}")  # closed with the gateway
-    finally:
-        if not stopped:
-            await gw.stop(0)
+    assert not await asyncio.to_thread(serving, f"127.0.0.1:{health_port}")  # closed with the gateway

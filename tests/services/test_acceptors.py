@@ -17,6 +17,7 @@ from llamamesh.v1 import generation_pb2_grpc
 from services import accept
 from tests.security.secured import create_key
 from tests.services.conftest import Config, Stack, running
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -57,11 +58,7 @@ async def test_a_client_cancel_of_a_call_they_accepted_reaches_the_engine(stack:
         call.cancel()
     assert stack.gateway.acceptors is not None and stack.gateway.acceptors.accepted > before
 
-    async def aborted() -> None:
-        while len(stack.engine.aborted) < len(calls):  # noqa: ASYNC110 - polling the fake, bounded by wait_for
-            await asyncio.sleep(0.01)
-
-    await asyncio.wait_for(aborted(), 10)
+    await until(lambda: len(stack.engine.aborted) >= len(calls), 10, "every dropped stream's abort")
 
 
 async def test_calls_they_accept_pass_the_gatekeeper(tmp_path: Path) -> None:

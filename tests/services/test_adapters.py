@@ -5,9 +5,6 @@ NOT_FOUND for an adapter nobody serves, and AdminService LoadAdapter / UnloadAda
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable
-
 import grpc
 import pytest
 
@@ -16,6 +13,7 @@ from llamamesh.settings import BreakerSettings, GatewaySettings, WorkerSettings
 from llamamesh.v1 import admin_pb2 as apb
 from llamamesh.v1 import generation_pb2 as pb
 from tests.services.conftest import Config, Stack, running
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -33,16 +31,6 @@ async def models(n: Stack) -> dict[str, pb.Model]:
     return {m.id: m for m in (await n.stub.ListModels(pb.ListModelsRequest())).models}
 
 
-async def until(check: Callable[[], Awaitable[bool]], what: str) -> None:
-    """A bounded wait (10 s) for ``check`` (the gateway reads the workers' heartbeats every 50 ms)."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + 10
-    while not await check():
-        if loop.time() > end:
-            raise AssertionError(f"not reached: {what}")
-        await asyncio.sleep(0.02)
-
-
 async def tokens(n: Stack, **fields: object) -> list[int]:
     return [t async for m in n.stub.Generate(pb.GenerateRequest(prompt="same words", max_tokens=6, **fields))
             for t in m.token_ids]  # fmt: skip
@@ -50,7 +38,7 @@ async def tokens(n: Stack, **fields: object) -> list[int]:
 
 async def test_an_adapter_changes_the_output_the_same_way_each_run_and_is_listed() -> None:
     async with running(node()) as n:
-        await until(lambda: _has(n, "tiny:sql"), "ListModels lists tiny:sql")
+        await until(lambda: _has(n, "tiny:sql"), 10, "ListModels to list tiny:sql")
         listed = (await models(n))["tiny:sql"]
         assert (listed.base, listed.adapter, listed.pool) == ("tiny", "sql", "cpu")
         base = await tokens(n)
@@ -82,7 +70,7 @@ async def _lacks(n: Stack, model_id: str) -> bool:
 ])  # fmt: skip
 async def test_an_adapter_nobody_serves_is_not_found(fields: dict, code: grpc.StatusCode, field: str | None) -> None:
     async with running(node(n_workers=1)) as n:
-        await until(lambda: _has(n, "tiny:sql"), "the worker's heartbeat")
+        await until(lambda: _has(n, "tiny:sql"), 10, "the worker's heartbeat")
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await tokens(n, **fields)
         assert ei.value.code() == code, ei.value.details()
@@ -92,7 +80,7 @@ async def test_an_adapter_nobody_serves_is_not_found(fields: dict, code: grpc.St
 
 async def test_load_and_unload_an_adapter_at_run_time_through_admin_service() -> None:
     async with running(node(adapters="")) as n:
-        await until(lambda: _ready(n), "the gateway sees both workers")
+        await until(lambda: _ready(n), 10, "the gateway to see both workers")
         loaded = await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="fr", path="/adapters/fr"))
         assert sorted(loaded.workers) == ["w0", "w1"]  # every ready worker, before it returns
         assert "tiny:fr" in await models(n)
@@ -113,7 +101,7 @@ async def test_load_and_unload_an_adapter_at_run_time_through_admin_service() ->
 
 async def test_an_adapter_no_worker_can_load_is_refused_and_not_kept() -> None:
     async with running(node(n_workers=1, adapters="")) as n:
-        await until(lambda: _ready(n), "the gateway sees the worker")
+        await until(lambda: _ready(n), 10, "the gateway to see the worker")
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="bad", path="missing/bad"))
         assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field_violations(ei.value) == ["path"]
@@ -129,7 +117,7 @@ async def test_an_adapter_no_worker_can_load_is_refused_and_not_kept() -> None:
 
 async def test_run_time_adapters_stay_under_the_workers_adapter_root() -> None:
     async with running(node(n_workers=1, adapters="", adapter_root="/adapters")) as n:
-        await until(lambda: _ready(n), "the gateway sees the worker")
+        await until(lambda: _ready(n), 10, "the gateway to see the worker")
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="x", path="/adapters/../etc"))
         assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field_violations(ei.value) == ["path"]
@@ -140,10 +128,10 @@ async def test_run_time_adapters_stay_under_the_workers_adapter_root() -> None:
 
 async def test_load_returns_at_its_wait_with_the_workers_still_loading_and_refuses_a_bad_path() -> None:
     async with running(node(n_workers=1, adapters="")) as n:
-        await until(lambda: _ready(n), "the gateway sees the worker")
+        await until(lambda: _ready(n), 10, "the gateway to see the worker")
         first = await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="slow", path="/a/s", wait_s=0))
         assert list(first.workers) + list(first.pending) == ["w0"]  # registered; the worker loads it anyway
-        await until(lambda: _has(n, "tiny:slow"), "the worker loaded it after the call returned")
+        await until(lambda: _has(n, "tiny:slow"), 10, "the worker to load it after the call returned")
         for path in ("", "x" * 5000, "/a\x00b"):
             with pytest.raises(grpc.aio.AioRpcError) as ei:
                 await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="p", path=path))
@@ -152,7 +140,7 @@ async def test_load_returns_at_its_wait_with_the_workers_still_loading_and_refus
 
 async def test_an_adapter_registered_again_from_another_folder_is_swapped_on_every_worker() -> None:
     async with running(node(adapters="")) as n:
-        await until(lambda: _ready(n), "the gateway sees both workers")
+        await until(lambda: _ready(n), 10, "the gateway to see both workers")
         await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="x", path="/a/1"))
         again = await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="x", path="/a/2"))
         assert sorted(again.workers) == ["w0", "w1"] and not again.pending  # it returns once they swapped
@@ -162,7 +150,7 @@ async def test_an_adapter_registered_again_from_another_folder_is_swapped_on_eve
 
 async def test_unload_says_which_workers_still_serve_an_adapter_in_use_and_they_drop_it_after() -> None:
     async with running(node(n_workers=1, adapters="", step_s=0.01)) as n:
-        await until(lambda: _ready(n), "the gateway sees the worker")
+        await until(lambda: _ready(n), 10, "the gateway to see the worker")
         await n.admin.LoadAdapter(apb.LoadAdapterRequest(model="tiny", adapter="fr", path="/adapters/fr"))
         call = n.stub.Generate(pb.GenerateRequest(prompt="a long one", max_tokens=4000, adapter="fr"))
         assert (await call.read()).token_ids  # running with the adapter
@@ -171,7 +159,7 @@ async def test_unload_says_which_workers_still_serve_an_adapter_in_use_and_they_
         assert "tiny:fr" in await models(n)
         assert (await call.read()).token_ids  # and the request goes on
         call.cancel()
-        await until(lambda: _lacks(n, "tiny:fr"), "the worker dropped fr once its request ended")
+        await until(lambda: _lacks(n, "tiny:fr"), 10, "the worker to drop fr once its request ended")
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await tokens(n, adapter="fr")
         assert ei.value.code() == grpc.StatusCode.NOT_FOUND

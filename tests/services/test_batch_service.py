@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from dataclasses import replace
 
@@ -17,6 +18,7 @@ from llamamesh.v1 import batch_pb2 as bpb
 from llamamesh.v1 import generation_pb2 as pb
 from services.batch import result_pb
 from tests.services.conftest import Config, Stack
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -133,18 +135,18 @@ async def test_items_name_an_adapter_and_an_unserved_one_is_not_found_before_any
             prompt="same words", max_tokens=4, temperature=0, adapter=adapter))  # fmt: skip
 
     # The gateway learns the worker's adapters from its heartbeat: until then it cannot tell (and accepts).
-    loop = asyncio.get_running_loop()
-    end = loop.time() + 10
-    refused: grpc.aio.AioRpcError | None = None
-    for attempt in range(1000):
+    attempts = itertools.count()
+
+    async def refusal() -> tuple[grpc.aio.AioRpcError, int] | None:
+        attempt = next(attempts)
         try:
             await stub.BatchGenerate(bpb.BatchGenerateRequest(batch_id=f"p{attempt}", items=[item("x", "nope")]))
         except grpc.aio.AioRpcError as exc:
-            refused = exc
-            break
-        assert loop.time() < end, "the gateway never saw the worker's adapters"
-        await asyncio.sleep(0.05)  # the next heartbeat (bounded by ``end``)
-    assert refused is not None and refused.code() == grpc.StatusCode.NOT_FOUND, refused
+            return exc, attempt
+        return None
+
+    refused, attempt = await until(refusal, 10, "the gateway to see the worker's adapters", poll_s=0.05)
+    assert refused.code() == grpc.StatusCode.NOT_FOUND, refused
     assert "item 0 ('x')" in (refused.details() or "") and "'nope'" in (refused.details() or ""), refused.details()
     with pytest.raises(grpc.aio.AioRpcError) as missing:  # nothing was stored
         await stub.GetBatch(bpb.GetBatchRequest(batch_id=f"p{attempt}"))

@@ -15,6 +15,7 @@ from llamamesh.client.resume import Resumption, worth_resuming
 from llamamesh.settings import GatewaySettings, WorkerSettings
 from llamamesh.v1 import generation_pb2 as pb
 from tests.services.conftest import Config, Stack
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -104,11 +105,8 @@ async def test_stopping_early_cancels_the_request(stack: Stack) -> None:
                 break
         await stream.aclose()
 
-    async def aborted() -> None:
-        while "early-stop" not in stack.engine.aborted:  # noqa: ASYNC110
-            await asyncio.sleep(0.01)
-
-    await asyncio.wait_for(aborted(), 5)  # not left running for the re-attach grace
+    # Not left running for the re-attach grace.
+    await until(lambda: "early-stop" in stack.engine.aborted, 5, "the engine's abort of the stopped request")
 
 
 async def test_errors_of_the_gateways_own_are_not_resumed(stack: Stack) -> None:

@@ -21,18 +21,15 @@ from llamamesh.types import JobEvent
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc as pb_grpc
 from tests.services.conftest import Stack
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(30)
 
 
 async def aborted_and_acked(stack: Stack, rid: str, timeout_s: float = 5.0) -> None:
     """Bounded wait (polling the in-process fakes) for the engine's abort and the job's ack."""
-
-    async def poll() -> None:
-        while not (rid in stack.engine.aborted and stack.queue.pending("cpu") == {}):  # noqa: ASYNC110
-            await asyncio.sleep(0.01)
-
-    await asyncio.wait_for(poll(), timeout_s)
+    aborted = lambda: rid in stack.engine.aborted and stack.queue.pending("cpu") == {}  # noqa: E731
+    await until(aborted, timeout_s, f"the engine's abort of {rid} and its job's ack")
 
 
 async def collect(stack: Stack, req: pb.GenerateRequest) -> list[pb.GenerateResponse]:
@@ -226,10 +223,8 @@ async def test_a_pool_without_workers_is_unavailable_soon_not_at_the_deadline(st
             await call.read()
         assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "no live worker" in (ei.value.details() or "")
         assert time.monotonic() - t0 < 5  # one liveness check after the wait, far before the deadline
-        deadline = time.monotonic() + 5
-        while not stack.queue.is_cancelled("lonely"):  # a worker that comes later skips it
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.01)  # the gateway cancels it right after the status went out
+        # The gateway cancels it right after the status went out: a worker that comes later skips it.
+        await until(lambda: stack.queue.is_cancelled("lonely"), 5, "the gateway to cancel the job")
         t1 = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as again:
             await stub.Generate(pb.GenerateRequest(model="other", prompt="y"), timeout=60).read()
@@ -384,7 +379,7 @@ async def main():
     for c in calls:
         await c.read()
     print("streaming", flush=True)
-    await asyncio.sleep(60)
+    await asyncio.sleep(60)  # streaming until the test kills this process
 asyncio.run(main())
 """
 

@@ -49,7 +49,8 @@ async def test_a_request_to_a_starting_pool_waits_and_is_served_once_it_is_ready
             return [m async for m in call]
 
         reading = asyncio.ensure_future(read_all())
-        await asyncio.sleep(1.0)  # past no_worker_wait_s (0.3): a starting pool is not an empty one
+        # Time passing on purpose: past no_worker_wait_s (0.3), a starting pool is not an empty one.
+        await asyncio.sleep(1.0)
         assert not reading.done()
         async with workers(queue, "w1"):
             msgs = await asyncio.wait_for(reading, 10)

@@ -3,8 +3,6 @@ reaches the job, and a worker leases it from the partition it owns (the fake que
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from llamamesh import metrics
@@ -16,6 +14,7 @@ from llamamesh.types import ChatMessage, GenerationRequest, affinity_key
 from llamamesh.v1 import generation_pb2 as pb
 from services.convert import generate_request
 from tests.services.conftest import Config, Stack
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -61,8 +60,7 @@ async def test_an_explicit_prefix_key_over_grpc_reaches_the_job_and_its_owners_p
     queue = stack.queue
     assert isinstance(queue, Recording)
     own = metrics.AFFINITY_LEASES.labels("cpu", "own")
-    while len(queue.owned("cpu", "w1")) < 4:  # noqa: ASYNC110  # bounded by the timeout: its first heartbeat
-        await asyncio.sleep(0.01)
+    await until(lambda: len(queue.owned("cpu", "w1")) == 4, 10, "w1's first heartbeat, owning every partition")
     stolen = metrics.AFFINITY_LEASES.labels("cpu", "stolen")
     before = own._value.get(), stolen._value.get()
     msgs = [m async for m in stack.stub.Generate(pb.GenerateRequest(prompt="hi", max_tokens=2, prefix_key="conv-7"))]

@@ -3,7 +3,6 @@ calls the relay and maps errors once; every RPC ends with one ``rpc_finished`` l
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -17,6 +16,7 @@ from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc
 from services.fake_relay import ScriptedRelay
 from services.generation import GenerationServicer
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -89,9 +89,7 @@ async def test_a_caller_that_goes_away_leaves_the_stream_to_the_relay(served) ->
         call = stub.Generate(pb.GenerateRequest(prompt="hi", max_tokens=50, request_id="gone"))
         assert (await call.read()).index == 0
         call.cancel()
-        for _ in range(500):  # bounded (10 s): the server side notices the cancel
-            if "gone" in relay.abandoned and finished_lines(logs):
-                break
-            await asyncio.sleep(0.02)
+        noticed = lambda: "gone" in relay.abandoned and finished_lines(logs)  # noqa: E731
+        await until(noticed, 10, "the server side to notice the cancel")
     assert "gone" in relay.abandoned
     assert finished_lines(logs)[0]["status"] == "CANCELLED"

@@ -5,7 +5,6 @@ of several samples (each unfinished sample resumed from its own tokens)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections import defaultdict
 from collections.abc import AsyncIterable
 
@@ -16,6 +15,7 @@ from llamamesh.client import field_violations
 from llamamesh.types import Finished, FinishReason, JobEvent, Usage
 from llamamesh.v1 import generation_pb2 as pb
 from tests.services.conftest import Stack
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -85,14 +85,6 @@ async def test_bad_n_is_invalid_argument_naming_n(stack: Stack, fields: dict, wh
     assert why in (ei.value.details() or "")
 
 
-async def _until_aborted(stack: Stack, ids: list[str]) -> None:
-    async def poll() -> None:
-        while not all(i in stack.engine.aborted for i in ids):  # noqa: ASYNC110
-            await asyncio.sleep(0.01)
-
-    await asyncio.wait_for(poll(), 5)
-
-
 @pytest.mark.fake_step_s(0.02)
 async def test_cancel_stops_every_sample(stack: Stack) -> None:
     call = stack.stub.Generate(pb.GenerateRequest(request_id="many", prompt="x", max_tokens=500, n=3, seed=1))
@@ -104,7 +96,7 @@ async def test_cancel_stops_every_sample(stack: Stack) -> None:
     while (m := await call.read()) is not grpc.aio.EOF:
         rest.add(m)
     assert rest.last is not None and rest.last.finish_reason == pb.FINISH_REASON_CANCELLED
-    await _until_aborted(stack, [f"many~s{k}" for k in range(3)])
+    await until(lambda: all(f"many~s{k}" in stack.engine.aborted for k in range(3)), 5, "every sample's abort")
 
 
 @pytest.mark.fake_step_s(0.02)
@@ -114,7 +106,7 @@ async def test_a_deadline_aborts_every_sample(stack: Stack) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as ei:
         await Samples.read(call)
     assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    await _until_aborted(stack, ["late~s0", "late~s1"])
+    await until(lambda: {"late~s0", "late~s1"} <= set(stack.engine.aborted), 5, "every sample's abort")
 
 
 @pytest.mark.fake_step_s(0.02)

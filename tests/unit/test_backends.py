@@ -133,7 +133,7 @@ async def test_stop_ends_the_probe_loops_even_when_a_probe_swallows_the_cancel()
     async def probe(_p: object) -> None:
         probing.set()
         try:
-            await asyncio.sleep(3600)
+            await asyncio.Event().wait()  # a probe that never ends by itself
         except asyncio.CancelledError:
             if swallowed:
                 raise

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from llamamesh.queue.follow import Inbox
+from tests.waiting import until
 
 
 async def test_entries_in_order_and_none_when_idle() -> None:
@@ -27,7 +28,7 @@ async def test_an_entry_restarts_the_idle_period() -> None:
 
     async def feed() -> None:
         for i in range(5):
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.02)  # time passing on purpose: entries 20 ms apart, under the idle period
             box.put_nowait((f"{i}-0", {}))
 
     feeder = asyncio.create_task(feed())
@@ -61,7 +62,7 @@ async def test_one_timer_per_idle_period_not_per_entry() -> None:
 
         async def feed() -> None:
             for i in range(50):
-                await asyncio.sleep(0)
+                await asyncio.sleep(0)  # pacing, not waiting: one entry per loop turn
                 box.put_nowait((f"{i}-0", {}))
 
         feeder = asyncio.create_task(feed())
@@ -77,7 +78,7 @@ async def test_one_timer_per_idle_period_not_per_entry() -> None:
 async def test_get_after_cancel_still_gets() -> None:
     box = Inbox()
     waiter = asyncio.create_task(box.get())
-    await asyncio.sleep(0)
+    await until(lambda: box._waiter is not None, 5, "the getter to wait", poll_s=0)
     waiter.cancel()
     await asyncio.gather(waiter, return_exceptions=True)
     box.put_nowait(("1-0", {}))

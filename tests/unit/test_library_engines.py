@@ -20,6 +20,7 @@ from llamamesh.types import FinishReason, GenerationRequest, TokenDelta
 from tests.unit import test_trtllm_mapping as T
 from tests.unit import test_vllm_mapping as V
 from tests.unit.test_trtllm_mapping import trt  # noqa: F401 - the fixture that fakes tensorrt_llm
+from tests.waiting import until
 from workers.engines.adapter import LibraryEngine
 from workers.engines.base import EngineStats
 from workers.engines.constraints import trtllm_guided, vllm_structured
@@ -132,14 +133,6 @@ def req(prompt: str = "x") -> GenerationRequest:
     return GenerationRequest(request_id=RID, model="llama-8b", prompt=prompt)
 
 
-async def until(predicate: Any) -> None:
-    for _ in range(500):
-        if predicate():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("condition not reached")
-
-
 async def collect(engine: LibraryEngine, request: GenerationRequest, into: list[TokenDelta]) -> None:
     async for delta in engine.stream(request):
         into.append(delta)
@@ -148,7 +141,7 @@ async def collect(engine: LibraryEngine, request: GenerationRequest, into: list[
 async def test_deltas_then_one_final_with_the_prompt_tokens(lib: Library) -> None:
     got: list[TokenDelta] = []
     task = asyncio.create_task(collect(lib.engine, req(), got))
-    await until(lib.knows)
+    await until(lib.knows, 5, "the library to have the request")
     lib.say(" a", (5,))
     lib.say("", ())  # nothing new: skipped
     lib.say(" b", (6,), finish="length")
@@ -166,9 +159,9 @@ async def test_deltas_then_one_final_with_the_prompt_tokens(lib: Library) -> Non
 async def test_abort_ends_the_stream_with_one_cancelled_delta(lib: Library) -> None:
     got: list[TokenDelta] = []
     task = asyncio.create_task(collect(lib.engine, req(), got))
-    await until(lib.knows)
+    await until(lib.knows, 5, "the library to have the request")
     lib.say(" a", (5,))
-    await until(lambda: len(got) == 1)
+    await until(lambda: len(got) == 1, 5, "the first delta")
     await lib.engine.abort(RID)
     await lib.engine.abort(RID)  # twice: recorded and sent once
     await asyncio.wait_for(task, 5)
@@ -185,7 +178,7 @@ async def test_abort_before_the_library_knows_the_request_still_cancels_it(lib: 
     lib.block_tokenizer(entered, release)
     got: list[TokenDelta] = []
     task = asyncio.create_task(collect(lib.engine, req("x y"), got))
-    await until(entered.is_set)
+    await until(entered.is_set, 5, "the tokenizer to be entered")
     await lib.engine.abort(RID)
     release.set()
     await asyncio.wait_for(task, 5)
@@ -197,7 +190,7 @@ async def test_abort_before_the_library_knows_the_request_still_cancels_it(lib: 
 
 async def test_a_cancelled_consumer_stops_the_request_once_and_propagates(lib: Library) -> None:
     task = asyncio.create_task(collect(lib.engine, req(), []))
-    await until(lib.knows)
+    await until(lib.knows, 5, "the library to have the request")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -210,7 +203,7 @@ async def test_a_cancelled_consumer_stops_the_request_once_and_propagates(lib: L
 async def test_a_consumer_that_stops_iterating_stops_the_request(lib: Library) -> None:
     stream = lib.engine.stream(req())
     first = asyncio.ensure_future(stream.__anext__())
-    await until(lib.knows)
+    await until(lib.knows, 5, "the library to have the request")
     lib.say(" a", (5,))
     assert (await first).token_ids == (5,)
     await stream.aclose()  # type: ignore[attr-defined]
@@ -222,7 +215,7 @@ async def test_a_consumer_that_stops_iterating_stops_the_request(lib: Library) -
 async def test_shutdown_ends_pending_streams_with_engine_dead(lib: Library) -> None:
     got: list[TokenDelta] = []
     task = asyncio.create_task(collect(lib.engine, req(), got))
-    await until(lib.knows)
+    await until(lib.knows, 5, "the library to have the request")
     await lib.engine.shutdown()
     with pytest.raises(EngineDead):
         await asyncio.wait_for(task, 5)
@@ -262,7 +255,7 @@ async def test_requests_that_arrive_together_are_tokenised_in_one_call_and_prefi
     reqs = [GenerationRequest(request_id=rid, model="llama-8b", prompt=text) for rid, text in words.items()]
     reqs.append(GenerationRequest(request_id="bad", model="llama-8b"))  # neither prompt nor messages
     tasks = {r.request_id: asyncio.create_task(collect(engine, r, [])) for r in reqs}
-    await until(lambda: len(llm.seen) == len(words))
+    await until(lambda: len(llm.seen) == len(words), 5, "every good request to reach vLLM")
     assert tok.calls == [("list", 8, True)]  # the bad request never reached the tokenizer
     for rid, text in words.items():
         assert llm.seen[rid][0]["prompt_token_ids"] == [1] + [100 + len(w) for w in text.split()]
@@ -281,12 +274,12 @@ async def test_requests_waiting_to_be_tokenised_at_shutdown_end_with_engine_dead
     entered, release = threading.Event(), threading.Event()
     lib.block_tokenizer(entered, release)
     first = asyncio.create_task(collect(lib.engine, req("a b"), []))
-    await until(entered.is_set)
+    await until(entered.is_set, 5, "the tokenizer to be entered")
     other = GenerationRequest(request_id="r2", model="llama-8b", prompt="c")
     second = asyncio.create_task(collect(lib.engine, other, []))
-    await until(lambda: len(lib.engine._prompts._waiting) == 1)  # it waits behind the batch in the tokenizer
+    await until(lambda: len(lib.engine._prompts._waiting) == 1, 5, "r2 to wait behind the batch in the tokenizer")
     shutting = asyncio.create_task(lib.engine.shutdown())
-    await until(lambda: lib.engine._dead is not None)
+    await until(lambda: lib.engine._dead is not None, 5, "the engine to be marked dead")
     release.set()
     await asyncio.wait_for(shutting, 5)
     for task in (first, second):

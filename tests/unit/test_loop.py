@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 async def loop_type() -> type:
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # not a wait: a main that yields to its loop once
     return type(asyncio.get_running_loop())
 
 

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import grpc
@@ -16,6 +15,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from llamamesh.supervisor import Child, _popen
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -78,19 +78,18 @@ def test_a_child_gets_sigterm_when_its_supervisor_is_killed(tmp_path: Path) -> N
     """)
     sup = subprocess.Popen([sys.executable, "-c", parent], cwd=Path(__file__).parents[2])
     try:
-        deadline = time.monotonic() + 30
-        while not pid_file.exists():
-            assert sup.poll() is None and time.monotonic() < deadline, "the child never started"
-            time.sleep(0.05)
+
+        def child_started() -> bool:
+            assert sup.poll() is None, "the supervisor exited"
+            return pid_file.exists()
+
+        wait_until(child_started, 30, "the child to start")
         pid = int(pid_file.read_text())
         # The child is the real command, exec'd in place of the guard: same pid, its own command line.
         assert "time.sleep(120)" in Path(f"/proc/{pid}/cmdline").read_text()
         sup.send_signal(signal.SIGKILL)
         sup.wait(10)
-        deadline = time.monotonic() + 10
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(pid), "the child outlived its supervisor's kill -9"
+        wait_until(lambda: not _alive(pid), 10, "the child to end after its supervisor's kill -9")
         assert term_file.exists(), "the child ended without its SIGTERM"
     finally:
         if sup.poll() is None:

@@ -12,7 +12,7 @@ import json
 import sys
 import threading
 import types
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
@@ -30,6 +30,7 @@ from llamamesh.types import (
     SamplingParams,
     TokenDelta,
 )
+from tests.waiting import until
 from workers.engines import registry
 from workers.engines.adapter import lora_id
 from workers.engines.base import EngineStats
@@ -507,14 +508,6 @@ def request(**kw: Any) -> GenerationRequest:
     return GenerationRequest(request_id=kw.pop("request_id", "r1"), model="llama-8b", **kw)
 
 
-async def until(predicate: Callable[[], bool]) -> None:
-    for _ in range(500):
-        if predicate():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("condition not reached")
-
-
 async def collect(engine: TrtllmEngine, req: GenerationRequest, into: list[TokenDelta]) -> None:
     async for delta in engine.stream(req):
         into.append(delta)
@@ -593,7 +586,7 @@ async def test_adapters_go_with_their_lora_request_and_load_at_run_time(
     assert isinstance(config, FakeLoraConfig) and config.kwargs == {"lora_dir": ["/a/sql"], "max_loras": 2}
     assert engine.adapters == ("sql",)
     task = asyncio.create_task(collect(engine, request(prompt="x", adapter="sql"), []))
-    await until(lambda: bool(llm.results))
+    await until(lambda: bool(llm.results), 5, "TensorRT-LLM to have the request")
     assert llm.results[0].lora_request == FakeLoRARequest("sql", lora_id("sql"), "/a/sql")
     await engine.abort("r1")
     await task
@@ -630,7 +623,7 @@ async def test_a_stream_yields_deltas_and_a_final_one_with_the_prompt_tokens(trt
     got: list[TokenDelta] = []
     req = request(prompt="one two", sampling=SamplingParams(stop=("###",), top_k=-1, seed=7))
     task = asyncio.create_task(collect(engine, req, got))
-    await until(lambda: bool(llm.results))
+    await until(lambda: bool(llm.results), 5, "TensorRT-LLM to have the request")
     result = llm.results[0]
     assert result.prompt_token_ids == [1, 103, 103]
     assert result.sampling_params.kwargs == {"max_tokens": 256, "temperature": 1.0, "seed": 7, "top_k": 0,
@@ -662,7 +655,7 @@ async def test_stream_finish_reasons(
     engine, llm = await started()
     got: list[TokenDelta] = []
     task = asyncio.create_task(collect(engine, request(prompt="x"), got))
-    await until(lambda: bool(llm.results))
+    await until(lambda: bool(llm.results), 5, "TensorRT-LLM to have the request")
     llm.results[0].respond(" a", (5,), finish=finish, stop_reason=stop_reason)
     await asyncio.wait_for(task, 5)
     assert got == [TokenDelta(text=" a", token_ids=(5,), finish_reason=expected, prompt_tokens=2)]
@@ -674,7 +667,7 @@ async def test_a_resumed_request_prefills_its_tokens_and_counts_only_the_prompt(
     got: list[TokenDelta] = []
     req = request(prompt="one two", resume_token_ids=(50, 51), sampling=SamplingParams(logprobs=0))
     task = asyncio.create_task(collect(engine, req, got))
-    await until(lambda: bool(llm.results))
+    await until(lambda: bool(llm.results), 5, "TensorRT-LLM to have the request")
     result = llm.results[0]
     assert result.prompt_token_ids == [1, 103, 103, 50, 51]
     assert result.sampling_params.kwargs["logprobs"] == 1
@@ -691,7 +684,7 @@ async def test_messages_go_through_the_chat_template_and_tokenize_matches(trt: S
     ids = await engine.tokenize(req)
     assert ids == [108, 102, 105, 106, 102, 111]  # no BOS on top of the template's own
     task = asyncio.create_task(collect(engine, req, []))
-    await until(lambda: bool(llm.results))
+    await until(lambda: bool(llm.results), 5, "TensorRT-LLM to have the request")
     assert llm.results[0].prompt_token_ids == ids
     await engine.abort("r1")
     await asyncio.wait_for(task, 5)
@@ -735,7 +728,7 @@ async def test_a_known_max_seq_len_is_checked_before_trtllm(trt: SimpleNamespace
 async def test_a_request_error_fails_the_request_only(trt: SimpleNamespace) -> None:
     engine, llm = await started()
     task = asyncio.create_task(collect(engine, request(prompt="x"), []))
-    await until(lambda: bool(llm.results))
+    await until(lambda: bool(llm.results), 5, "TensorRT-LLM to have the request")
     llm.results[0].fail(FakeRequestError("Encountered an error in forwardAsync"))
     with pytest.raises(InternalError):
         await asyncio.wait_for(task, 5)
@@ -747,9 +740,9 @@ async def test_an_engine_error_after_start_is_a_dead_engine(trt: SimpleNamespace
     engine, llm = await started()
     got: list[TokenDelta] = []
     task = asyncio.create_task(collect(engine, request(prompt="x"), got))
-    await until(lambda: bool(llm.results))
+    await until(lambda: bool(llm.results), 5, "TensorRT-LLM to have the request")
     llm.results[0].respond(" a", (5,))
-    await until(lambda: len(got) == 1)
+    await until(lambda: len(got) == 1, 5, "the first delta")
     llm.results[0].fail(RuntimeError("Executor worker returned error"))  # a background error
     with pytest.raises(EngineDead):
         await asyncio.wait_for(task, 5)
@@ -787,15 +780,17 @@ async def test_stats_come_from_trtllms_iteration_stats(trt: SimpleNamespace) -> 
     assert engine.stats() == EngineStats(steps=0)
     assert llm.stats_timeouts == []  # none before the first request (TensorRT-LLM would print a warning)
     task = asyncio.create_task(collect(engine, request(prompt="x"), []))
-    await until(lambda: bool(llm.results))
+    await until(lambda: bool(llm.results), 5, "TensorRT-LLM to have the request")
     stat = {"numActiveRequests": 5, "numQueuedRequests": 2, "kvCacheStats": {"usedNumBlocks": 30, "maxNumBlocks": 120}}
     llm.pending_stats += [{"iter": 1}, stat]
-    await until(lambda: engine.stats() == EngineStats(running=5, waiting=2, kv_cache_usage=0.25, steps=0))
+    busy = EngineStats(running=5, waiting=2, kv_cache_usage=0.25, steps=0)
+    await until(engine.stats, 5, "the stats of the iteration", done=lambda got: got == busy)
     assert llm.stats_timeouts[0] == 0.01
     llm.results[0].respond(" a", (5,), finish="length")
     await asyncio.wait_for(task, 5)
     # Idle: no stats arrive and nothing is in flight; the KV figure stays as last seen. One output came.
-    await until(lambda: engine.stats() == EngineStats(running=0, waiting=0, kv_cache_usage=0.25, steps=1))
+    idle = EngineStats(running=0, waiting=0, kv_cache_usage=0.25, steps=1)
+    await until(engine.stats, 5, "the idle stats", done=lambda got: got == idle)
     await engine.shutdown()
     assert engine._stats_task is None
 
@@ -816,7 +811,7 @@ async def test_a_response_format_goes_as_guided_decoding_and_a_resume_of_one_is_
     engine, llm = await started()
     choice = ResponseConstraint(ConstraintKind.CHOICE, options=("yes", "no"))
     task = asyncio.create_task(collect(engine, request(prompt="x", sampling=SamplingParams(constraint=choice)), []))
-    await until(lambda: bool(llm.results))
+    await until(lambda: bool(llm.results), 5, "TensorRT-LLM to have the request")
     guided = llm.results[0].sampling_params.kwargs["guided_decoding"]
     assert isinstance(guided, FakeGuidedDecodingParams) and guided.kwargs == {"grammar": 'root ::= "yes" | "no"'}
     llm.results[0].respond("", (), finish="stop")

@@ -8,7 +8,7 @@ import asyncio
 import dataclasses
 import json
 import sys
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
@@ -27,6 +27,7 @@ from llamamesh.types import (
     SamplingParams,
     TokenDelta,
 )
+from tests.waiting import until
 from workers.engines import registry
 from workers.engines.adapter import lora_id
 from workers.engines.base import EngineStats
@@ -146,7 +147,7 @@ async def test_a_request_with_an_adapter_goes_with_its_lora_request_and_an_unkno
 
     llm.generate = spy  # type: ignore[method-assign]
     task = asyncio.create_task(collect(engine, request(prompt="x", adapter="sql"), []))
-    await until(lambda: "r1" in llm.queues)
+    await until(lambda: "r1" in llm.queues, 5, "vLLM to have r1")
     assert seen["lora_request"] == ("lora", "sql", lora_id("sql"), "/a/sql")
     llm.emit("r1", output(" a", [5], finish="length"))
     await asyncio.wait_for(task, 5)
@@ -583,14 +584,6 @@ def started(llm: FakeAsyncLLM, tokenizer: Any = None, max_model_len: int = 4096)
     return engine
 
 
-async def until(predicate: Callable[[], bool]) -> None:
-    for _ in range(500):
-        if predicate():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("condition not reached")
-
-
 async def collect(engine: VllmEngine, req: GenerationRequest, into: list[TokenDelta]) -> None:
     async for delta in engine.stream(req):
         into.append(delta)
@@ -602,7 +595,7 @@ async def test_a_stream_maps_outputs_and_lets_generate_finish_by_itself() -> Non
     got: list[TokenDelta] = []
     req = request(prompt="one two", sampling=SamplingParams(stop=("###",), logprobs=1), priority=3)
     task = asyncio.create_task(collect(engine, req, got))
-    await until(lambda: "r1" in llm.queues)
+    await until(lambda: "r1" in llm.queues, 5, "vLLM to have r1")
     prompt, params, priority = llm.seen["r1"]
     assert prompt == {"type": "token", "prompt_token_ids": [1, 103, 103]}
     assert params == {"max_tokens": 256, "temperature": 1.0, "stop": ["###"], "logprobs": 1, "output_kind": "delta"}
@@ -639,7 +632,7 @@ async def test_n_samples_go_to_vllm_as_n_and_each_ends_on_its_own() -> None:
     got: list[TokenDelta] = []
     req = request(prompt="one two", sampling=SamplingParams(n=3, seed=4))
     task = asyncio.create_task(collect(engine, req, got))
-    await until(lambda: "r1" in llm.queues)
+    await until(lambda: "r1" in llm.queues, 5, "vLLM to have r1")
     assert llm.seen["r1"][1]["n"] == 3 and llm.seen["r1"][1]["seed"] == 4
     llm.emit("r1", outputs_of((0, " a", [5], None), (1, " b", [6], None), (2, " c", [7], "stop")))
     llm.emit("r1", outputs_of((1, " d", [8], "length"), (0, " e", [9], None)))
@@ -659,7 +652,7 @@ async def test_a_resumed_request_feeds_the_sent_tokens_after_the_prompt() -> Non
     got: list[TokenDelta] = []
     req = dataclasses.replace(request(prompt="one two"), resume_token_ids=(7, 8))
     task = asyncio.create_task(collect(engine, req, got))
-    await until(lambda: "r1" in llm.queues)
+    await until(lambda: "r1" in llm.queues, 5, "vLLM to have r1")
     assert llm.seen["r1"][0] == {"type": "token", "prompt_token_ids": [1, 103, 103, 7, 8]}
     llm.emit("r1", output(" c", [9], finish="length", prompt_ids=[1, 103, 103, 7, 8]))
     await asyncio.wait_for(task, 5)
@@ -714,7 +707,7 @@ async def test_tokenize_matches_what_stream_sends() -> None:
     req = request(messages=(ChatMessage("system", "be brief"), ChatMessage("user", "hi")))
     ids = await engine.tokenize(req)
     task = asyncio.create_task(collect(engine, req, []))
-    await until(lambda: "r1" in llm.queues)
+    await until(lambda: "r1" in llm.queues, 5, "vLLM to have r1")
     assert llm.seen["r1"][0]["prompt_token_ids"] == ids
     await engine.abort("r1")
     await asyncio.wait_for(task, 5)
@@ -740,7 +733,7 @@ async def test_a_response_format_goes_as_structured_outputs_and_a_resume_of_one_
     engine = started(llm)
     schema = ResponseConstraint(ConstraintKind.JSON_SCHEMA, text='{"type": "object"}')
     task = asyncio.create_task(collect(engine, request(prompt="x", sampling=SamplingParams(constraint=schema)), []))
-    await until(lambda: "r1" in llm.queues)
+    await until(lambda: "r1" in llm.queues, 5, "vLLM to have r1")
     _prompt, params, _priority = llm.seen["r1"]
     structured = {"json": '{"type": "object"}', "disable_any_whitespace": True}
     assert params["structured_outputs"] == ("structured", structured)

@@ -22,20 +22,11 @@ from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import RedisSettings
 from llamamesh.types import JobEvent
 from tests.redisproc import RedisProcess
+from tests.waiting import until
 from tests.workers.test_affinity_workers import P, job, key_in
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(120)]
 
-
-
-async def until(ok, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    """Bounded polling of state other processes write."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not await ok():
-        if loop.time() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 class Pool:

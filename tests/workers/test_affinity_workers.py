@@ -14,6 +14,7 @@ from llamamesh.queue.affinity import partition_of
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import RedisSettings, WorkerSettings
 from llamamesh.types import GenerationRequest, JobEvent, SamplingParams
+from tests.waiting import until
 from workers.engines.fake import FakeEngine
 from workers.worker import Worker
 
@@ -63,11 +64,8 @@ async def pool(redis_settings: RedisSettings) -> AsyncIterator[Pool]:
         await asyncio.wait_for(worker.ready.wait(), 5)
         started[name] = (worker, engine, q)
     try:
-        async def shared() -> None:
-            while sorted(len(q.owned("cpu", n)) for n, (_w, _e, q) in started.items()) != [2, 2]:  # noqa: ASYNC110
-                await asyncio.sleep(0.02)  # bounded: a few heartbeats of 0.1 s
-
-        await asyncio.wait_for(shared(), 10)
+        shares = lambda: sorted(len(q.owned("cpu", n)) for n, (_w, _e, q) in started.items())  # noqa: E731
+        await until(shares, 10, "the two workers' equal shares (a few heartbeats)", done=lambda got: got == [2, 2])
         yield Pool(gateway, started)
     finally:
         for stop, task in stops:
@@ -94,8 +92,7 @@ async def test_a_busy_owners_queued_job_runs_on_the_idle_worker(pool: Pool) -> N
     _w1, e1, q1 = pool.workers["w1"]
     key = key_in(q1.owned("cpu", "w1"))
     await pool.queue.submit("cpu", job("long", key, n=20))  # 20 steps of 50 ms on w1's one slot
-    while "long" not in e1.served:  # noqa: ASYNC110  # bounded by the test's timeout
-        await asyncio.sleep(0.01)
+    await until(lambda: "long" in e1.served, 10, "the long job to start on w1")
     await pool.queue.submit("cpu", job("next", key))
     evs = await asyncio.wait_for(finished(pool.queue, "next"), 5)
     assert {e.worker for e in evs if e.worker} == {"w2"}  # stolen: it did not wait for the long one

@@ -16,6 +16,7 @@ import pytest
 
 from llamamesh.errors import InvalidRequest
 from llamamesh.types import ChatMessage, GenerationRequest
+from tests.waiting import until
 from workers.engines.prompts import BatchTokenizer, render_prompt_ids
 
 pytestmark = pytest.mark.timeout(60)
@@ -77,13 +78,8 @@ def executor() -> Iterator[concurrent.futures.ThreadPoolExecutor]:
 
 
 async def waiting(batcher: BatchTokenizer, n: int) -> None:
-    """Until ``n`` requests wait for the next batch (bounded polling: each queues when its task runs)."""
-
-    async def poll() -> None:
-        while len(batcher._waiting) < n:  # noqa: ASYNC110 - bounded by wait_for
-            await asyncio.sleep(0.001)
-
-    await asyncio.wait_for(poll(), 5)
+    """Until ``n`` requests wait for the next batch (each queues when its task runs)."""
+    await until(lambda: len(batcher._waiting) >= n, 5, f"{n} requests waiting for the next batch", poll_s=0.001)
 
 
 async def test_requests_that_arrive_together_are_encoded_in_one_call_with_the_same_ids(

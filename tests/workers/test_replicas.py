@@ -6,8 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ import redis
 from llamamesh.errors import InvalidRequest
 from llamamesh.queue.keys import Keys
 from llamamesh.settings import RedisSettings, Settings
+from tests.waiting import wait_until
 from workers.engines.registry import ENGINES
 from workers.replicas import replica_gpus, replica_groups, visible_gpus
 
@@ -70,13 +69,6 @@ sys.exit(run_replicas(s, [["0"], ["1"]]))
 """
 
 
-def _until(ok: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ok():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)  # polling process state, bounded by the deadline
-
-
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False).stdout
     return [int(x) for x in out.split()]
@@ -100,14 +92,14 @@ def test_the_supervisor_runs_one_worker_per_group_restarts_a_dead_one_and_stops_
     keys = Keys(redis_settings.prefix)
     try:
         names = ("node-a-r0", "node-a-r1")
-        _until(lambda: all(r.exists(keys.worker("gpu", n)) for n in names), 30, "both replicas' heartbeats")
+        wait_until(lambda: all(r.exists(keys.worker("gpu", n)) for n in names), 30, "both replicas' heartbeats")
         kids = _children(sup.pid)
         assert sorted(_env_of(k)["CUDA_VISIBLE_DEVICES"] for k in kids) == ["0", "1"]
         assert sorted(_env_of(k)["LLAMAMESH_WORKER_CONSUMER"] for k in kids) == list(names)
         if stop == "a replica dies":  # it is started again, with its own GPU and name; the other goes on
             dead = next(k for k in kids if _env_of(k)["CUDA_VISIBLE_DEVICES"] == "0")
             os.kill(dead, signal.SIGKILL)
-            _until(lambda: (now := _children(sup.pid)) and len(now) == 2 and dead not in now, 30, "a new replica 0")
+            wait_until(lambda: (now := _children(sup.pid)) and len(now) == 2 and dead not in now, 30, "a new replica 0")
             again = [k for k in _children(sup.pid) if k not in kids]
             assert [_env_of(k)["CUDA_VISIBLE_DEVICES"] for k in again] == ["0"]
             assert [_env_of(k)["LLAMAMESH_WORKER_CONSUMER"] for k in again] == ["node-a-r0"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
 
 import grpc
 import pytest
@@ -17,6 +16,7 @@ from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc
 from services.server import start_gateway
 from tests.stacks import stop_in_process
+from tests.waiting import until
 from workers.engines.fake import FakeEngine
 from workers.worker import Worker
 
@@ -35,6 +35,13 @@ async def top_once(address: str) -> str:
     out, err = await asyncio.wait_for(proc.communicate(), 20)
     assert proc.returncode == 0, err.decode()
     return out.decode()
+
+
+def busy(frame: str) -> bool:
+    """Every slot in flight, jobs queued behind them and tokens counted, as the frame shows the pool."""
+    row = cells(frame, "cpu")
+    inflight, _slots = map(int, row["INFLIGHT/SLOTS"].split("/"))
+    return inflight == SLOTS and int(row["QUEUED"]) > 0 and float(row["TOK/S"]) > 0
 
 
 def cells(frame: str, first: str) -> dict[str, str]:
@@ -68,17 +75,11 @@ async def test_top_shows_a_busy_pool(redis_settings: RedisSettings) -> None:
     try:
         await asyncio.wait_for(worker.ready.wait(), 10)
         calls = [asyncio.create_task(generate(i)) for i in range(REQUESTS)]
-        # Bounded polling: the gateway learns the worker's figures from its heartbeat (each second),
-        # and counts tokens per whole second.
-        deadline = time.monotonic() + 20
-        while True:
-            frame = await top_once(address)
-            row = cells(frame, "cpu")
-            inflight, slots = map(int, row["INFLIGHT/SLOTS"].split("/"))
-            busy = inflight == SLOTS and int(row["QUEUED"]) > 0 and float(row["TOK/S"]) > 0
-            if busy or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.2)
+        # The gateway learns the worker's figures from its heartbeat (each second), and counts tokens
+        # per whole second.
+        frame = await until(lambda: top_once(address), 20, "top to show the pool busy", done=busy, poll_s=0.2)
+        row = cells(frame, "cpu")
+        inflight, slots = map(int, row["INFLIGHT/SLOTS"].split("/"))
         assert row["BREAKER"] == "closed" and row["SERVING"] == "yes", frame
         assert (row["READY"], row["STARTING"], row["FAILED"]) == ("1", "0", "0"), frame
         assert (inflight, slots) == (SLOTS, SLOTS), frame

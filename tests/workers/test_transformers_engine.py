@@ -18,6 +18,7 @@ import torch
 from llamamesh.errors import EngineDead, InternalError, InvalidRequest, PromptTooLong
 from llamamesh.settings import WorkerSettings
 from llamamesh.types import ChatMessage, FinishReason, GenerationRequest, JobKind, SamplingParams, TokenDelta
+from tests.waiting import until
 from workers.engines.transformers import TransformersEngine
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(60)]
@@ -91,16 +92,6 @@ async def collect(stream: AsyncIterator[TokenDelta], into: list[TokenDelta]) -> 
         into.append(delta)
 
 
-async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Bounded polling (the engine's state changes in its own thread's steps)."""
-
-    async def poll() -> None:
-        while not condition():  # noqa: ASYNC110 - the state changes in the engine thread: bounded polling
-            await asyncio.sleep(0.01)
-
-    await asyncio.wait_for(poll(), timeout)  # asyncio.timeout is 3.11+; the code supports 3.10
-
-
 QUESTIONS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -161,7 +152,7 @@ async def test_concurrent_requests_share_steps_and_match_their_solo_output(engin
 async def test_late_arrivals_join_a_running_batch_without_changing_it(engine: TransformersEngine) -> None:
     reference = await run(engine, chat(QUESTIONS[2], temperature=0, max_tokens=24))
     early = asyncio.ensure_future(run(engine, chat(QUESTIONS[2], temperature=0, max_tokens=24)))
-    await until(lambda: engine.stats().running == 1)
+    await until(lambda: engine.stats().running == 1, 10, "one request running")
     engine.max_batch_size = 0
     late = await run(engine, chat(QUESTIONS[0], temperature=0, max_tokens=8))
     assert (await early).tokens == reference.tokens
@@ -273,7 +264,7 @@ async def test_cancelling_the_consumer_aborts_the_request(engine: TransformersEn
     with pytest.raises(asyncio.CancelledError):
         await task
     assert request.request_id in engine.aborted
-    await until(lambda: engine.stats().running == 0)
+    await until(lambda: engine.stats().running == 0, 10, "no request running")
     after = await run(engine, chat(QUESTIONS[0], temperature=0, max_tokens=4))
     assert after.tokens
 
@@ -345,7 +336,7 @@ async def test_abort_of_a_waiting_request(spare: TransformersEngine) -> None:
     await anext(first)
     second = spare.stream(waiting)
     pending = asyncio.ensure_future(anext(second))
-    await until(lambda: spare.stats().waiting == 1)
+    await until(lambda: spare.stats().waiting == 1, 10, "one request waiting")
     assert spare.stats().running == 1
     await spare.abort(waiting.request_id)
     cancelled = await pending
@@ -410,9 +401,9 @@ async def test_waiting_requests_are_admitted_by_priority(spare: TransformersEngi
     low = replace(chat(QUESTIONS[0], temperature=0, max_tokens=2), priority=0)
     high = replace(chat(QUESTIONS[1], temperature=0, max_tokens=2), priority=5)
     tasks = [asyncio.ensure_future(finish(low))]
-    await until(lambda: spare.stats().waiting == 1)
+    await until(lambda: spare.stats().waiting == 1, 10, "one request waiting")
     tasks.append(asyncio.ensure_future(finish(high)))
-    await until(lambda: spare.stats().waiting == 2)
+    await until(lambda: spare.stats().waiting == 2, 10, "two requests waiting")
     await spare.abort(blocker.request_id)
     [d async for d in first]
     await asyncio.wait_for(asyncio.gather(*tasks), 30)
@@ -495,9 +486,9 @@ async def test_a_sequence_decodes_to_the_same_bits_alone_and_in_any_batch(wide: 
 
     wide.max_batch_size = 0
     early = asyncio.ensure_future(run(wide, traced(QUESTIONS[2])))
-    await until(lambda: wide.steps > 0 and wide.stats().running == 1)
+    await until(lambda: wide.steps > 0 and wide.stats().running == 1, 10, "the first step of one request")
     steps = wide.steps
-    await until(lambda: wide.steps >= steps + 2)
+    await until(lambda: wide.steps >= steps + 2, 10, "two steps more")
     late = await asyncio.gather(*(run(wide, traced(QUESTIONS[i % 4], n=2 + i)) for i in range(8)))
     assert all(len(r.tokens) == 2 + i for i, r in enumerate(late))
     assert wide.max_batch_size == 9
@@ -574,7 +565,7 @@ async def test_a_request_whose_prefill_fails_fails_alone(
 
     monkeypatch.setattr(Batch, "encode", encode)
     running = asyncio.ensure_future(run(engine, chat(QUESTIONS[1], temperature=0, max_tokens=16, ignore_eos=True)))
-    await until(lambda: engine.stats().running >= 1)
+    await until(lambda: engine.stats().running >= 1, 10, "a request running")
     with pytest.raises(InternalError):
         await run(engine, prompt("explode", max_tokens=4))
     assert len((await running).tokens) == 16

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 
 import pytest
 from structlog.testing import capture_logs
@@ -19,6 +19,7 @@ from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import RedisSettings, WorkerSettings
 from llamamesh.types import GenerationRequest, ItemResult, JobEvent, SamplingParams, WorkerStatus
 from tests.queue.jobs import batch
+from tests.waiting import until
 from workers.engines.fake import FakeEngine
 from workers.worker import FAILED_TTL_S, Worker
 
@@ -53,14 +54,6 @@ async def status_of(queue: RedisQueue, name: str) -> WorkerStatus | None:
     return next((w for w in await queue.workers("cpu") if w.worker == name), None)
 
 
-async def until(ok: Callable[[], object], timeout_s: float = 10.0) -> None:
-    async def poll() -> None:
-        while not await ok():  # type: ignore[misc]  # noqa: ASYNC110 - Redis state, bounded by wait_for
-            await asyncio.sleep(0.02)
-
-    await asyncio.wait_for(poll(), timeout_s)
-
-
 def running(ws: WorkerSettings, queue: RedisQueue, engine: FakeEngine, stop: asyncio.Event | None = None,
             ) -> tuple[Worker, asyncio.Task[None]]:  # fmt: skip
     """A worker over ``engine``, running (its engine not started: the worker starts it)."""
@@ -93,17 +86,17 @@ async def test_the_heartbeat_says_starting_and_what_the_engine_does_then_ready(r
     stop = asyncio.Event()
     worker, task = running(ws, queue, engine, stop)
     try:
-        await until(lambda: _is(queue, "w-slow", "starting", "converting the model"))
+        await until(lambda: _is(queue, "w-slow", "starting", "converting the model"), 10, "w-slow converting the model")
         first = await status_of(queue, "w-slow")
         assert first is not None and first.since_unix_s > 0 and not first.ready
         engine.step.set()
-        await until(lambda: _is(queue, "w-slow", "starting", "loading the model"))
+        await until(lambda: _is(queue, "w-slow", "starting", "loading the model"), 10, "w-slow loading the model")
         second = await status_of(queue, "w-slow")
         assert second is not None and second.since_unix_s >= first.since_unix_s
         assert not worker.ready.is_set()
         engine.step.set()
         await asyncio.wait_for(worker.ready.wait(), 5)
-        await until(lambda: _is(queue, "w-slow", "ready", ""))
+        await until(lambda: _is(queue, "w-slow", "ready", ""), 10, "w-slow ready")
         await queue.submit("cpu", GenerationRequest("r1", "m", prompt="hi", sampling=SamplingParams(max_tokens=3)))
         evs = [e async for _i, e in queue.events("r1")]
         assert evs[-1].finished is not None
@@ -124,9 +117,9 @@ async def test_an_engine_that_cannot_start_is_reported_failed_with_its_reason(re
     engine = SlowStart(ws, fail="cannot load model /nope.gguf: FileNotFoundError")
     worker, task = running(ws, queue, engine)
     try:
-        await until(lambda: _is(queue, "w-fail", "starting", "converting the model"))
+        await until(lambda: _is(queue, "w-fail", "starting", "converting the model"), 10, "w-fail converting the model")
         engine.step.set()
-        await until(lambda: _is(queue, "w-fail", "starting", "loading the model"))
+        await until(lambda: _is(queue, "w-fail", "starting", "loading the model"), 10, "w-fail loading the model")
         engine.step.set()
         with pytest.raises(EngineDead, match="cannot load model"):
             await asyncio.wait_for(task, 10)
@@ -233,10 +226,10 @@ async def test_items_waiting_on_redis_to_record_their_results_are_not_an_engine_
             b = await store.get("b")
             return b is not None and b.succeeded == 1
 
-        await until(refused_five_times)
+        await until(refused_five_times, 10, "five refused records")
         assert not task.done() and not worker.wedged and worker.inflight == 1
         store.let_go.set()
-        await until(recorded)
+        await until(recorded, 10, "the item's result recorded")
         assert not task.done() and not worker.wedged
     finally:
         stop.set()
@@ -254,7 +247,7 @@ async def test_a_job_a_dead_worker_had_begun_is_not_run_again_from_the_start(red
         await queue.publish([(lease, JobEvent(text=" w1", token_ids=(1,), index=0, worker="w-dead"))], [])
         ws = settings("w-heir", claim_idle_s=0.3)
         engine = FakeEngine(ws)
-        await until(lambda: _idle_past(queue, 300))  # the dead worker's lease ages past the claim idle time
+        await until(lambda: _idle_past(queue, 300), 10, "the dead worker's lease to age past the claim idle time")
         stop = asyncio.Event()
         _worker, task = running(ws, queue, engine, stop)
         try:
@@ -321,7 +314,7 @@ async def test_an_event_writer_that_breaks_while_draining_cuts_the_drain_short(r
         events, _first = await streaming(worker, queue, "drained")
         with capture_logs() as logs:
             stop.set()
-            await until(lambda: _logged(logs, "worker_draining"))
+            await until(lambda: _logged(logs, "worker_draining"), 10, "worker_draining logged")
             assert not task.done() and await status_of(queue, "w-drain") is not None  # draining, heartbeat on
             queue.broken = True
             t0 = asyncio.get_running_loop().time()
@@ -345,5 +338,5 @@ async def _idle_past(queue: RedisQueue, ms: int) -> bool:
     return bool(rows) and all(int(r["time_since_delivered"]) > ms for r in rows)
 
 
-async def _logged(logs: list[dict[str, object]], event: str) -> bool:
+def _logged(logs: list[dict[str, object]], event: str) -> bool:
     return any(e["event"] == event for e in logs)

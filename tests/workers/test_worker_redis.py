@@ -17,8 +17,9 @@ from llamamesh.queue.batches import RedisBatches
 from llamamesh.queue.keys import WORKER_GROUP, Keys
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import BatchSettings, RedisSettings, WorkerSettings
-from llamamesh.types import BatchState, GenerationRequest, JobEvent, SamplingParams
+from llamamesh.types import BatchInfo, BatchState, GenerationRequest, JobEvent, SamplingParams
 from tests.queue.jobs import batch
+from tests.waiting import until
 from workers.engines.fake import FakeEngine
 from workers.worker import Worker
 
@@ -51,6 +52,10 @@ def req(rid: str, n: int = 8) -> GenerationRequest:
 
 async def events(q: RedisQueue, rid: str) -> list[JobEvent]:
     return [e async for _i, e in q.events(rid)]
+
+
+def completed(b: BatchInfo | None) -> bool:
+    return b is not None and b.state is BatchState.COMPLETED
 
 
 async def pending(settings: RedisSettings) -> int:
@@ -155,12 +160,7 @@ async def test_worker_waits_for_redis_instead_of_exiting() -> None:
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
     try:
-
-        async def failed_twice() -> None:
-            while worker.join_failures < 2:  # noqa: ASYNC110 - bounded by wait_for
-                await asyncio.sleep(0.01)
-
-        await asyncio.wait_for(failed_twice(), 10)
+        await until(lambda: worker.join_failures >= 2, 10, "two failed joins")
         assert not task.done() and not worker.ready.is_set()
         stop.set()
         await asyncio.wait_for(task, 5)
@@ -322,9 +322,8 @@ class HeadroomPolls(RedisQueue):
     async def polled(self, n: int) -> None:
         """Until ``n`` more polls than now (bounded: each takes a headroom_poll_s)."""
         target = self.polls + n
-        while self.polls < target:
-            self._more = asyncio.Event()
-            await asyncio.wait_for(self._more.wait(), 5)
+        self._more = asyncio.Event()
+        await until(lambda: self.polls >= target, 5 * n, f"{n} headroom polls", wake=self._more)
 
 
 async def test_a_tenant_behind_anothers_backlog_starts_in_the_headroom_at_once(redis_settings: RedisSettings) -> None:
@@ -338,10 +337,7 @@ async def test_a_tenant_behind_anothers_backlog_starts_in_the_headroom_at_once(r
         backlog = [dataclasses.replace(req(f"a{i}", n=40), request_id=f"acme/a{i}", tenant="acme") for i in range(8)]
         for r in backlog:
             await queue.submit("cpu", r)
-        deadline = time.monotonic() + 5
-        while len(worker.jobs.running) < 3:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.01)  # polling the worker's admission, bounded by the deadline
+        await until(lambda: len(worker.jobs.running) >= 3, 5, "the worker to admit three of A's jobs")
         await queue.polled(3)  # several headroom polls: A still holds 3 of 4
         assert len(worker.jobs.running) == 3
         t0 = time.monotonic()
@@ -380,10 +376,12 @@ async def test_a_batch_item_its_own_worker_claims_back_stays_leased(redis_settin
 
     try:
         await store.create(info, "fp", items)
-        # Claimed back by itself twice over (every claim_idle_s / 2), while it runs (20 s of tokens).
-        while await delivered() < 3:  # Redis state, bounded by the test's timeout
+        async def claimed_back_twice() -> bool:
             assert await q.client.xlen(stream) == 1, "the running item's entry was dropped"
-            await asyncio.sleep(0.05)
+            return await delivered() >= 3
+
+        # Claimed back by itself twice over (every claim_idle_s / 2), while it runs (20 s of tokens).
+        await until(claimed_back_twice, 10, "the worker to claim its own item back twice", poll_s=0.05)
         assert worker.inflight == 1 and await q.client.xlen(stream) == 1
         stop.set()  # the item is aborted unfinished: it records nothing and stays leased
         await asyncio.wait_for(task, 10)
@@ -395,10 +393,9 @@ async def test_a_batch_item_its_own_worker_claims_back_stays_leased(redis_settin
         heir = Worker(heir_ws, q, FakeEngine(heir_ws), block_ms=100, batches=store, batch=claims)
         stop2 = asyncio.Event()
         task = asyncio.create_task(heir.run(stop2))
-        while (b := await store.get("own")) is None or b.state is not BatchState.COMPLETED:  # noqa: ASYNC110
-            await asyncio.sleep(0.05)  # another worker's progress in Redis, bounded by the test's timeout
-        while await q.client.xlen(stream):  # noqa: ASYNC110 - acked and deleted just after its result
-            await asyncio.sleep(0.05)
+        b = await until(lambda: store.get("own"), 10, "the heir to complete the batch", done=completed, poll_s=0.05)
+        # Acked and deleted just after its result.
+        await until(lambda: q.client.xlen(stream), 10, "the item's entry to leave the stream", done=lambda n: n == 0)
         assert b.succeeded == 1 and len(await store.results("own", "0-0", None)) == 1
         stop2.set()
         await asyncio.wait_for(task, 10)
@@ -439,12 +436,17 @@ async def test_a_second_copy_that_cannot_be_dropped_while_redis_is_out_does_not_
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
     try:
-        while (b := await store.get("twice")) is None or b.state is not BatchState.COMPLETED:
+        async def batch_if_running() -> BatchInfo | None:
             assert not task.done(), task
-            await asyncio.sleep(0.05)  # the worker's progress in Redis, bounded by the test's timeout
-        while await q.client.xlen(stream):  # the second copy: claimed again after 0.3 s, then dropped
+            return await store.get("twice")
+
+        async def stream_length() -> int:
             assert not task.done(), task
-            await asyncio.sleep(0.05)
+            return int(await q.client.xlen(stream))
+
+        b = await until(batch_if_running, 10, "the batch to complete", done=completed, poll_s=0.05)
+        # The second copy: claimed again after 0.3 s, then dropped.
+        await until(stream_length, 10, "the second copy to leave the stream", done=lambda n: n == 0, poll_s=0.05)
         assert refused and b.succeeded == 1 and len(await store.results("twice", "0-0", None)) == 1
         assert not task.done()
     finally:
