@@ -73,6 +73,7 @@ proto-check:
 
 lint:
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
 bench: install-dev

@@ -63,9 +63,13 @@ def binary(kind: str) -> str:
 
 class RedisProcess:
     def __init__(
-        self, kind: str, workdir: Path, appendonly: bool = False, appendfsync: str = "everysec",
+        self,
+        kind: str,
+        workdir: Path,
+        appendonly: bool = False,
+        appendfsync: str = "everysec",
         extra: Sequence[str] = (),
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.kind = kind
         self.extra = tuple(extra)  # more redis-server arguments, e.g. ("--replicaof", host, port)
         self.appendfsync = appendfsync
@@ -82,14 +86,22 @@ class RedisProcess:
     def start(self, timeout_s: float = 10.0) -> None:
         args = [
             binary(self.kind),
-            "--port", str(self.port),
-            "--bind", "127.0.0.1",
-            "--dir", str(self.dir),
-            "--save", "",
-            "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", self.appendfsync,
-            "--daemonize", "no",
-            "--logfile", str(self.dir / "server.log"),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.dir),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            self.appendfsync,
+            "--daemonize",
+            "no",
+            "--logfile",
+            str(self.dir / "server.log"),
             *self.extra,
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -159,11 +171,18 @@ class RedisClusterProcs:
         for node in self.nodes:
             # The bus port is set, not port + 10000 (which may be taken, or past 65535).
             node.extra = (
-                "--cluster-enabled", "yes", "--cluster-config-file", str(node.dir / "nodes.conf"),
-                "--cluster-node-timeout", str(node_timeout_ms), "--cluster-port", str(free_port()),
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                str(node.dir / "nodes.conf"),
+                "--cluster-node-timeout",
+                str(node_timeout_ms),
+                "--cluster-port",
+                str(free_port()),
                 # A replica's first sync at once, not after diskless sync's 5-s wait for more replicas.
-                "--repl-diskless-sync-delay", "0",
-            )  # fmt: skip
+                "--repl-diskless-sync-delay",
+                "0",
+            )
 
     @property
     def url(self) -> str:
@@ -176,8 +195,12 @@ class RedisClusterProcs:
         if cli is None:
             raise RuntimeError("redis-cli is not installed: `apt-get install redis-server` (.ci/run does)")
         hosts = [f"127.0.0.1:{n.port}" for n in self.nodes]
-        subprocess.run([cli, "--cluster", "create", *hosts, "--cluster-replicas", str(self.replicas),
-                        "--cluster-yes"], check=True, capture_output=True, timeout=timeout_s)  # fmt: skip
+        subprocess.run(
+            [cli, "--cluster", "create", *hosts, "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=timeout_s,
+        )
         self.wait_ok(timeout_s)
 
     def wait_ok(self, timeout_s: float = 30.0) -> None:
@@ -203,8 +226,10 @@ class RedisClusterProcs:
             return False
         finally:
             client.close()
-        synced = replication["role"] != "slave" or replication.get("master_link_status") == "up" or not any(
-            n.proc is not None and n.port == replication.get("master_port") for n in self.nodes
+        synced = (
+            replication["role"] != "slave"
+            or replication.get("master_link_status") == "up"
+            or not any(n.proc is not None and n.port == replication.get("master_port") for n in self.nodes)
         )
         return "cluster_state:ok" in info and "cluster_slots_ok:16384" in info and synced
 
@@ -242,8 +267,9 @@ class RedisClusterProcs:
         does: IMPORTING on the target, MIGRATING on the source. Clients meanwhile get ASK for keys
         already moved (and for new keys), TRYAGAIN for a multi-key command whose keys are split."""
         source = self.master_of(key)
-        masters = [n for n in self.nodes
-                   if n.proc is not None and n is not source and _info(n.port).get("role") == "master"]  # fmt: skip
+        masters = [
+            n for n in self.nodes if n.proc is not None and n is not source and _info(n.port).get("role") == "master"
+        ]
         m = SlotMigration(source, masters[0], masters[1:], self.node_id(source), self.node_id(masters[0]))
         with redis.Redis(port=source.port, socket_timeout=10) as src, redis.Redis(port=m.target.port) as dst:
             m.slot = int(src.execute_command("CLUSTER", "KEYSLOT", key))
@@ -287,9 +313,15 @@ class SentinelGroup:
     says which is."""
 
     def __init__(
-        self, kind: str, workdir: Path, replicas: int = 1, sentinels: int = 3, service: str = "llamamesh",
-        down_after_ms: int = 2000, failover_timeout_ms: int = 3000,
-    ) -> None:  # fmt: skip
+        self,
+        kind: str,
+        workdir: Path,
+        replicas: int = 1,
+        sentinels: int = 3,
+        service: str = "llamamesh",
+        down_after_ms: int = 2000,
+        failover_timeout_ms: int = 3000,
+    ) -> None:
         self.kind, self.dir, self.service = kind, workdir, service
         self.down_after_ms, self.failover_timeout_ms = down_after_ms, failover_timeout_ms
         # A replica's first sync starts at once (not after the default 5 s wait for others to join).
@@ -316,8 +348,11 @@ class SentinelGroup:
         for server in self.servers:
             server.start()
         for replica in self.servers[1:]:
-            self._wait(lambda r=replica: _info(r.port).get("master_link_status") == "up", deadline,
-                       f"replica {replica.port} in sync")  # fmt: skip
+            self._wait(
+                lambda r=replica: _info(r.port).get("master_link_status") == "up",
+                deadline,
+                f"replica {replica.port} in sync",
+            )
         for i in range(len(self.sentinel_ports)):
             self.start_sentinel(i)
         replicas, others = len(self.servers) - 1, len(self.sentinel_ports) - 1
@@ -399,8 +434,11 @@ class SentinelGroup:
     @staticmethod
     def online(server: RedisProcess) -> int:
         """How many replicas are in sync with ``server``."""
-        return sum(1 for k, v in _info(server.port).items()
-                   if k.startswith("slave") and isinstance(v, dict) and v.get("state") == "online")  # fmt: skip
+        return sum(
+            1
+            for k, v in _info(server.port).items()
+            if k.startswith("slave") and isinstance(v, dict) and v.get("state") == "online"
+        )
 
     def failover(self) -> None:
         """SENTINEL FAILOVER: the primary (still up) hands over to a replica, without the others'

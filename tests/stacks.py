@@ -29,8 +29,9 @@ async def gateway_in_process(
         await gw.stop(0)
 
 
-async def stop_in_process(stop: asyncio.Event, task: asyncio.Task[Any], gateway: Any, engine: Any,
-                          *queues: Any) -> None:  # fmt: skip
+async def stop_in_process(
+    stop: asyncio.Event, task: asyncio.Task[Any], gateway: Any, engine: Any, *queues: Any
+) -> None:
     """Stop the worker (``stop``, its ``task`` awaited at most 10 s), the gateway at once, the
     engine, then close the queues."""
     stop.set()

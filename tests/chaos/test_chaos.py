@@ -64,7 +64,10 @@ class Ledger:
     entries: list[Outcome] = field(default_factory=list)
 
     async def stream(
-        self, stub: pb_grpc.GenerationServiceStub, max_tokens: int, started: asyncio.Event | None,
+        self,
+        stub: pb_grpc.GenerationServiceStub,
+        max_tokens: int,
+        started: asyncio.Event | None,
         prompt: str = "tell me everything",
     ) -> None:
         out = Outcome()
@@ -251,9 +254,7 @@ async def test_kill_minus_nine_of_redis_mid_stream(own_redis: RedisProcess, tmp_
         await asyncio.to_thread(wait_until, lambda: pending(n) == 0, 20, "no pending jobs")
 
 
-async def test_a_backlog_of_ten_thousand_jobs_drains_with_nothing_lost(
-    e2e_redis: RedisProcess, tmp_path: Path
-) -> None:
+async def test_a_backlog_of_ten_thousand_jobs_drains_with_nothing_lost(e2e_redis: RedisProcess, tmp_path: Path) -> None:
     """10,000 jobs queued before any worker runs; two worker processes drain them while their
     acked entries are deleted from the stream (the only trimming the work stream ever sees:
     nothing unleased or pending is removed). Every job ends with exactly one terminal event."""
@@ -264,8 +265,10 @@ async def test_a_backlog_of_ten_thousand_jobs_drains_with_nothing_lost(
     try:
         await q.join(n.pool)
         for chunk in range(0, len(ids), 50):
-            jobs = [GenerationRequest(request_id=rid, model="m", prompt="p", sampling=SamplingParams(max_tokens=2))
-                    for rid in ids[chunk : chunk + 50]]  # fmt: skip
+            jobs = [
+                GenerationRequest(request_id=rid, model="m", prompt="p", sampling=SamplingParams(max_tokens=2))
+                for rid in ids[chunk : chunk + 50]
+            ]
             await asyncio.gather(*(q.submit(n.pool, job) for job in jobs))
         r = redis.Redis.from_url(e2e_redis.url)
         keys = Keys(n.prefix)
@@ -393,8 +396,10 @@ async def test_clients_that_stop_reading_do_not_grow_the_gateway_without_bound(
         before = rss_mib(n.procs["gateway"].pid)
         async with grpc.aio.insecure_channel(n.address) as ch:
             stub = pb_grpc.GenerationServiceStub(ch)
-            calls = [stub.Generate(pb.GenerateRequest(prompt=f"stalled {i}", max_tokens=2000, ignore_eos=True))
-                     for i in range(20)]  # fmt: skip
+            calls = [
+                stub.Generate(pb.GenerateRequest(prompt=f"stalled {i}", max_tokens=2000, ignore_eos=True))
+                for i in range(20)
+            ]
             for c in calls:
                 await c.initial_metadata()  # accepted; never read
             all_done = lambda: n.log("worker").count('"completion_tokens": 2000') >= 20  # noqa: E731
@@ -421,7 +426,8 @@ async def test_a_stream_whose_gateway_died_is_reattached_through_another(node: P
         ref = [t for m in whole for t in m.token_ids]
         async with grpc.aio.insecure_channel(node.address) as ch_a:
             call = pb_grpc.GenerationServiceStub(ch_a).Generate(
-                pb.GenerateRequest(request_id="survivor", prompt=prompt, max_tokens=100, resumable=True))  # fmt: skip
+                pb.GenerateRequest(request_id="survivor", prompt=prompt, max_tokens=100, resumable=True)
+            )
             got: list[int] = []
             text = ""
             while len(got) < 10:
@@ -527,8 +533,9 @@ async def test_four_workers_racing_over_fifty_stale_jobs_run_each_once(e2e_redis
     try:
         await q.join(n.pool)
         for rid in ids:
-            await q.submit(n.pool, GenerationRequest(request_id=rid, model="m", prompt="p",
-                                                     sampling=SamplingParams(max_tokens=3)))  # fmt: skip
+            await q.submit(
+                n.pool, GenerationRequest(request_id=rid, model="m", prompt="p", sampling=SamplingParams(max_tokens=3))
+            )
         assert len(await q.lease(n.pool, "ghost", 50, 500)) == 50  # ghost dies holding them all
         names = [f"racer{i}" for i in range(4)]
         for name in names:

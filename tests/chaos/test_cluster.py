@@ -117,8 +117,9 @@ async def test_three_gateways_and_four_workers_share_one_cluster(cluster: RedisC
             assert all(n > 0 for n in f.jobs_by_worker().values()), f.jobs_by_worker()
 
             # Cancel through another gateway than the one streaming.
-            call = stubs[0].Generate(pb.GenerateRequest(request_id="cancel-me", prompt="go on", max_tokens=2000,
-                                                        ignore_eos=True))  # fmt: skip
+            call = stubs[0].Generate(
+                pb.GenerateRequest(request_id="cancel-me", prompt="go on", max_tokens=2000, ignore_eos=True)
+            )
             first = await call.read()
             await stubs[1].Cancel(pb.CancelRequest(request_id="cancel-me"))
             last = first
@@ -127,8 +128,11 @@ async def test_three_gateways_and_four_workers_share_one_cluster(cluster: RedisC
             assert last.finish_reason == pb.FINISH_REASON_CANCELLED
 
             # Attach through a third gateway from the tokens the caller has.
-            call = stubs[1].Generate(pb.GenerateRequest(request_id="move-me", prompt="keep going", max_tokens=60,
-                                                        ignore_eos=True, resumable=True))  # fmt: skip
+            call = stubs[1].Generate(
+                pb.GenerateRequest(
+                    request_id="move-me", prompt="keep going", max_tokens=60, ignore_eos=True, resumable=True
+                )
+            )
             have: list[int] = []
             while len(have) < 10:
                 have += (await call.read()).token_ids

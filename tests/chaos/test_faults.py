@@ -75,8 +75,9 @@ class FaultLedger(Ledger):
         timeout_s: float | None = None,
     ) -> Seen:
         out = Seen(max_tokens=max_tokens, sent_s=time.monotonic())
-        call = stub.Generate(pb.GenerateRequest(prompt=prompt, max_tokens=max_tokens, ignore_eos=True),
-                             timeout=timeout_s)  # fmt: skip
+        call = stub.Generate(
+            pb.GenerateRequest(prompt=prompt, max_tokens=max_tokens, ignore_eos=True), timeout=timeout_s
+        )
         try:
             # no id: refused before it was accepted (the read below raises the status)
             out.request_id = str(dict(await call.initial_metadata()).get("x-request-id", ""))
@@ -119,8 +120,16 @@ async def no_pending(node: ProcessNode, timeout_s: float) -> None:
             jobs = {eid.decode(): codec.decode_job(f[JOB_FIELD.encode()]).request_id for eid, f in entries}
         finally:
             r.close()
-        left = [(p["message_id"].decode(), p["consumer"].decode(), p["time_since_delivered"], p["times_delivered"],
-                 jobs.get(p["message_id"].decode())) for p in stale]  # fmt: skip
+        left = [
+            (
+                p["message_id"].decode(),
+                p["consumer"].decode(),
+                p["time_since_delivered"],
+                p["times_delivered"],
+                jobs.get(p["message_id"].decode()),
+            )
+            for p in stale
+        ]
         what = "(entry, consumer, idle ms, deliveries, request)"
         raise AssertionError(f"jobs still pending after {timeout_s:g} s, {what}: {left}") from None
 
@@ -154,8 +163,9 @@ def aof_redis(tmp_path: Path) -> Iterator[RedisProcess]:
 
 
 @contextlib.contextmanager
-def started_behind(proxy: ReplyDropper, redis_server: RedisProcess, workdir: Path,
-                   extra_env: dict[str, str]) -> Iterator[ProcessNode]:  # fmt: skip
+def started_behind(
+    proxy: ReplyDropper, redis_server: RedisProcess, workdir: Path, extra_env: dict[str, str]
+) -> Iterator[ProcessNode]:
     """A node whose gateway talks to ``redis_server`` directly and whose worker goes through ``proxy``."""
     workdir.mkdir(exist_ok=True)
     n = ProcessNode(workdir, redis_server, engine="fake", extra_env=extra_env)
@@ -206,8 +216,10 @@ async def test_event_writes_whose_replies_are_lost_are_not_delivered_twice(
                     finally:
                         proxy.drop_every_write(False)
                 await asyncio.wait_for(asyncio.gather(*calls), 60)
-            print(f"replies lost: {proxy.drops}; outcomes: {tally(ledger.entries)};",
-                  f"worker events_publish_failed: {len(log_events(n, 'worker', 'events_publish_failed'))}")  # fmt: skip
+            print(
+                f"replies lost: {proxy.drops}; outcomes: {tally(ledger.entries)};",
+                f"worker events_publish_failed: {len(log_events(n, 'worker', 'events_publish_failed'))}",
+            )
             for e in ledger.entries:
                 assert isinstance(e, Seen)
                 assert not e.error, (e.error, e.details, e.request_id, len(e.indexes))
@@ -241,8 +253,9 @@ async def batch_ended(stub: batch_pb2_grpc.BatchServiceStub, batch_id: str, time
             last[:] = [await stub.GetBatch(bpb.GetBatchRequest(batch_id=batch_id), timeout=5)]
         return last[0] if last else None
 
-    got = await until(batch, timeout_s, f"batch {batch_id} to end", done=lambda b: b is not None and b.state in ended,
-                      poll_s=0.2)  # fmt: skip
+    got = await until(
+        batch, timeout_s, f"batch {batch_id} to end", done=lambda b: b is not None and b.state in ended, poll_s=0.2
+    )
     assert got is not None
     return got
 
@@ -256,8 +269,12 @@ async def test_redis_back_without_its_last_second_of_writes(aof_redis: RedisProc
     The batch ends with one result per item, and no job is left pending."""
     env = {**FAST, "LLAMAMESH_BATCH_CLAIM_IDLE_S": "3", "LLAMAMESH_BATCH_SWEEP_INTERVAL_S": "1"}
     ledger = FaultLedger()
-    items = [bpb.BatchItem(custom_id=f"item-{i}", request=pb.GenerateRequest(
-        prompt=f"batch item {i}", max_tokens=30, ignore_eos=True)) for i in range(8)]  # fmt: skip
+    items = [
+        bpb.BatchItem(
+            custom_id=f"item-{i}", request=pb.GenerateRequest(prompt=f"batch item {i}", max_tokens=30, ignore_eos=True)
+        )
+        for i in range(8)
+    ]
     with started(aof_redis, tmp_path / "node", env) as n:
         async with grpc.aio.insecure_channel(n.address) as ch:
             stub = pb_grpc.GenerationServiceStub(ch)
@@ -283,8 +300,10 @@ async def test_redis_back_without_its_last_second_of_writes(aof_redis: RedisProc
             await asyncio.wait_for(asyncio.gather(*calls), 60)
             b = await batch_ended(batches, "rewound", 60)
             got = [r async for r in batches.StreamBatchResults(bpb.StreamBatchResultsRequest(batch_id="rewound"))]
-        print(f"written between T and the kill (then lost): {lost[0]} tokens delivered, {lost[1]} streams ended,",
-              f"batch items succeeded {batch_at_t.counts.succeeded} -> {batch_at_kill.counts.succeeded}")  # fmt: skip
+        print(
+            f"written between T and the kill (then lost): {lost[0]} tokens delivered, {lost[1]} streams ended,",
+            f"batch items succeeded {batch_at_t.counts.succeeded} -> {batch_at_kill.counts.succeeded}",
+        )
         print("streams after Redis lost its last second:", tally(ledger.entries))
         statuses = [bpb.BatchItemStatus.Name(r.status) for r in got]
         print("batch:", bpb.BatchState.Name(b.state), {s: statuses.count(s) for s in sorted(set(statuses))})
@@ -362,10 +381,14 @@ async def test_a_three_second_redis_outage_with_new_requests_arriving(aof_redis:
         transitions = log_events(n, "gateway", "breaker_transition", since=log_at_kill)
         opened = [e for e in transitions if e.get("new") == "open"]
         outcomes = [s.finish or f"{s.error}: {s.details}" for s in after]
-        print(f"new requests during and after the outage: {len(after)}:",
-              {o: outcomes.count(o) for o in sorted(set(outcomes))})  # fmt: skip
-        print(f"Redis back -> first new request served OK: {recovery_s:.3f} s",
-              f"(its first token: {first_token_s:.3f} s); breaker openings: {len(opened)}")  # fmt: skip
+        print(
+            f"new requests during and after the outage: {len(after)}:",
+            {o: outcomes.count(o) for o in sorted(set(outcomes))},
+        )
+        print(
+            f"Redis back -> first new request served OK: {recovery_s:.3f} s",
+            f"(its first token: {first_token_s:.3f} s); breaker openings: {len(opened)}",
+        )
         print("long streams:", tally(ledger.entries))
         ledger.check(accepted=5, tokens=100)  # every open stream completed whole
         for s in seen:  # every new request: served whole, or refused because the queue is unreachable

@@ -37,8 +37,12 @@ async def test_redis_full_for_seconds_refuses_new_work_and_open_streams_complete
             r.config_set("maxmemory-policy", "noeviction")
             r.config_set("maxmemory", 1)  # every write that may grow memory is refused from now on
             try:
-                await asyncio.to_thread(wait_until, lambda: not serving(n.address, "llamamesh.queue"), 10,
-                                        "the health service llamamesh.queue to say Redis refuses writes")  # fmt: skip
+                await asyncio.to_thread(
+                    wait_until,
+                    lambda: not serving(n.address, "llamamesh.queue"),
+                    10,
+                    "the health service llamamesh.queue to say Redis refuses writes",
+                )
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     [m async for m in stub.Generate(pb.GenerateRequest(prompt="new", max_tokens=3))]
                 assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

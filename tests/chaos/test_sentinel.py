@@ -65,8 +65,12 @@ def pending_on(server: RedisProcess, node: ProcessNode) -> int:
 @pytest.mark.parametrize("fault", ["kill -9", "SENTINEL FAILOVER"])
 async def test_a_failover_of_the_primary_mid_stream(group: SentinelGroup, tmp_path: Path, fault: str) -> None:
     ledger = Ledger()
-    items = [bpb.BatchItem(custom_id=f"item-{i}", request=pb.GenerateRequest(
-        prompt=f"batch item {i}", max_tokens=30, ignore_eos=True)) for i in range(ITEMS)]  # fmt: skip
+    items = [
+        bpb.BatchItem(
+            custom_id=f"item-{i}", request=pb.GenerateRequest(prompt=f"batch item {i}", max_tokens=30, ignore_eos=True)
+        )
+        for i in range(ITEMS)
+    ]
     with started(group, tmp_path / "node", ENV) as n:  # type: ignore[arg-type]  # a group has .url too
         async with grpc.aio.insecure_channel(n.address) as ch:
             stub = pb_grpc.GenerationServiceStub(ch)
@@ -85,8 +89,10 @@ async def test_a_failover_of_the_primary_mid_stream(group: SentinelGroup, tmp_pa
             await asyncio.wait_for(asyncio.gather(*calls), 60)
             b = await batch_ended(batches, "failover", 60)
             got = [r async for r in batches.StreamBatchResults(bpb.StreamBatchResultsRequest(batch_id="failover"))]
-        print(f"{fault}: primary {old.port} -> {new.port} in {moved_s:.1f} s; streams: {tally(ledger.entries)};",
-              f"batch {bpb.BatchState.Name(b.state)} {b.counts}".replace("\n", " "))  # fmt: skip
+        print(
+            f"{fault}: primary {old.port} -> {new.port} in {moved_s:.1f} s; streams: {tally(ledger.entries)};",
+            f"batch {bpb.BatchState.Name(b.state)} {b.counts}".replace("\n", " "),
+        )
         assert len(ledger.entries) == 3
         ledger.ended_once()  # one end each, where its caller saw it; no gap, no token twice
         ledger.whole_or(100, "UNAVAILABLE")

@@ -233,8 +233,11 @@ def test_grpc_probes_check_a_plaintext_gateway_port(objs: tuple[dict[str, Any], 
 def test_gateway_routes_and_models_name_deployed_pools(objs: tuple[dict[str, Any], ...]) -> None:
     (c,) = named(objs, "Deployment", "llamamesh-gateway")["spec"]["template"]["spec"]["containers"]
     s = settings_of(c).gateway
-    pools = {settings_of(w["spec"]["template"]["spec"]["containers"][0]).worker.pool
-             for w in of_kind(objs, "Deployment") if component(w) == "worker"}  # fmt: skip
+    pools = {
+        settings_of(w["spec"]["template"]["spec"]["containers"][0]).worker.pool
+        for w in of_kind(objs, "Deployment")
+        if component(w) == "worker"
+    }
     wanted = {m.pool for m in s.model_table()} | set(RoutingPolicy.parse(s.routes).pools)
     wanted |= set(s.fallback_table()) | set(s.fallback_table().values())
     assert wanted <= pools, f"the gateway routes to pools no worker serves: {sorted(wanted - pools)}"

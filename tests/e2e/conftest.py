@@ -170,8 +170,11 @@ def node(
     workdir = tmp_path_factory.mktemp(f"{request.param}-node")
     # Both /metrics endpoints on (test_node.py reads them); the node's only worker process, or the
     # supervisor of the vLLM frontends, serves the worker's.
-    metrics = {"LLAMAMESH_GATEWAY_METRICS_PORT": str(free_port()), "LLAMAMESH_WORKER_METRICS_PORT": str(free_port()),
-               "LLAMAMESH_WORKER_HEALTH_PORT": str(free_port())}  # fmt: skip
+    metrics = {
+        "LLAMAMESH_GATEWAY_METRICS_PORT": str(free_port()),
+        "LLAMAMESH_WORKER_METRICS_PORT": str(free_port()),
+        "LLAMAMESH_WORKER_HEALTH_PORT": str(free_port()),
+    }
     if request.param == "cpu":
         node = ProcessNode(
             workdir,

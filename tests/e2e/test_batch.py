@@ -135,14 +135,31 @@ async def test_bad_batches_are_rejected_with_nothing_queued(stub: batch_pb2_grpc
         (dup, "summarise.documents[2].custom_id"),
         (bpb.BatchGenerateRequest(batch_id="empty"), "items"),
         (summarise("window", n=2, completion_window_s=1), "completion_window_s"),
-        (bpb.BatchGenerateRequest(batch_id="bad-item", items=[
-            bpb.BatchItem(custom_id="a", request=pb.GenerateRequest(prompt="hi", max_tokens=2)),
-            bpb.BatchItem(custom_id="b", request=pb.GenerateRequest(prompt="hi", temperature=-1)),
-        ]), "items[1].request.temperature"),
-        (bpb.BatchGenerateRequest(batch_id="bad-schema", items=[bpb.BatchItem(custom_id="a", request=pb.GenerateRequest(
-            prompt="hi", response_format=pb.ResponseFormat(json_schema="{not json"))),
-        ]), "items[0].request.response_format.json_schema"),
-    ]  # fmt: skip
+        (
+            bpb.BatchGenerateRequest(
+                batch_id="bad-item",
+                items=[
+                    bpb.BatchItem(custom_id="a", request=pb.GenerateRequest(prompt="hi", max_tokens=2)),
+                    bpb.BatchItem(custom_id="b", request=pb.GenerateRequest(prompt="hi", temperature=-1)),
+                ],
+            ),
+            "items[1].request.temperature",
+        ),
+        (
+            bpb.BatchGenerateRequest(
+                batch_id="bad-schema",
+                items=[
+                    bpb.BatchItem(
+                        custom_id="a",
+                        request=pb.GenerateRequest(
+                            prompt="hi", response_format=pb.ResponseFormat(json_schema="{not json")
+                        ),
+                    ),
+                ],
+            ),
+            "items[0].request.response_format.json_schema",
+        ),
+    ]
     for request, field in cases:
         with pytest.raises(grpc.aio.AioRpcError) as exc:
             await stub.BatchGenerate(request)
@@ -222,15 +239,18 @@ def _batch_stream_state(node: ProcessNode, batch_id: str) -> str:
     stream = keys.batch_items(node.pool)
     try:
         there = r.exists(stream)
-        return "\n".join(f"{what}: {value!r}" for what, value in [
-            ("record", r.hgetall(keys.batch(batch_id))),
-            ("started", r.smembers(keys.batch_started(batch_id))),
-            ("done", r.hgetall(keys.batch_done(batch_id))),
-            ("stream length", r.xlen(stream)),
-            ("groups", r.xinfo_groups(stream) if there else None),
-            ("consumers", r.xinfo_consumers(stream, WORKER_GROUP) if there else None),
-            ("pending", r.xpending_range(stream, WORKER_GROUP, "-", "+", 100) if there else None),
-        ])  # fmt: skip
+        return "\n".join(
+            f"{what}: {value!r}"
+            for what, value in [
+                ("record", r.hgetall(keys.batch(batch_id))),
+                ("started", r.smembers(keys.batch_started(batch_id))),
+                ("done", r.hgetall(keys.batch_done(batch_id))),
+                ("stream length", r.xlen(stream)),
+                ("groups", r.xinfo_groups(stream) if there else None),
+                ("consumers", r.xinfo_consumers(stream, WORKER_GROUP) if there else None),
+                ("pending", r.xpending_range(stream, WORKER_GROUP, "-", "+", 100) if there else None),
+            ]
+        )
     except redis.RedisError as exc:
         return f"(Redis state unreadable: {exc!r})"
     finally:
@@ -248,8 +268,9 @@ async def _until_ended_retrying(stub: batch_pb2_grpc.BatchServiceStub, batch_id:
                 raise
             return None  # Redis restarting
 
-    got = await until(batch, 170, f"batch {batch_id} to end", done=lambda b: b is not None and b.state in ENDED,
-                      poll_s=0.2)  # fmt: skip
+    got = await until(
+        batch, 170, f"batch {batch_id} to end", done=lambda b: b is not None and b.state in ENDED, poll_s=0.2
+    )
     assert got is not None
     return got
 
@@ -290,9 +311,15 @@ async def test_a_sixty_second_window_ends_every_item_with_no_worker_left(node: P
 
 async def test_a_batch_whose_first_items_all_fail_ends_failed(stub: batch_pb2_grpc.BatchServiceStub) -> None:
     too_long = " ".join(["lighthouse"] * 3000)  # past the worker's max_model_len (2048): every item errors
-    await stub.BatchGenerate(bpb.BatchGenerateRequest(batch_id="doomed", summarise=bpb.Summarise(
-        documents=[bpb.Document(custom_id=f"doc-{i}", text=f"{i} {too_long}") for i in range(40)],
-        params=pb.GenerateRequest(max_tokens=8))))  # fmt: skip
+    await stub.BatchGenerate(
+        bpb.BatchGenerateRequest(
+            batch_id="doomed",
+            summarise=bpb.Summarise(
+                documents=[bpb.Document(custom_id=f"doc-{i}", text=f"{i} {too_long}") for i in range(40)],
+                params=pb.GenerateRequest(max_tokens=8),
+            ),
+        )
+    )
     b = await until_ended(stub, "doomed", 120)
     assert b.state == bpb.BATCH_STATE_FAILED, b  # LLAMAMESH_BATCH_FAIL_AFTER=3 errors, none succeeded
     # FAILED is shown at once; its unstarted items end cancelled just after and its running ones finish
@@ -327,8 +354,24 @@ def test_the_cli_summarises_documents_into_a_json_schema_every_result_valid(node
     docs.write_text("".join(json.dumps({"custom_id": f"doc-{i}", "text": DOCS[i]}) + "\n" for i in range(5)))
     schema.write_text(json.dumps(SUMMARY))
     cli, addr = [sys.executable, "-m", "llamamesh.cli", "batch"], ["--address", node.address]
-    sub = subprocess.run([*cli, "submit", str(docs), "--summarise", "--json-schema", str(schema), "--max-tokens", "120",
-                          "--batch-id", "json", *addr], capture_output=True, text=True, timeout=200)  # fmt: skip
+    sub = subprocess.run(
+        [
+            *cli,
+            "submit",
+            str(docs),
+            "--summarise",
+            "--json-schema",
+            str(schema),
+            "--max-tokens",
+            "120",
+            "--batch-id",
+            "json",
+            *addr,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
     assert sub.returncode == 0, sub.stderr
     out = tmp_path / "out.jsonl"
     res = subprocess.run([*cli, "results", "json", "-o", str(out), *addr], capture_output=True, text=True, timeout=60)
@@ -339,8 +382,12 @@ def test_the_cli_summarises_documents_into_a_json_schema_every_result_valid(node
         assert r["status"] == "succeeded" and r["finish_reason"] == "stop", r
         jsonschema.validate(json.loads(r["text"]), SUMMARY)
     schema.write_text('{"type": "object", "properties": ')
-    bad = subprocess.run([*cli, "submit", str(docs), "--summarise", "--json-schema", str(schema), "--batch-id", "bad",
-                          *addr], capture_output=True, text=True, timeout=60)  # fmt: skip
+    bad = subprocess.run(
+        [*cli, "submit", str(docs), "--summarise", "--json-schema", str(schema), "--batch-id", "bad", *addr],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
     assert "summarise.params.response_format.json_schema" in bad.stderr, bad.stderr
 
@@ -350,8 +397,12 @@ def test_the_cli_submits_waits_and_writes_results(node: ProcessNode, tmp_path: P
     docs.write_text("".join(json.dumps({"custom_id": f"doc-{i}", "text": DOCS[i]}) + "\n" for i in range(5)))
     cli = [sys.executable, "-m", "llamamesh.cli", "batch"]
     addr = ["--address", node.address]
-    sub = subprocess.run([*cli, "submit", str(docs), "--summarise", "--max-tokens", "8", "--batch-id", "cli", *addr],
-                         capture_output=True, text=True, timeout=180)  # fmt: skip
+    sub = subprocess.run(
+        [*cli, "submit", str(docs), "--summarise", "--max-tokens", "8", "--batch-id", "cli", *addr],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert sub.returncode == 0, sub.stderr
     assert sub.stdout.strip() == "cli" and "5/5 completed: 5 ok" in sub.stderr  # the progress bar's last state
     out = tmp_path / "out.jsonl"

@@ -32,8 +32,11 @@ def served(node: ProcessNode, name: str) -> int:
 async def test_a_sigtermed_gateway_fails_no_call_of_a_client_sending_through_both(
     e2e_redis: RedisProcess, tmp_path: Path
 ) -> None:
-    env = {"LLAMAMESH_GATEWAY_SETTLE_S": "2", "LLAMAMESH_WORKER_MAX_INFLIGHT": "64",
-           "LLAMAMESH_WORKER_FAKE_STEP_S": "0.01"}  # fmt: skip
+    env = {
+        "LLAMAMESH_GATEWAY_SETTLE_S": "2",
+        "LLAMAMESH_WORKER_MAX_INFLIGHT": "64",
+        "LLAMAMESH_WORKER_FAKE_STEP_S": "0.01",
+    }
     node = ProcessNode(tmp_path, e2e_redis, engine="fake", extra_env=env)
     port2 = free_port()
     try:
@@ -77,8 +80,10 @@ async def test_a_sigtermed_gateway_fails_no_call_of_a_client_sending_through_bot
         assert '"acceptors": 8' in node.log("gateway")
         assert t_exit - t_term >= 2.0  # it settled before it stopped accepting
         assert sum(1 for t in ok if t > t_exit) > SENDERS  # the second gateway took them all
-        print(f"{len(ok)} calls, 0 failed; the first gateway served {served(node, 'gateway')}, "
-              f"the second {served(node, 'gateway2')}; SIGTERM to exit {t_exit - t_term:.2f} s")
+        print(
+            f"{len(ok)} calls, 0 failed; the first gateway served {served(node, 'gateway')}, "
+            f"the second {served(node, 'gateway2')}; SIGTERM to exit {t_exit - t_term:.2f} s"
+        )
     finally:
         node.stop()
 
@@ -114,4 +119,3 @@ async def _collect(stream, into: list) -> list:  # type: ignore[no-untyped-def]
     async for m in stream:
         into.append(m)
     return into
-

@@ -20,7 +20,10 @@ def test_demo_streams_a_real_answer_on_the_embedded_default(tmp_path: Path) -> N
     cli = Path(sys.executable).parent / "llamamesh"
     out = subprocess.run(
         [str(cli), "demo", "What is the capital of France?", "--max-tokens", "24"],
-        capture_output=True, text=True, timeout=280, env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Paris" in out.stdout, (out.stdout, out.stderr[-3000:])

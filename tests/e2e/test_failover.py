@@ -36,7 +36,10 @@ def node(e2e_redis: RedisProcess, tmp_path: Path) -> Iterator[ProcessNode]:
         engine="transformers",
         pool="primary",
         extra_env={
-            **env, **CPU, "LLAMAMESH_GATEWAY_MODELS": "m=primary", "LLAMAMESH_GATEWAY_FALLBACK": "primary=backup"
+            **env,
+            **CPU,
+            "LLAMAMESH_GATEWAY_MODELS": "m=primary",
+            "LLAMAMESH_GATEWAY_FALLBACK": "primary=backup",
         },
     )
     try:
@@ -89,12 +92,22 @@ async def test_kill_mid_stream_of_a_json_schema_request_resumes_inside_the_gramm
     caller's text is one JSON value that validates, the same as an uninterrupted run's (greedy)."""
     import jsonschema
 
-    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age", "hobbies"],
-              "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"},
-                             "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 16},
-                                         "maxItems": 3}}}  # fmt: skip
-    kwargs = {"messages": [("user", "Describe a person as JSON.")], "max_tokens": 96, "temperature": 0.0,
-              "json_schema": schema}  # fmt: skip
+    schema = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["name", "age", "hobbies"],
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer"},
+            "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 3},
+        },
+    }
+    kwargs = {
+        "messages": [("user", "Describe a person as JSON.")],
+        "max_tokens": 96,
+        "temperature": 0.0,
+        "json_schema": schema,
+    }
     async with Client(node.address) as c:
         await until(lambda: _is(c, BACKUP, SERVING), 120, "the backup pool to be SERVING", poll_s=0.05)
         reference = "".join([m.text async for m in c.generate(**kwargs)])

@@ -167,8 +167,13 @@ def test_grpcurl_shows_each_pools_health_and_breaker(node: ProcessNode) -> None:
     node.procs["worker"].send_signal(signal.SIGKILL)
     wait_until(lambda: health(PRIMARY), 10, "the primary NOT_SERVING", done=lambda s: s == "NOT_SERVING", poll_s=0.1)
     # the admin RPC shows why: the breaker's state and transition, and who is alive where
-    backends = wait_until(lambda: list_backends(node), 10, "the primary's breaker open",
-                          done=lambda got: got["primary"]["breaker_state"] == "open", poll_s=0.1)  # fmt: skip
+    backends = wait_until(
+        lambda: list_backends(node),
+        10,
+        "the primary's breaker open",
+        done=lambda got: got["primary"]["breaker_state"] == "open",
+        poll_s=0.1,
+    )
     primary, backup = backends["primary"], backends["backup"]
     assert primary["fallback"] == "backup" and not primary.get("workers") and not primary.get("serving")
     (t,) = primary["transitions"]
@@ -179,5 +184,3 @@ def test_grpcurl_shows_each_pools_health_and_breaker(node: ProcessNode) -> None:
 
 async def _is(c: Client, service: str, state: int) -> bool:
     return await c.health(service) == state
-
-

@@ -69,8 +69,11 @@ async def test_three_gateways_share_the_port_serve_and_stop_cleanly(node: Proces
     assert all(texts)
     # rpc_finished is logged just after a stream's last message: wait for all 24 lines
     wait_until(lambda: node.log("gateway").count('"rpc_finished"') >= 24, 10, "24 rpc_finished lines")
-    served = {line.split('"process": "')[1].split('"')[0] for line in node.log("gateway").splitlines()
-              if '"rpc_finished"' in line}
+    served = {
+        line.split('"process": "')[1].split('"')[0]
+        for line in node.log("gateway").splitlines()
+        if '"rpc_finished"' in line
+    }
     assert len(served) >= 2, served
 
     kids = children(supervisor.pid)
@@ -97,8 +100,11 @@ async def test_a_dead_gateway_process_is_started_again_while_the_others_serve(no
             except grpc.aio.AioRpcError as err:
                 reset.append(err.code())
     assert served >= 3 and set(reset) <= {grpc.StatusCode.UNAVAILABLE}, (served, reset)
-    wait_until(lambda: (now := children(supervisor.pid)) and len(now) == 3 and kids[0] not in now, 30,
-               "the dead process started again")  # fmt: skip
+    wait_until(
+        lambda: (now := children(supervisor.pid)) and len(now) == 3 and kids[0] not in now,
+        30,
+        "the dead process started again",
+    )
     wait_until(lambda: node.log("gateway").count('"gateway_started"') == 4, 30, "the new one listening")
     assert '"child_exited"' in node.log("gateway") and supervisor.poll() is None
     supervisor.send_signal(signal.SIGTERM)

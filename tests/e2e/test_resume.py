@@ -39,8 +39,9 @@ class TwoGateways:
         return "ipv4:" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
 
     def start(self, i: int) -> None:
-        self.node.spawn(f"gateway{i}", "services", LLAMAMESH_GATEWAY_PORT=str(self.ports[i]),
-                        LLAMAMESH_GATEWAY_METRICS_PORT="0")  # (the node's gateway has its port)
+        self.node.spawn(
+            f"gateway{i}", "services", LLAMAMESH_GATEWAY_PORT=str(self.ports[i]), LLAMAMESH_GATEWAY_METRICS_PORT="0"
+        )  # (the node's gateway has its port)
         wait_until(lambda: serving(f"127.0.0.1:{self.ports[i]}"), 60, f"gateway{i} serving")
 
     def kill(self, i: int) -> None:

@@ -32,8 +32,13 @@ HI = [("user", "Hi")]
 
 def clean_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMAMESH_")}
-    return {**env, "LLAMAMESH_WORKER_THREADS": "1", "LLAMAMESH_REDIS_EMBEDDED_DIR": str(tmp_path / "valkey"),
-            "LLAMAMESH_LOG_FORMAT": "json", **extra}  # fmt: skip
+    return {
+        **env,
+        "LLAMAMESH_WORKER_THREADS": "1",
+        "LLAMAMESH_REDIS_EMBEDDED_DIR": str(tmp_path / "valkey"),
+        "LLAMAMESH_LOG_FORMAT": "json",
+        **extra,
+    }
 
 
 @dataclass
@@ -63,8 +68,13 @@ def serve_node(tmp_path: Path, **env: str) -> Iterator[Served]:
     port = free_port()
     log = tmp_path / "serve.log"
     with log.open("w") as out:
-        proc = subprocess.Popen([str(CLI), "serve", "--port", str(port)], env=clean_env(tmp_path, **env), stdout=out,
-                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [str(CLI), "serve", "--port", str(port)],
+            env=clean_env(tmp_path, **env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
     s = Served(proc, f"127.0.0.1:{port}", log)
     try:
         wait_until(lambda: "llamamesh serving on" in s.text() or proc.poll() is not None, 240, "the node to be ready")
@@ -88,8 +98,9 @@ async def test_a_subnormal_temperature_is_answered_greedy_and_the_node_serves_on
         reference = await greedy(c, temperature=0.0)
         assert await greedy(c, temperature=1e-40) == reference and reference
         # the same edge in a penalty while sampling: answered or refused, never a crash
-        (odd,) = await asyncio.gather(greedy(c, temperature=1.0, repetition_penalty=1e-40, seed=5),
-                                      return_exceptions=True)  # fmt: skip
+        (odd,) = await asyncio.gather(
+            greedy(c, temperature=1.0, repetition_penalty=1e-40, seed=5), return_exceptions=True
+        )
         if isinstance(odd, grpc.aio.AioRpcError):
             assert odd.code() is grpc.StatusCode.INVALID_ARGUMENT, odd
         else:
@@ -119,6 +130,7 @@ async def test_a_killed_worker_is_back_within_30_s_and_the_node_never_stopped(se
         new = workers_of(served.proc.pid)
         assert len(new) == 1 and new != [worker]
         assert served.proc.poll() is None  # the node (gateway, Valkey) never stopped
+
         async def states() -> list[str]:  # the gateway's view, refreshed every probe interval
             reply = await c.admin.ListBackends(admin_pb2.ListBackendsRequest())
             return [w.state for b in reply.backends if b.pool == "cpu" for w in b.workers]
@@ -133,11 +145,19 @@ async def test_a_killed_worker_is_back_within_30_s_and_the_node_never_stopped(se
 
 @pytest.mark.parametrize("command", ["demo", "serve"])
 def test_a_node_that_cannot_start_says_why_in_one_line_and_exits_non_zero(tmp_path: Path, command: str) -> None:
-    args = [str(CLI), command, *(["hello"] if command == "demo" else []), "--model-path", str(tmp_path / "no.gguf"),
-            "--port", str(free_port())]  # fmt: skip
+    args = [
+        str(CLI),
+        command,
+        *(["hello"] if command == "demo" else []),
+        "--model-path",
+        str(tmp_path / "no.gguf"),
+        "--port",
+        str(free_port()),
+    ]
     t0 = time.monotonic()
-    out = subprocess.run(args, env=clean_env(tmp_path, LLAMAMESH_LOG_LEVEL="error"), capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
+    out = subprocess.run(
+        args, env=clean_env(tmp_path, LLAMAMESH_LOG_LEVEL="error"), capture_output=True, text=True, timeout=120
+    )
     took = time.monotonic() - t0
     assert out.returncode == 1, out.stderr[-3000:]
     errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]

@@ -12,8 +12,17 @@ WINDOW = 86_400
 
 
 def batch(left_s: float, state: BatchState = BatchState.IN_PROGRESS, succeeded: int = 0) -> BatchInfo:
-    return BatchInfo(batch_id="b", state=state, owner="o", model="m", total=10, completion_window_s=WINDOW,
-                     created_at=NOW + left_s - WINDOW, expires_at=NOW + left_s, succeeded=succeeded)  # fmt: skip
+    return BatchInfo(
+        batch_id="b",
+        state=state,
+        owner="o",
+        model="m",
+        total=10,
+        completion_window_s=WINDOW,
+        created_at=NOW + left_s - WINDOW,
+        expires_at=NOW + left_s,
+        succeeded=succeeded,
+    )
 
 
 def test_an_open_batch_with_unfinished_items_and_under_a_tenth_of_its_window_left_is_at_risk() -> None:

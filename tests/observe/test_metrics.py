@@ -50,10 +50,15 @@ class Prometheus:
         self.log = workdir / "prometheus.log"
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
-                [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'tsdb'}",
-                 f"--web.listen-address=127.0.0.1:{self.port}"],
-                stdout=out, stderr=out,
-            )  # fmt: skip
+                [
+                    PROMETHEUS,
+                    f"--config.file={config}",
+                    f"--storage.tsdb.path={workdir / 'tsdb'}",
+                    f"--web.listen-address=127.0.0.1:{self.port}",
+                ],
+                stdout=out,
+                stderr=out,
+            )
         wait_until(self._ready, 30, "Prometheus to be ready")
 
     def _ready(self) -> bool:
@@ -85,8 +90,9 @@ class Prometheus:
 
     def wait_for(self, promql: str, want: float, timeout_s: float = 30) -> None:
         """Poll until ``promql`` gives ``want`` (Prometheus scraped after the requests), bounded."""
-        wait_until(lambda: self.query(promql), timeout_s, f"{promql} = {want}", done=lambda got: got == want,
-                   poll_s=0.25)  # fmt: skip
+        wait_until(
+            lambda: self.query(promql), timeout_s, f"{promql} = {want}", done=lambda got: got == want, poll_s=0.25
+        )
 
     def up(self) -> float | None:
         return self.query("sum(up)")
@@ -107,8 +113,9 @@ def metrics_text(port: int) -> str:
 
 async def generate(address: str, n: int, channels: int = 1) -> None:
     """``n`` Generates of MAX_TOKENS tokens each, over ``channels`` channels of their own connection."""
-    chans = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
-             for _ in range(channels)]  # fmt: skip
+    chans = [
+        grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(channels)
+    ]
     try:
         stubs = [generation_pb2_grpc.GenerationServiceStub(c) for c in chans]
 
@@ -134,9 +141,12 @@ def node_with_metrics(tmp_path: Path, redis: RedisProcess, **extra: str) -> tupl
 
 @contextlib.contextmanager
 def scraped(
-    tmp_path: Path, redis: RedisProcess, worker: bool = True, ready: Callable[[ProcessNode], None] | None = None,
+    tmp_path: Path,
+    redis: RedisProcess,
+    worker: bool = True,
+    ready: Callable[[ProcessNode], None] | None = None,
     **extra: str,
-) -> Iterator[tuple[ProcessNode, Prometheus, int, int]]:  # fmt: skip
+) -> Iterator[tuple[ProcessNode, Prometheus, int, int]]:
     """A started node with metrics on and a Prometheus scraping its gateway (and ``worker``'s)
     port, up; ``ready``: waits on the started node before the scraping starts. Stops both."""
     node, gw, wk = node_with_metrics(tmp_path, redis, **extra)
@@ -191,8 +201,12 @@ async def test_two_gateway_processes_give_one_scrape_of_both(
     def both_listening(node: ProcessNode) -> None:
         wait_until(lambda: node.log("gateway").count('"gateway_started"') == 2, 30, "both gateways listening")
 
-    with scraped(tmp_path, e2e_redis, worker=False, ready=both_listening,
-                 LLAMAMESH_GATEWAY_PROCESSES="2") as (node, prom, gw, _wk):  # fmt: skip
+    with scraped(tmp_path, e2e_redis, worker=False, ready=both_listening, LLAMAMESH_GATEWAY_PROCESSES="2") as (
+        node,
+        prom,
+        gw,
+        _wk,
+    ):
         # Channels with connections of their own: the kernel spreads them over both processes.
         await generate(node.address, 4 * N, channels=16)
         prom.wait_for('sum(llamamesh_requests_total{method="Generate",code="OK"})', 4 * N)
@@ -210,9 +224,12 @@ async def test_two_gateway_processes_give_one_scrape_of_both(
 # moved a breaker or ran a batch item (these counters have a series only once one happened). Their
 # expressions must still evaluate.
 NO_DATA_WHEN_HEALTHY = {
-    "llamamesh_failovers_total", "llamamesh_dead_letters_total", "llamamesh_admission_rejected_total",
-    "llamamesh_breaker_transitions_total", "llamamesh_batch_items_total",
-}  # fmt: skip
+    "llamamesh_failovers_total",
+    "llamamesh_dead_letters_total",
+    "llamamesh_admission_rejected_total",
+    "llamamesh_breaker_transitions_total",
+    "llamamesh_batch_items_total",
+}
 
 
 def dashboard_query(expr: str, pool: str) -> str:
@@ -251,10 +268,14 @@ async def test_every_dashboard_and_alert_expression_evaluates_against_a_real_nod
         prom.wait_for('sum(llamamesh_requests_total{method="Generate",code="OK"})', N)
         # rate() over RATE_INTERVAL needs two samples of each served count, from both scrapes: poll
         try:
-            failed, empty = await until(lambda: evaluate(prom), 30, "every expression to evaluate with series",
-                                        done=lambda got: not got[0] and not got[1], poll_s=0.5)  # fmt: skip
+            failed, empty = await until(
+                lambda: evaluate(prom),
+                30,
+                "every expression to evaluate with series",
+                done=lambda got: not got[0] and not got[1],
+                poll_s=0.5,
+            )
         except TimeoutError:
             failed, empty = evaluate(prom)  # the assertions below say which
         assert not failed, failed
         assert not empty, f"no series on a real node: {empty}"
-

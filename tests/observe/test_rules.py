@@ -73,8 +73,15 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "llamamesh_engine_steps_total": ("counter", ("pool",)),
 }
 SAMPLE_LABELS = {
-    "pool": "chat", "method": "Generate", "code": "OK", "to": "open", "reason": "queue_full",
-    "state": "ready", "status": "ok", "rule": "html-ids", "kind": "own",
+    "pool": "chat",
+    "method": "Generate",
+    "code": "OK",
+    "to": "open",
+    "reason": "queue_full",
+    "state": "ready",
+    "status": "ok",
+    "rule": "html-ids",
+    "kind": "own",
 }
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 RATE_INTERVAL = "1m"  # what $__rate_interval stands for in the dashboard's expressions
@@ -282,8 +289,9 @@ class Prometheus:
 
     def wait_for(self, expr: str, what: str, timeout_s: float = 30.0) -> None:
         """Poll until expr returns a series."""
-        wait_until(lambda: self.query(expr).get("data", {}).get("result"), timeout_s, f"Prometheus to have {what}",
-                   poll_s=0.1)  # fmt: skip
+        wait_until(
+            lambda: self.query(expr).get("data", {}).get("result"), timeout_s, f"Prometheus to have {what}", poll_s=0.1
+        )
 
 
 @pytest.fixture(scope="module")
@@ -300,16 +308,23 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(ALERTS)],
-        "scrape_configs": [{"job_name": "static", "static_configs": [
-            {"targets": [f"127.0.0.1:{exporter.server_address[1]}"]}]}],
+        "scrape_configs": [
+            {"job_name": "static", "static_configs": [{"targets": [f"127.0.0.1:{exporter.server_address[1]}"]}]}
+        ],
     }
     (workdir / "prometheus.yaml").write_text(yaml.safe_dump(config))
     port = free_port()
     log = (workdir / "prometheus.log").open("w")
     proc = subprocess.Popen(
-        [binary, f"--config.file={workdir / 'prometheus.yaml'}", f"--storage.tsdb.path={workdir / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-        stdout=log, stderr=subprocess.STDOUT,
+        [
+            binary,
+            f"--config.file={workdir / 'prometheus.yaml'}",
+            f"--storage.tsdb.path={workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     try:
         prom = Prometheus(f"http://127.0.0.1:{port}")

@@ -70,8 +70,11 @@ def traced(
 ) -> Iterator[tuple[Receiver, ProcessNode]]:
     """A node (gateway + fake-engine worker) exporting its spans to the receiver."""
     rec, port = receiver
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_EXPORTER_OTLP_INSECURE": "true",
-           "OTEL_BSP_SCHEDULE_DELAY": "100"}  # fmt: skip
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+    }
     node = ProcessNode(tmp_path, e2e_redis, engine="fake", extra_env=env)
     try:
         node.start(timeout_s=60)
@@ -89,8 +92,9 @@ def wait_for_spans(rec: Receiver, trace_id: str, want: set[tuple[str, str]], cou
         return all(seen.count(w) >= count for w in want)
 
     try:
-        return wait_until(lambda: rec.of_trace(trace_id), 30, f"{count} of each of {sorted(want)}", done=arrived,
-                          poll_s=0.1)  # fmt: skip
+        return wait_until(
+            lambda: rec.of_trace(trace_id), 30, f"{count} of each of {sorted(want)}", done=arrived, poll_s=0.1
+        )
     except TimeoutError:
         return rec.of_trace(trace_id)  # the callers' assertions say what is missing
 

@@ -17,9 +17,24 @@ def batch(
     """A batch of ``n`` items for the "cpu" pool (custom_ids c0, c1, ...) and its record, for
     ``BatchStore.create``."""
     now = time.time()
-    info = BatchInfo(batch_id=bid, state=BatchState.VALIDATING, owner="t", model="m", total=n,
-                     completion_window_s=int(window_s), created_at=now, expires_at=now + window_s)  # fmt: skip
+    info = BatchInfo(
+        batch_id=bid,
+        state=BatchState.VALIDATING,
+        owner="t",
+        model="m",
+        total=n,
+        completion_window_s=int(window_s),
+        created_at=now,
+        expires_at=now + window_s,
+    )
     sampling = SamplingParams(max_tokens=max_tokens) if max_tokens is not None else SamplingParams()
-    items = [("cpu", GenerationRequest(request_id=f"b:{bid}:{i}", model="m", prompt="p", batch_id=bid,
-                                       custom_id=f"c{i}", sampling=sampling)) for i in range(n)]  # fmt: skip
+    items = [
+        (
+            "cpu",
+            GenerationRequest(
+                request_id=f"b:{bid}:{i}", model="m", prompt="p", batch_id=bid, custom_id=f"c{i}", sampling=sampling
+            ),
+        )
+        for i in range(n)
+    ]
     return info, items

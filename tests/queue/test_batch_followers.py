@@ -54,8 +54,16 @@ class Stores:
         now = time.time()
         for i in range(n):
             bid = f"b{i}"
-            info = BatchInfo(batch_id=bid, state=BatchState.VALIDATING, owner="t", model="m", total=1,
-                             completion_window_s=3600, created_at=now, expires_at=now + 3600)  # fmt: skip
+            info = BatchInfo(
+                batch_id=bid,
+                state=BatchState.VALIDATING,
+                owner="t",
+                model="m",
+                total=1,
+                completion_window_s=3600,
+                created_at=now,
+                expires_at=now + 3600,
+            )
             req = GenerationRequest(request_id=f"b:{bid}:0", model="m", prompt="p", batch_id=bid, custom_id=f"{bid}-c")
             await self.writer.create(info, "fp", [("cpu", req)])
         leases = await self.writer.lease_items("cpu", "w", n, 100)
@@ -108,10 +116,20 @@ async def test_a_reader_after_its_cursor_waits_and_wakes_on_the_next_result(stor
     store = stores.reader
     await stores.writer.join("cpu")
     now = time.time()
-    info = BatchInfo(batch_id="two", state=BatchState.VALIDATING, owner="t", model="m", total=2,
-                     completion_window_s=3600, created_at=now, expires_at=now + 3600)  # fmt: skip
-    items = [("cpu", GenerationRequest(request_id=f"b:two:{i}", model="m", prompt="p", batch_id="two",
-                                       custom_id=f"c{i}")) for i in range(2)]  # fmt: skip
+    info = BatchInfo(
+        batch_id="two",
+        state=BatchState.VALIDATING,
+        owner="t",
+        model="m",
+        total=2,
+        completion_window_s=3600,
+        created_at=now,
+        expires_at=now + 3600,
+    )
+    items = [
+        ("cpu", GenerationRequest(request_id=f"b:two:{i}", model="m", prompt="p", batch_id="two", custom_id=f"c{i}"))
+        for i in range(2)
+    ]
     await stores.writer.create(info, "fp", items)
     leases = await stores.writer.lease_items("cpu", "w", 2, 100)
     await stores.writer.record(leases[0], ItemResult(leases[0].request.custom_id, ItemStatus.SUCCEEDED))

@@ -134,10 +134,20 @@ async def test_a_recently_seen_consumer_is_kept(redis_settings: RedisSettings, r
 
 def batch(bid: str, owner: str, n: int = 1) -> tuple[BatchInfo, list[tuple[str, GenerationRequest]]]:
     now = time.time()
-    info = BatchInfo(batch_id=bid, state=BatchState.VALIDATING, owner=owner, model="m", total=n,
-                     completion_window_s=3600, created_at=now, expires_at=now + 3600)  # fmt: skip
-    items = [("cpu", GenerationRequest(request_id=f"b:{bid}:{i}", model="m", prompt="p", batch_id=bid,
-                                       custom_id=f"c{i}")) for i in range(n)]  # fmt: skip
+    info = BatchInfo(
+        batch_id=bid,
+        state=BatchState.VALIDATING,
+        owner=owner,
+        model="m",
+        total=n,
+        completion_window_s=3600,
+        created_at=now,
+        expires_at=now + 3600,
+    )
+    items = [
+        ("cpu", GenerationRequest(request_id=f"b:{bid}:{i}", model="m", prompt="p", batch_id=bid, custom_id=f"c{i}"))
+        for i in range(n)
+    ]
     return info, items
 
 

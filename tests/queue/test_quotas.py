@@ -108,8 +108,9 @@ async def test_batches_reserve_once_and_give_back_items_when_ended_and_bytes_whe
         await quotas.reserve_batch("t", limits, "t/b", 5, 100)
     with pytest.raises(RateLimited, match="LLAMAMESH_LIMITS_MAX_BATCH_BYTES"):
         await quotas.reserve_batch("t", limits, "t/c", 1, 700)
-    got = await asyncio.gather(*(quotas.reserve_batch("t", limits, f"t/r{i}", 1, 10) for i in range(8)),
-                               return_exceptions=True)  # fmt: skip
+    got = await asyncio.gather(
+        *(quotas.reserve_batch("t", limits, f"t/r{i}", 1, 10) for i in range(8)), return_exceptions=True
+    )
     assert sum(x is True for x in got) == 4  # 6 + 4 = 10 items, never more
     await quotas._r.hset(k.batch("t/a"), "state", "in_progress")
     assert await quotas.give_back() == 0  # running: it holds on

@@ -41,8 +41,10 @@ async def test_a_publish_repeated_after_a_lost_reply_reaches_the_reader_once(red
     await q.join("cpu")
     await q.submit("cpu", req("r"))
     (lease,) = await q.lease("cpu", "w", 1, 100)
-    step = [(lease, JobEvent(text="ab", token_ids=(1, 2), index=0)),
-            (lease, JobEvent(text="c", token_ids=(3,), index=2))]  # fmt: skip
+    step = [
+        (lease, JobEvent(text="ab", token_ids=(1, 2), index=0)),
+        (lease, JobEvent(text="c", token_ids=(3,), index=2)),
+    ]
     await q.publish(step, [])
     await q.publish(step, [])  # the outbox's retry of a publish Redis had applied
     end = JobEvent(text="d", token_ids=(4,), index=3, finished=Finished(FinishReason.LENGTH, Usage(1, 4)))

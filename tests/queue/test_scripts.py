@@ -14,8 +14,9 @@ from llamamesh.settings import BatchSettings, RedisSettings
 
 pytestmark = pytest.mark.timeout(30)
 
-NAMES = sorted(p.name.removesuffix(".lua") for p in (files("llamamesh.queue") / "lua").iterdir()
-               if p.name.endswith(".lua"))  # fmt: skip
+NAMES = sorted(
+    p.name.removesuffix(".lua") for p in (files("llamamesh.queue") / "lua").iterdir() if p.name.endswith(".lua")
+)
 
 
 def test_every_script_is_sent_without_its_comments_and_with_its_includes() -> None:
@@ -44,8 +45,10 @@ async def test_every_script_compiles_on_each_server(client: aioredis.Redis) -> N
 
 def test_retention_is_built_once_from_the_settings() -> None:
     assert Retention() == Retention.of()
-    kept = Retention.of(RedisSettings(event_ttl_s=5, event_idle_ttl_s=30, dead_letter_maxlen=7, consumer_idle_s=9),
-                        BatchSettings(retention_s=11))  # fmt: skip
+    kept = Retention.of(
+        RedisSettings(event_ttl_s=5, event_idle_ttl_s=30, dead_letter_maxlen=7, consumer_idle_s=9),
+        BatchSettings(retention_s=11),
+    )
     assert (kept.event_s, kept.event_idle_s, kept.dead_letters, kept.consumer_idle_s, kept.batch_s) == (5, 30, 7, 9, 11)
     assert kept.submitted_ttl_s == min(SUBMITTED_TTL_S, 30) and kept.cancel_ahead_s == CANCEL_AHEAD_TTL_S
     assert Retention.of(RedisSettings(event_idle_ttl_s=10)).submitted_ttl_s == 10  # never past the request's

@@ -211,8 +211,7 @@ async def test_publish_sends_one_pipeline_of_known_size(redis_settings: RedisSet
         info_before = (await r.info("clients"))["connected_clients"]
         calls_before = await command_calls(r)
         before = (await r.info("stats"))["total_commands_processed"]
-        await q.publish([(lease, JobEvent(text="z", token_ids=(1,))) for lease in leases],
-                        [x.request for x in leases])
+        await q.publish([(lease, JobEvent(text="z", token_ids=(1,))) for lease in leases], [x.request for x in leases])
         after = (await r.info("stats"))["total_commands_processed"]
         calls = await command_calls(r)
         sent = {cmd: n - calls_before.get(cmd, 0) for cmd, n in calls.items() if n != calls_before.get(cmd, 0)}
@@ -222,7 +221,11 @@ async def test_publish_sends_one_pipeline_of_known_size(redis_settings: RedisSet
         assert after - before == 43
         # What came over the wire: the EVAL and the MGET (and INFO calls), no command per request.
         assert {cmd: n for cmd, n in sent.items() if cmd not in ("info",)} == {
-            "eval": 1, "xadd": 20, "expire": 20, "mget": 1}
+            "eval": 1,
+            "xadd": 20,
+            "expire": 20,
+            "mget": 1,
+        }
         before = (await r.info("stats"))["total_commands_processed"]
         await q.publish([(lease, JobEvent(text="y", token_ids=(2,), index=1)) for lease in leases], [])
         after = (await r.info("stats"))["total_commands_processed"]

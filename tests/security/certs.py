@@ -38,10 +38,27 @@ def make_ca(folder: Path, name: str) -> CA:
     """A self-signed CA called ``name`` (its files: ``<name>.crt``, ``<name>.key``)."""
     folder.mkdir(parents=True, exist_ok=True)
     cert, key = folder / f"{name}.crt", folder / f"{name}.key"
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", key, "-out", cert, "-days", "2", "-subj", f"/CN={name}",
-             "-addext", "basicConstraints=critical,CA:TRUE",
-             "-addext", "keyUsage=critical,keyCertSign,cRLSign")  # fmt: skip
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        key,
+        "-out",
+        cert,
+        "-days",
+        "2",
+        "-subj",
+        f"/CN={name}",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+    )
     return CA(name, cert, key)
 
 
@@ -54,10 +71,38 @@ def issue(ca: CA, folder: Path, name: str, cn: str, server: bool) -> Pair:
     san = SERVER_SAN if server else f"DNS:{cn}"
     usage = "serverAuth" if server else "clientAuth"
     ext.write_text(f"subjectAltName={san}\nextendedKeyUsage={usage}\nbasicConstraints=CA:FALSE\n")
-    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", key, "-out", csr, "-subj", f"/CN={cn}")  # fmt: skip
-    _openssl("x509", "-req", "-in", csr, "-CA", ca.cert, "-CAkey", ca.key, "-set_serial",
-             str(secrets.randbits(63) | 1), "-days", "2", "-out", cert, "-extfile", ext)  # fmt: skip
+    _openssl(
+        "req",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        key,
+        "-out",
+        csr,
+        "-subj",
+        f"/CN={cn}",
+    )
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        csr,
+        "-CA",
+        ca.cert,
+        "-CAkey",
+        ca.key,
+        "-set_serial",
+        str(secrets.randbits(63) | 1),
+        "-days",
+        "2",
+        "-out",
+        cert,
+        "-extfile",
+        ext,
+    )
     csr.unlink()
     ext.unlink()
     return Pair(cert, key)

@@ -23,8 +23,11 @@ def create_key(path: Path, tenant: str, *flags: str) -> str:
     """A new key for ``tenant`` through the CLI, as an operator makes one."""
     got = subprocess.run(
         [sys.executable, "-m", "llamamesh.cli", "auth", "create-key", tenant, "--file", str(path), *flags],
-        capture_output=True, text=True, timeout=60, check=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return got.stdout.strip()
 
 
@@ -34,12 +37,17 @@ def key_id(key: str) -> str:
 
 class SecuredNode(ProcessNode):
     def __init__(self, workdir: Path, redis: RedisProcess, pki: PKI, env: dict[str, str]) -> None:
-        super().__init__(workdir, redis, engine="fake", extra_env={
-            "LLAMAMESH_GATEWAY_TLS_CERT": str(pki.server.cert),
-            "LLAMAMESH_GATEWAY_TLS_KEY": str(pki.server.key),
-            "LLAMAMESH_WORKER_MAX_INFLIGHT": "16",
-            **env,
-        })  # fmt: skip
+        super().__init__(
+            workdir,
+            redis,
+            engine="fake",
+            extra_env={
+                "LLAMAMESH_GATEWAY_TLS_CERT": str(pki.server.cert),
+                "LLAMAMESH_GATEWAY_TLS_KEY": str(pki.server.key),
+                "LLAMAMESH_WORKER_MAX_INFLIGHT": "16",
+                **env,
+            },
+        )
         self.ca = str(pki.ca.cert)
 
     def _serving(self, service: str = "") -> bool:
@@ -64,14 +72,22 @@ class Tenants:
         return key
 
     def revoke(self, key: str) -> None:
-        subprocess.run([sys.executable, "-m", "llamamesh.cli", "auth", "revoke-key", key_id(key), "--file",
-                        str(self.file)], check=True, capture_output=True, timeout=60)  # fmt: skip
+        subprocess.run(
+            [sys.executable, "-m", "llamamesh.cli", "auth", "revoke-key", key_id(key), "--file", str(self.file)],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
 
 
 def start_node(
-    tmp: pytest.TempPathFactory, redis: RedisProcess, pki: PKI, name: str, tenants: dict[str, dict[str, Any]],
+    tmp: pytest.TempPathFactory,
+    redis: RedisProcess,
+    pki: PKI,
+    name: str,
+    tenants: dict[str, dict[str, Any]],
     env: dict[str, str] | None = None,
-) -> Iterator[tuple[SecuredNode, Tenants]]:  # fmt: skip
+) -> Iterator[tuple[SecuredNode, Tenants]]:
     """A node whose tenants file holds ``tenants`` (name -> its entry; ``"admin": True`` makes its
     key an admin key), each with one key."""
     workdir = tmp.mktemp(name)

@@ -34,25 +34,37 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 REPO = Path(__file__).resolve().parents[2]
 ALL_RPCS = [
-    "llamamesh.v1.GenerationService/Generate", "llamamesh.v1.GenerationService/Attach",
-    "llamamesh.v1.GenerationService/Cancel", "llamamesh.v1.GenerationService/ListModels",
-    "llamamesh.v1.GenerationService/Tokenize", "llamamesh.v1.BatchService/BatchGenerate",
-    "llamamesh.v1.BatchService/GetBatch", "llamamesh.v1.BatchService/ListBatches",
-    "llamamesh.v1.BatchService/CancelBatch", "llamamesh.v1.BatchService/StreamBatchResults",
+    "llamamesh.v1.GenerationService/Generate",
+    "llamamesh.v1.GenerationService/Attach",
+    "llamamesh.v1.GenerationService/Cancel",
+    "llamamesh.v1.GenerationService/ListModels",
+    "llamamesh.v1.GenerationService/Tokenize",
+    "llamamesh.v1.BatchService/BatchGenerate",
+    "llamamesh.v1.BatchService/GetBatch",
+    "llamamesh.v1.BatchService/ListBatches",
+    "llamamesh.v1.BatchService/CancelBatch",
+    "llamamesh.v1.BatchService/StreamBatchResults",
     "llamamesh.v1.AdminService/ListBackends",
-]  # fmt: skip
+]
 
 
 @pytest.fixture(scope="module")
 def secured(
     tmp_path_factory: pytest.TempPathFactory, security_redis: RedisProcess, pki: PKI
 ) -> Iterator[tuple[SecuredNode, Tenants]]:
-    yield from start_node(tmp_path_factory, security_redis, pki, "secured", {
-        "alpha": {"limits": {"max_priority": 5}},
-        "beta": {},
-        "ops": {"admin": True},
-        "narrow": {"limits": {"pools": "gpu"}},
-    }, env={"LLAMAMESH_WORKER_FAKE_STEP_S": "0.005"})  # fmt: skip
+    yield from start_node(
+        tmp_path_factory,
+        security_redis,
+        pki,
+        "secured",
+        {
+            "alpha": {"limits": {"max_priority": 5}},
+            "beta": {},
+            "ops": {"admin": True},
+            "narrow": {"limits": {"pools": "gpu"}},
+        },
+        env={"LLAMAMESH_WORKER_FAKE_STEP_S": "0.005"},
+    )
 
 
 def code_of(exc: pytest.ExceptionInfo[grpc.aio.AioRpcError]) -> grpc.StatusCode:
@@ -98,8 +110,16 @@ def test_grpcurl_without_a_key_gets_unauthenticated_on_every_rpc_but_health(
     secured: tuple[SecuredNode, Tenants], tmp_path: Path
 ) -> None:
     node, tenants = secured
-    protos = ["-import-path", str(REPO / "proto"), "-proto", "llamamesh/v1/generation.proto",
-              "-proto", "llamamesh/v1/batch.proto", "-proto", "llamamesh/v1/admin.proto"]  # fmt: skip
+    protos = [
+        "-import-path",
+        str(REPO / "proto"),
+        "-proto",
+        "llamamesh/v1/generation.proto",
+        "-proto",
+        "llamamesh/v1/batch.proto",
+        "-proto",
+        "llamamesh/v1/admin.proto",
+    ]
     for method in ALL_RPCS:
         for header in ([], ["-H", "x-llamamesh-tenant: alpha"], ["-H", "authorization: Bearer lm_nope_nope"]):
             got = run_grpcurl(node, *protos, *header, "-d", "{}", node.address, method)
@@ -173,8 +193,9 @@ async def test_mutual_tls_identity_maps_to_a_tenant(pki: PKI, tmp_path: Path) ->
     doc = json.loads(auth.read_text())
     doc["tenants"]["alpha"]["certificates"] = ["tenant-a"]
     auth.write_text(json.dumps(doc))
-    settings = GatewaySettings(port=0, tls_cert=str(pki.server.cert), tls_key=str(pki.server.key),
-                               tls_client_ca=str(pki.ca.cert))  # fmt: skip
+    settings = GatewaySettings(
+        port=0, tls_cert=str(pki.server.cert), tls_key=str(pki.server.key), tls_client_ca=str(pki.ca.cert)
+    )
     opts = {"tls_ca": str(pki.ca.cert), "tls_cert": str(pki.client.cert), "tls_key": str(pki.client.key)}
     async with gateway_in_process(settings, auth=AuthSettings(file=str(auth))) as gw:
         with structlog.testing.capture_logs() as logs:
@@ -198,8 +219,9 @@ async def test_another_tenant_cannot_attach_cancel_or_see_a_request(secured: tup
     rid = f"shared-{uuid.uuid4().hex[:6]}"
     only_alpha = f"alpha-only-{uuid.uuid4().hex[:6]}"
     async with node.client(tenants.keys["alpha"]) as a, node.client(tenants.keys["beta"]) as b:
-        stream = a.stub.Generate(pb.GenerateRequest(request_id=only_alpha, prompt="alpha's question", max_tokens=200,
-                                                    resumable=True))  # fmt: skip
+        stream = a.stub.Generate(
+            pb.GenerateRequest(request_id=only_alpha, prompt="alpha's question", max_tokens=200, resumable=True)
+        )
         first = await stream.read()
         assert first.request_id == only_alpha and first.token_ids
         for header in ((), (("x-llamamesh-tenant", "alpha"),)):
@@ -254,8 +276,10 @@ async def test_caller_ids_cannot_name_internal_ids(secured: tuple[SecuredNode, T
 
 
 def batch(batch_id: str, *prompts: str) -> bpb.BatchGenerateRequest:
-    items = [bpb.BatchItem(custom_id=f"i{n}", request=pb.GenerateRequest(prompt=p, max_tokens=3))
-             for n, p in enumerate(prompts)]  # fmt: skip
+    items = [
+        bpb.BatchItem(custom_id=f"i{n}", request=pb.GenerateRequest(prompt=p, max_tokens=3))
+        for n, p in enumerate(prompts)
+    ]
     return bpb.BatchGenerateRequest(batch_id=batch_id, items=items)
 
 
@@ -266,14 +290,17 @@ async def test_another_tenant_cannot_see_or_touch_a_batch(secured: tuple[Secured
         made = await a.batches.BatchGenerate(batch(bid, "one", "two"))
         assert made.batch_id == bid and made.owner == "alpha"
         for header in ((), (("x-llamamesh-tenant", "alpha"),)):
-            for call, req in ((b.batches.GetBatch, bpb.GetBatchRequest(batch_id=bid)),
-                              (b.batches.CancelBatch, bpb.CancelBatchRequest(batch_id=bid))):  # fmt: skip
+            for call, req in (
+                (b.batches.GetBatch, bpb.GetBatchRequest(batch_id=bid)),
+                (b.batches.CancelBatch, bpb.CancelBatchRequest(batch_id=bid)),
+            ):
                 with pytest.raises(grpc.aio.AioRpcError) as exc:
                     await call(req, metadata=header)
                 assert code_of(exc) == grpc.StatusCode.NOT_FOUND
             with pytest.raises(grpc.aio.AioRpcError) as exc:
-                async for _r in b.batches.StreamBatchResults(bpb.StreamBatchResultsRequest(batch_id=bid),
-                                                             metadata=header):  # fmt: skip
+                async for _r in b.batches.StreamBatchResults(
+                    bpb.StreamBatchResultsRequest(batch_id=bid), metadata=header
+                ):
                     pass
             assert code_of(exc) == grpc.StatusCode.NOT_FOUND
             listed = await b.batches.ListBatches(bpb.ListBatchesRequest(), metadata=header)

@@ -97,10 +97,15 @@ def target(e2e_redis: RedisProcess, tmp_path_factory: pytest.TempPathFactory) ->
     channel = grpc.insecure_channel(node.address)
     try:
         request_id = plain_generate(channel)
-        batch = call_unary(channel, "BatchService", "BatchGenerate", batch_pb2.BatchGenerateRequest(
-            batch_id="fuzz-known",
-            items=[batch_pb2.BatchItem(custom_id="a", request=generation_pb2.GenerateRequest(prompt="hi"))],
-        ))  # fmt: skip
+        batch = call_unary(
+            channel,
+            "BatchService",
+            "BatchGenerate",
+            batch_pb2.BatchGenerateRequest(
+                batch_id="fuzz-known",
+                items=[batch_pb2.BatchItem(custom_id="a", request=generation_pb2.GenerateRequest(prompt="hi"))],
+            ),
+        )
         yield Target(node, channel, request_id, batch.batch_id)
     finally:
         channel.close()
@@ -114,9 +119,10 @@ def method_of(service: str, name: str) -> MethodDescriptor:
 def call_unary(channel: grpc.Channel, service: str, name: str, request: Message) -> Any:
     m = method_of(service, name)
     stub = channel.unary_unary(
-        path(m), request_serializer=type(request).SerializeToString,
+        path(m),
+        request_serializer=type(request).SerializeToString,
         response_deserializer=GetMessageClass(m.output_type).FromString,
-    )  # fmt: skip
+    )
     return stub(request, timeout=DEADLINE_S)
 
 
@@ -124,9 +130,10 @@ def plain_generate(channel: grpc.Channel) -> str:
     """A normal Generate to its end; returns its request id."""
     m = method_of("GenerationService", "Generate")
     stub = channel.unary_stream(
-        path(m), request_serializer=generation_pb2.GenerateRequest.SerializeToString,
+        path(m),
+        request_serializer=generation_pb2.GenerateRequest.SerializeToString,
         response_deserializer=generation_pb2.GenerateResponse.FromString,
-    )  # fmt: skip
+    )
     call = stub(generation_pb2.GenerateRequest(model=MODEL, prompt="hello", max_tokens=4), timeout=30)
     out = list(call)
     assert out and out[-1].finish_reason == generation_pb2.FINISH_REASON_LENGTH, out
@@ -290,10 +297,12 @@ def mutants(descriptor: Descriptor, ids: list[str], bases: list[Message]) -> st.
         return msg
 
     def changed(names: list[str]) -> st.SearchStrategy[dict[str, Any]]:
-        return st.fixed_dictionaries({
-            n: st.one_of(field_strategy(fields[n], ids, "plain", 0), field_strategy(fields[n], ids, "odd", 0))
-            for n in names
-        })  # fmt: skip
+        return st.fixed_dictionaries(
+            {
+                n: st.one_of(field_strategy(fields[n], ids, "plain", 0), field_strategy(fields[n], ids, "odd", 0))
+                for n in names
+            }
+        )
 
     chosen = st.lists(st.sampled_from(sorted(fields)), max_size=2, unique=True)
     return st.builds(mutate, st.sampled_from(bases), chosen.flatmap(changed))
@@ -306,25 +315,39 @@ def valid_requests(request_id: str, batch_id: str) -> dict[str, list[Message]]:
     return {
         "llamamesh.v1.GenerateRequest": [
             g.GenerateRequest(model=MODEL, prompt="hello", max_tokens=4),
-            g.GenerateRequest(messages=chat, max_tokens=3, temperature=0.5, top_p=0.9, stop=["w1"], seed=7,
-                              logprobs=2, metadata={"k": "v"}),
+            g.GenerateRequest(
+                messages=chat,
+                max_tokens=3,
+                temperature=0.5,
+                top_p=0.9,
+                stop=["w1"],
+                seed=7,
+                logprobs=2,
+                metadata={"k": "v"},
+            ),
             g.GenerateRequest(prompt="again", resumable=True, min_tokens=1, ignore_eos=True, stop_token_ids=[5]),
         ],
         "llamamesh.v1.AttachRequest": [
-            g.AttachRequest(request_id=request_id), g.AttachRequest(request_id=request_id, offset=2),
+            g.AttachRequest(request_id=request_id),
+            g.AttachRequest(request_id=request_id, offset=2),
         ],
         "llamamesh.v1.CancelRequest": [g.CancelRequest(request_id=request_id)],
         "llamamesh.v1.ListModelsRequest": [g.ListModelsRequest()],
         "llamamesh.v1.TokenizeRequest": [
-            g.TokenizeRequest(model=MODEL, prompt="hello"), g.TokenizeRequest(messages=chat),
+            g.TokenizeRequest(model=MODEL, prompt="hello"),
+            g.TokenizeRequest(messages=chat),
         ],
         "llamamesh.v1.BatchGenerateRequest": [
-            b.BatchGenerateRequest(items=[
-                b.BatchItem(custom_id="a", request=g.GenerateRequest(prompt="hi", max_tokens=2)),
-                b.BatchItem(custom_id="b", request=g.GenerateRequest(messages=chat)),
-            ], metadata={"k": "v"}),
-            b.BatchGenerateRequest(summarise=b.Summarise(documents=[b.Document(custom_id="d", text="some text")]),
-                                   completion_window_s=60),
+            b.BatchGenerateRequest(
+                items=[
+                    b.BatchItem(custom_id="a", request=g.GenerateRequest(prompt="hi", max_tokens=2)),
+                    b.BatchItem(custom_id="b", request=g.GenerateRequest(messages=chat)),
+                ],
+                metadata={"k": "v"},
+            ),
+            b.BatchGenerateRequest(
+                summarise=b.Summarise(documents=[b.Document(custom_id="d", text="some text")]), completion_window_s=60
+            ),
         ],
         "llamamesh.v1.GetBatchRequest": [b.GetBatchRequest(batch_id=batch_id)],
         "llamamesh.v1.ListBatchesRequest": [b.ListBatchesRequest(page_size=2), b.ListBatchesRequest()],
@@ -339,7 +362,7 @@ def valid_requests(request_id: str, batch_id: str) -> dict[str, list[Message]]:
             admin_pb2.LoadAdapterRequest(model=MODEL, adapter="fuzz-missing", path="missing/x"),
         ],
         "llamamesh.v1.UnloadAdapterRequest": [admin_pb2.UnloadAdapterRequest(adapter="fuzz")],
-    }  # fmt: skip
+    }
 
 
 def messages(descriptor: Descriptor, ids: list[str], mode: Mode, depth: int = 0) -> st.SearchStrategy[Message]:

@@ -28,18 +28,25 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 def limited(
     tmp_path_factory: pytest.TempPathFactory, security_redis: RedisProcess, pki: PKI
 ) -> Iterator[tuple[SecuredNode, Tenants]]:
-    yield from start_node(tmp_path_factory, security_redis, pki, "limited", {
-        "rps": {"limits": {"requests_per_s": 2, "burst": 2}},
-        "tokens": {"limits": {"tokens_per_min": 120}},
-        "streams": {"limits": {"max_streams": 2}},
-        "items": {"limits": {"max_batch_items": 5}},
-        "bytes": {"limits": {"max_batch_bytes": 3000}},
-        "free": {},
-    }, env={
-        "LLAMAMESH_WORKER_FAKE_STEP_S": "0.01",
-        "LLAMAMESH_BATCH_RETENTION_S": "2",
-        "LLAMAMESH_BATCH_SWEEP_INTERVAL_S": "0.3",
-    })  # fmt: skip
+    yield from start_node(
+        tmp_path_factory,
+        security_redis,
+        pki,
+        "limited",
+        {
+            "rps": {"limits": {"requests_per_s": 2, "burst": 2}},
+            "tokens": {"limits": {"tokens_per_min": 120}},
+            "streams": {"limits": {"max_streams": 2}},
+            "items": {"limits": {"max_batch_items": 5}},
+            "bytes": {"limits": {"max_batch_bytes": 3000}},
+            "free": {},
+        },
+        env={
+            "LLAMAMESH_WORKER_FAKE_STEP_S": "0.01",
+            "LLAMAMESH_BATCH_RETENTION_S": "2",
+            "LLAMAMESH_BATCH_SWEEP_INTERVAL_S": "0.3",
+        },
+    )
 
 
 def retry_after(err: grpc.aio.AioRpcError) -> float:
@@ -123,8 +130,12 @@ async def test_tokens_per_minute(limited: tuple[SecuredNode, Tenants], security_
 async def test_concurrent_streams(limited: tuple[SecuredNode, Tenants], security_redis: RedisProcess) -> None:
     node, tenants = limited
     async with node.client(tenants.keys["streams"]) as c:
-        held = [c.stub.Generate(pb.GenerateRequest(request_id=f"long-{i}-{uuid.uuid4().hex[:4]}", prompt="p",
-                                                   max_tokens=3000)) for i in range(2)]  # fmt: skip
+        held = [
+            c.stub.Generate(
+                pb.GenerateRequest(request_id=f"long-{i}-{uuid.uuid4().hex[:4]}", prompt="p", max_tokens=3000)
+            )
+            for i in range(2)
+        ]
         for call in held:
             assert (await call.read()).token_ids  # both open
         with pytest.raises(grpc.aio.AioRpcError) as exc:
@@ -150,8 +161,9 @@ async def test_concurrent_streams(limited: tuple[SecuredNode, Tenants], security
 
 
 def batch(n: int, prompt: str = "p") -> bpb.BatchGenerateRequest:
-    items = [bpb.BatchItem(custom_id=f"i{i}", request=pb.GenerateRequest(prompt=prompt, max_tokens=2))
-             for i in range(n)]  # fmt: skip
+    items = [
+        bpb.BatchItem(custom_id=f"i{i}", request=pb.GenerateRequest(prompt=prompt, max_tokens=2)) for i in range(n)
+    ]
     return bpb.BatchGenerateRequest(batch_id=f"b-{uuid.uuid4().hex[:8]}", items=items)
 
 
@@ -166,16 +178,18 @@ async def until_accepted(c: Client, req: bpb.BatchGenerateRequest, within_s: flo
             retry_after(err)
             return err.details() or ""
 
-    got = await until(submitted, within_s, "the batch to be accepted", done=lambda b: isinstance(b, bpb.Batch),
-                      poll_s=0.1)  # fmt: skip
+    got = await until(
+        submitted, within_s, "the batch to be accepted", done=lambda b: isinstance(b, bpb.Batch), poll_s=0.1
+    )
     assert isinstance(got, bpb.Batch)
     return got
 
 
 async def ended(c: Client, batch_id: str, within_s: float = 30) -> None:
     get = lambda: c.batches.GetBatch(bpb.GetBatchRequest(batch_id=batch_id))  # noqa: E731
-    await until(get, within_s, f"batch {batch_id} completed", done=lambda b: b.state == bpb.BATCH_STATE_COMPLETED,
-                poll_s=0.05)  # fmt: skip
+    await until(
+        get, within_s, f"batch {batch_id} completed", done=lambda b: b.state == bpb.BATCH_STATE_COMPLETED, poll_s=0.05
+    )
 
 
 async def test_batch_items_in_flight(limited: tuple[SecuredNode, Tenants]) -> None:

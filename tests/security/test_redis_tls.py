@@ -45,15 +45,45 @@ class TLSRedis:
             pytest.skip("redis-server is not installed")
         p = self.pki
         self.proc = subprocess.Popen(
-            [path, "--port", "0", "--tls-port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-             "--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", str(self.dir / "server.log"),
-             "--tls-cert-file", str(p.server.cert), "--tls-key-file", str(p.server.key),
-             "--tls-ca-cert-file", str(p.ca.cert), "--tls-auth-clients", "yes"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        client = redis.Redis(host="127.0.0.1", port=self.port, ssl=True, ssl_ca_certs=str(p.ca.cert),
-                             ssl_certfile=str(p.client.cert), ssl_keyfile=str(p.client.key),
-                             socket_connect_timeout=0.2)  # fmt: skip
+            [
+                path,
+                "--port",
+                "0",
+                "--tls-port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.dir),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--daemonize",
+                "no",
+                "--logfile",
+                str(self.dir / "server.log"),
+                "--tls-cert-file",
+                str(p.server.cert),
+                "--tls-key-file",
+                str(p.server.key),
+                "--tls-ca-cert-file",
+                str(p.ca.cert),
+                "--tls-auth-clients",
+                "yes",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis(
+            host="127.0.0.1",
+            port=self.port,
+            ssl=True,
+            ssl_ca_certs=str(p.ca.cert),
+            ssl_certfile=str(p.client.cert),
+            ssl_keyfile=str(p.client.key),
+            socket_connect_timeout=0.2,
+        )
 
         def failed() -> str:
             log_file = self.dir / "server.log"
@@ -76,8 +106,14 @@ def tls_redis(pki: PKI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TL
 
 
 def queue_settings(server: TLSRedis, tls_ca: str = "", tls_cert: str = "", tls_key: str = "") -> RedisSettings:
-    return RedisSettings(url=server.url, prefix=f"test:{uuid.uuid4().hex[:10]}", block_ms=200, tls_ca=tls_ca,
-                         tls_cert=tls_cert, tls_key=tls_key)  # fmt: skip
+    return RedisSettings(
+        url=server.url,
+        prefix=f"test:{uuid.uuid4().hex[:10]}",
+        block_ms=200,
+        tls_ca=tls_ca,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+    )
 
 
 def client_files(pki: PKI) -> dict[str, str]:

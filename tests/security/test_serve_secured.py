@@ -19,11 +19,17 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 
 def tls_env(pki: PKI, mutual: bool) -> dict[str, str]:
-    env = {"LLAMAMESH_GATEWAY_TLS_CERT": str(pki.server.cert), "LLAMAMESH_GATEWAY_TLS_KEY": str(pki.server.key),
-           "LLAMAMESH_CLIENT_TLS_CA": str(pki.ca.cert)}  # fmt: skip
+    env = {
+        "LLAMAMESH_GATEWAY_TLS_CERT": str(pki.server.cert),
+        "LLAMAMESH_GATEWAY_TLS_KEY": str(pki.server.key),
+        "LLAMAMESH_CLIENT_TLS_CA": str(pki.ca.cert),
+    }
     if mutual:
-        env |= {"LLAMAMESH_GATEWAY_TLS_CLIENT_CA": str(pki.ca.cert), "LLAMAMESH_CLIENT_TLS_CERT": str(pki.client.cert),
-                "LLAMAMESH_CLIENT_TLS_KEY": str(pki.client.key)}  # fmt: skip
+        env |= {
+            "LLAMAMESH_GATEWAY_TLS_CLIENT_CA": str(pki.ca.cert),
+            "LLAMAMESH_CLIENT_TLS_CERT": str(pki.client.cert),
+            "LLAMAMESH_CLIENT_TLS_KEY": str(pki.client.key),
+        }
     return env
 
 

@@ -73,12 +73,15 @@ class Probe:
             yield r
 
     def handler(self) -> grpc.GenericRpcHandler:
-        return grpc.method_handlers_generic_handler("test.Probe", {
-            "Unary": grpc.unary_unary_rpc_method_handler(self.unary),
-            "ServerStream": grpc.unary_stream_rpc_method_handler(self.server_stream),
-            "ClientStream": grpc.stream_unary_rpc_method_handler(self.client_stream),
-            "Bidi": grpc.stream_stream_rpc_method_handler(self.bidi),
-        })  # fmt: skip
+        return grpc.method_handlers_generic_handler(
+            "test.Probe",
+            {
+                "Unary": grpc.unary_unary_rpc_method_handler(self.unary),
+                "ServerStream": grpc.unary_stream_rpc_method_handler(self.server_stream),
+                "ClientStream": grpc.stream_unary_rpc_method_handler(self.client_stream),
+                "Bidi": grpc.stream_stream_rpc_method_handler(self.bidi),
+            },
+        )
 
 
 @contextlib.asynccontextmanager
@@ -162,8 +165,9 @@ async def test_peer_identities_are_empty_without_mutual_tls(pki: PKI) -> None:
 
 async def test_mutual_tls_gateway_serves_a_client_with_its_certificate(pki: PKI) -> None:
     async with gateway_in_process(server_tls(pki, mutual=True)) as gw:
-        settings = ClientSettings(api_key="k", tls_ca=str(pki.ca.cert), tls_cert=str(pki.client.cert),
-                                  tls_key=str(pki.client.key))  # fmt: skip
+        settings = ClientSettings(
+            api_key="k", tls_ca=str(pki.ca.cert), tls_cert=str(pki.client.cert), tls_key=str(pki.client.key)
+        )
         async with Client.from_settings(f"localhost:{gw.port}", settings) as c:
             assert [m.id for m in await c.list_models()] == ["smollm2-135m-instruct"]
 
@@ -222,8 +226,14 @@ async def test_a_file_missing_while_it_is_replaced_keeps_the_current_certificate
 async def test_bind_refuses_tls_settings_that_cannot_work(
     pki: PKI, cert: str, key: str, client_ca: str, message: str
 ) -> None:
-    files = {"": "", "cert": str(pki.server.cert), "key": str(pki.server.key), "missing": "/nonexistent/gw.key",
-             "other_key": str(pki.other_server.key), "ca": str(pki.ca.cert)}  # fmt: skip
+    files = {
+        "": "",
+        "cert": str(pki.server.cert),
+        "key": str(pki.server.key),
+        "missing": "/nonexistent/gw.key",
+        "other_key": str(pki.other_server.key),
+        "ca": str(pki.ca.cert),
+    }
     settings = GatewaySettings(port=0, tls_cert=files[cert], tls_key=files[key], tls_client_ca=files[client_ca])
     server = grpc.aio.server()
     with pytest.raises(ValueError, match=message):
@@ -246,9 +256,19 @@ async def test_plaintext_on_a_non_loopback_address_is_a_warning() -> None:
 
 @pytest.mark.parametrize(
     ("host", "loopback"),
-    [("127.0.0.1", True), ("127.1.2.3", True), ("::1", True), ("[::1]", True), ("localhost", True),
-     ("0.0.0.0", False), ("::", False), ("10.0.0.1", False), ("gateway.internal", False), ("", False)],
-)  # fmt: skip
+    [
+        ("127.0.0.1", True),
+        ("127.1.2.3", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.0.0.1", False),
+        ("gateway.internal", False),
+        ("", False),
+    ],
+)
 def test_loopback_hosts(host: str, loopback: bool) -> None:
     assert tls.is_loopback(host) is loopback
 
@@ -294,8 +314,9 @@ def test_a_client_refuses_a_channel_together_with_connection_options() -> None:
 
 async def test_sync_client_streams_a_generation_over_tls_with_its_key(pki: PKI) -> None:
     queue = MemoryQueue()
-    settings = GatewaySettings(port=0, models="tiny=cpu", default_max_tokens=4, tls_cert=str(pki.server.cert),
-                               tls_key=str(pki.server.key))  # fmt: skip
+    settings = GatewaySettings(
+        port=0, models="tiny=cpu", default_max_tokens=4, tls_cert=str(pki.server.cert), tls_key=str(pki.server.key)
+    )
     gw = await start_gateway(queue, settings, port=0)
     ws = WorkerSettings(pool="cpu", model="tiny", engine="fake", max_inflight=4)
     engine = FakeEngine(ws)
@@ -322,9 +343,14 @@ async def test_sync_client_streams_a_generation_over_tls_with_its_key(pki: PKI) 
 async def cli(*args: str, **env: str) -> tuple[int, str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("LLAMAMESH_")}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "llamamesh.cli", *args, env={**base, **env},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "llamamesh.cli",
+        *args,
+        env={**base, **env},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
     out, _ = await asyncio.wait_for(proc.communicate(), 30)
     return int(proc.returncode or 0), out.decode()
 
@@ -333,8 +359,11 @@ async def test_cli_reaches_a_mutual_tls_gateway_with_flags_or_environment(pki: P
     async with gateway_in_process(server_tls(pki, mutual=True)) as gw:
         address = f"127.0.0.1:{gw.port}"
         files = ["--tls-ca", str(pki.ca.cert), "--tls-cert", str(pki.client.cert), "--tls-key", str(pki.client.key)]
-        env = {"LLAMAMESH_CLIENT_TLS_CA": str(pki.ca.cert), "LLAMAMESH_CLIENT_TLS_CERT": str(pki.client.cert),
-               "LLAMAMESH_CLIENT_TLS_KEY": str(pki.client.key)}  # fmt: skip
+        env = {
+            "LLAMAMESH_CLIENT_TLS_CA": str(pki.ca.cert),
+            "LLAMAMESH_CLIENT_TLS_CERT": str(pki.client.cert),
+            "LLAMAMESH_CLIENT_TLS_KEY": str(pki.client.key),
+        }
         by_flags, by_env, no_cert = await asyncio.gather(
             cli("models", "--address", address, "--api-key", "k", *files),
             cli("models", "--address", address, **env),
@@ -383,8 +412,11 @@ async def test_a_plaintext_health_only_port_answers_probes_while_the_main_port_i
                 await ch.unary_unary("/llamamesh.v1.GenerationService/ListModels")(b"", timeout=5)
             assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
             await gw.health.shutdown()  # as at the start of a drain
-            check = ch.unary_unary("/grpc.health.v1.Health/Check", health_pb2.HealthCheckRequest.SerializeToString,
-                                   health_pb2.HealthCheckResponse.FromString)  # fmt: skip
+            check = ch.unary_unary(
+                "/grpc.health.v1.Health/Check",
+                health_pb2.HealthCheckRequest.SerializeToString,
+                health_pb2.HealthCheckResponse.FromString,
+            )
             reply = await check(health_pb2.HealthCheckRequest(service=""), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
     assert not await asyncio.to_thread(serving, f"127.0.0.1:{health_port}")  # closed with the gateway

@@ -93,8 +93,9 @@ class Stack:
     async def start_gateway(self, port: int = 0, settings: GatewaySettings | None = None) -> Gateway:
         """Another gateway over the stack's queue (its config's settings unless ``settings``)."""
         c = self.config
-        return await start_gateway(self.queue, settings or c.gateway, port=port, breaker=c.breaker,
-                                   batches=self.batches, auth=c.auth)  # fmt: skip
+        return await start_gateway(
+            self.queue, settings or c.gateway, port=port, breaker=c.breaker, batches=self.batches, auth=c.auth
+        )
 
     @contextlib.asynccontextmanager
     async def beside(self, settings: GatewaySettings) -> AsyncIterator[generation_pb2_grpc.GenerationServiceStub]:
@@ -110,9 +111,11 @@ class Stack:
 
 @contextlib.asynccontextmanager
 async def serving(
-    queue: MemoryQueue, settings: Sequence[WorkerSettings], config: Config | None = None,
+    queue: MemoryQueue,
+    settings: Sequence[WorkerSettings],
+    config: Config | None = None,
     batches: MemoryBatches | None = None,
-) -> AsyncIterator[Workers]:  # fmt: skip
+) -> AsyncIterator[Workers]:
     """Workers of ``settings`` over ``queue``, ready, for the block; then stopped (each given 10 s)."""
     c = config or Config()
     engines = [c.engine(s) for s in settings]
@@ -140,8 +143,9 @@ async def running(config: Config | None = None) -> AsyncIterator[Stack]:
     gateways: list[Gateway] = []
     try:
         for _ in range(c.gateways):
-            gateways.append(await start_gateway(queue, c.gateway, port=0, breaker=c.breaker, batches=batches,
-                                                auth=c.auth))  # fmt: skip
+            gateways.append(
+                await start_gateway(queue, c.gateway, port=0, breaker=c.breaker, batches=batches, auth=c.auth)
+            )
         async with (
             serving(queue, c.workers, c, batches) as workers,
             grpc.aio.insecure_channel(f"127.0.0.1:{gateways[0].port}") as channel,

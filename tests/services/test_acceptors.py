@@ -72,8 +72,7 @@ async def test_calls_they_accept_pass_the_gatekeeper(tmp_path: Path) -> None:
         assert all(isinstance(r, grpc.aio.AioRpcError) for r in refused), refused
         assert {r.code() for r in refused} == {grpc.StatusCode.UNAUTHENTICATED}  # type: ignore[union-attr]
         meta = (("authorization", f"Bearer {key}"),)
-        served = await asyncio.gather(*(s.stub.ListModels(pb.ListModelsRequest(), metadata=meta)
-                                        for _ in range(BURST)))  # fmt: skip
+        served = await asyncio.gather(*(s.stub.ListModels(pb.ListModelsRequest(), metadata=meta) for _ in range(BURST)))
         assert all(r.models for r in served)
         acceptors = s.gateway.acceptors
         assert acceptors is not None and acceptors.accepted > 0

@@ -20,11 +20,26 @@ pytestmark = pytest.mark.timeout(30)
 
 def node(n_workers: int = 2, adapters: str = "sql=/adapters/sql", adapter_root: str = "", step_s: float = 0) -> Config:
     """A gateway reading heartbeats every 50 ms, and ``n_workers`` workers w0, w1... of pool cpu."""
-    workers = tuple(WorkerSettings(pool="cpu", model="tiny", engine="fake", consumer=f"w{i}", heartbeat_s=0.05,
-                                   adapters=adapters, adapter_root=adapter_root, fake_step_s=step_s)
-                    for i in range(n_workers))  # fmt: skip
-    return Config(gateway=GatewaySettings(port=0, models="tiny=cpu"), breaker=BreakerSettings(probe_interval_s=0.05),
-                  workers=workers, block_ms=50, ready_s=10)  # fmt: skip
+    workers = tuple(
+        WorkerSettings(
+            pool="cpu",
+            model="tiny",
+            engine="fake",
+            consumer=f"w{i}",
+            heartbeat_s=0.05,
+            adapters=adapters,
+            adapter_root=adapter_root,
+            fake_step_s=step_s,
+        )
+        for i in range(n_workers)
+    )
+    return Config(
+        gateway=GatewaySettings(port=0, models="tiny=cpu"),
+        breaker=BreakerSettings(probe_interval_s=0.05),
+        workers=workers,
+        block_ms=50,
+        ready_s=10,
+    )
 
 
 async def models(n: Stack) -> dict[str, pb.Model]:
@@ -32,8 +47,11 @@ async def models(n: Stack) -> dict[str, pb.Model]:
 
 
 async def tokens(n: Stack, **fields: object) -> list[int]:
-    return [t async for m in n.stub.Generate(pb.GenerateRequest(prompt="same words", max_tokens=6, **fields))
-            for t in m.token_ids]  # fmt: skip
+    return [
+        t
+        async for m in n.stub.Generate(pb.GenerateRequest(prompt="same words", max_tokens=6, **fields))
+        for t in m.token_ids
+    ]
 
 
 async def test_an_adapter_changes_the_output_the_same_way_each_run_and_is_listed() -> None:
@@ -62,12 +80,15 @@ async def _lacks(n: Stack, model_id: str) -> bool:
     return model_id not in await models(n)
 
 
-@pytest.mark.parametrize(("fields", "code", "field"), [
-    ({"adapter": "nope"}, grpc.StatusCode.NOT_FOUND, None),
-    ({"model": "tiny:nope"}, grpc.StatusCode.NOT_FOUND, None),
-    ({"model": "other:sql"}, grpc.StatusCode.NOT_FOUND, None),
-    ({"adapter": "a/b"}, grpc.StatusCode.INVALID_ARGUMENT, "adapter"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("fields", "code", "field"),
+    [
+        ({"adapter": "nope"}, grpc.StatusCode.NOT_FOUND, None),
+        ({"model": "tiny:nope"}, grpc.StatusCode.NOT_FOUND, None),
+        ({"model": "other:sql"}, grpc.StatusCode.NOT_FOUND, None),
+        ({"adapter": "a/b"}, grpc.StatusCode.INVALID_ARGUMENT, "adapter"),
+    ],
+)
 async def test_an_adapter_nobody_serves_is_not_found(fields: dict, code: grpc.StatusCode, field: str | None) -> None:
     async with running(node(n_workers=1)) as n:
         await until(lambda: _has(n, "tiny:sql"), 10, "the worker's heartbeat")

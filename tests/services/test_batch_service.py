@@ -22,9 +22,13 @@ from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(30)
 
-STACK = Config(gateway=GatewaySettings(port=0, models="tiny=cpu"), batches=True, block_ms=50,
-               workers=(WorkerSettings(pool="cpu", model="tiny", engine="fake", max_inflight=4),),
-               worker_batch=BatchSettings(max_share=0.5))  # fmt: skip
+STACK = Config(
+    gateway=GatewaySettings(port=0, models="tiny=cpu"),
+    batches=True,
+    block_ms=50,
+    workers=(WorkerSettings(pool="cpu", model="tiny", engine="fake", max_inflight=4),),
+    worker_batch=BatchSettings(max_share=0.5),
+)
 
 
 def batch(**worker: object) -> Config:
@@ -33,8 +37,10 @@ def batch(**worker: object) -> Config:
 
 
 def items(n: int, max_tokens: int = 3) -> list[bpb.BatchItem]:
-    return [bpb.BatchItem(custom_id=f"c{i}", request=pb.GenerateRequest(prompt=f"p {i}", max_tokens=max_tokens))
-            for i in range(n)]  # fmt: skip
+    return [
+        bpb.BatchItem(custom_id=f"c{i}", request=pb.GenerateRequest(prompt=f"p {i}", max_tokens=max_tokens))
+        for i in range(n)
+    ]
 
 
 async def test_a_batch_runs_to_completion_with_one_result_each(stack: Stack) -> None:
@@ -98,8 +104,13 @@ async def test_a_batch_lost_with_redis_data_is_not_found_saying_so(stack: Stack)
 
 
 def test_stored_item_errors_become_status_names() -> None:
-    cases = [("prompt_too_long", "INVALID_ARGUMENT"), ("engine_dead", "UNAVAILABLE"),
-             ("expired", "DEADLINE_EXCEEDED"), ("internal", "INTERNAL"), ("no-such", "INTERNAL")]  # fmt: skip
+    cases = [
+        ("prompt_too_long", "INVALID_ARGUMENT"),
+        ("engine_dead", "UNAVAILABLE"),
+        ("expired", "DEADLINE_EXCEEDED"),
+        ("internal", "INTERNAL"),
+        ("no-such", "INTERNAL"),
+    ]
     for stored, code in cases:
         r = result_pb("b", "1-0", ItemResult("c", ItemStatus.ERRORED, error_code=stored, error_message="m"))
         assert (r.error_code, r.error_reason) == (code, stored.upper())
@@ -107,8 +118,10 @@ def test_stored_item_errors_become_status_names() -> None:
 
 async def test_items_with_n_samples_return_every_sample(stack: Stack) -> None:
     stub = stack.batch
-    reqs = [bpb.BatchItem(custom_id=f"c{i}", request=pb.GenerateRequest(prompt=f"p {i}", max_tokens=4, n=3, seed=i))
-            for i in range(4)]  # fmt: skip
+    reqs = [
+        bpb.BatchItem(custom_id=f"c{i}", request=pb.GenerateRequest(prompt=f"p {i}", max_tokens=4, n=3, seed=i))
+        for i in range(4)
+    ]
     reqs.append(bpb.BatchItem(custom_id="one", request=pb.GenerateRequest(prompt="p", max_tokens=4)))
     await stub.BatchGenerate(bpb.BatchGenerateRequest(batch_id="nb", items=reqs))
     got = {r.custom_id: r async for r in stub.StreamBatchResults(bpb.StreamBatchResultsRequest(batch_id="nb"))}
@@ -120,8 +133,12 @@ async def test_items_with_n_samples_return_every_sample(stack: Stack) -> None:
         assert r.usage.completion_tokens == 12
     assert not got["one"].samples and got["one"].usage.completion_tokens == 4
     with pytest.raises(grpc.aio.AioRpcError) as bad:
-        await stub.BatchGenerate(bpb.BatchGenerateRequest(batch_id="nb2", items=[
-            bpb.BatchItem(custom_id="x", request=pb.GenerateRequest(prompt="p", n=2, temperature=0))]))  # fmt: skip
+        await stub.BatchGenerate(
+            bpb.BatchGenerateRequest(
+                batch_id="nb2",
+                items=[bpb.BatchItem(custom_id="x", request=pb.GenerateRequest(prompt="p", n=2, temperature=0))],
+            )
+        )
     assert field_violations(bad.value) == ["items[0].request.n"]
 
 
@@ -130,9 +147,12 @@ async def test_items_name_an_adapter_and_an_unserved_one_is_not_found_before_any
     stack: Stack,
 ) -> None:
     stub = stack.batch
+
     def item(custom_id: str, adapter: str = "") -> bpb.BatchItem:
-        return bpb.BatchItem(custom_id=custom_id, request=pb.GenerateRequest(
-            prompt="same words", max_tokens=4, temperature=0, adapter=adapter))  # fmt: skip
+        return bpb.BatchItem(
+            custom_id=custom_id,
+            request=pb.GenerateRequest(prompt="same words", max_tokens=4, temperature=0, adapter=adapter),
+        )
 
     # The gateway learns the worker's adapters from its heartbeat: until then it cannot tell (and accepts).
     attempts = itertools.count()

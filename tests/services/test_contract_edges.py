@@ -49,8 +49,11 @@ async def test_a_cancel_ahead_of_its_generate_holds_briefly_then_the_id_is_free(
     assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH and sum(len(m.token_ids) for m in msgs) == 5
 
 
-LABELS = [({"k": "v" * 1_000_000}, "metadata[k]"), ({f"k{i}": "v" for i in range(65)}, "metadata"),
-          ({"k" * 65: "v"}, "metadata")]  # fmt: skip
+LABELS = [
+    ({"k": "v" * 1_000_000}, "metadata[k]"),
+    ({f"k{i}": "v" for i in range(65)}, "metadata"),
+    ({"k" * 65: "v"}, "metadata"),
+]
 
 
 @pytest.mark.parametrize(("labels", "field"), LABELS)
@@ -86,8 +89,16 @@ async def test_a_full_redis_is_resource_exhausted_with_retry_info_and_shows_in_h
     assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
 
 
-IDS = [("a.b_c:d-e", True), ("..", True), ("x" * 128, True), ("a/b", False), ("a~b", False), ("a b", False),
-       ("\N{OCTOPUS}", False), ("x" * 129, False)]  # fmt: skip
+IDS = [
+    ("a.b_c:d-e", True),
+    ("..", True),
+    ("x" * 128, True),
+    ("a/b", False),
+    ("a~b", False),
+    ("a b", False),
+    ("\N{OCTOPUS}", False),
+    ("x" * 129, False),
+]
 
 
 @pytest.mark.parametrize(("request_id", "ok"), IDS)

@@ -64,12 +64,15 @@ async def test_server_makes_a_request_id_and_sends_it_in_headers(stack: Stack) -
 
 
 async def test_chat_messages_and_stop_sequence(stack: Stack) -> None:
-    first = await collect(stack, pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="hi")],
-                                                    max_tokens=6, seed=7))
+    first = await collect(
+        stack, pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="hi")], max_tokens=6, seed=7)
+    )
     text = "".join(m.text for m in first)
     stop = text.split()[2]
-    second = await collect(stack, pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="hi")],
-                                                     max_tokens=6, seed=7, stop=[stop]))
+    second = await collect(
+        stack,
+        pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="hi")], max_tokens=6, seed=7, stop=[stop]),
+    )
     assert second[-1].finish_reason == pb.FINISH_REASON_STOP_SEQUENCE
     assert stop not in "".join(m.text for m in second)
     assert text.startswith("".join(m.text for m in second))
@@ -159,8 +162,12 @@ async def test_queue_down_is_unavailable(stack: Stack) -> None:
 @pytest.mark.fake_step_s(0.05)
 async def test_deadline_ends_the_call_and_aborts_the_job(stack: Stack) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as ei:
-        [m async for m in stack.stub.Generate(pb.GenerateRequest(request_id="d-1", prompt="x", max_tokens=500),
-                                              timeout=0.5)]
+        [
+            m
+            async for m in stack.stub.Generate(
+                pb.GenerateRequest(request_id="d-1", prompt="x", max_tokens=500), timeout=0.5
+            )
+        ]
     assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     await aborted_and_acked(stack, "d-1")
     assert "d-1" in stack.engine.aborted
@@ -288,8 +295,9 @@ async def test_a_resumable_stream_reattached_from_an_offset_gets_exactly_the_res
         got += (await call.read()).token_ids
     call.cancel()  # the connection drops; the generation goes on
     async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.gateway.port}") as other:  # any gateway
-        rest, idx, finish = await _tokens(pb_grpc.GenerationServiceStub(other).Attach(
-            pb.AttachRequest(request_id="r1", offset=len(got))))  # fmt: skip
+        rest, idx, finish = await _tokens(
+            pb_grpc.GenerationServiceStub(other).Attach(pb.AttachRequest(request_id="r1", offset=len(got)))
+        )
     assert idx == list(range(len(got), 60)) and finish == pb.FINISH_REASON_LENGTH
     assert got + rest == ref  # no gap, no duplicate, the same generation
     assert stack.engine.served.count("r1") == 1  # one job, run to its end (finish LENGTH above)
@@ -347,8 +355,9 @@ async def test_a_gap_in_a_streams_tokens_resumes_it_and_never_passes_silently(st
     """What Redis with appendfsync everysec can do after a crash: events are gone. The attempt is
     abandoned and the request resumed from what the caller has (the caller never gets a silent
     gap); with no attempt left the stream ends UNAVAILABLE naming the lost tokens."""
-    call = stack.stub.Generate(pb.GenerateRequest(request_id="gappy", model="other", prompt="x", max_tokens=8),
-                               timeout=30)  # fmt: skip
+    call = stack.stub.Generate(
+        pb.GenerateRequest(request_id="gappy", model="other", prompt="x", max_tokens=8), timeout=30
+    )
     await call.initial_metadata()
     (lease,) = await stack.queue.lease("gpu", "a-hand-driven-worker", 1, 1000)
     await stack.queue.publish([(lease, JobEvent(text=" a", token_ids=(1,), index=0, worker="w"))], [])

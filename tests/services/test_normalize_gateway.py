@@ -20,11 +20,18 @@ from tests.services.conftest import Config, Stack
 
 pytestmark = pytest.mark.timeout(30)
 
-RULES = json.dumps([
-    {"name": "gw-html-ids", "pattern": 'id="[a-z0-9-]+"', "replacement": 'id="REDACTED"'},
-    {"name": "gw-user-dates", "pattern": r"\d{4}-\d{2}-\d{2}", "replacement": "DATE", "applies_to": "messages",
-     "roles": ["user"]},
-])  # fmt: skip
+RULES = json.dumps(
+    [
+        {"name": "gw-html-ids", "pattern": 'id="[a-z0-9-]+"', "replacement": 'id="REDACTED"'},
+        {
+            "name": "gw-user-dates",
+            "pattern": r"\d{4}-\d{2}-\d{2}",
+            "replacement": "DATE",
+            "applies_to": "messages",
+            "roles": ["user"],
+        },
+    ]
+)
 SETTINGS = GatewaySettings(port=0, models="tiny=cpu", default_max_tokens=16, normalize_rules=RULES)
 TABLE = 'Summarise:\n<table><tr id="r-7f3a9c"><td id="c-01b2">x</td></tr></table>'
 REDACTED = 'Summarise:\n<table><tr id="REDACTED"><td id="REDACTED">x</td></tr></table>'
@@ -64,11 +71,15 @@ async def test_the_worker_gets_the_rewritten_prompt(stack: Stack, normalizing: p
 async def test_chat_rules_reach_the_worker_and_leave_other_roles(
     stack: Stack, normalizing: pb_grpc.GenerationServiceStub
 ) -> None:
-    turns = [pb.ChatMessage(role="system", content="today is 2024-01-02"),
-             pb.ChatMessage(role="user", content='on 2024-05-06 see <p id="x-1">')]  # fmt: skip
+    turns = [
+        pb.ChatMessage(role="system", content="today is 2024-01-02"),
+        pb.ChatMessage(role="user", content='on 2024-05-06 see <p id="x-1">'),
+    ]
     sent = [m async for m in normalizing.Generate(pb.GenerateRequest(request_id="n-2", messages=turns, max_tokens=4))]
-    want = [pb.ChatMessage(role="system", content="today is 2024-01-02"),
-            pb.ChatMessage(role="user", content='on DATE see <p id="REDACTED">')]  # fmt: skip
+    want = [
+        pb.ChatMessage(role="system", content="today is 2024-01-02"),
+        pb.ChatMessage(role="user", content='on DATE see <p id="REDACTED">'),
+    ]
     plain = [m async for m in stack.stub.Generate(pb.GenerateRequest(messages=want, max_tokens=4))]
     assert [t for m in sent for t in m.token_ids] == [t for m in plain for t in m.token_ids]
     assert sent[-1].usage.prompt_tokens == plain[-1].usage.prompt_tokens
@@ -82,8 +93,10 @@ async def test_tokenize_counts_the_rewritten_prompt(stack: Stack, normalizing: p
 
 @pytest.mark.parametrize("stack", [Config(gateway=SETTINGS, batches=True, workers=())], indirect=True)
 async def test_batch_items_are_stored_rewritten(stack: Stack) -> None:
-    items = [bpb.BatchItem(custom_id="a", request=pb.GenerateRequest(prompt=TABLE)),
-             bpb.BatchItem(custom_id="b", request=pb.GenerateRequest(prompt="no ids"))]  # fmt: skip
+    items = [
+        bpb.BatchItem(custom_id="a", request=pb.GenerateRequest(prompt=TABLE)),
+        bpb.BatchItem(custom_id="b", request=pb.GenerateRequest(prompt="no ids")),
+    ]
     await stack.batch.BatchGenerate(bpb.BatchGenerateRequest(batch_id="items", items=items))
     docs = [bpb.Document(custom_id="d", text='<td id="9f-2">on 2024-05-06</td>')]
     summarise = bpb.Summarise(template="Summarise: {document}", documents=docs)

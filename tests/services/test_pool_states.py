@@ -27,8 +27,12 @@ FAST = BreakerSettings(probe_interval_s=0.1, probe_timeout_s=1.0)
 @contextlib.asynccontextmanager
 async def gateway(queue: MemoryQueue, **settings: object) -> AsyncIterator[pb_grpc.GenerationServiceStub]:
     """A gateway of model m (pool gpu) over ``queue``, probing every 0.1 s, without workers of its own."""
-    config = Config(gateway=GatewaySettings(port=0, models="m=gpu", **settings),  # type: ignore[arg-type]
-                    breaker=FAST, workers=(), queue=lambda: queue)  # fmt: skip
+    config = Config(
+        gateway=GatewaySettings(port=0, models="m=gpu", **settings),  # type: ignore[arg-type]
+        breaker=FAST,
+        workers=(),
+        queue=lambda: queue,
+    )
     async with running(config) as stack:
         yield stack.stub
 
@@ -65,8 +69,9 @@ async def test_a_pool_starting_for_longer_than_start_wait_is_unavailable_saying_
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await stub.Generate(pb.GenerateRequest(prompt="x", max_tokens=3), timeout=20).read()
         assert ei.value.code() is grpc.StatusCode.UNAVAILABLE
-        assert ei.value.details() == ("pool 'gpu' has been starting for over 0.5 s "
-                                      "(worker w1 is starting: loading the model)")  # fmt: skip
+        assert ei.value.details() == (
+            "pool 'gpu' has been starting for over 0.5 s (worker w1 is starting: loading the model)"
+        )
         assert time.monotonic() - t0 < 5
 
 

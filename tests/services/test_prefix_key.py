@@ -47,15 +47,26 @@ def test_the_gateway_keys_a_request_by_its_prefix_key_or_its_inputs_start() -> N
     assert off.prefix_key == ""
     with pytest.raises(InvalidRequest) as bad:
         generate_request(pb.GenerateRequest(prompt="x", prefix_key="k" * 257), s, MODELS)
-    assert [v.field for v in bad.value.violations] == ["prefix_key"] and isinstance(bad.value.violations[0],
-                                                                                   FieldViolation)  # fmt: skip
+    assert [v.field for v in bad.value.violations] == ["prefix_key"] and isinstance(
+        bad.value.violations[0], FieldViolation
+    )
 
 
-@pytest.mark.parametrize("stack", [Config(
-    gateway=GatewaySettings(port=0, models="tiny=cpu"),
-    workers=(WorkerSettings(pool="cpu", model="tiny", engine="fake", max_inflight=4, heartbeat_s=0.05, consumer="w1"),),
-    queue=lambda: Recording(partitions=4),
-)], indirect=True)  # fmt: skip
+@pytest.mark.parametrize(
+    "stack",
+    [
+        Config(
+            gateway=GatewaySettings(port=0, models="tiny=cpu"),
+            workers=(
+                WorkerSettings(
+                    pool="cpu", model="tiny", engine="fake", max_inflight=4, heartbeat_s=0.05, consumer="w1"
+                ),
+            ),
+            queue=lambda: Recording(partitions=4),
+        )
+    ],
+    indirect=True,
+)
 async def test_an_explicit_prefix_key_over_grpc_reaches_the_job_and_its_owners_partition(stack: Stack) -> None:
     queue = stack.queue
     assert isinstance(queue, Recording)

@@ -63,7 +63,12 @@ async def test_every_rpc_ends_with_one_rpc_finished_line(served) -> None:
     assert relay.cancelled == ["r1"] and list(tok.token_ids) == [1, 2, 3]
     lines = finished_lines(logs)
     assert [(e["method"], e["status"]) for e in lines] == [
-        ("Generate", "ok"), ("Tokenize", "ok"), ("ListModels", "ok"), ("Cancel", "ok"), ("Attach", "ok")]  # fmt: skip
+        ("Generate", "ok"),
+        ("Tokenize", "ok"),
+        ("ListModels", "ok"),
+        ("Cancel", "ok"),
+        ("Attach", "ok"),
+    ]
     assert lines[0]["completion_tokens"] == 3 and lines[0]["pool"] == "cpu"
 
 

@@ -68,8 +68,11 @@ async def test_each_sample_ends_with_its_own_finish_reason(stack: Stack) -> None
     got = await Samples.read(
         stack.stub.Generate(pb.GenerateRequest(prompt="x", max_tokens=5, n=3, seed=10, stop=[" w16"]))
     )
-    assert got.finish == {0: pb.FINISH_REASON_LENGTH, 1: pb.FINISH_REASON_STOP_SEQUENCE,
-                          2: pb.FINISH_REASON_STOP_SEQUENCE}  # fmt: skip
+    assert got.finish == {
+        0: pb.FINISH_REASON_LENGTH,
+        1: pb.FINISH_REASON_STOP_SEQUENCE,
+        2: pb.FINISH_REASON_STOP_SEQUENCE,
+    }
     assert got.ids == {0: [11, 12, 13, 14, 15], 1: [12, 13, 14, 15, 16], 2: [13, 14, 15, 16]}
     assert got.last is not None and got.last.usage.completion_tokens == 14
 
@@ -101,8 +104,9 @@ async def test_cancel_stops_every_sample(stack: Stack) -> None:
 
 @pytest.mark.fake_step_s(0.02)
 async def test_a_deadline_aborts_every_sample(stack: Stack) -> None:
-    call = stack.stub.Generate(pb.GenerateRequest(request_id="late", prompt="x", max_tokens=500, n=2, seed=1),
-                               timeout=0.5)  # fmt: skip
+    call = stack.stub.Generate(
+        pb.GenerateRequest(request_id="late", prompt="x", max_tokens=500, n=2, seed=1), timeout=0.5
+    )
     with pytest.raises(grpc.aio.AioRpcError) as ei:
         await Samples.read(call)
     assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -113,8 +117,9 @@ async def test_a_deadline_aborts_every_sample(stack: Stack) -> None:
 async def test_attach_gives_each_sample_from_its_own_offset(stack: Stack) -> None:
     req = pb.GenerateRequest(prompt="two", max_tokens=40, n=2, seed=5)
     ref = await Samples.read(stack.stub.Generate(req))
-    call = stack.stub.Generate(pb.GenerateRequest(request_id="two", resumable=True, prompt="two", max_tokens=40, n=2,
-                                                  seed=5))  # fmt: skip
+    call = stack.stub.Generate(
+        pb.GenerateRequest(request_id="two", resumable=True, prompt="two", max_tokens=40, n=2, seed=5)
+    )
     have = Samples()
     while len(have.ids[0]) < 3 or len(have.ids[1]) < 5:
         have.add(await call.read())
@@ -136,8 +141,9 @@ async def test_a_lost_attempt_resumes_each_unfinished_sample_from_its_own_tokens
     ends, samples 0 and 2 have tokens; then a gap (Redis lost events) abandons the attempt. The next
     attempt resumes samples 0 and 2 only, each from the tokens the caller has of it; the caller's
     stream goes on with the right indexes and the usage counts every sample once."""
-    call = stack.stub.Generate(pb.GenerateRequest(request_id="trio", model="other", prompt="x", max_tokens=4, n=3,
-                                                  seed=1), timeout=30)  # fmt: skip
+    call = stack.stub.Generate(
+        pb.GenerateRequest(request_id="trio", model="other", prompt="x", max_tokens=4, n=3, seed=1), timeout=30
+    )
     await call.initial_metadata()
     (lease,) = await stack.queue.lease("gpu", "hand", 1, 1000)
     assert lease.request.sampling.n == 3 and not lease.request.resume_samples

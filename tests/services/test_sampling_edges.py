@@ -26,9 +26,11 @@ from workers.engines.base import Engine
 pytestmark = pytest.mark.timeout(300)
 
 # Field names a BadRequest may name: the request's own, with an index for repeated ones.
-NAMED = re.compile(r"^(max_tokens|temperature|top_p|top_k|min_p|presence_penalty|frequency_penalty|"
-                   r"repetition_penalty|seed|min_tokens|logprobs|"
-                   r"stop(\[\d+\])?|stop_token_ids(\[\d+\])?)$")  # fmt: skip
+NAMED = re.compile(
+    r"^(max_tokens|temperature|top_p|top_k|min_p|presence_penalty|frequency_penalty|"
+    r"repetition_penalty|seed|min_tokens|logprobs|"
+    r"stop(\[\d+\])?|stop_token_ids(\[\d+\])?)$"
+)
 CANARY = pb.GenerateRequest(prompt="Name three colours.", max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
@@ -107,6 +109,7 @@ def check(p: Path, fields: dict[str, object]) -> None:
 
 def proto_fields() -> st.SearchStrategy[dict[str, object]]:
     """The strategy's fields as the proto takes them: int32/int64 ranges, lists for repeated fields."""
+
     def fit(fields: dict[str, object]) -> dict[str, object]:
         return {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in fields.items()}
 
@@ -127,6 +130,7 @@ def test_any_sampling_values_through_the_gateway_and_cpu_engine(cpu_path: Path, 
 
 def test_a_temperature_of_1e_40_is_served_greedy(cpu_path: Path) -> None:
     """{"messages":[{"role":"user","content":"Hi"}],"max_tokens":8,"temperature":1e-40}: greedy."""
+
     async def both() -> list[list[int]]:
         msgs = [pb.ChatMessage(role="user", content="Hi")]
         out = []

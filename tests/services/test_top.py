@@ -18,9 +18,17 @@ pytestmark = pytest.mark.timeout(30)
 
 async def test_top_redraws_until_ctrl_c_and_exits_0(stack: Stack) -> None:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "llamamesh.cli", "top", "--interval", "0.1", "--address",
-        f"127.0.0.1:{stack.gateway.port}", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "llamamesh.cli",
+        "top",
+        "--interval",
+        "0.1",
+        "--address",
+        f"127.0.0.1:{stack.gateway.port}",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     assert proc.stdout is not None
     titles = 0
     try:
@@ -54,9 +62,15 @@ async def test_ctrl_c_while_the_gateway_does_not_answer_exits_at_once() -> None:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "llamamesh.cli", "top", "--address", f"127.0.0.1:{port}",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "llamamesh.cli",
+        "top",
+        "--address",
+        f"127.0.0.1:{port}",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     try:
         await asyncio.wait_for(entered.wait(), 15)  # its first call is in flight
         proc.send_signal(signal.SIGINT)

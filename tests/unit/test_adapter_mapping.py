@@ -34,9 +34,14 @@ class Engine(NamedTuple):
 
 ENGINES = [
     Engine("vllm", vllm_outputs.finish_reason_of, "abort", ("error", "something-new"), vllm_requests.check_prompt_len),
-    Engine("trtllm", trtllm_outputs.finish_reason_of, "cancelled", ("timeout", "not_finished"),
-           trtllm_requests.check_prompt_tokens),
-]  # fmt: skip
+    Engine(
+        "trtllm",
+        trtllm_outputs.finish_reason_of,
+        "cancelled",
+        ("timeout", "not_finished"),
+        trtllm_requests.check_prompt_tokens,
+    ),
+]
 each = pytest.mark.parametrize("engine", ENGINES, ids=[e.name for e in ENGINES])
 
 
@@ -130,12 +135,17 @@ def test_every_engine_renders_the_same_request_to_the_same_ids() -> None:
     tok = StubTokenizer()
     batch = Batch.__new__(Batch)  # only its tokenizer: encode() renders as the GPU adapters do
     batch.tokenizer = tok
-    for req, ids in [(request(prompt="hi there"), [1, 102, 105]),
-                     (request(messages=(ChatMessage("user", "hi"),)), [106, 102, 111])]:  # fmt: skip
+    for req, ids in [
+        (request(prompt="hi there"), [1, 102, 105]),
+        (request(messages=(ChatMessage("user", "hi"),)), [106, 102, 111]),
+    ]:
         assert prompts.render_prompt_ids(req, tok) == ids
         assert batch.encode(req) == ids
-    for kw, field in [({}, "prompt"), ({"messages": ()}, "messages"),
-                      ({"prompt": "a", "messages": (ChatMessage("user", "b"),)}, "messages")]:  # fmt: skip
+    for kw, field in [
+        ({}, "prompt"),
+        ({"messages": ()}, "messages"),
+        ({"prompt": "a", "messages": (ChatMessage("user", "b"),)}, "messages"),
+    ]:
         with pytest.raises(InvalidRequest) as exc:
             prompts.render_prompt_ids(request(**kw), tok)
         assert exc.value.violations[0].field == field

@@ -32,17 +32,21 @@ def test_items_become_jobs_of_the_batch() -> None:
     )
     assert (batch_id, window) == ("b1", 86400)
     assert [(m.id, r.custom_id, r.batch_id, r.request_id) for m, r in items] == [
-        ("tiny", "a", "b1", "b~b1~0"), ("tiny", "b", "b1", "b~b1~1")
+        ("tiny", "a", "b1", "b~b1~0"),
+        ("tiny", "b", "b1", "b~b1~1"),
     ]
     assert items[1][1].sampling.max_tokens == 3 and items[0][1].sampling.max_tokens == 16
 
 
 def test_summarise_fills_the_template() -> None:
-    req = bpb.BatchGenerateRequest(summarise=bpb.Summarise(
-        documents=[bpb.Document(custom_id="d", text="the text")], params=pb.GenerateRequest(max_tokens=5)))  # fmt: skip
+    req = bpb.BatchGenerateRequest(
+        summarise=bpb.Summarise(
+            documents=[bpb.Document(custom_id="d", text="the text")], params=pb.GenerateRequest(max_tokens=5)
+        )
+    )
     batch_id, _w, items = batch_requests(req, GW, BatchSettings(), MODELS)
     assert batch_id  # made up when not given
-    (_m, r), = items
+    ((_m, r),) = items
     assert r.messages is not None and r.messages[0].content == DEFAULT_TEMPLATE.replace("{document}", "the text")
 
 
@@ -54,19 +58,28 @@ def test_every_bad_field_is_named_and_nothing_passes() -> None:
     assert fields(bpb.BatchGenerateRequest(items=[item("a"), item("b", model="big")])) == ["items[1].request.model"]
     assert fields(bpb.BatchGenerateRequest(batch_id="no spaces", items=[item("a")])) == ["batch_id"]
     assert fields(bpb.BatchGenerateRequest(items=[item("a")], completion_window_s=3)) == ["completion_window_s"]
-    both = bpb.BatchGenerateRequest(items=[item("a")], summarise=bpb.Summarise(documents=[bpb.Document(custom_id="d",
-                                                                                                       text="t")]))
+    both = bpb.BatchGenerateRequest(
+        items=[item("a")], summarise=bpb.Summarise(documents=[bpb.Document(custom_id="d", text="t")])
+    )
     assert fields(both) == ["items"]
-    summ = bpb.Summarise(template="no placeholder", params=pb.GenerateRequest(prompt="x"),
-                         documents=[bpb.Document(custom_id="d", text=" ")])  # fmt: skip
+    summ = bpb.Summarise(
+        template="no placeholder",
+        params=pb.GenerateRequest(prompt="x"),
+        documents=[bpb.Document(custom_id="d", text=" ")],
+    )
     assert fields(bpb.BatchGenerateRequest(summarise=summ)) == [
-        "summarise.template", "summarise.params", "summarise.documents[0].text"
+        "summarise.template",
+        "summarise.params",
+        "summarise.documents[0].text",
     ]
     # a summarisation's shared parameters are named once, under summarise.params
-    shared = bpb.Summarise(params=pb.GenerateRequest(temperature=-1, response_format=pb.ResponseFormat(regex="a(")),
-                           documents=[bpb.Document(custom_id=f"d{i}", text="t") for i in range(3)])  # fmt: skip
+    shared = bpb.Summarise(
+        params=pb.GenerateRequest(temperature=-1, response_format=pb.ResponseFormat(regex="a(")),
+        documents=[bpb.Document(custom_id=f"d{i}", text="t") for i in range(3)],
+    )
     assert fields(bpb.BatchGenerateRequest(summarise=shared)) == [
-        "summarise.params.temperature", "summarise.params.response_format.regex"
+        "summarise.params.temperature",
+        "summarise.params.response_format.regex",
     ]
     many = bpb.BatchGenerateRequest(items=[item(str(i)) for i in range(3)])
     assert fields(many, BatchSettings(max_items=2)) == ["items"]

@@ -11,8 +11,9 @@ from llamamesh.settings import BreakerSettings
 from services.backends import counts_against_backend
 from services.breaker import Breaker, State
 
-S = BreakerSettings(probe_failures=3, error_rate=0.5, window=10, min_requests=4, open_s=5.0,
-                    half_open_max=2, half_open_successes=2)  # fmt: skip
+S = BreakerSettings(
+    probe_failures=3, error_rate=0.5, window=10, min_requests=4, open_s=5.0, half_open_max=2, half_open_successes=2
+)
 
 
 class Clock:
@@ -83,7 +84,10 @@ def test_open_refuses_until_open_s_then_half_open_lets_a_bounded_number_through(
     b.record(True, probe=True)
     assert b.state is State.CLOSED
     assert [(t.old.value, t.new.value) for t in b.transitions] == [
-        ("closed", "open"), ("open", "half_open"), ("half_open", "closed")]  # fmt: skip
+        ("closed", "open"),
+        ("open", "half_open"),
+        ("half_open", "closed"),
+    ]
 
 
 def test_a_failure_while_half_open_opens_it_again_for_open_s() -> None:

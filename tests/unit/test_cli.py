@@ -33,10 +33,18 @@ def test_version_prints_the_installed_packages_version() -> None:
     assert out.stdout == f"llamamesh {metadata.version('llamamesh')}\n"
 
 
-@pytest.mark.parametrize(("command", "foreign"), [
-    ("gateway", "--engine"), ("gateway", "--threads"), ("gateway", "--model-path"), ("gateway", "--workers"),
-    ("worker", "--host"), ("worker", "--port"), ("worker", "--workers"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("command", "foreign"),
+    [
+        ("gateway", "--engine"),
+        ("gateway", "--threads"),
+        ("gateway", "--model-path"),
+        ("gateway", "--workers"),
+        ("worker", "--host"),
+        ("worker", "--port"),
+        ("worker", "--workers"),
+    ],
+)
 def test_gateway_and_worker_refuse_each_others_flags(command: str, foreign: str) -> None:
     with pytest.raises(SystemExit) as exit_:
         parser().parse_args([command, foreign, "1"])
@@ -47,8 +55,21 @@ def test_each_command_keeps_its_own_flags() -> None:
     p = parser()
     gateway = p.parse_args(["gateway", "--host", "0.0.0.0", "--port", "1", "--redis-url", "redis://r"])
     assert (gateway.host, gateway.port, gateway.redis_url) == ("0.0.0.0", 1, "redis://r")
-    worker = p.parse_args(["worker", "--redis-url", "redis://r", "--engine", "fake", "--threads", "2",
-                           "--max-inflight", "3", "--model-path", "m.gguf"])  # fmt: skip
+    worker = p.parse_args(
+        [
+            "worker",
+            "--redis-url",
+            "redis://r",
+            "--engine",
+            "fake",
+            "--threads",
+            "2",
+            "--max-inflight",
+            "3",
+            "--model-path",
+            "m.gguf",
+        ]
+    )
     assert (worker.engine, worker.threads, worker.max_inflight, worker.model_path) == ("fake", 2, 3, "m.gguf")
     values = ["h", "1", "redis://r", "fake", "2", "3", "m.gguf", "4"]
     node = [arg for pair in zip(NODE_FLAGS, values, strict=True) for arg in pair]
@@ -71,8 +92,14 @@ def test_gateway_becomes_python_m_services_with_its_flags_in_the_environment(
 
 
 def test_config_prints_every_setting_sorted_with_secrets_redacted() -> None:
-    out = run("config", "--port", "4321", LLAMAMESH_CLIENT_API_KEY="sekrit",
-              LLAMAMESH_REDIS_URL="redis://user:hunter2@redis:6379/0", LLAMAMESH_WORKER_THREADS="3")  # fmt: skip
+    out = run(
+        "config",
+        "--port",
+        "4321",
+        LLAMAMESH_CLIENT_API_KEY="sekrit",
+        LLAMAMESH_REDIS_URL="redis://user:hunter2@redis:6379/0",
+        LLAMAMESH_WORKER_THREADS="3",
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines == sorted(lines)
@@ -90,13 +117,16 @@ def test_config_says_which_value_is_bad_in_one_line() -> None:
     assert len(out.stderr.splitlines()) == 1
 
 
-@pytest.mark.parametrize(("old", "new", "name"), [
-    ("llamamesh.node", "llamamesh.cli.node", "Node"),
-    ("llamamesh.top", "llamamesh.cli.top", "render"),
-    ("llamamesh.batchfile", "llamamesh.cli.batchfile", "result_line"),
-    ("llamamesh.embedded", "llamamesh.cli.embedded", "EmbeddedRedis"),
-    ("llamamesh.resume", "llamamesh.client.resume", "Resumption"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("old", "new", "name"),
+    [
+        ("llamamesh.node", "llamamesh.cli.node", "Node"),
+        ("llamamesh.top", "llamamesh.cli.top", "render"),
+        ("llamamesh.batchfile", "llamamesh.cli.batchfile", "result_line"),
+        ("llamamesh.embedded", "llamamesh.cli.embedded", "EmbeddedRedis"),
+        ("llamamesh.resume", "llamamesh.client.resume", "Resumption"),
+    ],
+)
 def test_an_old_module_path_warns_and_re_exports(
     monkeypatch: pytest.MonkeyPatch, old: str, new: str, name: str
 ) -> None:

@@ -19,8 +19,12 @@ def test_a_cluster_url_lists_its_nodes_and_credentials() -> None:
     assert cluster_nodes("redis+cluster://a:7000,b:7001") == ([("a", 7000), ("b", 7001)], {})
     assert cluster_nodes("redis+cluster://u:p%40ss@a:7000") == ([("a", 7000)], {"username": "u", "password": "p@ss"})
     assert cluster_nodes("rediss+cluster://:secret@[::1]:7000/0") == ([("::1", 7000)], {"password": "secret"})
-    for bad, why in [("redis+cluster://a", "host:port"), ("redis+cluster://a:x", "host:port"),
-                     ("redis+cluster://a:1/2", "database 0"), ("redis://a:1", "not a cluster")]:  # fmt: skip
+    for bad, why in [
+        ("redis+cluster://a", "host:port"),
+        ("redis+cluster://a:x", "host:port"),
+        ("redis+cluster://a:1/2", "database 0"),
+        ("redis://a:1", "not a cluster"),
+    ]:
         with pytest.raises(ValueError, match=why):
             cluster_nodes(bad)
     assert is_cluster(connect(RedisSettings(url="redis+cluster://127.0.0.1:7000")))

@@ -28,8 +28,16 @@ def test_job_round_trip_keeps_unset_distinct_from_zero() -> None:
         request_id="r1",
         model="m",
         messages=(ChatMessage("system", "be brief"), ChatMessage("user", "hi")),
-        sampling=SamplingParams(max_tokens=5, temperature=0.0, top_k=0, stop=("\n",), stop_token_ids=(2,),
-                                seed=0, ignore_eos=False, logprobs=0),
+        sampling=SamplingParams(
+            max_tokens=5,
+            temperature=0.0,
+            top_k=0,
+            stop=("\n",),
+            stop_token_ids=(2,),
+            seed=0,
+            ignore_eos=False,
+            logprobs=0,
+        ),
         priority=3,
         metadata=MappingProxyType({"team": "a"}),
         kind=JobKind.GENERATE,
@@ -42,8 +50,14 @@ def test_job_round_trip_keeps_unset_distinct_from_zero() -> None:
 
 
 def test_samples_round_trip() -> None:
-    req = GenerationRequest(request_id="r1~1", model="m", prompt="p", sampling=SamplingParams(n=3, seed=2),
-                            resume_samples=MappingProxyType({0: (4, 5), 2: ()}), origin_id="r1")  # fmt: skip
+    req = GenerationRequest(
+        request_id="r1~1",
+        model="m",
+        prompt="p",
+        sampling=SamplingParams(n=3, seed=2),
+        resume_samples=MappingProxyType({0: (4, 5), 2: ()}),
+        origin_id="r1",
+    )
     back = codec.decode_job(codec.encode_job(req))
     assert back == req and back.sampling.samples == 3
     assert codec.decode_job(codec.encode_job(GenerationRequest(request_id="x", model="m"))).sampling.n is None
@@ -63,8 +77,13 @@ def test_undecodable_job_is_invalid_request() -> None:
 @pytest.mark.parametrize(
     "event",
     [
-        JobEvent(text="héllo 🌊", token_ids=(1, 2), index=7,
-                 logprobs=(TokenLogprob(1, -0.5, (TopLogprob(1, -0.5), TopLogprob(9, -2.0))),), worker="w"),
+        JobEvent(
+            text="héllo 🌊",
+            token_ids=(1, 2),
+            index=7,
+            logprobs=(TokenLogprob(1, -0.5, (TopLogprob(1, -0.5), TopLogprob(9, -2.0))),),
+            worker="w",
+        ),
         JobEvent(finished=Finished(FinishReason.STOP_SEQUENCE, Usage(10, 3), 5, 6)),
         JobEvent(failed=Failure("invalid_argument", "bad", False, "logprobs")),
         JobEvent(token_ids=(4, 5, 6), tokenized=True),

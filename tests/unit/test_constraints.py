@@ -109,8 +109,16 @@ def test_a_gpu_library_refuses_to_resume_a_constrained_request() -> None:
     fresh = GenerationRequest(request_id="r", model="m", prompt="p", sampling=SamplingParams(constraint=SCHEMA))
     assert library_constraint(fresh, "vLLM") == SCHEMA
     with pytest.raises(Unavailable, match="vLLM cannot resume"):
-        library_constraint(GenerationRequest(request_id="r", model="m", prompt="p", resume_token_ids=(1, 2),
-                                             sampling=SamplingParams(constraint=SCHEMA)), "vLLM")  # fmt: skip
+        library_constraint(
+            GenerationRequest(
+                request_id="r",
+                model="m",
+                prompt="p",
+                resume_token_ids=(1, 2),
+                sampling=SamplingParams(constraint=SCHEMA),
+            ),
+            "vLLM",
+        )
     free = GenerationRequest(request_id="r", model="m", prompt="p", resume_token_ids=(1,))
     assert library_constraint(free, "vLLM") is None
 

@@ -42,9 +42,12 @@ def test_model_resolution() -> None:
 
 def test_final_response_carries_usage_timings_and_finish() -> None:
     req = GenerationRequest(request_id="r", model="m1", prompt="x", accepted_unix_ns=1_000)
-    ev = JobEvent(text="!", token_ids=(9,), index=4,
-                  finished=Finished(FinishReason.STOP_SEQUENCE, Usage(3, 5), started_unix_ns=2_000,
-                                    first_token_unix_ns=5_000))
+    ev = JobEvent(
+        text="!",
+        token_ids=(9,),
+        index=4,
+        finished=Finished(FinishReason.STOP_SEQUENCE, Usage(3, 5), started_unix_ns=2_000, first_token_unix_ns=5_000),
+    )
     msg = convert.generate_response(req, ev, now_ns=9_000)
     assert msg.finish_reason == pb.FINISH_REASON_STOP_SEQUENCE
     assert (msg.usage.prompt_tokens, msg.usage.completion_tokens) == (3, 5)

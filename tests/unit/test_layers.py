@@ -86,7 +86,7 @@ def test_every_redis_key_is_built_in_keys_py() -> None:
         if p.name == "keys.py":
             continue
         text = p.read_text()
-        assert ':pool:' not in text and ':req:' not in text, p
+        assert ":pool:" not in text and ":req:" not in text, p
 
 
 # --- transitive: a module reaches everything its imports reach

@@ -159,8 +159,9 @@ def test_a_prefix_key_hashed_from_the_input_is_hashed_again_from_the_rewritten_i
     in ids the rule redacts get one key; a key the caller chose is left alone."""
     norm = Normalizer.parse('[{"name": "ids", "pattern": "id=\\"[a-z0-9-]+\\"", "replacement": "id=\\"X\\""}]', 64)
     a, b = ('<td id="a1-b2">doc one</td>', '<td id="c3-d4">doc one</td>')
-    ra, rb = (GenerationRequest(request_id=p, model="m", prompt=p, prefix_key=affinity_key(p, None, 64))
-              for p in (a, b))  # fmt: skip
+    ra, rb = (
+        GenerationRequest(request_id=p, model="m", prompt=p, prefix_key=affinity_key(p, None, 64)) for p in (a, b)
+    )
     assert ra.prefix_key != rb.prefix_key
     na, nb = norm.apply(ra), norm.apply(rb)
     assert na.prefix_key == nb.prefix_key == affinity_key('<td id="X">doc one</td>', None, 64)

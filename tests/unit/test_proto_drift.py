@@ -16,9 +16,18 @@ def test_generated_code_matches_the_proto_files(tmp_path: Path) -> None:
     protos = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "proto").rglob("*.proto"))
     assert protos, "no .proto files found"
     subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", "-Iproto", f"--python_out={tmp_path}",
-         f"--pyi_out={tmp_path}", f"--grpc_python_out={tmp_path}", *protos],
-        cwd=ROOT, check=True,
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            "-Iproto",
+            f"--python_out={tmp_path}",
+            f"--pyi_out={tmp_path}",
+            f"--grpc_python_out={tmp_path}",
+            *protos,
+        ],
+        cwd=ROOT,
+        check=True,
     )
     generated = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
     assert generated, "protoc produced nothing"

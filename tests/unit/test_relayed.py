@@ -52,8 +52,9 @@ def queue_of(p: RelayParts) -> MemoryQueue:
 
 
 def request(rid: str = "r", max_tokens: int = 6, n: int | None = None) -> GenerationRequest:
-    return GenerationRequest(request_id=rid, model="tiny", prompt="x",
-                             sampling=SamplingParams(max_tokens=max_tokens, n=n))  # fmt: skip
+    return GenerationRequest(
+        request_id=rid, model="tiny", prompt="x", sampling=SamplingParams(max_tokens=max_tokens, n=n)
+    )
 
 
 def tok(index: int, *tokens: int, sample: int = 0) -> JobEvent:
@@ -141,8 +142,10 @@ async def test_spent_ends_end_each_sample_whose_tokens_the_caller_has_and_the_re
         r.streams.accept(ev)
     r.attempts = 1
     ends = list(r.spent_ends())  # samples 0 and 2 have their max_tokens: only their ends were missing
-    assert [(e.sample, e.sample_end, e.terminal) for e in ends] == [(0, FinishReason.LENGTH, False),
-                                                                     (2, FinishReason.LENGTH, False)]  # fmt: skip
+    assert [(e.sample, e.sample_end, e.terminal) for e in ends] == [
+        (0, FinishReason.LENGTH, False),
+        (2, FinishReason.LENGTH, False),
+    ]
     assert not r.finished and r.streams.ended == {0, 2}
     r.streams.accept(tok(1, 4, sample=1))
     (last,) = r.spent_ends()  # the last one to end ends the request, with every sample's tokens
@@ -245,9 +248,16 @@ async def _relay_through_losses(n: int, cuts: list[int], step: int, repeat: bool
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(2, 12).flatmap(lambda n: st.tuples(
-    st.just(n), st.lists(st.integers(1, n - 1), max_size=3, unique=True).map(sorted), st.integers(1, 3),
-    st.booleans())))  # fmt: skip
+@given(
+    st.integers(2, 12).flatmap(
+        lambda n: st.tuples(
+            st.just(n),
+            st.lists(st.integers(1, n - 1), max_size=3, unique=True).map(sorted),
+            st.integers(1, 3),
+            st.booleans(),
+        )
+    )
+)
 def test_a_stream_lost_and_resumed_at_any_points_is_contiguous_and_ends_once(
     case: tuple[int, list[int], int, bool],
 ) -> None:

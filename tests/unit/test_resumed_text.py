@@ -20,9 +20,7 @@ from services.relay import QueueRelay
 pytestmark = pytest.mark.timeout(60)
 
 # One engine step: 1-3 tokens, a text that may be empty (a character still incomplete) or not ASCII.
-steps = st.lists(
-    st.tuples(st.integers(1, 3), st.text(alphabet="ab é漢🙂", max_size=4)), min_size=1, max_size=30
-)
+steps = st.lists(st.tuples(st.integers(1, 3), st.text(alphabet="ab é漢🙂", max_size=4)), min_size=1, max_size=30)
 
 
 def events_of(spec: list[tuple[int, str]], flush: str = "") -> list[JobEvent]:
@@ -55,8 +53,9 @@ def test_a_joined_event_cut_at_any_step_boundary_splits_its_text_exactly(
     head, tail = cut(joined, 0, k), cut(joined, k, None)
     assert tail is not None
     # What a caller holding k tokens has is the text of the steps whose tokens it has.
-    assert (head.text if head else "") == "".join(e.text for e in events if e.index + len(e.token_ids) <= k
-                                                  and e.token_ids)  # fmt: skip
+    assert (head.text if head else "") == "".join(
+        e.text for e in events if e.index + len(e.token_ids) <= k and e.token_ids
+    )
     assert (head.text if head else "") + tail.text == joined.text
     assert tail.token_ids == joined.token_ids[k:] and tail.terminal
 

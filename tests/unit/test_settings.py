@@ -18,13 +18,15 @@ pytestmark = pytest.mark.timeout(10)
 
 
 def test_env_maps_one_to_one_to_fields() -> None:
-    s = Settings.from_env({
-        "LLAMAMESH_REDIS_URL": "redis://h:1/0",
-        "LLAMAMESH_WORKER_MAX_INFLIGHT": "7",
-        "LLAMAMESH_WORKER_FAKE_STEP_S": "0.5",
-        "LLAMAMESH_GATEWAY_MODELS": "a=gpu, b=cpu",
-        "UNRELATED": "x",
-    })
+    s = Settings.from_env(
+        {
+            "LLAMAMESH_REDIS_URL": "redis://h:1/0",
+            "LLAMAMESH_WORKER_MAX_INFLIGHT": "7",
+            "LLAMAMESH_WORKER_FAKE_STEP_S": "0.5",
+            "LLAMAMESH_GATEWAY_MODELS": "a=gpu, b=cpu",
+            "UNRELATED": "x",
+        }
+    )
     assert s.redis.url == "redis://h:1/0"
     assert s.worker.max_inflight == 7 and s.worker.fake_step_s == 0.5
     assert [(m.id, m.pool, m.default) for m in s.gateway.model_table()] == [("a", "gpu", True), ("b", "cpu", False)]
@@ -49,23 +51,25 @@ def test_threads_default_leaves_a_core_free() -> None:
 
 
 def test_vllm_section_reads_its_env_vars() -> None:
-    s = Settings.from_env({
-        "LLAMAMESH_VLLM_TOKENIZER": "/tok",
-        "LLAMAMESH_VLLM_DTYPE": "bfloat16",
-        "LLAMAMESH_VLLM_TENSOR_PARALLEL_SIZE": "2",
-        "LLAMAMESH_VLLM_MAX_MODEL_LEN": "8192",
-        "LLAMAMESH_VLLM_GPU_MEMORY_UTILIZATION": "0.85",
-        "LLAMAMESH_VLLM_BLOCK_SIZE": "32",
-        "LLAMAMESH_VLLM_ENABLE_PREFIX_CACHING": "false",
-        "LLAMAMESH_VLLM_QUANTIZATION": "fp8",
-        "LLAMAMESH_VLLM_LOAD_FORMAT": "dummy",
-        "LLAMAMESH_VLLM_ENFORCE_EAGER": "true",
-        "LLAMAMESH_VLLM_MAX_NUM_SEQS": "512",
-        "LLAMAMESH_VLLM_MAX_NUM_BATCHED_TOKENS": "16384",
-        "LLAMAMESH_VLLM_SWAP_SPACE": "4",
-        "LLAMAMESH_VLLM_SEED": "7",
-        "LLAMAMESH_VLLM_EXTRA_ARGS": '{"kv_cache_dtype": "fp8"}',
-    })
+    s = Settings.from_env(
+        {
+            "LLAMAMESH_VLLM_TOKENIZER": "/tok",
+            "LLAMAMESH_VLLM_DTYPE": "bfloat16",
+            "LLAMAMESH_VLLM_TENSOR_PARALLEL_SIZE": "2",
+            "LLAMAMESH_VLLM_MAX_MODEL_LEN": "8192",
+            "LLAMAMESH_VLLM_GPU_MEMORY_UTILIZATION": "0.85",
+            "LLAMAMESH_VLLM_BLOCK_SIZE": "32",
+            "LLAMAMESH_VLLM_ENABLE_PREFIX_CACHING": "false",
+            "LLAMAMESH_VLLM_QUANTIZATION": "fp8",
+            "LLAMAMESH_VLLM_LOAD_FORMAT": "dummy",
+            "LLAMAMESH_VLLM_ENFORCE_EAGER": "true",
+            "LLAMAMESH_VLLM_MAX_NUM_SEQS": "512",
+            "LLAMAMESH_VLLM_MAX_NUM_BATCHED_TOKENS": "16384",
+            "LLAMAMESH_VLLM_SWAP_SPACE": "4",
+            "LLAMAMESH_VLLM_SEED": "7",
+            "LLAMAMESH_VLLM_EXTRA_ARGS": '{"kv_cache_dtype": "fp8"}',
+        }
+    )
     v = s.vllm
     assert (v.tokenizer, v.dtype, v.tensor_parallel_size, v.max_model_len) == ("/tok", "bfloat16", 2, 8192)
     assert (v.gpu_memory_utilization, v.block_size, v.enable_prefix_caching) == (0.85, 32, False)
@@ -85,13 +89,15 @@ def test_vllm_defaults_mean_vllms_own() -> None:
 
 
 def test_trtllm_section_reads_its_env_vars() -> None:
-    s = Settings.from_env({
-        "LLAMAMESH_TRTLLM_BACKEND": "tensorrt",
-        "LLAMAMESH_TRTLLM_MAX_NUM_TOKENS": "4096",
-        "LLAMAMESH_TRTLLM_FREE_GPU_MEMORY_FRACTION": "0.85",
-        "LLAMAMESH_TRTLLM_ENABLE_BLOCK_REUSE": "false",
-        "LLAMAMESH_TRTLLM_TRUST_REMOTE_CODE": "true",
-    })
+    s = Settings.from_env(
+        {
+            "LLAMAMESH_TRTLLM_BACKEND": "tensorrt",
+            "LLAMAMESH_TRTLLM_MAX_NUM_TOKENS": "4096",
+            "LLAMAMESH_TRTLLM_FREE_GPU_MEMORY_FRACTION": "0.85",
+            "LLAMAMESH_TRTLLM_ENABLE_BLOCK_REUSE": "false",
+            "LLAMAMESH_TRTLLM_TRUST_REMOTE_CODE": "true",
+        }
+    )
     t = s.trtllm
     assert (t.backend, t.max_num_tokens, t.free_gpu_memory_fraction) == ("tensorrt", 4096, 0.85)
     assert (t.enable_block_reuse, t.trust_remote_code) == (False, True)
@@ -125,18 +131,27 @@ def test_a_variable_that_is_no_setting_is_refused_with_the_closest_name() -> Non
         ("LLAMAMESH_GATEWAY_SETTLE_S", "-5", "LLAMAMESH_GATEWAY_SETTLE_S=-5: expected a number, 0 or more"),
         ("LLAMAMESH_GATEWAY_PORT", "99999", "LLAMAMESH_GATEWAY_PORT=99999: expected an integer, from 0 to 65535"),
         ("LLAMAMESH_WORKER_MAX_INFLIGHT", "0", "LLAMAMESH_WORKER_MAX_INFLIGHT=0: expected an integer, 1 or more"),
-        ("LLAMAMESH_WORKER_MAX_INFLIGHT", "many",
-         "LLAMAMESH_WORKER_MAX_INFLIGHT='many': expected an integer, 1 or more"),
-        ("LLAMAMESH_VLLM_GPU_MEMORY_UTILIZATION", "1.5",
-         "LLAMAMESH_VLLM_GPU_MEMORY_UTILIZATION=1.5: expected a number, from 0 to 1"),
+        (
+            "LLAMAMESH_WORKER_MAX_INFLIGHT",
+            "many",
+            "LLAMAMESH_WORKER_MAX_INFLIGHT='many': expected an integer, 1 or more",
+        ),
+        (
+            "LLAMAMESH_VLLM_GPU_MEMORY_UTILIZATION",
+            "1.5",
+            "LLAMAMESH_VLLM_GPU_MEMORY_UTILIZATION=1.5: expected a number, from 0 to 1",
+        ),
         ("LLAMAMESH_WORKER_HEARTBEAT_S", "0", "LLAMAMESH_WORKER_HEARTBEAT_S=0: expected a number, more than 0"),
         ("LLAMAMESH_WORKER_HEARTBEAT_S", "nan", "LLAMAMESH_WORKER_HEARTBEAT_S=nan: expected a number, more than 0"),
         ("LLAMAMESH_GATEWAY_SHARE_PORT", "maybe", "LLAMAMESH_GATEWAY_SHARE_PORT='maybe': expected true or false"),
         ("LLAMAMESH_LOG_FORMAT", "JSON", "LLAMAMESH_LOG_FORMAT='JSON': expected one of auto, json, console"),
-        ("LLAMAMESH_GATEWAY_EVENT_LOOP", "trio",
-         "LLAMAMESH_GATEWAY_EVENT_LOOP='trio': expected one of uvloop, asyncio"),
+        (
+            "LLAMAMESH_GATEWAY_EVENT_LOOP",
+            "trio",
+            "LLAMAMESH_GATEWAY_EVENT_LOOP='trio': expected one of uvloop, asyncio",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_bad_value_is_refused_in_one_line_naming_variable_value_and_range(
     variable: str, value: str, message: str
 ) -> None:
@@ -145,10 +160,16 @@ def test_a_bad_value_is_refused_in_one_line_naming_variable_value_and_range(
 
 
 def test_bounds_are_inclusive_where_they_say_so() -> None:
-    s = Settings.from_env({
-        "LLAMAMESH_GATEWAY_PORT": "0", "LLAMAMESH_GATEWAY_HEALTH_PORT": "65535", "LLAMAMESH_WORKER_MAX_INFLIGHT": "1",
-        "LLAMAMESH_BATCH_MAX_SHARE": "1", "LLAMAMESH_BATCH_MIN_SHARE": "0", "LLAMAMESH_GATEWAY_SETTLE_S": "0",
-    })  # fmt: skip
+    s = Settings.from_env(
+        {
+            "LLAMAMESH_GATEWAY_PORT": "0",
+            "LLAMAMESH_GATEWAY_HEALTH_PORT": "65535",
+            "LLAMAMESH_WORKER_MAX_INFLIGHT": "1",
+            "LLAMAMESH_BATCH_MAX_SHARE": "1",
+            "LLAMAMESH_BATCH_MIN_SHARE": "0",
+            "LLAMAMESH_GATEWAY_SETTLE_S": "0",
+        }
+    )
     assert (s.gateway.port, s.gateway.health_port, s.worker.max_inflight) == (0, 65535, 1)
     assert (s.batch.max_share, s.batch.min_share, s.gateway.settle_s) == (1.0, 0.0, 0.0)
 
@@ -185,8 +206,9 @@ class _Probe(Section, section="probe"):
 def test_optional_values_read_empty_as_unset() -> None:
     assert section_from_env(_Probe, {}) == _Probe()
     assert section_from_env(_Probe, {"LLAMAMESH_PROBE_LIMIT": "", "LLAMAMESH_PROBE_FLAG": " "}) == _Probe()
-    got = section_from_env(_Probe, {"LLAMAMESH_PROBE_LIMIT": "3", "LLAMAMESH_PROBE_FLAG": "no",
-                                    "LLAMAMESH_PROBE_MODE": "b"})  # fmt: skip
+    got = section_from_env(
+        _Probe, {"LLAMAMESH_PROBE_LIMIT": "3", "LLAMAMESH_PROBE_FLAG": "no", "LLAMAMESH_PROBE_MODE": "b"}
+    )
     assert got == _Probe(limit=3, flag=False, mode="b")
     with pytest.raises(ValueError, match=r"^LLAMAMESH_PROBE_LIMIT=0: expected an integer, 1 or more \(or empty\)$"):
         section_from_env(_Probe, {"LLAMAMESH_PROBE_LIMIT": "0"})
@@ -217,17 +239,29 @@ ENTRY_POINTS = {
 @pytest.mark.parametrize(
     ("entry", "variable", "value", "line"),
     [
-        ("llamamesh serve", "LLAMAMESH_GATEWAY_SETLE_S", "5",
-         "LLAMAMESH_GATEWAY_SETLE_S is not a setting; did you mean LLAMAMESH_GATEWAY_SETTLE_S?"),
-        ("llamamesh serve", "LLAMAMESH_GATEWAY_PORT", "99999",
-         "LLAMAMESH_GATEWAY_PORT=99999: expected an integer, from 0 to 65535"),
-        ("llamamesh serve", "LLAMAMESH_WORKER_MAX_INFLIGHT", "0",
-         "LLAMAMESH_WORKER_MAX_INFLIGHT=0: expected an integer, 1 or more"),
+        (
+            "llamamesh serve",
+            "LLAMAMESH_GATEWAY_SETLE_S",
+            "5",
+            "LLAMAMESH_GATEWAY_SETLE_S is not a setting; did you mean LLAMAMESH_GATEWAY_SETTLE_S?",
+        ),
+        (
+            "llamamesh serve",
+            "LLAMAMESH_GATEWAY_PORT",
+            "99999",
+            "LLAMAMESH_GATEWAY_PORT=99999: expected an integer, from 0 to 65535",
+        ),
+        (
+            "llamamesh serve",
+            "LLAMAMESH_WORKER_MAX_INFLIGHT",
+            "0",
+            "LLAMAMESH_WORKER_MAX_INFLIGHT=0: expected an integer, 1 or more",
+        ),
         ("python -m services", "LLAMAMESH_GATEWAY_SETLE_S", "5", "LLAMAMESH_GATEWAY_SETLE_S is not a setting"),
         ("python -m workers", "LLAMAMESH_WORKER_MAX_INFLIGHT", "0", "LLAMAMESH_WORKER_MAX_INFLIGHT=0: expected"),
     ],
     ids=["serve-typo", "serve-port", "serve-max-inflight", "services-typo", "workers-max-inflight"],
-)  # fmt: skip
+)
 def test_an_entry_point_with_a_bad_setting_exits_1_naming_it(entry: str, variable: str, value: str, line: str) -> None:
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp"), variable: value}
     done = subprocess.run(ENTRY_POINTS[entry], env=env, capture_output=True, text=True, timeout=45)

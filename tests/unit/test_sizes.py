@@ -15,8 +15,9 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def product_files() -> list[Path]:
-    return sorted(p for pkg in ("llamamesh", "services", "workers") for p in (ROOT / pkg).rglob("*.py")
-                  if "_pb2" not in p.name)  # fmt: skip
+    return sorted(
+        p for pkg in ("llamamesh", "services", "workers") for p in (ROOT / pkg).rglob("*.py") if "_pb2" not in p.name
+    )
 
 
 def test_no_module_is_over_the_limit() -> None:

@@ -42,8 +42,9 @@ class Clock:
         return self.now
 
 
-def supervisor(*children: Child, backoff: Backoff | None = None, rand: float = 0.5) -> tuple[Supervisor, Clock,
-                                                                                             list[FakeProcess]]:
+def supervisor(
+    *children: Child, backoff: Backoff | None = None, rand: float = 0.5
+) -> tuple[Supervisor, Clock, list[FakeProcess]]:
     clock = Clock()
     started: list[FakeProcess] = []
 
@@ -52,8 +53,9 @@ def supervisor(*children: Child, backoff: Backoff | None = None, rand: float = 0
         return started[-1]
 
     exits: list[ChildState] = []
-    sup = Supervisor(list(children), backoff or Backoff(), clock=clock, rand=lambda: rand, launch=launch,
-                     on_exit=exits.append)  # fmt: skip
+    sup = Supervisor(
+        list(children), backoff or Backoff(), clock=clock, rand=lambda: rand, launch=launch, on_exit=exits.append
+    )
     sup.exits = exits  # type: ignore[attr-defined]
     return sup, clock, started
 

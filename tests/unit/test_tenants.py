@@ -106,8 +106,14 @@ def test_create_key_refuses_a_bad_tenant_name(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "t.json").read_text() if (tmp_path / "t.json").exists() else "{}") == {}
 
 
-@pytest.mark.parametrize(("limits", "named"), [({"weight": 0}, "limits.weight=0.0"), ({"burst": -1}, "limits.burst=-1"),
-                                               ({"nope": 1}, "limits.nope is not a limit")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("limits", "named"),
+    [
+        ({"weight": 0}, "limits.weight=0.0"),
+        ({"burst": -1}, "limits.burst=-1"),
+        ({"nope": 1}, "limits.nope is not a limit"),
+    ],
+)
 def test_a_limit_out_of_range_is_refused_naming_it_as_the_file_does(limits: dict[str, object], named: str) -> None:
     with pytest.raises(ValueError, match=f"tenants.acme.{named}"):
         Tenants.parse(doc(acme={"limits": limits}), LimitsSettings())

@@ -12,12 +12,30 @@ pytestmark = pytest.mark.timeout(10)
 
 
 def response() -> pb.ListBackendsResponse:
-    cpu = pb.Backend(pool="cpu", breaker_state="closed", serving=True, fallback="gpu", queue_depth=7,
-                     queue_pending=3, queue_wait_s=1.25, tokens_per_s=42.5)  # fmt: skip
-    cpu.workers.add(name="w-1", model="tiny", engine="fake", inflight=3, max_inflight=4, running=3, waiting=0,
-                    kv_cache_usage=0.5, state="ready")  # fmt: skip
-    cpu.workers.add(name="w-2", model="tiny", engine="fake", max_inflight=4, state="starting",
-                    detail="loading the model")  # fmt: skip
+    cpu = pb.Backend(
+        pool="cpu",
+        breaker_state="closed",
+        serving=True,
+        fallback="gpu",
+        queue_depth=7,
+        queue_pending=3,
+        queue_wait_s=1.25,
+        tokens_per_s=42.5,
+    )
+    cpu.workers.add(
+        name="w-1",
+        model="tiny",
+        engine="fake",
+        inflight=3,
+        max_inflight=4,
+        running=3,
+        waiting=0,
+        kv_cache_usage=0.5,
+        state="ready",
+    )
+    cpu.workers.add(
+        name="w-2", model="tiny", engine="fake", max_inflight=4, state="starting", detail="loading the model"
+    )
     gpu = pb.Backend(pool="gpu", breaker_state="open", serving=False, last_probe_error="no live worker")
     gpu.workers.add(name="g-1", engine="vllm", state="failed", detail="CUDA out of memory")
     gpu.transitions.add(from_state="closed", to_state="open", reason="5 failures")

@@ -14,8 +14,10 @@ PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
 def test_off_without_an_endpoint_and_no_sdk_imported() -> None:
-    code = ("import sys; from llamamesh import tracing; assert not tracing.configure('gateway', {}); "
-            "assert 'opentelemetry.sdk' not in sys.modules")  # fmt: skip
+    code = (
+        "import sys; from llamamesh import tracing; assert not tracing.configure('gateway', {}); "
+        "assert 'opentelemetry.sdk' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -135,9 +135,13 @@ def test_bad_settings_name_their_setting(worker: WorkerSettings, settings: Trtll
 
 @pytest.mark.parametrize(
     ("field", "value", "expected"),
-    [("tensor_parallel_size", -1, "an integer, 0 or more"), ("max_num_tokens", -5, "an integer, 0 or more"),
-     ("max_cpu_loras", -1, "an integer, 0 or more"), ("free_gpu_memory_fraction", 1.5, "a number, from 0 to 1")],
-)  # fmt: skip
+    [
+        ("tensor_parallel_size", -1, "an integer, 0 or more"),
+        ("max_num_tokens", -5, "an integer, 0 or more"),
+        ("max_cpu_loras", -1, "an integer, 0 or more"),
+        ("free_gpu_memory_fraction", 1.5, "a number, from 0 to 1"),
+    ],
+)
 def test_out_of_range_settings_are_refused_naming_their_variable(field: str, value: object, expected: str) -> None:
     with pytest.raises(ValueError, match=f"LLAMAMESH_TRTLLM_{field.upper()}={value}: expected {expected}"):
         TrtllmSettings(**{field: value})  # type: ignore[arg-type]
@@ -217,13 +221,19 @@ def test_zero_logprobs_still_asks_trtllm_for_the_sampled_token() -> None:
         ("require top_k >= 0, got top_k=-3", "top_k", False),
         ("require temperature >= 0, got temperature=-1.0", "temperature", False),
         ("SamplingParams.__init__() got an unexpected keyword argument 'min_p'", "min_p", False),
-        ("`sampling_params.logprobs=5` requires `gather_generation_logits=True` to be passed explicitly", "logprobs",
-         False),
-        ("The sum of prompt length (9000.0), query length (0) should not exceed max_num_tokens (8192)", "messages",
-         True),
+        (
+            "`sampling_params.logprobs=5` requires `gather_generation_logits=True` to be passed explicitly",
+            "logprobs",
+            False,
+        ),
+        (
+            "The sum of prompt length (9000.0), query length (0) should not exceed max_num_tokens (8192)",
+            "messages",
+            True,
+        ),
         ("SamplingParams.n (4) should not exceed max_batch_size (2)", "n", False),
     ],
-)  # fmt: skip
+)
 def test_trtllm_argument_errors_name_our_field(message: str, field: str, too_long: bool) -> None:
     err = invalid_from_trtllm(message, "messages")
     assert err.violations[0].field == field
@@ -280,8 +290,10 @@ def test_iteration_stats_give_running_waiting_and_kv_usage() -> None:
     assert stat_figures(stat) == (3, 2, 0.25)
     assert stat_figures(json.dumps(stat)) == (3, 2, 0.25)
     assert stat_figures({"numActiveRequests": 1, "kvCacheStats": {"usedNumBlocks": 1, "freeNumBlocks": 3}}) == (
-        1, 0, 0.25,
-    )  # fmt: skip
+        1,
+        0,
+        0.25,
+    )
     assert stat_figures({"numActiveRequests": 0}) == (0, 0, 0.0)
     assert stat_figures({"iter": 4}) is None
 
@@ -317,8 +329,9 @@ class FakeGuidedDecodingParams:
     """The documented fields: one of json, json_object, regex, grammar (structural_tag not used)."""
 
     def __init__(self, json: Any = None, regex: Any = None, grammar: Any = None, json_object: bool = False) -> None:
-        self.kwargs = {k: v for k, v in {"json": json, "regex": regex, "grammar": grammar,
-                                         "json_object": json_object}.items() if v}  # fmt: skip
+        self.kwargs = {
+            k: v for k, v in {"json": json, "regex": regex, "grammar": grammar, "json_object": json_object}.items() if v
+        }
 
 
 class HfTokenizer:
@@ -524,8 +537,13 @@ async def test_start_builds_the_llm_from_the_settings(trt: SimpleNamespace) -> N
     engine, llm = await started(TrtllmSettings(max_num_tokens=4096, free_gpu_memory_fraction=0.8))
     kv = llm.kwargs.pop("kv_cache_config")
     assert isinstance(kv, FakeKvCacheConfig) and kv.kwargs == {"free_gpu_memory_fraction": 0.8}
-    assert llm.kwargs == {"model": "/m", "tensor_parallel_size": 1, "max_num_tokens": 4096,
-                          "enable_iter_perf_stats": True, "guided_decoding_backend": "xgrammar"}  # fmt: skip
+    assert llm.kwargs == {
+        "model": "/m",
+        "tensor_parallel_size": 1,
+        "max_num_tokens": 4096,
+        "enable_iter_perf_stats": True,
+        "guided_decoding_backend": "xgrammar",
+    }
     assert type(llm) is FakeLLM
     # Prompts are rendered with the HF tokenizer inside TensorRT-LLM's wrapper (chat_template lives there).
     assert isinstance(engine._tokenizer, HfTokenizer)
@@ -569,18 +587,21 @@ def test_lora_kwargs_come_from_the_workers_adapters_and_the_settings() -> None:
     assert lora_kwargs(WORKER, TrtllmSettings()) is None  # off
     own = dataclasses.replace(WORKER, adapters="sql=/a/sql,fr=/a/fr")
     assert lora_kwargs(own, TrtllmSettings()) == {"lora_dir": ["/a/sql", "/a/fr"]}
-    s = TrtllmSettings(enable_lora=True, max_loras=2, max_cpu_loras=8, max_lora_rank=16,
-                       lora_target_modules="attn_q, attn_k,attn_v")  # fmt: skip
-    assert lora_kwargs(WORKER, s) == {"max_loras": 2, "max_cpu_loras": 8, "max_lora_rank": 16,
-                                      "lora_target_modules": ["attn_q", "attn_k", "attn_v"]}  # fmt: skip
+    s = TrtllmSettings(
+        enable_lora=True, max_loras=2, max_cpu_loras=8, max_lora_rank=16, lora_target_modules="attn_q, attn_k,attn_v"
+    )
+    assert lora_kwargs(WORKER, s) == {
+        "max_loras": 2,
+        "max_cpu_loras": 8,
+        "max_lora_rank": 16,
+        "lora_target_modules": ["attn_q", "attn_k", "attn_v"],
+    }
     with pytest.raises(InvalidRequest) as engines:
         lora_kwargs(own, TrtllmSettings(backend="tensorrt"))
     assert field_of(engines) == "trtllm.enable_lora"
 
 
-async def test_adapters_go_with_their_lora_request_and_load_at_run_time(
-    trt: SimpleNamespace, tmp_path: Any
-) -> None:  # fmt: skip
+async def test_adapters_go_with_their_lora_request_and_load_at_run_time(trt: SimpleNamespace, tmp_path: Any) -> None:
     engine, llm = await started(TrtllmSettings(max_loras=2), adapters="sql=/a/sql")
     config = llm.kwargs["lora_config"]
     assert isinstance(config, FakeLoraConfig) and config.kwargs == {"lora_dir": ["/a/sql"], "max_loras": 2}
@@ -626,8 +647,13 @@ async def test_a_stream_yields_deltas_and_a_final_one_with_the_prompt_tokens(trt
     await until(lambda: bool(llm.results), 5, "TensorRT-LLM to have the request")
     result = llm.results[0]
     assert result.prompt_token_ids == [1, 103, 103]
-    assert result.sampling_params.kwargs == {"max_tokens": 256, "temperature": 1.0, "seed": 7, "top_k": 0,
-                                             "stop": ["###"]}  # fmt: skip
+    assert result.sampling_params.kwargs == {
+        "max_tokens": 256,
+        "temperature": 1.0,
+        "seed": 7,
+        "top_k": 0,
+        "stop": ["###"],
+    }
     result.respond(" a", (5,))
     result.respond("", ())  # nothing new: skipped
     result.respond(" b", (6,))
@@ -799,8 +825,13 @@ async def test_stats_come_from_trtllms_iteration_stats(trt: SimpleNamespace) -> 
 
 
 def test_registry_builds_the_trtllm_engine_without_importing_tensorrt_llm() -> None:
-    settings = Settings.from_env({"LLAMAMESH_WORKER_ENGINE": "trtllm", "LLAMAMESH_WORKER_MODEL_PATH": "/m",
-                                  "LLAMAMESH_TRTLLM_MAX_BATCH_SIZE": "64"})  # fmt: skip
+    settings = Settings.from_env(
+        {
+            "LLAMAMESH_WORKER_ENGINE": "trtllm",
+            "LLAMAMESH_WORKER_MODEL_PATH": "/m",
+            "LLAMAMESH_TRTLLM_MAX_BATCH_SIZE": "64",
+        }
+    )
     engine = registry.create(settings)
     assert isinstance(engine, TrtllmEngine) and engine.model_name == settings.worker.model
     assert engine._trtllm_settings.max_batch_size == 64

@@ -158,18 +158,33 @@ async def test_a_request_with_an_adapter_goes_with_its_lora_request_and_an_unkno
 
 def test_unset_sentinels_keep_vllms_defaults() -> None:
     kwargs = engine_kwargs(WORKER, VllmSettings(enforce_eager=False, seed=0, gpu_memory_utilization=0.0), 1)
-    for name in ("tokenizer", "dtype", "max_model_len", "gpu_memory_utilization", "block_size", "quantization",
-                 "load_format", "enforce_eager", "max_num_seqs", "max_num_batched_tokens", "swap_space", "seed",
-                 "enable_prefix_caching"):  # fmt: skip
+    for name in (
+        "tokenizer",
+        "dtype",
+        "max_model_len",
+        "gpu_memory_utilization",
+        "block_size",
+        "quantization",
+        "load_format",
+        "enforce_eager",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "swap_space",
+        "seed",
+        "enable_prefix_caching",
+    ):
         assert name not in kwargs
 
 
-@pytest.mark.parametrize(("share", "budget", "expected"), [
-    (1.0, 0, BATCH_STEP_TOKENS),  # a batch worker: twice offline LLM's step budget
-    (0.5, 0, 0),                  # a mixed worker: vLLM's server default (shorter steps)
-    (0.99, 0, 0),
-    (1.0, 4096, 4096),            # set: kept
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("share", "budget", "expected"),
+    [
+        (1.0, 0, BATCH_STEP_TOKENS),  # a batch worker: twice offline LLM's step budget
+        (0.5, 0, 0),  # a mixed worker: vLLM's server default (shorter steps)
+        (0.99, 0, 0),
+        (1.0, 4096, 4096),  # set: kept
+    ],
+)
 def test_the_step_budget_follows_what_the_worker_serves(share: float, budget: int, expected: int) -> None:
     chosen = for_worker(VllmSettings(max_num_batched_tokens=budget), BatchSettings(max_share=share))
     assert chosen.max_num_batched_tokens == expected
@@ -338,15 +353,24 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused() -> None:
         ("top_k must be 0 (disable), or at least 1, got -5.", None, "top_k", False),
         ("stop cannot contain an empty string.", None, "stop", False),
         ("presence_penalty must be in [-2, 2], got 3.", None, "presence_penalty", False),
-        ("The decoder prompt (length 5000) is longer than the maximum model length of 4096. Make sure", None,
-         "messages", True),
-        ("The decoder prompt (length 4096) plus the number of requested output tokens (at least 1) is longer "
-         "than the maximum model length of 4096.", None, "messages", True),
+        (
+            "The decoder prompt (length 5000) is longer than the maximum model length of 4096. Make sure",
+            None,
+            "messages",
+            True,
+        ),
+        (
+            "The decoder prompt (length 4096) plus the number of requested output tokens (at least 1) is longer "
+            "than the maximum model length of 4096.",
+            None,
+            "messages",
+            True,
+        ),
         ("The decoder prompt cannot be empty", None, "messages", False),
         ("Token id 99999 is out of vocabulary", None, "messages", False),
         ("This model does not support generation", None, "request", False),
     ],
-)  # fmt: skip
+)
 def test_vllm_validation_errors_name_our_field(message: str, parameter: str | None, field: str, too_long: bool) -> None:
     err = invalid_from_vllm(message, parameter, "messages")
     assert err.violations[0].field == field
@@ -442,18 +466,26 @@ def test_deltas_carry_prompt_tokens_on_the_final_one_only() -> None:
 
 
 def test_engine_timings_split_vllms_time_to_first_token() -> None:
-    stats = SimpleNamespace(first_token_latency=0.5, queued_ts=10.0, scheduled_ts=10.3, first_token_ts=10.45,
-                            last_token_ts=11.45)  # fmt: skip
+    stats = SimpleNamespace(
+        first_token_latency=0.5, queued_ts=10.0, scheduled_ts=10.3, first_token_ts=10.45, last_token_ts=11.45
+    )
     timed = dict(engine_timings(SimpleNamespace(metrics=stats), 1.234, now=11.5))
-    assert timed == {"tokenize": 1.23, "vllm_ttft": 500.0, "vllm_queue": 300.0, "vllm_prefill": 150.0,
-                     "vllm_decode": 1000.0, "vllm_delivery": 50.0}  # fmt: skip
+    assert timed == {
+        "tokenize": 1.23,
+        "vllm_ttft": 500.0,
+        "vllm_queue": 300.0,
+        "vllm_prefill": 150.0,
+        "vllm_decode": 1000.0,
+        "vllm_delivery": 50.0,
+    }
     # Stats off (metrics None), or a request that never produced a token: our part only.
     assert engine_timings(SimpleNamespace(metrics=None), 2.0) == (("tokenize", 2.0),)
     unscheduled = SimpleNamespace(first_token_latency=0.0, queued_ts=1.0, scheduled_ts=0.0, first_token_ts=0.0)
     assert engine_timings(SimpleNamespace(metrics=unscheduled), 2.0) == (("tokenize", 2.0),)
     # The engine core's stats off (disable_log_stats): no queue or schedule times, so no queue/prefill.
-    core_off = SimpleNamespace(first_token_latency=0.06, queued_ts=0.0, scheduled_ts=0.0, first_token_ts=440.1,
-                               last_token_ts=440.9)  # fmt: skip
+    core_off = SimpleNamespace(
+        first_token_latency=0.06, queued_ts=0.0, scheduled_ts=0.0, first_token_ts=440.1, last_token_ts=440.9
+    )
     timed = dict(engine_timings(SimpleNamespace(metrics=core_off), 2.0, now=441.0))
     assert set(timed) == {"tokenize", "vllm_ttft", "vllm_decode", "vllm_delivery"}, timed
 
@@ -471,16 +503,22 @@ def test_scheduler_snapshot_sums_engines() -> None:
 
 
 def test_registry_builds_the_vllm_engine_without_importing_vllm() -> None:
-    settings = Settings.from_env({}).with_overrides(worker={"engine": "vllm", "model_path": "/m", "max_inflight": 32},
-                                                    vllm={"max_num_seqs": 512})  # fmt: skip
+    settings = Settings.from_env({}).with_overrides(
+        worker={"engine": "vllm", "model_path": "/m", "max_inflight": 32}, vllm={"max_num_seqs": 512}
+    )
     with capture_logs() as logs:
         engine = registry.create(settings)
     assert isinstance(engine, VllmEngine) and engine.model_name == settings.worker.model
     assert "vllm" not in sys.modules
     assert [e for e in logs if e["event"] == "vllm_underfed"] == [
-        {"event": "vllm_underfed", "log_level": "warning", "max_inflight": 32, "max_num_seqs": 512,
-         "hint": "set LLAMAMESH_WORKER_MAX_INFLIGHT >= max_num_seqs so the worker keeps vLLM's batch full"}
-    ]  # fmt: skip
+        {
+            "event": "vllm_underfed",
+            "log_level": "warning",
+            "max_inflight": 32,
+            "max_num_seqs": 512,
+            "hint": "set LLAMAMESH_WORKER_MAX_INFLIGHT >= max_num_seqs so the worker keeps vLLM's batch full",
+        }
+    ]
     with capture_logs() as logs:
         registry.create(settings.with_overrides(worker={"max_inflight": 512}))
     assert not [e for e in logs if e["event"] == "vllm_underfed"]
@@ -567,8 +605,12 @@ def fake_sampling_params(**kw: Any) -> dict[str, Any]:
 
 def started(llm: FakeAsyncLLM, tokenizer: Any = None, max_model_len: int = 4096) -> VllmEngine:
     """A VllmEngine whose start() ran against ``llm`` (its vLLM names replaced by fakes)."""
-    engine = VllmEngine(WorkerSettings(model="llama-8b", model_path="/m", max_inflight=4), VllmSettings(), 1,
-                        constraints=vllm_structured)  # fmt: skip
+    engine = VllmEngine(
+        WorkerSettings(model="llama-8b", model_path="/m", max_inflight=4),
+        VllmSettings(),
+        1,
+        constraints=vllm_structured,
+    )
     engine._llm = llm
     engine._api = SimpleNamespace(  # type: ignore[assignment]
         tokens_input=lambda ids: {"type": "token", "prompt_token_ids": ids},
@@ -602,8 +644,9 @@ async def test_a_stream_maps_outputs_and_lets_generate_finish_by_itself() -> Non
     assert priority == -3  # ours: higher first; vLLM's: lower first
     llm.emit("r1", output(" a", [5], logprobs=[{5: Lp(-0.1, 1), 6: Lp(-2.0, 2)}], prompt_ids=[1, 103, 103]))
     llm.emit("r1", output("", [], prompt_ids=[1, 103, 103]))  # nothing new: skipped
-    llm.emit("r1", output(" b", [8], finish="stop", stop_reason="###", logprobs=[{8: Lp(-0.5, 1)}],
-                          prompt_ids=[1, 103, 103]))  # fmt: skip
+    llm.emit(
+        "r1", output(" b", [8], finish="stop", stop_reason="###", logprobs=[{8: Lp(-0.5, 1)}], prompt_ids=[1, 103, 103])
+    )
     await asyncio.wait_for(task, 5)
     assert [(d.text, d.token_ids, d.finish_reason, d.prompt_tokens) for d in got] == [
         (" a", (5,), None, None),
@@ -618,9 +661,14 @@ async def test_a_stream_maps_outputs_and_lets_generate_finish_by_itself() -> Non
 
 def outputs_of(*completions: tuple[int, str, list[int], str | None], finished: bool = False) -> SimpleNamespace:
     """A RequestOutput of a request with n > 1: (sample index, text, ids, finish) per completion."""
-    return SimpleNamespace(prompt_token_ids=[1, 103, 103], finished=finished, outputs=[
-        SimpleNamespace(index=k, text=t, token_ids=ids, logprobs=None, finish_reason=f, stop_reason=None)
-        for k, t, ids, f in completions])  # fmt: skip
+    return SimpleNamespace(
+        prompt_token_ids=[1, 103, 103],
+        finished=finished,
+        outputs=[
+            SimpleNamespace(index=k, text=t, token_ids=ids, logprobs=None, finish_reason=f, stop_reason=None)
+            for k, t, ids, f in completions
+        ],
+    )
 
 
 async def test_n_samples_go_to_vllm_as_n_and_each_ends_on_its_own() -> None:
@@ -639,9 +687,13 @@ async def test_n_samples_go_to_vllm_as_n_and_each_ends_on_its_own() -> None:
     llm.emit("r1", outputs_of((0, "", [], "length"), finished=True))
     await asyncio.wait_for(task, 5)
     assert [(d.sample, d.token_ids, d.finish_reason, d.prompt_tokens) for d in got] == [
-        (0, (5,), None, None), (1, (6,), None, None), (2, (7,), FinishReason.STOP, 3),
-        (1, (8,), FinishReason.LENGTH, 3), (0, (9,), None, None), (0, (), FinishReason.LENGTH, 3),
-    ]  # fmt: skip
+        (0, (5,), None, None),
+        (1, (6,), None, None),
+        (2, (7,), FinishReason.STOP, 3),
+        (1, (8,), FinishReason.LENGTH, 3),
+        (0, (9,), None, None),
+        (0, (), FinishReason.LENGTH, 3),
+    ]
     assert llm.internal_aborts == [] and not engine._streams
     await engine.shutdown()
 

@@ -28,7 +28,6 @@ from tests.workers.test_affinity_workers import P, job, key_in
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(120)]
 
 
-
 class Pool:
     def __init__(self, server: RedisProcess, workdir: Path) -> None:
         self.prefix = f"aff:{uuid.uuid4().hex[:8]}"
@@ -37,18 +36,28 @@ class Pool:
         self.dir = workdir
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.env = {
-            **os.environ, "LLAMAMESH_REDIS_URL": server.url, "LLAMAMESH_REDIS_PREFIX": self.prefix,
-            "LLAMAMESH_REDIS_AFFINITY_PARTITIONS": str(P), "LLAMAMESH_WORKER_ENGINE": "fake",
-            "LLAMAMESH_WORKER_POOL": "cpu", "LLAMAMESH_WORKER_MAX_INFLIGHT": "1",
-            "LLAMAMESH_WORKER_FAKE_STEP_S": "0.05", "LLAMAMESH_WORKER_HEARTBEAT_S": "0.2",
-            "LLAMAMESH_WORKER_HEARTBEAT_TTL_S": "1", "LLAMAMESH_WORKER_CLAIM_IDLE_S": "1",
+            **os.environ,
+            "LLAMAMESH_REDIS_URL": server.url,
+            "LLAMAMESH_REDIS_PREFIX": self.prefix,
+            "LLAMAMESH_REDIS_AFFINITY_PARTITIONS": str(P),
+            "LLAMAMESH_WORKER_ENGINE": "fake",
+            "LLAMAMESH_WORKER_POOL": "cpu",
+            "LLAMAMESH_WORKER_MAX_INFLIGHT": "1",
+            "LLAMAMESH_WORKER_FAKE_STEP_S": "0.05",
+            "LLAMAMESH_WORKER_HEARTBEAT_S": "0.2",
+            "LLAMAMESH_WORKER_HEARTBEAT_TTL_S": "1",
+            "LLAMAMESH_WORKER_CLAIM_IDLE_S": "1",
             "LLAMAMESH_LOG_FORMAT": "json",
-        }  # fmt: skip
+        }
 
     def spawn(self, name: str) -> None:
         with (self.dir / f"{name}.log").open("ab") as out:
-            self.procs[name] = subprocess.Popen([sys.executable, "-m", "workers"], stdout=out, stderr=out,
-                                                env={**self.env, "LLAMAMESH_WORKER_CONSUMER": name})  # fmt: skip
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "workers"],
+                stdout=out,
+                stderr=out,
+                env={**self.env, "LLAMAMESH_WORKER_CONSUMER": name},
+            )
 
     def stop(self) -> None:
         for p in self.procs.values():

@@ -24,8 +24,9 @@ P = 4
 
 
 def job(rid: str, key: str, n: int = 2) -> GenerationRequest:
-    return GenerationRequest(request_id=rid, model="m", prompt="p", sampling=SamplingParams(max_tokens=n),
-                             prefix_key=key)  # fmt: skip
+    return GenerationRequest(
+        request_id=rid, model="m", prompt="p", sampling=SamplingParams(max_tokens=n), prefix_key=key
+    )
 
 
 def key_in(partitions: list[int]) -> str:
@@ -53,8 +54,9 @@ async def pool(redis_settings: RedisSettings) -> AsyncIterator[Pool]:
     started: dict[str, tuple[Worker, FakeEngine, RedisQueue]] = {}
     stops: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
     for name, slots in (("w1", 1), ("w2", 4)):  # w1 has one slot: it is busy with one job
-        ws = WorkerSettings(pool="cpu", engine="fake", max_inflight=slots, fake_step_s=0.05, consumer=name,
-                            heartbeat_s=0.1)  # fmt: skip
+        ws = WorkerSettings(
+            pool="cpu", engine="fake", max_inflight=slots, fake_step_s=0.05, consumer=name, heartbeat_s=0.1
+        )
         q = RedisQueue.from_settings(settings)
         engine = FakeEngine(ws)
         await engine.start()

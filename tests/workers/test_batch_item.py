@@ -22,10 +22,25 @@ async def test_a_finished_item_logs_when_it_started_how_long_it_ran_and_its_firs
     await store.join("cpu")
     now = time.time()
     accepted = time.time_ns()
-    info = BatchInfo(batch_id="b", state=BatchState.VALIDATING, owner="t", model="m", total=1,
-                     completion_window_s=3600, created_at=now, expires_at=now + 3600)  # fmt: skip
-    req = GenerationRequest(request_id="b:b:0", model="m", prompt="hello there", sampling=SamplingParams(max_tokens=4),
-                            batch_id="b", custom_id="c0", accepted_unix_ns=accepted)  # fmt: skip
+    info = BatchInfo(
+        batch_id="b",
+        state=BatchState.VALIDATING,
+        owner="t",
+        model="m",
+        total=1,
+        completion_window_s=3600,
+        created_at=now,
+        expires_at=now + 3600,
+    )
+    req = GenerationRequest(
+        request_id="b:b:0",
+        model="m",
+        prompt="hello there",
+        sampling=SamplingParams(max_tokens=4),
+        batch_id="b",
+        custom_id="c0",
+        accepted_unix_ns=accepted,
+    )
     await store.create(info, "fp", [("cpu", req)])
     (lease,) = await store.lease_items("cpu", "w", 1, None)
     engine = FakeEngine(WorkerSettings(pool="cpu", engine="fake", fake_step_s=0.01))
@@ -46,10 +61,24 @@ async def test_an_item_of_n_samples_records_each_samples_text_and_finish() -> No
     store = MemoryBatches()
     await store.join("cpu")
     now = time.time()
-    info = BatchInfo(batch_id="b", state=BatchState.VALIDATING, owner="t", model="m", total=1,
-                     completion_window_s=3600, created_at=now, expires_at=now + 3600)  # fmt: skip
-    req = GenerationRequest(request_id="b:b:0", model="m", prompt="hi", batch_id="b", custom_id="c0",
-                            sampling=SamplingParams(max_tokens=5, n=3, seed=10, stop=(" w16",)))  # fmt: skip
+    info = BatchInfo(
+        batch_id="b",
+        state=BatchState.VALIDATING,
+        owner="t",
+        model="m",
+        total=1,
+        completion_window_s=3600,
+        created_at=now,
+        expires_at=now + 3600,
+    )
+    req = GenerationRequest(
+        request_id="b:b:0",
+        model="m",
+        prompt="hi",
+        batch_id="b",
+        custom_id="c0",
+        sampling=SamplingParams(max_tokens=5, n=3, seed=10, stop=(" w16",)),
+    )
     await store.create(info, "fp", [("cpu", req)])
     (lease,) = await store.lease_items("cpu", "w", 1, None)
     engine = FakeEngine(WorkerSettings(pool="cpu", engine="fake"))

@@ -115,8 +115,14 @@ async def test_one_bad_request_fails_alone_and_chat_and_prompt_requests_share_a_
 ) -> None:
     tok = ListTokenizer()
     batcher = BatchTokenizer(lambda: tok, executor)
-    requests = [prompt("a b"), chat("hi"), GenerationRequest(request_id="x", model="m"), chat("x", role="tool"),
-                prompt("c"), chat("there you")]  # fmt: skip
+    requests = [
+        prompt("a b"),
+        chat("hi"),
+        GenerationRequest(request_id="x", model="m"),
+        chat("x", role="tool"),
+        prompt("c"),
+        chat("there you"),
+    ]
     got = await asyncio.gather(*(batcher.ids(r) for r in requests), return_exceptions=True)
     assert got[0] == [1, 101, 101] and got[4] == [1, 101]
     assert got[1] == [106, 102, 111] and got[5] == [106, 105, 103, 111]
@@ -128,8 +134,9 @@ async def test_one_bad_request_fails_alone_and_chat_and_prompt_requests_share_a_
 
 @pytest.mark.parametrize("takes_lists", [False, True], ids=["no-list-call", "list-call-fails"])
 async def test_a_tokenizer_without_a_working_list_call_encodes_each_text(
-    executor: concurrent.futures.Executor, takes_lists: bool,
-) -> None:  # fmt: skip
+    executor: concurrent.futures.Executor,
+    takes_lists: bool,
+) -> None:
     tok = ListTokenizer(takes_lists=takes_lists)
     batcher = BatchTokenizer(lambda: tok, executor)
     texts = ["a", "b c", "boom d"] if takes_lists else ["a", "b c", "d e f"]

@@ -46,8 +46,10 @@ async def engine() -> AsyncIterator[TransformersEngine]:
 async def test_every_sampled_output_validates_against_its_json_schema(engine: TransformersEngine) -> None:
     """Eight sampled requests at once (one batch): each one JSON value that validates, ended by the
     model's end of sequence once the value is complete."""
-    asks = [chat(f"Describe person number {i} as JSON.", temperature=1.0, seed=i, max_tokens=80,
-                 constraint=schema(PERSON)) for i in range(8)]  # fmt: skip
+    asks = [
+        chat(f"Describe person number {i} as JSON.", temperature=1.0, seed=i, max_tokens=80, constraint=schema(PERSON))
+        for i in range(8)
+    ]
     results = await asyncio.gather(*(run(engine, r) for r in asks))
     for res in results:
         jsonschema.validate(json.loads(res.text), PERSON)
@@ -61,14 +63,16 @@ async def test_greedy_json_object_regex_and_choice_hold(engine: TransformersEngi
     obj = await run(engine, chat(ask, temperature=0, max_tokens=60, constraint=any_object))
     assert isinstance(json.loads(obj.text), dict) and obj.last.finish_reason is FinishReason.STOP
     iso = ResponseConstraint(ConstraintKind.REGEX, text=r"\d{4}-\d{2}-\d{2}")
-    date = await run(engine, chat("When did the Berlin wall fall?", temperature=0.8, seed=3, max_tokens=20,
-                                  constraint=iso))  # fmt: skip
+    date = await run(
+        engine, chat("When did the Berlin wall fall?", temperature=0.8, seed=3, max_tokens=20, constraint=iso)
+    )
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", date.text), date.text
     options = ("positive", "negative", "neutral")
     pick = ResponseConstraint(ConstraintKind.CHOICE, options=options)
     for seed in range(3):
-        label = await run(engine, chat("I love this film! Sentiment?", temperature=1.0, seed=seed, max_tokens=10,
-                                       constraint=pick))  # fmt: skip
+        label = await run(
+            engine, chat("I love this film! Sentiment?", temperature=1.0, seed=seed, max_tokens=10, constraint=pick)
+        )
         assert label.text in options and label.last.finish_reason is FinishReason.STOP
 
 
@@ -99,12 +103,23 @@ async def test_a_resume_continues_the_grammar_from_the_tokens_already_sent(engin
     first = chat("Describe a person as JSON.", temperature=0, max_tokens=80, constraint=schema(PERSON))
     whole = await run(engine, first)
     sent = whole.tokens[:7]
-    rest = await run(engine, replace(first, request_id=first.request_id + "-2", resume_token_ids=tuple(sent),
-                                     sampling=replace(first.sampling, max_tokens=80 - 7)))  # fmt: skip
+    rest = await run(
+        engine,
+        replace(
+            first,
+            request_id=first.request_id + "-2",
+            resume_token_ids=tuple(sent),
+            sampling=replace(first.sampling, max_tokens=80 - 7),
+        ),
+    )
     text = engine.tokenizer.decode(sent, skip_special_tokens=True) + rest.text
     jsonschema.validate(json.loads(text), PERSON)
     # resumed tokens that the grammar refuses are an invalid request, not a broken output
     with pytest.raises(InvalidRequest) as err:
-        await run(engine, replace(first, request_id=first.request_id + "-3",
-                                  resume_token_ids=tuple(engine.tokenizer.encode("hello"))))  # fmt: skip
+        await run(
+            engine,
+            replace(
+                first, request_id=first.request_id + "-3", resume_token_ids=tuple(engine.tokenizer.encode("hello"))
+            ),
+        )
     assert err.value.violations[0].field == "resume_token_ids"

@@ -69,8 +69,12 @@ def test_the_worker_command_runs_the_mode_it_picks(monkeypatch: pytest.MonkeyPat
     entry.run(settings(worker_engine="vllm", vllm_frontends="2"))
     entry.run(settings(worker_engine="trtllm"))
     entry.run(settings(worker_engine="nope"))  # the worker reports it, as one process
-    assert ran == [("replicas", [["0"], ["1"]]), ("frontends", "vllm"), ("one_process", "serve"),
-                   ("one_process", "serve")]  # fmt: skip
+    assert ran == [
+        ("replicas", [["0"], ["1"]]),
+        ("frontends", "vllm"),
+        ("one_process", "serve"),
+        ("one_process", "serve"),
+    ]
 
 
 def test_no_other_worker_module_compares_engine_names() -> None:

@@ -106,14 +106,23 @@ def d(text: str, ids: tuple[int, ...], sample: int = 0, end: FinishReason | None
 
 def test_each_samples_events_carry_contiguous_indexes_and_the_last_end_is_the_terminal_event() -> None:
     j, sink, _ = job(n=2)
-    deltas = [d(" a", (1,)), d(" b", (2, 3), sample=1), d("", ()), d(" c", (4,)),
-              d(" d", (5,), sample=1, end=FinishReason.STOP), d(" e", (6,), end=FinishReason.LENGTH)]  # fmt: skip
+    deltas = [
+        d(" a", (1,)),
+        d(" b", (2, 3), sample=1),
+        d("", ()),
+        d(" c", (4,)),
+        d(" d", (5,), sample=1, end=FinishReason.STOP),
+        d(" e", (6,), end=FinishReason.LENGTH),
+    ]
     results = [j.on_delta(x) for x in deltas]
     assert results[:-1] == [None] * 5
     # (the empty delta is no event)
     assert [(e.sample, e.index, e.token_ids) for e in sink.added] == [
-        (0, 0, (1,)), (1, 0, (2, 3)), (0, 1, (4,)), (1, 2, (5,))
-    ]  # fmt: skip
+        (0, 0, (1,)),
+        (1, 0, (2, 3)),
+        (0, 1, (4,)),
+        (1, 2, (5,)),
+    ]
     assert sink.added[-1].sample_end is FinishReason.STOP and sink.added[-1].finished is None
     end = results[-1]
     assert end is not None and (end.sample, end.index, end.token_ids) == (0, 2, (6,))

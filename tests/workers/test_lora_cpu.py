@@ -34,8 +34,7 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(adapters: tuple[Path, Path]) -> AsyncIterator[TransformersEngine]:
-    eng = TransformersEngine(WorkerSettings(max_model_len=256, max_inflight=8, threads=1,
-                                            adapters=f"a={adapters[0]}"))  # fmt: skip
+    eng = TransformersEngine(WorkerSettings(max_model_len=256, max_inflight=8, threads=1, adapters=f"a={adapters[0]}"))
     await eng.start()
     try:
         yield eng
@@ -44,9 +43,13 @@ async def engine(adapters: tuple[Path, Path]) -> AsyncIterator[TransformersEngin
 
 
 def ask(adapter: str = "", rid: str = "") -> GenerationRequest:
-    return GenerationRequest(request_id=rid or uuid.uuid4().hex, model="smollm2-135m-instruct",
-                             messages=(ChatMessage("user", ASK),), adapter=adapter,
-                             sampling=SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))  # fmt: skip
+    return GenerationRequest(
+        request_id=rid or uuid.uuid4().hex,
+        model="smollm2-135m-instruct",
+        messages=(ChatMessage("user", ASK),),
+        adapter=adapter,
+        sampling=SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+    )
 
 
 async def tokens(engine: TransformersEngine, request: GenerationRequest) -> list[int]:

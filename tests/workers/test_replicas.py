@@ -84,9 +84,15 @@ def _env_of(pid: int) -> dict[str, str]:
 def test_the_supervisor_runs_one_worker_per_group_restarts_a_dead_one_and_stops_them_together(
     redis_settings: RedisSettings, stop: str
 ) -> None:
-    env = {**os.environ, "LLAMAMESH_REDIS_URL": redis_settings.url, "LLAMAMESH_REDIS_PREFIX": redis_settings.prefix,
-           "LLAMAMESH_WORKER_ENGINE": "fake", "LLAMAMESH_WORKER_POOL": "gpu", "LLAMAMESH_WORKER_CONSUMER": "node-a",
-           "LLAMAMESH_WORKER_HEARTBEAT_S": "0.2"}  # fmt: skip
+    env = {
+        **os.environ,
+        "LLAMAMESH_REDIS_URL": redis_settings.url,
+        "LLAMAMESH_REDIS_PREFIX": redis_settings.prefix,
+        "LLAMAMESH_WORKER_ENGINE": "fake",
+        "LLAMAMESH_WORKER_POOL": "gpu",
+        "LLAMAMESH_WORKER_CONSUMER": "node-a",
+        "LLAMAMESH_WORKER_HEARTBEAT_S": "0.2",
+    }
     sup = subprocess.Popen([sys.executable, "-c", SUPERVISE], env=env)
     r = redis.Redis.from_url(redis_settings.url)
     keys = Keys(redis_settings.prefix)

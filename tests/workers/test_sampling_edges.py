@@ -76,8 +76,9 @@ def cpu() -> Iterator[Started]:
 
 def check(s: Started, params: SamplingParams, with_canary: bool = True) -> None:
     async def both() -> list[tuple[list[TokenDelta], BaseException | None]]:
-        canary = GenerationRequest(uuid.uuid4().hex, s.canary.model, messages=s.canary.messages,
-                                   sampling=s.canary.sampling)  # fmt: skip
+        canary = GenerationRequest(
+            uuid.uuid4().hex, s.canary.model, messages=s.canary.messages, sampling=s.canary.sampling
+        )
         runs = [tokens(s.engine, request(params)), *([tokens(s.engine, canary)] if with_canary else [])]
         return await asyncio.wait_for(asyncio.gather(*runs), 120)
 
@@ -112,8 +113,9 @@ def test_the_cpu_engine_refuses_or_serves_any_sampling_values(cpu: Started, para
 
 
 @pytest.mark.parametrize("value", EDGE_FLOATS)
-@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                                   "repetition_penalty"])  # fmt: skip
+@pytest.mark.parametrize(
+    "field", ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"]
+)
 def test_every_edge_float_in_every_field_of_the_cpu_engine(cpu: Started, field: str, value: float) -> None:
     """The named values, each alone in each float field, sampling (seeded) so the value matters
     (the canary's company is the hypothesis tests' part)."""

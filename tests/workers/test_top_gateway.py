@@ -29,9 +29,16 @@ REQUESTS = 6
 async def top_once(address: str) -> str:
     """One frame of ``llamamesh top --once``, run as its own process (the gateway here keeps serving)."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "llamamesh.cli", "top", "--once", "--address", address,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "llamamesh.cli",
+        "top",
+        "--once",
+        "--address",
+        address,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await asyncio.wait_for(proc.communicate(), 20)
     assert proc.returncode == 0, err.decode()
     return out.decode()
@@ -55,8 +62,15 @@ def cells(frame: str, first: str) -> dict[str, str]:
 async def test_top_shows_a_busy_pool(redis_settings: RedisSettings) -> None:
     gw_queue, w_queue = RedisQueue.from_settings(redis_settings), RedisQueue.from_settings(redis_settings)
     # No slot kept for other tenants (tenant_headroom): one tenant fills them all.
-    ws = WorkerSettings(pool="cpu", model="tiny", engine="fake", max_inflight=SLOTS, tenant_headroom=0,
-                        fake_step_s=0.05, consumer="w-top")  # fmt: skip
+    ws = WorkerSettings(
+        pool="cpu",
+        model="tiny",
+        engine="fake",
+        max_inflight=SLOTS,
+        tenant_headroom=0,
+        fake_step_s=0.05,
+        consumer="w-top",
+    )
     engine = FakeEngine(ws)
     await engine.start()
     worker = Worker(ws, w_queue, engine, block_ms=100)

@@ -450,8 +450,9 @@ async def test_a_resume_past_the_replay_bound_is_prefilled_and_its_text_joins(pr
     rest = await run(prefilled, replace(request, resume_token_ids=tuple(sent)))
     assert len(rest.tokens) == 24 - k
     tok = prefilled.tokenizer
-    assert tok.decode(sent, skip_special_tokens=True) + rest.text == tok.decode(sent + rest.tokens,
-                                                                               skip_special_tokens=True)  # fmt: skip
+    assert tok.decode(sent, skip_special_tokens=True) + rest.text == tok.decode(
+        sent + rest.tokens, skip_special_tokens=True
+    )
     assert rest.last.prompt_tokens == whole.last.prompt_tokens
 
 
@@ -541,7 +542,8 @@ async def test_a_request_whose_sample_fails_fails_alone(
     poison = chat(QUESTIONS[0], temperature=1.0, max_tokens=12, seed=666, ignore_eos=True)
     got: list[TokenDelta] = []
     outcome = await asyncio.gather(
-        run(engine, replace(canary, request_id=uuid.uuid4().hex)), collect(engine.stream(poison), got),
+        run(engine, replace(canary, request_id=uuid.uuid4().hex)),
+        collect(engine.stream(poison), got),
         return_exceptions=True,
     )
     assert isinstance(outcome[1], InternalError) and "sample" in outcome[1].message
@@ -605,11 +607,17 @@ async def test_the_invariance_holds_on_other_x86_kernel_paths(caps: dict[str, st
     CPU has changes nothing, so this holds on any x86 machine the tests run on."""
     env = {**os.environ, **caps}
     here = "tests/workers/test_transformers_engine.py::"
-    tests = [here + name for name in ("test_a_sequence_decodes_to_the_same_bits_alone_and_in_any_batch",
-                                      "test_a_resumed_request_replays_its_tokens_to_the_same_bits_in_bf16",
-                                      "test_late_arrivals_join_a_running_batch_without_changing_it")]  # fmt: skip
+    tests = [
+        here + name
+        for name in (
+            "test_a_sequence_decodes_to_the_same_bits_alone_and_in_any_batch",
+            "test_a_resumed_request_replays_its_tokens_to_the_same_bits_in_bf16",
+            "test_late_arrivals_join_a_running_batch_without_changing_it",
+        )
+    ]
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests]
-    out = await asyncio.to_thread(subprocess.run, argv, cwd=repo_root, env=env, capture_output=True, text=True,
-                                  timeout=380)  # fmt: skip
+    out = await asyncio.to_thread(
+        subprocess.run, argv, cwd=repo_root, env=env, capture_output=True, text=True, timeout=380
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert "3 passed" in out.stdout

@@ -54,8 +54,12 @@ async def status_of(queue: RedisQueue, name: str) -> WorkerStatus | None:
     return next((w for w in await queue.workers("cpu") if w.worker == name), None)
 
 
-def running(ws: WorkerSettings, queue: RedisQueue, engine: FakeEngine, stop: asyncio.Event | None = None,
-            ) -> tuple[Worker, asyncio.Task[None]]:  # fmt: skip
+def running(
+    ws: WorkerSettings,
+    queue: RedisQueue,
+    engine: FakeEngine,
+    stop: asyncio.Event | None = None,
+) -> tuple[Worker, asyncio.Task[None]]:
     """A worker over ``engine``, running (its engine not started: the worker starts it)."""
     worker = Worker(ws, queue, engine, block_ms=100)
     return worker, asyncio.create_task(worker.run(stop or asyncio.Event()))

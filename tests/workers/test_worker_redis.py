@@ -169,8 +169,16 @@ async def test_worker_waits_for_redis_instead_of_exiting() -> None:
 
 
 async def test_heartbeat_lasts_through_the_drain_and_is_withdrawn_after(redis_settings: RedisSettings) -> None:
-    ws = WorkerSettings(pool="cpu", engine="fake", max_inflight=4, fake_step_s=0.02, consumer="w-beat",
-                        heartbeat_s=0.05, heartbeat_ttl_s=0.3, grace_s=10)  # fmt: skip
+    ws = WorkerSettings(
+        pool="cpu",
+        engine="fake",
+        max_inflight=4,
+        fake_step_s=0.02,
+        consumer="w-beat",
+        heartbeat_s=0.05,
+        heartbeat_ttl_s=0.3,
+        grace_s=10,
+    )
     queue = RedisQueue.from_settings(redis_settings)
     engine = FakeEngine(ws)
     await engine.start()
@@ -284,8 +292,18 @@ async def test_a_dead_workers_job_is_taken_over_and_a_long_healthy_one_never_is(
     await queue.join("cpu")
     await queue.submit("cpu", req("orphan", n=4))
     assert len(await queue.lease("cpu", "ghost", 1, 500)) == 1  # ghost dies holding it
-    ws = [WorkerSettings(pool="cpu", engine="fake", max_inflight=4, fake_step_s=0.05, consumer=f"w{i}",
-                         claim_idle_s=0.5, heartbeat_s=0.1) for i in range(2)]  # fmt: skip
+    ws = [
+        WorkerSettings(
+            pool="cpu",
+            engine="fake",
+            max_inflight=4,
+            fake_step_s=0.05,
+            consumer=f"w{i}",
+            claim_idle_s=0.5,
+            heartbeat_s=0.1,
+        )
+        for i in range(2)
+    ]
     started = [await _start_worker(redis_settings, s) for s in ws]
     try:
         orphan = await asyncio.wait_for(events(queue, "orphan"), 10)
@@ -329,8 +347,9 @@ class HeadroomPolls(RedisQueue):
 async def test_a_tenant_behind_anothers_backlog_starts_in_the_headroom_at_once(redis_settings: RedisSettings) -> None:
     """Tenant A's backlog holds every slot but the headroom; tenant B's job takes that slot at once,
     long before any of A's ends, and A never takes it."""
-    ws = WorkerSettings(pool="cpu", engine="fake", max_inflight=4, fake_step_s=0.05, consumer="w-headroom",
-                        tenant_headroom=1)  # fmt: skip
+    ws = WorkerSettings(
+        pool="cpu", engine="fake", max_inflight=4, fake_step_s=0.05, consumer="w-headroom", tenant_headroom=1
+    )
     worker, engine, queue, stop, task = await _start_worker(redis_settings, ws, HeadroomPolls)
     assert isinstance(queue, HeadroomPolls)
     try:
@@ -363,8 +382,16 @@ async def test_a_batch_item_its_own_worker_claims_back_stays_leased(redis_settin
     stream = q.keys.batch_items("cpu")
     info, items = batch("own", 1, max_tokens=400)
     claims = BatchSettings(claim_idle_s=0.3, max_share=1.0)
-    ws = WorkerSettings(pool="cpu", engine="fake", max_inflight=2, fake_step_s=0.05, consumer="w-self",
-                        heartbeat_s=30, heartbeat_ttl_s=90, grace_s=0.1)  # fmt: skip
+    ws = WorkerSettings(
+        pool="cpu",
+        engine="fake",
+        max_inflight=2,
+        fake_step_s=0.05,
+        consumer="w-self",
+        heartbeat_s=30,
+        heartbeat_ttl_s=90,
+        grace_s=0.1,
+    )
     engine = FakeEngine(ws)
     worker = Worker(ws, q, engine, block_ms=100, batches=store, batch=claims)
     stop = asyncio.Event()
@@ -376,6 +403,7 @@ async def test_a_batch_item_its_own_worker_claims_back_stays_leased(redis_settin
 
     try:
         await store.create(info, "fp", items)
+
         async def claimed_back_twice() -> bool:
             assert await q.client.xlen(stream) == 1, "the running item's entry was dropped"
             return await delivered() >= 3
@@ -428,14 +456,23 @@ async def test_a_second_copy_that_cannot_be_dropped_while_redis_is_out_does_not_
         await discard(lease)
 
     monkeypatch.setattr(store, "discard", out_once)
-    ws = WorkerSettings(pool="cpu", engine="fake", max_inflight=4, fake_step_s=0.02, consumer="w-twice",
-                        heartbeat_s=0.1, heartbeat_ttl_s=1.0)  # fmt: skip
+    ws = WorkerSettings(
+        pool="cpu",
+        engine="fake",
+        max_inflight=4,
+        fake_step_s=0.02,
+        consumer="w-twice",
+        heartbeat_s=0.1,
+        heartbeat_ttl_s=1.0,
+    )
     await store.create(info, "fp", items * 2)  # the same item twice in the stream
-    worker = Worker(ws, q, FakeEngine(ws), block_ms=100, batches=store, batch=BatchSettings(claim_idle_s=0.3,
-                                                                                              max_share=1.0))
+    worker = Worker(
+        ws, q, FakeEngine(ws), block_ms=100, batches=store, batch=BatchSettings(claim_idle_s=0.3, max_share=1.0)
+    )
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
     try:
+
         async def batch_if_running() -> BatchInfo | None:
             assert not task.done(), task
             return await store.get("twice")
