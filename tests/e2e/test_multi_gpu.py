@@ -25,8 +25,9 @@ import pytest
 
 from llamamesh.client import Client
 from llamamesh.v1 import admin_pb2, admin_pb2_grpc
-from tests.e2e.conftest import ProcessNode, _cuda_and_vllm, wait_until
+from tests.e2e.conftest import ProcessNode, _cuda_and_vllm
 from tests.redisproc import RedisProcess
+from tests.waiting import until, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -48,8 +49,13 @@ def _two_gpus() -> str | None:
 
 
 def gpu_memory_used_mib() -> list[int]:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, check=True, timeout=30).stdout  # fmt: skip
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
     return [int(x) for x in out.split()]
 
 
@@ -62,20 +68,26 @@ def node(
     if why is not None:
         pytest.skip(why)
     tp = "2" if request.param == "tp2" else "1"
-    n = ProcessNode(tmp_path_factory.mktemp("multi-gpu"), e2e_redis, engine="vllm", pool="gpu", extra_env={
-        **NO_MULTICAST,
-        "CUDA_VISIBLE_DEVICES": "0,1",
-        "LLAMAMESH_GATEWAY_MODELS": "llama8b-dummy=gpu",
-        "LLAMAMESH_WORKER_MODEL": "llama8b-dummy",
-        "LLAMAMESH_WORKER_MODEL_PATH": MODEL,
-        "LLAMAMESH_WORKER_MAX_INFLIGHT": "128",
-        "LLAMAMESH_VLLM_LOAD_FORMAT": "dummy",
-        "LLAMAMESH_VLLM_MAX_MODEL_LEN": "4096",
-        "LLAMAMESH_VLLM_TENSOR_PARALLEL_SIZE": tp,
-        "LLAMAMESH_VLLM_FRONTENDS": "2",
-        "LLAMAMESH_VLLM_GPU_MEMORY_UTILIZATION": "0.5",
-        "LLAMAMESH_VLLM_ENFORCE_EAGER": "true",  # start-up without a minute of torch.compile
-    })  # fmt: skip
+    n = ProcessNode(
+        tmp_path_factory.mktemp("multi-gpu"),
+        e2e_redis,
+        engine="vllm",
+        pool="gpu",
+        extra_env={
+            **NO_MULTICAST,
+            "CUDA_VISIBLE_DEVICES": "0,1",
+            "LLAMAMESH_GATEWAY_MODELS": "llama8b-dummy=gpu",
+            "LLAMAMESH_WORKER_MODEL": "llama8b-dummy",
+            "LLAMAMESH_WORKER_MODEL_PATH": MODEL,
+            "LLAMAMESH_WORKER_MAX_INFLIGHT": "128",
+            "LLAMAMESH_VLLM_LOAD_FORMAT": "dummy",
+            "LLAMAMESH_VLLM_MAX_MODEL_LEN": "4096",
+            "LLAMAMESH_VLLM_TENSOR_PARALLEL_SIZE": tp,
+            "LLAMAMESH_VLLM_FRONTENDS": "2",
+            "LLAMAMESH_VLLM_GPU_MEMORY_UTILIZATION": "0.5",
+            "LLAMAMESH_VLLM_ENFORCE_EAGER": "true",  # start-up without a minute of torch.compile
+        },
+    )
     n.param = request.param  # type: ignore[attr-defined]
     try:
         n.start(timeout_s=480)
@@ -89,14 +101,16 @@ def node(
 async def _workers(address: str, want: int) -> list[str]:
     """The pool's live workers as the gateway lists them, once it lists ``want`` (or after 60 s):
     a replica that started last may not have reached the gateway's view yet."""
-    deadline = time.monotonic() + 60
     async with grpc.aio.insecure_channel(address) as ch:
-        while True:
+
+        async def names() -> list[str]:
             got = await admin_pb2_grpc.AdminServiceStub(ch).ListBackends(admin_pb2.ListBackendsRequest())
-            names = sorted(w.name for b in got.backends if b.pool == "gpu" for w in b.workers)
-            if len(names) >= want or time.monotonic() > deadline:
-                return names
-            await asyncio.sleep(0.2)  # the next heartbeat, bounded by the deadline
+            return sorted(w.name for b in got.backends if b.pool == "gpu" for w in b.workers)
+
+        try:
+            return await until(names, 60, f"{want} workers listed", done=lambda got: len(got) >= want, poll_s=0.2)
+        except TimeoutError:
+            return await names()  # the callers' assertions say what is missing
 
 
 async def test_streams_on_both_gpus(node: ProcessNode) -> None:

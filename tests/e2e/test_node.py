@@ -25,7 +25,8 @@ from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import RedisSettings
 from llamamesh.types import JobEvent
 from llamamesh.v1 import generation_pb2 as pb
-from tests.e2e.conftest import ProcessNode, wait_until
+from tests.e2e.conftest import ProcessNode
+from tests.waiting import wait_until
 from tests.workers.test_health_http import get
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -73,10 +74,12 @@ async def test_response_formats_hold_through_the_whole_path(node: ProcessNode) -
             jsonschema.validate(json.loads(text), PERSON)
         date = await c.complete(messages=[("user", "A date?")], max_tokens=16, regex=r"\d{4}-\d{2}-\d{2}")
         assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", date), date
-        bad = [(pb.ResponseFormat(regex="a("), "response_format.regex"),
-               (pb.ResponseFormat(json_schema="{not json"), "response_format.json_schema"),
-               (pb.ResponseFormat(choice=pb.Choice()), "response_format.choice"),
-               (pb.ResponseFormat(grammar="root ::= undefined_rule"), "response_format.grammar")]  # the worker's
+        bad = [
+            (pb.ResponseFormat(regex="a("), "response_format.regex"),
+            (pb.ResponseFormat(json_schema="{not json"), "response_format.json_schema"),
+            (pb.ResponseFormat(choice=pb.Choice()), "response_format.choice"),
+            (pb.ResponseFormat(grammar="root ::= undefined_rule"), "response_format.grammar"),
+        ]  # the worker's
         for fmt, field in bad:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await c.complete(messages=ask, max_tokens=8, response_format=fmt)
@@ -112,11 +115,25 @@ async def test_n_parallel_samples_through_both_clients_and_the_cli(node: Process
         assert texts == ["".join(m.text for m in msgs if m.sample == k) for k in range(3)]
         assert texts == singles
     with SyncClient(node.address) as s:
-        labels = s.complete_n(messages=[("user", "Is the sky blue?")], max_tokens=8, n=4, seed=1,
-                              choice=["yes", "no", "maybe"])  # fmt: skip
+        labels = s.complete_n(
+            messages=[("user", "Is the sky blue?")], max_tokens=8, n=4, seed=1, choice=["yes", "no", "maybe"]
+        )
     assert len(labels) == 4 and set(labels) <= {"yes", "no", "maybe"}, labels
-    cli = [sys.executable, "-m", "llamamesh.cli", "generate", "--address", node.address, "--max-tokens", "6",
-           "--n", "2", "--seed", "3", "Hi"]  # fmt: skip
+    cli = [
+        sys.executable,
+        "-m",
+        "llamamesh.cli",
+        "generate",
+        "--address",
+        node.address,
+        "--max-tokens",
+        "6",
+        "--n",
+        "2",
+        "--seed",
+        "3",
+        "Hi",
+    ]
     out = await asyncio.to_thread(subprocess.run, cli, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "--- sample 0 (finish=" in out.stdout and "--- sample 1 (finish=" in out.stdout, out.stdout
@@ -153,10 +170,14 @@ async def test_a_lora_adapter_loads_routes_and_unloads_through_both_clients(
         assert s.complete(**greedy) == base
     # The same through the CLI: load, list, unload.
     cli = [sys.executable, "-m", "llamamesh.cli"]
-    for args, expect in ((["adapter", "load", "e2e", str(path)], "served by"), (["models"], "adapter of"),
-                         (["adapter", "unload", "e2e"], "unloaded")):  # fmt: skip
-        out = await asyncio.to_thread(subprocess.run, [*cli, *args, "--address", node.address], capture_output=True,
-                                      text=True, timeout=120)  # fmt: skip
+    for args, expect in (
+        (["adapter", "load", "e2e", str(path)], "served by"),
+        (["models"], "adapter of"),
+        (["adapter", "unload", "e2e"], "unloaded"),
+    ):
+        out = await asyncio.to_thread(
+            subprocess.run, [*cli, *args, "--address", node.address], capture_output=True, text=True, timeout=120
+        )
         assert out.returncode == 0 and expect in out.stdout, (args, out.stdout, out.stderr)
     with SyncClient(node.address) as s:  # UnloadAdapter returned once the workers dropped it
         assert "smollm2-135m-instruct:e2e" not in {m.id for m in s.list_models()}
@@ -176,8 +197,9 @@ async def test_cancel_mid_stream_stops_the_worker(node: ProcessNode) -> None:
     max_tokens = 400
     async with Client(node.address) as c:
         call = c.stub.Generate(
-            pb.GenerateRequest(request_id=rid, prompt="Once upon a time", max_tokens=max_tokens,
-                               ignore_eos=True, temperature=0)
+            pb.GenerateRequest(
+                request_id=rid, prompt="Once upon a time", max_tokens=max_tokens, ignore_eos=True, temperature=0
+            )
         )
         got = 0
         async for m in call:
@@ -229,8 +251,10 @@ MALFORMED: list[tuple[dict, str]] = [
     ({"prompt": "x", "stop": [""]}, "stop[0]"),
     ({"prompt": "x", "stop": ["a", "b", ""]}, "stop[2]"),
     ({"messages": [pb.ChatMessage(role="robot", content="y")]}, "messages[0].role"),
-    ({"messages": [pb.ChatMessage(role="user", content="y"), pb.ChatMessage(role="", content="z")]},
-     "messages[1].role"),
+    (
+        {"messages": [pb.ChatMessage(role="user", content="y"), pb.ChatMessage(role="", content="z")]},
+        "messages[1].role",
+    ),
     ({"prompt": "x", "min_p": -0.1}, "min_p"),
     ({"prompt": "x", "min_p": 2}, "min_p"),
     ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
@@ -298,8 +322,13 @@ def test_grpcurl_reflection_lists_describes_and_streams(node: ProcessNode) -> No
     health = run_grpcurl(node.address, "grpc.health.v1.Health/Check")
     assert json.loads(health.stdout)["status"] == "SERVING"
 
-    body = json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"}],
-                       "max_tokens": 16, "temperature": 0})
+    body = json.dumps(
+        {
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 16,
+            "temperature": 0,
+        }
+    )
     out = run_grpcurl("-d", body, node.address, "llamamesh.v1.GenerationService/Generate")
     assert out.returncode == 0, out.stderr
     msgs = _json_objects(out.stdout)
@@ -307,8 +336,9 @@ def test_grpcurl_reflection_lists_describes_and_streams(node: ProcessNode) -> No
     assert "Paris" in "".join(m.get("text", "") for m in msgs)
     assert msgs[-1]["finish_reason"] in ("FINISH_REASON_STOP", "FINISH_REASON_LENGTH")
 
-    bad = run_grpcurl("-d", json.dumps({"prompt": "x", "top_p": 3}), node.address,
-                      "llamamesh.v1.GenerationService/Generate")
+    bad = run_grpcurl(
+        "-d", json.dumps({"prompt": "x", "top_p": 3}), node.address, "llamamesh.v1.GenerationService/Generate"
+    )
     assert bad.returncode != 0
     assert "InvalidArgument" in bad.stderr and "top_p" in bad.stderr
 
@@ -365,8 +395,13 @@ async def test_metrics_endpoints_count_one_generate(node: ProcessNode) -> None:
     assert total(gw, gen, pool=node.pool) - total(gw0, gen, pool=node.pool) == tokens
     for hist in ("llamamesh_time_to_first_token_seconds", "llamamesh_queue_wait_seconds"):
         assert total(gw, f"{hist}_count", pool=node.pool) - total(gw0, f"{hist}_count", pool=node.pool) == 1, hist
-    for name in ("llamamesh_inflight_requests", "llamamesh_breaker_state", "llamamesh_workers",
-                 "llamamesh_queue_depth", "llamamesh_request_duration_seconds_bucket"):  # fmt: skip
+    for name in (
+        "llamamesh_inflight_requests",
+        "llamamesh_breaker_state",
+        "llamamesh_workers",
+        "llamamesh_queue_depth",
+        "llamamesh_request_duration_seconds_bucket",
+    ):
         assert name in gw, name
 
     wtok = "llamamesh_worker_generated_tokens_total"
@@ -382,14 +417,23 @@ async def test_metrics_endpoints_count_one_generate(node: ProcessNode) -> None:
     started = "llamamesh_jobs_started_total"
     assert total(wk, started, pool=node.pool) > total(wk0, started, pool=node.pool)
     assert total(wk, "llamamesh_jobs_finished_total", pool=node.pool, status="ok") > 0
-    for name in ("llamamesh_engine_running_requests", "llamamesh_engine_waiting_requests",
-                 "llamamesh_engine_kv_cache_usage_ratio", "llamamesh_worker_inflight_jobs"):  # fmt: skip
+    for name in (
+        "llamamesh_engine_running_requests",
+        "llamamesh_engine_waiting_requests",
+        "llamamesh_engine_kv_cache_usage_ratio",
+        "llamamesh_worker_inflight_jobs",
+    ):
         assert name in wk, name
     if node.pool == "gpu":
         vllm_names = sorted(n for n in wk if n.startswith("vllm:"))
         print("vLLM metrics re-exported:", len(vllm_names), vllm_names[:40])
-        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                     "vllm:time_to_first_token_seconds_count", "vllm:generation_tokens_total"):  # fmt: skip
+        for name in (
+            "vllm:num_requests_running",
+            "vllm:num_requests_waiting",
+            "vllm:kv_cache_usage_perc",
+            "vllm:time_to_first_token_seconds_count",
+            "vllm:generation_tokens_total",
+        ):
             assert name in wk, (name, vllm_names)
         # both frontends' engines in one scrape: the request's tokens are there whichever served it
         assert total(wk, "vllm:generation_tokens_total") - total(wk0, "vllm:generation_tokens_total") >= tokens
