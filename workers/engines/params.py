@@ -14,6 +14,18 @@ from llamamesh.types import ResponseConstraint, SamplingParams
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_TEMPERATURE = 1.0
 MAX_LOGPROBS = sampling.MAX_LOGPROBS
+# Our SamplingParams fields that vLLM's and TensorRT-LLM's SamplingParams take under the same name,
+# passed only when set (:func:`library_sampling_kwargs`'s ``optional``; an engine may add its own).
+PASSED_WHEN_SET = (
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "ignore_eos",
+    "min_tokens",
+)
 
 
 @dataclass(frozen=True)

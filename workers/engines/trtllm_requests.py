@@ -14,19 +14,8 @@ from llamamesh.types import ResponseConstraint, SamplingParams
 from workers.engines import adapter
 from workers.engines.adapter import SAMPLING_FIELDS
 from workers.engines.constraints import constraint_error
-from workers.engines.params import library_sampling_kwargs
+from workers.engines.params import PASSED_WHEN_SET, library_sampling_kwargs
 
-# Our SamplingParams fields passed to TensorRT-LLM only when set (same names on both sides).
-_OPTIONAL_SAMPLING = (
-    "top_p",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "seed",
-    "ignore_eos",
-    "min_tokens",
-)
 _PROMPT_TOO_LONG = re.compile(r"prompt length|prompt_len|input length", re.I)
 
 
@@ -41,7 +30,7 @@ def sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
     # min_p: SamplingParams documents it ("None means using C++ runtime default 0.0"); whether the
     # PyTorch backend's sampler applies it is not stated in what we read. A release whose SamplingParams
     # lacks a field refuses it with TypeError, which stream() reports naming the field.
-    kwargs = library_sampling_kwargs(params, _OPTIONAL_SAMPLING)
+    kwargs = library_sampling_kwargs(params, PASSED_WHEN_SET)
     if params.logprobs is not None:
         # Ours: the sampled token's logprob plus the top n (0: none). TensorRT-LLM's: n per token, and
         # 0 means no logprobs at all; so ask for at least 1 and keep n alternatives (token_logprobs).

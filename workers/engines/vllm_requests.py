@@ -9,22 +9,11 @@ from typing import Any
 from llamamesh.errors import InvalidRequest, PromptTooLong
 from llamamesh.types import GenerationRequest, SamplingParams
 from workers.engines.adapter import SAMPLING_FIELDS, check_prompt_tokens
-from workers.engines.params import library_sampling_kwargs
+from workers.engines.params import PASSED_WHEN_SET, library_sampling_kwargs
 
-# Our SamplingParams fields passed to vLLM only when set (same names on both sides). Where our defaults
-# differ from vLLM's (max_tokens 16), they follow the CPU engine.
-_OPTIONAL_SAMPLING = (
-    "top_p",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "seed",
-    "ignore_eos",
-    "min_tokens",
-    "logprobs",
-    "n",
-)
+# Passed to vLLM only when set, beside the fields both libraries take. Where our defaults differ from
+# vLLM's (max_tokens 16), they follow the CPU engine.
+_OPTIONAL_SAMPLING = (*PASSED_WHEN_SET, "logprobs", "n")
 # Added to a batch item's vLLM priority (lower runs first) so that every interactive request, whatever
 # its own priority, is admitted before any batch item.
 BATCH_PRIORITY_OFFSET = 1 << 20
