@@ -18,15 +18,23 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from llamamesh.settings import otlp_endpoint
+from llamamesh.settings import otel_service_named, otlp_endpoint
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _configured = False
 
 
+def resource_attributes(service: str, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The resource attributes this process adds to what the SDK reads from the environment:
+    ``service.name`` = ``service``, unless OpenTelemetry's own variables name the service (the
+    attributes given here would override them)."""
+    return {} if otel_service_named(environ) else {"service.name": service}
+
+
 def configure(service: str, environ: Mapping[str, str] | None = None) -> bool:
     """Install the SDK (a BatchSpanProcessor exporting over OTLP gRPC, ``service.name`` =
-    ``service``) when an OTLP endpoint is set (``OTEL_EXPORTER_OTLP_ENDPOINT``); once per process,
+    ``service`` unless the environment names it: :func:`resource_attributes`, and the other
+    ``OTEL_RESOURCE_ATTRIBUTES``) when an OTLP endpoint is set (``OTEL_EXPORTER_OTLP_ENDPOINT``); once per process,
     from the entry points. True when tracing is on. Off, the API's no-op tracer is used and no SDK
     object is created: spans are non-recording, but a caller's trace id still flows to the worker
     and into the logs."""
@@ -40,7 +48,7 @@ def configure(service: str, environ: Mapping[str, str] | None = None) -> bool:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    provider = TracerProvider(resource=Resource.create({"service.name": service}))  # flushed at exit
+    provider = TracerProvider(resource=Resource.create(resource_attributes(service, environ)))  # flushed at exit
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))  # reads the OTEL_* variables
     trace.set_tracer_provider(provider)
     _configured = True
@@ -112,17 +120,29 @@ def ended(span: trace.Span, outcome: str) -> None:
 class JobSpan:
     """A worker's span of one job, continuing the gateway's (``carrier``: the job's ``trace``) and
     current from ``start`` to ``end``; before it, a ``queue_wait`` span from the gateway's
-    acceptance to the start. Its ``trace_id`` is bound to the job's log lines meanwhile."""
+    acceptance to the start. Its ``trace_id`` is bound to the job's log lines meanwhile.
+    ``traced=False`` (the gateways' health probes): no span at all, so that probes, which run every
+    few seconds on every worker, do not crowd the traces of real work."""
 
-    def __init__(self, carrier: Mapping[str, str], accepted_ns: int, started_ns: int, **attributes: str) -> None:
+    def __init__(
+        self,
+        carrier: Mapping[str, str],
+        accepted_ns: int,
+        started_ns: int,
+        attributes: Mapping[str, str] = MappingProxyType({}),
+        traced: bool = True,
+    ) -> None:
         parent = extract(carrier)
         t = tracer()
-        if 0 < accepted_ns < started_ns:
-            t.start_span("queue_wait", context=parent, start_time=accepted_ns).end(end_time=started_ns)
         self.started_ns = started_ns
-        self.span = t.start_span(
-            "job", context=parent, kind=trace.SpanKind.CONSUMER, start_time=started_ns, attributes=attributes
-        )
+        if not traced:
+            self.span: trace.Span = trace.INVALID_SPAN
+        else:
+            if 0 < accepted_ns < started_ns:
+                t.start_span("queue_wait", context=parent, start_time=accepted_ns).end(end_time=started_ns)
+            self.span = t.start_span(
+                "job", context=parent, kind=trace.SpanKind.CONSUMER, start_time=started_ns, attributes=attributes
+            )
         self._token = otel_context.attach(trace.set_span_in_context(self.span, parent))
         bind_trace_id(self.span)
 

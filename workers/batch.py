@@ -107,7 +107,7 @@ async def run_batch_item(lease: Lease, engine: Samples, batches: BatchStore) -> 
     started = time.time_ns()
     attributes = {"llamamesh.request_id": req.request_id, "llamamesh.pool": lease.pool}
     attributes |= {"llamamesh.kind": "batch_item", "llamamesh.batch_id": req.batch_id}
-    traced = tracing.JobSpan(req.trace, req.accepted_unix_ns, started, **attributes)
+    traced = tracing.JobSpan(req.trace, req.accepted_unix_ns, started, attributes)
     try:
         async for delta in engine.stream(req):
             if delta.finish_reason is FinishReason.CANCELLED:

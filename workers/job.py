@@ -84,12 +84,13 @@ class Job:
             req.trace,
             req.accepted_unix_ns,
             self.started,
-            **{
+            {
                 "llamamesh.request_id": req.request_id,
                 "llamamesh.pool": self.lease.pool,
                 "llamamesh.worker": self.worker,
                 "llamamesh.kind": req.kind.value,
             },
+            traced=not self.probe,
         )
         if not self.probe:
             metrics.JOBS_STARTED.labels(self.lease.pool).inc()

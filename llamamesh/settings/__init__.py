@@ -11,7 +11,13 @@ whole ``Settings`` and its reading. Every name is importable from here.
 from llamamesh.settings.batch import BatchSettings
 from llamamesh.settings.client import ClientSettings
 from llamamesh.settings.engines import TrtllmSettings, VllmSettings
-from llamamesh.settings.environment import SECRETS, Settings, otlp_endpoint, prometheus_multiproc_dir
+from llamamesh.settings.environment import (
+    SECRETS,
+    Settings,
+    otel_service_named,
+    otlp_endpoint,
+    prometheus_multiproc_dir,
+)
 from llamamesh.settings.gateway import BreakerSettings, GatewaySettings
 from llamamesh.settings.log import LogSettings
 from llamamesh.settings.redis import (
@@ -50,6 +56,7 @@ __all__ = [
     "WorkerSettings",
     "adapter_table",
     "env_name",
+    "otel_service_named",
     "otlp_endpoint",
     "parse_sentinel_url",
     "prometheus_multiproc_dir",

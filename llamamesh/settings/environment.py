@@ -120,6 +120,16 @@ def prometheus_multiproc_dir(environ: Mapping[str, str] | None = None) -> str:
     return env.get("PROMETHEUS_MULTIPROC_DIR", "")
 
 
+def otel_service_named(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether OpenTelemetry's own variables name the service (``OTEL_SERVICE_NAME``, or
+    ``service.name`` in ``OTEL_RESOURCE_ATTRIBUTES``): then the process keeps that name."""
+    env = os.environ if environ is None else environ
+    given = env.get("OTEL_RESOURCE_ATTRIBUTES", "")
+    return bool(env.get("OTEL_SERVICE_NAME", "").strip()) or any(
+        kv.split("=", 1)[0].strip() == "service.name" for kv in given.split(",") if "=" in kv
+    )
+
+
 def otlp_endpoint(environ: Mapping[str, str] | None = None) -> str:
     """Where spans go (``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_ENDPOINT``,
     OpenTelemetry's own variables, which its exporter reads itself with the other ``OTEL_*``);

@@ -23,6 +23,7 @@ from llamamesh.v1 import generation_pb2 as pb
 from tests.e2e.conftest import ProcessNode, e2e_redis
 from tests.redisproc import RedisProcess, free_port
 from tests.waiting import wait_until
+from workers.job import PROBE_PREFIX
 
 __all__ = ["e2e_redis"]  # the session's Redis fixture
 
@@ -131,6 +132,11 @@ def test_one_trace_from_the_caller_through_the_gateway_and_redis_to_the_worker(
     # the job's log lines carry the trace id
     assert f'"trace_id": "{TRACE_ID}"' in node.log("worker") or f'"trace_id":"{TRACE_ID}"' in node.log("worker")
     assert TRACE_ID in node.log("gateway")
+    # The gateways' health probes run jobs on the worker too (the node was SERVING only after one
+    # answered): none of them leaves a span.
+    with rec._lock:
+        ids = [a.value.string_value for _, s in rec.spans for a in s.attributes if a.key == "llamamesh.request_id"]
+    assert ids and not [i for i in ids if i.startswith(PROBE_PREFIX)], ids
 
 
 BATCH_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
