@@ -122,7 +122,11 @@ class NoWorkers(Unavailable):
 
 
 class QueueUnavailable(Unavailable):
+    """Redis does not answer (or refuses writes). Callers get UNAVAILABLE with ``retry_after_s`` as
+    RetryInfo: a failover or a restart takes seconds."""
+
     code = "queue_unavailable"
+    retry_after_s = 1.0
 
 
 class QueueOutOfMemory(QueueUnavailable):

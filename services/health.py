@@ -31,8 +31,10 @@ class HealthReporter:
     """Owns the health servicer and the task that pings the queue every ``interval_s``.
 
     - ``llamamesh.liveness``: SERVING while the process runs (liveness: restart me if not).
-    - The server ("") and each service in ``services``: readiness, SERVING while the queue answers,
-      NOT_SERVING otherwise and after ``shutdown()``.
+    - The server ("") and each service in ``services``: readiness, SERVING while the queue answers
+      (and for ``unreachable_hold_s`` after it stopped answering, so that a Redis blip does not take
+      every gateway out of its load balancer at the same moment), NOT_SERVING otherwise and after
+      ``shutdown()``.
     - ``llamamesh.backend.<pool>`` for each backend pool: SERVING while the queue answers and the
       pool has a live worker and its breaker is not open (``set_backend``, fed by services/backends.py).
     - ``llamamesh.queue``: SERVING while Redis takes writes (a write probe each check); NOT_SERVING
@@ -51,11 +53,18 @@ class HealthReporter:
     """
 
     def __init__(
-        self, queue: QueueState, services: Sequence[str], interval_s: float = 2.0, data_loss_hold_s: float = 10.0
+        self,
+        queue: QueueState,
+        services: Sequence[str],
+        interval_s: float = 2.0,
+        data_loss_hold_s: float = 10.0,
+        unreachable_hold_s: float = 0.0,
     ) -> None:
         self.servicer = health.aio.HealthServicer()
         self._queue = queue
         self._hold_s = data_loss_hold_s
+        self._unreachable_hold_s = unreachable_hold_s
+        self._down_since: float | None = None  # when the queue stopped answering
         self._epoch = ""
         self._held_until = 0.0
         self.data_losses = 0
@@ -95,13 +104,19 @@ class HealthReporter:
         try:
             epoch = await asyncio.wait_for(self._queue.epoch(), timeout=self._interval_s)
         except (QueueUnavailable, asyncio.TimeoutError):
+            now = time.monotonic()
+            if self._down_since is None:
+                self._down_since = now
+                log.warning("queue_unreachable", readiness_hold_s=self._unreachable_hold_s if self._serving else 0)
             self._saw(False)
-            await self._set(False)
+            if not (self._serving and now - self._down_since < self._unreachable_hold_s):
+                await self._set(False)
             if self.writable is not None:  # unknown until it answers again (no write to judge)
                 await self.servicer.set(QUEUE_WRITES, NOT_SERVING)
                 self.writable = None
             return
         self._saw(True)
+        self._down_since = None
         if self._epoch and epoch != self._epoch:
             self.data_losses += 1
             self._held_until = time.monotonic() + self._hold_s

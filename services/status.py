@@ -61,7 +61,7 @@ def to_status(exc: BaseException) -> status_pb2.Status:
             ]
         )
         st.details.add().Pack(br)
-    if isinstance(exc, errors.CapacityError | errors.QueueOutOfMemory):
+    if isinstance(exc, errors.CapacityError | errors.QueueUnavailable):
         secs = max(exc.retry_after_s, 0.0)
         delay = Duration(seconds=int(secs), nanos=int((secs - math.floor(secs)) * 1e9))
         st.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=delay))

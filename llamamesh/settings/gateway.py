@@ -112,6 +112,12 @@ class GatewaySettings(Section, section="gateway"):
     data_loss_hold_s: float = setting(10.0, Range(0))
     """Seconds readiness stays NOT_SERVING after Redis came back without its data."""
 
+    unreachable_hold_s: float = setting(10.0, Range(0))
+    """Seconds readiness stays SERVING while Redis does not answer (requests meanwhile end UNAVAILABLE with
+    RetryInfo), so that a Redis failover or blip shorter than this does not take every gateway out of its load
+    balancer at once; then NOT_SERVING until Redis answers. 0: NOT_SERVING at the first failed check. A gateway
+    that has not reached Redis since it started is NOT_SERVING at once."""
+
     reattach_grace_s: float = setting(30.0, Range(0))
     """Seconds a resumable request (GenerateRequest.resumable) keeps generating after its caller's connection
     dropped, waiting for an Attach; then it is cancelled."""

@@ -51,6 +51,14 @@ def test_capacity_errors_carry_retry_info() -> None:
     assert ri.retry_delay.seconds == 2 and ri.retry_delay.nanos == 500_000_000
 
 
+def test_an_unreachable_redis_says_when_to_try_again() -> None:
+    st = to_status(errors.QueueUnavailable("Redis does not answer"))
+    ri, info = error_details_pb2.RetryInfo(), error_details_pb2.ErrorInfo()
+    assert st.code == code_pb2.UNAVAILABLE
+    assert st.details[0].Unpack(ri) and ri.retry_delay.seconds == 1
+    assert st.details[-1].Unpack(info) and info.reason == "QUEUE_UNAVAILABLE"
+
+
 @pytest.mark.parametrize("cls", [errors.InvalidRequest, errors.NotFound, errors.EngineDead, errors.QueueFull])
 def test_errors_cross_redis_as_codes(cls: type[errors.LlamameshError]) -> None:
     exc = cls.field("f", "why") if issubclass(cls, errors.InvalidRequest) else cls("why")  # type: ignore[attr-defined]
