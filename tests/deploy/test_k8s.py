@@ -264,6 +264,69 @@ def test_workers_grace_startup_and_health(objs: tuple[dict[str, Any], ...]) -> N
         assert s.cache_dir in {m["mountPath"] for m in c["volumeMounts"]}, f"{where}: cache dir not writable"
 
 
+def min_replicas(objs: tuple[dict[str, Any], ...], w: dict[str, Any]) -> int:
+    """The fewest replicas ``w`` runs: its own count, or its autoscaler's minimum."""
+    name = w["metadata"]["name"]
+    for so in of_kind(objs, "ScaledObject"):
+        if so["spec"]["scaleTargetRef"]["name"] == name:
+            return int(so["spec"]["minReplicaCount"])
+    for hpa in of_kind(objs, "HorizontalPodAutoscaler"):
+        if hpa["spec"]["scaleTargetRef"]["name"] == name:
+            return int(hpa["spec"]["minReplicas"])
+    return int(w["spec"].get("replicas", 1))
+
+
+def startup_window_s(w: dict[str, Any]) -> int:
+    """How long the pod's containers may take to start before their startupProbe gives up."""
+    longest = 0
+    for c in w["spec"]["template"]["spec"]["containers"]:
+        probe = c.get("startupProbe") or c.get("readinessProbe") or {}
+        period = probe.get("periodSeconds", 10)
+        longest = max(longest, probe.get("initialDelaySeconds", 0) + probe.get("failureThreshold", 3) * period)
+    return longest
+
+
+def test_no_rollout_or_drain_removes_a_pools_last_ready_worker(objs: tuple[dict[str, Any], ...]) -> None:
+    """Either the new pod is ready before an old one goes (maxSurge >= 1, maxUnavailable 0), or the
+    pool runs two or more, loses one at a time, and its PDB keeps one through drains."""
+    pdbs = of_kind(objs, "PodDisruptionBudget")
+    for w in of_kind(objs, *WORKLOADS):
+        where = w["metadata"]["name"]
+        if w["kind"] != "Deployment" or component(w) not in ("worker", "gateway"):
+            continue
+        rolling = w["spec"]["strategy"]["rollingUpdate"]
+        surge, unavailable = int(rolling.get("maxSurge", 1)), int(rolling.get("maxUnavailable", 1))
+        least = min_replicas(objs, w)
+        if unavailable:
+            assert least > unavailable, f"{where}: a rollout of {least} replica(s) takes {unavailable} down at once"
+        else:
+            assert surge >= 1, where
+        labels = w["spec"]["template"]["metadata"]["labels"]
+        (pdb,) = [b for b in pdbs if matches(b["spec"]["selector"], labels)]
+        kept = pdb["spec"].get("minAvailable")
+        if kept is None:
+            kept = least - int(pdb["spec"]["maxUnavailable"])
+        if least >= 2:
+            assert int(kept) >= 1, f"{where}: a drain may take every replica"
+        else:  # one replica: a PDB keeping it would block every node drain for good
+            assert pdb["spec"].get("maxUnavailable") == 1, where
+
+
+def test_rollouts_wait_for_a_slow_start(objs: tuple[dict[str, Any], ...]) -> None:
+    """progressDeadlineSeconds (600 unset) longer than the startup window: `kubectl rollout status`
+    and Argo CD must not call a cold start that is still within it a failed rollout."""
+    for w in of_kind(objs, "Deployment"):
+        deadline = w["spec"].get("progressDeadlineSeconds", 600)
+        assert deadline > startup_window_s(w), f"{w['metadata']['name']}: {deadline} s"
+
+
+def test_gateway_readiness_holds_through_a_redis_blip(objs: tuple[dict[str, Any], ...]) -> None:
+    """Readiness follows Redis only after a hold: a failover does not empty the Service at once."""
+    gw = named(objs, "Deployment", "llamamesh-gateway")
+    (c,) = gw["spec"]["template"]["spec"]["containers"]
+    assert settings_of(c).gateway.unreachable_hold_s >= 10
+
+
 def test_gpu_workers(objs: tuple[dict[str, Any], ...]) -> None:
     for w in of_kind(objs, "Deployment"):
         spec = w["spec"]["template"]["spec"]
