@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
@@ -46,6 +47,25 @@ def render(overlay: str) -> tuple[dict[str, Any], ...]:
         [KUBECTL, "kustomize", str(K8S / "overlays" / overlay)], capture_output=True, text=True, timeout=60, check=False
     )
     assert out.returncode == 0, f"kubectl kustomize overlays/{overlay} failed:\n{out.stderr}"
+    return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
+
+
+@functools.cache
+def render_with(overlay: str, *components: str) -> tuple[dict[str, Any], ...]:
+    """An overlay with opt-in components added, as a user's own kustomization would add them (made
+    beside the overlays: kustomize takes relative paths only)."""
+    if KUBECTL is None:
+        pytest.skip("kubectl is not installed: cannot render the kustomize overlays")
+    with tempfile.TemporaryDirectory(dir=K8S, prefix=".render-") as d:
+        spec = {
+            "apiVersion": "kustomize.config.k8s.io/v1beta1",
+            "kind": "Kustomization",
+            "resources": [f"../overlays/{overlay}"],
+            "components": [f"../components/{c}" for c in components],
+        }
+        (Path(d) / "kustomization.yaml").write_text(yaml.safe_dump(spec))
+        out = subprocess.run([KUBECTL, "kustomize", d], capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0, f"kubectl kustomize {overlay} + {components} failed:\n{out.stderr}"
     return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
 
 
@@ -427,8 +447,20 @@ def test_cpu_demo_runs_its_own_persistent_redis() -> None:
     assert "nvidia.com/gpu" not in str(worker)
 
 
+# KEDA's queue trigger for each Redis shape, and the TriggerAuthentication parameters it reads.
+REDIS_TRIGGERS = {
+    "redis-streams": {"address", "password"},
+    "redis-sentinel-streams": {"addresses", "sentinelMaster", "password", "sentinelPassword"},
+    "redis-cluster-streams": {"addresses", "password"},
+}
+# The overlays that choose a shape; every other KEDA overlay has a single Redis.
+SHAPES = {"vllm-sentinel": "redis-sentinel-streams", "vllm-cluster": "redis-cluster-streams"}
+
+
 def test_keda(objs: tuple[dict[str, Any], ...]) -> None:
-    """KEDA objects by hand (no KEDA CRD schema in kubernetes-validate)."""
+    """KEDA objects by hand (no KEDA CRD schema in kubernetes-validate): the queue trigger of the
+    overlay's Redis shape, the pool-wide queue depth, and a saturation trigger whose threshold is a
+    share of each worker's KV cache."""
     auths = {o["metadata"]["name"]: o for o in of_kind(objs, "TriggerAuthentication")}
     for so in of_kind(objs, "ScaledObject"):
         assert so["apiVersion"] == "keda.sh/v1alpha1"
@@ -437,18 +469,46 @@ def test_keda(objs: tuple[dict[str, Any], ...]) -> None:
         pool = worker_pool(objs, target["name"])
         assert so["spec"]["minReplicaCount"] >= 1, "no scale-to-zero for a GPU pool: a cold start takes minutes"
         assert so["spec"]["maxReplicaCount"] >= so["spec"]["minReplicaCount"]
-        by_type = {t["type"]: t for t in so["spec"]["triggers"]}
-        assert set(by_type) == {"redis-streams", "prometheus"}
-        streams = by_type["redis-streams"]
+        triggers = so["spec"]["triggers"]
+        (streams,) = [t for t in triggers if t["type"] in REDIS_TRIGGERS]
         assert streams["metadata"]["stream"] == Keys(RedisSettings().prefix).jobs(pool)
         assert streams["metadata"]["consumerGroup"] == WORKER_GROUP
         assert int(streams["metadata"]["lagCount"]) > 0
         auth = auths[streams["authenticationRef"]["name"]]
         assert auth["apiVersion"] == "keda.sh/v1alpha1"
-        assert {r["parameter"] for r in auth["spec"]["secretTargetRef"]} >= {"address", "password"}
-        query = by_type["prometheus"]["metadata"]["query"]
-        assert "llamamesh_queue_depth" in query and f'pool="{pool}"' in query
-        assert float(by_type["prometheus"]["metadata"]["threshold"]) > 0
+        assert {r["parameter"] for r in auth["spec"]["secretTargetRef"]} >= REDIS_TRIGGERS[streams["type"]]
+        queries = {
+            t["metadata"]["query"]: float(t["metadata"]["threshold"]) for t in triggers if t["type"] == "prometheus"
+        }
+        assert len(queries) == 2 and len(triggers) == 3, triggers
+        depth = [q for q in queries if "llamamesh_queue_depth" in q]
+        saturation = [q for q in queries if "llamamesh_engine_kv_cache_usage_ratio" in q]
+        assert depth and saturation and all(f'pool="{pool}"' in q for q in queries), queries
+        assert queries[depth[0]] > 0 and 0 < queries[saturation[0]] < 1
+        assert saturation[0].startswith("sum("), "KEDA divides by the replicas: the pool's total, not one worker's"
+
+
+def test_each_redis_shape_has_its_keda_trigger() -> None:
+    for overlay in OVERLAYS:
+        want = SHAPES.get(overlay, "redis-streams")
+        types = {t["type"] for so in of_kind(render(overlay), "ScaledObject") for t in so["spec"]["triggers"]}
+        assert not types or types & set(REDIS_TRIGGERS) == {want}, (overlay, types)
+    assert set(SHAPES) <= set(OVERLAYS)
+
+
+def test_podmonitors_scrape_every_gateway_and_worker_on_its_metrics_port() -> None:
+    objs = render_with("vllm", "podmonitors")
+    monitors = of_kind(objs, "PodMonitor")
+    assert {m["apiVersion"] for m in monitors} == {"monitoring.coreos.com/v1"} and len(monitors) == 2
+    for w, tpl in pod_specs(objs):
+        labels = tpl["metadata"]["labels"]
+        (m,) = [m for m in monitors if matches(m["spec"]["selector"], labels)]
+        (endpoint,) = m["spec"]["podMetricsEndpoints"]
+        (c,) = tpl["spec"]["containers"]
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        s = settings_of(c)
+        want = s.gateway.metrics_port if component(w) == "gateway" else s.worker.metrics_port
+        assert ports[endpoint["port"]] == want and endpoint["path"] == "/metrics", w["metadata"]["name"]
 
 
 def test_hpa(objs: tuple[dict[str, Any], ...]) -> None:
