@@ -415,6 +415,32 @@ def test_network_policies_select_pods(objs: tuple[dict[str, Any], ...]) -> None:
     assert settings_of(c).gateway.health_port not in ports
 
 
+# What gateways and workers may reach: DNS, Redis (plain, TLS, Sentinel) and the OTLP collector.
+EGRESS_PORTS = {53, 6379, 6380, 26379, 4317}
+
+
+def test_network_policies_name_the_callers_namespaces_and_limit_egress(objs: tuple[dict[str, Any], ...]) -> None:
+    """The gRPC port opens to namespaces named by kubernetes.io/metadata.name (set by whoever
+    creates the namespace, unlike a pod label any caller can give itself); gateways and workers
+    reach DNS, Redis and the OTLP collector and nothing else."""
+    gateway = named(objs, "NetworkPolicy", "llamamesh-gateway")
+    (grpc_rule,) = [r for r in gateway["spec"]["ingress"] if {p["port"] for p in r["ports"]} == {50051}]
+    for peer in grpc_rule["from"]:
+        (named_ns,) = peer["namespaceSelector"]["matchExpressions"]
+        assert named_ns["key"] == "kubernetes.io/metadata.name" and named_ns["operator"] == "In", peer
+        assert named_ns["values"] and "podSelector" not in peer, peer
+    for name in ("llamamesh-gateway", "llamamesh-worker"):
+        np = named(objs, "NetworkPolicy", name)
+        assert "Egress" in np["spec"]["policyTypes"], name
+        ports = {p["port"] for rule in np["spec"]["egress"] for p in rule["ports"]}
+        assert ports == EGRESS_PORTS, (name, ports)
+    for w, _tpl, c in containers(objs):
+        url = settings_of(c).redis.url
+        if url:
+            port = url.rsplit(":", 1)[-1].split("/")[0]
+            assert int(port) in EGRESS_PORTS, (w["metadata"]["name"], url)
+
+
 def test_external_redis_comes_from_a_secret(external_redis: tuple[dict[str, Any], ...]) -> None:
     assert not of_kind(external_redis, "StatefulSet")
     for w, _tpl, c in containers(external_redis):
@@ -554,6 +580,26 @@ def test_the_vllm_pool_is_set_up_for_both_tiers() -> None:
     assert s.vllm.max_num_batched_tokens == 4096
 
 
+def test_every_install_but_the_demo_needs_tls_and_api_keys(objs: tuple[dict[str, Any], ...]) -> None:
+    """Off the CPU demo the gateway port speaks TLS and every call needs a key of the tenants file,
+    both from Secrets the pod cannot start without (none optional)."""
+    gw = named(objs, "Deployment", "llamamesh-gateway")["spec"]["template"]["spec"]
+    (c,) = gw["containers"]
+    s = settings_of(c)
+    demo = not of_kind(objs, "Deployment") or any(
+        settings_of(wc).worker.engine == "transformers" for w, _t, wc in containers(objs) if component(w) == "worker"
+    )
+    if demo:
+        assert not s.gateway.tls_cert and not s.auth.file
+        return
+    secret_of = {v["name"]: v["secret"] for v in gw["volumes"] if "secret" in v}
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    for path, secret in ((s.gateway.tls_cert, "llamamesh-gateway-tls"), (s.auth.file, "llamamesh-tenants")):
+        assert path, f"{secret}: not set"
+        (volume,) = [name for mount, name in mounts.items() if path.startswith(mount + "/")]
+        assert secret_of[volume]["secretName"] == secret and not secret_of[volume].get("optional"), secret
+
+
 def test_tls_overlay_mounts_its_certificates() -> None:
     objs = render("tls")
     (c,) = named(objs, "Deployment", "llamamesh-gateway")["spec"]["template"]["spec"]["containers"]
@@ -563,7 +609,7 @@ def test_tls_overlay_mounts_its_certificates() -> None:
         assert path and any(path.startswith(m + "/") for m in mounts), path
     volumes = named(objs, "Deployment", "llamamesh-gateway")["spec"]["template"]["spec"]["volumes"]
     secrets = {v["secret"]["secretName"] for v in volumes if "secret" in v}
-    assert secrets == {"llamamesh-gateway-tls", "llamamesh-client-ca", "llamamesh-redis-ca"}
+    assert secrets == {"llamamesh-gateway-tls", "llamamesh-tenants", "llamamesh-client-ca", "llamamesh-redis-ca"}
     assert {p["name"]: p["containerPort"] for p in c["ports"]}["grpc-health"] == s.gateway.health_port
     for w, _tpl, wc in containers(objs):
         if component(w) == "worker":
