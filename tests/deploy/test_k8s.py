@@ -441,6 +441,35 @@ def test_network_policies_name_the_callers_namespaces_and_limit_egress(objs: tup
             assert int(port) in EGRESS_PORTS, (w["metadata"]["name"], url)
 
 
+def test_the_model_fill_job_fills_what_the_workers_wait_for_and_read() -> None:
+    """components/model-fill: from nothing to serving with the manifests alone. The Job writes the
+    claim the workers mount read-only, into the folder LLAMAMESH_WORKER_MODEL_PATH names, marker
+    last; each worker's init container waits for that marker."""
+    objs = render_with("vllm", "model-fill")
+    for o in objs:
+        if not o["apiVersion"].startswith(KEDA):
+            kubernetes_validate.validate(o, KUBERNETES_VERSION, strict=True)
+    job = named(objs, "Job", "llamamesh-model-fill")["spec"]["template"]["spec"]
+    (fill,) = job["containers"]
+    dest = env_of(fill)["DEST"]
+    assert ":" in fill["image"] and not fill["image"].endswith(":latest")
+    assert fill["securityContext"]["readOnlyRootFilesystem"] and fill["securityContext"]["runAsNonRoot"]
+    assert "rclone sync" in fill["args"][0] and fill["args"][0].rstrip().endswith('> "$DEST/.llamamesh-complete"')
+    (job_mount,) = [m for m in fill["volumeMounts"] if dest.startswith(m["mountPath"] + "/")]
+    claim = {v["name"]: v for v in job["volumes"]}[job_mount["name"]]["persistentVolumeClaim"]
+    assert not job_mount.get("readOnly") and not claim.get("readOnly")
+    worker = named(objs, "Deployment", "llamamesh-worker-vllm")["spec"]["template"]["spec"]
+    (c,) = worker["containers"]
+    assert settings_of(c).worker.model_path == dest
+    (wait,) = worker["initContainers"]
+    assert f"{dest}/.llamamesh-complete" in wait["args"][0]
+    volumes = {v["name"]: v for v in worker["volumes"]}
+    for mount in [*wait["volumeMounts"], *c["volumeMounts"]]:
+        if dest.startswith(mount["mountPath"] + "/"):
+            assert mount["readOnly"] is True
+            assert volumes[mount["name"]]["persistentVolumeClaim"]["claimName"] == claim["claimName"]
+
+
 def test_external_redis_comes_from_a_secret(external_redis: tuple[dict[str, Any], ...]) -> None:
     assert not of_kind(external_redis, "StatefulSet")
     for w, _tpl, c in containers(external_redis):
