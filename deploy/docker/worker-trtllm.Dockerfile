@@ -12,7 +12,8 @@
 
 # Pinned release tag (TensorRT-LLM 1.2.0, the LLM API with the pytorch backend that the adapter
 # uses); the tag was not checked against NGC from here.
-FROM nvcr.io/nvidia/tensorrt-llm/release:1.2.0
+ARG BASE=nvcr.io/nvidia/tensorrt-llm/release:1.2.0
+FROM ${BASE}
 
 # Build-time only: the image's Python is a system one (pip may refuse to install into it without this).
 ARG PIP_BREAK_SYSTEM_PACKAGES=1

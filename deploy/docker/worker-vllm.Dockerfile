@@ -5,10 +5,12 @@
 # Runs as uid 10001 on a read-only root filesystem: /tmp (a tmpfs) and /var/cache/llamamesh (a
 # volume: Hugging Face, vLLM, Triton and torch.compile caches) must be writable, /dev/shm large
 # (see deploy/compose/compose.yaml).
-# Never built on the machines this was written on (no registry access); see deploy/docker/README.md.
+# NEVER BUILT: its base is vLLM's CUDA image, which the test machines cannot pull (no registry) or
+# run (no GPU); it is checked only by hadolint and tests/deploy/test_images.py.
 
 # Pinned: the vLLM release that workers/engines/vllm.py is written against (pyproject: vllm==0.26.0).
-FROM vllm/vllm-openai:v0.26.0
+ARG BASE=vllm/vllm-openai:v0.26.0
+FROM ${BASE}
 
 # Build-time only: the image's Python is a system one (pip may refuse to install into it without this).
 ARG PIP_BREAK_SYSTEM_PACKAGES=1

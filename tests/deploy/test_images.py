@@ -1,7 +1,8 @@
 """deploy/docker: every Dockerfile passes hadolint and installs what `make install` installs, from the same
 lock, as a non-root user on a read-only root, with python as PID 1 and only real settings in its ENV.
 
-No image is built here (no Docker daemon, no registry): these are static checks of the files.
+These are static checks of the files; tests/deploy/test_image_builds.py builds and runs the gateway
+and CPU worker images (the GPU ones cannot be built here: no registry for their CUDA bases).
 """
 
 from __future__ import annotations
@@ -75,15 +76,18 @@ def parse(path: Path) -> list[Stage]:
         pending = ""
     assert not pending, f"{path.name}: dangling line continuation"
     stages: list[Stage] = []
+    build_args: dict[str, str] = {}  # the ARGs before the first FROM, with their defaults
     for line in logical:
         keyword, _, args = line.partition(" ")
         keyword = keyword.upper()
         if keyword == "FROM":
             words = args.split()
             alias = words[2] if len(words) == 3 and words[1].upper() == "AS" else ""
-            stages.append(Stage(base=words[0], alias=alias))
+            base = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: build_args[m.group(1) or m.group(2)], words[0])
+            stages.append(Stage(base=base, alias=alias))
         elif keyword == "ARG" and not stages:
-            continue
+            name, _, default = args.strip().partition("=")
+            build_args[name] = default
         else:
             assert stages, f"{path.name}: {keyword} before FROM"
             stages[-1].instructions.append((keyword, args.strip()))
@@ -289,6 +293,17 @@ def test_base_images_are_pinned(name: str) -> None:
         assert tag != "latest" and re.search(r"\d+\.\d+", tag), f"{name}: FROM {stage.base} is not a version"
         if image == "python":
             assert re.fullmatch(r"\d+\.\d+\.\d+-slim-[a-z]+", tag), f"{name}: pin python to x.y.z-slim-<debian>"
+
+
+@pytest.mark.parametrize("name", sorted(IMAGES))
+def test_every_stage_starts_from_the_base_build_argument(name: str) -> None:
+    """One ARG BASE (its default the pinned public image users pull) names every external base, so a
+    build can swap it (the tests build on a local Debian root filesystem)."""
+    text = dockerfile(name).read_text()
+    assert re.search(r"^ARG BASE=\S+$", text, re.M), name
+    froms = re.findall(r"^FROM (\S+)", text, re.M)
+    aliases = {s.alias for s in parse(dockerfile(name))}
+    assert froms and all(f == "${BASE}" or f in aliases for f in froms), (name, froms)
 
 
 def test_settings_names_are_built_as_documented() -> None:
