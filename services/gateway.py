@@ -108,13 +108,7 @@ async def start_gateway(
     acceptors = Acceptors(server, [gatekeeper], settings.acceptors)  # before any service is added
     admission = Admission(quotas)
     services = [GENERATION_SERVICE, ADMIN_SERVICE, *([BATCH_SERVICE] if batches is not None else [])]
-    reporter = HealthReporter(
-        queue,
-        services,
-        interval_s=settings.health_interval_s,
-        data_loss_hold_s=settings.data_loss_hold_s,
-        unreachable_hold_s=settings.unreachable_hold_s,
-    )
+    reporter = HealthReporter.for_gateway(queue, services, settings)
     backends = _backends(
         queue, settings, breaker or BreakerSettings(), [*(m.pool for m in models), *policy.pools], reporter
     )

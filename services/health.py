@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2
 from llamamesh import metrics
 from llamamesh.errors import QueueOutOfMemory, QueueUnavailable
 from llamamesh.queue.protocol import QueueState
+from llamamesh.settings import GatewaySettings
 
 log = structlog.get_logger(__name__)
 
@@ -77,6 +78,12 @@ class HealthReporter:
         self._watchers: list[Callable[[bool], None]] = []
         self._write_watchers: list[Callable[[bool], None]] = []
         self.writable: bool | None = None
+
+    @classmethod
+    def for_gateway(cls, queue: QueueState, services: Sequence[str], settings: GatewaySettings) -> HealthReporter:
+        """The gateway's: its check interval and both holds from its settings."""
+        hold = (settings.data_loss_hold_s, settings.unreachable_hold_s)
+        return cls(queue, services, settings.health_interval_s, *hold)
 
     def watch(self, seen: Callable[[bool], None]) -> None:
         """Call ``seen(reachable)`` after every check of the queue."""
