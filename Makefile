@@ -55,9 +55,10 @@ serve: install
 
 # Command 2: everything the tests need, then the tests.
 test: install-dev
-	@{ command -v redis-server && command -v prometheus && command -v kubectl && command -v docker-compose; } \
-	  >/dev/null || { command -v apt-get >/dev/null && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-	  apt-get install -y -qq redis-server prometheus kubectl docker-compose >/dev/null); }
+	@{ command -v redis-server && command -v prometheus && command -v kubectl && command -v docker-compose \
+	  && command -v dockerd && command -v mmdebstrap; } >/dev/null || { command -v apt-get >/dev/null \
+	  && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server prometheus \
+	  kubectl docker-compose docker.io mmdebstrap >/dev/null); }
 	$(MAKE) lint
 	$(PY) -m pytest tests
 

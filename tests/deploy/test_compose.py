@@ -1,8 +1,10 @@
-"""deploy/compose: the compose file is valid for docker-compose, names only real settings, gives each
-process more time to stop than its own grace periods, mounts files that exist, reserves the GPUs and
-/dev/shm for vLLM, keeps Redis's data, and its Prometheus config passes promtool as the container sees it.
+"""deploy/compose: both compose files (the GPU host's and the CPU stack's) are valid for
+docker-compose, name only real settings, give each process more time to stop than its own grace
+periods, mount files that exist, and their Prometheus configs pass promtool as the container sees
+them and scrape every metrics port; the GPU one reserves the GPUs and /dev/shm for vLLM.
 
-Nothing is started here (no Docker daemon): `docker-compose config` validates and renders the file.
+Nothing is started here: `docker-compose config` validates and renders the files
+(tests/deploy/test_compose_stack.py runs the CPU stack).
 """
 
 from __future__ import annotations
@@ -24,19 +26,31 @@ pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = ROOT / "deploy" / "compose"
 COMPOSE = COMPOSE_DIR / "compose.yaml"
-# Variables of the compose file itself (interpolated by compose, never seen by a process): they
-# must not look like settings.
-COMPOSE_VARIABLES = {"MODEL_DIR", "MODEL_NAME", "GRAFANA_ADMIN_PASSWORD"}
+CPU = COMPOSE_DIR / "compose.cpu.yaml"
+BOTH = pytest.mark.parametrize("path", [COMPOSE, CPU], ids=["gpu", "cpu"])
+# Variables of the compose files themselves (interpolated by compose, never seen by a process):
+# they must not look like settings.
+COMPOSE_VARIABLES = {
+    "MODEL_DIR",
+    "MODEL_NAME",
+    "GRAFANA_ADMIN_PASSWORD",
+    "GATEWAY_IMAGE",
+    "WORKER_IMAGE",
+    "REDIS_IMAGE",
+    "PROMETHEUS_IMAGE",
+    "GATEWAY_PORT",
+    "PROMETHEUS_PORT",
+}
 # A margin above a grace period: the process's own shutdown after its grace (closing Redis, the engine).
 MARGIN_S = 5.0
 
 
-def raw() -> dict[str, Any]:
-    return yaml.safe_load(COMPOSE.read_text())
+def raw(path: Path = COMPOSE) -> dict[str, Any]:
+    return yaml.safe_load(path.read_text())
 
 
-def services() -> dict[str, dict[str, Any]]:
-    return raw()["services"]
+def services(path: Path = COMPOSE) -> dict[str, dict[str, Any]]:
+    return dict(raw(path)["services"])
 
 
 def environment(service: dict[str, Any]) -> dict[str, str]:
@@ -70,21 +84,29 @@ def bind_mounts(service: dict[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def rendered() -> dict[str, Any]:
+def render(path: Path) -> dict[str, Any]:
     binary = shutil.which("docker-compose")
     if binary is None:
         pytest.skip("docker-compose is not installed (Debian: `apt-get install docker-compose`)")
     env = {**os.environ, "GRAFANA_ADMIN_PASSWORD": "not-a-secret"}
     done = subprocess.run(
-        [binary, "-f", str(COMPOSE), "config"], capture_output=True, text=True, timeout=45, check=False, env=env
+        [binary, "-f", str(path), "config"], capture_output=True, text=True, timeout=45, check=False, env=env
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    return yaml.safe_load(done.stdout)
+    return dict(yaml.safe_load(done.stdout))
 
 
-def test_docker_compose_accepts_it(rendered: dict[str, Any]) -> None:
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, Any]:
+    return render(COMPOSE)
+
+
+def test_docker_compose_accepts_them(rendered: dict[str, Any]) -> None:
     assert set(rendered["services"]) == {"redis", "gateway", "worker-vllm", "prometheus", "grafana"}
+    cpu = render(CPU)
+    assert set(cpu["services"]) == {"redis", "gateway", "worker-a", "worker-b", "prometheus"}
+    ports = [p for s in cpu["services"].values() for p in s.get("ports", [])]
+    assert ports and all(str(p.get("host_ip", p) if isinstance(p, dict) else p).startswith("127.0.0.1") for p in ports)
 
 
 def test_grafana_admin_password_is_required_not_defaulted() -> None:
@@ -98,17 +120,20 @@ def test_grafana_admin_password_is_required_not_defaulted() -> None:
     assert done.returncode != 0 and "GRAFANA_ADMIN_PASSWORD" in done.stderr
 
 
-def test_every_llamamesh_variable_is_a_setting() -> None:
+@BOTH
+def test_every_llamamesh_variable_is_a_setting(path: Path) -> None:
     real = set(Settings().to_env())
     assert not COMPOSE_VARIABLES & real
-    for name, service in services().items():
+    for name, service in services(path).items():
         unknown = {k for k in environment(service) if k.startswith("LLAMAMESH_")} - real
         assert not unknown, f"{name}: no setting in llamamesh/settings.py: {sorted(unknown)}"
-    interpolated = set(re.findall(r"\$\{(\w+)", COMPOSE.read_text()))
+    interpolated = set(re.findall(r"\$\{(\w+)", path.read_text()))
     assert interpolated <= COMPOSE_VARIABLES | real, interpolated - COMPOSE_VARIABLES
 
 
-def test_stop_grace_period_exceeds_the_grace_settings(rendered: dict[str, Any]) -> None:
+@BOTH
+def test_stop_grace_period_exceeds_the_grace_settings(path: Path) -> None:
+    rendered = render(path)
     defaults = Settings()
     gateway = rendered["services"]["gateway"]
     env = environment(gateway)
@@ -116,20 +141,24 @@ def test_stop_grace_period_exceeds_the_grace_settings(rendered: dict[str, Any]) 
     grace = float(env.get("LLAMAMESH_GATEWAY_GRACE_S", defaults.gateway.grace_s))
     assert seconds(gateway["stop_grace_period"]) >= settle + grace + MARGIN_S
 
-    worker = rendered["services"]["worker-vllm"]
-    grace = float(environment(worker).get("LLAMAMESH_WORKER_GRACE_S", defaults.worker.grace_s))
-    assert seconds(worker["stop_grace_period"]) >= grace + MARGIN_S
-    for name in ("gateway", "worker-vllm"):
+    workers = [name for name in rendered["services"] if name.startswith("worker")]
+    assert workers
+    for name in workers:
+        worker = rendered["services"][name]
+        grace = float(environment(worker).get("LLAMAMESH_WORKER_GRACE_S", defaults.worker.grace_s))
+        assert seconds(worker["stop_grace_period"]) >= grace + MARGIN_S, name
+    for name in ("gateway", *workers):
         assert rendered["services"][name].get("stop_signal", "SIGTERM") == "SIGTERM"
 
 
-def test_mounted_files_exist() -> None:
-    for name, service in services().items():
+@BOTH
+def test_mounted_files_exist(path: Path) -> None:
+    for name, service in services(path).items():
         for source, target in bind_mounts(service):
             if source.startswith("${"):
                 continue  # the operator's path (the model folder)
             assert (COMPOSE_DIR / source).resolve().exists(), f"{name}: mounts {source} -> {target}: missing"
-    builds = [s["build"] for s in services().values() if "build" in s]
+    builds = [s["build"] for s in services(path).values() if "build" in s]
     assert builds
     for build in builds:
         assert (COMPOSE_DIR / build["context"] / build["dockerfile"]).resolve().is_file(), build
@@ -143,11 +172,12 @@ def test_the_model_is_mounted_read_only_from_an_operator_path() -> None:
     assert environment(worker)["LLAMAMESH_WORKER_MODEL_PATH"] == "/models"
 
 
-def test_promtool_checks_the_prometheus_config(tmp_path: Path) -> None:
+@BOTH
+def test_promtool_checks_the_prometheus_config(path: Path, tmp_path: Path) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool is not installed (Debian: `apt-get install prometheus`, which ships it)")
-    prometheus = services()["prometheus"]
+    prometheus = services(path)["prometheus"]
     (flag,) = [a for a in prometheus["command"] if a.startswith("--config.file=")]
     config_target = flag.partition("=")[2]
     # Lay the mounted files out as the container sees them, under tmp_path.
@@ -166,14 +196,18 @@ def test_promtool_checks_the_prometheus_config(tmp_path: Path) -> None:
     assert "SUCCESS" in done.stdout + done.stderr
 
 
-def test_prometheus_scrapes_the_metrics_ports() -> None:
-    svc = services()
-    config = yaml.safe_load((COMPOSE_DIR / "prometheus.yaml").read_text())
+@BOTH
+def test_prometheus_scrapes_the_metrics_ports(path: Path) -> None:
+    svc = services(path)
+    (config_file,) = [s for s, t in bind_mounts(svc["prometheus"]) if t == "/etc/prometheus/prometheus.yaml"]
+    config = yaml.safe_load((COMPOSE_DIR / config_file).read_text())
     targets = {t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
-    gateway_port = environment(svc["gateway"])["LLAMAMESH_GATEWAY_METRICS_PORT"]
-    worker = environment(svc["worker-vllm"])
-    assert targets == {f"gateway:{gateway_port}", f"worker-vllm:{worker['LLAMAMESH_WORKER_METRICS_PORT']}"}
-    assert worker["LLAMAMESH_WORKER_METRICS_HOST"] == "0.0.0.0"  # reachable from the prometheus container
+    expected = {f"gateway:{environment(svc['gateway'])['LLAMAMESH_GATEWAY_METRICS_PORT']}"}
+    for name in [n for n in svc if n.startswith("worker")]:
+        worker = environment(svc[name])
+        expected.add(f"{name}:{worker['LLAMAMESH_WORKER_METRICS_PORT']}")
+        assert worker["LLAMAMESH_WORKER_METRICS_HOST"] == "0.0.0.0"  # reachable from the prometheus container
+    assert targets == expected
 
 
 def test_grafana_provisioning_is_mounted_where_it_expects() -> None:
