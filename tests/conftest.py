@@ -10,6 +10,7 @@ import pytest
 
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import RedisSettings
+from tests.images import prepare_in_background
 from tests.redisproc import RedisProcess
 
 # Where each node log stood when the running test began (bytes), and the most of it a report shows.
@@ -47,7 +48,8 @@ def repo_root() -> Path:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """GPU tests time out by pytest-timeout's thread method: it dumps every stack and ends the run
     even when the test is stuck in C code (an engine start waiting on a child process), where the
-    signal method may never get to run."""
+    signal method may never get to run. The container tests go last, their images made meanwhile."""
+    prepare_in_background(config, items)
     default = float(config.getini("timeout") or 0)
     for item in items:
         if item.get_closest_marker("gpu") is None:

@@ -28,8 +28,8 @@ from llamamesh.client import Client
 from llamamesh.v1 import admin_pb2 as apb
 from llamamesh.v1 import batch_pb2 as bpb
 from llamamesh.v1 import generation_pb2 as pb
-from tests.deploy.conftest import ROOT, docker
 from tests.e2e.test_node import grpcurl
+from tests.images import ROOT, docker
 from tests.redisproc import free_port
 from tests.waiting import until, wait_until
 

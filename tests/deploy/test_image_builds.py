@@ -13,7 +13,8 @@ import subprocess
 
 import pytest
 
-from tests.deploy.conftest import IMAGES, docker
+from tests.images import PRODUCTS as IMAGES
+from tests.images import docker
 
 pytestmark = [pytest.mark.containers, pytest.mark.timeout(1800)]
 

@@ -84,18 +84,16 @@ def traced(
         node.stop()
 
 
-def wait_for_spans(rec: Receiver, trace_id: str, want: set[tuple[str, str]], count: int = 1) -> list[tuple[str, Span]]:
-    """The trace's spans once ``count`` of each (service, name) in ``want`` arrived (bounded poll:
-    both processes export within their schedule delay)."""
+def wait_for_spans(rec: Receiver, trace_id: str, want: dict[tuple[str, str], int]) -> list[tuple[str, Span]]:
+    """The trace's spans once ``want[(service, name)]`` of each arrived (bounded poll: both processes
+    export within their schedule delay)."""
 
     def arrived(spans: list[tuple[str, Span]]) -> bool:
         seen = [(svc, s.name) for svc, s in spans]
-        return all(seen.count(w) >= count for w in want)
+        return all(seen.count(w) >= n for w, n in want.items())
 
     try:
-        return wait_until(
-            lambda: rec.of_trace(trace_id), 30, f"{count} of each of {sorted(want)}", done=arrived, poll_s=0.1
-        )
+        return wait_until(lambda: rec.of_trace(trace_id), 30, f"spans {want}", done=arrived, poll_s=0.1)
     except TimeoutError:
         return rec.of_trace(trace_id)  # the callers' assertions say what is missing
 
@@ -119,7 +117,7 @@ def test_one_trace_from_the_caller_through_the_gateway_and_redis_to_the_worker(
         meta = (("traceparent", f"00-{TRACE_ID}-{CALLER_SPAN}-01"),)
         tokens = sum(len(m.token_ids) for m in stub.Generate(req, metadata=meta, timeout=30))
     assert tokens == 5
-    spans = wait_for_spans(rec, TRACE_ID, {("gateway", "Generate"), ("worker", "job")})
+    spans = wait_for_spans(rec, TRACE_ID, {("gateway", "Generate"): 1, ("worker", "job"): 1})
     names = sorted((svc, s.name) for svc, s in spans)
     rpc = next((s for svc, s in spans if (svc, s.name) == ("gateway", "Generate")), None)
     job = next((s for svc, s in spans if (svc, s.name) == ("worker", "job")), None)
@@ -150,7 +148,7 @@ def test_batch_items_are_spans_under_the_batch_generate_span(traced: tuple[Recei
         stub = batch_pb2_grpc.BatchServiceStub(channel)
         meta = (("traceparent", f"00-{BATCH_TRACE_ID}-{CALLER_SPAN}-01"),)
         stub.BatchGenerate(bpb.BatchGenerateRequest(batch_id="traced", items=items), metadata=meta, timeout=30)
-    spans = wait_for_spans(rec, BATCH_TRACE_ID, {("gateway", "BatchGenerate"), ("worker", "job")}, count=3)
+    spans = wait_for_spans(rec, BATCH_TRACE_ID, {("gateway", "BatchGenerate"): 1, ("worker", "job"): 3})
     names = sorted((svc, s.name) for svc, s in spans)
     rpc = next((s for svc, s in spans if (svc, s.name) == ("gateway", "BatchGenerate")), None)
     jobs = [s for svc, s in spans if (svc, s.name) == ("worker", "job")]

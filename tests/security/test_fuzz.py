@@ -91,6 +91,8 @@ def target(e2e_redis: RedisProcess, tmp_path_factory: pytest.TempPathFactory) ->
             "LLAMAMESH_GATEWAY_NO_WORKER_WAIT_S": "2",
             "LLAMAMESH_WORKER_FAKE_STEP_S": "0",
             "LLAMAMESH_WORKER_MAX_INFLIGHT": "64",
+            # Adapter loads are seen in heartbeats: LoadAdapter/UnloadAdapter answer within one.
+            "LLAMAMESH_WORKER_HEARTBEAT_S": "0.2",
         },
     )
     node.start(timeout_s=60)
