@@ -6,12 +6,14 @@ Each run starts a fresh node (bench/soak.py's: redis-server, the gateway, one wo
 ``LLAMAMESH_WORKER_FAKE_STEP_S`` = ``--step-s``: 0.02 is 50 tokens/s per stream, so 256 streams
 offer 12.8 k tokens/s; 0 is a zero-cost engine, where the relay alone sets the rate) and runs
 ``bench/load.py --concurrency 256 --input-len 64 --output-len 128``. A side is
-``PARSER:GATEWAYS[:LOOP[:CLOCK]][+NAME=VALUE...][@DIR]``: ``python`` hides the hiredis module
+``PARSER:GATEWAYS[:LOOP[:CLOCK]][~http][+NAME=VALUE...][@DIR]``: ``python`` hides the hiredis module
 (redis-py then parses the Redis protocol in pure Python), ``hiredis`` uses it; GATEWAYS is
 ``LLAMAMESH_GATEWAY_PROCESSES``; LOOP is ``LLAMAMESH_GATEWAY_EVENT_LOOP`` (default uvloop); CLOCK is
 ``LLAMAMESH_WORKER_FAKE_CLOCK`` (default deadline: the engine steps on its own clock, as a GPU's
 does; ``sleep``: a clock that sleeps after each step, so its step stretches when the worker's loop
-is busy and the offered rate drops below 12.8 k under load). ``+NAME=VALUE`` sets one more setting
+is busy and the offered rate drops below 12.8 k under load). ``~http``: the load goes through the
+gateway's OpenAI-compatible HTTP door (streamed ``/v1/completions``, the same requests) instead of
+gRPC; the server's own queue and TTFT figures are then NaN. ``+NAME=VALUE`` sets one more setting
 for that side's node (e.g. ``+LLAMAMESH_GATEWAY_ACCEPTORS=32``). ``@DIR``: the node's gateway and
 worker run from the checkout DIR instead of this one (e.g. the code before a change, unpacked with
 ``git archive REF | tar -x -C DIR``), against the same client, in the same rotation; then the clock
@@ -25,6 +27,7 @@ CPU cores.
   python bench/cpu_relay.py --step-s 0 --sides python:1:asyncio hiredis:1
   python bench/cpu_relay.py --step-s 0.02 --sides hiredis:1:uvloop:sleep hiredis:1
   python bench/cpu_relay.py --step-s 0.02 --sides hiredis:1@/tmp/before hiredis:1
+  python bench/cpu_relay.py --step-s 0.02 --sides hiredis:1 hiredis:1~http   # the HTTP door against gRPC
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import tempfile
 from pathlib import Path
 
 from metrics_cost import start, tokenizer_dir  # bench/ is on the path of `python bench/cpu_relay.py`
-from soak import Node
+from soak import Node, free_port
 
 HERE = Path(__file__).resolve().parent
 KEYS = (
@@ -72,6 +75,7 @@ def spy(py_spy: str, pid: int, out: Path) -> subprocess.Popen[bytes]:
 def one_run(args: argparse.Namespace, tokenizer: str, side: str, workdir: Path) -> dict:
     spec, _, code = side.partition("@")
     spec, *extra = spec.split("+")  # +NAME=VALUE: more settings for this side's node
+    spec, _, door = spec.partition("~")
     parts = spec.split(":")
     parser, gateways, event_loop, clock = parts + ["uvloop", "deadline"][len(parts) - 2 :]
     workdir.mkdir(parents=True)
@@ -85,6 +89,9 @@ def one_run(args: argparse.Namespace, tokenizer: str, side: str, workdir: Path) 
         "LLAMAMESH_GATEWAY_EVENT_LOOP": event_loop,
     }
     env.update(x.split("=", 1) for x in extra)
+    http_port = free_port() if door == "http" else 0
+    if http_port:
+        env["LLAMAMESH_GATEWAY_HTTP_PORT"] = str(http_port)
     if not code or len(parts) >= 4:
         env["LLAMAMESH_WORKER_FAKE_CLOCK"] = clock
     if parser == "python":
@@ -124,6 +131,9 @@ def one_run(args: argparse.Namespace, tokenizer: str, side: str, workdir: Path) 
             "--watch",
             f"worker={node.procs['worker'].pid}",
         ]
+        if http_port:
+            url = f"http://127.0.0.1:{http_port}/v1/completions"
+            cmd += ["--openai-url", url, "--model", "smollm2-135m-instruct"]
         if args.keep:  # each request's start, TTFT and end, for bench/waves.py
             cmd += ["--records", str(workdir / "records.jsonl")]
         names = ("gateway", "worker") if args.py_spy else ()
@@ -158,7 +168,7 @@ def main() -> None:
         "--sides",
         nargs="+",
         default=["python:1:asyncio", "hiredis:1:asyncio", "hiredis:1", "hiredis:2"],
-        help="PARSER:GATEWAYS[:LOOP[:CLOCK]][+NAME=VALUE...][@DIR]",
+        help="PARSER:GATEWAYS[:LOOP[:CLOCK]][~http][+NAME=VALUE...][@DIR]",
     )
     ap.add_argument("--pairs", type=int, default=2, help="rounds of every side")
     ap.add_argument("--step-s", type=float, default=0.02, help="the fake engine's step (0: no cost)")

@@ -86,11 +86,14 @@ def event(name: str, **attributes: str | int | float | bool) -> None:
 
 
 @contextlib.contextmanager
-def server_span(method: str, metadata: Iterable[tuple[str, str | bytes]] | None) -> Iterator[trace.Span]:
-    """The current span of one RPC, continuing the caller's ``traceparent`` metadata (else a new
-    trace); its ``trace_id`` is bound to the call's log lines. Set its outcome with ``ended``."""
+def server_span(
+    method: str, metadata: Iterable[tuple[str, str | bytes]] | None, system: str = "grpc"
+) -> Iterator[trace.Span]:
+    """The current span of one RPC (``system``: grpc, or http for the HTTP door), continuing the
+    caller's ``traceparent`` metadata (else a new trace); its ``trace_id`` is bound to the call's
+    log lines. Set its outcome with ``ended``."""
     headers = {k.lower(): v for k, v in metadata or () if isinstance(v, str)}
-    attributes = {"rpc.system": "grpc", "rpc.method": method}
+    attributes = {"rpc.system": system, "rpc.method": method}
     with tracer().start_as_current_span(
         method,
         context=extract(headers),

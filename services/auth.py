@@ -35,21 +35,32 @@ class _Refused:
         self.why = why
 
 
-def _metadata(context: grpc.aio.ServicerContext, key: str) -> str:
-    for k, v in context.invocation_metadata() or ():
-        if k == key:
-            return v if isinstance(v, str) else v.decode(errors="replace")
-    return ""
+Header = Callable[[str], str]
+"""A call's header (gRPC metadata, HTTP header) by its lower-case name; "" when absent."""
 
 
-def header_identity(context: grpc.aio.ServicerContext, defaults: LimitsSettings) -> Identity:
+def _metadata(context: grpc.aio.ServicerContext) -> Header:
+    def get(key: str) -> str:
+        for k, v in context.invocation_metadata() or ():
+            if k == key:
+                return v if isinstance(v, str) else v.decode(errors="replace")
+        return ""
+
+    return get
+
+
+def identity_from_header(header: Header, defaults: LimitsSettings) -> Identity:
     """Without authentication: the tenant the caller names (``x-llamamesh-tenant``), else "default"."""
-    named = _metadata(context, TENANT_HEADER)
+    named = header(TENANT_HEADER)
     if not named:
         return Identity(DEFAULT_TENANT, "none", defaults, admin=True)
     if not TENANT_NAME.match(named):
         raise errors.InvalidRequest.field(TENANT_HEADER, "1-64 characters of A-Z a-z 0-9 . _ -")
     return Identity(named, "header", defaults, admin=True)
+
+
+def header_identity(context: grpc.aio.ServicerContext, defaults: LimitsSettings) -> Identity:
+    return identity_from_header(_metadata(context), defaults)
 
 
 def identity(context: grpc.aio.ServicerContext, defaults: LimitsSettings | None = None) -> Identity:
@@ -58,8 +69,9 @@ def identity(context: grpc.aio.ServicerContext, defaults: LimitsSettings | None 
     return found if found is not None else header_identity(context, defaults or LimitsSettings())
 
 
-def _bearer(context: grpc.aio.ServicerContext) -> str:
-    raw = _metadata(context, "authorization").strip()
+def bearer(header: Header) -> str:
+    """The API key of an ``authorization: Bearer <key>`` header ("" without one)."""
+    raw = header("authorization").strip()
     scheme, _, key = raw.partition(" ")
     if raw and scheme.lower() != "bearer":
         raise errors.Unauthenticated("the authorization header must be 'Bearer <API key>'")
@@ -120,14 +132,13 @@ class Gatekeeper(grpc.aio.ServerInterceptor):
                 changes[kind] = self._guarded(behavior, method, kind.endswith("_stream"), kind.startswith("stream"))
         return handler._replace(**changes)  # type: ignore[attr-defined, no-any-return]  # a namedtuple
 
-    def _decide(self, context: grpc.aio.ServicerContext, method: str) -> Identity:
+    def decide(self, method: str, header: Header, certificates: tuple[str, ...] = ()) -> Identity:
         """The caller's identity, or a domain error (logged as the decision)."""
         if self._tenants is None:
-            return header_identity(context, self._defaults)
+            return identity_from_header(header, self._defaults)
         who: Identity | None = None
         try:
-            bearer = _bearer(context)
-            who = self._tenants.current().authenticate(bearer, _certificates(context))
+            who = self._tenants.current().authenticate(bearer(header), certificates)
             if method.startswith(ADMIN_PREFIX) and not who.admin:
                 raise errors.PermissionDenied("AdminService needs an admin key or an admin tenant")
         except errors.LlamameshError as exc:
@@ -145,9 +156,8 @@ class Gatekeeper(grpc.aio.ServerInterceptor):
         log.info("auth_decided", method=method, outcome="allowed", tenant=who.tenant, key_id=who.key_id, via=who.via)
         return who
 
-    def _admitted(self, context: grpc.aio.ServicerContext, method: str, request: Any) -> Identity:
-        if isinstance(request, _Refused):
-            raise request.why
+    def check_concurrency(self) -> None:
+        """RateLimited when this process serves its most calls (both doors count)."""
         if self.active >= self._max_concurrent:
             metrics.rejected(reason="max_concurrent_rpcs")
             raise errors.RateLimited(
@@ -155,7 +165,13 @@ class Gatekeeper(grpc.aio.ServerInterceptor):
                 "(LLAMAMESH_GATEWAY_MAX_CONCURRENT_RPCS); retry shortly or through another gateway",
                 retry_after_s=0.5,
             )
-        return self._decide(context, method)
+
+    def _admitted(self, context: grpc.aio.ServicerContext, method: str, request: Any) -> Identity:
+        if isinstance(request, _Refused):
+            raise request.why
+        self.check_concurrency()
+        certificates = _certificates(context) if self._tenants is not None else ()
+        return self.decide(method, _metadata(context), certificates)
 
     def _guarded(self, behavior: Any, method: str, streaming: bool, request_streaming: bool) -> Any:
         """``behavior`` run only for an admitted caller, its identity bound for the handler."""

@@ -11,7 +11,7 @@ import contextvars
 import functools
 import inspect
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, TypeVar
 
 import grpc
@@ -44,19 +44,23 @@ def _finished(method: str, outcome: str, t0: float, fields: dict[str, Any]) -> N
 
 def _other(exc: BaseException) -> str:
     """The status of a call that ended other than by a domain error."""
-    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit | ConnectionResetError):
         return "CANCELLED"  # the caller went away (or stopped reading)
     return "ABORTED" if isinstance(exc, grpc.aio.AbortError) else "INTERNAL"
 
 
 @contextlib.asynccontextmanager
-async def _call(method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
-    """One RPC's bookkeeping: its fields for ``note``, its status, its ``rpc_finished`` line."""
+async def call(
+    method: str, metadata: Iterable[tuple[str, str | bytes]] | None, system: str = "grpc"
+) -> AsyncIterator[None]:
+    """One call's bookkeeping, whichever door it came through: its fields for ``note``, its status,
+    its span (continuing the ``traceparent`` in ``metadata``) and its ``rpc_finished`` line. A
+    domain error is recorded with its gRPC code name and propagates."""
     t0, fields = time.perf_counter(), dict[str, Any]()
     token = _fields.set(fields)
     outcome = "ok"  # a success's status in the log line; failures carry the gRPC code name
     metrics.INFLIGHT.inc()
-    with tracing.server_span(method, context.invocation_metadata()) as span:
+    with tracing.server_span(method, metadata, system) as span:
         try:
             yield
         except errors.LlamameshError as exc:
@@ -64,7 +68,7 @@ async def _call(method: str, context: grpc.aio.ServicerContext) -> AsyncIterator
             fields["error"] = exc.message
             if isinstance(exc, errors.QueueOutOfMemory):  # (the other refusals are counted where they are made)
                 metrics.rejected(exc)
-            await status.abort(context, exc)  # raises
+            raise
         except BaseException as exc:  # logged with its status, then re-raised
             outcome = _other(exc)
             raise
@@ -74,6 +78,16 @@ async def _call(method: str, context: grpc.aio.ServicerContext) -> AsyncIterator
             _finished(method, outcome, t0, fields)
             _fields.reset(token)
             structlog.contextvars.unbind_contextvars("request_id")
+
+
+@contextlib.asynccontextmanager
+async def _call(method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    """One RPC: ``call``, and a domain error ends the RPC with its status."""
+    try:
+        async with call(method, context.invocation_metadata()):
+            yield
+    except errors.LlamameshError as exc:
+        await status.abort(context, exc)  # raises
 
 
 def rpc(method: str) -> Callable[[F], F]:

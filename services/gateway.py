@@ -25,6 +25,7 @@ from services.batch import BatchServicer
 from services.batch_sweeper import BatchSweeper
 from services.generation import GenerationServicer
 from services.health import HealthReporter
+from services.http.door import HttpDoor
 from services.normalize import Normalizer
 from services.relay import QueueRelay
 from services.routing import RoutingPolicy, tokenizer_counter
@@ -49,11 +50,16 @@ class Gateway:
     # The plaintext health-only port (settings.health_port), and where it listens (0: none).
     health_server: grpc.aio.Server | None = None
     health_port: int = 0
+    # The OpenAI-compatible HTTP door (settings.http_port), and where it listens (0: off).
+    http: HttpDoor | None = None
+    http_port: int = 0
 
     async def stop(self, grace_s: float) -> None:
         """Health NOT_SERVING, stop accepting, give open streams ``grace_s``, then close (the
         health-only port last: probes see NOT_SERVING through the drain)."""
         await self.health.shutdown()
+        if self.http is not None:
+            await self.http.stop()
         await self.server.stop(grace_s)
         if self.acceptors is not None:
             await self.acceptors.stop()
@@ -115,6 +121,7 @@ async def start_gateway(
     relay = QueueRelay(queue, settings, backends, policy, reporter.queue_generation)
     generation = GenerationServicer(relay, settings, models, admission, normalizer, adapters_of=backends.adapters)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(generation, server)
+    http = HttpDoor(generation, gatekeeper, settings, models, backends.adapters) if settings.http_port else None
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(backends, queue, models), server)
     sweeper = None
     if batches is not None:
@@ -134,6 +141,7 @@ async def start_gateway(
         sweeper=sweeper,
         admission=admission,
         acceptors=acceptors,
+        http=http,
     )
     await _start(gateway, settings, port, share_port)
     _log_started(gateway, settings, normalizer, tenants)
@@ -150,6 +158,7 @@ def _log_started(
         tls=bool(settings.tls_cert),
         mtls=bool(settings.tls_client_ca),
         health_port=gateway.health_port or None,
+        http_port=gateway.http_port or None,
         acceptors=gateway.acceptors.n if gateway.acceptors else 0,
     )
     if normalizer:
@@ -216,6 +225,8 @@ async def _start(gateway: Gateway, settings: GatewaySettings, port: int | None, 
         gateway.health_server, gateway.health_port = await health_only_server(
             gateway.health, settings.host, settings.health_port, share_port
         )
+    if gateway.http is not None:
+        gateway.http_port = await gateway.http.start(settings.http_port, tls.ssl_context(settings), share_port)
     await gateway.server.start()
     if gateway.acceptors is not None:
         gateway.acceptors.start()

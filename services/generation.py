@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import replace
 
@@ -14,6 +14,7 @@ import structlog
 
 from llamamesh import errors, tracing
 from llamamesh.settings import GatewaySettings
+from llamamesh.tenants import Identity
 from llamamesh.types import DEFAULT_TENANT, GenerationRequest, ModelInfo, scoped_id
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc
@@ -64,17 +65,32 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """Stream one generation (failover, resume and liveness: the relay's), within the tenant's
-        budgets (services/admission.py). The prompt is normalised (services/normalize.py) before
-        routing and queueing; the idempotency fingerprint is of what the caller sent."""
-        who = identity(context)
+        async def accepted(public: str) -> None:
+            await context.send_initial_metadata((("x-request-id", public),))
+
+        streamed = self.stream(request, identity(context), context.time_remaining(), accepted)
+        async with aclosing(streamed) as responses:
+            async for msg in responses:
+                yield msg
+
+    async def stream(
+        self,
+        request: pb.GenerateRequest,
+        who: Identity,
+        remaining_s: float | None,
+        accepted: Callable[[str], Awaitable[None]],
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """Stream one generation for ``who``, through either door (gRPC's Generate, the HTTP door's
+        completions): failover, resume and liveness are the relay's, within the tenant's budgets
+        (services/admission.py). The prompt is normalised (services/normalize.py) before routing
+        and queueing; the idempotency fingerprint is of what the caller sent. ``remaining_s``: the
+        caller's deadline (None: none); ``accepted(request_id)`` runs once it is admitted."""
         req, model = convert.generate_request(request, self._s, self._models)
         convert.check_adapter(req.adapter, model, self._adapters_of)
         req = self._normalized(req)
         check_priority(who, req.priority)
         public = req.request_id
-        remaining = context.time_remaining()
-        deadline = time.time_ns() + int(remaining * 1e9) if remaining is not None else 0
+        deadline = time.time_ns() + int(remaining_s * 1e9) if remaining_s is not None else 0
         # The caller's deadline is the job's: workers drop or abort it then.
         req = replace(
             req,
@@ -90,7 +106,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         progress = Progress()
         try:
             async with self._admission.stream(who):
-                await context.send_initial_metadata((("x-request-id", public),))
+                await accepted(public)
                 relayed = self._relay.generate(req, model.pool, progress, request.resumable, caller)
                 async with aclosing(relayed) as events:
                     async for ev in events:

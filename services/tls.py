@@ -10,6 +10,7 @@ import ipaddress
 import ssl
 import threading
 from pathlib import Path
+from typing import Any
 
 import grpc
 import structlog
@@ -159,3 +160,30 @@ def peer_identities(context: grpc.aio.ServicerContext) -> tuple[str, ...]:
             if name and name not in out:
                 out.append(name)
     return tuple(out)
+
+
+def peer_names(cert: dict[str, Any] | None) -> tuple[str, ...]:
+    """The names of a verified client certificate as ``ssl`` gives it (``getpeercert()``): its
+    common name, then its subjectAltNames, as ``peer_identities`` reads them from gRPC; empty
+    without one."""
+    if not cert:
+        return ()
+    out: list[str] = []
+    for rdn in cert.get("subject", ()):
+        out += [value for key, value in rdn if key == "commonName"]
+    out += [value for _kind, value in cert.get("subjectAltName", ())]
+    return tuple(dict.fromkeys(v for v in out if v))
+
+
+def ssl_context(settings: GatewaySettings) -> ssl.SSLContext | None:
+    """The HTTP door's TLS (None: plaintext): the gRPC port's certificate and key, and with
+    ``tls_client_ca`` a client certificate required, as on gRPC. Read once, at start."""
+    if not (settings.tls_cert or settings.tls_key or settings.tls_client_ca):
+        return None
+    server_credentials(settings)  # the same checks, the same one-line errors
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(settings.tls_cert, settings.tls_key)
+    if settings.tls_client_ca:
+        context.load_verify_locations(settings.tls_client_ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context

@@ -54,6 +54,10 @@ class WorkerView:
     since_unix_s: float
 
 
+# The HTTP door of an embedded node, where it is free (the port OpenAI-compatible servers use).
+HTTP_PORT = 8000
+
+
 class Node:
     """One machine's node: ``start``, ``wait_ready``, then ``wait`` (supervise) and ``stop``."""
 
@@ -74,6 +78,13 @@ class Node:
     def address(self) -> str:
         g = self.settings.gateway
         return f"{g.host}:{g.port}"
+
+    @property
+    def http_url(self) -> str:
+        """The OpenAI-compatible HTTP door's base URL ("" when it is off)."""
+        g = self.settings.gateway
+        scheme = "https" if g.tls_cert else "http"
+        return f"{scheme}://{g.host}:{g.http_port}/v1" if g.http_port else ""
 
     @property
     def metrics_urls(self) -> dict[str, str]:
@@ -106,7 +117,10 @@ class Node:
         # (they write into one directory); a port left 0 is a free one.
         g, w = self.settings.gateway, self.settings.worker
         self.settings = self.settings.with_overrides(
-            gateway={"metrics_port": g.metrics_port or _free_port(g.host)},
+            gateway={
+                "metrics_port": g.metrics_port or _free_port(g.host),
+                "http_port": g.http_port or _free_port(g.host, HTTP_PORT),
+            },
             worker={"metrics_port": w.metrics_port or _free_port(w.metrics_host)},
         )
         w = self.settings.worker
@@ -133,6 +147,7 @@ class Node:
         log.info(
             "node_started",
             address=self.address,
+            http=self.http_url,
             redis=self.settings.redis.url,
             workers=self._n_workers,
             metrics=self.metrics_urls,
@@ -231,6 +246,7 @@ class Node:
             views = await self.workers(queue) if serving else None
             if views is not None and all(v.state == WorkerState.READY.value for v in views):
                 show.done(f"ready: {len(views)} worker(s) serving on {self.address}")
+                show.done(f"OpenAI-compatible HTTP: {self.http_url}")
                 for role, url in self.metrics_urls.items():
                     show.done(f"metrics ({role}): {url}")
                 return time.monotonic() - t0
@@ -267,9 +283,13 @@ class Node:
         log.info("node_stopped")
 
 
-def _free_port(host: str) -> int:
+def _free_port(host: str, preferred: int = 0) -> int:
+    """``preferred`` where it is free, else a free port."""
     with socket.socket() as s:
-        s.bind((host, 0))
+        try:
+            s.bind((host, preferred))
+        except OSError:
+            s.bind((host, 0))
         return int(s.getsockname()[1])
 
 

@@ -21,6 +21,11 @@ class GatewaySettings(Section, section="gateway"):
     port: int = setting(50051, PORT)
     """The gRPC port. 0: a free port, chosen at start."""
 
+    http_port: int = setting(0, PORT)
+    """The OpenAI-compatible HTTP door (services/http/door.py: /v1/chat/completions, /v1/completions,
+    /v1/models) on this port (host: ``host``; TLS and authentication as the gRPC port). 0: off; the
+    embedded node (``llamamesh serve``/``demo``) opens it on 8000 unless this is set."""
+
     max_tokens_cap: int = setting(4096, Range(1))
     """Upper bound on GenerateRequest.max_tokens."""
 

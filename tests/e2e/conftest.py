@@ -174,6 +174,7 @@ def node(
         "LLAMAMESH_GATEWAY_METRICS_PORT": str(free_port()),
         "LLAMAMESH_WORKER_METRICS_PORT": str(free_port()),
         "LLAMAMESH_WORKER_HEALTH_PORT": str(free_port()),
+        "LLAMAMESH_GATEWAY_HTTP_PORT": str(free_port()),  # the OpenAI-compatible door (test_http.py)
     }
     if request.param == "cpu":
         node = ProcessNode(

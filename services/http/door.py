@@ -1,0 +1,182 @@
+"""The OpenAI-compatible HTTP door (``LLAMAMESH_GATEWAY_HTTP_PORT``): aiohttp on the gateway's own
+event loop, in front of the same servicer, relay, admission, gatekeeper and call bookkeeping as the
+gRPC door. It converts OpenAI's JSON to the gateway's request (services/http/openai_requests.py)
+and the responses back (services/http/openai_responses.py); nothing else is its own.
+
+- ``POST /v1/chat/completions``, ``POST /v1/completions``: whole, or streamed as server-sent events
+  (``stream: true``) ending with ``data: [DONE]``; ``x-request-id`` in and out; a caller that goes
+  away cancels its request, as on gRPC.
+- ``GET /v1/models``.
+- Errors: OpenAI's ``{"error": {message, type, param, code}}`` with the matching HTTP status (400
+  naming the field, 401, 403, 404, 409, 429 with ``Retry-After``, 503, 504).
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import aclosing
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from llamamesh import errors
+from llamamesh.settings import GatewaySettings
+from llamamesh.tenants import Identity
+from llamamesh.types import ModelInfo
+from services import convert
+from services.auth import Gatekeeper
+from services.calls import call
+from services.generation import GenerationServicer
+from services.http import openai_requests, openai_responses
+from services.http.openai_requests import Parsed
+from services.tls import peer_names
+
+log = structlog.get_logger(__name__)
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class HttpDoor:
+    def __init__(
+        self,
+        generation: GenerationServicer,
+        gatekeeper: Gatekeeper,
+        settings: GatewaySettings,
+        models: Sequence[ModelInfo],
+        adapters_of: Callable[[str], frozenset[str] | None],
+    ) -> None:
+        self._generation = generation
+        self._gate = gatekeeper
+        self._s = settings
+        self._models = tuple(models)
+        self._adapters_of = adapters_of
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self._s.max_request_bytes, middlewares=[_errors])
+        app.router.add_post("/v1/chat/completions", self._completions(openai_requests.chat, "ChatCompletions"))
+        app.router.add_post("/v1/completions", self._completions(openai_requests.completion, "Completions"))
+        app.router.add_get("/v1/models", self._list_models)
+        return app
+
+    async def start(self, port: int, ssl_context: ssl.SSLContext | None, share_port: bool) -> int:
+        """Listen on ``settings.host``:``port`` (0: a free one); returns the port."""
+        # handler_cancellation: a caller that disconnects cancels its handler, and so its request.
+        self._runner = web.AppRunner(
+            self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=self._s.grace_s
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self._s.host, port, ssl_context=ssl_context, reuse_port=share_port or None)
+        await site.start()
+        self.port = int(self._runner.addresses[0][1])
+        return self.port
+
+    async def stop(self) -> None:
+        """Stop accepting, give open requests the gateway's grace_s, then close."""
+        if self._runner is not None:
+            await self._runner.shutdown()
+            await self._runner.cleanup()
+
+    def _who(self, request: web.Request, method: str) -> Identity:
+        self._gate.check_concurrency()
+        peer = request.transport.get_extra_info("peercert") if request.transport is not None else None
+        return self._gate.decide(method, lambda key: request.headers.get(key, ""), peer_names(peer))
+
+    def _completions(self, parse: openai_requests.Parse, method: str) -> Handler:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            parsed: Parsed | None = None
+            try:
+                async with call(method, request.headers.items(), "http"):
+                    who = self._who(request, method)
+                    parsed = parse(await _json(request), request.headers.get("x-request-id", ""))
+                    self._gate.active += 1
+                    try:
+                        return await self._answer(request, parsed, who)
+                    finally:
+                        self._gate.active -= 1
+            except errors.LlamameshError as exc:  # recorded by call(); answered in OpenAI's shape
+                return _error(exc, parsed.caller_field if parsed is not None else None)
+
+        return handle
+
+    async def _answer(self, request: web.Request, parsed: Parsed, who: Identity) -> web.StreamResponse:
+        out = openai_responses.Completion("", parsed.chat, parsed.logprobs)
+        started: web.StreamResponse | None = None
+
+        async def accepted(public: str) -> None:
+            nonlocal started
+            out.request_id = public
+            if parsed.stream:
+                started = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": public})
+                await started.prepare(request)
+
+        responses = self._generation.stream(parsed.request, who, None, accepted)
+        try:
+            async with aclosing(responses) as stream:
+                async for r in stream:
+                    if started is not None:
+                        await _event(started, out.chunk(r))
+                    else:
+                        out.add(r)
+        except errors.LlamameshError as exc:
+            if started is None:
+                raise
+            _, body, _ = openai_responses.error(exc, parsed.caller_field)
+            await _event(started, body)  # mid-stream: the error as the last event, as vLLM does
+            await started.write_eof()
+            return started
+        if started is None:
+            return web.json_response(out.body(), headers={"x-request-id": out.request_id})
+        if parsed.include_usage:
+            await _event(started, out.usage_chunk())
+        await started.write(b"data: [DONE]\n\n")
+        await started.write_eof()
+        return started
+
+    async def _list_models(self, request: web.Request) -> web.StreamResponse:
+        try:
+            async with call("ListModels", request.headers.items(), "http"):
+                self._who(request, "ListModels")
+                models = convert.with_adapters(self._models, self._adapters_of)
+                data = [{"id": m.id, "object": "model", "created": 0, "owned_by": "llamamesh"} for m in models]
+                return web.json_response({"object": "list", "data": data})
+        except errors.LlamameshError as exc:
+            return _error(exc)
+
+
+def _error(exc: errors.LlamameshError, rename: Callable[[str], str] | None = None) -> web.Response:
+    http, body, headers = openai_responses.error(exc, rename)
+    return web.json_response(body, status=http, headers=headers)
+
+
+async def _json(request: web.Request) -> object:
+    try:
+        return await request.json(loads=json.loads)
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise errors.InvalidRequest.field(
+            "body", f"{exc.text}: at most {request.client_max_size} bytes (LLAMAMESH_GATEWAY_MAX_REQUEST_BYTES)"
+        ) from exc
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise errors.InvalidRequest.field("body", f"not JSON: {exc}") from exc
+
+
+async def _event(response: web.StreamResponse, body: dict[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n")
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A path or method this door lacks, in OpenAI's error shape too."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
+        body = {"error": {"message": exc.reason, "type": kind, "param": None, "code": None}}
+        return web.json_response(body, status=exc.status)

@@ -1,0 +1,219 @@
+"""OpenAI request bodies (``/v1/chat/completions``, ``/v1/completions``) as the gateway's own
+``GenerateRequest``: the HTTP door checks only the JSON's shape here, then the request goes through
+the same conversion, validation and policy as a gRPC Generate (services/convert.py). The field a
+violation names is translated back to the caller's own (``caller_field``)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from llamamesh.errors import FieldViolation, InvalidRequest
+from llamamesh.v1 import generation_pb2 as pb
+
+# OpenAI's roles as the gateway's chat roles ("developer" is OpenAI's newer name for "system").
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# vLLM's extra sampling fields, accepted as vLLM's OpenAI server accepts them.
+EXTRA_FLOATS = ("min_p", "repetition_penalty")
+EXTRA_INTS = ("top_k", "min_tokens")
+# Fields OpenAI defines that this door does not implement: refused by name rather than ignored.
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "audio", "modalities", "prediction")
+UNSUPPORTED_COMPLETIONS = ("suffix", "echo", "best_of")
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """One request of either endpoint, as the gateway's request plus what only the door uses."""
+
+    request: pb.GenerateRequest
+    stream: bool
+    include_usage: bool
+    chat: bool
+    logprobs: bool  # chat: logprobs requested (top_logprobs says how many alternatives)
+    renamed: dict[str, str]  # the gateway's field -> the caller's
+
+    def caller_field(self, field: str) -> str:
+        head, dot, rest = field.partition(".")
+        name, bracket, index = head.partition("[")
+        mapped = self.renamed.get(name, name)
+        return mapped + bracket + index + dot + rest
+
+
+class _Body:
+    """Typed reads of a JSON object's fields, collecting every violation before raising."""
+
+    def __init__(self, body: object) -> None:
+        if not isinstance(body, dict):
+            raise InvalidRequest.field("body", "must be a JSON object")
+        self.body: dict[str, Any] = body
+        self.bad: list[FieldViolation] = []
+
+    def get(self, name: str, kind: type | tuple[type, ...], what: str) -> Any:
+        value = self.body.get(name)
+        if value is None:
+            return None
+        ok = isinstance(value, kind) and not (isinstance(value, bool) and bool not in _kinds(kind))
+        if not ok:
+            self.bad.append(FieldViolation(name, f"must be {what}"))
+            return None
+        return value
+
+    def check(self) -> None:
+        if self.bad:
+            raise InvalidRequest(self.bad)
+
+
+def _kinds(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+def chat(body: object, request_id: str) -> Parsed:
+    b = _Body(body)
+    req = pb.GenerateRequest(request_id=request_id)
+    renamed: dict[str, str] = {"prompt": "messages", "request_id": "x-request-id"}
+    if b.body.get("messages") is None:
+        b.bad.append(FieldViolation("messages", "required: a list of messages"))
+    messages = b.get("messages", list, "a list of messages")
+    for i, m in enumerate(messages or []):
+        _message(m, i, req, b)
+    logprobs = b.get("logprobs", bool, "true or false") or False
+    top = b.get("top_logprobs", int, "an integer from 0 to 20")
+    if top is not None and not logprobs:
+        b.bad.append(FieldViolation("top_logprobs", "needs logprobs: true"))
+    if logprobs:
+        req.logprobs = top or 0
+    renamed["logprobs"] = "top_logprobs" if top is not None else "logprobs"
+    limit = "max_completion_tokens" if b.body.get("max_completion_tokens") is not None else "max_tokens"
+    renamed["max_tokens"] = limit
+    _common(b, req, limit)
+    return _parsed(b, req, chat=True, logprobs=logprobs, renamed=renamed)
+
+
+def completion(body: object, request_id: str) -> Parsed:
+    b = _Body(body)
+    req = pb.GenerateRequest(request_id=request_id)
+    prompt = b.body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        b.bad.append(FieldViolation("prompt", "required: a string (or a list of one string)"))
+    else:
+        req.prompt = prompt
+    for name in UNSUPPORTED_COMPLETIONS:
+        if b.body.get(name) not in (None, False, 1, ""):
+            b.bad.append(FieldViolation(name, "not supported by this server"))
+    logprobs = b.get("logprobs", int, "an integer from 0 to 5")
+    if logprobs is not None:
+        req.logprobs = logprobs
+    _common(b, req, "max_tokens")
+    return _parsed(b, req, chat=False, logprobs=logprobs is not None, renamed={"request_id": "x-request-id"})
+
+
+def _parsed(b: _Body, req: pb.GenerateRequest, chat: bool, logprobs: bool, renamed: dict[str, str]) -> Parsed:
+    stream = b.get("stream", bool, "true or false") or False
+    options = b.get("stream_options", dict, "an object") or {}
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        b.bad.append(FieldViolation("stream_options.include_usage", "must be true or false"))
+    if options and not stream:
+        b.bad.append(FieldViolation("stream_options", "only with stream: true"))
+    b.check()
+    return Parsed(req, stream, bool(include_usage), chat, logprobs, renamed)
+
+
+def _message(m: object, i: int, req: pb.GenerateRequest, b: _Body) -> None:
+    field = f"messages[{i}]"
+    if not isinstance(m, dict):
+        b.bad.append(FieldViolation(field, "must be an object with role and content"))
+        return
+    role = m.get("role")
+    if role not in ROLES:
+        b.bad.append(FieldViolation(f"{field}.role", f"must be one of {sorted(ROLES)}"))
+        return
+    content = m.get("content")
+    if isinstance(content, list):  # content parts: the text ones, joined
+        texts = [p.get("text") if isinstance(p, dict) and p.get("type") == "text" else None for p in content]
+        if not all(isinstance(t, str) for t in texts):
+            b.bad.append(FieldViolation(f"{field}.content", "only text parts are supported"))
+            return
+        content = "".join(t for t in texts if isinstance(t, str))
+    if not isinstance(content, str):
+        b.bad.append(FieldViolation(f"{field}.content", "must be a string or a list of text parts"))
+        return
+    req.messages.add(role=ROLES[role], content=content)
+
+
+def _common(b: _Body, req: pb.GenerateRequest, limit: str) -> None:
+    """The fields both endpoints share, onto ``req``; ``limit``: the caller's name of max_tokens."""
+    for name in UNSUPPORTED:
+        if b.body.get(name) is not None:
+            b.bad.append(FieldViolation(name, "not supported by this server"))
+    _set(b, req, "model", str, "a string", "model")
+    _set(b, req, limit, int, "an integer", "max_tokens")
+    number = (int, float)
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", *EXTRA_FLOATS):
+        _set(b, req, name, number, "a number", name)
+    for name in ("seed", "n", *EXTRA_INTS):
+        _set(b, req, name, int, "an integer", name)
+    _set(b, req, "ignore_eos", bool, "true or false", "ignore_eos")
+    stop = b.body.get("stop")
+    if isinstance(stop, str):
+        req.stop.append(stop)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        req.stop.extend(stop)
+    elif stop is not None:
+        b.bad.append(FieldViolation("stop", "must be a string or a list of strings"))
+    ids = b.get("stop_token_ids", list, "a list of integers") or []
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        req.stop_token_ids.extend(ids)
+    else:
+        b.bad.append(FieldViolation("stop_token_ids", "must be a list of integers"))
+    _response_format(b, req)
+    _labels(b, req)
+
+
+def _set(b: _Body, req: pb.GenerateRequest, name: str, kind: Any, what: str, target: str) -> None:
+    value = b.get(name, kind, what)
+    if value is None:
+        return
+    try:
+        setattr(req, target, value)
+    except (ValueError, TypeError):  # out of the protobuf field's range (int32, uint32)
+        b.bad.append(FieldViolation(name, f"{value!r} is out of range"))
+
+
+def _response_format(b: _Body, req: pb.GenerateRequest) -> None:
+    fmt = b.get("response_format", dict, "an object")
+    if fmt is None:
+        return
+    kind = fmt.get("type")
+    if kind == "text":
+        return
+    if kind == "json_object":
+        req.response_format.json_object = True
+    elif kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            b.bad.append(FieldViolation("response_format.json_schema.schema", "required: a JSON Schema object"))
+            return
+        req.response_format.json_schema = json.dumps(schema)
+    else:
+        b.bad.append(FieldViolation("response_format.type", "must be text, json_object or json_schema"))
+
+
+def _labels(b: _Body, req: pb.GenerateRequest) -> None:
+    """``metadata`` (string values) and ``user`` become the request's logged labels."""
+    meta = b.get("metadata", dict, "an object of strings") or {}
+    if not all(isinstance(v, str) for v in meta.values()):
+        b.bad.append(FieldViolation("metadata", "values must be strings"))
+        return
+    req.metadata.update(meta)
+    user = b.get("user", str, "a string")
+    if user:
+        req.metadata["user"] = user
+
+
+Parse = Callable[[object, str], Parsed]

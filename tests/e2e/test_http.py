@@ -1,0 +1,70 @@
+"""The OpenAI-compatible HTTP door of a real node (a gateway process, a worker with the real
+SmolLM2-135M-Instruct): the official ``openai`` SDK, sync and async, and ``curl -N`` for raw
+server-sent events. Greedy answers through the HTTP door equal those through gRPC: one relay."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+
+import openai
+import pytest
+
+from llamamesh.client import Client
+from tests.e2e.conftest import ProcessNode
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+MODEL = "smollm2-135m-instruct"
+ASK = [{"role": "user", "content": "Name three colours."}]
+
+
+def base_url(node: ProcessNode) -> str:
+    return f"http://127.0.0.1:{node.env['LLAMAMESH_GATEWAY_HTTP_PORT']}/v1"
+
+
+async def test_the_sdk_streams_the_same_greedy_answer_as_grpc(node: ProcessNode) -> None:
+    async with Client(node.address) as c:
+        grpc_text = await c.complete(messages=[("user", ASK[0]["content"])], max_tokens=24, temperature=0.0)
+    async with openai.AsyncOpenAI(base_url=base_url(node), api_key="unused", max_retries=0) as client:
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=ASK,  # type: ignore[arg-type]
+            max_tokens=24,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [c async for c in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == grpc_text and text.strip()
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 24 and usage.prompt_tokens > 5
+
+
+def test_the_sync_sdk_completes_a_prompt_and_lists_the_model(node: ProcessNode) -> None:
+    with openai.OpenAI(base_url=base_url(node), api_key="unused", max_retries=0) as client:
+        assert [m.id for m in client.models.list()] == [MODEL]
+        got = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0)
+    assert got.choices[0].text.strip() and got.usage is not None and got.usage.completion_tokens <= 6
+
+
+async def test_curl_reads_the_raw_event_stream(node: ProcessNode) -> None:
+    curl = shutil.which("curl")
+    if curl is None:
+        pytest.skip("curl is not installed")
+    body = json.dumps({"model": MODEL, "messages": ASK, "max_tokens": 8, "stream": True})
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [curl, "-sS", "-N", f"{base_url(node)}/chat/completions", "-H", "content-type: application/json", "-d", body],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    events = [line.removeprefix("data: ") for line in done.stdout.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) > 2
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")

@@ -1,0 +1,164 @@
+"""The OpenAI-compatible HTTP door through the official ``openai`` SDK (async and sync), and raw HTTP
+for what the SDK hides: an in-process gateway with its HTTP port open, a fake-engine worker, the
+in-memory queue. The same servicer as gRPC answers, so what holds there (conversion, validation,
+admission) is checked there; here: OpenAI's shapes, streaming, errors and cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import aiohttp
+import openai
+import pytest
+
+from llamamesh import metrics
+from tests.redisproc import free_port
+from tests.services.conftest import GATEWAY, Config, Stack, running
+from tests.waiting import until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+async def door() -> AsyncIterator[tuple[Stack, str]]:
+    port = free_port()
+    async with running(Config(gateway=replace(GATEWAY, http_port=port))) as stack:
+        yield stack, f"http://127.0.0.1:{port}/v1"
+
+
+@pytest.fixture
+async def client(door: tuple[Stack, str]) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=door[1], api_key="unused", max_retries=0) as c:
+        yield c
+
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
+
+
+async def test_a_chat_completion_whole_with_its_usage_and_request_id(client: openai.AsyncOpenAI) -> None:
+    raw = await client.chat.completions.with_raw_response.create(
+        model="tiny", messages=CHAT, max_tokens=5, extra_headers={"x-request-id": "chat-1"}
+    )
+    assert raw.headers["x-request-id"] == "chat-1"
+    got = raw.parse()
+    assert got.id == "chatcmpl-chat-1" and got.object == "chat.completion" and got.model == "tiny"
+    (choice,) = got.choices
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length"
+    assert got.usage is not None and got.usage.completion_tokens == 5 and got.usage.prompt_tokens > 0
+    assert got.usage.total_tokens == got.usage.prompt_tokens + 5
+
+
+async def test_a_streamed_chat_completion_ends_with_usage_and_done(door: tuple[Stack, str]) -> None:
+    body = {
+        "model": "tiny",
+        "messages": CHAT,
+        "max_completion_tokens": 6,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    async with aiohttp.ClientSession() as s, s.post(f"{door[1]}/chat/completions", json=body) as r:
+        assert r.status == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line.decode().removeprefix("data: ").strip() async for line in r.content if line.strip()]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finishes[-1] == "length" and not any(finishes[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+async def test_the_sdk_streams_a_chat_and_parallel_samples(client: openai.AsyncOpenAI) -> None:
+    stream = await client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=4, n=2, temperature=0.8, seed=3, stream=True
+    )
+    texts: dict[int, str] = {0: "", 1: ""}
+    finished: dict[int, str | None] = {}
+    async for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finished[c.index] = c.finish_reason
+    assert all(texts.values()) and finished == {0: "length", 1: "length"}
+
+
+async def test_completions_whole_and_streamed(client: openai.AsyncOpenAI) -> None:
+    got = await client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=3, logprobs=2)
+    assert got.object == "text_completion" and got.choices[0].text and got.choices[0].finish_reason == "length"
+    lp = got.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and len(lp.tokens) == 3
+    assert lp.top_logprobs is not None and len(lp.top_logprobs) == 3 and lp.token_logprobs is not None
+    pieces = [
+        c.choices[0].text
+        async for c in await client.completions.create(model="", prompt="Hi", max_tokens=3, stream=True)
+    ]
+    assert "".join(pieces)
+
+
+async def test_the_models_listed(client: openai.AsyncOpenAI) -> None:
+    models = [m.id async for m in client.models.list()]
+    assert models == ["tiny", "other"]
+
+
+async def test_bad_requests_are_400_naming_the_callers_field(client: openai.AsyncOpenAI) -> None:
+    cases = [
+        ({"temperature": -1.0}, "temperature"),
+        ({"max_completion_tokens": 100000}, "max_completion_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ]
+    for fields, param in cases:
+        with pytest.raises(openai.BadRequestError) as exc:
+            await client.chat.completions.create(model="tiny", messages=CHAT, **fields)  # type: ignore[call-overload]
+        assert exc.value.status_code == 400 and exc.value.param == param, (fields, exc.value.body)
+        assert exc.value.type == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as exc:
+        await client.chat.completions.create(model="tiny", messages=[{"role": "robot", "content": "x"}])  # type: ignore[list-item, misc]
+    assert exc.value.param == "messages[0].role"
+    with pytest.raises(openai.NotFoundError) as missing:
+        await client.chat.completions.create(model="no-such-model", messages=CHAT)
+    assert missing.value.status_code == 404
+
+
+async def test_what_is_not_json_or_not_here_is_answered_in_openais_shape(door: tuple[Stack, str]) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{door[1]}/chat/completions", data=b"{not json") as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "body"
+        async with s.post(f"{door[1]}/chat/completions", json=["a list"]) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "body"
+        async with s.get(f"{door[1]}/no/such/path") as r:
+            error = (await r.json())["error"]
+            assert r.status == 404 and error["type"] == "not_found_error"
+
+
+@pytest.mark.fake_step_s(0.05)
+async def test_a_caller_that_goes_away_cancels_its_request(door: tuple[Stack, str]) -> None:
+    """Closing a stream mid-way cancels the request, as a gRPC cancel does: the engine aborts it,
+    its job is acknowledged, and the call ends CANCELLED."""
+    stack = door[0]
+    cancelled = metrics.REQUESTS.labels("ChatCompletions", "CANCELLED", "cpu")
+    before = cancelled._value.get()
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 400, "stream": True}
+    headers = {"x-request-id": "goes-away"}
+    async with aiohttp.ClientSession() as s, s.post(f"{door[1]}/chat/completions", json=body, headers=headers) as r:
+        await r.content.readline()  # the first event: it runs
+    aborted = lambda: "goes-away" in stack.engine.aborted and stack.queue.pending("cpu") == {}  # noqa: E731
+    await until(aborted, 10, "the engine's abort and the job's ack")
+    await until(lambda: cancelled._value.get() > before, 10, "the call to end CANCELLED")
+
+
+async def test_the_sync_sdk_too(door: tuple[Stack, str]) -> None:
+    def sync() -> str:
+        with openai.OpenAI(base_url=door[1], api_key="unused", max_retries=0) as c:
+            got = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3)  # type: ignore[arg-type]
+            return got.choices[0].message.content or ""
+
+    assert await asyncio.to_thread(sync)
