@@ -44,6 +44,11 @@ def batch_pb(info: BatchInfo) -> bpb.Batch:
         model=info.model,
         metadata=dict(info.metadata),
         completion_window_s=info.completion_window_s,
+        usage=bpb.BatchUsage(
+            prompt_tokens=info.prompt_tokens,
+            completion_tokens=info.completion_tokens,
+            total_tokens=info.prompt_tokens + info.completion_tokens,
+        ),
     )
     for state, when in info.times.items():
         ts = _ts(when)

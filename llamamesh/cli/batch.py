@@ -130,7 +130,8 @@ def _progress(b: bpb.Batch, out: TextIO) -> None:
     state = bpb.BatchState.Name(b.state).removeprefix("BATCH_STATE_").lower()
     out.write(
         f"\r[{bar:<{width}}] {done}/{c.total} {state}: {c.succeeded} ok, {c.errored} errored, "
-        f"{c.cancelled} cancelled, {c.expired} expired "
+        f"{c.cancelled} cancelled, {c.expired} expired; tokens {b.usage.prompt_tokens} in, "
+        f"{b.usage.completion_tokens} out "
     )
     out.flush()
 

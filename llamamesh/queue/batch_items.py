@@ -143,6 +143,8 @@ class BatchItems:
                         time.time(),
                         self.retention.batch_s,
                         self.fail_after,
+                        result.usage.prompt_tokens,
+                        result.usage.completion_tokens,
                     ],
                 )
             )

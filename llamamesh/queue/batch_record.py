@@ -33,6 +33,8 @@ def info_of(raw: dict[bytes, bytes]) -> BatchInfo:
         times=MappingProxyType({k[2:]: float(v) for k, v in f.items() if k.startswith("t:")}),
         results_expire_at=_float(f.get("results_expire_at")),
         metadata=MappingProxyType(json.loads(f.get("metadata", "{}"))),
+        prompt_tokens=int(f.get("prompt_tokens", "0")),
+        completion_tokens=int(f.get("completion_tokens", "0")),
     )
 
 

@@ -73,6 +73,9 @@ class BatchInfo:
     times: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
     results_expire_at: float = 0.0
     metadata: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # The tokens of the items recorded so far (each item once, every sample of it).
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
 
     @property
     def processing(self) -> int:

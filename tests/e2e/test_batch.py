@@ -116,6 +116,9 @@ async def test_twenty_documents_summarised_one_result_each(stub: batch_pb2_grpc.
     b = await stub.GetBatch(bpb.GetBatchRequest(batch_id="twenty"))
     assert b.state == bpb.BATCH_STATE_COMPLETED and b.counts.succeeded == 20
     assert_counts(b)
+    # the batch's usage: its items' own, each once
+    assert b.usage.completion_tokens == 20 * 12 and b.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in got)
+    assert b.usage.total_tokens == b.usage.prompt_tokens + b.usage.completion_tokens
     assert b.in_progress_at.seconds and b.completed_at.ToNanoseconds() >= b.in_progress_at.ToNanoseconds()
     # resumable: from the 10th result's cursor, the other ten
     rest = await results(stub, "twenty", cursor=got[9].cursor)
@@ -199,6 +202,7 @@ async def test_kill_minus_nine_of_a_worker_mid_batch(node: ProcessNode, stub: ba
     assert b.state == bpb.BATCH_STATE_COMPLETED and b.counts.succeeded == 20
     assert_counts(b)
     one_each(got, 20)
+    assert b.usage.completion_tokens == 20 * 24  # the items the dead worker ran again count once
     assert '"batch_item_finished"' in node.log("worker2")
 
 

@@ -16,7 +16,7 @@ from llamamesh.queue.memory import MemoryBatches
 from llamamesh.queue.protocol import BatchStore, Lease
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import RedisSettings
-from llamamesh.types import BatchInfo, BatchState, ItemResult, ItemStatus
+from llamamesh.types import BatchInfo, BatchState, ItemResult, ItemStatus, Usage
 from tests.queue.jobs import batch
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(30)]
@@ -33,7 +33,7 @@ async def store(request: pytest.FixtureRequest, redis_settings: RedisSettings) -
 
 
 def ok(cid: str) -> ItemResult:
-    return ItemResult(cid, ItemStatus.SUCCEEDED, "text")
+    return ItemResult(cid, ItemStatus.SUCCEEDED, "text", usage=Usage(7, 3))
 
 
 async def test_submit_is_idempotent_and_atomic(store: BatchStore) -> None:
@@ -58,9 +58,12 @@ async def test_one_result_per_custom_id_and_the_last_one_ends_the_batch(store: B
     assert await store.record(leases[0], ok(leases[0].request.custom_id)) is False  # a second run: dropped
     mid = await store.get("r")
     assert mid is not None and mid.succeeded == 1 and mid.processing == 1 and mid.state is BatchState.IN_PROGRESS
-    await store.record(leases[1], ItemResult(leases[1].request.custom_id, ItemStatus.ERRORED, error_code="x"))
+    assert (mid.prompt_tokens, mid.completion_tokens) == (7, 3)  # the dropped second result counts nothing
+    errored = ItemResult(leases[1].request.custom_id, ItemStatus.ERRORED, error_code="x", usage=Usage(5, 1))
+    await store.record(leases[1], errored)
     end = await store.get("r")
     assert end is not None and end.state is BatchState.COMPLETED and (end.succeeded, end.errored) == (1, 1)
+    assert (end.prompt_tokens, end.completion_tokens) == (12, 4)
     assert {"in_progress", "finalizing", "completed"} <= set(end.times)
     got = await store.results("r", "0-0", None)
     assert [r.custom_id for _c, r in got] == [leases[0].request.custom_id, leases[1].request.custom_id]

@@ -189,7 +189,12 @@ class MemoryBatches:
     def _add(self, b: _Batch, result: ItemResult) -> None:
         b.done[result.custom_id] = result.status.value
         b.results.append((f"{next(self._ids)}-0", result))
-        self._set(b, **{result.status.value: getattr(b.info, result.status.value) + 1})
+        self._set(
+            b,
+            **{result.status.value: getattr(b.info, result.status.value) + 1},
+            prompt_tokens=b.info.prompt_tokens + result.usage.prompt_tokens,
+            completion_tokens=b.info.completion_tokens + result.usage.completion_tokens,
+        )
 
     def _finish(self, b: _Batch) -> None:
         i = b.info
