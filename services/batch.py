@@ -11,7 +11,7 @@ import hashlib
 import math
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from types import MappingProxyType
 
@@ -79,13 +79,12 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
         self._policy = policy or RoutingPolicy(())
         self._block_ms = block_ms
 
-    async def _mine(self, batch_id: str, context: grpc.aio.ServicerContext) -> BatchInfo:
-        """The caller's batch ``batch_id`` (the id it chose); NotFound for any other tenant's."""
+    async def _mine(self, batch_id: str, tenant: str) -> BatchInfo:
+        """The tenant's batch ``batch_id`` (the id it chose); NotFound for any other tenant's."""
         if not batch_id:
             raise InvalidRequest.field("batch_id", "required")
         if not convert.REQUEST_ID.match(batch_id):
             raise InvalidRequest.field("batch_id", "1-128 characters of A-Z a-z 0-9 . _ : -")
-        tenant = identity(context).tenant
         info = await self._store.get(scoped_id(tenant, batch_id))
         if info is None or info.owner != tenant:
             raise errors.NotFound(await self._unknown(batch_id))
@@ -103,7 +102,11 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
 
     @rpc("BatchGenerate")
     async def BatchGenerate(self, request: bpb.BatchGenerateRequest, context: grpc.aio.ServicerContext) -> bpb.Batch:
-        who = identity(context)
+        return await self.submit(request, identity(context))
+
+    async def submit(self, request: bpb.BatchGenerateRequest, who: Identity) -> bpb.Batch:
+        """Validate, store and queue ``who``'s batch (either door: the HTTP door builds the request
+        from an OpenAI batch file); the same batch_id again returns the stored batch."""
         batch_id, window, items = batch_requests(request, self._gw, self._s, self._models, who.tenant)
         items = self._admitted(who, items)
         scoped = scoped_id(who.tenant, batch_id)
@@ -172,24 +175,30 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
 
     @rpc("GetBatch")
     async def GetBatch(self, request: bpb.GetBatchRequest, context: grpc.aio.ServicerContext) -> bpb.Batch:
-        return batch_pb(await self._mine(request.batch_id, context))
+        return await self.get(request.batch_id, identity(context))
+
+    async def get(self, batch_id: str, who: Identity) -> bpb.Batch:
+        return batch_pb(await self._mine(batch_id, who.tenant))
 
     @rpc("ListBatches")
     async def ListBatches(
         self, request: bpb.ListBatchesRequest, context: grpc.aio.ServicerContext
     ) -> bpb.ListBatchesResponse:
-        size = request.page_size or 20
+        return await self.page(identity(context), request.page_size or 20, request.page_token)
+
+    async def page(self, who: Identity, size: int, token: str) -> bpb.ListBatchesResponse:
+        """``who``'s batches, newest first, ``size`` of them from ``token`` (a page's next_page_token)."""
         if not 1 <= size <= 100:
             raise InvalidRequest.field("page_size", "1-100")
         before: float | None = None
-        if request.page_token:
+        if token:
             try:
-                before = float(request.page_token)
+                before = float(token)
             except ValueError:
                 before = math.nan
             if not math.isfinite(before):  # "nan" and "inf" parse as floats, Redis takes neither
                 raise InvalidRequest.field("page_token", "not a token from ListBatches") from None
-        got = await self._store.owned(identity(context).tenant, size + 1, before)
+        got = await self._store.owned(who.tenant, size + 1, before)
         more = len(got) > size
         page = got[:size]
         return bpb.ListBatchesResponse(
@@ -198,22 +207,33 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
 
     @rpc("CancelBatch")
     async def CancelBatch(self, request: bpb.CancelBatchRequest, context: grpc.aio.ServicerContext) -> bpb.Batch:
-        mine = await self._mine(request.batch_id, context)
+        return await self.cancel(request.batch_id, identity(context))
+
+    async def cancel(self, batch_id: str, who: Identity) -> bpb.Batch:
+        mine = await self._mine(batch_id, who.tenant)
         info = await self._store.cancel(mine.batch_id)
         if info is None:
-            raise errors.NotFound(await self._unknown(request.batch_id))
-        log.info("batch_cancel_requested", batch_id=request.batch_id, state=info.state.value)
+            raise errors.NotFound(await self._unknown(batch_id))
+        log.info("batch_cancel_requested", batch_id=batch_id, state=info.state.value)
         return batch_pb(info)
 
     @rpc("StreamBatchResults")
     async def StreamBatchResults(
         self, request: bpb.StreamBatchResultsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bpb.BatchResult]:
-        """Results after the cursor as they come; with follow (default), until the batch ended and
-        every result was sent."""
-        info = await self._mine(request.batch_id, context)
         follow = request.follow if request.HasField("follow") else True
-        cursor = request.cursor or "0-0"
+        results = self.results(request.batch_id, identity(context), request.cursor, follow)
+        async with contextlib.aclosing(results) as stream:
+            async for r in stream:
+                yield r
+
+    async def results(
+        self, batch_id: str, who: Identity, cursor: str, follow: bool
+    ) -> AsyncGenerator[bpb.BatchResult, None]:
+        """Results after the cursor as they come; with follow, until the batch ended and every
+        result was sent."""
+        info = await self._mine(batch_id, who.tenant)
+        cursor = cursor or "0-0"
         if not CURSOR.match(cursor):
             raise InvalidRequest.field("cursor", "not a BatchResult.cursor")
         while True:
@@ -224,4 +244,4 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
             if not got and (ended or not follow):
                 return
             if not got:  # nothing within block_ms: has the batch ended meanwhile?
-                info = await self._mine(request.batch_id, context)
+                info = await self._mine(batch_id, who.tenant)

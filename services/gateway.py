@@ -11,7 +11,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from llamamesh.queue.protocol import BatchStore, JobQueue, Quotas
+from llamamesh.queue.protocol import BatchStore, FileStore, JobQueue, Quotas
 from llamamesh.settings import AuthSettings, BatchSettings, BreakerSettings, GatewaySettings, LimitsSettings
 from llamamesh.tenants import TenantsFile
 from llamamesh.v1 import admin_pb2, admin_pb2_grpc, batch_pb2, batch_pb2_grpc, generation_pb2, generation_pb2_grpc
@@ -25,6 +25,7 @@ from services.batch import BatchServicer
 from services.batch_sweeper import BatchSweeper
 from services.generation import GenerationServicer
 from services.health import HealthReporter
+from services.http.batches import BatchRoutes
 from services.http.door import HttpDoor
 from services.normalize import Normalizer
 from services.relay import QueueRelay
@@ -98,10 +99,12 @@ async def start_gateway(
     auth: AuthSettings | None = None,
     limits: LimitsSettings | None = None,
     quotas: Quotas | None = None,
+    files: FileStore | None = None,
 ) -> Gateway:
     """Build and start the server on ``settings.host`` (port 0: a free one; ``share_port``: one of
     several gateway processes on it, SO_REUSEPORT). ``auth.file``: callers must authenticate;
-    ``quotas``: tenants' budgets are enforced; ``batches``: the batch service runs. A bad routing
+    ``quotas``: tenants' budgets are enforced; ``batches``: the batch service runs (and with
+    ``files``, the HTTP door's Files and Batches endpoints). A bad routing
     or normalisation rule raises ValueError before anything starts."""
     models = settings.model_table()
     policy = RoutingPolicy.parse(settings.routes, tokenizer_counter(settings.tokenizer) if settings.tokenizer else None)
@@ -121,16 +124,15 @@ async def start_gateway(
     relay = QueueRelay(queue, settings, backends, policy, reporter.queue_generation)
     generation = GenerationServicer(relay, settings, models, admission, normalizer, adapters_of=backends.adapters)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(generation, server)
-    http = HttpDoor(generation, gatekeeper, settings, models, backends.adapters) if settings.http_port else None
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(backends, queue, models), server)
-    sweeper = None
+    sweeper, routes = None, None
     if batches is not None:
         adapters = backends.adapters
         servicer = BatchServicer(
             batches, settings, batch, models, policy, admission=admission, normalizer=normalizer, adapters_of=adapters
         )
-        batch_pb2_grpc.add_BatchServiceServicer_to_server(servicer, server)
-        sweeper = BatchSweeper(batches, batch.sweep_interval_s, quotas, batch.retention_s)
+        sweeper, routes = _batch_service(server, servicer, batches, batch, quotas, files)
+    http = HttpDoor(generation, gatekeeper, settings, models, backends.adapters, routes) if settings.http_port else None
     _add_health(server, reporter, services if settings.reflection else None)
     gateway = Gateway(
         server=server,
@@ -146,6 +148,21 @@ async def start_gateway(
     await _start(gateway, settings, port, share_port)
     _log_started(gateway, settings, normalizer, tenants)
     return gateway
+
+
+def _batch_service(
+    server: grpc.aio.Server,
+    servicer: BatchServicer,
+    batches: BatchStore,
+    batch: BatchSettings,
+    quotas: Quotas | None,
+    files: FileStore | None,
+) -> tuple[BatchSweeper, BatchRoutes | None]:
+    """The batch service on ``server``, its sweeper, and (with ``files``) its HTTP door's routes."""
+    batch_pb2_grpc.add_BatchServiceServicer_to_server(servicer, server)
+    sweeper = BatchSweeper(batches, batch.sweep_interval_s, quotas, batch.retention_s)
+    routes = BatchRoutes(servicer, files, batch.max_bytes, batch.retention_s) if files is not None else None
+    return sweeper, routes
 
 
 def _log_started(

@@ -14,6 +14,7 @@ import structlog
 from llamamesh import logs, metrics, tracing
 from llamamesh.loop import EVENT_LOOPS, run_main, serving_heap
 from llamamesh.queue.batches import RedisBatches
+from llamamesh.queue.files import RedisFiles
 from llamamesh.queue.quotas import RedisQuotas
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import Settings, prometheus_multiproc_dir
@@ -52,6 +53,7 @@ async def serve(settings: Settings, share_port: bool = False) -> None:
         auth=settings.auth,
         limits=settings.limits,
         quotas=RedisQuotas(queue.client, queue.keys, queue.retention),
+        files=RedisFiles(queue.client, queue.keys),
     )
     log.info("heap_frozen", objects=serving_heap())
     try:

@@ -194,6 +194,14 @@ class Keys:
         """A batch's record: state, counts, times (a hash)."""
         return f"{self.prefix}:batch:{{b:{batch_id}}}:meta"
 
+    def batch_link(self, batch_id: str) -> str:
+        """What the HTTP door keeps beside a batch it created: endpoint, input file (a hash)."""
+        return f"{self.prefix}:batch:{{b:{batch_id}}}:door"
+
+    def file(self, owner: str, file_id: str) -> str:
+        """An uploaded file: its record's fields and its content (a hash)."""
+        return f"{self.prefix}:file:{{{owner}}}:{file_id}"
+
     def batch_done(self, batch_id: str) -> str:
         """custom_id -> status of every item with a result (a hash): one result per custom_id."""
         return f"{self.prefix}:batch:{{b:{batch_id}}}:done"

@@ -1,9 +1,9 @@
-"""The roles of the queue: what the gateway needs and what a worker needs, the batch store, and the
-tenants' budgets.
+"""The roles of the queue: what the gateway needs and what a worker needs, the batch store, the
+uploaded files, and the tenants' budgets.
 
 ``streams.RedisQueue`` implements the queue's on Redis Streams (a module per role), ``batches.
-RedisBatches`` the batch store, ``quotas.RedisQuotas`` the budgets; ``memory`` holds the in-memory
-fakes with the same contracts, for tests of one layer.
+RedisBatches`` the batch store, ``files.RedisFiles`` the uploaded files, ``quotas.RedisQuotas`` the
+budgets; ``memory`` holds the in-memory fakes with the same contracts, for tests of one layer.
 """
 
 from __future__ import annotations
@@ -14,7 +14,16 @@ from typing import Protocol
 
 from llamamesh.queue.keys import UNSTORED_GRACE_S
 from llamamesh.settings import LimitsSettings
-from llamamesh.types import Attempt, BatchInfo, BatchState, GenerationRequest, ItemResult, JobEvent, WorkerStatus
+from llamamesh.types import (
+    Attempt,
+    BatchInfo,
+    BatchState,
+    GenerationRequest,
+    ItemResult,
+    JobEvent,
+    StoredFile,
+    WorkerStatus,
+)
 
 
 @dataclass(frozen=True)
@@ -366,3 +375,26 @@ class Quotas(Protocol):
         """Give back what ended batches held (items) and purged ones (bytes: a hold without a batch
         record, once older than ``grace_s``); how many changed."""
         ...
+
+
+class FileStore(Protocol):
+    """Files tenants upload (the HTTP door's batch inputs), each its owner's only, and what the door
+    keeps beside a batch it made. ``files.RedisFiles`` on Redis; ``memory.MemoryFiles`` in memory."""
+
+    async def put(self, file: StoredFile, content: bytes) -> None: ...
+
+    async def get(self, owner: str, file_id: str) -> StoredFile | None:
+        """The owner's file (None: unknown, deleted, or another tenant's)."""
+        ...
+
+    async def content(self, owner: str, file_id: str) -> bytes | None: ...
+
+    async def delete(self, owner: str, file_id: str) -> bool:
+        """False when the owner had no file of that id."""
+        ...
+
+    async def link(self, batch_id: str, fields: Mapping[str, str], ttl_s: float) -> None:
+        """Keep ``fields`` beside the (scoped) batch for ``ttl_s`` seconds (its whole life)."""
+        ...
+
+    async def linked(self, batch_id: str) -> dict[str, str]: ...

@@ -25,6 +25,7 @@ PLACEHOLDERS = {
     "caller_id": "<id>",
     "batch_id": "<batch>",
     "owner": "<owner>",
+    "file_id": "<file>",
     "name": "<worker>",
     "partition": "<k>",
     "follower_id": "<gateway>",

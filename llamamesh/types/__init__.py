@@ -3,7 +3,7 @@
 (pools, models and heartbeats) and ``names`` (tenant and adapter names, scoped ids). Every name is
 importable from here."""
 
-from llamamesh.types.batches import BatchInfo, BatchState, ItemResult, ItemStatus
+from llamamesh.types.batches import BatchInfo, BatchState, ItemResult, ItemStatus, StoredFile
 from llamamesh.types.events import (
     Failure,
     Finished,
@@ -51,6 +51,7 @@ __all__ = [
     "ModelInfo",
     "ResponseConstraint",
     "SamplingParams",
+    "StoredFile",
     "TokenDelta",
     "TokenLogprob",
     "TopLogprob",

@@ -80,3 +80,15 @@ class BatchInfo:
     @property
     def processing(self) -> int:
         return self.total - self.succeeded - self.errored - self.cancelled - self.expired
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    """A file a tenant uploaded (the OpenAI-compatible door's ``/v1/files``: a batch's input)."""
+
+    file_id: str
+    owner: str
+    filename: str
+    purpose: str
+    size: int  # bytes
+    created_at: float

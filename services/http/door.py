@@ -13,11 +13,9 @@ and the responses back (services/http/openai_responses.py); nothing else is its 
 
 from __future__ import annotations
 
-import json
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import aclosing
-from typing import Any
 
 import structlog
 from aiohttp import web
@@ -31,13 +29,16 @@ from services.auth import Gatekeeper
 from services.calls import call
 from services.generation import GenerationServicer
 from services.http import openai_requests, openai_responses
+from services.http.batches import BatchRoutes
 from services.http.openai_requests import Parsed
+from services.http.wire import event, read_json
 from services.tls import peer_names
 
 log = structlog.get_logger(__name__)
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Work = Callable[[web.Request, Identity], Awaitable[web.StreamResponse]]
 
 
 class HttpDoor:
@@ -48,8 +49,13 @@ class HttpDoor:
         settings: GatewaySettings,
         models: Sequence[ModelInfo],
         adapters_of: Callable[[str], frozenset[str] | None],
+        batches: BatchRoutes | None = None,
     ) -> None:
+        """``batches``: the Files and Batches endpoints (None: the gateway runs no batch service)."""
         self._generation = generation
+        self.batches = batches
+        # The largest body: a chat request, or an uploaded batch file with its multipart framing.
+        self._client_max_size = max(settings.max_request_bytes, batches.max_bytes + 65536 if batches else 0)
         self._gate = gatekeeper
         self._s = settings
         self._models = tuple(models)
@@ -58,11 +64,34 @@ class HttpDoor:
         self.port = 0
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self._s.max_request_bytes, middlewares=[_errors])
-        app.router.add_post("/v1/chat/completions", self._completions(openai_requests.chat, "ChatCompletions"))
-        app.router.add_post("/v1/completions", self._completions(openai_requests.completion, "Completions"))
-        app.router.add_get("/v1/models", self._list_models)
+        app = web.Application(client_max_size=self._client_max_size, middlewares=[_errors])
+        app.router.add_post(
+            "/v1/chat/completions", self.route("ChatCompletions", self._completions(openai_requests.chat))
+        )
+        app.router.add_post("/v1/completions", self.route("Completions", self._completions(openai_requests.completion)))
+        app.router.add_get("/v1/models", self.route("ListModels", self._list_models))
+        if self.batches is not None:
+            self.batches.add_routes(app, self.route)
         return app
+
+    def route(self, method: str, work: Work) -> Handler:
+        """A handler: the call's bookkeeping (services/calls.py: its log line, metrics, span), the
+        gatekeeper's identity and concurrency, ``work``, and any domain error in OpenAI's shape."""
+
+        async def handle(request: web.Request) -> web.StreamResponse:
+            try:
+                async with call(method, request.headers.items(), "http"):
+                    who = self._who(request, method)
+                    self._gate.active += 1
+                    try:
+                        return await work(request, who)
+                    finally:
+                        self._gate.active -= 1
+            except errors.LlamameshError as exc:  # recorded by call(); answered in OpenAI's shape
+                http, body, headers = openai_responses.error(exc)
+                return web.json_response(body, status=http, headers=headers)
+
+        return handle
 
     async def start(self, port: int, ssl_context: ssl.SSLContext | None, share_port: bool) -> int:
         """Listen on ``settings.host``:``port`` (0: a free one); returns the port."""
@@ -87,22 +116,17 @@ class HttpDoor:
         peer = request.transport.get_extra_info("peercert") if request.transport is not None else None
         return self._gate.decide(method, lambda key: request.headers.get(key, ""), peer_names(peer))
 
-    def _completions(self, parse: openai_requests.Parse, method: str) -> Handler:
-        async def handle(request: web.Request) -> web.StreamResponse:
-            parsed: Parsed | None = None
+    def _completions(self, parse: openai_requests.Parse) -> Work:
+        async def work(request: web.Request, who: Identity) -> web.StreamResponse:
+            parsed = parse(await read_json(request), request.headers.get("x-request-id", ""))
             try:
-                async with call(method, request.headers.items(), "http"):
-                    who = self._who(request, method)
-                    parsed = parse(await _json(request), request.headers.get("x-request-id", ""))
-                    self._gate.active += 1
-                    try:
-                        return await self._answer(request, parsed, who)
-                    finally:
-                        self._gate.active -= 1
-            except errors.LlamameshError as exc:  # recorded by call(); answered in OpenAI's shape
-                return _error(exc, parsed.caller_field if parsed is not None else None)
+                return await self._answer(request, parsed, who)
+            except errors.InvalidRequest as exc:  # the fields as the caller named them
+                raise errors.InvalidRequest(
+                    [errors.FieldViolation(parsed.caller_field(v.field), v.description) for v in exc.violations]
+                ) from None
 
-        return handle
+        return work
 
     async def _answer(self, request: web.Request, parsed: Parsed, who: Identity) -> web.StreamResponse:
         out = openai_responses.Completion("", parsed.chat, parsed.logprobs)
@@ -120,53 +144,28 @@ class HttpDoor:
             async with aclosing(responses) as stream:
                 async for r in stream:
                     if started is not None:
-                        await _event(started, out.chunk(r))
+                        await event(started, out.chunk(r))
                     else:
                         out.add(r)
         except errors.LlamameshError as exc:
             if started is None:
                 raise
             _, body, _ = openai_responses.error(exc, parsed.caller_field)
-            await _event(started, body)  # mid-stream: the error as the last event, as vLLM does
+            await event(started, body)  # mid-stream: the error as the last event, as vLLM does
             await started.write_eof()
             return started
         if started is None:
             return web.json_response(out.body(), headers={"x-request-id": out.request_id})
         if parsed.include_usage:
-            await _event(started, out.usage_chunk())
+            await event(started, out.usage_chunk())
         await started.write(b"data: [DONE]\n\n")
         await started.write_eof()
         return started
 
-    async def _list_models(self, request: web.Request) -> web.StreamResponse:
-        try:
-            async with call("ListModels", request.headers.items(), "http"):
-                self._who(request, "ListModels")
-                models = convert.with_adapters(self._models, self._adapters_of)
-                data = [{"id": m.id, "object": "model", "created": 0, "owned_by": "llamamesh"} for m in models]
-                return web.json_response({"object": "list", "data": data})
-        except errors.LlamameshError as exc:
-            return _error(exc)
-
-
-def _error(exc: errors.LlamameshError, rename: Callable[[str], str] | None = None) -> web.Response:
-    http, body, headers = openai_responses.error(exc, rename)
-    return web.json_response(body, status=http, headers=headers)
-
-
-async def _json(request: web.Request) -> object:
-    try:
-        return await request.json(loads=json.loads)
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise errors.InvalidRequest.field(
-            "body", f"{exc.text}: at most {request.client_max_size} bytes (LLAMAMESH_GATEWAY_MAX_REQUEST_BYTES)"
-        ) from exc
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise errors.InvalidRequest.field("body", f"not JSON: {exc}") from exc
-
-
-async def _event(response: web.StreamResponse, body: dict[str, Any]) -> None:
-    await response.write(b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n")
+    async def _list_models(self, request: web.Request, who: Identity) -> web.StreamResponse:
+        models = convert.with_adapters(self._models, self._adapters_of)
+        data = [{"id": m.id, "object": "model", "created": 0, "owned_by": "llamamesh"} for m in models]
+        return web.json_response({"object": "list", "data": data})
 
 
 @web.middleware

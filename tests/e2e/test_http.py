@@ -7,13 +7,19 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import signal
 import subprocess
+from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
 
 from llamamesh.client import Client
 from tests.e2e.conftest import ProcessNode
+from tests.e2e.test_batch import ENV as BATCH_ENV
+from tests.redisproc import RedisProcess, free_port
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -68,3 +74,61 @@ async def test_curl_reads_the_raw_event_stream(node: ProcessNode) -> None:
     assert events[-1] == "[DONE]" and len(events) > 2
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+@pytest.fixture
+def batch_node(e2e_redis: RedisProcess, tmp_path: Path) -> Iterator[ProcessNode]:
+    """A node with its HTTP door and two workers of the real model; items of a dead worker are taken
+    over after 3 s."""
+    env = {**BATCH_ENV, "LLAMAMESH_GATEWAY_HTTP_PORT": str(free_port())}
+    n = ProcessNode(tmp_path, e2e_redis, engine="transformers", extra_env=env)
+    try:
+        n.start()
+        n.spawn("worker2", "workers", LLAMAMESH_WORKER_CONSUMER="e2e-worker-2")
+        yield n
+    finally:
+        n.stop()
+
+
+def test_an_openai_batch_file_runs_to_its_output_file_through_a_worker_kill(batch_node: ProcessNode) -> None:
+    """The SDK uploads a JSONL file, creates a batch, and reads the output file: every line once,
+    though the worker running the first items was killed (kill -9) mid-batch."""
+    lines = [
+        {
+            "custom_id": f"doc-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": [{"role": "user", "content": f"Say {i}."}], "max_tokens": 12},
+        }
+        for i in range(12)
+    ]
+    content = b"".join(json.dumps(x).encode() + b"\n" for x in lines)
+    with openai.OpenAI(base_url=base_url(batch_node), api_key="unused", max_retries=0) as client:
+        uploaded = client.files.create(file=("docs.jsonl", content), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        wait_until(
+            lambda: client.batches.retrieve(batch.id).request_counts,
+            120,
+            "a first result",
+            done=lambda c: c is not None and c.completed >= 1,
+            poll_s=0.2,
+        )
+        batch_node.procs["worker"].send_signal(signal.SIGKILL)  # its running items stay leased to it
+        batch_node.procs["worker"].wait(10)
+        done = wait_until(
+            lambda: client.batches.retrieve(batch.id),
+            240,
+            "the batch to complete",
+            done=lambda b: b.status == "completed",
+            poll_s=0.5,
+        )
+        assert done.output_file_id is not None and done.request_counts is not None
+        assert done.request_counts.completed == 12 and done.error_file_id is None
+        output = [json.loads(x) for x in client.files.content(done.output_file_id).content.splitlines()]
+    assert sorted(x["custom_id"] for x in output) == sorted(x["custom_id"] for x in lines)  # each once
+    assert all(x["response"]["body"]["choices"][0]["message"]["content"] for x in output)
+    assert done.usage is not None and done.usage.output_tokens == sum(
+        x["response"]["body"]["usage"]["completion_tokens"] for x in output
+    )

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 import pytest
 
-from llamamesh.queue.memory import MemoryBatches, MemoryQueue
+from llamamesh.queue.memory import MemoryBatches, MemoryFiles, MemoryQueue
 from llamamesh.settings import AuthSettings, BatchSettings, BreakerSettings, GatewaySettings, WorkerSettings
 from llamamesh.v1 import admin_pb2_grpc, batch_pb2_grpc, generation_pb2_grpc
 from services.server import Gateway, start_gateway
@@ -143,8 +143,11 @@ async def running(config: Config | None = None) -> AsyncIterator[Stack]:
     gateways: list[Gateway] = []
     try:
         for _ in range(c.gateways):
+            files = MemoryFiles() if batches is not None else None
             gateways.append(
-                await start_gateway(queue, c.gateway, port=0, breaker=c.breaker, batches=batches, auth=c.auth)
+                await start_gateway(
+                    queue, c.gateway, port=0, breaker=c.breaker, batches=batches, auth=c.auth, files=files
+                )
             )
         async with (
             serving(queue, c.workers, c, batches) as workers,

@@ -1,0 +1,65 @@
+"""Uploaded files on Redis (``protocol.FileStore``): one hash per file (``Keys.file``: its record's
+fields and its ``content``), kept until deleted; and the HTTP door's facts about the batches it
+created (``Keys.batch_link``), kept for the batch's life. A file is at most
+``LLAMAMESH_BATCH_MAX_BYTES`` (the door refuses a larger one), so one hash holds it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from llamamesh.queue.keys import Keys
+from llamamesh.queue.redisio import unreachable
+from llamamesh.types import StoredFile
+
+RECORD = ("filename", "purpose", "size", "created_at")
+
+
+class RedisFiles:
+    def __init__(self, client: aioredis.Redis, keys: Keys) -> None:
+        self._r = client
+        self.keys = keys
+
+    async def put(self, file: StoredFile, content: bytes) -> None:
+        fields: Any = {
+            "filename": file.filename,
+            "purpose": file.purpose,
+            "size": file.size,
+            "created_at": repr(file.created_at),
+            "content": content,
+        }
+        with unreachable():
+            await self._r.hset(self.keys.file(file.owner, file.file_id), mapping=fields)
+
+    async def get(self, owner: str, file_id: str) -> StoredFile | None:
+        with unreachable():
+            raw: Any = await self._r.hmget(self.keys.file(owner, file_id), list(RECORD))
+        if raw[0] is None:
+            return None
+        name, purpose, size, created = (v.decode() for v in raw)
+        return StoredFile(file_id, owner, name, purpose, int(size), float(created))
+
+    async def content(self, owner: str, file_id: str) -> bytes | None:
+        with unreachable():
+            got: Any = await self._r.hget(self.keys.file(owner, file_id), "content")
+        return bytes(got) if got is not None else None
+
+    async def delete(self, owner: str, file_id: str) -> bool:
+        with unreachable():
+            return bool(await self._r.delete(self.keys.file(owner, file_id)))
+
+    async def link(self, batch_id: str, fields: Mapping[str, str], ttl_s: float) -> None:
+        key = self.keys.batch_link(batch_id)
+        mapping: Any = dict(fields)  # (redis-py's Mapping type is invariant in its keys)
+        with unreachable():
+            async with self._r.pipeline(transaction=True) as pipe:
+                pipe.hset(key, mapping=mapping)
+                pipe.expire(key, max(1, int(ttl_s)))
+                await pipe.execute()
+
+    async def linked(self, batch_id: str) -> dict[str, str]:
+        with unreachable():
+            raw: Any = await self._r.hgetall(self.keys.batch_link(batch_id))
+        return {k.decode(): v.decode() for k, v in raw.items()}

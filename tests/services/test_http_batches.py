@@ -1,0 +1,164 @@
+"""OpenAI's Files and Batches API on the HTTP door, through the official ``openai`` SDK: an
+in-process gateway with the batch service over the in-memory stores, fake-engine workers. A JSONL
+file in OpenAI's format goes in, a batch runs, its output and error files come out in OpenAI's line
+format; bad files are refused naming the line, and nothing of another tenant's is visible."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import openai
+import pytest
+
+from tests.redisproc import free_port
+from tests.services.conftest import GATEWAY, Config, Stack, running
+from tests.waiting import until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+async def door() -> AsyncIterator[tuple[Stack, openai.AsyncOpenAI]]:
+    port = free_port()
+    async with (
+        running(Config(gateway=replace(GATEWAY, http_port=port), batches=True)) as stack,
+        openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0) as client,
+    ):
+        yield stack, client
+
+
+def jsonl(lines: list[dict[str, object]]) -> bytes:
+    return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+
+
+def chat_line(i: int, **body: object) -> dict[str, object]:
+    messages = [{"role": "user", "content": f"Summarise document {i}."}]
+    return {
+        "custom_id": f"doc-{i}",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": "tiny", "messages": messages, "max_tokens": 4, **body},
+    }
+
+
+async def finished(client: openai.AsyncOpenAI, batch_id: str) -> object:
+    async def status() -> object:
+        return await client.batches.retrieve(batch_id)
+
+    ended = ("completed", "failed", "expired", "cancelled")
+    return await until(status, 30, f"batch {batch_id} to end", done=lambda b: b.status in ended, poll_s=0.05)
+
+
+async def test_a_jsonl_file_runs_as_a_batch_to_its_output_file(door: tuple[Stack, openai.AsyncOpenAI]) -> None:
+    _, client = door
+    uploaded = await client.files.create(file=("input.jsonl", jsonl([chat_line(i) for i in range(6)])), purpose="batch")
+    assert uploaded.purpose == "batch" and uploaded.bytes > 0 and uploaded.filename == "input.jsonl"
+    assert (await client.files.retrieve(uploaded.id)).id == uploaded.id
+    batch = await client.batches.create(
+        input_file_id=uploaded.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"job": "nightly"},
+    )
+    assert batch.status in ("in_progress", "completed") and batch.request_counts is not None
+    assert batch.request_counts.total == 6 and batch.metadata == {"job": "nightly"}
+    done = await finished(client, batch.id)
+    assert done.status == "completed" and done.request_counts.completed == 6 and done.request_counts.failed == 0  # type: ignore[attr-defined]
+    assert done.output_file_id and done.error_file_id is None  # type: ignore[attr-defined]
+    assert done.completed_at and done.in_progress_at  # type: ignore[attr-defined]
+    output = (await client.files.content(done.output_file_id)).content  # type: ignore[attr-defined]
+    lines = [json.loads(line) for line in output.splitlines()]
+    assert sorted(line["custom_id"] for line in lines) == [f"doc-{i}" for i in range(6)]  # each once
+    for line in lines:
+        body = line["response"]["body"]
+        assert line["response"]["status_code"] == 200 and line["error"] is None
+        assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"]
+        assert body["usage"]["completion_tokens"] == 4
+    usage = done.usage  # type: ignore[attr-defined]
+    assert usage.output_tokens == 24 and usage.input_tokens == sum(
+        x["response"]["body"]["usage"]["prompt_tokens"] for x in lines
+    )
+    listed = await client.batches.list(limit=10)
+    assert [b.id for b in listed.data] == [batch.id]
+    assert (await client.files.delete(uploaded.id)).deleted
+    with pytest.raises(openai.NotFoundError):
+        await client.files.retrieve(uploaded.id)
+
+
+@pytest.mark.fake_step_s(0.05)
+async def test_a_cancelled_batch_writes_its_unrun_items_to_the_error_file(
+    door: tuple[Stack, openai.AsyncOpenAI],
+) -> None:
+    _, client = door
+    lines = [chat_line(i, max_tokens=40) for i in range(30)]
+    uploaded = await client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    batch = await client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    cancelling = await client.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled")
+    done = await finished(client, batch.id)
+    assert done.status == "cancelled" and done.error_file_id  # type: ignore[attr-defined]
+    errors = [json.loads(x) for x in (await client.files.content(done.error_file_id)).content.splitlines()]  # type: ignore[attr-defined]
+    assert errors and all(e["error"]["code"] == "batch_cancelled" and e["response"] is None for e in errors)
+    counts = done.request_counts  # type: ignore[attr-defined]
+    assert counts.completed + counts.failed == 30 and counts.failed == len(errors)
+
+
+async def test_bad_files_and_bad_batches_are_400_naming_the_line(door: tuple[Stack, openai.AsyncOpenAI]) -> None:
+    _, client = door
+    bad = [
+        chat_line(0),
+        {"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": {}},
+        chat_line(2),
+        {"not": "a request"},
+    ]
+    uploaded = await client.files.create(file=("bad.jsonl", jsonl(bad) + b"{not json\n"), purpose="batch")
+    with pytest.raises(openai.BadRequestError) as exc:
+        await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    message = exc.value.message
+    assert exc.value.param == "line 2: url"
+    assert all(f"line {n}:" in message for n in (2, 4, 5)), message  # every malformed line
+    # the batch service's own checks, named by the file's lines and the body's fields
+    sampling = await client.files.create(
+        file=("s.jsonl", jsonl([chat_line(0), chat_line(1, temperature=-1)])), purpose="batch"
+    )
+    with pytest.raises(openai.BadRequestError) as exc:
+        await client.batches.create(input_file_id=sampling.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert exc.value.param == "line 2: body.temperature", exc.value.body
+    dup = await client.files.create(file=("dup.jsonl", jsonl([chat_line(0), chat_line(0)])), purpose="batch")
+    with pytest.raises(openai.BadRequestError) as exc:
+        await client.batches.create(input_file_id=dup.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert exc.value.param is not None and exc.value.param.startswith("line 2"), exc.value.body
+    with pytest.raises(openai.BadRequestError) as exc:
+        await client.batches.create(input_file_id=dup.id, endpoint="/v1/embeddings", completion_window="24h")  # type: ignore[arg-type]
+    assert exc.value.param == "endpoint"
+    with pytest.raises(openai.NotFoundError):
+        await client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
+    with pytest.raises(openai.BadRequestError) as exc:
+        await client.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
+    assert exc.value.param == "purpose"
+
+
+async def test_another_tenants_files_and_batches_are_not_found(door: tuple[Stack, openai.AsyncOpenAI]) -> None:
+    _, client = door
+    uploaded = await client.files.create(file=("in.jsonl", jsonl([chat_line(0)])), purpose="batch")
+    batch = await client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    other = client.with_options(default_headers={"x-llamamesh-tenant": "someone-else"})
+    for call in (
+        lambda: other.files.retrieve(uploaded.id),
+        lambda: other.files.content(uploaded.id),
+        lambda: other.files.delete(uploaded.id),
+        lambda: other.batches.retrieve(batch.id),
+        lambda: other.batches.cancel(batch.id),
+        lambda: other.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        ),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            await call()
+    assert (await other.batches.list()).data == []
