@@ -101,7 +101,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         )  # the RPC's span: the worker's parent
         caller = Caller(_fingerprint(request), access_of(who), who.limits.weight)
         structlog.contextvars.bind_contextvars(request_id=public)
-        note(tenant=who.tenant)
+        note(tenant=who.tenant, labels=dict(req.metadata) or None)  # the request's labels, in its line
         await self._admission.request(who)
         progress = Progress()
         try:

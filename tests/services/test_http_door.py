@@ -13,6 +13,7 @@ from dataclasses import replace
 import aiohttp
 import openai
 import pytest
+import structlog
 
 from llamamesh import metrics
 from tests.redisproc import free_port
@@ -39,9 +40,17 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 
 
 async def test_a_chat_completion_whole_with_its_usage_and_request_id(client: openai.AsyncOpenAI) -> None:
-    raw = await client.chat.completions.with_raw_response.create(
-        model="tiny", messages=CHAT, max_tokens=5, extra_headers={"x-request-id": "chat-1"}
-    )
+    with structlog.testing.capture_logs() as logs:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="tiny",
+            messages=CHAT,
+            max_tokens=5,
+            extra_headers={"x-request-id": "chat-1"},
+            user="alice",
+            metadata={"team": "search"},
+        )
+    (line,) = [e for e in logs if e["event"] == "rpc_finished"]
+    assert line["method"] == "ChatCompletions" and line["labels"] == {"team": "search", "user": "alice"}
     assert raw.headers["x-request-id"] == "chat-1"
     got = raw.parse()
     assert got.id == "chatcmpl-chat-1" and got.object == "chat.completion" and got.model == "tiny"
