@@ -44,6 +44,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     TMPDIR=/tmp \
     LLAMAMESH_GATEWAY_HOST=0.0.0.0 \
     LLAMAMESH_GATEWAY_PORT=50051 \
+    LLAMAMESH_GATEWAY_HTTP_PORT=8000 \
     LLAMAMESH_GATEWAY_METRICS_PORT=9400
 
 USER 10001:10001
@@ -51,7 +52,7 @@ WORKDIR /tmp
 # /tmp is the only path written (tempfile, the metrics folder of LLAMAMESH_GATEWAY_PROCESSES > 1):
 # mount a tmpfs there when the root filesystem is read-only.
 VOLUME ["/tmp"]
-EXPOSE 50051 9400
+EXPOSE 50051 8000 9400
 
 # Exec form: python is PID 1 and receives SIGTERM itself (health NOT_SERVING, settle, drain).
 STOPSIGNAL SIGTERM

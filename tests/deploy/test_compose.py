@@ -39,6 +39,7 @@ COMPOSE_VARIABLES = {
     "REDIS_IMAGE",
     "PROMETHEUS_IMAGE",
     "GATEWAY_PORT",
+    "HTTP_PORT",
     "PROMETHEUS_PORT",
 }
 # A margin above a grace period: the process's own shutdown after its grace (closing Redis, the engine).

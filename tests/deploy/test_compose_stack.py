@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import openai
 import pytest
 
 from llamamesh.client import Client
@@ -99,6 +100,7 @@ def stack(
         "REDIS_IMAGE": stand_ins["redis"],
         "PROMETHEUS_IMAGE": stand_ins["prometheus"],
         "GATEWAY_PORT": str(free_port()),
+        "HTTP_PORT": str(free_port()),
         "PROMETHEUS_PORT": str(free_port()),
     }
     s = Stack(env, tmp_path_factory.mktemp("stack") / "compose.log")
@@ -148,6 +150,21 @@ def test_grpcurl_through_reflection_streams_a_real_answer(stack: Stack) -> None:
     assert "".join(m.get("text", "") for m in messages).strip()
     assert sum(len(m.get("token_ids", [])) for m in messages) == 16
     assert messages[-1]["finish_reason"] == "FINISH_REASON_LENGTH", messages[-1]
+
+
+def test_the_openai_sdk_through_the_http_door(stack: Stack) -> None:
+    base = f"http://127.0.0.1:{stack.env['HTTP_PORT']}/v1"
+    with openai.OpenAI(base_url=base, api_key="unused", max_retries=0) as client:
+        chunks = list(
+            client.chat.completions.create(
+                model="smollm2-135m-instruct",
+                messages=[{"role": "user", "content": "Hi!"}],
+                max_tokens=8,
+                stream=True,
+            )
+        )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip()
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
 
 
 def _json_stream(out: str) -> list[dict[str, Any]]:

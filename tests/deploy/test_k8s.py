@@ -229,7 +229,8 @@ def test_gateway_grace_probes_and_services(objs: tuple[dict[str, Any], ...]) -> 
             assert probe["grpc"]["port"] == s.gateway.health_port, f"{probe_name}: the plaintext health port"
         service = probe["grpc"].get("service", "")
         assert service == want, f"{probe_name}: health service {service!r}"
-    ports = {"grpc": s.gateway.port}
+    ports = {"grpc": s.gateway.port, "http": s.gateway.http_port}
+    assert s.gateway.http_port, "the OpenAI-compatible HTTP door is on"
     for svc_name, headless in (("llamamesh-gateway", False), ("llamamesh-gateway-headless", True)):
         svc = named(objs, "Service", svc_name)
         assert (svc["spec"].get("clusterIP") == "None") is headless
@@ -409,7 +410,7 @@ def test_network_policies_select_pods(objs: tuple[dict[str, Any], ...]) -> None:
         assert covered, f"no NetworkPolicy for {w['metadata']['name']}"
     gateway = named(objs, "NetworkPolicy", "llamamesh-gateway")
     ports = {p["port"] for rule in gateway["spec"]["ingress"] for p in rule["ports"]}
-    assert ports == {50051, 9400}
+    assert ports == {50051, 8000, 9400}
     # The health-only port is for kubelet, which probes from the node: no caller-facing rule opens it.
     (c,) = named(objs, "Deployment", "llamamesh-gateway")["spec"]["template"]["spec"]["containers"]
     assert settings_of(c).gateway.health_port not in ports
@@ -420,11 +421,11 @@ EGRESS_PORTS = {53, 6379, 6380, 26379, 4317}
 
 
 def test_network_policies_name_the_callers_namespaces_and_limit_egress(objs: tuple[dict[str, Any], ...]) -> None:
-    """The gRPC port opens to namespaces named by kubernetes.io/metadata.name (set by whoever
+    """The gRPC and HTTP ports open to namespaces named by kubernetes.io/metadata.name (set by whoever
     creates the namespace, unlike a pod label any caller can give itself); gateways and workers
     reach DNS, Redis and the OTLP collector and nothing else."""
     gateway = named(objs, "NetworkPolicy", "llamamesh-gateway")
-    (grpc_rule,) = [r for r in gateway["spec"]["ingress"] if {p["port"] for p in r["ports"]} == {50051}]
+    (grpc_rule,) = [r for r in gateway["spec"]["ingress"] if {p["port"] for p in r["ports"]} == {50051, 8000}]
     for peer in grpc_rule["from"]:
         (named_ns,) = peer["namespaceSelector"]["matchExpressions"]
         assert named_ns["key"] == "kubernetes.io/metadata.name" and named_ns["operator"] == "In", peer
