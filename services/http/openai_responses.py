@@ -117,18 +117,14 @@ class Completion:
         if r.HasField("usage"):
             self.usage = usage(r.usage)
 
+    def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
     def body(self) -> dict[str, Any]:
         """The whole answer, usage included."""
         choices = [self._whole(i, c) for i, c in sorted(self.choices.items())]
         kind = "chat.completion" if self.chat else "text_completion"
-        return {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": self.usage or usage(pb.Usage()),
-        }
+        return {**self._envelope(kind, choices), "usage": self.usage or usage(pb.Usage())}
 
     def _whole(self, i: int, c: Choice) -> dict[str, Any]:
         text = "".join(c.text)
@@ -162,17 +158,9 @@ class Completion:
         else:
             lp2 = self._completion_logprobs(list(r.logprobs))
             choice = {"index": r.sample, "text": r.text, "logprobs": lp2, "finish_reason": finish}
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice]}
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
 
     def usage_chunk(self) -> dict[str, Any]:
         """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.model,
-            "choices": [],
-            "usage": self.usage or usage(pb.Usage()),
-        }
+        return {**self._envelope(kind, []), "usage": self.usage or usage(pb.Usage())}
