@@ -141,7 +141,7 @@ class BatchRoutes:
     # --- batches
 
     async def _create(self, request: web.Request, who: Identity) -> web.StreamResponse:
-        body = await read_json(request)
+        body = await read_json(request, 1024 * 1024)  # the batch's own fields; its requests are in the file
         if not isinstance(body, dict):
             raise errors.InvalidRequest.field("body", "must be a JSON object")
         endpoint = body.get("endpoint")

@@ -118,7 +118,8 @@ class HttpDoor:
 
     def _completions(self, parse: openai_requests.Parse) -> Work:
         async def work(request: web.Request, who: Identity) -> web.StreamResponse:
-            parsed = parse(await read_json(request), request.headers.get("x-request-id", ""))
+            body = await read_json(request, self._s.max_request_bytes)
+            parsed = parse(body, request.headers.get("x-request-id", ""))
             try:
                 return await self._answer(request, parsed, who)
             except errors.InvalidRequest as exc:  # the fields as the caller named them

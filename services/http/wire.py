@@ -11,13 +11,20 @@ from aiohttp import web
 from llamamesh import errors
 
 
-async def read_json(request: web.Request) -> object:
+async def read_json(request: web.Request, limit: int) -> object:
+    """The request's JSON body, at most ``limit`` bytes (``LLAMAMESH_GATEWAY_MAX_REQUEST_BYTES``, as
+    a gRPC request), else InvalidRequest naming ``body``."""
+    too_big = errors.InvalidRequest.field("body", f"more than {limit} bytes (LLAMAMESH_GATEWAY_MAX_REQUEST_BYTES)")
+    if request.content_length is not None and request.content_length > limit:
+        raise too_big
     try:
-        return await request.json(loads=json.loads)
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise errors.InvalidRequest.field(
-            "body", f"{exc.text}: at most {request.client_max_size} bytes (LLAMAMESH_GATEWAY_MAX_REQUEST_BYTES)"
-        ) from exc
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise too_big from None
+    if len(raw) > limit:
+        raise too_big
+    try:
+        return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise errors.InvalidRequest.field("body", f"not JSON: {exc}") from exc
 

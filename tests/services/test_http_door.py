@@ -6,6 +6,7 @@ admission) is checked there; here: OpenAI's shapes, streaming, errors and cancel
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -143,6 +144,10 @@ async def test_what_is_not_json_or_not_here_is_answered_in_openais_shape(door: t
             assert r.status == 400 and (await r.json())["error"]["param"] == "body"
         async with s.post(f"{door[1]}/chat/completions", json=["a list"]) as r:
             assert r.status == 400 and (await r.json())["error"]["param"] == "body"
+        huge = {"model": "tiny", "messages": [{"role": "user", "content": "x" * (GATEWAY.max_request_bytes + 1)}]}
+        async with s.post(f"{door[1]}/chat/completions", data=io.BytesIO(json.dumps(huge).encode())) as r:
+            error = (await r.json())["error"]
+            assert r.status == 400 and error["param"] == "body" and "MAX_REQUEST_BYTES" in error["message"]
         async with s.get(f"{door[1]}/no/such/path") as r:
             error = (await r.json())["error"]
             assert r.status == 404 and error["type"] == "not_found_error"
