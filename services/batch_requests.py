@@ -95,7 +95,7 @@ def batch_requests(
         if len(bad) > 20:  # enough to act on
             break
         try:
-            req, model = convert.generate_request(request, gw, models)
+            req, model = convert.generate_request(request, gw, models, tools_allowed=False)
         except InvalidRequest as exc:
             bad.extend(v for v in (_item_violation(path, v) for v in exc.violations) if v not in bad)
             continue

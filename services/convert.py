@@ -10,6 +10,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from types import MappingProxyType
 
 from google.protobuf.duration_pb2 import Duration
@@ -32,6 +33,7 @@ from llamamesh.types import (
     affinity_key,
 )
 from llamamesh.v1 import generation_pb2 as pb
+from services import tools
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 MAX_STOP_STRINGS = 16
@@ -94,7 +96,12 @@ def _input(
             bad.append(
                 FieldViolation(f"messages[{i}].role", f"unknown role {m.role!r}; use one of {sorted(CHAT_ROLES)}")
             )
-    return None, tuple(ChatMessage(m.role, m.content) for m in messages)
+        if m.tool_call_id and m.role != "tool":
+            bad.append(FieldViolation(f"messages[{i}].tool_call_id", "only a tool turn answers a call"))
+    turns = tuple(
+        ChatMessage(m.role, m.content, tools.message_calls(m, i, bad), m.tool_call_id) for i, m in enumerate(messages)
+    )
+    return None, turns
 
 
 def _sampling(r: pb.GenerateRequest, s: GatewaySettings, bad: list[FieldViolation]) -> SamplingParams:
@@ -160,13 +167,22 @@ def _metadata(items: Iterable[tuple[str, str]], bad: list[FieldViolation]) -> Ma
 
 
 def generate_request(
-    r: pb.GenerateRequest, s: GatewaySettings, models: Sequence[ModelInfo]
+    r: pb.GenerateRequest, s: GatewaySettings, models: Sequence[ModelInfo], tools_allowed: bool = True
 ) -> tuple[GenerationRequest, ModelInfo]:
-    """Validate a GenerateRequest. Raises InvalidRequest (every bad field) or NotFound (model)."""
+    """Validate a GenerateRequest. Raises InvalidRequest (every bad field) or NotFound (model).
+    ``tools_allowed`` False (a batch's items): tools are refused."""
     bad: list[FieldViolation] = []
     rid = _request_id(r.request_id, bad)
     prompt, messages = _input(r.prompt if r.HasField("prompt") else None, r.messages, bad, s.max_prompt_chars)
     sampling = _sampling(r, s, bad)
+    offered = tools.checked(r, bad)
+    if r.tools and not tools_allowed:
+        bad.append(FieldViolation("tools", "tool calling is not offered in batches"))
+    forced = tools.constraint(offered)
+    if forced is not None:
+        if r.HasField("response_format"):
+            bad.append(FieldViolation("tool_choice", "a required or named tool call cannot have a response_format too"))
+        sampling = replace(sampling, constraint=forced)
     meta = _metadata(r.metadata.items(), bad)
     key = _prefix_key(r, prompt, messages, s, bad)
     if bad:
@@ -183,6 +199,7 @@ def generate_request(
         accepted_unix_ns=time.time_ns(),
         prefix_key=key,
         adapter=adapter,
+        tools=offered.json,
     )
     return req, model
 

@@ -18,7 +18,7 @@ from llamamesh.tenants import Identity
 from llamamesh.types import DEFAULT_TENANT, GenerationRequest, ModelInfo, scoped_id
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc
-from services import convert
+from services import convert, tools
 from services.admission import Admission, access_of, check_priority
 from services.auth import identity
 from services.calls import note, rpc
@@ -108,9 +108,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             async with self._admission.stream(who):
                 await accepted(public)
                 relayed = self._relay.generate(req, model.pool, progress, request.resumable, caller)
+                calls = tools.CallReader(tools.checked(request, []))  # (checked above: no violation)
                 async with aclosing(relayed) as events:
                     async for ev in events:
-                        yield convert.generate_response(req, ev, request_id=public)
+                        for msg in calls.feed(convert.generate_response(req, ev, request_id=public)):
+                            yield msg
         finally:
             await self._admission.spent(who, progress.tokens)
             note(

@@ -77,11 +77,15 @@ def encode_job(req: GenerationRequest) -> bytes:
         prefix_key=req.prefix_key,
         resume_samples=[pb.SampleTokens(sample=k, token_ids=ids) for k, ids in sorted(req.resume_samples.items())],
         adapter=req.adapter,
+        tools=req.tools,
     )
     if req.prompt is not None:
         job.prompt = req.prompt
     elif req.messages is not None:
-        job.messages.messages.extend(pb.Message(role=m.role, content=m.content) for m in req.messages)
+        job.messages.messages.extend(
+            pb.Message(role=m.role, content=m.content, tool_calls=m.tool_calls, tool_call_id=m.tool_call_id)
+            for m in req.messages
+        )
     for f in dataclasses.fields(SamplingParams):
         value = getattr(req.sampling, f.name)
         if f.name == "constraint":
@@ -115,7 +119,9 @@ def decode_job(data: bytes) -> GenerationRequest:
         model=job.model,
         prompt=job.prompt if which == "prompt" else None,
         messages=(
-            tuple(ChatMessage(m.role, m.content) for m in job.messages.messages) if which == "messages" else None
+            tuple(ChatMessage(m.role, m.content, m.tool_calls, m.tool_call_id) for m in job.messages.messages)
+            if which == "messages"
+            else None
         ),
         sampling=SamplingParams(**values),  # type: ignore[arg-type]  # fields come from the dataclass itself
         priority=job.priority,
@@ -132,6 +138,7 @@ def decode_job(data: bytes) -> GenerationRequest:
         prefix_key=job.prefix_key,
         resume_samples=MappingProxyType({s.sample: tuple(s.token_ids) for s in job.resume_samples}),
         adapter=job.adapter,
+        tools=job.tools,
     )
 
 

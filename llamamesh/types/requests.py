@@ -22,6 +22,10 @@ CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 class ChatMessage:
     role: str
     content: str
+    # An assistant turn's tool calls: a JSON list of {"id", "name", "arguments"}; "": none.
+    tool_calls: str = ""
+    # A tool turn: the id of the call it answers.
+    tool_call_id: str = ""
 
 
 class ConstraintKind(str, enum.Enum):
@@ -122,6 +126,9 @@ class GenerationRequest:
     # The LoRA adapter to generate with (GenerateRequest.adapter, or model "base:adapter"); empty:
     # the base model.
     adapter: str = ""
+    # Tool calling: the tools for the chat template, a JSON list of {"name", "description",
+    # "parameters"} ("": none; the gateway leaves them out when the caller chose "none").
+    tools: str = ""
 
     @property
     def caller_id(self) -> str:

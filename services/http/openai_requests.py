@@ -14,12 +14,12 @@ from llamamesh.errors import FieldViolation, InvalidRequest
 from llamamesh.v1 import generation_pb2 as pb
 
 # OpenAI's roles as the gateway's chat roles ("developer" is OpenAI's newer name for "system").
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # vLLM's extra sampling fields, accepted as vLLM's OpenAI server accepts them.
 EXTRA_FLOATS = ("min_p", "repetition_penalty")
 EXTRA_INTS = ("top_k", "min_tokens")
 # Fields OpenAI defines that this door does not implement: refused by name rather than ignored.
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "audio", "modalities", "prediction")
+UNSUPPORTED = ("functions", "function_call", "audio", "modalities", "prediction")
 UNSUPPORTED_COMPLETIONS = ("suffix", "echo", "best_of")
 
 
@@ -88,6 +88,7 @@ def chat(body: object, request_id: str) -> Parsed:
     limit = "max_completion_tokens" if b.body.get("max_completion_tokens") is not None else "max_tokens"
     renamed["max_tokens"] = limit
     _common(b, req, limit)
+    _tools(b, req)
     return _parsed(b, req, chat=True, logprobs=logprobs, renamed=renamed)
 
 
@@ -133,6 +134,8 @@ def _message(m: object, i: int, req: pb.GenerateRequest, b: _Body) -> None:
         b.bad.append(FieldViolation(f"{field}.role", f"must be one of {sorted(ROLES)}"))
         return
     content = m.get("content")
+    if content is None and m.get("tool_calls"):  # an assistant turn of calls only
+        content = ""
     if isinstance(content, list):  # content parts: the text ones, joined
         texts = [p.get("text") if isinstance(p, dict) and p.get("type") == "text" else None for p in content]
         if not all(isinstance(t, str) for t in texts):
@@ -142,7 +145,24 @@ def _message(m: object, i: int, req: pb.GenerateRequest, b: _Body) -> None:
     if not isinstance(content, str):
         b.bad.append(FieldViolation(f"{field}.content", "must be a string or a list of text parts"))
         return
-    req.messages.add(role=ROLES[role], content=content)
+    turn = req.messages.add(role=ROLES[role], content=content, tool_call_id=str(m.get("tool_call_id") or ""))
+    calls = m.get("tool_calls") or []
+    if not isinstance(calls, list):
+        b.bad.append(FieldViolation(f"{field}.tool_calls", "must be a list of calls"))
+        return
+    for k, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            b.bad.append(
+                FieldViolation(f"{field}.tool_calls[{k}]", "must be {id, type: function, function: {name, arguments}}")
+            )
+            continue
+        arguments = fn.get("arguments", "{}")
+        turn.tool_calls.add(
+            id=str(c.get("id", "")),
+            name=fn["name"],
+            arguments=arguments if isinstance(arguments, str) else json.dumps(arguments),
+        )
 
 
 def _common(b: _Body, req: pb.GenerateRequest, limit: str) -> None:
@@ -172,6 +192,31 @@ def _common(b: _Body, req: pb.GenerateRequest, limit: str) -> None:
         b.bad.append(FieldViolation("stop_token_ids", "must be a list of integers"))
     _response_format(b, req)
     _labels(b, req)
+
+
+def _tools(b: _Body, req: pb.GenerateRequest) -> None:
+    """``tools`` (functions), ``tool_choice`` and ``parallel_tool_calls`` onto ``req``."""
+    for i, t in enumerate(b.get("tools", list, "a list of tools") or []):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            b.bad.append(FieldViolation(f"tools[{i}]", 'must be {"type": "function", "function": {name, ...}}'))
+            continue
+        params = fn.get("parameters")
+        req.tools.add(
+            name=fn["name"],
+            description=str(fn.get("description") or ""),
+            parameters=json.dumps(params) if params is not None else "",
+        )
+    choice = b.body.get("tool_choice")
+    if isinstance(choice, str):
+        req.tool_choice.mode = choice
+    elif isinstance(choice, dict) and isinstance((choice.get("function") or {}).get("name"), str):
+        req.tool_choice.function = choice["function"]["name"]
+    elif choice is not None:
+        b.bad.append(
+            FieldViolation("tool_choice", 'none, auto, required, or {"type": "function", "function": {"name"}}')
+        )
+    _set(b, req, "parallel_tool_calls", bool, "true or false", "parallel_tool_calls")
 
 
 def _set(b: _Body, req: pb.GenerateRequest, name: str, kind: Any, what: str, target: str) -> None:

@@ -22,6 +22,7 @@ FINISH = {
     pb.FINISH_REASON_STOP_SEQUENCE: "stop",
     pb.FINISH_REASON_LENGTH: "length",
     pb.FINISH_REASON_CANCELLED: "abort",
+    pb.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
 # gRPC code -> (HTTP status, OpenAI error type)
 HTTP = {
@@ -87,6 +88,13 @@ class Choice:
     text: list[str] = field(default_factory=list)
     logprobs: list[pb.TokenLogprob] = field(default_factory=list)
     finish: str | None = None
+    calls: list[pb.ToolCall] = field(default_factory=list)
+
+
+def tool_calls(calls: list[pb.ToolCall], deltas: bool = False) -> list[dict[str, Any]]:
+    """OpenAI's ``tool_calls`` (with ``deltas``: a streamed delta's, each with its index)."""
+    out = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+    return [{"index": i, **c} for i, c in enumerate(out)] if deltas else out
 
 
 @dataclass
@@ -112,6 +120,7 @@ class Completion:
         c = self.choices.setdefault(r.sample, Choice())
         c.text.append(r.text)
         c.logprobs.extend(r.logprobs)
+        c.calls.extend(r.tool_calls)
         if r.finish_reason:
             c.finish = FINISH.get(r.finish_reason, "stop")
         if r.HasField("usage"):
@@ -130,7 +139,9 @@ class Completion:
         text = "".join(c.text)
         if self.chat:
             lp = {"content": _logprobs(c.logprobs)} if self.logprobs else None
-            message = {"role": "assistant", "content": text}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if c.calls:
+                message = {"role": "assistant", "content": None, "tool_calls": tool_calls(c.calls)}
             return {"index": i, "message": message, "logprobs": lp, "finish_reason": c.finish}
         return {"index": i, "text": text, "logprobs": self._completion_logprobs(c.logprobs), "finish_reason": c.finish}
 
@@ -150,6 +161,8 @@ class Completion:
         finish = FINISH.get(r.finish_reason) if r.finish_reason else None
         if self.chat:
             delta: dict[str, Any] = {"content": r.text}
+            if r.tool_calls:
+                delta = {"content": None, "tool_calls": tool_calls(list(r.tool_calls), deltas=True)}
             if r.sample not in self._started:
                 self._started.add(r.sample)
                 delta = {"role": "assistant", **delta}

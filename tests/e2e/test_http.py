@@ -12,6 +12,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import jsonschema
 import openai
 import pytest
 
@@ -132,3 +133,45 @@ def test_an_openai_batch_file_runs_to_its_output_file_through_a_worker_kill(batc
     assert done.usage is not None and done.usage.output_tokens == sum(
         x["response"]["body"]["usage"]["completion_tokens"] for x in output
     )
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+            "required": ["city"],
+        },
+    },
+}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [{"type": "function", "function": {"name": "get_weather"}}, "required"],
+    ids=["named", "required"],
+)
+def test_a_required_or_named_tool_call_always_parses_on_the_real_model(node: ProcessNode, choice: object) -> None:
+    """Constrained decoding makes the answer a call to the tools, with arguments their schema
+    accepts: the model's chat template got the tools, the engine the call's grammar."""
+    with openai.OpenAI(base_url=base_url(node), api_key="unused", max_retries=0) as client:
+        got = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+            tools=[WEATHER_TOOL, TIME_TOOL],  # type: ignore[list-item]
+            tool_choice=choice,  # type: ignore[arg-type]
+            max_tokens=96,
+            temperature=0,
+        )
+    answer = got.choices[0]
+    assert answer.finish_reason == "tool_calls", answer
+    (call,) = answer.message.tool_calls or []
+    assert call.function.name in ("get_weather", "get_time")
+    if choice != "required":
+        assert call.function.name == "get_weather"
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER_TOOL, TIME_TOOL)}
+    jsonschema.validate(json.loads(call.function.arguments), schema[call.function.name])

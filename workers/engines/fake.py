@@ -27,6 +27,16 @@ def _input_text(request: GenerationRequest) -> str:
     return "".join(f"<{m.role}>{m.content}" for m in request.messages or ())
 
 
+def _said(request: GenerationRequest) -> list[str] | None:
+    """The pieces of a ``__say__`` script's text (four characters a token), or None."""
+    last = request.messages[-1].content if request.messages else ""
+    if not last.startswith("__say__ "):
+        return None
+    text = last.removeprefix("__say__ ")
+    pieces = [text[i : i + 4] for i in range(0, len(text), 4)] or [""]
+    return pieces[len(request.resume_token_ids) :] or [""]  # a resume goes on from its position
+
+
 class FakeEngine:
     """Token ``i`` of a request is ``(seed + i) % 1000`` where ``seed`` is derived from the prompt (or
     the request's seed), and its text is ``" w<id>"``; a resumed request (``resume_token_ids``) goes
@@ -34,6 +44,9 @@ class FakeEngine:
     like a real engine every running request advances on the same step (one shared clock). Aborts
     are recorded in ``aborted``. A response_format is checked like every sampling field but not
     followed: the fake has no grammar (the real engines' tests cover it).
+
+    A script, for tests of what the gateway makes of an output: a last chat turn ``__say__ TEXT``
+    makes the output TEXT, four characters a token, ending with STOP.
 
     Poison, for fault tests, by the prompt's first word: ``__raise__`` makes the engine raise after
     its first token; ``__die__`` kills the engine after its first token (EngineDead, as a lost GPU);
@@ -162,6 +175,8 @@ class FakeEngine:
         poison = _input_text(request).split(" ", 1)[0]
         # Its first token comes from the clock's next step (by the time it arrived, not by a late tick).
         at = self._due() if self._tick is not None and self._settings.fake_clock == "deadline" else self.steps
+        said = _said(request)
+        max_tokens = min(max_tokens, len(said)) if said is not None else max_tokens
         try:
             for i in range(max_tokens):
                 at = await self._next_step(at)
@@ -170,13 +185,7 @@ class FakeEngine:
                     return
                 if self.dead:
                     raise EngineDead("the fake engine died mid-stream")
-                if poison == "__crash__" or (poison == "__crash_late__" and i == 1):
-                    os._exit(70)
-                if poison == "__raise__" and i == 1:
-                    raise RuntimeError("poison: the fake engine raises on this prompt")
-                if poison == "__die__" and i == 1:
-                    self.dead = True
-                    raise EngineDead("poison: this prompt killed the fake engine")
+                self._poisoned(poison, i)
                 while self.wedged:  # noqa: ASYNC110 - a stuck engine, for the watchdog's tests
                     await asyncio.sleep(0.05)
                 self.tokens += 1
@@ -185,6 +194,9 @@ class FakeEngine:
                 if tok in s.stop_token_ids and i + 1 >= s.min_tokens:  # a stop token's own text is left out
                     yield TokenDelta(stops.flush(), (tok,), lps, FinishReason.STOP, prompt_tokens=n_prompt)
                     return
+                if said is not None:  # a script: its pieces, the last one ending it
+                    yield TokenDelta(said[i], (tok,), lps, FinishReason.STOP if i == len(said) - 1 else None, n_prompt)
+                    continue
                 text, hit = stops.feed(f" w{tok}", check=i + 1 >= s.min_tokens)
                 if hit:
                     yield TokenDelta(text, (tok,), lps, FinishReason.STOP_SEQUENCE, prompt_tokens=n_prompt)
@@ -200,6 +212,16 @@ class FakeEngine:
         finally:
             self._running.pop(request.request_id, None)
             self._running_adapters.pop(request.request_id, None)
+
+    def _poisoned(self, poison: str, i: int) -> None:
+        """What a poison prompt does at its token ``i``: raise, kill the engine, or end the process."""
+        if poison == "__crash__" or (poison == "__crash_late__" and i == 1):
+            os._exit(70)
+        if poison == "__raise__" and i == 1:
+            raise RuntimeError("poison: the fake engine raises on this prompt")
+        if poison == "__die__" and i == 1:
+            self.dead = True
+            raise EngineDead("poison: this prompt killed the fake engine")
 
     async def abort(self, request_id: str) -> None:
         ev = self._running.get(request_id)

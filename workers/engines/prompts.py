@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -34,15 +35,54 @@ def prompt_text(request: GenerationRequest, tokenizer: Any) -> tuple[str, bool]:
             raise InvalidRequest.field("messages", "at least one message is required")
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidRequest.field("messages", "this model has no chat template; send a prompt")
-        chat = [{"role": m.role, "content": m.content} for m in request.messages]
+        chat, tools = chat_turns(request, tokenizer.chat_template)
         try:
-            text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, **tools)
         except Exception as exc:  # jinja raises whatever the template author chose
             raise InvalidRequest.field("messages", f"the chat template rejected them: {exc}") from exc
         return text, False
     if request.prompt is None:
         raise InvalidRequest.field("prompt", "either prompt or messages is required")
     return request.prompt, True
+
+
+# The tools, for a chat template that does not render them itself: a system turn in the form Llama
+# 3.1's own template uses for JSON tool calls, so that the model is told the same thing.
+TOOLS_TURN = (
+    "You have access to the following functions. To call a function, respond with JSON for a function "
+    'call, in the format {{"name": function name, "parameters": dictionary of argument name and its '
+    "value}}. Do not use variables.\n\n{tools}"
+)
+
+
+def chat_turns(request: GenerationRequest, template: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The request's messages as the chat template's turns (tool calls and tool turns in the form
+    Hugging Face's templates take), and the template's ``tools`` argument. A template that does not
+    render tools gets them as a first system turn (``TOOLS_TURN``) instead."""
+    chat: list[dict[str, Any]] = []
+    for m in request.messages or ():
+        turn: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            turn["tool_calls"] = [
+                {
+                    "id": c["id"],
+                    "type": "function",
+                    "function": {"name": c["name"], "arguments": json.loads(c["arguments"])},
+                }
+                for c in json.loads(m.tool_calls)
+            ]
+        if m.tool_call_id:
+            turn["tool_call_id"] = m.tool_call_id
+        chat.append(turn)
+    if not request.tools:
+        return chat, {}
+    tools = [{"type": "function", "function": t} for t in json.loads(request.tools)]
+    if "tools" in str(template or ""):
+        return chat, {"tools": tools}
+    described = TOOLS_TURN.format(tools="\n\n".join(json.dumps(t, indent=2) for t in tools))
+    if chat and chat[0]["role"] == "system":  # one system turn: the caller's, then the tools
+        return [{**chat[0], "content": f"{chat[0]['content']}\n\n{described}"}, *chat[1:]], {}
+    return [{"role": "system", "content": described}, *chat], {}
 
 
 def render_prompt_ids(request: GenerationRequest, tokenizer: Any) -> list[int]:

@@ -17,12 +17,16 @@ JOB_KIND_GENERATE: JobKind
 JOB_KIND_TOKENIZE: JobKind
 
 class Message(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    tool_calls: str
+    tool_call_id: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[str] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
 
 class Sampling(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "seed", "ignore_eos", "min_tokens", "logprobs", "json_schema", "json_object", "regex", "choice", "grammar", "n")
@@ -75,7 +79,7 @@ class Choices(_message.Message):
     def __init__(self, options: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("kind", "request_id", "model", "prompt", "messages", "sampling", "priority", "metadata", "accepted_unix_ns", "resume_token_ids", "batch_id", "custom_id", "deadline_unix_ns", "origin_id", "tenant", "trace", "prefix_key", "resume_samples", "adapter")
+    __slots__ = ("kind", "request_id", "model", "prompt", "messages", "sampling", "priority", "metadata", "accepted_unix_ns", "resume_token_ids", "batch_id", "custom_id", "deadline_unix_ns", "origin_id", "tenant", "trace", "prefix_key", "resume_samples", "adapter", "tools")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +113,7 @@ class Job(_message.Message):
     PREFIX_KEY_FIELD_NUMBER: _ClassVar[int]
     RESUME_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
     kind: JobKind
     request_id: str
     model: str
@@ -128,7 +133,8 @@ class Job(_message.Message):
     prefix_key: str
     resume_samples: _containers.RepeatedCompositeFieldContainer[SampleTokens]
     adapter: str
-    def __init__(self, kind: _Optional[_Union[JobKind, str]] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[Messages, _Mapping]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., priority: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., accepted_unix_ns: _Optional[int] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., batch_id: _Optional[str] = ..., custom_id: _Optional[str] = ..., deadline_unix_ns: _Optional[int] = ..., origin_id: _Optional[str] = ..., tenant: _Optional[str] = ..., trace: _Optional[_Mapping[str, str]] = ..., prefix_key: _Optional[str] = ..., resume_samples: _Optional[_Iterable[_Union[SampleTokens, _Mapping]]] = ..., adapter: _Optional[str] = ...) -> None: ...
+    tools: str
+    def __init__(self, kind: _Optional[_Union[JobKind, str]] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[Messages, _Mapping]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., priority: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., accepted_unix_ns: _Optional[int] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., batch_id: _Optional[str] = ..., custom_id: _Optional[str] = ..., deadline_unix_ns: _Optional[int] = ..., origin_id: _Optional[str] = ..., tenant: _Optional[str] = ..., trace: _Optional[_Mapping[str, str]] = ..., prefix_key: _Optional[str] = ..., resume_samples: _Optional[_Iterable[_Union[SampleTokens, _Mapping]]] = ..., adapter: _Optional[str] = ..., tools: _Optional[str] = ...) -> None: ...
 
 class SampleTokens(_message.Message):
     __slots__ = ("sample", "token_ids")
