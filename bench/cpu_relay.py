@@ -132,7 +132,7 @@ def one_run(args: argparse.Namespace, tokenizer: str, side: str, workdir: Path) 
             f"worker={node.procs['worker'].pid}",
         ]
         if http_port:
-            url = f"http://127.0.0.1:{http_port}/v1/completions"
+            url = f"http://127.0.0.1:{http_port}"  # load.py adds /v1/completions
             cmd += ["--openai-url", url, "--model", "smollm2-135m-instruct"]
         if args.keep:  # each request's start, TTFT and end, for bench/waves.py
             cmd += ["--records", str(workdir / "records.jsonl")]
