@@ -162,12 +162,13 @@ def read_calls(text: str, tools: Tools) -> list[pb.ToolCall] | None:
             return None
     calls = []
     for obj in objs or []:
-        if not isinstance(obj, dict) or obj.get("name") not in tools.names:
+        name = obj.get("name") if isinstance(obj, dict) else None
+        if not isinstance(name, str) or name not in tools.names:
             return None
         arguments = obj.get("parameters", obj.get("arguments", {}))
         if not isinstance(arguments, dict):
             return None
-        calls.append(pb.ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", name=obj["name"], arguments=json.dumps(arguments)))
+        calls.append(pb.ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", name=name, arguments=json.dumps(arguments)))
     if not calls or (len(calls) > 1 and not tools.parallel):
         return None
     return calls

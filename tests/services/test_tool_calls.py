@@ -80,6 +80,8 @@ async def test_calls_in_the_llama_json_form_become_tool_calls(
         '{"name": "get_weather", "parameters": {"city": "Par',  # cut short
         '{"name": "launch_rockets", "parameters": {}}',  # not one of the tools
         '{"answer": 42}',  # JSON, not a call
+        '{"name": ["get_weather"], "parameters": {}}',  # a name that is not a string
+        '{"name": "get_weather", "parameters": [1]}',  # arguments that are not an object
     ],
 )
 async def test_anything_else_is_the_answers_text(door: tuple[Stack, openai.AsyncOpenAI], said: str) -> None:
