@@ -175,7 +175,7 @@ def generate_request(
     rid = _request_id(r.request_id, bad)
     prompt, messages = _input(r.prompt if r.HasField("prompt") else None, r.messages, bad, s.max_prompt_chars)
     sampling = _sampling(r, s, bad)
-    offered = tools.checked(r, bad)
+    offered = tools.checked(r, bad, s.tool_parser)
     if r.tools and not tools_allowed:
         bad.append(FieldViolation("tools", "tool calling is not offered in batches"))
     forced = tools.constraint(offered)

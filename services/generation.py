@@ -108,7 +108,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             async with self._admission.stream(who):
                 await accepted(public)
                 relayed = self._relay.generate(req, model.pool, progress, request.resumable, caller)
-                calls = tools.CallReader(tools.checked(request, []))  # (checked above: no violation)
+                calls = tools.CallReader(tools.checked(request, [], self._s.tool_parser))  # (checked above)
                 async with aclosing(relayed) as events:
                     async for ev in events:
                         for msg in calls.feed(convert.generate_response(req, ev, request_id=public)):

@@ -6,10 +6,13 @@ another backend gets the same shape of answer):
   (workers/engines/prompts.py);
 - ``constraint``: for ``required`` and a named function, the JSON Schema the output is generated
   under (every engine's constrained decoding), so that the answer always reads as a call;
-- ``read_calls``: a finished output read as calls, in the Llama 3.x JSON form: ``{"name": ...,
-  "parameters": {...}}`` (or ``"arguments"``), optionally after ``<|python_tag|>``, a JSON list of
-  them, or several separated by ``;``. Calls to unknown functions, or output that is not such JSON,
-  are not calls: that output is the answer's text, and its finish reason stays as it ended.
+- ``read_calls``: a finished output read as calls by the model family's form
+  (``LLAMAMESH_GATEWAY_TOOL_PARSER``): ``llama3_json``, Llama 3.x's ``{"name": ..., "parameters":
+  {...}}`` (or ``"arguments"``), optionally after ``<|python_tag|>``, a JSON list of them, or several
+  separated by ``;``; ``hermes``, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+  blocks as Hermes and Qwen models write them (or bare JSON calls, the form constrained decoding
+  makes). Calls to unknown functions, or output that is not such, are not calls: that output is the
+  answer's text, and its finish reason stays as it ended.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from llamamesh.v1 import generation_pb2 as pb
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_TOOLS = 128
 PYTHON_TAG = "<|python_tag|>"
+HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+OPENERS = {"llama3_json": ("{", "[", PYTHON_TAG), "hermes": ("{", "[", "<tool_call>")}
 MODES = ("auto", "none", "required")
 
 
@@ -40,6 +45,7 @@ class Tools:
     function: str = ""
     parallel: bool = True
     schemas: tuple[tuple[str, dict[str, Any]], ...] = ()  # (name, parameters schema)
+    parser: str = "llama3_json"  # the model family's form of calls (LLAMAMESH_GATEWAY_TOOL_PARSER)
 
     @property
     def reads_calls(self) -> bool:
@@ -47,8 +53,8 @@ class Tools:
         return bool(self.names) and self.mode != "none"
 
 
-def checked(r: pb.GenerateRequest, bad: list[FieldViolation]) -> Tools:
-    """The request's tools and tool choice (violations go to ``bad``)."""
+def checked(r: pb.GenerateRequest, bad: list[FieldViolation], parser: str = "llama3_json") -> Tools:
+    """The request's tools and tool choice (violations go to ``bad``), read with ``parser``."""
     has_choice = r.HasField("tool_choice")
     if not r.tools:
         if has_choice and r.tool_choice.WhichOneof("choice") == "function":
@@ -88,6 +94,7 @@ def checked(r: pb.GenerateRequest, bad: list[FieldViolation]) -> Tools:
         function,
         parallel,
         tuple(schemas),
+        parser,
     )
 
 
@@ -148,20 +155,19 @@ def constraint(tools: Tools) -> ResponseConstraint | None:
 
 def read_calls(text: str, tools: Tools) -> list[pb.ToolCall] | None:
     """The calls ``text`` makes to ``tools`` (None: it is not calls, but the answer's text)."""
-    body = text.strip().removeprefix(PYTHON_TAG).strip()
-    if not body.startswith(("{", "[")):
-        return None
-    objs: list[Any] | None = None
-    try:
-        parsed = json.loads(body)
-        objs = parsed if isinstance(parsed, list) else [parsed]
-    except ValueError:
-        try:  # several objects separated by ";", as Llama 3.1's template allows
-            objs = [json.loads(part) for part in body.split(";") if part.strip()]
-        except ValueError:
+    body = text.strip()
+    objs: list[Any] | None
+    if tools.parser == "hermes" and body.startswith("<tool_call>"):
+        blocks = HERMES_CALL.findall(body)
+        if not blocks or HERMES_CALL.sub("", body).strip():  # only calls, each closed
             return None
+        objs = [_json(b) for b in blocks]
+    else:
+        objs = _json_calls(body.removeprefix(PYTHON_TAG).strip())
+    if objs is None or any(o is None for o in objs):
+        return None
     calls = []
-    for obj in objs or []:
+    for obj in objs:
         name = obj.get("name") if isinstance(obj, dict) else None
         if not isinstance(name, str) or name not in tools.names:
             return None
@@ -174,9 +180,28 @@ def read_calls(text: str, tools: Tools) -> list[pb.ToolCall] | None:
     return calls
 
 
-def _may_be_calls(text: str) -> bool:
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _json_calls(body: str) -> list[Any] | None:
+    """Llama 3.x's forms: one JSON object, a JSON list, or objects separated by ";"."""
+    if not body.startswith(("{", "[")):
+        return None
+    parsed = _json(body)
+    if parsed is not None:
+        return parsed if isinstance(parsed, list) else [parsed]
+    parts = [_json(part) for part in body.split(";") if part.strip()]
+    return parts if parts and all(p is not None for p in parts) else None
+
+
+def _may_be_calls(text: str, parser: str) -> bool:
     """Whether output that begins with ``text`` (stripped) can still turn out to be calls."""
-    return text.startswith(("{", "[", PYTHON_TAG)) or PYTHON_TAG.startswith(text)
+    openers = OPENERS.get(parser, OPENERS["llama3_json"])
+    return text.startswith(openers) or any(o.startswith(text) for o in openers)
 
 
 class CallReader:
@@ -197,7 +222,7 @@ class CallReader:
         held = self._held.setdefault(r.sample, [])
         held.append(r)
         text = "".join(m.text for m in held).lstrip()
-        if text and not _may_be_calls(text):
+        if text and not _may_be_calls(text, self._tools.parser):
             self._plain.add(r.sample)
             return self._held.pop(r.sample)
         if not r.finish_reason:

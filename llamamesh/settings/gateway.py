@@ -87,6 +87,12 @@ class GatewaySettings(Section, section="gateway"):
     tokenizer: str = ""
     """A tokenizer.json the routing rules count prompt tokens with. Empty: estimated (UTF-8 bytes / 4)."""
 
+    tool_parser: Literal["llama3_json", "hermes"] = "llama3_json"
+    """How a model's output is read as tool calls (services/tools.py): llama3_json, Llama 3.x's
+    {"name": ..., "parameters": {...}} (after <|python_tag|>, a list, or ";"-separated); hermes,
+    calls inside <tool_call>...</tool_call> tags as Hermes and Qwen models write them (bare JSON calls
+    too). Output that does not read as calls is the answer's text."""
+
     normalize_rules: str = ""
     """Prompt normalisation: regex rewrites of prompts and chat messages before routing and queueing, a JSON list of
     {"name", "pattern", "replacement", optional "flags", "applies_to", "roles"}, inline (starting with "[") or the

@@ -90,6 +90,20 @@ async def test_anything_else_is_the_answers_text(door: tuple[Stack, openai.Async
     assert got[-1].finish_reason == pb.FINISH_REASON_STOP and not got[-1].tool_calls
 
 
+def test_the_hermes_form_is_read_when_the_gateway_is_set_for_it() -> None:
+    names = frozenset({"get_weather", "get_time"})
+    hermes = Tools(names, parser="hermes")
+    first = CALL.replace("parameters", "arguments")
+    two = f'<tool_call>\n{first}\n</tool_call>\n<tool_call>{{"name": "get_time"}}</tool_call>'
+    calls = read_calls(two, hermes)
+    assert calls is not None and [c.name for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0].arguments) == {"city": "Paris"}
+    assert read_calls(CALL, hermes) is not None  # the bare form constrained decoding makes
+    for not_calls in ('<tool_call>{"name": "get_time"}', f"<tool_call>{CALL}</tool_call> and some words"):
+        assert read_calls(not_calls, hermes) is None
+    assert read_calls(two, Tools(names)) is None  # the Llama form does not read tags
+
+
 async def test_one_call_only_when_parallel_calls_are_off_and_none_when_the_choice_is_none() -> None:
     two = f'[{CALL}, {{"name": "get_time", "parameters": {{}}}}]'
     names = frozenset({"get_weather", "get_time"})
