@@ -48,6 +48,7 @@ def batch_pb(info: BatchInfo) -> bpb.Batch:
             prompt_tokens=info.prompt_tokens,
             completion_tokens=info.completion_tokens,
             total_tokens=info.prompt_tokens + info.completion_tokens,
+            cached_tokens=info.cached_tokens,
         ),
     )
     for state, when in info.times.items():

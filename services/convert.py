@@ -265,7 +265,12 @@ def generate_response(
     if f is not None:
         now = time.time_ns() if now_ns is None else now_ns
         msg.finish_reason = FINISH_TO_PB[f.finish_reason]
-        msg.usage.CopyFrom(pb.Usage(prompt_tokens=f.usage.prompt_tokens, completion_tokens=f.usage.completion_tokens))
+        u = f.usage
+        msg.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens
+            )
+        )
         t0 = req.accepted_unix_ns
         msg.timings.CopyFrom(
             pb.Timings(

@@ -81,7 +81,7 @@ class _Gathered:
             return None  # (n > 1) the other samples go on
         texts = ["".join(self.texts[k]) for k in range(self.n)]
         samples = tuple((texts[k], self.ends.get(k)) for k in range(self.n)) if self.n > 1 else ()
-        usage = Usage(delta.prompt_tokens or 0, self.tokens)
+        usage = Usage(delta.prompt_tokens or 0, self.tokens, delta.cached_tokens or 0)
         return ItemResult(self.req.custom_id, ItemStatus.SUCCEEDED, texts[0], self.ends.get(0), usage, samples=samples)
 
     def timings(self, started: int) -> dict[str, float | None]:

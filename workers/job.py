@@ -69,6 +69,7 @@ class Job:
         # The samples still to end (n > 1: each ends on its own; the last one's end is the terminal event).
         self._left = set(self.request.resume_samples) or set(range(self.request.sampling.samples))
         self._prompt_tokens = 0
+        self._cached_tokens = 0
         self._engine_timings: tuple[tuple[str, float], ...] = ()
         self.terminal: JobEvent | None = None
         self.probe = self.request.request_id.startswith(PROBE_PREFIX)  # the gateways' probes: not counted
@@ -153,6 +154,7 @@ class Job:
         self._next[k] = start + len(delta.token_ids)
         self.generated += len(delta.token_ids)
         self._prompt_tokens = delta.prompt_tokens or self._prompt_tokens
+        self._cached_tokens = delta.cached_tokens or self._cached_tokens
         event = JobEvent(delta.text, delta.token_ids, start, delta.logprobs, worker=self.worker, sample=k)
         if delta.finish_reason is None:
             if delta.token_ids or delta.text:
@@ -164,7 +166,7 @@ class Job:
             self._events.add(self.lease, replace(event, sample_end=delta.finish_reason))
             return None
         self._engine_timings = delta.engine_timings_ms
-        usage = Usage(prompt_tokens=self._prompt_tokens, completion_tokens=self.generated)
+        usage = Usage(self._prompt_tokens, self.generated, self._cached_tokens)
         return replace(event, finished=Finished(delta.finish_reason, usage, self.started, self.first_token))
 
     def _count(self, delta: TokenDelta) -> None:

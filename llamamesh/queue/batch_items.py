@@ -145,6 +145,7 @@ class BatchItems:
                         self.fail_after,
                         result.usage.prompt_tokens,
                         result.usage.completion_tokens,
+                        result.usage.cached_tokens,
                     ],
                 )
             )

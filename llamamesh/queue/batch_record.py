@@ -35,6 +35,7 @@ def info_of(raw: dict[bytes, bytes]) -> BatchInfo:
         metadata=MappingProxyType(json.loads(f.get("metadata", "{}"))),
         prompt_tokens=int(f.get("prompt_tokens", "0")),
         completion_tokens=int(f.get("completion_tokens", "0")),
+        cached_tokens=int(f.get("cached_tokens", "0")),
     )
 
 

@@ -176,6 +176,7 @@ def encode_event(ev: JobEvent) -> bytes:
                 finish_reason=f.finish_reason.value,
                 prompt_tokens=f.usage.prompt_tokens,
                 completion_tokens=f.usage.completion_tokens,
+                cached_tokens=f.usage.cached_tokens,
                 started_unix_ns=f.started_unix_ns,
                 first_token_unix_ns=f.first_token_unix_ns,
             )
@@ -194,7 +195,7 @@ def decode_event(data: bytes) -> JobEvent:
         f = msg.finished
         finished = Finished(
             finish_reason=FinishReason(f.finish_reason),
-            usage=Usage(prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens),
+            usage=Usage(f.prompt_tokens, f.completion_tokens, f.cached_tokens),
             started_unix_ns=f.started_unix_ns,
             first_token_unix_ns=f.first_token_unix_ns,
         )
@@ -244,6 +245,7 @@ def encode_result(r: ItemResult) -> bytes:
         finish_reason=r.finish_reason.value if r.finish_reason is not None else "",
         prompt_tokens=r.usage.prompt_tokens,
         completion_tokens=r.usage.completion_tokens,
+        cached_tokens=r.usage.cached_tokens,
         error_code=r.error_code,
         error_message=r.error_message,
         samples=[pb.SampleResult(text=t, finish_reason=f.value if f is not None else "") for t, f in r.samples],
@@ -258,7 +260,7 @@ def decode_result(data: bytes) -> ItemResult:
         status=ItemStatus(m.status),
         text=m.text,
         finish_reason=FinishReason(m.finish_reason) if m.finish_reason else None,
-        usage=Usage(m.prompt_tokens, m.completion_tokens),
+        usage=Usage(m.prompt_tokens, m.completion_tokens, m.cached_tokens),
         error_code=m.error_code,
         error_message=m.error_message,
         samples=tuple((x.text, FinishReason(x.finish_reason) if x.finish_reason else None) for x in m.samples),

@@ -76,6 +76,7 @@ class BatchInfo:
     # The tokens of the items recorded so far (each item once, every sample of it).
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
 
     @property
     def processing(self) -> int:

@@ -43,6 +43,8 @@ class TokenDelta:
     finish_reason: FinishReason | None = None
     prompt_tokens: int | None = None
     engine_timings_ms: tuple[tuple[str, float], ...] = ()
+    # Of the prompt's tokens, those the engine's prefix cache held (None: the engine does not say).
+    cached_tokens: int | None = None
     # Which of the request's n samples it belongs to; its finish_reason ends that sample only (the
     # stream ends after every sample ended, or at the first CANCELLED).
     sample: int = 0
@@ -52,6 +54,8 @@ class TokenDelta:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    # Of the prompt tokens, those served from the engine's prefix cache (0: none, or not reported).
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,7 @@ def batch_object(b: bpb.Batch, endpoint: str, input_file_id: str) -> dict[str, A
         "metadata": dict(b.metadata) or None,
         "usage": {
             "input_tokens": b.usage.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": b.usage.cached_tokens},
             "output_tokens": b.usage.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": b.usage.total_tokens,

@@ -75,11 +75,12 @@ def _logprobs(entries: list[pb.TokenLogprob]) -> list[dict[str, Any]]:
     ]
 
 
-def usage(u: pb.Usage) -> dict[str, int]:
+def usage(u: pb.Usage) -> dict[str, Any]:
     return {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
     }
 
 
@@ -108,7 +109,7 @@ class Completion:
     created: int = field(default_factory=lambda: int(time.time()))
     model: str = ""
     choices: dict[int, Choice] = field(default_factory=dict)
-    usage: dict[str, int] | None = None
+    usage: dict[str, Any] | None = None
     _started: set[int] = field(default_factory=set)
 
     @property

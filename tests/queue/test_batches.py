@@ -33,7 +33,7 @@ async def store(request: pytest.FixtureRequest, redis_settings: RedisSettings) -
 
 
 def ok(cid: str) -> ItemResult:
-    return ItemResult(cid, ItemStatus.SUCCEEDED, "text", usage=Usage(7, 3))
+    return ItemResult(cid, ItemStatus.SUCCEEDED, "text", usage=Usage(7, 3, 2))
 
 
 async def test_submit_is_idempotent_and_atomic(store: BatchStore) -> None:
@@ -63,7 +63,7 @@ async def test_one_result_per_custom_id_and_the_last_one_ends_the_batch(store: B
     await store.record(leases[1], errored)
     end = await store.get("r")
     assert end is not None and end.state is BatchState.COMPLETED and (end.succeeded, end.errored) == (1, 1)
-    assert (end.prompt_tokens, end.completion_tokens) == (12, 4)
+    assert (end.prompt_tokens, end.completion_tokens, end.cached_tokens) == (12, 4, 2)
     assert {"in_progress", "finalizing", "completed"} <= set(end.times)
     got = await store.results("r", "0-0", None)
     assert [r.custom_id for _c, r in got] == [leases[0].request.custom_id, leases[1].request.custom_id]

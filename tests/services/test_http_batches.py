@@ -162,3 +162,17 @@ async def test_another_tenants_files_and_batches_are_not_found(door: tuple[Stack
         with pytest.raises(openai.NotFoundError):
             await call()
     assert (await other.batches.list()).data == []
+
+
+async def test_the_batch_usage_counts_the_prompt_tokens_the_engine_had_cached(
+    door: tuple[Stack, openai.AsyncOpenAI],
+) -> None:
+    _, client = door
+    same = [{**chat_line(0), "custom_id": f"same-{i}"} for i in range(4)]  # one prompt, four times
+    uploaded = await client.files.create(file=("same.jsonl", jsonl(same)), purpose="batch")
+    batch = await client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    done = await finished(client, batch.id)
+    usage = done.usage  # type: ignore[attr-defined]
+    assert usage.input_tokens_details.cached_tokens == usage.input_tokens * 3 // 4  # every run but the first

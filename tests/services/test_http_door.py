@@ -60,6 +60,20 @@ async def test_a_chat_completion_whole_with_its_usage_and_request_id(client: ope
     assert choice.finish_reason == "length"
     assert got.usage is not None and got.usage.completion_tokens == 5 and got.usage.prompt_tokens > 0
     assert got.usage.total_tokens == got.usage.prompt_tokens + 5
+    details = got.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens == 0  # a prompt the engine has not seen
+
+
+async def test_a_repeated_prompt_reports_its_cached_tokens(client: openai.AsyncOpenAI) -> None:
+    """The engine's prefix-cache hits reach the caller (the fake engine reports a repeated input as
+    cached whole), in OpenAI's prompt_tokens_details."""
+    messages = [{"role": "user", "content": "The same question twice."}]
+    first = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)  # type: ignore[arg-type]
+    again = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)  # type: ignore[arg-type]
+    assert first.usage is not None and again.usage is not None
+    assert first.usage.prompt_tokens_details is not None and again.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens > 0
 
 
 async def test_a_streamed_chat_completion_ends_with_usage_and_done(door: tuple[Stack, str]) -> None:
@@ -122,7 +136,7 @@ async def test_bad_requests_are_400_naming_the_callers_field(client: openai.Asyn
         ({"max_completion_tokens": 100000}, "max_completion_tokens"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"top_logprobs": 3}, "top_logprobs"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"functions": [{"name": "f"}]}, "functions"),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
     ]
     for fields, param in cases:

@@ -18,6 +18,8 @@ from workers.engines.detokenizer import StopStrings
 from workers.engines.params import ResolvedSampling, resolve_sampling
 
 VOCAB = 1000
+# The inputs the fake "caches" (the last ones seen).
+PROMPTS_SEEN = 4096
 EOS_ID = 0
 
 
@@ -63,6 +65,7 @@ class FakeEngine:
         self.dead = False
         self.aborted: list[str] = []
         self.served: list[str] = []
+        self._prompts_seen: dict[tuple[str, str], None] = {}  # (adapter, input), oldest first
         self.tokens = 0
         # Tests: a wedged engine stops producing (every stream waits) while check_health passes.
         self.wedged = False
@@ -156,6 +159,19 @@ class FakeEngine:
         return n_prompt, params
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        """The request's tokens; the last delta says the whole prompt was cached when this engine
+        saw the same input before (a stand-in for a prefix cache), else none of it."""
+        key = (request.adapter, _input_text(request))
+        cached = key in self._prompts_seen
+        self._prompts_seen[key] = None
+        if len(self._prompts_seen) > PROMPTS_SEEN:
+            del self._prompts_seen[next(iter(self._prompts_seen))]
+        async for delta in self._stream(request):
+            if delta.finish_reason is not None:
+                delta = replace(delta, cached_tokens=delta.prompt_tokens if cached else 0)
+            yield delta
+
+    async def _stream(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         if self.dead:
             raise EngineDead("the fake engine is dead")
         n_prompt, s = self._validate(request)

@@ -45,6 +45,8 @@ def _completion_delta(output: Any, completion: Any, n_logprobs: int | None) -> T
         logprobs=token_logprobs(ids, completion.logprobs, n_logprobs),
         finish_reason=reason,
         prompt_tokens=len(output.prompt_token_ids or ()) if reason is not None else None,
+        # vLLM's prefix-cache hits of the prompt (RequestOutput.num_cached_tokens), on the last one
+        cached_tokens=getattr(output, "num_cached_tokens", None) if reason is not None else None,
         sample=getattr(completion, "index", 0) or 0,
     )
 

@@ -145,7 +145,7 @@ class SampleTokens(_message.Message):
     def __init__(self, sample: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ItemResult(_message.Message):
-    __slots__ = ("custom_id", "status", "text", "finish_reason", "prompt_tokens", "completion_tokens", "error_code", "error_message", "samples")
+    __slots__ = ("custom_id", "status", "text", "finish_reason", "prompt_tokens", "completion_tokens", "error_code", "error_message", "samples", "cached_tokens")
     CUSTOM_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,7 @@ class ItemResult(_message.Message):
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     custom_id: str
     status: str
     text: str
@@ -164,7 +165,8 @@ class ItemResult(_message.Message):
     error_code: str
     error_message: str
     samples: _containers.RepeatedCompositeFieldContainer[SampleResult]
-    def __init__(self, custom_id: _Optional[str] = ..., status: _Optional[str] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[SampleResult, _Mapping]]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, custom_id: _Optional[str] = ..., status: _Optional[str] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[SampleResult, _Mapping]]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class SampleResult(_message.Message):
     __slots__ = ("text", "finish_reason")
@@ -211,18 +213,20 @@ class Failed(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., retryable: _Optional[bool] = ..., field: _Optional[str] = ...) -> None: ...
 
 class Finished(_message.Message):
-    __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "started_unix_ns", "first_token_unix_ns")
+    __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "started_unix_ns", "first_token_unix_ns", "cached_tokens")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STARTED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
     started_unix_ns: int
     first_token_unix_ns: int
-    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., started_unix_ns: _Optional[int] = ..., first_token_unix_ns: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., started_unix_ns: _Optional[int] = ..., first_token_unix_ns: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class JobEvent(_message.Message):
     __slots__ = ("text", "token_ids", "index", "logprobs", "finished", "failed", "tokenized", "worker", "sample", "sample_end")

@@ -1,5 +1,5 @@
 -- KEYS: meta, done, results, ids, started. ARGV: custom_id, status, encoded result, now,
--- retention (s), fail_after, prompt tokens, completion tokens (added to the batch's usage). Returns 1 (recorded), 2 (recorded, and it failed the batch: its first
+-- retention (s), fail_after, prompt, completion and cached tokens (added to the batch's usage). Returns 1 (recorded), 2 (recorded, and it failed the batch: its first
 -- fail_after results all errored), 0 (the item had a result already), -1 (no such batch: it was
 -- purged).
 --! include batch_finish
@@ -9,6 +9,7 @@ redis.call('XADD', KEYS[3], '*', 'r', ARGV[3])
 redis.call('HINCRBY', KEYS[1], ARGV[2], 1)
 if tonumber(ARGV[7]) > 0 then redis.call('HINCRBY', KEYS[1], 'prompt_tokens', ARGV[7]) end
 if tonumber(ARGV[8]) > 0 then redis.call('HINCRBY', KEYS[1], 'completion_tokens', ARGV[8]) end
+if tonumber(ARGV[9]) > 0 then redis.call('HINCRBY', KEYS[1], 'cached_tokens', ARGV[9]) end
 local ret = 1
 if ARGV[2] == 'errored' and tonumber(ARGV[6]) > 0 then
   local f = redis.call('HMGET', KEYS[1], 'state', 'succeeded', 'errored')

@@ -194,6 +194,7 @@ class MemoryBatches:
             **{result.status.value: getattr(b.info, result.status.value) + 1},
             prompt_tokens=b.info.prompt_tokens + result.usage.prompt_tokens,
             completion_tokens=b.info.completion_tokens + result.usage.completion_tokens,
+            cached_tokens=b.info.cached_tokens + result.usage.cached_tokens,
         )
 
     def _finish(self, b: _Batch) -> None:
