@@ -190,3 +190,30 @@ async def test_the_sync_sdk_too(door: tuple[Stack, str]) -> None:
             return got.choices[0].message.content or ""
 
     assert await asyncio.to_thread(sync)
+
+
+async def test_a_reused_request_id_with_another_body_is_409(client: openai.AsyncOpenAI) -> None:
+    headers = {"x-request-id": "reused"}
+    await client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, extra_headers=headers)  # type: ignore[arg-type]
+    with pytest.raises(openai.ConflictError) as exc:
+        await client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3, extra_headers=headers)  # type: ignore[arg-type]
+    assert exc.value.status_code == 409 and exc.value.type == "conflict_error"
+
+
+async def test_no_worker_is_503_and_a_full_process_is_429_with_retry_after() -> None:
+    port = free_port()
+    settings = replace(GATEWAY, http_port=port, no_worker_wait_s=0.2, max_concurrent_rpcs=1)
+    async with (
+        running(Config(gateway=settings).stepping(0.05)),
+        aiohttp.ClientSession() as s,
+    ):
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        async with s.post(url, json={"model": "other", "messages": CHAT, "max_tokens": 2}) as r:  # pool gpu: no worker
+            body = await r.json()
+            assert r.status == 503 and body["error"]["type"] == "service_unavailable_error", body
+        async with s.post(url, json={"model": "tiny", "messages": CHAT, "max_tokens": 200, "stream": True}) as held:
+            await held.content.readline()  # one call open: the process's most
+            async with s.post(url, json={"model": "tiny", "messages": CHAT, "max_tokens": 2}) as r:
+                body = await r.json()
+                assert r.status == 429 and body["error"]["type"] == "rate_limit_error", body
+                assert int(r.headers["Retry-After"]) >= 1
