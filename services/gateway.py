@@ -4,6 +4,7 @@ pools, admission, the gatekeeper); ``Gateway.stop`` drains and closes it."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import grpc
@@ -59,9 +60,8 @@ class Gateway:
         """Health NOT_SERVING, stop accepting, give open streams ``grace_s``, then close (the
         health-only port last: probes see NOT_SERVING through the drain)."""
         await self.health.shutdown()
-        if self.http is not None:
-            await self.http.stop()
-        await self.server.stop(grace_s)
+        # Both doors drain at once, each within grace_s.
+        await asyncio.gather(self.server.stop(grace_s), *([self.http.stop()] if self.http is not None else []))
         if self.acceptors is not None:
             await self.acceptors.stop()
         await self.relay.close()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -27,10 +27,9 @@ from llamamesh.types import StoredFile, scoped_id
 from llamamesh.v1 import batch_pb2 as bpb
 from services.batch import BatchServicer
 from services.http import openai_batches
-from services.http.wire import read_json
+from services.http.wire import Handler, Work, read_json
 
-Work = Callable[[web.Request, Identity], Awaitable[web.StreamResponse]]
-Route = Callable[[str, Work], Callable[[web.Request], Awaitable[web.StreamResponse]]]
+Route = Callable[[str, Work], Handler]
 FILE_ID = "file-"
 BATCH_ID = "batch_"
 

@@ -7,6 +7,8 @@ and the responses back (services/http/openai_responses.py); nothing else is its 
   (``stream: true``) ending with ``data: [DONE]``; ``x-request-id`` in and out; a caller that goes
   away cancels its request, as on gRPC.
 - ``GET /v1/models``.
+- Files and Batches in OpenAI's format (services/http/batches.py), when the gateway runs the batch
+  service.
 - Errors: OpenAI's ``{"error": {message, type, param, code}}`` with the matching HTTP status (400
   naming the field, 401, 403, 404, 409, 429 with ``Retry-After``, 503, 504).
 """
@@ -14,7 +16,7 @@ and the responses back (services/http/openai_responses.py); nothing else is its 
 from __future__ import annotations
 
 import ssl
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import aclosing
 
 import structlog
@@ -31,14 +33,12 @@ from services.generation import GenerationServicer
 from services.http import openai_requests, openai_responses
 from services.http.batches import BatchRoutes
 from services.http.openai_requests import Parsed
-from services.http.wire import event, read_json
+from services.http.wire import Handler, Work, event, read_json
 from services.tls import peer_names
 
 log = structlog.get_logger(__name__)
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-Work = Callable[[web.Request, Identity], Awaitable[web.StreamResponse]]
 
 
 class HttpDoor:

@@ -4,11 +4,17 @@ server-sent events."""
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
 from llamamesh import errors
+from llamamesh.tenants import Identity
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# A route's own work, given the request and the caller's identity (the door does the rest).
+Work = Callable[[web.Request, Identity], Awaitable[web.StreamResponse]]
 
 
 async def read_json(request: web.Request, limit: int) -> object:
