@@ -103,7 +103,7 @@ def _parameters(text: str, field: str, bad: list[FieldViolation]) -> dict[str, A
         return {"type": "object", "properties": {}}
     try:
         schema = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         bad.append(FieldViolation(field, f"not JSON: {exc}"))
         return {}
     if not isinstance(schema, dict) or schema.get("type", "object") != "object":
@@ -124,7 +124,7 @@ def message_calls(m: pb.ChatMessage, i: int, bad: list[FieldViolation]) -> str:
         field = f"messages[{i}].tool_calls[{k}]"
         try:
             arguments = json.loads(c.arguments or "{}")
-        except ValueError:
+        except (ValueError, RecursionError):
             arguments = None
         if not isinstance(arguments, dict):
             bad.append(FieldViolation(f"{field}.arguments", "a JSON object"))
@@ -183,7 +183,7 @@ def read_calls(text: str, tools: Tools) -> list[pb.ToolCall] | None:
 def _json(text: str) -> Any:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 

@@ -70,7 +70,7 @@ def batch_request(
             continue
         try:
             line = json.loads(raw)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             bad.append(FieldViolation(f"line {n}", f"not JSON: {exc}"))
             continue
         if not isinstance(line, dict) or not isinstance(line.get("custom_id"), str):

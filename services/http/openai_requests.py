@@ -79,11 +79,12 @@ def chat(body: object, request_id: str) -> Parsed:
     for i, m in enumerate(messages or []):
         _message(m, i, req, b)
     logprobs = b.get("logprobs", bool, "true or false") or False
-    top = b.get("top_logprobs", int, "an integer from 0 to 20")
-    if top is not None and not logprobs:
+    if b.body.get("top_logprobs") is not None and not logprobs:
         b.bad.append(FieldViolation("top_logprobs", "needs logprobs: true"))
-    if logprobs:
-        req.logprobs = top or 0
+    elif logprobs:
+        req.logprobs = 0
+        _set(b, req, "top_logprobs", int, "an integer from 0 to 20", "logprobs")
+    top = b.body.get("top_logprobs")
     renamed["logprobs"] = "top_logprobs" if top is not None else "logprobs"
     limit = "max_completion_tokens" if b.body.get("max_completion_tokens") is not None else "max_tokens"
     renamed["max_tokens"] = limit
@@ -105,11 +106,10 @@ def completion(body: object, request_id: str) -> Parsed:
     for name in UNSUPPORTED_COMPLETIONS:
         if b.body.get(name) not in (None, False, 1, ""):
             b.bad.append(FieldViolation(name, "not supported by this server"))
-    logprobs = b.get("logprobs", int, "an integer from 0 to 5")
-    if logprobs is not None:
-        req.logprobs = logprobs
+    _set(b, req, "logprobs", int, "an integer from 0 to 5", "logprobs")
+    logprobs = req.HasField("logprobs")
     _common(b, req, "max_tokens")
-    return _parsed(b, req, chat=False, logprobs=logprobs is not None, renamed={"request_id": "x-request-id"})
+    return _parsed(b, req, chat=False, logprobs=logprobs, renamed={"request_id": "x-request-id"})
 
 
 def _parsed(b: _Body, req: pb.GenerateRequest, chat: bool, logprobs: bool, renamed: dict[str, str]) -> Parsed:

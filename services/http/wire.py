@@ -31,7 +31,7 @@ async def read_json(request: web.Request, limit: int) -> object:
         raise too_big
     try:
         return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # (nesting past Python's stack)
         raise errors.InvalidRequest.field("body", f"not JSON: {exc}") from exc
 
 

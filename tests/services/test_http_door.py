@@ -162,6 +162,16 @@ async def test_what_is_not_json_or_not_here_is_answered_in_openais_shape(door: t
         async with s.post(f"{door[1]}/chat/completions", data=io.BytesIO(json.dumps(huge).encode())) as r:
             error = (await r.json())["error"]
             assert r.status == 400 and error["param"] == "body" and "MAX_REQUEST_BYTES" in error["message"]
+        hostile = [
+            b"[" * 100_000 + b"]" * 100_000,  # nesting past Python's stack
+            json.dumps({"model": "tiny", "messages": CHAT, "logprobs": True, "top_logprobs": 10**12}).encode(),
+            json.dumps({"model": "tiny", "messages": CHAT, "n": -1, "seed": 2**70}).encode(),
+        ]
+        for data in hostile:
+            async with s.post(f"{door[1]}/chat/completions", data=io.BytesIO(data)) as r:
+                assert r.status == 400, (r.status, await r.text())
+        async with s.post(f"{door[1]}/completions", json={"prompt": "x", "logprobs": 2**40}) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "logprobs"
         async with s.get(f"{door[1]}/no/such/path") as r:
             error = (await r.json())["error"]
             assert r.status == 404 and error["type"] == "not_found_error"
