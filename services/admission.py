@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 
@@ -15,6 +16,7 @@ from llamamesh import errors, metrics
 from llamamesh.queue.keys import STREAM_LEASE_MS
 from llamamesh.queue.protocol import Quotas
 from llamamesh.tenants import Identity
+from llamamesh.types import GenerationRequest, tenant_salt
 from services.routing import Access
 
 log = structlog.get_logger(__name__)
@@ -33,6 +35,15 @@ def check_priority(who: Identity, priority: int) -> None:
         raise errors.PermissionDenied(
             f"priority {priority} is above tenant {who.tenant!r}'s highest, {most} (LLAMAMESH_LIMITS_MAX_PRIORITY)"
         )
+
+
+def cache_scoped(req: GenerationRequest, tenant: str) -> GenerationRequest:
+    """``req`` with the prefix cache its tenant's own: the engine's cache salt from the tenant, and
+    its prefix-affinity key (a prefix's worker) keyed by it too, so that two tenants' identical
+    prompts are routed and cached apart. A request with no affinity key keeps none."""
+    salt = tenant_salt(tenant)
+    key = f"{salt}:{req.prefix_key}" if req.prefix_key else ""
+    return dataclasses.replace(req, cache_salt=salt, prefix_key=key)
 
 
 class Admission:

@@ -27,7 +27,7 @@ from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ModelInfo,
 from llamamesh.v1 import batch_pb2 as bpb
 from llamamesh.v1 import batch_pb2_grpc
 from services import convert
-from services.admission import Admission, access_of, check_priority
+from services.admission import Admission, access_of, cache_scoped, check_priority
 from services.auth import identity
 from services.batch_convert import batch_pb, result_pb
 from services.batch_requests import DEFAULT_TEMPLATE, batch_requests
@@ -67,10 +67,13 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
         admission: Admission | None = None,
         normalizer: Normalizer | None = None,
         adapters_of: Callable[[str], frozenset[str] | None] = lambda pool: None,
+        tenant_cache: bool = False,
     ) -> None:
-        """``adapters_of(pool)``: the LoRA adapters the pool's ready workers serve (None: not known)."""
+        """``adapters_of(pool)``: the LoRA adapters the pool's ready workers serve (None: not known);
+        ``tenant_cache``: each tenant's prompts are cached apart (``cache_scoped``)."""
         self._store = store
         self._adapters_of = adapters_of
+        self._tenant_cache = tenant_cache
         self._normalizer = normalizer or Normalizer()
         self._admission = admission or Admission(None)
         self._gw = gateway
@@ -125,6 +128,8 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
         fingerprint = hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest()
         access = access_of(who)
         trace = tracing.carrier()  # this RPC's span: every item's job span is its child
+        if self._tenant_cache:
+            items = [(model, cache_scoped(req, who.tenant)) for model, req in items]
         queued = [(self._policy.choose(req, model.pool, access)[0], replace(req, trace=trace)) for model, req in items]
         await self._admission.request(who)
         stored, new = await self._stored(who, info, fingerprint, queued, request.ByteSize())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import structlog
@@ -122,29 +123,20 @@ async def start_gateway(
         queue, settings, breaker or BreakerSettings(), [*(m.pool for m in models), *policy.pools], reporter
     )
     relay = QueueRelay(queue, settings, backends, policy, reporter.queue_generation)
-    generation = GenerationServicer(relay, settings, models, admission, normalizer, adapters_of=backends.adapters)
+    # What both services share; each tenant's own prefix cache as set, or (auto) when callers authenticate.
+    tenant_cache = settings.cache_scope == "tenant" or (settings.cache_scope == "auto" and tenants is not None)
+    shared: dict[str, Any] = {"admission": admission, "normalizer": normalizer, "tenant_cache": tenant_cache}
+    shared["adapters_of"] = backends.adapters
+    generation = GenerationServicer(relay, settings, models, **shared)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(generation, server)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(backends, queue, models), server)
     sweeper, routes = None, None
     if batches is not None:
-        adapters = backends.adapters
-        servicer = BatchServicer(
-            batches, settings, batch, models, policy, admission=admission, normalizer=normalizer, adapters_of=adapters
-        )
+        servicer = BatchServicer(batches, settings, batch, models, policy, **shared)
         sweeper, routes = _batch_service(server, servicer, batches, batch, quotas, files)
     http = HttpDoor(generation, gatekeeper, settings, models, backends.adapters, routes) if settings.http_port else None
     _add_health(server, reporter, services if settings.reflection else None)
-    gateway = Gateway(
-        server=server,
-        health=reporter,
-        backends=backends,
-        relay=relay,
-        port=0,
-        sweeper=sweeper,
-        admission=admission,
-        acceptors=acceptors,
-        http=http,
-    )
+    gateway = Gateway(server, reporter, backends, relay, 0, acceptors, sweeper, admission, http=http)
     await _start(gateway, settings, port, share_port)
     _log_started(gateway, settings, normalizer, tenants)
     return gateway

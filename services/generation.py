@@ -19,7 +19,7 @@ from llamamesh.types import DEFAULT_TENANT, GenerationRequest, ModelInfo, scoped
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc
 from services import convert, tools
-from services.admission import Admission, access_of, check_priority
+from services.admission import Admission, access_of, cache_scoped, check_priority
 from services.auth import identity
 from services.calls import note, rpc
 from services.normalize import Normalizer
@@ -52,14 +52,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         admission: Admission | None = None,
         normalizer: Normalizer | None = None,
         adapters_of: Callable[[str], frozenset[str] | None] = lambda pool: None,
+        tenant_cache: bool = False,
     ) -> None:
-        """``adapters_of(pool)``: the LoRA adapters the pool's ready workers serve (None: not known)."""
+        """``adapters_of(pool)``: the LoRA adapters the pool's ready workers serve (None: not known);
+        ``tenant_cache``: each tenant's prompts are cached apart (``cache_scoped``)."""
         self._relay = relay
         self._s = settings
         self._models = tuple(models)
         self._admission = admission or Admission(None)
         self._normalizer = normalizer or Normalizer()
         self._adapters_of = adapters_of
+        self._tenant_cache = tenant_cache
 
     @rpc("Generate")
     async def Generate(
@@ -99,6 +102,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             tenant="" if who.tenant == DEFAULT_TENANT else who.tenant,
             trace=tracing.carrier(),
         )  # the RPC's span: the worker's parent
+        req = cache_scoped(req, who.tenant) if self._tenant_cache else req
         caller = Caller(_fingerprint(request), access_of(who), who.limits.weight)
         structlog.contextvars.bind_contextvars(request_id=public)
         note(tenant=who.tenant, labels=dict(req.metadata) or None)  # the request's labels, in its line

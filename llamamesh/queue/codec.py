@@ -78,6 +78,7 @@ def encode_job(req: GenerationRequest) -> bytes:
         resume_samples=[pb.SampleTokens(sample=k, token_ids=ids) for k, ids in sorted(req.resume_samples.items())],
         adapter=req.adapter,
         tools=req.tools,
+        cache_salt=req.cache_salt,
     )
     if req.prompt is not None:
         job.prompt = req.prompt
@@ -139,6 +140,7 @@ def decode_job(data: bytes) -> GenerationRequest:
         resume_samples=MappingProxyType({s.sample: tuple(s.token_ids) for s in job.resume_samples}),
         adapter=job.adapter,
         tools=job.tools,
+        cache_salt=job.cache_salt,
     )
 
 

@@ -87,6 +87,13 @@ class GatewaySettings(Section, section="gateway"):
     tokenizer: str = ""
     """A tokenizer.json the routing rules count prompt tokens with. Empty: estimated (UTF-8 bytes / 4)."""
 
+    cache_scope: Literal["auto", "tenant", "global"] = "auto"
+    """Whose cached prompt prefixes a request may reuse in the engine's prefix (KV) cache: tenant, each
+    tenant its own (the gateway sets the engine's cache salt from the authenticated tenant, which a
+    caller can neither set nor see, and prefix affinity keys each tenant's prefixes apart); global, all
+    share (e.g. a public system prompt; another tenant can then tell a cached prefix by its time to
+    first token); auto, tenant when a tenants file is set (LLAMAMESH_AUTH_FILE), else global."""
+
     tool_parser: Literal["llama3_json", "hermes"] = "llama3_json"
     """How a model's output is read as tool calls (services/tools.py): llama3_json, Llama 3.x's
     {"name": ..., "parameters": {...}} (after <|python_tag|>, a list, or ";"-separated); hermes,

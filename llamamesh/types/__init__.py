@@ -14,7 +14,7 @@ from llamamesh.types.events import (
     TopLogprob,
     Usage,
 )
-from llamamesh.types.names import ADAPTER_NAME, DEFAULT_TENANT, TENANT_NAME, public_id, scoped_id
+from llamamesh.types.names import ADAPTER_NAME, DEFAULT_TENANT, TENANT_NAME, public_id, scoped_id, tenant_salt
 from llamamesh.types.requests import (
     CHAT_ROLES,
     MAX_PREFIX_KEY_CHARS,
@@ -61,4 +61,5 @@ __all__ = [
     "affinity_key",
     "public_id",
     "scoped_id",
+    "tenant_salt",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 # Tenant names: what the tenants file and the x-llamamesh-tenant header may hold (no "/": it
@@ -12,6 +13,12 @@ DEFAULT_TENANT = "default"
 # Adapter names (a worker's LLAMAMESH_WORKER_ADAPTERS, GenerateRequest.adapter): no ":" (it separates
 # a model from its adapter) and nothing a path or a key would trip on.
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def tenant_salt(tenant: str) -> str:
+    """The prefix-cache salt of ``tenant``'s requests: its prompts are cached apart from any other
+    tenant's. Derived from the name (callers never set or see it)."""
+    return hashlib.sha256(f"llamamesh-cache-salt:{tenant}".encode()).hexdigest()[:32]
 
 
 def scoped_id(tenant: str, public_id: str) -> str:

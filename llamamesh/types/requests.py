@@ -129,6 +129,9 @@ class GenerationRequest:
     # Tool calling: the tools for the chat template, a JSON list of {"name", "description",
     # "parameters"} ("": none; the gateway leaves them out when the caller chose "none").
     tools: str = ""
+    # The engine's prefix-cache salt (vLLM's and TensorRT-LLM's cache_salt): set by the gateway from
+    # the tenant when the cache is the tenant's (LLAMAMESH_GATEWAY_CACHE_SCOPE); "": shared.
+    cache_salt: str = ""
 
     @property
     def caller_id(self) -> str:

@@ -430,13 +430,19 @@ class FakeLLM:
         FakeLLM.created.append(self)
 
     def generate_async(
-        self, inputs: dict[str, Any], sampling_params: Any = None, streaming: bool = False, lora_request: Any = None
+        self,
+        inputs: dict[str, Any],
+        sampling_params: Any = None,
+        streaming: bool = False,
+        lora_request: Any = None,
+        cache_salt: str | None = None,
     ) -> Any:
         assert streaming
         if self.submit_error is not None:
             raise self.submit_error
         result = FakeResult(inputs["prompt_token_ids"], sampling_params)
         result.lora_request = lora_request  # type: ignore[attr-defined]
+        result.cache_salt = cache_salt  # type: ignore[attr-defined]
         self.results.append(result)
         return result
 
@@ -850,4 +856,19 @@ async def test_a_response_format_goes_as_guided_decoding_and_a_resume_of_one_is_
     resumed = request(request_id="r2", prompt="x", resume_token_ids=(5,), sampling=SamplingParams(constraint=choice))
     with pytest.raises(Unavailable, match="cannot resume"):
         await anext_of(engine.stream(resumed))
+    await engine.shutdown()
+
+
+async def test_a_tenants_cache_salt_goes_with_its_request(trt: SimpleNamespace) -> None:
+    engine, llm = await started()
+    task = asyncio.create_task(collect(engine, dataclasses.replace(request(prompt="x"), cache_salt="s1"), []))
+    await until(lambda: bool(llm.results), 5, "TensorRT-LLM to have the request")
+    assert llm.results[0].cache_salt == "s1"
+    await engine.abort("r1")
+    await task
+    plain = asyncio.create_task(collect(engine, request(request_id="r2", prompt="x"), []))
+    await until(lambda: len(llm.results) == 2, 5, "TensorRT-LLM to have r2")
+    assert llm.results[1].cache_salt is None  # none given: the library's default (shared)
+    await engine.abort("r2")
+    await plain
     await engine.shutdown()

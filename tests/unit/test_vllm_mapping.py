@@ -156,6 +156,28 @@ async def test_a_request_with_an_adapter_goes_with_its_lora_request_and_an_unkno
     await engine.shutdown()
 
 
+async def test_a_tenants_cache_salt_goes_with_its_prompt() -> None:
+    llm = FakeAsyncLLM()
+    engine = started(llm)
+    prompts: list[Any] = []
+    generate = llm.generate
+
+    def spy(prompt: Any, params: Any, request_id: str, **kw: Any) -> Any:
+        prompts.append(prompt)
+        return generate(prompt, params, request_id, priority=kw.get("priority", 0))
+
+    llm.generate = spy  # type: ignore[method-assign]
+    for rid, salt in (("r1", "s1"), ("r2", "")):
+        task = asyncio.create_task(
+            collect(engine, dataclasses.replace(request(request_id=rid, prompt="x"), cache_salt=salt), [])
+        )
+        await until(lambda rid=rid: rid in llm.queues, 5, f"vLLM to have {rid}")  # type: ignore[misc]
+        llm.emit(rid, output(" a", [5], finish="length"))
+        await asyncio.wait_for(task, 5)
+    assert prompts[0]["cache_salt"] == "s1" and "cache_salt" not in prompts[1]
+    await engine.shutdown()
+
+
 def test_unset_sentinels_keep_vllms_defaults() -> None:
     kwargs = engine_kwargs(WORKER, VllmSettings(enforce_eager=False, seed=0, gpu_memory_utilization=0.0), 1)
     for name in (
@@ -613,7 +635,7 @@ def started(llm: FakeAsyncLLM, tokenizer: Any = None, max_model_len: int = 4096)
     )
     engine._llm = llm
     engine._api = SimpleNamespace(  # type: ignore[assignment]
-        tokens_input=lambda ids: {"type": "token", "prompt_token_ids": ids},
+        tokens_input=lambda ids, **kw: {"type": "token", "prompt_token_ids": ids, **kw},
         SamplingParams=fake_sampling_params,
         StructuredOutputsParams=lambda **kw: ("structured", kw),
         DELTA="delta",

@@ -65,7 +65,8 @@ class FakeEngine:
         self.dead = False
         self.aborted: list[str] = []
         self.served: list[str] = []
-        self._prompts_seen: dict[tuple[str, str], None] = {}  # (adapter, input), oldest first
+        self._prompts_seen: dict[tuple[str, str, str], None] = {}  # (adapter, salt, input), oldest first
+        self.salts: list[str] = []  # each request's cache salt, in order
         self.tokens = 0
         # Tests: a wedged engine stops producing (every stream waits) while check_health passes.
         self.wedged = False
@@ -160,8 +161,10 @@ class FakeEngine:
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         """The request's tokens; the last delta says the whole prompt was cached when this engine
-        saw the same input before (a stand-in for a prefix cache), else none of it."""
-        key = (request.adapter, _input_text(request))
+        saw the same input with the same cache salt before (a stand-in for a prefix cache), else
+        none of it."""
+        remember(self.salts, request.cache_salt)  # what the engine got: tests read it
+        key = (request.adapter, request.cache_salt, _input_text(request))
         cached = key in self._prompts_seen
         self._prompts_seen[key] = None
         if len(self._prompts_seen) > PROMPTS_SEEN:

@@ -226,13 +226,15 @@ class TrtllmEngine(LibraryEngine):
         here) (llm.py). Usage as in
         https://nvidia.github.io/TensorRT-LLM/examples/llm_inference_async_streaming.html."""
         constraint = request.sampling.constraint
-        lora: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        if request.cache_salt:  # the tenant's prefix cache (LLM.generate_async's cache_salt)
+            extra["cache_salt"] = request.cache_salt
         path = self._adapter_path(request)
         if path is not None:
-            lora["lora_request"] = self._lora_request_type(request.adapter, lora_id(request.adapter), path)
+            extra["lora_request"] = self._lora_request_type(request.adapter, lora_id(request.adapter), path)
         self._submitted = True
         try:
-            return llm.generate_async({"prompt_token_ids": ids}, sampling_params=params, streaming=True, **lora)
+            return llm.generate_async({"prompt_token_ids": ids}, sampling_params=params, streaming=True, **extra)
         except (TypeError, ValueError) as exc:
             raise invalid_from_trtllm(str(exc), input_field, constraint) from exc
         except api.RequestError as exc:

@@ -280,7 +280,9 @@ class VllmEngine(LibraryEngine):
         path = self._adapter_path(request)
         if path is not None:
             lora["lora_request"] = api.LoRARequest(request.adapter, lora_id(request.adapter), path)
-        outputs = llm.generate(api.tokens_input(ids), params, request.request_id, priority=priority, **lora)
+        # The tenant's prefix cache: vLLM's cache_salt keeps its cached blocks apart from others'.
+        prompt = api.tokens_input(ids, cache_salt=request.cache_salt) if request.cache_salt else api.tokens_input(ids)
+        outputs = llm.generate(prompt, params, request.request_id, priority=priority, **lora)
         try:
             while not state.aborted:
                 try:

@@ -79,7 +79,7 @@ class Choices(_message.Message):
     def __init__(self, options: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("kind", "request_id", "model", "prompt", "messages", "sampling", "priority", "metadata", "accepted_unix_ns", "resume_token_ids", "batch_id", "custom_id", "deadline_unix_ns", "origin_id", "tenant", "trace", "prefix_key", "resume_samples", "adapter", "tools")
+    __slots__ = ("kind", "request_id", "model", "prompt", "messages", "sampling", "priority", "metadata", "accepted_unix_ns", "resume_token_ids", "batch_id", "custom_id", "deadline_unix_ns", "origin_id", "tenant", "trace", "prefix_key", "resume_samples", "adapter", "tools", "cache_salt")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,7 @@ class Job(_message.Message):
     RESUME_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     kind: JobKind
     request_id: str
     model: str
@@ -134,7 +135,8 @@ class Job(_message.Message):
     resume_samples: _containers.RepeatedCompositeFieldContainer[SampleTokens]
     adapter: str
     tools: str
-    def __init__(self, kind: _Optional[_Union[JobKind, str]] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[Messages, _Mapping]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., priority: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., accepted_unix_ns: _Optional[int] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., batch_id: _Optional[str] = ..., custom_id: _Optional[str] = ..., deadline_unix_ns: _Optional[int] = ..., origin_id: _Optional[str] = ..., tenant: _Optional[str] = ..., trace: _Optional[_Mapping[str, str]] = ..., prefix_key: _Optional[str] = ..., resume_samples: _Optional[_Iterable[_Union[SampleTokens, _Mapping]]] = ..., adapter: _Optional[str] = ..., tools: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, kind: _Optional[_Union[JobKind, str]] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[Messages, _Mapping]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., priority: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., accepted_unix_ns: _Optional[int] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., batch_id: _Optional[str] = ..., custom_id: _Optional[str] = ..., deadline_unix_ns: _Optional[int] = ..., origin_id: _Optional[str] = ..., tenant: _Optional[str] = ..., trace: _Optional[_Mapping[str, str]] = ..., prefix_key: _Optional[str] = ..., resume_samples: _Optional[_Iterable[_Union[SampleTokens, _Mapping]]] = ..., adapter: _Optional[str] = ..., tools: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class SampleTokens(_message.Message):
     __slots__ = ("sample", "token_ids")
