@@ -202,7 +202,8 @@ async def test_kill_minus_nine_of_a_worker_mid_batch(node: ProcessNode, stub: ba
     assert b.state == bpb.BATCH_STATE_COMPLETED and b.counts.succeeded == 20
     assert_counts(b)
     one_each(got, 20)
-    assert b.usage.completion_tokens == 20 * 24  # the items the dead worker ran again count once
+    # the items the dead worker ran again count once: the batch's tokens are its results' own
+    assert b.usage.completion_tokens == sum(r.usage.completion_tokens for r in got) > 0
     assert '"batch_item_finished"' in node.log("worker2")
 
 
