@@ -40,7 +40,11 @@ class TwoGateways:
 
     def start(self, i: int) -> None:
         self.node.spawn(
-            f"gateway{i}", "services", LLAMAMESH_GATEWAY_PORT=str(self.ports[i]), LLAMAMESH_GATEWAY_METRICS_PORT="0"
+            f"gateway{i}",
+            "services",
+            LLAMAMESH_GATEWAY_PORT=str(self.ports[i]),
+            LLAMAMESH_GATEWAY_METRICS_PORT="0",
+            LLAMAMESH_GATEWAY_HTTP_PORT="0",
         )  # (the node's gateway has its port)
         wait_until(lambda: serving(f"127.0.0.1:{self.ports[i]}"), 60, f"gateway{i} serving")
 
