@@ -22,6 +22,7 @@ from llamamesh.queue.memory import MemoryBatches, MemoryFiles, MemoryQueue
 from llamamesh.settings import AuthSettings, BatchSettings, BreakerSettings, GatewaySettings, WorkerSettings
 from llamamesh.v1 import admin_pb2_grpc, batch_pb2_grpc, generation_pb2_grpc
 from services.server import Gateway, start_gateway
+from tests.redisproc import free_port
 from workers.engines.base import Engine
 from workers.engines.fake import FakeEngine
 from workers.worker import Worker
@@ -168,3 +169,17 @@ async def stack(request: pytest.FixtureRequest) -> AsyncIterator[Stack]:
         config = config.stepping(marker.args[0])
     async with running(config) as s:
         yield s
+
+
+@pytest.fixture
+async def openai_door() -> AsyncIterator[tuple[Stack, Any]]:
+    """The default stack with the batch service and the HTTP door open, and the official ``openai``
+    SDK's async client of it."""
+    import openai  # (only the HTTP door's tests need it)
+
+    port = free_port()
+    async with (
+        running(Config(gateway=replace(GATEWAY, http_port=port), batches=True)) as stack,
+        openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0) as client,
+    ):
+        yield stack, client

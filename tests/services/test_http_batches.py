@@ -6,27 +6,14 @@ format; bad files are refused naming the line, and nothing of another tenant's i
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from dataclasses import replace
 
 import openai
 import pytest
 
-from tests.redisproc import free_port
-from tests.services.conftest import GATEWAY, Config, Stack, running
+from tests.services.conftest import Stack
 from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-async def door() -> AsyncIterator[tuple[Stack, openai.AsyncOpenAI]]:
-    port = free_port()
-    async with (
-        running(Config(gateway=replace(GATEWAY, http_port=port), batches=True)) as stack,
-        openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0) as client,
-    ):
-        yield stack, client
 
 
 def jsonl(lines: list[dict[str, object]]) -> bytes:
@@ -51,8 +38,8 @@ async def finished(client: openai.AsyncOpenAI, batch_id: str) -> object:
     return await until(status, 30, f"batch {batch_id} to end", done=lambda b: b.status in ended, poll_s=0.05)
 
 
-async def test_a_jsonl_file_runs_as_a_batch_to_its_output_file(door: tuple[Stack, openai.AsyncOpenAI]) -> None:
-    _, client = door
+async def test_a_jsonl_file_runs_as_a_batch_to_its_output_file(openai_door: tuple[Stack, openai.AsyncOpenAI]) -> None:
+    _, client = openai_door
     uploaded = await client.files.create(file=("input.jsonl", jsonl([chat_line(i) for i in range(6)])), purpose="batch")
     assert uploaded.purpose == "batch" and uploaded.bytes > 0 and uploaded.filename == "input.jsonl"
     assert (await client.files.retrieve(uploaded.id)).id == uploaded.id
@@ -89,9 +76,9 @@ async def test_a_jsonl_file_runs_as_a_batch_to_its_output_file(door: tuple[Stack
 
 @pytest.mark.fake_step_s(0.05)
 async def test_a_cancelled_batch_writes_its_unrun_items_to_the_error_file(
-    door: tuple[Stack, openai.AsyncOpenAI],
+    openai_door: tuple[Stack, openai.AsyncOpenAI],
 ) -> None:
-    _, client = door
+    _, client = openai_door
     lines = [chat_line(i, max_tokens=40) for i in range(30)]
     uploaded = await client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
     batch = await client.batches.create(
@@ -107,8 +94,8 @@ async def test_a_cancelled_batch_writes_its_unrun_items_to_the_error_file(
     assert counts.completed + counts.failed == 30 and counts.failed == len(errors)
 
 
-async def test_bad_files_and_bad_batches_are_400_naming_the_line(door: tuple[Stack, openai.AsyncOpenAI]) -> None:
-    _, client = door
+async def test_bad_files_and_bad_batches_are_400_naming_the_line(openai_door: tuple[Stack, openai.AsyncOpenAI]) -> None:
+    _, client = openai_door
     bad = [
         chat_line(0),
         {"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": {}},
@@ -142,8 +129,8 @@ async def test_bad_files_and_bad_batches_are_400_naming_the_line(door: tuple[Sta
     assert exc.value.param == "purpose"
 
 
-async def test_another_tenants_files_and_batches_are_not_found(door: tuple[Stack, openai.AsyncOpenAI]) -> None:
-    _, client = door
+async def test_another_tenants_files_and_batches_are_not_found(openai_door: tuple[Stack, openai.AsyncOpenAI]) -> None:
+    _, client = openai_door
     uploaded = await client.files.create(file=("in.jsonl", jsonl([chat_line(0)])), purpose="batch")
     batch = await client.batches.create(
         input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
@@ -165,9 +152,9 @@ async def test_another_tenants_files_and_batches_are_not_found(door: tuple[Stack
 
 
 async def test_the_batch_usage_counts_the_prompt_tokens_the_engine_had_cached(
-    door: tuple[Stack, openai.AsyncOpenAI],
+    openai_door: tuple[Stack, openai.AsyncOpenAI],
 ) -> None:
-    _, client = door
+    _, client = openai_door
     same = [{**chat_line(0), "custom_id": f"same-{i}"} for i in range(4)]  # one prompt, four times
     uploaded = await client.files.create(file=("same.jsonl", jsonl(same)), purpose="batch")
     batch = await client.batches.create(

@@ -6,8 +6,6 @@ anything else stays text; and the requests' tools are validated before anything 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from dataclasses import replace
 
 import grpc
 import openai
@@ -18,8 +16,7 @@ from llamamesh.v1 import batch_pb2 as bpb
 from llamamesh.v1 import batch_pb2_grpc
 from llamamesh.v1 import generation_pb2 as pb
 from services.tools import Tools, read_calls
-from tests.redisproc import free_port
-from tests.services.conftest import GATEWAY, Config, Stack, running
+from tests.services.conftest import Stack
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,16 +27,6 @@ WEATHER = pb.Tool(
 )
 TIME = pb.Tool(name="get_time", parameters=json.dumps({"type": "object", "properties": {}}))
 CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
-
-
-@pytest.fixture
-async def door() -> AsyncIterator[tuple[Stack, openai.AsyncOpenAI]]:
-    port = free_port()
-    async with (
-        running(Config(gateway=replace(GATEWAY, http_port=port), batches=True)) as stack,
-        openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0) as client,
-    ):
-        yield stack, client
 
 
 def asked(say: str, **fields: object) -> pb.GenerateRequest:
@@ -62,9 +49,9 @@ async def grpc_answer(stack: Stack, req: pb.GenerateRequest) -> list[pb.Generate
     ],
 )
 async def test_calls_in_the_llama_json_form_become_tool_calls(
-    door: tuple[Stack, openai.AsyncOpenAI], said: str, names: list[str]
+    openai_door: tuple[Stack, openai.AsyncOpenAI], said: str, names: list[str]
 ) -> None:
-    got = await grpc_answer(door[0], asked(said))
+    got = await grpc_answer(openai_door[0], asked(said))
     last = got[-1]
     assert last.finish_reason == pb.FINISH_REASON_TOOL_CALLS and not "".join(m.text for m in got)
     assert [c.name for c in last.tool_calls] == names and all(c.id.startswith("call_") for c in last.tool_calls)
@@ -84,8 +71,8 @@ async def test_calls_in_the_llama_json_form_become_tool_calls(
         '{"name": "get_weather", "parameters": [1]}',  # arguments that are not an object
     ],
 )
-async def test_anything_else_is_the_answers_text(door: tuple[Stack, openai.AsyncOpenAI], said: str) -> None:
-    got = await grpc_answer(door[0], asked(said))
+async def test_anything_else_is_the_answers_text(openai_door: tuple[Stack, openai.AsyncOpenAI], said: str) -> None:
+    got = await grpc_answer(openai_door[0], asked(said))
     assert "".join(m.text for m in got) == said
     assert got[-1].finish_reason == pb.FINISH_REASON_STOP and not got[-1].tool_calls
 
@@ -112,8 +99,8 @@ async def test_one_call_only_when_parallel_calls_are_off_and_none_when_the_choic
     assert not Tools(names, mode="none").reads_calls
 
 
-async def test_the_sdk_sees_tool_calls_whole_and_streamed(door: tuple[Stack, openai.AsyncOpenAI]) -> None:
-    _, client = door
+async def test_the_sdk_sees_tool_calls_whole_and_streamed(openai_door: tuple[Stack, openai.AsyncOpenAI]) -> None:
+    _, client = openai_door
     tools = [
         {"type": "function", "function": {"name": "get_weather", "parameters": json.loads(WEATHER.parameters)}},
     ]
@@ -146,8 +133,8 @@ async def test_the_sdk_sees_tool_calls_whole_and_streamed(door: tuple[Stack, ope
     assert answer.choices[0].message.content == "Clear skies in Paris." and not answer.choices[0].message.tool_calls
 
 
-async def test_bad_tools_are_invalid_argument_naming_the_field(door: tuple[Stack, openai.AsyncOpenAI]) -> None:
-    stack, client = door
+async def test_bad_tools_are_invalid_argument_naming_the_field(openai_door: tuple[Stack, openai.AsyncOpenAI]) -> None:
+    stack, client = openai_door
     cases = [
         (asked("x", tool_choice=pb.ToolChoice(function="nope")), "tool_choice.function"),
         (asked("x", tool_choice=pb.ToolChoice(mode="sometimes")), "tool_choice.mode"),
