@@ -87,6 +87,7 @@ def serve_node(tmp_path: Path, **env: str) -> Iterator[Served]:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait()
 
 
 async def greedy(c: Client, **fields: object) -> list[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -79,6 +80,14 @@ def _env_of(pid: int) -> dict[str, str]:
     return dict(kv.decode().split("=", 1) for kv in raw if b"=" in kv)
 
 
+def _replica(pid: int) -> bool:
+    """True once the child has exec'd: between fork and exec it still shows the supervisor's environment."""
+    try:
+        return _env_of(pid).get("LLAMAMESH_WORKER_CONSUMER", "node-a") != "node-a"
+    except OSError:
+        return False
+
+
 @pytest.mark.redis
 @pytest.mark.parametrize("stop", ["sigterm", "a replica dies"])
 def test_the_supervisor_runs_one_worker_per_group_restarts_a_dead_one_and_stops_them_together(
@@ -105,7 +114,11 @@ def test_the_supervisor_runs_one_worker_per_group_restarts_a_dead_one_and_stops_
         if stop == "a replica dies":  # it is started again, with its own GPU and name; the other goes on
             dead = next(k for k in kids if _env_of(k)["CUDA_VISIBLE_DEVICES"] == "0")
             os.kill(dead, signal.SIGKILL)
-            wait_until(lambda: (now := _children(sup.pid)) and len(now) == 2 and dead not in now, 30, "a new replica 0")
+            wait_until(
+                lambda: (now := _children(sup.pid)) and len(now) == 2 and dead not in now and all(map(_replica, now)),
+                30,
+                "a new replica 0",
+            )
             again = [k for k in _children(sup.pid) if k not in kids]
             assert [_env_of(k)["CUDA_VISIBLE_DEVICES"] for k in again] == ["0"]
             assert [_env_of(k)["LLAMAMESH_WORKER_CONSUMER"] for k in again] == ["node-a-r0"]
@@ -115,5 +128,10 @@ def test_the_supervisor_runs_one_worker_per_group_restarts_a_dead_one_and_stops_
         assert all(not Path(f"/proc/{k}").exists() or _env_of(k) == {} for k in kids)
     finally:
         if sup.poll() is None:
+            left = _children(sup.pid)
             sup.kill()
+            sup.wait()
+            for k in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(k, signal.SIGKILL)
         r.close()
