@@ -106,6 +106,18 @@ BATCHES_AT_RISK = Gauge(
     "Open batches with unfinished items and under 10% of their completion window left",
     multiprocess_mode="livemax",
 )
+# Projected late: open batches whose unfinished items, at the rate their items have ended so far, end
+# after their window (items not started by then end expired); the worst projection against its window.
+BATCHES_PROJECTED_LATE = Gauge(
+    "llamamesh_batches_projected_late",
+    "Open batches that, at the rate their items have ended so far, finish after their completion window ends",
+    multiprocess_mode="livemax",
+)
+BATCH_PROJECTED_FINISH = Gauge(
+    "llamamesh_batch_projected_finish_ratio",
+    "The latest open batch's projected finish, as a fraction of its completion window (above 1: late)",
+    multiprocess_mode="livemax",
+)
 # Counted once per request (a Generate, a Tokenize, a batch item) and rule that changed its text,
 # however many matches the rule rewrote in it (services/normalize.py).
 PROMPT_REWRITES = Counter(
@@ -154,6 +166,26 @@ ENGINE_WAITING = Gauge(
 )
 BATCH_ITEMS = Counter(
     "llamamesh_batch_items", "Batch item results recorded by workers, by state (the item's status)", ["state"]
+)
+# The worker's adaptive batch admission (workers/allowance.py): its batch slots now, the interactive
+# first-token signal it judged last, and the target it held that signal against.
+BATCH_ALLOWANCE = Gauge(
+    "llamamesh_worker_batch_allowance_slots",
+    "Slots batch items may hold in this worker now (adaptive admission)",
+    ["pool"],
+    multiprocess_mode="livesum",
+)
+INTERACTIVE_TTFT_SIGNAL = Gauge(
+    "llamamesh_worker_interactive_ttft_p90_seconds",
+    "The last window's 90th percentile of interactive time to first token, as this worker's batch admission saw it",
+    ["pool"],
+    multiprocess_mode="livemax",
+)
+INTERACTIVE_TTFT_TARGET = Gauge(
+    "llamamesh_worker_interactive_ttft_target_seconds",
+    "The interactive time to first token this worker's batch admission holds its signal against",
+    ["pool"],
+    multiprocess_mode="livemax",
 )
 KV_CACHE_USAGE = Gauge(
     "llamamesh_engine_kv_cache_usage_ratio",

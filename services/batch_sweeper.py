@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import structlog
 
@@ -11,6 +12,8 @@ from llamamesh import metrics
 from llamamesh.errors import QueueUnavailable
 from llamamesh.queue.keys import UNSTORED_GRACE_S
 from llamamesh.queue.protocol import BatchStore, Quotas
+from llamamesh.types import BatchInfo
+from llamamesh.types.batches import batch_at_risk, projected_finish
 
 log = structlog.get_logger(__name__)
 
@@ -31,6 +34,7 @@ class BatchSweeper:
         self._grace_s = min(UNSTORED_GRACE_S, retention_s)
         self._interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
+        self._late: set[str] = set()  # batches projected late at the last sweep
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="batch-sweeper")
@@ -45,7 +49,7 @@ class BatchSweeper:
         while True:
             try:
                 await self._store.sweep()
-                metrics.BATCHES_AT_RISK.set(await self._store.at_risk(metrics.AT_RISK_FRACTION))
+                self._watch(await self._store.open_batches(), time.time())
                 if self._quotas is not None:  # what ended batches held of their tenants' budgets
                     await self._quotas.give_back(self._grace_s)
             except QueueUnavailable:
@@ -53,3 +57,29 @@ class BatchSweeper:
             except Exception:  # a sweep must never kill the gateway
                 log.exception("batch_sweep_crashed")
             await asyncio.sleep(self._interval_s)
+
+    def _watch(self, infos: list[BatchInfo], now: float) -> None:
+        """The open batches' gauges: at risk, projected late and the worst projection; a batch newly
+        projected late is logged once (batch_projected_late) with its figures."""
+        late: set[str] = set()
+        worst = 0.0
+        for info in infos:
+            end = projected_finish(info, now)
+            if end is None:
+                continue
+            ratio = (end - info.created_at) / max(info.expires_at - info.created_at, 1e-3)
+            worst = max(worst, ratio)
+            if end > info.expires_at:
+                late.add(info.batch_id)
+                if info.batch_id not in self._late:
+                    log.warning(
+                        "batch_projected_late",
+                        batch_id=info.batch_id,
+                        left=info.processing,
+                        projected_finish_s=round(end - now, 1),
+                        window_left_s=round(info.expires_at - now, 1),
+                    )
+        self._late = late
+        metrics.BATCHES_AT_RISK.set(sum(batch_at_risk(i, now, metrics.AT_RISK_FRACTION) for i in infos))
+        metrics.BATCHES_PROJECTED_LATE.set(len(late))
+        metrics.BATCH_PROJECTED_FINISH.set(worst)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Coroutine
 from typing import Any
 
@@ -12,6 +13,7 @@ import structlog
 
 from llamamesh.errors import EngineDead
 from llamamesh.queue.protocol import BatchStore, Lease
+from workers.allowance import BatchAllowance
 from workers.batch import run_batch_item
 from workers.job import Job
 from workers.life import Life
@@ -26,8 +28,19 @@ class Inflight:
     """Owns the job tasks: cancels and awaits them on the way out. A job whose engine died records the
     death in ``life`` (the worker then stops)."""
 
-    def __init__(self, samples: Samples, outbox: Outbox, batches: BatchStore | None, worker: str, life: Life) -> None:
+    def __init__(
+        self,
+        samples: Samples,
+        outbox: Outbox,
+        batches: BatchStore | None,
+        worker: str,
+        life: Life,
+        allowance: BatchAllowance | None = None,
+    ) -> None:
+        """``allowance``: told each interactive request's time to first token and each batch item's
+        length (adaptive batch admission)."""
         self._samples = samples
+        self._allowance = allowance
         self._outbox = outbox
         self._batches = batches
         self._worker = worker
@@ -37,6 +50,7 @@ class Inflight:
         # so that nobody takes them over while this worker lives.
         self.running: dict[str, Lease] = {}
         self.batch_running: dict[str, Lease] = {}
+        self._batch_started: dict[str, float] = {}  # request id -> when its item started (monotonic)
         # Set when the drain's grace ran out: the jobs it aborts end worker_lost (handed back).
         self.handing_back = asyncio.Event()
 
@@ -52,8 +66,10 @@ class Inflight:
         if lease.request.batch_id and self._batches is not None:
             job: Coroutine[Any, Any, None] = run_batch_item(lease, self._samples, self._batches)
             self.batch_running[rid] = lease
+            self._batch_started[rid] = time.monotonic()
         else:
-            job = Job(lease, self._samples, self._outbox, self._worker, self.handing_back).run()
+            seen = self._allowance.first_token if self._allowance is not None else None
+            job = Job(lease, self._samples, self._outbox, self._worker, self.handing_back, seen).run()
             self.running[rid] = lease
         task = asyncio.create_task(job, name=f"job-{rid}")
         self.tasks[rid] = task
@@ -61,6 +77,9 @@ class Inflight:
 
     def _done(self, rid: str, task: asyncio.Task[None]) -> None:
         self.tasks.pop(rid, None)
+        started = self._batch_started.pop(rid, None)
+        if started is not None and self._allowance is not None:
+            self._allowance.item_done(time.monotonic() - started)
         self.batch_running.pop(rid, None)
         self.running.pop(rid, None)
         self._life.slot_free.set()

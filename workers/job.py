@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Protocol
 
@@ -52,10 +53,19 @@ class Job:
     """
 
     def __init__(
-        self, lease: Lease, engine: Samples, events: EventSink, worker: str, stopping: asyncio.Event | None = None
+        self,
+        lease: Lease,
+        engine: Samples,
+        events: EventSink,
+        worker: str,
+        stopping: asyncio.Event | None = None,
+        first_token: Callable[[float], None] | None = None,
     ) -> None:
         """``stopping``: set by the worker's drain once its grace ran out; a job it aborts or cancels
-        then ends worker_lost (handed back), not cancelled."""
+        then ends worker_lost (handed back), not cancelled. ``first_token``: told the seconds from
+        the gateway's acceptance to the first token of a generation that is not a probe (adaptive
+        batch admission's signal)."""
+        self._on_first_token = first_token
         self.lease = lease
         self.request = lease.request
         self._engine = engine
@@ -176,6 +186,9 @@ class Job:
             self._tokens.inc(len(delta.token_ids))
         if not self.first_token:
             self.first_token = time.time_ns()
+            accepted = self.request.accepted_unix_ns
+            if self._on_first_token is not None and accepted and not self.probe and not self.request.resume_token_ids:
+                self._on_first_token((self.first_token - accepted) / 1e9)
 
     def _check_abort(self, delta: TokenDelta) -> None:
         if delta.finish_reason is not FinishReason.CANCELLED:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 
 import structlog
@@ -17,6 +16,7 @@ from llamamesh.errors import QueueUnavailable, WorkerDied, WorkerLost
 from llamamesh.queue.protocol import BatchStore, Lease, WorkQueue
 from llamamesh.settings import BatchSettings, WorkerSettings
 from llamamesh.types import JobEvent
+from workers.allowance import BatchAllowance
 from workers.batch import record, skipped_result
 from workers.inflight import Inflight
 from workers.job import cancelled_event, failure_of
@@ -36,6 +36,7 @@ class Leasing:
         queue: WorkQueue,
         batches: BatchStore | None,
         batch: BatchSettings,
+        allowance: BatchAllowance,
         block_ms: int,
         jobs: Inflight,
         outbox: Outbox,
@@ -45,6 +46,7 @@ class Leasing:
         self._queue = queue
         self._batches = batches
         self._b = batch
+        self._allowance = allowance
         self._block_ms = block_ms
         self._jobs = jobs
         self._outbox = outbox
@@ -136,8 +138,10 @@ class Leasing:
             self._jobs.start(lease)
 
     async def _lease(self, free: int) -> list[Lease]:
-        """Up to ``free`` jobs: interactive ones first; batch items fill what is left up to
-        ``max_share`` of the slots, and get ``min_share`` even while interactive work queues.
+        """Up to ``free`` jobs: interactive ones first; batch items fill what is left up to the
+        batch allowance (``max_share`` of the slots, or less while adaptive admission sees
+        interactive requests suffer), and get ``min_share`` even while interactive work queues;
+        new batch items start at the allowance's pace.
 
         With batches on, the blocking read of the interactive stream waits at most 100 ms, so that
         batch items (on another stream) are picked up as slots free; about ten reads a second idle."""
@@ -147,20 +151,29 @@ class Leasing:
             return taken
         if self._batches is None:
             return [*taken, *await self._interactive(free, self._block_ms)]
-        slots = self._s.max_inflight
-        cap = max(1, int(slots * self._b.max_share))
-        floor = min(cap, math.ceil(slots * self._b.min_share))
+        allowance = self._allowance
+        cap = allowance.slots(len(self._jobs.batch_running))
         batch = await self._reclaim_items(self._batches, free, cap)
-        reserve = min(free - len(batch), floor - len(self._jobs.batch_running) - len(batch))
+        reserve = min(free - len(batch), allowance.floor - len(self._jobs.batch_running) - len(batch))
         if reserve > 0:
-            batch += await self._batches.lease_items(self._s.pool, self._name, reserve, None)
+            batch += await self._new_items(self._batches, reserve)
         free -= len(batch)
         inter = await self._interactive(free, min(self._block_ms, 100)) if free > 0 else []
         free -= len(inter)
         room = min(free, cap - len(self._jobs.batch_running) - len(batch), max(1, self._s.lease_batch))
-        if room > 0:  # not blocking: an idle Redis ends a short BLOCK only at its next tick (100 ms)
-            batch += await self._batches.lease_items(self._s.pool, self._name, room, None)
+        if room > 0:
+            batch += await self._new_items(self._batches, room)
         return [*taken, *inter, *batch]
+
+    async def _new_items(self, batches: BatchStore, wanted: int) -> list[Lease]:
+        """Up to ``wanted`` new batch items, as many as the allowance's pace lets start now. Not
+        blocking: an idle Redis ends a short BLOCK only at its next tick (100 ms)."""
+        count = self._allowance.startable(wanted)
+        if count <= 0:
+            return []
+        items = await batches.lease_items(self._s.pool, self._name, count, None)
+        self._allowance.started(len(items))
+        return items
 
     async def _reclaim_items(self, batches: BatchStore, free: int, cap: int) -> list[Lease]:
         """Every claim_idle_s / 2: batch items of workers that died, within the batch share."""

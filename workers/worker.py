@@ -19,6 +19,7 @@ from llamamesh.loop import serving_heap
 from llamamesh.queue.protocol import BatchStore, WorkQueue
 from llamamesh.settings import BatchSettings, WorkerSettings
 from llamamesh.types import WorkerState, WorkerStatus
+from workers.allowance import BatchAllowance
 from workers.engines.base import Engine
 from workers.heartbeat import Heartbeat
 from workers.inflight import Inflight
@@ -65,9 +66,11 @@ class Worker:
         self.life = Life()
         self._samples = Samples(engine)  # generation jobs go through it (GenerateRequest.n)
         self.outbox = Outbox(queue, on_cancel=self._cancel, on_fail=self._outbox_failed)
-        self.jobs = Inflight(self._samples, self.outbox, batches, self.name, self.life)
+        batch = batch or BatchSettings()
+        self.allowance = BatchAllowance(batch, settings.max_inflight, settings.pool)
+        self.jobs = Inflight(self._samples, self.outbox, batches, self.name, self.life, self.allowance)
         self._leasing = Leasing(
-            settings, queue, batches, batch or BatchSettings(), block_ms, self.jobs, self.outbox, self.life
+            settings, queue, batches, batch, self.allowance, block_ms, self.jobs, self.outbox, self.life
         )
         self.adapters = LoraAdapters(settings, queue, engine, self.life)
         self._heartbeat = Heartbeat(settings, queue, batches, engine, self.life, self.jobs, self.adapters)

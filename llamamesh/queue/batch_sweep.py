@@ -20,7 +20,7 @@ from llamamesh.queue import batch_record, codec
 from llamamesh.queue.batch_items import BatchItems
 from llamamesh.queue.intake import BatchIntake
 from llamamesh.queue.keys import JOB_FIELD, WORKER_GROUP, Keys, Retention
-from llamamesh.queue.protocol import Lease, batch_at_risk
+from llamamesh.queue.protocol import Lease
 from llamamesh.queue.redisio import unreachable
 from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, ItemStatus
 
@@ -67,18 +67,17 @@ class BatchSweep:
         await self.forget_purged(limit)
         return len(due)
 
-    async def at_risk(self, fraction: float, limit: int = 1000) -> int:
+    async def open_batches(self, limit: int = 1000) -> list[BatchInfo]:
         with unreachable():
             ids: Any = await self._r.zrange(self.keys.batches_open(), 0, limit - 1)
             if not ids:
-                return 0
+                return []
             async with self._r.pipeline(transaction=False) as pipe:
                 for raw_id in ids:
                     pipe.hgetall(self.keys.batch(raw_id.decode()))
                 found: Any = await pipe.execute()
-        now = time.time()
-        infos = [batch_record.info_of(raw) for raw in found if raw and b"state" in raw]
-        return sum(1 for info in infos if batch_at_risk(info, now, fraction))
+        infos = (batch_record.info_of(raw) for raw in found if raw and b"state" in raw)
+        return [info for info in infos if not info.state.ended]
 
     async def forget_purged(self, limit: int = 100) -> int:
         """Take up to ``limit`` batches whose record expired (their retention ended) off their owners'

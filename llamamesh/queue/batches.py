@@ -188,8 +188,8 @@ class RedisBatches:
     async def sweep(self, limit: int = 100) -> int:
         return await self._sweep.sweep(limit)
 
-    async def at_risk(self, fraction: float, limit: int = 1000) -> int:
-        return await self._sweep.at_risk(fraction, limit)
+    async def open_batches(self, limit: int = 1000) -> list[BatchInfo]:
+        return await self._sweep.open_batches(limit)
 
     async def forget_purged(self, limit: int = 100) -> int:
         return await self._sweep.forget_purged(limit)

@@ -17,7 +17,6 @@ from llamamesh.settings import LimitsSettings
 from llamamesh.types import (
     Attempt,
     BatchInfo,
-    BatchState,
     GenerationRequest,
     ItemResult,
     JobEvent,
@@ -271,15 +270,6 @@ class WorkQueue(AdapterRegistry, Protocol):
     async def close(self) -> None: ...
 
 
-def batch_at_risk(info: BatchInfo, now: float, fraction: float) -> bool:
-    """An open (not cancelling) batch with unfinished items, before its deadline, with less than
-    ``fraction`` of its completion window left (``llamamesh_batches_at_risk``)."""
-    if info.state.ended or info.state is BatchState.CANCELLING or info.processing <= 0:
-        return False
-    left = info.expires_at - now
-    return 0 < left < fraction * info.completion_window_s
-
-
 class BatchStore(Protocol):
     """Durable batches: the gateway's side (create, get, owned, cancel, results) and the worker's
     (join, lease_items, reclaim, touch, record, discard). ``batches.RedisBatches`` on Redis;
@@ -316,9 +306,8 @@ class BatchStore(Protocol):
         """Settle open batches past their deadline; how many were looked at."""
         ...
 
-    async def at_risk(self, fraction: float, limit: int = 1000) -> int:
-        """How many of (up to ``limit``) open batches, not cancelling, not yet past their deadline,
-        have unfinished items and less than ``fraction`` of their completion window left."""
+    async def open_batches(self, limit: int = 1000) -> list[BatchInfo]:
+        """Up to ``limit`` batches not yet ended (their deadline or results due first)."""
         ...
 
     async def results(self, batch_id: str, after: str, block_ms: int | None) -> list[tuple[str, ItemResult]]:

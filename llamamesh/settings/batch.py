@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from llamamesh.settings.schema import FRACTION, Range, Section, setting
+
+Admission = Literal["adaptive", "static"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,25 @@ class BatchSettings(Section, section="batch"):
 
     min_share: float = setting(0.1, FRACTION)
     """Fraction of a worker's max_inflight that batch items get at least, even while interactive work queues."""
+
+    admission: Admission = "adaptive"
+    """How many slots batch items get between min_share and max_share. "adaptive": each worker follows its
+    interactive requests' time to first token (acceptance to first token) in windows of adapt_interval_s: the
+    window's 90th percentile over the target cuts the allowance to 0.7 of itself, under it grows the allowance by a
+    tenth of the range; and batch items start paced, not as a cohort. "static": max_share whenever there is batch
+    work."""
+
+    interactive_ttft_target_s: float = setting(0.0, Range(0))
+    """adaptive: the interactive time to first token (90th percentile of a window) batch items must leave alone.
+    0: target_ratio times the worker's own baseline, the value measured while batch items held no more than
+    min_share of its slots."""
+
+    target_ratio: float = setting(1.2, Range(1))
+    """adaptive with interactive_ttft_target_s 0: the target as a multiple of the baseline."""
+
+    adapt_interval_s: float = setting(1.0, Range(above=0))
+    """adaptive: seconds of each window of interactive first tokens the allowance reacts to (a window is judged once
+    32 have come, or after four of these)."""
 
     claim_idle_s: float = setting(30.0, Range(above=0))
     """Seconds a leased item may go untouched (its worker died) before another worker takes it over; running items

@@ -105,6 +105,13 @@ class WorkerSettings(Section, section="worker"):
     fake_step_s: float = setting(0.0, Range(0))
     """Fake engine only: seconds per step (lets tests hold a request in flight)."""
 
+    fake_step_request_s: float = setting(0.0, Range(0))
+    """Fake engine only: seconds each running request adds to a step (a GPU's decode cost per sequence). With this
+    or fake_step_prompt_token_s above 0, each step lasts its own cost (fake_step_s plus these) instead of the clock."""
+
+    fake_step_prompt_token_s: float = setting(0.0, Range(0))
+    """Fake engine only: seconds each prompt token adds to the step in which its request starts (prefill cost)."""
+
     fake_clock: FakeClock = "deadline"
     """Fake engine only: "deadline": step k is due at start + k x fake_step_s, like a GPU's engine core stepping on
     its own clock, so a busy event loop delays tokens but never loses steps (a late loop delivers the steps it

@@ -93,3 +93,25 @@ class StoredFile:
     purpose: str
     size: int  # bytes
     created_at: float
+
+
+def batch_at_risk(info: BatchInfo, now: float, fraction: float) -> bool:
+    """An open (not cancelling) batch with unfinished items, before its deadline, with less than
+    ``fraction`` of its completion window left (``llamamesh_batches_at_risk``)."""
+    if info.state.ended or info.state is BatchState.CANCELLING or info.processing <= 0:
+        return False
+    left = info.expires_at - now
+    return 0 < left < fraction * info.completion_window_s
+
+
+def projected_finish(info: BatchInfo, now: float) -> float | None:
+    """When (Unix s) an open batch's unfinished items will have ended, at the rate its items have
+    ended since it was created; None: ended, cancelling, or no item ended yet. A batch projected past
+    its ``expires_at`` is late (``llamamesh_batches_projected_late``): items not started by then end
+    expired."""
+    if info.state.ended or info.state is BatchState.CANCELLING or info.processing <= 0:
+        return None
+    done = info.total - info.processing
+    if done <= 0:
+        return None
+    return now + info.processing * max(now - info.created_at, 1e-3) / done

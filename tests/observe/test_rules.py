@@ -59,6 +59,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "llamamesh_workers": ("gauge", ("pool", "state")),
     "llamamesh_disconnect_cancel_seconds": ("histogram", ()),
     "llamamesh_batches_at_risk": ("gauge", ()),
+    "llamamesh_batches_projected_late": ("gauge", ()),
+    "llamamesh_batch_projected_finish_ratio": ("gauge", ()),
     "llamamesh_queue_full": ("gauge", ()),
     # worker
     "llamamesh_affinity_leases_total": ("counter", ("pool", "kind")),
@@ -71,6 +73,9 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "llamamesh_engine_kv_cache_usage_ratio": ("gauge", ("pool",)),
     "llamamesh_worker_generated_tokens_total": ("counter", ("pool",)),
     "llamamesh_engine_steps_total": ("counter", ("pool",)),
+    "llamamesh_worker_batch_allowance_slots": ("gauge", ("pool",)),
+    "llamamesh_worker_interactive_ttft_p90_seconds": ("gauge", ("pool",)),
+    "llamamesh_worker_interactive_ttft_target_seconds": ("gauge", ("pool",)),
 }
 SAMPLE_LABELS = {
     "pool": "chat",

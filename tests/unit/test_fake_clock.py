@@ -64,3 +64,35 @@ async def test_deadline_clock_without_load_is_one_token_a_step() -> None:
 def test_unknown_clock_is_refused() -> None:
     with pytest.raises(ValueError, match="FAKE_CLOCK"):
         WorkerSettings(engine="fake", fake_clock="wall")
+
+
+async def _time_to_finish(settings: WorkerSettings, prompts: list[str], tokens: int) -> tuple[float, float]:
+    """Seconds to the first token and to the end of ``prompts`` run together."""
+    engine = FakeEngine(settings)
+    await engine.start()
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    first: list[float] = []
+
+    async def one(i: int, prompt: str) -> None:
+        req = GenerationRequest(
+            request_id=f"r{i}", model="m", prompt=prompt, sampling=SamplingParams(max_tokens=tokens)
+        )
+        async for _ in engine.stream(req):
+            first.append(loop.time() - t0)
+
+    try:
+        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        return min(first), loop.time() - t0
+    finally:
+        await engine.shutdown()
+
+
+async def test_a_costed_step_grows_with_the_requests_running_and_the_prompt_tokens_starting() -> None:
+    costed = WorkerSettings(engine="fake", fake_step_s=0.01, fake_step_request_s=0.005, fake_step_prompt_token_s=0.002)
+    _first, alone = await _time_to_finish(costed, ["a b"], 10)
+    _first, four = await _time_to_finish(costed, ["a b"] * 4, 10)
+    assert alone >= 9 * 0.015 and four >= 9 * 0.03  # each step: 10 ms + 5 ms a running request
+    assert four > 1.5 * alone
+    first, _end = await _time_to_finish(costed, [" ".join(["w"] * 100)], 2)
+    assert first >= 0.01 + 0.005 + 100 * 0.002  # the first step prefills the 100-token prompt

@@ -42,7 +42,9 @@ def _said(request: GenerationRequest) -> list[str] | None:
 class FakeEngine:
     """Token ``i`` of a request is ``(seed + i) % 1000`` where ``seed`` is derived from the prompt (or
     the request's seed), and its text is ``" w<id>"``; a resumed request (``resume_token_ids``) goes
-    on from position ``len(resume_token_ids)``. Each step takes ``settings.fake_step_s`` seconds, and
+    on from position ``len(resume_token_ids)``. Each step takes ``settings.fake_step_s`` seconds (plus,
+    with ``fake_step_request_s`` or ``fake_step_prompt_token_s``, a cost for each running request and
+    each prompt token starting in it, as a GPU's step grows with its batch and its prefill), and
     like a real engine every running request advances on the same step (one shared clock). Aborts
     are recorded in ``aborted``. A response_format is checked like every sampling field but not
     followed: the fake has no grammar (the real engines' tests cover it).
@@ -68,6 +70,7 @@ class FakeEngine:
         self._prompts_seen: dict[tuple[str, str, str], None] = {}  # (adapter, salt, input), oldest first
         self.salts: list[str] = []  # each request's cache salt, in order
         self.tokens = 0
+        self._prefill = 0  # prompt tokens of the requests that start in the next step
         # Tests: a wedged engine stops producing (every stream waits) while check_health passes.
         self.wedged = False
         # LoRA adapters (name -> path; the fake reads no file): an adapter shifts every token by a
@@ -83,8 +86,13 @@ class FakeEngine:
     def model_name(self) -> str:
         return self._settings.model
 
+    @property
+    def _costed(self) -> bool:
+        """Each step lasts its own cost (the requests running, the prompts starting) instead of fake_step_s."""
+        return bool(self._settings.fake_step_request_s or self._settings.fake_step_prompt_token_s)
+
     async def start(self) -> None:
-        if self._settings.fake_step_s and self._ticker is None:
+        if (self._settings.fake_step_s or self._costed) and self._ticker is None:
             self._tick = asyncio.get_running_loop().create_future()
             self._clock_start = asyncio.get_running_loop().time()
             self._ticker = asyncio.create_task(self._run_clock(), name="fake-engine-clock")
@@ -100,9 +108,14 @@ class FakeEngine:
         loop = asyncio.get_running_loop()
         step = self._settings.fake_step_s
         deadline = self._settings.fake_clock == "deadline"
-        start = self._clock_start
+        start = due = self._clock_start
         while True:
-            if deadline:
+            if self._costed:  # each step is due its own cost after the last one was
+                due += self._step_cost()
+                await asyncio.sleep(max(0.0, due - loop.time()))
+                due = max(due, loop.time() - step)  # a loop late by more than a step does not catch up
+                self.steps += 1
+            elif deadline:
                 await asyncio.sleep(max(0.0, start + (self.steps + 1) * step - loop.time()))
                 # Every step due by now has happened, however late this loop woke.
                 self.steps = max(self.steps + 1, self._due())
@@ -113,8 +126,18 @@ class FakeEngine:
             if tick is not None:
                 tick.set_result(None)
 
+    def _step_cost(self) -> float:
+        """A GPU-like step: a fixed part, a part for each running request (decode) and one for each
+        prompt token of the requests starting in it (prefill)."""
+        s = self._settings
+        prefill, self._prefill = self._prefill, 0
+        cost = s.fake_step_s + s.fake_step_request_s * len(self._running) + s.fake_step_prompt_token_s * prefill
+        return max(cost, 0.001)  # an idle engine with no fixed part still ticks, not spins
+
     def _due(self) -> int:
         """The steps the deadline clock has made by now (its task may not have run yet)."""
+        if self._costed:  # the step under way was costed before the request came: it joins the next one
+            return self.steps + 1
         elapsed = asyncio.get_running_loop().time() - self._clock_start
         return int(elapsed / self._settings.fake_step_s)
 
@@ -188,6 +211,7 @@ class FakeEngine:
         max_tokens = min(s.max_tokens, self._settings.max_model_len - n_prompt - len(request.resume_token_ids))
         stops = StopStrings(s.stop)
         abort = self._running[request.request_id] = asyncio.Event()
+        self._prefill += n_prompt
         if request.adapter:
             self._running_adapters[request.request_id] = request.adapter
         remember(self.served, request.request_id)

@@ -14,7 +14,7 @@ from types import MappingProxyType
 
 from llamamesh.errors import AlreadyExists
 from llamamesh.queue.memory.pool import Pool
-from llamamesh.queue.protocol import Lease, batch_at_risk
+from llamamesh.queue.protocol import Lease
 from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, ItemStatus, public_id
 
 
@@ -128,10 +128,8 @@ class MemoryBatches:
             await self.settle(b.info.batch_id)
         return len(due[:limit])
 
-    async def at_risk(self, fraction: float, limit: int = 1000) -> int:
-        now = time.time()
-        infos = [b.info for b in self._batches.values() if not b.info.state.ended][:limit]
-        return sum(1 for i in infos if batch_at_risk(i, now, fraction))
+    async def open_batches(self, limit: int = 1000) -> list[BatchInfo]:
+        return [b.info for b in self._batches.values() if not b.info.state.ended][:limit]
 
     async def results(self, batch_id: str, after: str, block_ms: int | None) -> list[tuple[str, ItemResult]]:
         b = self._batches.get(batch_id)
