@@ -127,7 +127,7 @@ async def test_static_admission_keeps_the_ceiling_under_interactive_load(node: N
     load = asyncio.create_task(interactive_load(node.queue, stop, ran))
     seen: list[int] = []
     try:
-        await until(lambda: seen.append(len(w.jobs.batch_running)) or len(ran) >= 12, 20, "12 interactive requests")
+        await until(lambda: seen.append(len(w.jobs.batch_running)) or len(ran) >= 40, 30, "40 interactive requests")
         assert w.allowance.value == 10 and max(seen) >= 9
     finally:
         stop.set()
