@@ -2,13 +2,15 @@
 (:class:`BatchAllowance`).
 
 Adaptive admission is additive increase, multiplicative decrease on the worker's interactive time to
-first token (from the gateway's acceptance to the engine's first token): every ``adapt_interval_s``
-the window's 90th percentile is held against the target; missed, the allowance halves (not below
-``min_share`` of the slots); met, or with no interactive request in the window, it grows by a tenth
-of the range (not above ``max_share``). Without a target of its own the worker learns one: a baseline
-from the windows in which batch items held no more than the floor, times ``target_ratio``; a worker
-that has none yet, with interactive requests and batch items above the floor, goes down to the floor
-to measure it.
+first token (from the gateway's acceptance to the engine's first token): each window (at least
+``adapt_interval_s``, judged once it holds VERDICT_SAMPLES first tokens or WINDOWS_AT_MOST
+intervals passed) has its 90th percentile held against the target; missed, the allowance is cut to
+DECREASE of itself (not below ``min_share`` of the slots); met, or with no interactive request, it
+grows by a tenth of the range (not above ``max_share``). Without a target of its own the worker
+learns one: a baseline from the windows in which batch items held no more than the floor, times
+``target_ratio``; a worker that has none yet, with interactive requests and batch items above the
+floor, goes down to the floor to measure it. The gateway's and the worker's clocks both count in the
+signal: keep them synchronised (NTP), as tracing needs anyway.
 
 Batch items then start paced: at the rate that keeps the allowance's slots busy for items of the
 length seen so far, not all together as the slots free, so that a cohort of batch prompts does not
