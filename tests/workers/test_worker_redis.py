@@ -466,9 +466,9 @@ async def test_a_second_copy_that_cannot_be_dropped_while_redis_is_out_does_not_
         heartbeat_ttl_s=1.0,
     )
     await store.create(info, "fp", items * 2)  # the same item twice in the stream
-    worker = Worker(
-        ws, q, FakeEngine(ws), block_ms=100, batches=store, batch=BatchSettings(claim_idle_s=0.3, max_share=1.0)
-    )
+    # Static admission: both copies start at once (adaptive would start one, at its floor, first).
+    admission = BatchSettings(claim_idle_s=0.3, max_share=1.0, admission="static")
+    worker = Worker(ws, q, FakeEngine(ws), block_ms=100, batches=store, batch=admission)
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
     try:
