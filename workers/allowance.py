@@ -82,7 +82,7 @@ class BatchAllowance:
             metrics.INTERACTIVE_TTFT_SIGNAL.labels(pool),
             metrics.INTERACTIVE_TTFT_TARGET.labels(pool),
         )
-        self._gauges[0].set(self.slots(0))
+        self._gauges[0].set(int(self.value))
 
     @property
     def target_s(self) -> float | None:
