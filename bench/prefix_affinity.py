@@ -18,6 +18,10 @@ invocation, so drift on the machine hits both sides alike. Two workloads:
   questions share, and the gateway's prefix key, differ per request unless normalised. Affinity on
   in both runs. A: no normalisation; B: LLAMAMESH_GATEWAY_NORMALIZE_RULES rewriting ``id="..."`` to
   ``id="REDACTED"``.
+- ``multiturn``: ``--docs`` conversations at once (bench/multiturn.py), each ``--turns`` chat turns
+  whose messages grow by every answer (the first: a document and a question), each turn sent when
+  the last one ended, with ``prefix_key`` = the conversation. A: round-robin (affinity off); B:
+  affinity by conversation (``--partitions``). Targets: tok/s >= 1.3x, TTFT p50 <= 0.5x of A.
 
 ``--engine vllm``: both workers on the one GPU (LLAMAMESH_VLLM_GPU_MEMORY_UTILIZATION 0.45 each,
 prefix caching on, one frontend each), started one after the other: vLLM's memory profile assumes
@@ -37,6 +41,8 @@ outer time limit cuts between pairs, not inside a run; ``--json`` is rewritten a
   python bench/prefix_affinity.py --engine fake --pairs 1                    # mechanics, any machine
   python bench/prefix_affinity.py --engine vllm --workload shared --pairs 2 --model-path MODEL_DIR \\
       --json bench/results/prefix_affinity_shared.json                       # docs/benchmarks.md
+  python bench/prefix_affinity.py --engine vllm --workload multiturn --pairs 1 --doc-tokens 1000 \
+      --max-tokens 128 --kv-blocks 6000 --model-path MODEL_DIR                # docs/benchmarks.md
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ from pathlib import Path
 
 import redis
 from load import _run, make_prompts, summarise  # bench/ is on the path of `python bench/prefix_affinity.py`
+from multiturn import openings, run_conversations
 from prometheus_client.parser import text_string_to_metric_families
 from soak import Node, free_port, wait_for
 
@@ -93,7 +100,13 @@ QUESTIONS = (
     "Is the text a story, a report or a list?",
     "What should a reader do after reading it?",
 )
-SIDES = {"shared": ("affinity off", "affinity on"), "html": ("no normalisation", "normalised")}
+SIDES = {
+    "shared": ("affinity off", "affinity on"),
+    "html": ("no normalisation", "normalised"),
+    "multiturn": ("round-robin", "by conversation"),
+}
+# (tok/s B/A at least, TTFT p50 B/A at most)
+TARGETS = {"shared": (1.30, 0.70), "html": (1.30, 0.70), "multiturn": (1.30, 0.50)}
 
 
 def documents(args: argparse.Namespace) -> list[str]:
@@ -116,7 +129,10 @@ def html_table(doc: int, rows: int, ids: random.Random) -> str:
 
 def prompts(args: argparse.Namespace, docs: list[str], workload: str) -> list[str]:
     """Every (document, question) once, in one fixed shuffled order (and, for ``html``, with one fixed
-    draw of ids), so both sides of every pair send the same requests in the same order."""
+    draw of ids), so both sides of every pair send the same requests in the same order. For
+    ``multiturn``: each conversation's opening message (a document and its first question)."""
+    if workload == "multiturn":
+        return openings(docs, QUESTIONS)
     order = [(d, q) for d in range(len(docs)) for q in range(args.questions)]
     random.Random(args.seed).shuffle(order)
     ids = random.Random(args.seed + 1)
@@ -293,14 +309,18 @@ def one_run(
         if warm:
             asyncio.run(_run(fleet.address, warm, args.concurrency, args.max_tokens, []))
         before = fleet.settled()
-        out = asyncio.run(_run(fleet.address, main, args.concurrency, args.max_tokens, []))
+        if workload == "multiturn":
+            out = asyncio.run(run_conversations(fleet.address, main, args.turns, args.max_tokens))
+        else:
+            out = asyncio.run(_run(fleet.address, main, args.concurrency, args.max_tokens, []))
         after = fleet.settled()
     finally:
         fleet.stop()
         if args.engine == "vllm":
             gpu_released()
     rec = out["rec"]
-    res = summarise(rec, max(r["end"] for r in rec) - out["t0"], workload, args.concurrency)
+    concurrency = len(main) if workload == "multiturn" else args.concurrency  # one stream per conversation
+    res = summarise(rec, max(r["end"] for r in rec) - out["t0"], workload, concurrency)
     d = collections.defaultdict(float, {k: v - before.get(k, 0.0) for k, v in after.items()})
     queries = d[(QUERIES, "")]
     row = {
@@ -322,7 +342,7 @@ def one_run(
         "leases_own": d[(LEASES, "own")],
         "leases_stolen": d[(LEASES, "stolen")],
         "jobs_per_worker": [d[(STARTED, str(m))] for m, _ in fleet.ports],
-        "jobs_predicted": fleet.predicted(main, args.partitions) if affinity else None,
+        "jobs_predicted": fleet.predicted(main, args.partitions) if affinity and workload != "multiturn" else None,
         "load_s": round(res["duration_s"], 2),
         "fleet_start_s": round(started_s, 1),
         "run_s": round(time.monotonic() - t_fleet, 1),
@@ -350,27 +370,31 @@ def report(rows: list[dict], args: argparse.Namespace) -> dict:
         if not a or not b:
             continue
         side_a, side_b = SIDES[workload]
+        shape = (
+            f"{args.docs} conversations x {args.turns} turns at once"
+            if workload == "multiturn"
+            else f"{args.docs} documents x {args.questions} questions, concurrency {args.concurrency}"
+        )
         print(
-            f"\n{workload}: {args.docs} documents x {args.questions} questions, ~{a[0]['prompt_tokens_mean']:.0f} "
-            f"prompt tokens, {args.max_tokens} out, concurrency {args.concurrency}, {args.engine} engine, "
-            f"{min(len(a), len(b))} pair(s), medians"
+            f"\n{workload}: {shape}, ~{a[0]['prompt_tokens_mean']:.0f} prompt tokens, {args.max_tokens} out, "
+            f"{args.engine} engine, {min(len(a), len(b))} pair(s), medians"
         )
         print(f"{'':24}{side_a:>18}{side_b:>18}{'B/A':>8}   target")
         med = {k: (median(a, k), median(b, k)) for k in ("hit_rate", "tok_s", "ttft_p50_ms", "ttft_p99_ms")}
         hr = med["hit_rate"]
         fmt = lambda x: "n/a" if x is None else f"{x:.1%}"  # noqa: E731
-        print(
-            f"{'prefix-cache hit rate':24}{fmt(hr[0]):>18}{fmt(hr[1]):>18}{'':8}   >= 90 % on B: "
-            f"{verdict(None if hr[1] is None else hr[1] >= 0.90, args.engine)}"
-        )
+        hit_ok = None if hr[1] is None else hr[1] >= 0.90
+        hit_target = "" if workload == "multiturn" else f">= 90 % on B: {verdict(hit_ok, args.engine)}"
+        print(f"{'prefix-cache hit rate':24}{fmt(hr[0]):>18}{fmt(hr[1]):>18}{'':8}   {hit_target}")
+        tok_min, ttft_max = TARGETS[workload]
         for key, label, want in (
-            ("tok_s", "output tok/s", ">= 1.30x"),
-            ("ttft_p50_ms", "TTFT p50 ms", "<= 0.70x"),
+            ("tok_s", "output tok/s", f">= {tok_min:.2f}x"),
+            ("ttft_p50_ms", "TTFT p50 ms", f"<= {ttft_max:.2f}x"),
             ("ttft_p99_ms", "TTFT p99 ms", ""),
         ):
             x, y = med[key]
             ratio = y / x if x and y is not None else float("nan")
-            ok = ratio >= 1.30 if key == "tok_s" else ratio <= 0.70
+            ok = ratio >= tok_min if key == "tok_s" else ratio <= ttft_max
             tail = f"{want}: {verdict(ok, args.engine)}" if want else ""
             print(f"{label:24}{x:>18.1f}{y:>18.1f}{ratio:>8.3f}   {tail}")
         leases = [f"{median(rs, 'leases_own'):.0f} / {median(rs, 'leases_stolen'):.0f}" for rs in (a, b)]
@@ -383,10 +407,13 @@ def report(rows: list[dict], args: argparse.Namespace) -> dict:
         print(f"jobs per worker, A runs then B runs: {' | '.join(split(r) for r in a + b)}")
         pairs = [y["tok_s"] / x["tok_s"] for x, y in zip(a, b, strict=False)]  # a budget may cut the last pair
         print("tok/s B/A per pair:", " ".join(f"{p:.3f}" for p in pairs))
-        print(
-            f"hit-rate ceiling: about {(args.questions - 1) / args.questions:.1%} of the tokens a document's "
-            f"questions share (its first request finds nothing cached; {args.questions} questions each)"
-        )
+        if workload == "multiturn":
+            print("turn 1 of a conversation finds nothing cached; every later turn can find all but its last answer")
+        else:
+            print(
+                f"hit-rate ceiling: about {(args.questions - 1) / args.questions:.1%} of the tokens a document's "
+                f"questions share (its first request finds nothing cached; {args.questions} questions each)"
+            )
         summary[workload] = {"a": side_a, "b": side_b, "medians": med, "tok_s_ratio_per_pair": pairs}
     return summary
 
@@ -395,13 +422,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", choices=["vllm", "fake"], default="vllm")
     ap.add_argument("--pairs", type=int, default=2)
-    ap.add_argument("--workload", nargs="+", choices=["shared", "html"], default=["shared", "html"])
+    ap.add_argument("--workload", nargs="+", choices=list(SIDES), default=["shared", "html"])
     ap.add_argument("--model-path", default="/tmp/vllmdev/model/llama8b-dummy")
     ap.add_argument("--load-format", default="dummy", help="vLLM's load_format ('' : the model's weights)")
     ap.add_argument("--tokenizer", default="", help="documents of exactly --doc-tokens tokens of this tokenizer")
     ap.add_argument("--docs", type=int, default=64)
     ap.add_argument("--doc-tokens", type=int, default=2000)
     ap.add_argument("--questions", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=8, help="multiturn: turns per conversation (--docs conversations)")
     ap.add_argument("--html-rows", type=int, default=16, help="rows of two id-carrying cells each")
     ap.add_argument(
         "--html-at",

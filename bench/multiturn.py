@@ -1,0 +1,103 @@
+"""Multi-turn conversations for bench/prefix_affinity.py's ``multiturn`` workload: ``n`` conversations
+at once, each ``turns`` turns long, each turn a streaming chat ``Generate`` whose messages are the
+whole conversation so far (the opening document and question, then every answer and the next
+question), so a turn's prompt is the last turn's prompt plus its answer. A conversation sends its
+next turn only once the last one has ended, as a chat client does.
+
+Every turn carries ``prefix_key`` = its conversation's id: with affinity on, the gateway routes a
+conversation's turns to the worker that served (and cached) the last one; with affinity off the
+key is ignored and any worker takes any turn. Records are bench/load.py's, plus the turn number.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import grpc
+
+from llamamesh.v1 import generation_pb2 as pb
+from llamamesh.v1 import generation_pb2_grpc
+
+# Short follow-ups, one per turn after the first (cycled past the end).
+FOLLOW_UPS = (
+    "Can you say more about that?",
+    "Which part of it matters most, and why?",
+    "Give an example.",
+    "What would someone who disagrees say?",
+    "Summarise what we have said so far.",
+    "What should I read next?",
+    "Explain it to a child.",
+    "What is the one thing to remember?",
+)
+
+
+def openings(docs: list[str], questions: tuple[str, ...]) -> list[str]:
+    """The first user message of each conversation: a document and a question about it."""
+    return [f"{doc}\n\nQuestion: {questions[i % len(questions)]}" for i, doc in enumerate(docs)]
+
+
+async def _turn(stub: Any, messages: list[pb.ChatMessage], key: str, max_tokens: int, turn: int) -> tuple[dict, str]:
+    req = pb.GenerateRequest(messages=messages, max_tokens=max_tokens, ignore_eos=True, prefix_key=key)
+    t0 = time.perf_counter()
+    first = last = 0.0
+    itl: list[float] = []
+    ntok = prompt_tokens = 0
+    text: list[str] = []
+    async for m in stub.Generate(req):
+        if m.token_ids:
+            now = time.perf_counter()
+            if first:
+                itl.append(now - last)
+            else:
+                first = now
+            last = now
+            ntok += len(m.token_ids)
+        text.append(m.text)
+        if m.HasField("usage"):
+            prompt_tokens = m.usage.prompt_tokens
+    nan = float("nan")
+    rec = {
+        "start": t0,
+        "ttft": first - t0,
+        "itl": itl,
+        "ntok": ntok,
+        "e2e": last - t0,
+        "end": last,
+        "prompt_tokens": prompt_tokens,
+        "queue_ms": nan,
+        "server_ttft_ms": nan,
+        "turn": turn,
+    }
+    return rec, "".join(text)
+
+
+async def _conversation(stub: Any, cid: int, opening: str, turns: int, max_tokens: int, rec: list[dict]) -> None:
+    messages = [pb.ChatMessage(role="user", content=opening)]
+    for turn in range(turns):
+        if turn:
+            messages.append(pb.ChatMessage(role="user", content=FOLLOW_UPS[(turn - 1) % len(FOLLOW_UPS)]))
+        r, answer = await _turn(stub, list(messages), f"conversation-{cid}", max_tokens, turn)
+        rec.append(r)
+        messages.append(pb.ChatMessage(role="assistant", content=answer))
+
+
+async def run_conversations(target: str, opening: list[str], turns: int, max_tokens: int) -> dict:
+    """Every conversation at once (their number is the concurrency), each turn after the last;
+    returns bench/load.py's ``{"t0", "rec"}``."""
+    channels = [
+        grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(max(1, len(opening) // 32))
+    ]
+    stubs = [generation_pb2_grpc.GenerationServiceStub(c) for c in channels]
+    try:
+        rec: list[dict] = []
+        t0 = time.perf_counter()
+        await asyncio.gather(
+            *(_conversation(stubs[i % len(stubs)], i, o, turns, max_tokens, rec) for i, o in enumerate(opening))
+        )
+        return {"t0": t0, "rec": rec}
+    finally:
+        for c in channels:
+            await c.close()
