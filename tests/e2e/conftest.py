@@ -184,8 +184,10 @@ def node(
             extra_env={"LLAMAMESH_WORKER_THREADS": "1", "LLAMAMESH_WORKER_MAX_INFLIGHT": "8", **metrics},
         )
     else:
-        # LoRA on: test_node.py loads an adapter at run time.
-        node = vllm_node(workdir, e2e_redis, {"LLAMAMESH_VLLM_ENABLE_LORA": "true", **metrics})
+        # LoRA on: test_node.py loads an adapter at run time. The prefix cache scoped to the tenant
+        # (the x-llamamesh-tenant header, without auth): test_cache_scope.py.
+        env = {"LLAMAMESH_VLLM_ENABLE_LORA": "true", "LLAMAMESH_GATEWAY_CACHE_SCOPE": "tenant", **metrics}
+        node = vllm_node(workdir, e2e_redis, env)
     try:
         node.start()
         yield node
