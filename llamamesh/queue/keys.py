@@ -41,6 +41,25 @@ STREAM_LEASE_MS = 30_000
 UNSTORED_GRACE_S = 60.0
 # Seconds an unsealed batch is left to the submissions working on it before the sweep drops it.
 UNSEALED_GRACE_S = 60.0
+# Field of a batch lane entry holding the item's prefix key (absent: none).
+GROUP_FIELD = "g"
+# Milliseconds the rest of a batch's prefix group stays reserved for the worker that leased its
+# first item (``Keys.batch_holds``), counted from then: a group all leased within it goes to that
+# worker whole; what is left after it goes to whoever leases next (who holds it as long in turn).
+PREFIX_HOLD_MS = 2000
+# How many of a pool's lanes (in deadline order) one lease of batch items looks at.
+LEASE_LANES = 16
+
+
+def lane_member(created_at: float, batch_id: str) -> str:
+    """A batch's lane in ``Keys.batch_lanes``: its creation time (fixed width, so that lanes of one
+    deadline sort by it, as they were submitted), then its id (after the first ``:``)."""
+    return f"{max(created_at, 0.0):020.6f}:{batch_id}"
+
+
+def lane_batch(member: str) -> str:
+    """The batch id of a ``lane_member``."""
+    return member.partition(":")[2]
 
 
 def stream_tenant(tenant: str) -> str:
@@ -184,11 +203,35 @@ class Keys:
         supervisor writes a worker's exit into it. Gateways read it for liveness."""
         return f"{self.prefix}:pool:{{{pool}}}:worker:{name}"
 
-    # --- batches: one hash tag per batch ({b:<id>}), so its keys share a Redis Cluster slot
+    # --- batches: one hash tag per batch ({b:<id>}), so its keys share a Redis Cluster slot; its
+    # items wait in lanes in their pool's slot, beside the pool's work streams
 
     def batch_items(self, pool: str) -> str:
-        """The batch work stream of one pool (batch items, read below the interactive stream)."""
+        """The pool's shared batch stream, where every item of the pool waited before per-batch
+        lanes: workers still lease what it holds (ahead of the lanes); nothing writes it."""
         return f"{self.prefix}:pool:{{{pool}}}:batch"
+
+    def batch_lane(self, pool: str, batch_id: str) -> str:
+        """A batch's items for one pool (a stream, consumer group ``workers``; in the pool's slot),
+        queued sorted by prefix key so that each prefix's items follow each other. Deleted once the
+        batch ended and no item waits for a result."""
+        return f"{self.prefix}:pool:{{{pool}}}:batch:{batch_id}"
+
+    def batch_lanes(self, pool: str) -> str:
+        """The pool's lanes with items no worker has leased yet (a sorted set: ``lane_member`` ->
+        the batch's deadline): workers lease from the first ones, earliest deadline first."""
+        return f"{self.prefix}:pool:{{{pool}}}:batch-lanes"
+
+    def batch_lanes_open(self, pool: str) -> str:
+        """Every lane of the pool not deleted yet (a sorted set: ``lane_member`` -> deadline): where
+        workers reclaim a dead worker's items and gateways prune idle consumers."""
+        return f"{self.prefix}:pool:{{{pool}}}:batch-lanes-open"
+
+    def batch_holds(self, pool: str) -> str:
+        """Lanes whose next items continue a prefix group a worker leased the start of (a hash:
+        ``lane_member`` -> ``"<until ms> <worker>"``): until then only that worker leases from them
+        (``PREFIX_HOLD_MS`` after it took the group's first item)."""
+        return f"{self.prefix}:pool:{{{pool}}}:batch-holds"
 
     def batch(self, batch_id: str) -> str:
         """A batch's record: state, counts, times (a hash)."""

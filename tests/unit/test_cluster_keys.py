@@ -58,7 +58,9 @@ def test_the_keys_each_script_names_share_one_slot() -> None:
     k = Keys("p")
     groups = [
         [k.jobs("cpu", "t"), k.submitted("cpu", "r"), k.tenants("cpu"), k.jobs_part("cpu", "t", 3), k.owners("cpu"),
-         k.partitions("cpu"), k.dead_letters("cpu"), k.batch_items("cpu"), k.workers("cpu"), k.worker("cpu", "w")],
+         k.partitions("cpu"), k.dead_letters("cpu"), k.batch_items("cpu"), k.workers("cpu"), k.worker("cpu", "w"),
+         k.batch_lane("cpu", "b"), k.batch_lane("cpu", "x{y}"), k.batch_lanes("cpu"), k.batch_lanes_open("cpu"),
+         k.batch_holds("cpu")],
         [k.cancel("r"), k.attempts("r"), k.attaches("r"), k.called_off("r")],
         [k.batch("b"), k.batch_done("b"), k.batch_results("b"), k.batch_ids("b"), k.batch_started("b")],
         [k.tenant_rate("t"), k.tenant_streams("t"), k.tenant_batch_quota("t"), k.tenant_batches_held("t")],
