@@ -100,7 +100,7 @@ class Heartbeat:
             jobs = [x.ref for x in self._jobs.running.values()]
             await self._queue.heartbeat(self.status(), self._s.heartbeat_ttl_s, touch=jobs)
             if self._batches is not None and self._jobs.batch_running:
-                items = [x.entry_id for x in self._jobs.batch_running.values()]
+                items = [x.item_ref for x in self._jobs.batch_running.values()]
                 await self._batches.touch(self._s.pool, self._name, items)
         except QueueUnavailable:
             log.warning("heartbeat_failed")

@@ -125,7 +125,7 @@ class Leasing:
             await record(batches, lease, skipped_result(lease))
         elif rid in self._jobs:
             running = self._jobs.batch_running.get(rid)
-            if running is not None and running.entry_id == lease.entry_id:
+            if running is not None and running.item_ref == lease.item_ref:
                 # Its own entry, claimed back (its touches missed while Redis was out): it runs
                 # here already, and stays leased until it records its result.
                 return

@@ -5,13 +5,14 @@ partition streams (``Keys.jobs_part``), a job's chosen by the hash of its prefix
 (``partition_of``). Each partition has one owner among the pool's ready workers (``Keys.owners``),
 shared out by their heartbeats (``assign``; lua/own_partitions.lua is its twin on Redis). A worker
 leases from its own partitions first and steals from the others' only when idle (lease.py).
-docs/affinity.md has the design and its trade-offs.
+docs/affinity.md has the design and its trade-offs. A batch's items are queued with each prefix
+key's items together (``grouped``), for one worker to lease a group (lanes.py).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from llamamesh.types import GenerationRequest
 
@@ -25,6 +26,15 @@ def partition_of(request: GenerationRequest, partitions: int) -> int:
     key = request.prefix_key or request.request_id
     digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return int.from_bytes(digest, "big") % partitions
+
+
+def grouped(items: Sequence[tuple[str, GenerationRequest]]) -> list[tuple[str, GenerationRequest]]:
+    """``(pool, request)`` items with each prefix key's items together, the groups in the order of
+    their first item (a stable sort: within a group, the items keep their order)."""
+    first: dict[str, int] = {}
+    for n, (_pool, req) in enumerate(items):
+        first.setdefault(req.prefix_key, n)
+    return sorted(items, key=lambda item: first[item[1].prefix_key])
 
 
 def share(partitions: int, live: int, short: bool) -> int:

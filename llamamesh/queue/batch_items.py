@@ -1,99 +1,91 @@
-"""A batch's items on their pool's batch work stream (``Keys.batch_items``): leased by the pool's
-workers, reclaimed from dead ones, and ended with one result each (run at least once, recorded
-exactly once), or without running when they can no longer start.
+"""A batch's items in their pool's lanes (lanes.py): leased by the pool's workers, earliest
+deadline first, reclaimed from dead ones, and ended with one result each (run at least once,
+recorded exactly once), or without running when they can no longer start; a batch's lanes are
+deleted once none of its items waits for a result.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
 
 from llamamesh.errors import InvalidRequest
 from llamamesh.queue import batch_record, codec, groups
-from llamamesh.queue.keys import JOB_FIELD, WORKER_GROUP, Keys, Retention
+from llamamesh.queue.keys import JOB_FIELD, PREFIX_HOLD_MS, Keys, Retention
+from llamamesh.queue.lanes import BatchLanes, Entry
 from llamamesh.queue.protocol import Lease
 from llamamesh.queue.redisio import call_scripts, unreachable
 from llamamesh.queue.scripts import register
 from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, ItemStatus
 
+# How often a lease asked to wait (``block_ms``) looks at the lanes again.
+POLL_S = 0.05
+
 
 class BatchItems:
-    """The items' side of a batch: workers read the stream through the same consumer group name as
-    the interactive one. Redis errors become QueueUnavailable."""
+    """The items' side of a batch: workers read the lanes (lanes.py) through the same consumer
+    group name as the interactive streams. Redis errors become QueueUnavailable."""
 
     def __init__(
-        self, client: aioredis.Redis, keys: Keys, retention: Retention, fail_after: int, claim_idle_s: float
+        self,
+        client: aioredis.Redis,
+        keys: Keys,
+        retention: Retention,
+        fail_after: int,
+        claim_idle_s: float,
+        hold_ms: int = PREFIX_HOLD_MS,
     ) -> None:
         self._r = client
         self.keys = keys
         self.retention = retention
         self.fail_after = fail_after
         self.claim_idle_s = claim_idle_s
+        self.lanes = BatchLanes(client, keys, hold_ms)
         self._record = register(client, "record_result")
         self._skip = register(client, "skip_unstarted")
         self._start = register(client, "start_items")
-        # Where the next reclaim of each batch stream goes on scanning its pending entries.
-        self._claim_from: dict[str, bytes | str] = {}
 
     async def join(self, pool: str) -> None:
-        await groups.create_group(self._r, self.keys.batch_items(pool))
+        """Nothing to make: a lane gets its consumer group with its first lease."""
 
     async def lease_items(self, pool: str, consumer: str, count: int, block_ms: int | None) -> list[Lease]:
-        """Take up to ``count`` new batch items (waiting at most ``block_ms``; None: not at all). An
-        item of a cancelled batch comes with ``cancelled``, one past its batch's deadline with
-        ``expired``: the worker records those without running them."""
-        with unreachable("cannot read the batch stream"):
-            try:
-                reply: Any = await self._r.xreadgroup(
-                    WORKER_GROUP, consumer, {self.keys.batch_items(pool): ">"}, count=count, block=block_ms
-                )
-            except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                await self.join(pool)
-                return []
-        return await self._leases(pool, [e for _s, es in reply or () for e in es])
+        """Take up to ``count`` new batch items, earliest deadline first (``BatchLanes.lease``). The
+        lanes are read without blocking: with ``block_ms``, a call that finds none looks again every
+        ``POLL_S`` for that long. An item of a cancelled batch comes with ``cancelled``, one past its
+        batch's deadline with ``expired``: the worker records those without running them."""
+        until = time.monotonic() + (block_ms or 0) / 1000
+        while True:
+            entries = await self.lanes.lease(pool, consumer, count)
+            if entries or time.monotonic() + POLL_S > until:
+                return await self._leases(pool, entries)
+            await asyncio.sleep(POLL_S)
 
     async def reclaim(self, pool: str, consumer: str, min_idle_ms: int, count: int) -> list[Lease]:
-        """Take over items another worker leased and has not touched for ``min_idle_ms`` (it died).
+        """Take over items another worker leased and has not touched for ``min_idle_ms`` (it died),
+        from any of the pool's lanes (``BatchLanes.reclaim``)."""
+        return await self._leases(pool, await self.lanes.reclaim(pool, consumer, min_idle_ms, count))
 
-        XAUTOCLAIM looks at ``10 x count`` pending entries per call: each call goes on from where the
-        last one stopped (back to the start once it reached the end), so an item a dead worker left
-        behind many live workers' running ones is found within a few calls, not only at the batch's end."""
-        stream = self.keys.batch_items(pool)
-        with unreachable("cannot claim from the batch stream"):
-            try:
-                reply: Any = await self._r.xautoclaim(
-                    stream, WORKER_GROUP, consumer, min_idle_ms, self._claim_from.get(stream, "0-0"), count=count
-                )
-            except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                return []
-        self._claim_from[stream] = reply[0]  # where the next call goes on ("0-0": back at the start)
-        return await self._leases(pool, [e for e in reply[1] if e and e[1]])
+    async def touch(self, pool: str, consumer: str, refs: Sequence[str]) -> None:
+        """Reset the idle time of items this worker is still running (``Lease.item_ref`` each), so
+        nobody reclaims them."""
+        await self.lanes.touch(pool, consumer, refs)
 
-    async def touch(self, pool: str, consumer: str, entry_ids: Sequence[str]) -> None:
-        """Reset the idle time of items this worker is still running, so nobody reclaims them."""
-        await groups.touch_entries(self._r, self.keys.batch_items(pool), consumer, entry_ids)
-
-    async def _leases(self, pool: str, entries: list[Any]) -> list[Lease]:
+    async def _leases(self, pool: str, entries: Sequence[Entry]) -> list[Lease]:
         """Leases of the entries read, each batch's items marked started in one script a batch
         (start_items.lua), which says whether they may run; an entry that is no job is dropped."""
-        decoded: list[tuple[str, GenerationRequest]] = []
-        bad: list[str] = []
-        for entry_id, fields in entries:
-            eid = entry_id.decode()
+        decoded: list[tuple[str, str, GenerationRequest]] = []
+        bad: dict[str, list[str]] = {}
+        for lane, eid, fields in entries:
             try:
-                decoded.append((eid, codec.decode_job(fields[JOB_FIELD.encode()])))
+                decoded.append((lane, eid, codec.decode_job(fields[JOB_FIELD.encode()])))
             except (InvalidRequest, KeyError):
-                bad.append(eid)
+                bad.setdefault(self.lanes.stream(pool, lane), []).append(eid)
         by_batch: dict[str, list[str]] = {}
-        for _eid, req in decoded:
+        for _lane, _eid, req in decoded:
             by_batch.setdefault(req.batch_id, []).append(req.custom_id)
         now = time.time()
         with unreachable():
@@ -104,8 +96,8 @@ class BatchItems:
                     for bid, cids in by_batch.items()
                 ],
             )
-        if bad:
-            await groups.drop(self._r, self.keys.batch_items(pool), bad)
+        for stream, eids in bad.items():
+            await groups.drop(self._r, stream, eids)
         gate = {bid: r.decode() if isinstance(r, bytes) else str(r) for bid, r in zip(by_batch, replies, strict=False)}
         return [
             Lease(
@@ -114,13 +106,15 @@ class BatchItems:
                 req,
                 cancelled=gate[req.batch_id] not in ("ok", "expired"),
                 expired=gate[req.batch_id] == "expired",
+                shared=not lane,
             )
-            for eid, req in decoded
+            for lane, eid, req in decoded
         ]
 
     async def discard(self, lease: Lease) -> None:
         """Ack and drop a leased item without a result (a second copy of an item already running)."""
-        await groups.drop(self._r, self.keys.batch_items(lease.pool), [lease.entry_id])
+        lane = "" if lease.shared else lease.request.batch_id
+        await groups.drop(self._r, self.lanes.stream(lease.pool, lane), [lease.entry_id])
 
     async def record(self, lease: Lease, result: ItemResult) -> bool:
         """Record the item's one result (False: it had one already, or its batch is gone), then ack
@@ -153,6 +147,8 @@ class BatchItems:
         if done == 2:
             await self.settle(req.batch_id)
             await self.look_again_soon(req.batch_id)
+        elif done == 3:
+            await self.close_lanes(await batch_record.read(self._r, self.keys, req.batch_id))
         return done >= 1
 
     async def settle(self, batch_id: str) -> BatchInfo | None:
@@ -185,7 +181,17 @@ class BatchItems:
                     break
                 if int(cursor) == 0:
                     break
-        return await batch_record.read(self._r, self.keys, batch_id)
+        after = await batch_record.read(self._r, self.keys, batch_id)
+        await self.close_lanes(after)
+        return after
+
+    async def close_lanes(self, info: BatchInfo | None) -> None:
+        """Delete the batch's lanes once no item of it waits for a result (``BatchLanes.close``)."""
+        if info is None or batch_record.waits(info):
+            return
+        with unreachable():
+            pools: Any = await self._r.hget(self.keys.batch(info.batch_id), "pools")
+        await self.lanes.close(info.batch_id, info.created_at, filter(None, (pools or b"").decode().split(",")))
 
     async def look_again_soon(self, batch_id: str) -> None:
         """A batch that now waits only for its running items: the sweep looks at it once a dead

@@ -61,6 +61,7 @@ class BatchSweep:
                 if info is not None and batch_record.waits(info):
                     info = await self.end_abandoned(info)
                 if info is None or not batch_record.waits(info):
+                    await self._items.close_lanes(info)
                     await self._r.zrem(key, raw)
                 else:
                     await self._r.zadd(key, {raw: time.time() + (self.claim_idle_s or 60)})
@@ -126,12 +127,13 @@ class BatchSweep:
         with unreachable():
             pools: Any = await self._r.hget(self.keys.batch(info.batch_id), "pools")
             for pool in filter(None, (pools or b"").decode().split(",")):
-                stream = self.keys.batch_items(pool)
-                for entry_id, req in await self._idle_items(stream, idle_ms, info.batch_id, page):
-                    claimed: Any = await self._r.xclaim(stream, WORKER_GROUP, SWEEPER, idle_ms, [entry_id])
-                    if claimed and claimed[0] and claimed[0][1]:  # still idle, still there: ours now
-                        result = ItemResult.unrun(req.custom_id, status, why)
-                        await self._items.record(Lease(pool, entry_id, req), result)
+                for lane in (info.batch_id, ""):  # its lane, and the pool's shared stream
+                    stream = self._items.lanes.stream(pool, lane)
+                    for entry_id, req in await self._idle_items(stream, idle_ms, info.batch_id, page):
+                        claimed: Any = await self._r.xclaim(stream, WORKER_GROUP, SWEEPER, idle_ms, [entry_id])
+                        if claimed and claimed[0] and claimed[0][1]:  # still idle, still there: ours now
+                            result = ItemResult.unrun(req.custom_id, status, why)
+                            await self._items.record(Lease(pool, entry_id, req, shared=not lane), result)
         return await batch_record.read(self._r, self.keys, info.batch_id)
 
     async def _idle_items(

@@ -22,7 +22,7 @@ from llamamesh.queue.batch_record import COUNTS, info_of
 from llamamesh.queue.batch_sweep import SWEEPER, BatchSweep
 from llamamesh.queue.follow import EventFollower, Item
 from llamamesh.queue.intake import BatchIntake
-from llamamesh.queue.keys import RESULT_FIELD, Keys, Retention
+from llamamesh.queue.keys import PREFIX_HOLD_MS, RESULT_FIELD, Keys, Retention
 from llamamesh.queue.protocol import Lease
 from llamamesh.queue.redisio import UNREACHABLE, unreachable
 from llamamesh.queue.replicas import Replicas
@@ -56,6 +56,7 @@ class RedisBatches:
         claim_idle_s: float = 0.0,
         follow_block_ms: int = 2000,
         replicas: Replicas | None = None,
+        prefix_hold_ms: int = PREFIX_HOLD_MS,
     ) -> None:
         self._r = client
         self.keys = keys
@@ -64,7 +65,9 @@ class RedisBatches:
         self.intake = BatchIntake(client, keys, self.retention, self._replicas)
         # claim_idle_s, the sweep's: items leased this long without a touch belong to a dead worker
         # (0: never ended by the sweep; workers' own reclaim still takes them over).
-        self._items = BatchItems(client, keys, self.retention, fail_after, claim_idle_s)
+        # prefix_hold_ms: how long the rest of a prefix group waits for the worker that leased its
+        # first item (lanes.py).
+        self._items = BatchItems(client, keys, self.retention, fail_after, claim_idle_s, prefix_hold_ms)
         self._sweep = BatchSweep(client, keys, self.retention, self._items, self.intake)
         self._cancel = register(client, "cancel_batch")
         # Made by the first waiting ``results``; every caller waiting on any batch shares its one
@@ -207,8 +210,8 @@ class RedisBatches:
     async def reclaim(self, pool: str, consumer: str, min_idle_ms: int, count: int) -> list[Lease]:
         return await self._items.reclaim(pool, consumer, min_idle_ms, count)
 
-    async def touch(self, pool: str, consumer: str, entry_ids: Sequence[str]) -> None:
-        await self._items.touch(pool, consumer, entry_ids)
+    async def touch(self, pool: str, consumer: str, refs: Sequence[str]) -> None:
+        await self._items.touch(pool, consumer, refs)
 
     async def discard(self, lease: Lease) -> None:
         await self._items.discard(lease)

@@ -18,7 +18,9 @@ from redis.exceptions import RedisError
 
 from llamamesh.errors import AlreadyExists, QueueUnavailable
 from llamamesh.queue import codec
-from llamamesh.queue.keys import JOB_FIELD, Keys, Retention
+from llamamesh.queue.affinity import grouped
+from llamamesh.queue.keys import Keys, Retention
+from llamamesh.queue.lanes import BatchLanes
 from llamamesh.queue.redisio import raised, unreachable
 from llamamesh.queue.replicas import Replicas
 from llamamesh.queue.scripts import register
@@ -40,6 +42,7 @@ class BatchIntake:
         self._create = register(client, "create_batch")
         self._seal = register(client, "seal_batch")
         self._drop = register(client, "drop_batch")
+        self._lanes = BatchLanes(client, keys)
 
     def batch_keys(self, batch_id: str) -> list[str]:
         """Every key of the batch's own slot, its record first."""
@@ -58,15 +61,16 @@ class BatchIntake:
         True if it is new. AlreadyExists when the id names a batch with another fingerprint. On any
         failure what this call wrote is dropped, if Redis lets it, and the error raised.
 
-        In steps, since its items go to the pools' batch streams (each pool's slot) and its record
+        In steps, since its items go to the batch's lanes (each pool's slot) and its record
         to its own (``{b:<id>}``):
 
         1. its id on the ``batches_unsealed`` list, due ``Retention.unsealed_s`` from now;
         2. its record (create_batch.lua, one script: two submissions of one id never see half a
            record), which also says when a submission last worked on it (``touched``);
         3. its owner's list, the sweep's sets, its item ids;
-        4. every item not queued yet onto its pool's batch stream, each reported on its own, and the
-           ids of those queued into the batch's ``queued`` set;
+        4. every item not queued yet onto the batch's lane of its pool (each prefix key's items
+           together), each reported on its own, and the ids of those queued into the batch's
+           ``queued`` set; each lane is listed for leasing after its entries;
         5. seal_batch.lua: once every item is in ``queued``, the record is marked ``enqueued``.
 
         A failure (Redis refuses writes when it is full, or stops answering) drops what it wrote
@@ -97,11 +101,10 @@ class BatchIntake:
                 return False
             # Unsealed: finished with the first submission's times, not this retry's.
             info = replace(info, created_at=float(stored[2]), expires_at=float(stored[3]))
-        written: list[tuple[str, str]] = []  # (pool, entry id) of each item this call queued
         try:
-            await self._enqueue(info, items, created, written)
+            await self._enqueue(info, items, created)
         except QueueUnavailable:
-            await self._drop_after_failure(info, written)
+            await self._drop_after_failure(info)
             raise
         return created
 
@@ -126,10 +129,8 @@ class BatchIntake:
         info: BatchInfo,
         items: Sequence[tuple[str, GenerationRequest]],
         created: bool,
-        written: list[tuple[str, str]],
     ) -> None:
-        """Steps 3-5 for the items not queued yet, adding each entry it writes to ``written``.
-        Raises QueueUnavailable unless the batch is sealed."""
+        """Steps 3-5 for the items not queued yet. Raises QueueUnavailable unless the batch is sealed."""
         bid = info.batch_id
         with unreachable():
             if created:
@@ -149,7 +150,7 @@ class BatchIntake:
                     pipe.sadd(self.keys.batch_ids(bid), *ids[i : i + 1000])
                 await pipe.execute()
             todo = [(pool, request) for pool, request in items if request.custom_id not in done]
-            await self._queue_items(bid, todo, written)
+            await self._queue_items(info, grouped(todo))
             sealed = int(await self._seal(keys=[self.keys.batch(bid), self.keys.batch_queued(bid)]))
             if sealed != 1:
                 raise QueueUnavailable(f"batch {public_id(bid)!r} was dropped while being written; submit it again")
@@ -159,9 +160,7 @@ class BatchIntake:
                 replies = await pipe.execute()
         self._replicas.check(replies, "the batch")
 
-    async def _queue_items(
-        self, bid: str, todo: Sequence[tuple[str, GenerationRequest]], written: list[tuple[str, str]]
-    ) -> None:
+    async def _queue_items(self, info: BatchInfo, todo: Sequence[tuple[str, GenerationRequest]]) -> None:
         """Step 4, in pipelines of at most ``CHUNK_BYTES`` (Redis counts a pipeline's bytes against
         its maxmemory while it reads them, so one pipeline of a whole large batch would be refused
         whole by a Redis near its limit). Raises at the first refusal: no chunk is sent after it."""
@@ -172,29 +171,25 @@ class BatchIntake:
             chunk.append((pool, request, job))
             size += len(job)
             if size >= CHUNK_BYTES or len(chunk) >= CHUNK_ITEMS or n == len(todo):
-                await self._queue_chunk(bid, chunk, written)
+                await self._queue_chunk(info, chunk)
                 chunk, size = [], 0
 
-    async def _queue_chunk(
-        self, bid: str, chunk: Sequence[tuple[str, GenerationRequest, bytes]], written: list[tuple[str, str]]
-    ) -> None:
+    async def _queue_chunk(self, info: BatchInfo, chunk: Sequence[tuple[str, GenerationRequest, bytes]]) -> None:
         async with self._r.pipeline(transaction=False) as pipe:
-            for pool, _request, job in chunk:
-                pipe.xadd(self.keys.batch_items(pool), {JOB_FIELD: job})
+            self._lanes.queue(pipe, info, chunk)
             replies = await pipe.execute(raise_on_error=False)
         queued = []
-        for (pool, request, _job), reply in zip(chunk, replies, strict=True):
+        for (_pool, request, _job), reply in zip(chunk, replies, strict=False):  # the XADDs' replies come first
             if not isinstance(reply, RedisError):
                 queued.append(request.custom_id)
-                written.append((pool, reply.decode() if isinstance(reply, bytes) else str(reply)))
         if queued:
-            await self._r.sadd(self.keys.batch_queued(bid), *queued)
+            await self._r.sadd(self.keys.batch_queued(info.batch_id), *queued)
         refused = next((reply for reply in replies if isinstance(reply, RedisError)), None)
         if refused is not None:
             raise raised(refused)
 
-    async def _drop_after_failure(self, info: BatchInfo, written: Sequence[tuple[str, str]]) -> None:
-        """Drop what a failed submission wrote, the entries it queued included (deletions: a full
+    async def _drop_after_failure(self, info: BatchInfo) -> None:
+        """Drop what a failed submission wrote, the lanes it queued included (deletions: a full
         Redis takes them). Nothing if Redis refuses: the batch then stays unsealed, for a retry to
         finish or the sweep to drop (its queued items then find no batch, and are skipped)."""
         try:
@@ -203,17 +198,19 @@ class BatchIntake:
             async with self._r.pipeline(transaction=False) as pipe:
                 pipe.zrem(self.keys.batches(info.owner), info.batch_id)
                 pipe.zrem(self.keys.batches_unsealed(), info.batch_id)
-                for pool in {pool for pool, _entry in written}:
-                    pipe.xdel(self.keys.batch_items(pool), *(e for p, e in written if p == pool))
                 await pipe.execute()
         except (QueueUnavailable, RedisError):
             return
 
     async def drop(self, batch_id: str, idle_s: float) -> int:
-        """Drop the batch unless it is sealed or a submission touched it within ``idle_s``; drop_batch.lua's
-        reply (1: dropped)."""
+        """Drop the batch unless it is sealed or a submission touched it within ``idle_s``, and then
+        its lanes; drop_batch.lua's reply (1: dropped)."""
         with unreachable():
-            return int(await self._drop(keys=self.batch_keys(batch_id), args=[time.time(), idle_s]))
+            meta: Any = await self._r.hmget(self.keys.batch(batch_id), "created_at", "pools")
+            outcome = int(await self._drop(keys=self.batch_keys(batch_id), args=[time.time(), idle_s]))
+        if outcome == 1 and meta[0] is not None:
+            await self._lanes.close(batch_id, float(meta[0]), filter(None, (meta[1] or b"").decode().split(",")))
+        return outcome
 
     async def drop_unsealed(self, limit: int = 100) -> int:
         """The sweep's part: drop up to ``limit`` batches left unsealed for ``Retention.unsealed_s`` (their

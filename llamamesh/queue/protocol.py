@@ -47,6 +47,14 @@ class Lease:
     # None: the tenant's one stream (affinity off).
     partition: int | None = None
     stolen: bool = False
+    # A batch item from the pool's shared batch stream (``Keys.batch_items``), not its batch's lane.
+    shared: bool = False
+
+    @property
+    def item_ref(self) -> str:
+        """A batch item among the pool's batch streams: ``<entry id>@<batch id>`` in its batch's lane,
+        the entry id alone in the shared stream. What ``BatchStore.touch`` takes."""
+        return self.entry_id if self.shared else f"{self.entry_id}@{self.request.batch_id}"
 
     @property
     def ref(self) -> str:
@@ -317,14 +325,16 @@ class BatchStore(Protocol):
     async def join(self, pool: str) -> None: ...
 
     async def lease_items(self, pool: str, consumer: str, count: int, block_ms: int | None) -> list[Lease]:
-        """New batch items; ``cancelled`` / ``expired`` set on those that must not run."""
+        """New batch items, the batch whose deadline comes first first, each prefix group's from the
+        consumer that leased its start; ``cancelled`` / ``expired`` set on those that must not run."""
         ...
 
     async def reclaim(self, pool: str, consumer: str, min_idle_ms: int, count: int) -> list[Lease]:
         """Items another consumer leased and left untouched for ``min_idle_ms``."""
         ...
 
-    async def touch(self, pool: str, consumer: str, entry_ids: Sequence[str]) -> None: ...
+    async def touch(self, pool: str, consumer: str, refs: Sequence[str]) -> None:
+        """Keep the items ``consumer`` runs (``Lease.item_ref`` each) from being reclaimed."""
 
     async def record(self, lease: Lease, result: ItemResult) -> bool:
         """The item's one result (False if it had one), then ack the item."""

@@ -16,6 +16,7 @@ from llamamesh.errors import QueueUnavailable
 from llamamesh.queue import codec, groups
 from llamamesh.queue.cluster import is_cluster
 from llamamesh.queue.keys import WORKER_GROUP, Keys, Retention
+from llamamesh.queue.lanes import BatchLanes
 from llamamesh.queue.protocol import QueueDepth, split_ref
 from llamamesh.queue.redisio import unreachable
 from llamamesh.queue.scripts import register
@@ -37,6 +38,7 @@ class WorkerRegistry:
         self.keys = keys
         self.retention = retention
         self._work = work
+        self._lanes = BatchLanes(client, keys)
         self._clock = clock
         self._cluster = is_cluster(client)
         self._own = register(client, "own_partitions")
@@ -94,7 +96,7 @@ class WorkerRegistry:
         return QueueDepth(waiting, leased)
 
     async def prune_consumers(self, pool: str) -> int:
-        """Remove the consumers of the pool's work streams (every tenant's) and batch stream that
+        """Remove the consumers of the pool's work streams (every tenant's) and batch lanes that
         hold no entry and were idle for ``Retention.consumer_idle_s`` (dead or restarted workers'
         names); returns how many. Then forget the tenants whose work streams hold nothing.
         Raises QueueUnavailable."""
@@ -102,7 +104,7 @@ class WorkerRegistry:
         tenants = sorted((await self._work.tenants(pool)).keys() | {""})
         n = 0
         streams = [self.keys.work(pool, t, k) for t, k in self._work.where(tenants)]
-        for stream in (*streams, self.keys.batch_items(pool)):
+        for stream in (*streams, *await self._lanes.open_streams(pool)):
             n += await groups.prune_consumers(self._r, stream, idle_s * 1000)
         if n:
             log.info("consumers_pruned", pool=pool, count=n, idle_s=idle_s)

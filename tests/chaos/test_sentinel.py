@@ -23,7 +23,7 @@ import grpc
 import pytest
 import redis
 
-from llamamesh.queue.keys import WORKER_GROUP, Keys
+from llamamesh.queue.keys import WORKER_GROUP, Keys, lane_batch
 from llamamesh.v1 import batch_pb2 as bpb
 from llamamesh.v1 import batch_pb2_grpc
 from llamamesh.v1 import generation_pb2 as pb
@@ -55,10 +55,13 @@ def group(tmp_path: Path) -> Iterator[SentinelGroup]:
 
 
 def pending_on(server: RedisProcess, node: ProcessNode) -> int:
-    """Jobs and batch items of the node's pool leased and not acked, on ``server``."""
+    """Jobs and batch items (in the shared stream and every lane) of the node's pool leased and not
+    acked, on ``server``."""
     keys = Keys(node.prefix)
     with redis.Redis(port=server.port, socket_timeout=5) as r:
-        streams = (keys.jobs(node.pool), keys.batch_items(node.pool))
+        members = r.zrange(keys.batch_lanes_open(node.pool), 0, -1)
+        lanes = [keys.batch_lane(node.pool, lane_batch(m.decode())) for m in members]
+        streams = (keys.jobs(node.pool), keys.batch_items(node.pool), *lanes)
         return sum(int(r.xpending(s, WORKER_GROUP)["pending"]) for s in streams if r.exists(s))
 
 

@@ -152,7 +152,7 @@ async def test_the_sweep_ends_what_a_dead_worker_left_leased(redis_settings: Red
     entries are gone; a live worker's touched item and another batch's items are left alone."""
     q = RedisQueue.from_settings(redis_settings)
     store = RedisBatches(q.client, q.keys, retention_s=60, claim_idle_s=0.3)
-    stream = q.keys.batch_items("cpu")
+    stream = q.keys.batch_lane("cpu", "other")
     try:
         await store.join("cpu")
         for bid, window in (("late", 0.5), ("gone", 3600), ("other", 3600)):
@@ -166,7 +166,7 @@ async def test_the_sweep_ends_what_a_dead_worker_left_leased(redis_settings: Red
         cancelling = await store.cancel("gone")
         assert cancelling is not None and cancelling.state is BatchState.CANCELLING  # two running
         await asyncio.sleep(0.6)  # time passing on purpose: past late's deadline and the claim idle time
-        await store.touch("cpu", "live", [live[0].entry_id])
+        await store.touch("cpu", "live", [live[0].item_ref])
         assert await store.sweep() == 2  # late (deadline) and gone (cancelled: looked at after claim idle)
         late, gone, other = [await store.get(b) for b in ("late", "gone", "other")]
         assert late is not None and late.state is BatchState.EXPIRED and counts(late) == (0, 1, 0, 0, 1)
@@ -225,7 +225,7 @@ async def test_a_dead_workers_item_behind_many_live_ones_is_reclaimed_within_a_f
         dead = await store.lease_items("cpu", "dead", 1, 100)  # c40, after the 40 live ones
         assert len(live) == 40 and [x.request.custom_id for x in dead] == ["c40"]
         await asyncio.sleep(0.3)  # time passing on purpose: past the claim idle time; the live worker touches its items
-        await store.touch("cpu", "live", [x.entry_id for x in live])
+        await store.touch("cpu", "live", [x.item_ref for x in live])
         got = []
         for _ in range(6):  # 10 entries a call: the fifth call reaches c40
             got += await store.reclaim("cpu", "heir", 200, 1)

@@ -81,7 +81,8 @@ async def test_a_batch_refused_half_way_by_a_full_redis_leaves_nothing_and_its_r
     assert ran > refused > 0, (ran, refused)  # some items were queued before Redis refused the rest
     # Nothing is left: no record, not on its owner's list, none of its items queued.
     assert await store.get("b") is None and [b.batch_id for b in await store.owned("t", 10, None)] == ["warm"]
-    assert await queue.client.xlen(queue.keys.batch_items("cpu")) == 2  # the warm-up's
+    assert await queue.client.xlen(queue.keys.batch_lane("cpu", "warm")) == 2  # the warm-up's
+    assert not await queue.client.exists(queue.keys.batch_lane("cpu", "b"))
 
     await queue.client.config_set("maxmemory", 0)  # the operator gave Redis room; the caller retries
     assert {x.request.batch_id for x in await store.lease_items("cpu", "w", 500, None)} == {"warm"}
@@ -108,4 +109,4 @@ async def test_a_batch_refused_before_its_record_stores_nothing(queue: RedisQueu
         await store.create(info, "fp", items)
     await queue.client.config_set("maxmemory", 0)
     assert await store.get("early") is None
-    assert await queue.client.xlen(queue.keys.batch_items("cpu")) == 0
+    assert not await queue.client.exists(queue.keys.batch_lane("cpu", "early"))

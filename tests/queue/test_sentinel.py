@@ -87,7 +87,7 @@ async def test_batches_through_sentinel(group: SentinelGroup, queue: RedisQueue)
     assert new and made.total == 3
     with direct(group.servers[1]) as r:  # the record and every item are on the replica
         assert r.hget(queue.keys.batch("s"), "enqueued") == b"1"
-        assert r.xlen(queue.keys.batch_items("cpu")) == 3
+        assert r.xlen(queue.keys.batch_lane("cpu", "s")) == 3
     assert (await store.create(info, "fp", items))[1] is False  # a retry: the stored batch
     leases = await store.lease_items("cpu", "w", 10, 100)
     for lease in leases:

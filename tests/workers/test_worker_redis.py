@@ -379,7 +379,7 @@ async def test_a_batch_item_its_own_worker_claims_back_stays_leased(redis_settin
     worker finds it and records its one result."""
     q = RedisQueue.from_settings(redis_settings)
     store = RedisBatches(q.client, q.keys, retention_s=60, claim_idle_s=0.3)
-    stream = q.keys.batch_items("cpu")
+    stream = q.keys.batch_lane("cpu", "own")
     info, items = batch("own", 1, max_tokens=400)
     claims = BatchSettings(claim_idle_s=0.3, max_share=1.0)
     ws = WorkerSettings(
@@ -444,7 +444,7 @@ async def test_a_second_copy_that_cannot_be_dropped_while_redis_is_out_does_not_
     dropped as the duplicate it is: one result, nothing left in the stream."""
     q = RedisQueue.from_settings(redis_settings)
     store = RedisBatches(q.client, q.keys, retention_s=60, claim_idle_s=0.3)
-    stream = q.keys.batch_items("cpu")
+    stream = q.keys.batch_lane("cpu", "twice")
     info, items = batch("twice", 1, max_tokens=20)
     discard = store.discard
     refused: list[str] = []

@@ -1,7 +1,8 @@
 -- KEYS: meta, done, results, ids, started. ARGV: custom_id, status, encoded result, now,
--- retention (s), fail_after, prompt, completion and cached tokens (added to the batch's usage). Returns 1 (recorded), 2 (recorded, and it failed the batch: its first
--- fail_after results all errored), 0 (the item had a result already), -1 (no such batch: it was
--- purged).
+-- retention (s), fail_after, prompt, completion and cached tokens (added to the batch's usage).
+-- Returns 1 (recorded), 2 (recorded, and it failed the batch: its first fail_after results all
+-- errored), 3 (recorded, the batch's last: every item has its result), 0 (the item had a result
+-- already), -1 (no such batch: it was purged).
 --! include batch_finish
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2]) == 0 then return 0 end
@@ -18,5 +19,5 @@ if ARGV[2] == 'errored' and tonumber(ARGV[6]) > 0 then
     ret = 2
   end
 end
-finish(ARGV[4], ARGV[5])
+if finish(ARGV[4], ARGV[5]) then return 3 end
 return ret

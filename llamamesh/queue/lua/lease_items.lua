@@ -1,0 +1,88 @@
+-- KEYS: the pool's lanes (a sorted set by deadline), its prefix holds (a hash), its shared batch
+-- stream. ARGV: group, consumer, count, the lanes' key prefix (a lane is it and its batch id), hold
+-- (ms), how many lanes to read the list by, the entries' prefix field. Leases up to count new batch items:
+-- the shared stream's first, then the lanes' in deadline order. A lane whose next item continues
+-- the prefix group of the last one leased from it is held for this consumer, for hold ms from when
+-- it took the group's first item there (a continuation does not renew it); until then other
+-- consumers pass the lane by, then the next one to lease from it holds the rest in turn. A lane with
+-- nothing left to lease leaves the sorted set, in this same step: an item queued after it adds the
+-- lane again. Returns {{batch id ('': the shared stream), entry id, fields}...}. Redis's clock
+-- (TIME) times the holds.
+local group, me, left = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local out = {}
+
+local function read(stream, n)
+  local ok, reply = pcall(redis.call, 'XREADGROUP', 'GROUP', group, me, 'COUNT', n, 'STREAMS', stream, '>')
+  if not ok then return nil end
+  if not reply then return {} end
+  return reply[1][2]
+end
+
+local function prefix_of(fields)
+  for i = 1, #fields, 2 do
+    if fields[i] == ARGV[7] then return fields[i + 1] end
+  end
+  return nil
+end
+
+for _, e in ipairs(read(KEYS[3], left) or {}) do
+  table.insert(out, {'', e[1], e[2]})
+  left = left - 1
+end
+
+-- Leases from the lane listed as m; returns whether it stays listed.
+local function visit(m)
+  local till, holder = 0, nil
+  local hold = redis.call('HGET', KEYS[2], m)
+  if hold then
+    local sp = string.find(hold, ' ', 1, true)
+    till, holder = tonumber(string.sub(hold, 1, sp - 1)), string.sub(hold, sp + 1)
+  end
+  if till > now and holder ~= me then return true end
+  local bid = string.sub(m, string.find(m, ':', 1, true) + 1)
+  local lane = ARGV[4] .. bid
+  local got = read(lane, left)
+  if got == nil and redis.call('EXISTS', lane) == 1 then
+    redis.call('XGROUP', 'CREATE', lane, group, '0')
+    got = read(lane, left)
+  end
+  got = got or {}
+  for _, e in ipairs(got) do table.insert(out, {bid, e[1], e[2]}) end
+  local nxt = nil
+  if #got > 0 and #got == left then
+    nxt = redis.call('XRANGE', lane, '(' .. got[#got][1], '+', 'COUNT', 1)[1]
+  end
+  left = left - #got
+  if not nxt then
+    redis.call('ZREM', KEYS[1], m)
+    redis.call('HDEL', KEYS[2], m)
+    return false
+  end
+  local key = prefix_of(got[#got][2])
+  if key and key == prefix_of(nxt[2]) then
+    -- the group's hold runs from when this consumer leased its first item, never renewed
+    if not (holder == me and till > now and prefix_of(got[1][2]) == key) then
+      redis.call('HSET', KEYS[2], m, string.format('%d %s', now + tonumber(ARGV[5]), me))
+    end
+  else
+    redis.call('HDEL', KEYS[2], m)
+  end
+  return true
+end
+
+-- Lanes in windows of ARGV[6]: a lane drained leaves the list, so the next window starts after
+-- the ones still listed. At most ARGV[6] + count lanes looked at: each lane not held gives an item.
+local size = tonumber(ARGV[6])
+local start, looked, most = 0, 0, size + tonumber(ARGV[3])
+while left > 0 and looked < most do
+  local window = redis.call('ZRANGE', KEYS[1], start, start + size - 1)
+  for _, m in ipairs(window) do
+    if left <= 0 or looked >= most then break end
+    looked = looked + 1
+    if visit(m) then start = start + 1 end
+  end
+  if #window < size then break end
+end
+return out
