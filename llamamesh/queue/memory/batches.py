@@ -1,5 +1,6 @@
 """``MemoryBatches``: the batch store in one process, with the contract of ``batches.RedisBatches``
-(no reclaim: nothing here dies separately). Items wait on each pool's ``Pool.waiting``."""
+(no reclaim: nothing here dies separately). Items wait in each batch's lanes (``MemoryLanes``),
+leased in the same order as on Redis."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from llamamesh.errors import AlreadyExists
-from llamamesh.queue.memory.pool import Pool
+from llamamesh.queue.affinity import grouped
+from llamamesh.queue.keys import PREFIX_HOLD_MS
+from llamamesh.queue.memory.lanes import MemoryLanes
 from llamamesh.queue.protocol import Lease
 from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, ItemStatus, public_id
 
@@ -33,11 +36,11 @@ class MemoryBatches:
     """BatchStore in one process, same contract as ``batches.RedisBatches`` (no reclaim: nothing
     here dies separately)."""
 
-    def __init__(self, fail_after: int = 0) -> None:
+    def __init__(self, fail_after: int = 0, hold_ms: int = PREFIX_HOLD_MS) -> None:
         self.fail_after = fail_after
         self.since = time.time()
         self._batches: dict[str, _Batch] = {}
-        self._items: dict[str, Pool] = {}
+        self.lanes = MemoryLanes(hold_ms)
         self._changed = asyncio.Condition()
         self._ids = itertools.count(1)
 
@@ -66,8 +69,8 @@ class MemoryBatches:
         times = {BatchState.VALIDATING.value: info.created_at, BatchState.IN_PROGRESS.value: now}
         stored = dataclasses.replace(info, state=BatchState.IN_PROGRESS, times=MappingProxyType(times))
         self._batches[info.batch_id] = _Batch(stored, fingerprint, ids=[req.custom_id for _p, req in items])
-        for pool, req in items:
-            self._items.setdefault(pool, Pool()).waiting.append((f"{next(self._ids)}-0", req))
+        for pool, req in grouped(items):
+            self.lanes.queue(pool, stored, [(f"{next(self._ids)}-0", req)])
         await self._notify()
         return stored, True
 
@@ -143,15 +146,12 @@ class MemoryBatches:
         return newer()
 
     async def join(self, pool: str) -> None:
-        self._items.setdefault(pool, Pool())
+        return None
 
     async def lease_items(self, pool: str, consumer: str, count: int, block_ms: int | None) -> list[Lease]:
-        p = self._items.setdefault(pool, Pool())
-        await self._wait(lambda: bool(p.waiting), block_ms)
-        taken, p.waiting = p.waiting[:count], p.waiting[count:]
+        await self._wait(lambda: self.lanes.ready(pool), block_ms)
         out = []
-        for entry_id, req in taken:
-            p.pending[entry_id] = (consumer, req)
+        for entry_id, req in self.lanes.take(pool, consumer, count):
             b = self._batches.get(req.batch_id)
             late = b is not None and (b.closing or time.time() > b.info.expires_at)
             gone = b is None or b.info.state is not BatchState.IN_PROGRESS
@@ -163,11 +163,11 @@ class MemoryBatches:
     async def reclaim(self, pool: str, consumer: str, min_idle_ms: int, count: int) -> list[Lease]:
         return []
 
-    async def touch(self, pool: str, consumer: str, entry_ids: Sequence[str]) -> None:
+    async def touch(self, pool: str, consumer: str, refs: Sequence[str]) -> None:
         return None
 
     async def discard(self, lease: Lease) -> None:
-        self._items.setdefault(lease.pool, Pool()).pending.pop(lease.entry_id, None)
+        self.lanes.ack(lease.pool, lease.entry_id)
 
     async def record(self, lease: Lease, result: ItemResult) -> bool:
         req = lease.request
@@ -213,3 +213,5 @@ class MemoryBatches:
             )
         if not b.info.results_expire_at:
             self._set(b, results_expire_at=now)
+        if not b.info.processing:
+            self.lanes.close(i.batch_id)
