@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from llamamesh.errors import AlreadyExists, QueueUnavailable
-from llamamesh.queue import codec
+from llamamesh.queue import codec, groups
 from llamamesh.queue.affinity import grouped
 from llamamesh.queue.keys import Keys, Retention
 from llamamesh.queue.lanes import BatchLanes
@@ -163,7 +163,11 @@ class BatchIntake:
     async def _queue_items(self, info: BatchInfo, todo: Sequence[tuple[str, GenerationRequest]]) -> None:
         """Step 4, in pipelines of at most ``CHUNK_BYTES`` (Redis counts a pipeline's bytes against
         its maxmemory while it reads them, so one pipeline of a whole large batch would be refused
-        whole by a Redis near its limit). Raises at the first refusal: no chunk is sent after it."""
+        whole by a Redis near its limit). Raises at the first refusal: no chunk is sent after it.
+        Each lane and its consumer group are made first, so that its entries are pending from the
+        moment they are leased (a reclaim, a touch and the sweep find them)."""
+        for pool in dict.fromkeys(pool for pool, _request in todo):
+            await groups.create_group(self._r, self.keys.batch_lane(pool, info.batch_id))
         chunk: list[tuple[str, GenerationRequest, bytes]] = []
         size = 0
         for n, (pool, request) in enumerate(todo, 1):

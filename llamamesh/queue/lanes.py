@@ -82,6 +82,8 @@ class BatchLanes:
     async def lease(self, pool: str, consumer: str, count: int) -> list[Entry]:
         """Up to ``count`` new items of the pool (lease_items.lua: earliest deadline first, prefix
         groups kept for the worker that took their start)."""
+        if count <= 0:  # (XREADGROUP reads without bound at COUNT 0)
+            return []
         k = self.keys
         with unreachable("cannot read the batch lanes"):
             reply: Any = await self._lease(

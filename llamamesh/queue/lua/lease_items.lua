@@ -1,7 +1,7 @@
 -- KEYS: the pool's lanes (a sorted set by deadline), its prefix holds (a hash), its shared batch
--- stream. ARGV: group, consumer, count, the lanes' key prefix (a lane is it and its batch id), hold
--- (ms), how many lanes to read the list by, the entries' prefix field. Leases up to count new batch items:
--- the shared stream's first, then the lanes' in deadline order. A lane whose next item continues
+-- stream. ARGV: group, consumer, count (> 0), the lanes' key prefix (a lane is it and its batch
+-- id), hold (ms), how many lanes to read the list by, the entries' prefix field. Leases up to
+-- count new batch items: the shared stream's first, then the lanes' in deadline order. A lane whose next item continues
 -- the prefix group of the last one leased from it is held for this consumer, for hold ms from when
 -- it took the group's first item there (a continuation does not renew it); until then other
 -- consumers pass the lane by, then the next one to lease from it holds the rest in turn. A lane with
