@@ -45,7 +45,8 @@ UNSEALED_GRACE_S = 60.0
 GROUP_FIELD = "g"
 # Milliseconds the rest of a batch's prefix group stays reserved for the worker that leased its
 # first item (``Keys.batch_holds``), counted from then: a group all leased within it goes to that
-# worker whole; what is left after it goes to whoever leases next (who holds it as long in turn).
+# worker whole; what is left after it goes to any worker that asks (a group too large for one
+# worker spreads over several, and never waits for a worker that is full or gone).
 PREFIX_HOLD_MS = 2000
 # How many of a pool's lanes (in deadline order) one lease of batch items looks at.
 LEASE_LANES = 16
@@ -229,8 +230,9 @@ class Keys:
 
     def batch_holds(self, pool: str) -> str:
         """Lanes whose next items continue a prefix group a worker leased the start of (a hash:
-        ``lane_member`` -> ``"<until ms> <worker>"``): until then only that worker leases from them
-        (``PREFIX_HOLD_MS`` after it took the group's first item)."""
+        ``lane_member`` -> ``"<until ms> <worker>\\n<prefix key>"``): until then only that worker
+        leases from them (``PREFIX_HOLD_MS`` after it took the group's first item); until 0: the
+        hold lapsed, the rest of the group is anyone's."""
         return f"{self.prefix}:pool:{{{pool}}}:batch-holds"
 
     def batch(self, batch_id: str) -> str:

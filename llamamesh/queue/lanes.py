@@ -1,8 +1,8 @@
 """Where a pool's batch items wait: one lane (a stream) per batch (``Keys.batch_lane``), listed by
 deadline while it has items to lease (``Keys.batch_lanes``) and as long as it exists
 (``Keys.batch_lanes_open``), all in the pool's slot. Workers lease the earliest deadline first
-(lease_items.lua) and the items of one prefix group from the worker that took its start
-(``Keys.batch_holds``); they reclaim and touch items in whichever lane holds them. The pool's shared
+(lease_items.lua) and the items of one prefix group from the worker that took its start, for a
+while (``Keys.batch_holds``); they reclaim and touch items in whichever lane holds them. The pool's shared
 batch stream (``Keys.batch_items``) is drained first, so that items queued there are not lost.
 Redis errors become QueueUnavailable.
 """

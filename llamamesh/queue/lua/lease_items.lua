@@ -2,12 +2,12 @@
 -- stream. ARGV: group, consumer, count (> 0), the lanes' key prefix (a lane is it and its batch
 -- id), hold (ms), how many lanes to read the list by, the entries' prefix field. Leases up to
 -- count new batch items: the shared stream's first, then the lanes' in deadline order. A lane whose next item continues
--- the prefix group of the last one leased from it is held for this consumer, for hold ms from when
--- it took the group's first item there (a continuation does not renew it); until then other
--- consumers pass the lane by, then the next one to lease from it holds the rest in turn. A lane with
--- nothing left to lease leaves the sorted set, in this same step: an item queued after it adds the
--- lane again. Returns {{batch id ('': the shared stream), entry id, fields}...}. Redis's clock
--- (TIME) times the holds.
+-- the prefix group of the last one leased from it is held for this consumer, for hold ms from the
+-- lease that entered the group (never renewed): until then other consumers pass the lane by; once
+-- it lapsed, any consumer leases the rest of that group ("0 -" holds it for nobody). A hold is
+-- "<until ms> <consumer>\n<prefix key>". A lane with nothing left to lease leaves the sorted set, in
+-- this same step: an item queued after it adds the lane again. Returns {{batch id ('': the shared
+-- stream), entry id, fields}...}. Redis's clock (TIME) times the holds.
 local group, me, left = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -34,11 +34,13 @@ end
 
 -- Leases from the lane listed as m; returns whether it stays listed.
 local function visit(m)
-  local till, holder = 0, nil
+  local till, holder, held = 0, nil, nil
   local hold = redis.call('HGET', KEYS[2], m)
   if hold then
     local sp = string.find(hold, ' ', 1, true)
-    till, holder = tonumber(string.sub(hold, 1, sp - 1)), string.sub(hold, sp + 1)
+    local nl = string.find(hold, '\n', sp + 1, true)
+    till, holder = tonumber(string.sub(hold, 1, sp - 1)), string.sub(hold, sp + 1, nl - 1)
+    held = string.sub(hold, nl + 1)
   end
   if till > now and holder ~= me then return true end
   local bid = string.sub(m, string.find(m, ':', 1, true) + 1)
@@ -62,9 +64,10 @@ local function visit(m)
   end
   local key = prefix_of(got[#got][2])
   if key and key == prefix_of(nxt[2]) then
-    -- the group's hold runs from when this consumer leased its first item, never renewed
-    if not (holder == me and till > now and prefix_of(got[1][2]) == key) then
-      redis.call('HSET', KEYS[2], m, string.format('%d %s', now + tonumber(ARGV[5]), me))
+    if key ~= held then  -- a group this lease entered: held for this consumer from now
+      redis.call('HSET', KEYS[2], m, string.format('%d %s\n%s', now + tonumber(ARGV[5]), me, key))
+    elseif till > 0 and till <= now then  -- its hold lapsed: from now on any consumer leases it
+      redis.call('HSET', KEYS[2], m, '0 -\n' .. key)
     end
   else
     redis.call('HDEL', KEYS[2], m)

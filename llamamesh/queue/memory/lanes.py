@@ -1,7 +1,7 @@
 """``MemoryLanes``: each pool's batch lanes in one process, leased as lease_items.lua leases them on
 Redis: earliest deadline first (equal deadlines: the batch created first), at most
 ``LEASE_LANES`` + count lanes with items looked at, and the rest of a prefix group held for the
-worker that leased its first item, ``hold_ms`` from then."""
+worker that leased its first item, ``hold_ms`` from then, and anyone's once that lapsed."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ Entry = tuple[str, GenerationRequest]
 class _Lane:
     order: tuple[float, float]  # (deadline, creation time)
     waiting: list[Entry] = field(default_factory=list)
-    # (until, monotonic ms; worker): the rest of the group at the lane's head is that worker's
-    hold: tuple[float, str] | None = None
+    # (until, monotonic ms; worker; prefix key): the rest of the group at the lane's head is that
+    # worker's until then; until 0: the hold lapsed, the group is anyone's
+    hold: tuple[float, str, str] | None = None
 
 
 class MemoryLanes:
@@ -58,8 +59,10 @@ class MemoryLanes:
             key = got[-1][1].prefix_key
             if not lane.waiting or not key or lane.waiting[0][1].prefix_key != key:
                 lane.hold = None
-            elif not (lane.hold and lane.hold[1] == consumer and lane.hold[0] > now and got[0][1].prefix_key == key):
-                lane.hold = (now + self.hold_ms, consumer)
+            elif lane.hold is None or lane.hold[2] != key:
+                lane.hold = (now + self.hold_ms, consumer, key)
+            elif 0 < lane.hold[0] <= now:
+                lane.hold = (0.0, "", key)
         pending = self.pending.setdefault(pool, {})
         for entry_id, req in taken:
             pending[entry_id] = (consumer, req)
