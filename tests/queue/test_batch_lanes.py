@@ -71,21 +71,42 @@ def prefixed(bid: str, keys: list[str]) -> tuple[BatchInfo, list]:
     return info, [(p, dataclasses.replace(r, prefix_key=k)) for (p, r), k in zip(items, keys, strict=True)]
 
 
+async def filler(store: BatchStore, n: int = 40) -> None:
+    """A batch due after every other one: the work a worker takes while a group is held for another."""
+    info, items = batch("filler", n, window_s=86400)
+    await store.create(info, "fp", items)
+
+
 async def test_each_prefix_groups_items_go_to_one_worker(store: BatchStore) -> None:
-    """Three prefix keys interleaved, leased two at a time by two workers in turn: every key's items
-    all go to one worker (each group is leased well within the hold). The worker that leased a
-    group's first item (a's second lease ends with p1's first) keeps the group; one whose lease ends
-    with a group's last item leaves the next group to whoever comes first (b, for p2)."""
+    """Three prefix keys interleaved, leased two at a time by two workers in turn, with another
+    batch's items for whoever finds a group held for the other: every key's items all go to one
+    worker (each group is leased well within the hold). The worker that leased a group's first item
+    (a's third lease ends with p1's first) keeps the group; one whose lease ends with a group's last
+    item leaves the next group to whoever comes first (b, for p2)."""
     info, items = prefixed("g", [f"p{i % 3}" for i in range(15)])
     await store.create(info, "fp", items)
+    await filler(store)
     owner: dict[str, set[str]] = {}
     taken = 0
     for turn in range(30):
         worker = "ab"[turn % 2]
         for x in await store.lease_items("cpu", worker, 2, None):
-            owner.setdefault(x.request.prefix_key, set()).add(worker)
-            taken += 1
+            if x.request.batch_id == "g":
+                owner.setdefault(x.request.prefix_key, set()).add(worker)
+                taken += 1
     assert taken == 15 and owner == {"p0": {"a"}, "p1": {"a"}, "p2": {"b"}}
+
+
+async def test_a_worker_with_nothing_else_takes_over_a_held_group(store: BatchStore) -> None:
+    """No worker waits while items do: with no other lane to lease from, b takes of the group held
+    for a, and the rest of that group is anyone's from then on."""
+    info, items = prefixed("solo", ["k"] * 6)
+    await store.create(info, "fp", items)
+    assert [x.request.custom_id for x in await store.lease_items("cpu", "a", 2, None)] == ["c0", "c1"]
+    assert [x.request.custom_id for x in await store.lease_items("cpu", "b", 2, None)] == ["c2", "c3"]
+    await filler(store)  # now there is other work, but the group is held for nobody any more
+    assert [x.request.custom_id for x in await store.lease_items("cpu", "a", 1, None)] == ["c4"]
+    assert [x.request.custom_id for x in await store.lease_items("cpu", "b", 1, None)] == ["c5"]
 
 
 async def test_a_group_held_for_a_worker_that_does_not_come_back_goes_to_any_worker(
@@ -97,12 +118,20 @@ async def test_a_group_held_for_a_worker_that_does_not_come_back_goes_to_any_wor
     for store in (RedisBatches(q.client, q.keys, retention_s=60, prefix_hold_ms=300), MemoryBatches(hold_ms=300)):
         info, items = prefixed("held", ["k"] * 8)
         await store.create(info, "fp", items)
+        await filler(store, 200)
         assert len(await store.lease_items("cpu", "a", 2, None)) == 2  # then a is full: it leases no more
-        assert await store.lease_items("cpu", "b", 2, None) == []  # the rest waits for a, a while
-        more = await until(functools.partial(store.lease_items, "cpu", "b", 2, None), 5, "b to get more of the group")
+        # the rest waits for a, a while: b takes the other batch's items meanwhile
+        assert {x.request.batch_id for x in await store.lease_items("cpu", "b", 2, None)} == {"filler"}
+        more = await until(
+            functools.partial(store.lease_items, "cpu", "b", 2, None),
+            5,
+            "b to get more of the group",
+            done=lambda got: any(x.request.batch_id == "held" for x in got),
+        )
         assert [x.request.custom_id for x in more] == ["c2", "c3"]
         assert [x.request.custom_id for x in await store.lease_items("cpu", "a", 2, None)] == ["c4", "c5"]
-        assert [x.request.custom_id for x in await store.lease_items("cpu", "b", 5, None)] == ["c6", "c7"]
+        rest = await store.lease_items("cpu", "b", 5, None)
+        assert [x.request.custom_id for x in rest if x.request.batch_id == "held"] == ["c6", "c7"]
     await q.close()
 
 

@@ -1,7 +1,8 @@
 """``MemoryLanes``: each pool's batch lanes in one process, leased as lease_items.lua leases them on
 Redis: earliest deadline first (equal deadlines: the batch created first), at most
 ``LEASE_LANES`` + count lanes with items looked at, and the rest of a prefix group held for the
-worker that leased its first item, ``hold_ms`` from then, and anyone's once that lapsed."""
+worker that leased its first item, ``hold_ms`` from then, while other lanes have items for the
+others, and anyone's once that lapsed or another worker had nothing else to lease."""
 
 from __future__ import annotations
 
@@ -48,25 +49,38 @@ class MemoryLanes:
         now = time.monotonic() * 1000
         lanes = sorted((x for x in self._lanes.get(pool, {}).values() if x.waiting), key=lambda x: x.order)
         taken: list[Entry] = []
+        passed = []
         for lane in lanes[: LEASE_LANES + count]:
-            left = count - len(taken)
-            if left <= 0:
+            if count - len(taken) <= 0:
                 break
-            if lane.hold is not None and lane.hold[0] > now and lane.hold[1] != consumer:
-                continue
-            got, lane.waiting = lane.waiting[:left], lane.waiting[left:]
-            taken += got
-            key = got[-1][1].prefix_key
-            if not lane.waiting or not key or lane.waiting[0][1].prefix_key != key:
-                lane.hold = None
-            elif lane.hold is None or lane.hold[2] != key:
-                lane.hold = (now + self.hold_ms, consumer, key)
-            elif 0 < lane.hold[0] <= now:
-                lane.hold = (0.0, "", key)
+            if self._held(lane, consumer, now):
+                passed.append(lane)
+            else:
+                taken += self._take(lane, consumer, count - len(taken), now)
+        for lane in passed:  # nothing else to lease: the groups held for others, rather than nothing
+            if count - len(taken) > 0:
+                taken += self._take(lane, consumer, count - len(taken), now)
         pending = self.pending.setdefault(pool, {})
         for entry_id, req in taken:
             pending[entry_id] = (consumer, req)
         return taken
+
+    @staticmethod
+    def _held(lane: _Lane, consumer: str, now: float) -> bool:
+        """Whether the group at the lane's head is another worker's now."""
+        return lane.hold is not None and lane.hold[0] > now and lane.hold[1] != consumer
+
+    def _take(self, lane: _Lane, consumer: str, left: int, now: float) -> list[Entry]:
+        over = self._held(lane, consumer, now)  # taken over from the worker it was held for
+        got, lane.waiting = lane.waiting[:left], lane.waiting[left:]
+        key = got[-1][1].prefix_key
+        if not lane.waiting or not key or lane.waiting[0][1].prefix_key != key:
+            lane.hold = None
+        elif lane.hold is None or lane.hold[2] != key:
+            lane.hold = (now + self.hold_ms, consumer, key)
+        elif 0 < lane.hold[0] <= now or over:  # lapsed or taken over: anyone's from now on
+            lane.hold = (0.0, "", key)
+        return got
 
     def ack(self, pool: str, entry_id: str) -> None:
         self.pending.get(pool, {}).pop(entry_id, None)
