@@ -41,8 +41,8 @@ outer time limit cuts between pairs, not inside a run; ``--json`` is rewritten a
   python bench/prefix_affinity.py --engine fake --pairs 1                    # mechanics, any machine
   python bench/prefix_affinity.py --engine vllm --workload shared --pairs 2 --model-path MODEL_DIR \\
       --json bench/results/prefix_affinity_shared.json                       # docs/benchmarks.md
-  python bench/prefix_affinity.py --engine vllm --workload multiturn --pairs 1 --doc-tokens 1000 \
-      --max-tokens 128 --kv-blocks 6000 --model-path MODEL_DIR                # docs/benchmarks.md
+  LLAMAMESH_VLLM_ENFORCE_EAGER=true python bench/prefix_affinity.py --engine vllm --workload multiturn \\
+      --pairs 1 --doc-tokens 1000 --max-tokens 128 --kv-blocks 6000 --model-path MODEL_DIR
 """
 
 from __future__ import annotations
