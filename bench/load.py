@@ -64,45 +64,51 @@ def make_prompts(tokenizer_dir: str, n: int, input_len: int, seed: int, repeat: 
     return prompts
 
 
+async def stream_one(stub: Any, req: pb.GenerateRequest) -> tuple[dict, str]:
+    """One streaming Generate call, recorded (times at the client; queue_ms / server_ttft_ms: the
+    server's own view, gateway accept -> worker start / -> first token), and its text."""
+    t0 = time.perf_counter()
+    first = last = 0.0
+    itl: list[float] = []
+    ntok = 0
+    usage = None
+    text: list[str] = []
+    timings = (float("nan"), float("nan"))
+    async for m in stub.Generate(req):
+        if m.token_ids:
+            now = time.perf_counter()
+            if not first:
+                first = now
+            else:
+                itl.append(now - last)
+            last = now
+            ntok += len(m.token_ids)
+        text.append(m.text)
+        if m.HasField("usage"):
+            usage = (m.usage.prompt_tokens, m.usage.completion_tokens)
+        if m.HasField("timings"):
+            t = m.timings
+            timings = (t.queue_wait.ToNanoseconds() / 1e6, t.time_to_first_token.ToNanoseconds() / 1e6)
+    rec = {
+        "start": t0,
+        "ttft": first - t0,
+        "itl": itl,
+        "ntok": ntok,
+        "e2e": last - t0,
+        "end": last,
+        "prompt_tokens": usage[0] if usage else 0,
+        "queue_ms": timings[0],
+        "server_ttft_ms": timings[1],
+    }
+    return rec, "".join(text)
+
+
 async def _one(
     stub: Any, prompt: str, output_len: int, sem: asyncio.Semaphore, rec: list[dict], temperature: float = 1.0
 ) -> None:
     async with sem:
         req = pb.GenerateRequest(prompt=prompt, max_tokens=output_len, ignore_eos=True, temperature=temperature)
-        t0 = time.perf_counter()
-        first = last = 0.0
-        itl: list[float] = []
-        ntok = 0
-        usage = None
-        timings = (float("nan"), float("nan"))
-        async for m in stub.Generate(req):
-            if m.token_ids:
-                now = time.perf_counter()
-                if not first:
-                    first = now
-                else:
-                    itl.append(now - last)
-                last = now
-                ntok += len(m.token_ids)
-            if m.HasField("usage"):
-                usage = (m.usage.prompt_tokens, m.usage.completion_tokens)
-            if m.HasField("timings"):
-                t = m.timings
-                timings = (t.queue_wait.ToNanoseconds() / 1e6, t.time_to_first_token.ToNanoseconds() / 1e6)
-        # queue_ms / server_ttft_ms: the server's own view (gateway accept -> worker start / -> first token)
-        rec.append(
-            {
-                "start": t0,
-                "ttft": first - t0,
-                "itl": itl,
-                "ntok": ntok,
-                "e2e": last - t0,
-                "end": last,
-                "prompt_tokens": usage[0] if usage else 0,
-                "queue_ms": timings[0],
-                "server_ttft_ms": timings[1],
-            }
-        )
+        rec.append((await stream_one(stub, req))[0])
 
 
 async def _one_openai(session: Any, url: str, body: dict, sem: asyncio.Semaphore, rec: list[dict]) -> None:

@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 import grpc
+from load import stream_one  # bench/ is on the path of `python bench/prefix_affinity.py`
 
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc
@@ -38,48 +39,16 @@ def openings(docs: list[str], questions: tuple[str, ...]) -> list[str]:
     return [f"{doc}\n\nQuestion: {questions[i % len(questions)]}" for i, doc in enumerate(docs)]
 
 
-async def _turn(stub: Any, messages: list[pb.ChatMessage], key: str, max_tokens: int, turn: int) -> tuple[dict, str]:
-    req = pb.GenerateRequest(messages=messages, max_tokens=max_tokens, ignore_eos=True, prefix_key=key)
-    t0 = time.perf_counter()
-    first = last = 0.0
-    itl: list[float] = []
-    ntok = prompt_tokens = 0
-    text: list[str] = []
-    async for m in stub.Generate(req):
-        if m.token_ids:
-            now = time.perf_counter()
-            if first:
-                itl.append(now - last)
-            else:
-                first = now
-            last = now
-            ntok += len(m.token_ids)
-        text.append(m.text)
-        if m.HasField("usage"):
-            prompt_tokens = m.usage.prompt_tokens
-    nan = float("nan")
-    rec = {
-        "start": t0,
-        "ttft": first - t0,
-        "itl": itl,
-        "ntok": ntok,
-        "e2e": last - t0,
-        "end": last,
-        "prompt_tokens": prompt_tokens,
-        "queue_ms": nan,
-        "server_ttft_ms": nan,
-        "turn": turn,
-    }
-    return rec, "".join(text)
-
-
 async def _conversation(stub: Any, cid: int, opening: str, turns: int, max_tokens: int, rec: list[dict]) -> None:
     messages = [pb.ChatMessage(role="user", content=opening)]
     for turn in range(turns):
         if turn:
             messages.append(pb.ChatMessage(role="user", content=FOLLOW_UPS[(turn - 1) % len(FOLLOW_UPS)]))
-        r, answer = await _turn(stub, list(messages), f"conversation-{cid}", max_tokens, turn)
-        rec.append(r)
+        req = pb.GenerateRequest(
+            messages=messages, max_tokens=max_tokens, ignore_eos=True, prefix_key=f"conversation-{cid}"
+        )
+        r, answer = await stream_one(stub, req)
+        rec.append(r | {"turn": turn})
         messages.append(pb.ChatMessage(role="assistant", content=answer))
 
 
