@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from llamamesh.queue.memory import MemoryQueue
+from llamamesh.queue.batches import RedisBatches
+from llamamesh.queue.memory import MemoryBatches, MemoryQueue
+from llamamesh.queue.protocol import BatchStore
 from llamamesh.queue.redisio import connect
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import RedisSettings
@@ -30,6 +32,17 @@ def redis_server(
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(params=["redis", "memory"])
+async def store(request: pytest.FixtureRequest, redis_settings: RedisSettings) -> AsyncIterator[BatchStore]:
+    """A batch store on each Redis server, and in memory."""
+    if request.param == "memory":
+        yield MemoryBatches()
+        return
+    q = RedisQueue.from_settings(redis_settings)
+    yield RedisBatches(q.client, q.keys, retention_s=60, claim_idle_s=30)  # its started items are live ones
+    await q.close()
 
 
 @pytest.fixture

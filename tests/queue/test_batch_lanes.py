@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -23,16 +22,6 @@ from tests.queue.jobs import batch
 from tests.waiting import until
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(30)]
-
-
-@pytest.fixture(params=["redis", "memory"])
-async def store(request: pytest.FixtureRequest, redis_settings: RedisSettings) -> AsyncIterator[BatchStore]:
-    if request.param == "memory":
-        yield MemoryBatches()
-        return
-    q = RedisQueue.from_settings(redis_settings)
-    yield RedisBatches(q.client, q.keys, retention_s=60, claim_idle_s=30)
-    await q.close()
 
 
 def ok(lease: Lease) -> ItemResult:

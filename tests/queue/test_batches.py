@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -20,16 +19,6 @@ from llamamesh.types import BatchInfo, BatchState, ItemResult, ItemStatus, Usage
 from tests.queue.jobs import batch
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(30)]
-
-
-@pytest.fixture(params=["redis", "memory"])
-async def store(request: pytest.FixtureRequest, redis_settings: RedisSettings) -> AsyncIterator[BatchStore]:
-    if request.param == "memory":
-        yield MemoryBatches()
-        return
-    q = RedisQueue.from_settings(redis_settings)
-    yield RedisBatches(q.client, q.keys, retention_s=60, claim_idle_s=30)  # its started items are live ones
-    await q.close()
 
 
 def ok(cid: str) -> ItemResult:
