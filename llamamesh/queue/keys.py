@@ -46,7 +46,8 @@ GROUP_FIELD = "g"
 # Milliseconds the rest of a batch's prefix group stays reserved for the worker that leased its
 # first item (``Keys.batch_holds``), counted from then: a group all leased within it goes to that
 # worker whole; what is left after it goes to any worker that asks (a group too large for one
-# worker spreads over several, and never waits for a worker that is full or gone).
+# worker spreads over several, and never waits for a worker that is full or gone). Meanwhile a
+# worker with nothing else to lease takes of it too, rather than wait: holds reorder work, no more.
 PREFIX_HOLD_MS = 2000
 # How many of a pool's lanes (in deadline order) one lease of batch items looks at.
 LEASE_LANES = 16
@@ -231,8 +232,9 @@ class Keys:
     def batch_holds(self, pool: str) -> str:
         """Lanes whose next items continue a prefix group a worker leased the start of (a hash:
         ``lane_member`` -> ``"<until ms> <worker>\\n<prefix key>"``): until then only that worker
-        leases from them (``PREFIX_HOLD_MS`` after it took the group's first item); until 0: the
-        hold lapsed, the rest of the group is anyone's."""
+        leases from them while the others have other lanes to lease from (``PREFIX_HOLD_MS`` after
+        it took the group's first item); until 0: the hold lapsed, or another worker with nothing
+        else took of the group, and the rest of it is anyone's."""
         return f"{self.prefix}:pool:{{{pool}}}:batch-holds"
 
     def batch(self, batch_id: str) -> str:
