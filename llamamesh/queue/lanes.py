@@ -59,6 +59,8 @@ class BatchLanes:
         self._claim_from: dict[str, bytes | str] = {}
         # pool -> the rank (in the open lanes) of the first lane its next reclaim looks at.
         self._claim_lane: dict[str, int] = {}
+        # pool -> the rank of the first lane the next ``open_streams`` gives.
+        self._prune_lane: dict[str, int] = {}
 
     def stream(self, pool: str, batch_id: str) -> str:
         """The stream of ``pool`` that holds a batch's items ("": the shared stream)."""
@@ -152,10 +154,14 @@ class BatchLanes:
             if isinstance(reply, BaseException) and not groups.gone(reply):
                 raise reply
 
-    async def open_streams(self, pool: str, limit: int = 1000) -> list[str]:
-        """The pool's shared stream and up to ``limit`` of its open lanes (earliest deadline first)."""
+    async def open_streams(self, pool: str, limit: int = RECLAIM_LANES) -> list[str]:
+        """The pool's shared stream and ``limit`` of its open lanes, the next call going on with the
+        lanes after them (back at the first once it has been through all): what one call costs
+        stays bounded however many batches are open."""
+        start = self._prune_lane.get(pool, 0)
         with unreachable():
-            members: Any = await self._r.zrange(self.keys.batch_lanes_open(pool), 0, limit - 1)
+            members: Any = await self._r.zrange(self.keys.batch_lanes_open(pool), start, start + limit - 1)
+        self._prune_lane[pool] = start + limit if len(members) == limit else 0
         return [self.keys.batch_items(pool), *(self.keys.batch_lane(pool, _batch(m)) for m in members)]
 
     async def close(self, batch_id: str, created_at: float, pools: Iterable[str]) -> None:

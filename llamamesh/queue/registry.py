@@ -96,9 +96,10 @@ class WorkerRegistry:
         return QueueDepth(waiting, leased)
 
     async def prune_consumers(self, pool: str) -> int:
-        """Remove the consumers of the pool's work streams (every tenant's) and batch lanes that
-        hold no entry and were idle for ``Retention.consumer_idle_s`` (dead or restarted workers'
-        names); returns how many. Then forget the tenants whose work streams hold nothing.
+        """Remove the consumers of the pool's work streams (every tenant's) and batch lanes (a
+        bounded window of them each call, going round: ``BatchLanes.open_streams``) that hold no
+        entry and were idle for ``Retention.consumer_idle_s`` (dead or restarted workers' names);
+        returns how many. Then forget the tenants whose work streams hold nothing.
         Raises QueueUnavailable."""
         idle_s = self.retention.consumer_idle_s
         tenants = sorted((await self._work.tenants(pool)).keys() | {""})

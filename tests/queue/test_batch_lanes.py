@@ -249,3 +249,27 @@ async def test_items_of_the_pools_shared_stream_are_still_leased_and_recorded(re
         assert await q.client.xlen(shared) == 0 and (await q.client.xpending(shared, WORKER_GROUP))["pending"] == 0
     finally:
         await q.close()
+
+
+async def test_pruning_goes_round_the_open_lanes_a_window_at_a_time(redis_settings: RedisSettings) -> None:
+    """A worker gone from 40 open lanes: each prune looks at 32 of them at most, the next at the
+    rest, so what one prune costs stays bounded however many batches are open."""
+    q = RedisQueue.from_settings(dataclasses.replace(redis_settings, consumer_idle_s=1))
+    store = RedisBatches(q.client, q.keys, retention_s=60)
+    try:
+        for n in range(40):
+            info, items = batch(f"open-{n:02d}", 1)
+            await store.create(info, "fp", items)
+            (lease,) = await store.lease_items("cpu", "gone", 1, None)
+            await store.discard(lease)  # "gone" holds nothing in the lane, which stays open
+        last = q.keys.batch_lane("cpu", "open-39")
+
+        async def idle_ms() -> int:
+            return min(int(c["idle"]) for c in await q.client.xinfo_consumers(last, WORKER_GROUP))
+
+        await until(idle_ms, 10, "the last lane's consumer idle for the server's 1 s", done=lambda ms: ms >= 1000)
+        assert await q.prune_consumers("cpu") == 32
+        assert await q.prune_consumers("cpu") == 8
+        assert await q.prune_consumers("cpu") == 0
+    finally:
+        await q.close()
