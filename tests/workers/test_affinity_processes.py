@@ -40,6 +40,9 @@ class Pool:
             "LLAMAMESH_REDIS_URL": server.url,
             "LLAMAMESH_REDIS_PREFIX": self.prefix,
             "LLAMAMESH_REDIS_AFFINITY_PARTITIONS": str(P),
+            # no steals here (a loaded machine can keep an owner from its job for 50 ms): each
+            # key's jobs must run on its owner; test_affinity_workers covers stealing
+            "LLAMAMESH_REDIS_AFFINITY_STEAL_AFTER_MS": "5000",
             "LLAMAMESH_WORKER_ENGINE": "fake",
             "LLAMAMESH_WORKER_POOL": "cpu",
             "LLAMAMESH_WORKER_MAX_INFLIGHT": "1",

@@ -21,6 +21,9 @@ from workers.worker import Worker
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
 
 P = 4
+# long enough that a loaded machine never lets an idle worker steal an owner's job before the owner,
+# which is waiting for it, reads it; short enough that a busy owner's job is stolen well within a test
+STEAL_MS = 500
 
 
 def job(rid: str, key: str, n: int = 2) -> GenerationRequest:
@@ -49,7 +52,7 @@ class Pool:
 
 @pytest.fixture
 async def pool(redis_settings: RedisSettings) -> AsyncIterator[Pool]:
-    settings = dataclasses.replace(redis_settings, affinity_partitions=P, affinity_steal_after_ms=50)
+    settings = dataclasses.replace(redis_settings, affinity_partitions=P, affinity_steal_after_ms=STEAL_MS)
     gateway = RedisQueue.from_settings(settings)
     started: dict[str, tuple[Worker, FakeEngine, RedisQueue]] = {}
     stops: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
@@ -93,10 +96,10 @@ async def test_a_prefix_keys_jobs_run_on_its_owner_while_it_has_room(pool: Pool)
 async def test_a_busy_owners_queued_job_runs_on_the_idle_worker(pool: Pool) -> None:
     _w1, e1, q1 = pool.workers["w1"]
     key = key_in(q1.owned("cpu", "w1"))
-    await pool.queue.submit("cpu", job("long", key, n=20))  # 20 steps of 50 ms on w1's one slot
+    await pool.queue.submit("cpu", job("long", key, n=100))  # 100 steps of 50 ms on w1's one slot
     await until(lambda: "long" in e1.served, 10, "the long job to start on w1")
     await pool.queue.submit("cpu", job("next", key))
     evs = await asyncio.wait_for(finished(pool.queue, "next"), 5)
     assert {e.worker for e in evs if e.worker} == {"w2"}  # stolen: it did not wait for the long one
-    long = await asyncio.wait_for(finished(pool.queue, "long"), 10)
+    long = await asyncio.wait_for(finished(pool.queue, "long"), 15)
     assert {e.worker for e in long if e.worker} == {"w1"}
