@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from llamamesh.errors import AlreadyExists, QueueUnavailable
-from llamamesh.queue import codec, groups
+from llamamesh.queue import batch_record, codec, groups
 from llamamesh.queue.affinity import grouped
 from llamamesh.queue.keys import Keys, Retention
 from llamamesh.queue.lanes import BatchLanes
@@ -71,7 +71,8 @@ class BatchIntake:
         4. every item not queued yet onto the batch's lane of its pool (each prefix key's items
            together), each reported on its own, and the ids of those queued into the batch's
            ``queued`` set; each lane is listed for leasing after its entries;
-        5. seal_batch.lua: once every item is in ``queued``, the record is marked ``enqueued``.
+        5. seal_batch.lua: once every item is in ``queued``, the record is marked ``enqueued``;
+           if the batch ended meanwhile (cancelled), its lanes are deleted again.
 
         A failure (Redis refuses writes when it is full, or stops answering) drops what it wrote
         (drop_batch.lua): items already queued then find no batch and are skipped. When even that
@@ -159,6 +160,15 @@ class BatchIntake:
                 self._replicas.wait(pipe)  # the record, every item and the seal
                 replies = await pipe.execute()
         self._replicas.check(replies, "the batch")
+        await self._close_if_ended(info, {pool for pool, _request in todo})
+
+    async def _close_if_ended(self, info: BatchInfo, pools: set[str]) -> None:
+        """Delete the lanes of a batch that ended while it was being written (cancelled, say): the
+        end deleted them then, and the items queued after it listed them again."""
+        if pools:
+            after = await batch_record.read(self._r, self.keys, info.batch_id)
+            if after is not None and not batch_record.waits(after):
+                await self._lanes.close(info.batch_id, after.created_at, pools)
 
     async def _queue_items(self, info: BatchInfo, todo: Sequence[tuple[str, GenerationRequest]]) -> None:
         """Step 4, in pipelines of at most ``CHUNK_BYTES`` (Redis counts a pipeline's bytes against

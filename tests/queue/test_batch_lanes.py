@@ -10,7 +10,7 @@ import functools
 
 import pytest
 
-from llamamesh.queue import codec
+from llamamesh.queue import codec, intake
 from llamamesh.queue.batches import RedisBatches
 from llamamesh.queue.keys import JOB_FIELD, WORKER_GROUP, lane_member
 from llamamesh.queue.memory import MemoryBatches
@@ -162,6 +162,40 @@ async def test_a_lane_goes_once_its_batch_ended(redis_settings: RedisSettings) -
         assert await q.client.zrange(k.batch_lanes_open("cpu"), 0, -1) == [lane_member_of(await store.get("kept"))]
         assert await q.client.zrange(k.batch_lanes("cpu"), 0, -1) == [lane_member_of(await store.get("kept"))]
         assert await q.client.hkeys(k.batch_holds("cpu")) == []
+    finally:
+        await q.close()
+
+
+async def test_a_batch_cancelled_while_its_submission_writes_leaves_no_lane(
+    redis_settings: RedisSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cancel deletes the lane after the first item; the second, queued after it, lists the
+    lane again: the submission deletes it once it sees the batch ended."""
+    q = RedisQueue.from_settings(redis_settings)
+    store = RedisBatches(q.client, q.keys, retention_s=60, claim_idle_s=30)
+    k = q.keys
+    monkeypatch.setattr(intake, "CHUNK_ITEMS", 1)
+    queue_chunk = store.intake._queue_chunk
+    chunks = 0
+
+    async def cancelled_after_the_first(*args: object) -> None:
+        nonlocal chunks
+        await queue_chunk(*args)  # type: ignore[arg-type]
+        chunks += 1
+        if chunks == 1:
+            await store.cancel("torn")
+            assert not await q.client.exists(k.batch_lane("cpu", "torn"))
+
+    monkeypatch.setattr(store.intake, "_queue_chunk", cancelled_after_the_first)
+    try:
+        info, items = prefixed("torn", ["k", "j"])
+        await store.create(info, "fp", items)
+        assert chunks == 2
+        assert await state(store, "torn") is BatchState.CANCELLED
+        assert await store.lease_items("cpu", "w", 5, None) == []
+        assert not await q.client.exists(k.batch_lane("cpu", "torn"))
+        assert await q.client.zrange(k.batch_lanes_open("cpu"), 0, -1) == []
+        assert await q.client.zrange(k.batch_lanes("cpu"), 0, -1) == []
     finally:
         await q.close()
 
