@@ -21,7 +21,8 @@ invocation, so drift on the machine hits both sides alike. Two workloads:
 - ``multiturn``: ``--docs`` conversations at once (bench/multiturn.py), each ``--turns`` chat turns
   whose messages grow by every answer (the first: a document and a question), each turn sent when
   the last one ended, with ``prefix_key`` = the conversation. A: round-robin (affinity off); B:
-  affinity by conversation (``--partitions``). Targets: tok/s >= 1.3x, TTFT p50 <= 0.5x of A.
+  affinity by conversation (``--partitions``, ``--placement``: balanced by default, each new
+  conversation on the worker with the fewest). Targets: tok/s >= 1.3x, TTFT p50 <= 0.5x of A.
 
 ``--engine vllm``: both workers on the one GPU (LLAMAMESH_VLLM_GPU_MEMORY_UTILIZATION 0.45 each,
 prefix caching on, one frontend each), started one after the other: vLLM's memory profile assumes
@@ -274,6 +275,7 @@ def fleet_env(args: argparse.Namespace, workload: str, b_side: bool) -> dict[str
         "LLAMAMESH_WORKER_GRACE_S": "5",
         "LLAMAMESH_LOG_LEVEL": args.log_level,
         "LLAMAMESH_REDIS_AFFINITY_PARTITIONS": str(args.partitions if affinity else 0),
+        "LLAMAMESH_REDIS_AFFINITY_PLACEMENT": args.placement,
         "LLAMAMESH_GATEWAY_NORMALIZE_RULES": HTML_IDS_RULE if workload == "html" and b_side else "",
     }
     if args.engine == "fake":
@@ -320,6 +322,8 @@ def one_run(
             gpu_released()
     rec = out["rec"]
     concurrency = len(main) if workload == "multiturn" else args.concurrency  # one stream per conversation
+    # the owners' split by the prompts' hashes: what hash placement gives (balanced places as it goes)
+    predictable = affinity and workload != "multiturn" and args.placement == "hash"
     res = summarise(rec, max(r["end"] for r in rec) - out["t0"], workload, concurrency)
     d = collections.defaultdict(float, {k: v - before.get(k, 0.0) for k, v in after.items()})
     queries = d[(QUERIES, "")]
@@ -329,6 +333,7 @@ def one_run(
         "side": SIDES[workload][b_side],
         "b": b_side,
         "partitions": args.partitions if affinity else 0,
+        "placement": args.placement if affinity else "",
         "normalised": workload == "html" and b_side,
         "requests": res["num_requests"],
         "prompt_tokens_mean": round(res["prompt_tokens_mean"], 1),
@@ -342,7 +347,7 @@ def one_run(
         "leases_own": d[(LEASES, "own")],
         "leases_stolen": d[(LEASES, "stolen")],
         "jobs_per_worker": [d[(STARTED, str(m))] for m, _ in fleet.ports],
-        "jobs_predicted": fleet.predicted(main, args.partitions) if affinity and workload != "multiturn" else None,
+        "jobs_predicted": fleet.predicted(main, args.partitions) if predictable else None,
         "load_s": round(res["duration_s"], 2),
         "fleet_start_s": round(started_s, 1),
         "run_s": round(time.monotonic() - t_fleet, 1),
@@ -442,6 +447,12 @@ def main() -> None:
     ap.add_argument("--warmups", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--partitions", type=int, default=16, help="LLAMAMESH_REDIS_AFFINITY_PARTITIONS with affinity on")
+    ap.add_argument(
+        "--placement",
+        choices=["hash", "balanced"],
+        default="balanced",
+        help="LLAMAMESH_REDIS_AFFINITY_PLACEMENT with affinity on",
+    )
     ap.add_argument("--max-inflight", type=int, default=128, help="per worker (and vLLM's max_num_seqs)")
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.45)

@@ -13,11 +13,17 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import islice
 
 from llamamesh.types import GenerationRequest
 
 # Field prefix of a member's entry in the owners hash (partition fields are bare numbers).
 MEMBER = "m:"
+# Balanced placement: the most prefix keys a pool remembers (past it, the least recently used is
+# forgotten), and how many keys unused for the ttl one submission forgets at most.
+MOST_PLACED = 100_000
+FORGET_EACH = 8
 
 
 def partition_of(request: GenerationRequest, partitions: int) -> int:
@@ -26,6 +32,66 @@ def partition_of(request: GenerationRequest, partitions: int) -> int:
     key = request.prefix_key or request.request_id
     digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return int.from_bytes(digest, "big") % partitions
+
+
+def placement_field(tenant: str, key: str) -> str:
+    """A prefix key's name in a pool's placements: each tenant's keys apart."""
+    return f"{tenant}\n{key}"
+
+
+def least_loaded(
+    hashed: int, partitions: int, load: Mapping[int, int], owners: Mapping[int, tuple[str, int]], now_ms: int
+) -> int:
+    """Where balanced placement puts a prefix key it has not seen: among the partitions of the
+    live owner with the fewest keys placed (partitions without one count as one more owner's),
+    the one with the fewest, the first from ``hashed`` on among equals. lua/submit.lua is its twin."""
+
+    def whose(k: int) -> str:
+        owner = owners.get(k)
+        return owner[0] if owner is not None and owner[1] > now_ms else ""
+
+    per: dict[str, int] = {}
+    for k in range(partitions):
+        per[whose(k)] = per.get(whose(k), 0) + load.get(k, 0)
+    best, score = hashed, (per[whose(hashed)], load.get(hashed, 0))
+    for i in range(1, partitions):
+        k = (hashed + i) % partitions
+        if (mine := (per[whose(k)], load.get(k, 0))) < score:
+            best, score = k, mine
+    return best
+
+
+@dataclass
+class Placements:
+    """A pool's balanced placement of prefix keys in memory (lua/submit.lua's twin): each key stays
+    in the partition it was first put in (``least_loaded``) while it is used within ``ttl_ms``."""
+
+    ttl_ms: int
+    where: dict[str, int] = field(default_factory=dict)
+    used: dict[str, int] = field(default_factory=dict)  # key -> last use (ms), least recent first
+    load: dict[int, int] = field(default_factory=dict)  # partition -> keys placed there
+
+    def place(self, key: str, hashed: int, partitions: int, owners: Mapping[int, tuple[str, int]], now_ms: int) -> int:
+        for old in [f for f, t in islice(self.used.items(), FORGET_EACH) if t <= now_ms - self.ttl_ms]:
+            self._forget(old)
+        k = self.where.get(key)
+        if k is None or k >= partitions:
+            if k is not None:
+                self._forget(key)
+            k = least_loaded(hashed, partitions, self.load, owners, now_ms)
+            if len(self.used) >= MOST_PLACED:
+                self._forget(next(iter(self.used)))
+            self.where[key] = k
+            self.load[k] = self.load.get(k, 0) + 1
+        self.used.pop(key, None)
+        self.used[key] = now_ms
+        return k
+
+    def _forget(self, key: str) -> None:
+        k = self.where.pop(key, None)
+        if k is not None:
+            self.load[k] -= 1
+        self.used.pop(key, None)
 
 
 def grouped(items: Sequence[tuple[str, GenerationRequest]]) -> list[tuple[str, GenerationRequest]]:

@@ -287,8 +287,7 @@ class Keys:
         ``[owner, batch_id]``): the sweep takes purged batches off their owner's list."""
         return f"{self.prefix}:batches:kept"
 
-    # --- tenants' budgets (llamamesh/queue/quotas.py): one hash tag per tenant ({t:<tenant>}), so
-    # that each check is one Lua script in one Redis Cluster slot
+    # --- tenants' budgets (quotas.py): one hash tag per tenant ({t:<tenant>}): one slot per check
 
     def tenant_rate(self, tenant: str) -> str:
         """The tenant's request and token buckets (a hash: level and time of each)."""
@@ -329,6 +328,18 @@ class Keys:
         """The pool's number of affinity partitions, recorded by the first gateway or worker that
         uses the pool with affinity on: all of them must agree."""
         return f"{self.prefix}:pool:{{{pool}}}:partitions"
+
+    def placements(self, pool: str) -> str:
+        """Balanced placement: each prefix key's partition (a hash: ``"<tenant>\\n<key>"`` -> k)."""
+        return f"{self.prefix}:pool:{{{pool}}}:placed"
+
+    def placements_used(self, pool: str) -> str:
+        """Balanced placement: when each placed key was last used (a sorted set by ms)."""
+        return f"{self.prefix}:pool:{{{pool}}}:placed-used"
+
+    def placements_load(self, pool: str) -> str:
+        """Balanced placement: how many placed keys each partition holds (a hash: partition -> count)."""
+        return f"{self.prefix}:pool:{{{pool}}}:placed-load"
 
 
 @dataclass(frozen=True)

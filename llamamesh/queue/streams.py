@@ -49,7 +49,15 @@ class RedisQueue:
         self.retention = Retention.of(settings)
         self.replicas = Replicas.of(settings)
         r, keys, kept = client, self.keys, self.retention
-        self._work = WorkStreams(r, keys, kept, self.replicas, settings.affinity_partitions)
+        self._work = WorkStreams(
+            r,
+            keys,
+            kept,
+            self.replicas,
+            settings.affinity_partitions,
+            settings.affinity_placement,
+            settings.affinity_placement_ttl_s,
+        )
         self._flags = CancelFlags(r, keys, kept, self.replicas)
         self._attempts = AttemptsLog(r, keys, kept)
         self._events = EventStreams(

@@ -29,12 +29,20 @@ class WorkStreams:
     """A pool's work streams: jobs queued on them, the streams and groups made, remade or forgotten,
     the tenants and partitions they are named by. With prefix affinity on (``affinity_partitions`` P
     > 0; affinity.py, docs/affinity.md) each tenant's stream is P partition streams
-    (``Keys.jobs_part``), a job's chosen by the hash of its prefix key; the pool records P, and a
+    (``Keys.jobs_part``), a job's chosen by the hash of its prefix key (or, placement balanced, by
+    where its key was first put: ``affinity.Placements``); the pool records P, and a
     gateway or worker configured otherwise is refused. A tenant whose streams hold nothing is
     forgotten (registry.py prunes), and its next submission makes them again."""
 
     def __init__(
-        self, client: aioredis.Redis, keys: Keys, retention: Retention, replicas: Replicas, partitions: int
+        self,
+        client: aioredis.Redis,
+        keys: Keys,
+        retention: Retention,
+        replicas: Replicas,
+        partitions: int,
+        placement: str = "hash",
+        placement_ttl_s: float = 600.0,
     ) -> None:
         if partitions < 0:
             raise ValueError(f"affinity_partitions must be 0 (off) or more, not {partitions}")
@@ -44,6 +52,10 @@ class WorkStreams:
         self.replicas = replicas
         # Partitions per tenant's stream (0: affinity off).
         self.partitions = partitions
+        # Affinity on: whether prefix keys are placed by their hash or balanced (affinity.Placements),
+        # and how long a balanced placement outlives its key's last use.
+        self.balanced = placement == "balanced"
+        self.placement_ttl_ms = max(1, int(placement_ttl_s * 1000))
         self._submit = register(client, "submit")
         self._forget = register(client, "forget_tenant")
         self._remake = register(client, "remake_streams")
@@ -60,15 +72,18 @@ class WorkStreams:
             raise ValueError(f"a tenant's weight must be positive, not {weight!r}")
         tenant = stream_tenant(request.tenant)
         partition = affinity.partition_of(request, self.partitions) if self.partitions else None
-        every = self.streams_of(pool, tenant) if self.partitions else []
+        k = self.keys
+        every = [k.owners(pool), k.placements(pool), k.placements_used(pool), k.placements_load(pool)]
+        every = every + self.streams_of(pool, tenant) if self.partitions else []
+        key = affinity.placement_field(tenant, request.prefix_key) if request.prefix_key else ""
         with unreachable():
             replies = await self._submissions.call(
                 self._submit,
                 keys=[
-                    self.keys.work(pool, tenant, partition),
-                    self.keys.submitted(pool, request.request_id),
-                    self.keys.tenants(pool),
-                    self.keys.partitions(pool),
+                    k.work(pool, tenant, partition),
+                    k.submitted(pool, request.request_id),
+                    k.tenants(pool),
+                    k.partitions(pool),
                     *every,
                 ],
                 args=[
@@ -80,6 +95,12 @@ class WorkStreams:
                     tenant,
                     repr(float(weight)),
                     self.partitions,
+                    "balanced" if self.balanced else "hash",
+                    self.placement_ttl_ms,
+                    key,
+                    partition if partition is not None else 0,
+                    affinity.FORGET_EACH,
+                    affinity.MOST_PLACED,
                 ],
             )
         waiting = int(replies[0])

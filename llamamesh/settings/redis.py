@@ -4,6 +4,7 @@ event streams' lifetimes and shards, and the replicas a write must reach."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 from urllib.parse import unquote
 
 from llamamesh.settings.schema import Range, Section, setting
@@ -159,6 +160,17 @@ class RedisSettings(Section, section="redis"):
     """With affinity on, a worker's blocking read waits on its own partitions at most this long before it looks at
     the others' again: an idle worker takes a busy owner's queued job within about this (plus a round trip), and
     an idle pool costs each worker about 1000 / this reads a second."""
+
+    affinity_placement: Literal["hash", "balanced"] = "hash"
+    """With affinity on, where a prefix key's requests go: hash, the partition its hash names (any
+    gateway, no state); balanced, the partition it was first put in, chosen then as the one of the
+    ready worker with the fewest keys placed, as long as the key is used within
+    ``affinity_placement_ttl_s``, so that conversations spread evenly over the workers rather than
+    as their hashes fall (the pool keeps a record of each key: at most 100,000, the least recently
+    used forgotten first). Gateways of a pool should agree; workers do not read it."""
+
+    affinity_placement_ttl_s: float = setting(600.0, Range(above=0))
+    """Balanced placement: a prefix key unused this long is forgotten (its next request is placed anew)."""
 
     wait_replicas: int = setting(0, Range(0))
     """Replicas that must have a write a client is told about (a submission, a Cancel, a batch's creation or cancel)

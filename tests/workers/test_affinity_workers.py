@@ -1,5 +1,6 @@
 """Prefix affinity with two real Workers (fake engine) on real Redis: a prefix key's jobs run on the
-worker that owns its partition while it has room; a busy owner's queued job runs on the idle one."""
+worker that owns its partition while it has room; a busy owner's queued job runs on the idle one;
+with balanced placement, keys that all hash to one worker's partitions are shared out between both."""
 
 from __future__ import annotations
 
@@ -51,8 +52,12 @@ class Pool:
 
 
 @pytest.fixture
-async def pool(redis_settings: RedisSettings) -> AsyncIterator[Pool]:
-    settings = dataclasses.replace(redis_settings, affinity_partitions=P, affinity_steal_after_ms=STEAL_MS)
+async def pool(request: pytest.FixtureRequest, redis_settings: RedisSettings) -> AsyncIterator[Pool]:
+    """Two workers: w1 (one slot) and w2 (four); the gateway places keys by ``request.param``."""
+    placement = getattr(request, "param", "hash")
+    settings = dataclasses.replace(
+        redis_settings, affinity_partitions=P, affinity_steal_after_ms=STEAL_MS, affinity_placement=placement
+    )
     gateway = RedisQueue.from_settings(settings)
     started: dict[str, tuple[Worker, FakeEngine, RedisQueue]] = {}
     stops: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
@@ -103,3 +108,19 @@ async def test_a_busy_owners_queued_job_runs_on_the_idle_worker(pool: Pool) -> N
     assert {e.worker for e in evs if e.worker} == {"w2"}  # stolen: it did not wait for the long one
     long = await asyncio.wait_for(finished(pool.queue, "long"), 15)
     assert {e.worker for e in long if e.worker} == {"w1"}
+
+
+@pytest.mark.parametrize("pool", ["balanced"], indirect=True)
+async def test_balanced_placement_shares_keys_that_hash_to_one_worker_between_both(pool: Pool) -> None:
+    _w1, _e1, q1 = pool.workers["w1"]
+    mine = q1.owned("cpu", "w1")
+    keys = [k for k in (f"conv-{i}" for i in range(400)) if partition_of(job("x", k), P) in mine][:8]
+    ran: dict[str, str] = {}
+    for turn in range(2):
+        for key in keys:
+            rid = f"{key}-{turn}"
+            await pool.queue.submit("cpu", job(rid, key))
+            evs = await asyncio.wait_for(finished(pool.queue, rid), 10)
+            (worker,) = {e.worker for e in evs if e.worker}
+            assert ran.setdefault(key, worker) == worker  # a key's turns stay where its first went
+    assert sorted(ran.values()) == ["w1"] * 4 + ["w2"] * 4

@@ -10,6 +10,7 @@ import time
 import uuid
 
 from llamamesh.errors import QueueOutOfMemory, QueueUnavailable
+from llamamesh.queue.affinity import Placements
 from llamamesh.queue.memory.pool import Pool
 from llamamesh.types import Attempt, GenerationRequest, JobEvent, WorkerStatus
 
@@ -18,8 +19,14 @@ class MemoryState:
     """The fake's state (``MemoryQueue`` is this with every role's calls). ``down = True`` makes every
     call fail; ``full = True`` every write, as a Redis at its maxmemory."""
 
-    def __init__(self, partitions: int = 0, steal_after_ms: int = 50) -> None:
+    def __init__(
+        self, partitions: int = 0, steal_after_ms: int = 50, placement: str = "hash", placement_ttl_s: float = 600.0
+    ) -> None:
         self._parts = partitions
+        # Balanced placement of prefix keys (affinity on): pool -> its placements.
+        self._balanced = placement == "balanced"
+        self._placement_ttl_ms = max(1, int(placement_ttl_s * 1000))
+        self._placements: dict[str, Placements] = {}
         self._steal_after_ms = steal_after_ms
         self._pools: dict[str, Pool] = {}
         self._events: dict[str, list[tuple[str, JobEvent]]] = {}

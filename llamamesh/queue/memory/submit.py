@@ -1,12 +1,12 @@
 """Submission in memory: a job onto its tenant's FIFO of the pool (pool.py), with its partition when
-prefix affinity is on (``affinity.partition_of``, as on Redis)."""
+prefix affinity is on (``affinity.partition_of``, or balanced ``affinity.Placements``, as on Redis)."""
 
 from __future__ import annotations
 
 import time
 
 from llamamesh.errors import QueueFull
-from llamamesh.queue.affinity import partition_of
+from llamamesh.queue.affinity import Placements, partition_of, placement_field
 from llamamesh.queue.keys import stream_tenant
 from llamamesh.queue.memory.state import MemoryState
 from llamamesh.types import GenerationRequest
@@ -26,10 +26,20 @@ class MemorySubmission(MemoryState):
         self.weights.setdefault(pool, {})[tenant] = weight
         entry_id = self._next_id()
         if self._parts:
-            self._pool(pool).part[entry_id] = partition_of(request, self._parts)
+            self._pool(pool).part[entry_id] = self._partition(pool, tenant, request)
             self._pool(pool).born[entry_id] = time.monotonic()
         waiting.append((entry_id, request))
         await self._notify()
+
+    def _partition(self, pool: str, tenant: str, request: GenerationRequest) -> int:
+        """The job's partition: its key's hash, or (balanced) where its key is placed."""
+        hashed = partition_of(request, self._parts)
+        if not (self._balanced and request.prefix_key):
+            return hashed
+        placements = self._placements.setdefault(pool, Placements(self._placement_ttl_ms))
+        key = placement_field(tenant, request.prefix_key)
+        now_ms = int(time.monotonic() * 1000)
+        return placements.place(key, hashed, self._parts, self._pool(pool).owners, now_ms)
 
     async def join(self, pool: str) -> None:
         self._check()
