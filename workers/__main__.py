@@ -10,6 +10,7 @@ import sys
 from llamamesh import logs, tracing
 from llamamesh.loop import run_main
 from llamamesh.settings import Settings
+from workers.engines.prompts import read_chat_template
 from workers.engines.registry import ENGINES, ProcessMode
 from workers.frontends import run_frontends
 from workers.process import serve
@@ -33,6 +34,7 @@ def main() -> None:
     """The worker command; a bad setting exits 1 with one line naming it."""
     try:
         settings = Settings.from_env()
+        read_chat_template(settings.worker.chat_template)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)

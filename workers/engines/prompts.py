@@ -10,6 +10,7 @@ import concurrent.futures
 import json
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -44,6 +45,32 @@ def prompt_text(request: GenerationRequest, tokenizer: Any) -> tuple[str, bool]:
     if request.prompt is None:
         raise InvalidRequest.field("prompt", "either prompt or messages is required")
     return request.prompt, True
+
+
+def read_chat_template(path: str) -> str | None:
+    """The text of the chat template file ``path`` (LLAMAMESH_WORKER_CHAT_TEMPLATE), checked to be
+    Jinja; None for "" (the model's own). ValueError, naming the setting, if it cannot be read or
+    parsed."""
+    if not path:
+        return None
+    import jinja2
+
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+        jinja2.Environment().parse(text)
+    except (OSError, UnicodeDecodeError, jinja2.TemplateSyntaxError) as exc:
+        raise ValueError(f"LLAMAMESH_WORKER_CHAT_TEMPLATE: {path!r}: {exc}") from exc
+    if not text.strip():
+        raise ValueError(f"LLAMAMESH_WORKER_CHAT_TEMPLATE: {path!r} is empty")
+    return text
+
+
+def use_chat_template(tokenizer: Any, path: str) -> Any:
+    """``tokenizer``, rendering chats with the template file ``path`` when one is set."""
+    text = read_chat_template(path)
+    if text is not None:
+        tokenizer.chat_template = text
+    return tokenizer
 
 
 # The tools, for a chat template that does not render them itself: a system turn in the form Llama

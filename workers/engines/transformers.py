@@ -25,6 +25,7 @@ from llamamesh.types import FinishReason, GenerationRequest, JobKind, TokenDelta
 from workers.engines.base import EngineStats, remember
 from workers.engines.constraints import Grammars, GrammarsFor
 from workers.engines.params import ResolvedSampling, resolve_sampling
+from workers.engines.prompts import use_chat_template
 from workers.engines.transformers_batch import Batch
 from workers.engines.transformers_model import load
 from workers.engines.transformers_sequence import Admission, SeqOutput, StepResult
@@ -117,7 +118,7 @@ class TransformersEngine:
             phase("preparing the batch")
             batch = Batch(
                 loaded.model,
-                loaded.tokenizer,
+                use_chat_template(loaded.tokenizer, s.chat_template),
                 s.max_model_len,
                 s.batch_invariant,
                 s.resume_replay_tokens,

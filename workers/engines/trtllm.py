@@ -23,6 +23,7 @@ from llamamesh.types import GenerationRequest, ResponseConstraint, TokenDelta
 from workers.engines.adapter import LibraryEngine, cancel_task, lora_id
 from workers.engines.base import EngineStats
 from workers.engines.constraints import library_constraint
+from workers.engines.prompts import use_chat_template
 from workers.engines.trtllm_args import Api, kv_cache_kwargs, llm_kwargs, lora_kwargs, setting_of
 from workers.engines.trtllm_outputs import Sent, delta_of
 from workers.engines.trtllm_requests import check_prompt_tokens, invalid_from_trtllm, sampling_kwargs
@@ -148,7 +149,8 @@ class TrtllmEngine(LibraryEngine):
             await asyncio.to_thread(llm.shutdown)
             self._dead = "TensorRT-LLM loaded no tokenizer; set LLAMAMESH_TRTLLM_TOKENIZER"
             raise EngineDead(self._dead)
-        self._llm, self._api, self._tokenizer = llm, api, _prompt_tokenizer(tokenizer)
+        self._llm, self._api = llm, api
+        self._tokenizer = use_chat_template(_prompt_tokenizer(tokenizer), self._settings.chat_template)
         self._stats_task = asyncio.create_task(self._poll_stats(), name="trtllm-stats")
         log.info(
             "trtllm_started",

@@ -22,6 +22,7 @@ from llamamesh.types import GenerationRequest, ResponseConstraint, TokenDelta
 from workers.engines.adapter import LibraryEngine, cancel_task, lora_id
 from workers.engines.base import EngineStats
 from workers.engines.constraints import constraint_error, library_constraint
+from workers.engines.prompts import use_chat_template
 from workers.engines.vllm_args import CoreClient, engine_config
 from workers.engines.vllm_outputs import deltas_of, engine_timings
 from workers.engines.vllm_requests import check_prompt_len, engine_priority, invalid_from_vllm, sampling_kwargs
@@ -180,7 +181,7 @@ class VllmEngine(LibraryEngine):
                 client_count=core.count if core is not None else 1,
                 client_index=core.index if core is not None else 0,
             )
-            tokenizer = llm.get_tokenizer()
+            tokenizer = use_chat_template(llm.get_tokenizer(), self._settings.chat_template)
         except Exception as exc:
             why = f"cannot start vLLM with {self._settings.model_path}: {type(exc).__name__}: {exc}"
             raise EngineDead(why) from exc
