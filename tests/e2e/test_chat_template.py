@@ -10,13 +10,12 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import jsonschema
 import openai
 import pytest
 
 from llamamesh.types import ChatMessage, GenerationRequest
 from tests.e2e.conftest import ProcessNode, vllm_node
-from tests.e2e.test_http import MODEL, TIME_TOOL, WEATHER_TOOL
+from tests.e2e.test_http import CHOICES, MODEL, WEATHER_TOOL, assert_a_tool_call, base_url
 from tests.redisproc import RedisProcess, free_port
 from workers.engines.prompts import render_prompt_ids, use_chat_template
 
@@ -45,9 +44,7 @@ def templated(
 
 
 def client_of(node: ProcessNode) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"http://127.0.0.1:{node.env['LLAMAMESH_GATEWAY_HTTP_PORT']}/v1", api_key="unused", max_retries=0
-    )
+    return openai.OpenAI(base_url=base_url(node), api_key="unused", max_retries=0)
 
 
 def test_the_engine_gets_the_prompt_the_template_renders(templated: ProcessNode) -> None:
@@ -74,24 +71,6 @@ def test_the_engine_gets_the_prompt_the_template_renders(templated: ProcessNode)
     assert got.usage is not None and got.usage.prompt_tokens == len(expected)
 
 
-@pytest.mark.parametrize(
-    "choice",
-    [{"type": "function", "function": {"name": "get_weather"}}, "required"],
-    ids=["named", "required"],
-)
+@CHOICES
 def test_a_required_or_named_tool_call_always_parses(templated: ProcessNode, choice: object) -> None:
-    with client_of(templated) as client:
-        got = client.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": ASK}],
-            tools=[WEATHER_TOOL, TIME_TOOL],  # type: ignore[list-item]
-            tool_choice=choice,  # type: ignore[arg-type]
-            max_tokens=96,
-            temperature=0,
-        )
-    answer = got.choices[0]
-    assert answer.finish_reason == "tool_calls", answer
-    (call,) = answer.message.tool_calls or []
-    assert call.function.name == "get_weather" or choice == "required"
-    schema = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER_TOOL, TIME_TOOL)}
-    jsonschema.validate(json.loads(call.function.arguments), schema[call.function.name])
+    assert_a_tool_call(base_url(templated), choice)

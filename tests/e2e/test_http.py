@@ -150,15 +150,16 @@ WEATHER_TOOL = {
 TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 
 
-@pytest.mark.parametrize(
-    "choice",
-    [{"type": "function", "function": {"name": "get_weather"}}, "required"],
-    ids=["named", "required"],
+# tool_choice: a named function, or any of them
+CHOICES = pytest.mark.parametrize(
+    "choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"], ids=["named", "required"]
 )
-def test_a_required_or_named_tool_call_always_parses_on_the_real_model(node: ProcessNode, choice: object) -> None:
-    """Constrained decoding makes the answer a call to the tools, with arguments their schema
-    accepts: the model's chat template got the tools, the engine the call's grammar."""
-    with openai.OpenAI(base_url=base_url(node), api_key="unused", max_retries=0) as client:
+
+
+def assert_a_tool_call(base: str, choice: object) -> None:
+    """A chat asking for the weather with ``choice``: the answer is one call to the tools (the named
+    one when named), its arguments valid against that tool's schema."""
+    with openai.OpenAI(base_url=base, api_key="unused", max_retries=0) as client:
         got = client.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": "What is the weather in Paris?"}],
@@ -175,3 +176,10 @@ def test_a_required_or_named_tool_call_always_parses_on_the_real_model(node: Pro
         assert call.function.name == "get_weather"
     schema = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER_TOOL, TIME_TOOL)}
     jsonschema.validate(json.loads(call.function.arguments), schema[call.function.name])
+
+
+@CHOICES
+def test_a_required_or_named_tool_call_always_parses_on_the_real_model(node: ProcessNode, choice: object) -> None:
+    """Constrained decoding makes the answer a call to the tools, with arguments their schema
+    accepts: the model's chat template got the tools, the engine the call's grammar."""
+    assert_a_tool_call(base_url(node), choice)
