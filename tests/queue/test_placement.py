@@ -22,6 +22,9 @@ from tests.waiting import until
 
 pytestmark = [pytest.mark.timeout(30)]
 
+# Ownership outlives every test here: a slow machine never sees an owner's lease run out midway.
+LONG_S = 60.0
+
 
 def balanced(base: RedisSettings, ttl_s: float = 600.0) -> RedisSettings:
     return dataclasses.replace(
@@ -97,7 +100,7 @@ def test_past_the_most_keys_the_least_recently_used_is_forgotten(monkeypatch: py
 
 @pytest.mark.redis
 async def test_keys_that_hash_to_one_worker_are_shared_out_between_both(queue: Any) -> None:
-    await share(queue)
+    await share(queue, ttl_s=LONG_S)
     keys = [key_in(queue.owned("cpu", "w1")) + f"-{i}" for i in range(200)]
     keys = [k for k in keys if partition_of(job("x", k), P) in queue.owned("cpu", "w1")][:8]
     for i, key in enumerate(keys):
@@ -114,7 +117,7 @@ async def test_keys_that_hash_to_one_worker_are_shared_out_between_both(queue: A
 
 @pytest.mark.redis
 async def test_each_tenants_keys_are_placed_apart(queue: Any) -> None:
-    await share(queue)
+    await share(queue, ttl_s=LONG_S)
     key = key_in(queue.owned("cpu", "w1"))
     await queue.submit("cpu", dataclasses.replace(job("a", key), tenant="t1"))
     await queue.submit("cpu", dataclasses.replace(job("b", key), tenant="t2"))
@@ -132,7 +135,7 @@ async def test_redis_and_the_fake_place_a_sequence_of_keys_alike(redis_settings:
         await q.join("cpu")
         got = []
         for side in (q, fake):
-            await share(side)
+            await share(side, ttl_s=LONG_S)
             rids = []
             for i, key in enumerate(f"k{n % 11}" for n in range(40)):
                 rids.append(f"r{i}")
@@ -149,7 +152,7 @@ async def test_a_forgotten_key_is_placed_again_on_redis(redis_settings: RedisSet
     q = RedisQueue.from_settings(balanced(redis_settings, ttl_s=0.05))
     try:
         await q.join("cpu")
-        await share(q)
+        await share(q, ttl_s=LONG_S)
         key = key_in(q.owned("cpu", "w1"))
         await q.submit("cpu", job("first", key))
         assert (await placed(q, ["first"]))["first"][0] == "w1"
