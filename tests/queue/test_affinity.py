@@ -31,6 +31,9 @@ pytestmark = [pytest.mark.timeout(30)]
 
 P = 4
 TTL_S = 1.0
+# The steal age of the shared queues: long enough that a loaded machine's pauses between a
+# submission and the next lease never make a young job stealable.
+STEAL_S = 0.3
 
 
 def job(rid: str, key: str = "", tenant: str = "") -> GenerationRequest:
@@ -71,9 +74,9 @@ def settings_with(base: RedisSettings, partitions: int = P, steal_after_ms: int 
 @pytest.fixture(params=["redis", "memory"])
 async def queue(request: pytest.FixtureRequest, redis_settings: RedisSettings) -> AsyncIterator[Any]:
     if request.param == "memory":
-        yield MemoryQueue(partitions=P, steal_after_ms=50)
+        yield MemoryQueue(partitions=P, steal_after_ms=int(STEAL_S * 1000))
         return
-    q = RedisQueue.from_settings(settings_with(redis_settings))
+    q = RedisQueue.from_settings(settings_with(redis_settings, steal_after_ms=int(STEAL_S * 1000)))
     await q.join("cpu")
     yield q
     await q.close()
@@ -172,7 +175,7 @@ async def test_an_idle_worker_steals_a_busy_owners_queued_job_within_the_bound(q
     await queue.submit("cpu", job("a0", a))
     (got,) = await thief
     assert got.request.request_id == "a0" and got.stolen
-    assert time.monotonic() - t0 < 2 * 0.05 + 0.5  # twice steal_after_ms, plus slack for a loaded machine
+    assert time.monotonic() - t0 < 2 * STEAL_S + 0.5  # twice steal_after_ms, plus slack for a loaded machine
     # a steal takes only jobs that waited steal_after_ms (the owner, with room, gets them first), the
     # oldest first, and only when the thief has nothing of its own
     b = key_in(queue.owned("cpu", "w2"))
