@@ -21,8 +21,9 @@ invocation, so drift on the machine hits both sides alike. Two workloads:
 - ``multiturn``: ``--docs`` conversations at once (bench/multiturn.py), each ``--turns`` chat turns
   whose messages grow by every answer (the first: a document and a question), each turn sent when
   the last one ended, with ``prefix_key`` = the conversation. A: round-robin (affinity off); B:
-  affinity by conversation (``--partitions``, ``--placement``: balanced by default, each new
-  conversation on the worker with the fewest). Targets: tok/s >= 1.3x, TTFT p50 <= 0.5x of A.
+  affinity by conversation (``--partitions``, ``--placement``: balanced by default here, each new
+  conversation on the worker with the fewest; hash by default for the other workloads). Targets:
+  tok/s >= 1.3x, TTFT p50 <= 0.5x of A.
 
 ``--engine vllm``: both workers on the one GPU (LLAMAMESH_VLLM_GPU_MEMORY_UTILIZATION 0.45 each,
 prefix caching on, one frontend each), started one after the other: vLLM's memory profile assumes
@@ -263,6 +264,11 @@ def gpu_released() -> None:
     )
 
 
+def placement_of(args: argparse.Namespace, workload: str) -> str:
+    """``--placement``, else balanced for conversations and hash for the document workloads."""
+    return args.placement or ("balanced" if workload == "multiturn" else "hash")
+
+
 def fleet_env(args: argparse.Namespace, workload: str, b_side: bool) -> dict[str, str]:
     affinity = b_side or workload == "html"
     model = Path(args.model_path).name if args.engine == "vllm" else "smollm2-135m-instruct"
@@ -275,7 +281,7 @@ def fleet_env(args: argparse.Namespace, workload: str, b_side: bool) -> dict[str
         "LLAMAMESH_WORKER_GRACE_S": "5",
         "LLAMAMESH_LOG_LEVEL": args.log_level,
         "LLAMAMESH_REDIS_AFFINITY_PARTITIONS": str(args.partitions if affinity else 0),
-        "LLAMAMESH_REDIS_AFFINITY_PLACEMENT": args.placement,
+        "LLAMAMESH_REDIS_AFFINITY_PLACEMENT": placement_of(args, workload),
         "LLAMAMESH_GATEWAY_NORMALIZE_RULES": HTML_IDS_RULE if workload == "html" and b_side else "",
     }
     if args.engine == "fake":
@@ -323,7 +329,7 @@ def one_run(
     rec = out["rec"]
     concurrency = len(main) if workload == "multiturn" else args.concurrency  # one stream per conversation
     # the owners' split by the prompts' hashes: what hash placement gives (balanced places as it goes)
-    predictable = affinity and workload != "multiturn" and args.placement == "hash"
+    predictable = affinity and workload != "multiturn" and placement_of(args, workload) == "hash"
     res = summarise(rec, max(r["end"] for r in rec) - out["t0"], workload, concurrency)
     d = collections.defaultdict(float, {k: v - before.get(k, 0.0) for k, v in after.items()})
     queries = d[(QUERIES, "")]
@@ -333,7 +339,7 @@ def one_run(
         "side": SIDES[workload][b_side],
         "b": b_side,
         "partitions": args.partitions if affinity else 0,
-        "placement": args.placement if affinity else "",
+        "placement": placement_of(args, workload) if affinity else "",
         "normalised": workload == "html" and b_side,
         "requests": res["num_requests"],
         "prompt_tokens_mean": round(res["prompt_tokens_mean"], 1),
@@ -450,8 +456,8 @@ def main() -> None:
     ap.add_argument(
         "--placement",
         choices=["hash", "balanced"],
-        default="balanced",
-        help="LLAMAMESH_REDIS_AFFINITY_PLACEMENT with affinity on",
+        default="",
+        help="LLAMAMESH_REDIS_AFFINITY_PLACEMENT with affinity on (default: balanced for multiturn, else hash)",
     )
     ap.add_argument("--max-inflight", type=int, default=128, help="per worker (and vLLM's max_num_seqs)")
     ap.add_argument("--max-model-len", type=int, default=8192)
