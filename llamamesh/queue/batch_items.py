@@ -148,7 +148,7 @@ class BatchItems:
             await self.settle(req.batch_id)
             await self.look_again_soon(req.batch_id)
         elif done == 3:
-            await self.close_lanes(await batch_record.read(self._r, self.keys, req.batch_id))
+            await self.lanes.close_ended(await batch_record.read(self._r, self.keys, req.batch_id))
         return done >= 1
 
     async def settle(self, batch_id: str) -> BatchInfo | None:
@@ -182,16 +182,8 @@ class BatchItems:
                 if int(cursor) == 0:
                     break
         after = await batch_record.read(self._r, self.keys, batch_id)
-        await self.close_lanes(after)
+        await self.lanes.close_ended(after)
         return after
-
-    async def close_lanes(self, info: BatchInfo | None) -> None:
-        """Delete the batch's lanes once no item of it waits for a result (``BatchLanes.close``)."""
-        if info is None or batch_record.waits(info):
-            return
-        with unreachable():
-            pools: Any = await self._r.hget(self.keys.batch(info.batch_id), "pools")
-        await self.lanes.close(info.batch_id, info.created_at, filter(None, (pools or b"").decode().split(",")))
 
     async def look_again_soon(self, batch_id: str) -> None:
         """A batch that now waits only for its running items: the sweep looks at it once a dead

@@ -46,6 +46,11 @@ async def read(client: aioredis.Redis, keys: Keys, batch_id: str) -> BatchInfo |
     return info_of(raw) if raw and b"state" in raw else None
 
 
+def pool_list(raw: Any) -> list[str]:
+    """The pools a batch's record lists (its ``pools`` field, comma-separated; None: none)."""
+    return [pool for pool in (raw or b"").decode().split(",") if pool]
+
+
 def waits(info: BatchInfo) -> bool:
     """Whether the batch still waits for items (a failed batch waits for the ones that ran on)."""
     return not info.state.ended or (info.state is BatchState.FAILED and info.processing > 0)

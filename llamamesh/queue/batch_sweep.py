@@ -61,7 +61,7 @@ class BatchSweep:
                 if info is not None and batch_record.waits(info):
                     info = await self.end_abandoned(info)
                 if info is None or not batch_record.waits(info):
-                    await self._items.close_lanes(info)
+                    await self._items.lanes.close_ended(info)
                     await self._r.zrem(key, raw)
                 else:
                     await self._r.zadd(key, {raw: time.time() + (self.claim_idle_s or 60)})
@@ -126,7 +126,7 @@ class BatchSweep:
         idle_ms = int(self.claim_idle_s * 1000)
         with unreachable():
             pools: Any = await self._r.hget(self.keys.batch(info.batch_id), "pools")
-            for pool in filter(None, (pools or b"").decode().split(",")):
+            for pool in batch_record.pool_list(pools):
                 for lane in (info.batch_id, ""):  # its lane, and the pool's shared stream
                     stream = self._items.lanes.stream(pool, lane)
                     for entry_id, req in await self._idle_items(stream, idle_ms, info.batch_id, page):

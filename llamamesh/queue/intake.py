@@ -160,15 +160,8 @@ class BatchIntake:
                 self._replicas.wait(pipe)  # the record, every item and the seal
                 replies = await pipe.execute()
         self._replicas.check(replies, "the batch")
-        await self._close_if_ended(info, {pool for pool, _request in todo})
-
-    async def _close_if_ended(self, info: BatchInfo, pools: set[str]) -> None:
-        """Delete the lanes of a batch that ended while it was being written (cancelled, say): the
-        end deleted them then, and the items queued after it listed them again."""
-        if pools:
-            after = await batch_record.read(self._r, self.keys, info.batch_id)
-            if after is not None and not batch_record.waits(after):
-                await self._lanes.close(info.batch_id, after.created_at, pools)
+        if todo:  # a batch that ended meanwhile (cancelled) had its lanes deleted before these items came
+            await self._lanes.close_ended(await batch_record.read(self._r, self.keys, bid))
 
     async def _queue_items(self, info: BatchInfo, todo: Sequence[tuple[str, GenerationRequest]]) -> None:
         """Step 4, in pipelines of at most ``CHUNK_BYTES`` (Redis counts a pipeline's bytes against
@@ -223,7 +216,7 @@ class BatchIntake:
             meta: Any = await self._r.hmget(self.keys.batch(batch_id), "created_at", "pools")
             outcome = int(await self._drop(keys=self.batch_keys(batch_id), args=[time.time(), idle_s]))
         if outcome == 1 and meta[0] is not None:
-            await self._lanes.close(batch_id, float(meta[0]), filter(None, (meta[1] or b"").decode().split(",")))
+            await self._lanes.close(batch_id, float(meta[0]), batch_record.pool_list(meta[1]))
         return outcome
 
     async def drop_unsealed(self, limit: int = 100) -> int:

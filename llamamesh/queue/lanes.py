@@ -15,7 +15,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from llamamesh.queue import groups
+from llamamesh.queue import batch_record, groups
 from llamamesh.queue.keys import (
     GROUP_FIELD,
     JOB_FIELD,
@@ -163,6 +163,15 @@ class BatchLanes:
             members: Any = await self._r.zrange(self.keys.batch_lanes_open(pool), start, start + limit - 1)
         self._prune_lane[pool] = start + limit if len(members) == limit else 0
         return [self.keys.batch_items(pool), *(self.keys.batch_lane(pool, _batch(m)) for m in members)]
+
+    async def close_ended(self, info: BatchInfo | None) -> None:
+        """Delete the lanes of a batch none of whose items waits for a result any more (``close``),
+        in the pools its record lists."""
+        if info is None or batch_record.waits(info):
+            return
+        with unreachable():
+            pools: Any = await self._r.hget(self.keys.batch(info.batch_id), "pools")
+        await self.close(info.batch_id, info.created_at, batch_record.pool_list(pools))
 
     async def close(self, batch_id: str, created_at: float, pools: Iterable[str]) -> None:
         """Delete the batch's lanes in ``pools`` (its items all have results, or it is gone): the
