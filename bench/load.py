@@ -89,18 +89,25 @@ async def stream_one(stub: Any, req: pb.GenerateRequest) -> tuple[dict, str]:
         if m.HasField("timings"):
             t = m.timings
             timings = (t.queue_wait.ToNanoseconds() / 1e6, t.time_to_first_token.ToNanoseconds() / 1e6)
-    rec = {
+    return record(t0, first, last, itl, ntok, usage[0] if usage else 0, timings), "".join(text)
+
+
+def record(
+    t0: float, first: float, last: float, itl: list[float], ntok: int, prompt_tokens: int, timings: tuple[float, float]
+) -> dict:
+    """One request's record: client times (start, first and last token, the gaps between tokens), its
+    token counts, and the server's own (queue wait, time to first token; NaN where it gives none)."""
+    return {
         "start": t0,
         "ttft": first - t0,
         "itl": itl,
         "ntok": ntok,
         "e2e": last - t0,
         "end": last,
-        "prompt_tokens": usage[0] if usage else 0,
+        "prompt_tokens": prompt_tokens,
         "queue_ms": timings[0],
         "server_ttft_ms": timings[1],
     }
-    return rec, "".join(text)
 
 
 async def _one(
@@ -135,19 +142,7 @@ async def _one_openai(session: Any, url: str, body: dict, sem: asyncio.Semaphore
                     else:
                         first = now
                     last = now
-        rec.append(
-            {
-                "start": t0,
-                "ttft": first - t0,
-                "itl": itl,
-                "ntok": ntok,
-                "e2e": last - t0,
-                "end": last,
-                "prompt_tokens": n_prompt,
-                "queue_ms": float("nan"),
-                "server_ttft_ms": float("nan"),
-            }
-        )
+        rec.append(record(t0, first, last, itl, ntok, n_prompt, (float("nan"), float("nan"))))
 
 
 def completion_body(
