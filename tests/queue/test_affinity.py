@@ -33,7 +33,7 @@ P = 4
 TTL_S = 1.0
 # The steal age of the shared queues: long enough that a loaded machine's pauses between a
 # submission and the next lease never make a young job stealable.
-STEAL_S = 0.3
+STEAL_S = 1.0
 
 
 def job(rid: str, key: str = "", tenant: str = "") -> GenerationRequest:

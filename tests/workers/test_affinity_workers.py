@@ -22,9 +22,11 @@ from workers.worker import Worker
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
 
 P = 4
-# long enough that a loaded machine never lets an idle worker steal an owner's job before the owner,
-# which is waiting for it, reads it; short enough that a busy owner's job is stolen well within a test
-STEAL_MS = 500
+# the tests of where a job runs: no loaded machine keeps an idle owner from its job this long, so an
+# idle worker never steals it first
+NO_STEALS = {"affinity_steal_after_ms": 10_000}
+# the test of steals: a busy owner's queued job is stolen well within the test
+STEALS = {"affinity_steal_after_ms": 500}
 
 
 def job(rid: str, key: str, n: int = 2) -> GenerationRequest:
@@ -53,11 +55,8 @@ class Pool:
 
 @pytest.fixture
 async def pool(request: pytest.FixtureRequest, redis_settings: RedisSettings) -> AsyncIterator[Pool]:
-    """Two workers: w1 (one slot) and w2 (four); the gateway places keys by ``request.param``."""
-    placement = getattr(request, "param", "hash")
-    settings = dataclasses.replace(
-        redis_settings, affinity_partitions=P, affinity_steal_after_ms=STEAL_MS, affinity_placement=placement
-    )
+    """Two workers: w1 (one slot) and w2 (four), with the Redis settings ``request.param``."""
+    settings = dataclasses.replace(redis_settings, affinity_partitions=P, **getattr(request, "param", NO_STEALS))
     gateway = RedisQueue.from_settings(settings)
     started: dict[str, tuple[Worker, FakeEngine, RedisQueue]] = {}
     stops: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
@@ -98,6 +97,7 @@ async def test_a_prefix_keys_jobs_run_on_its_owner_while_it_has_room(pool: Pool)
         assert sorted(engine.served) == [f"{name}-{i}" for i in range(4)]
 
 
+@pytest.mark.parametrize("pool", [STEALS], indirect=True, ids=["steals"])
 async def test_a_busy_owners_queued_job_runs_on_the_idle_worker(pool: Pool) -> None:
     _w1, e1, q1 = pool.workers["w1"]
     key = key_in(q1.owned("cpu", "w1"))
@@ -110,7 +110,7 @@ async def test_a_busy_owners_queued_job_runs_on_the_idle_worker(pool: Pool) -> N
     assert {e.worker for e in long if e.worker} == {"w1"}
 
 
-@pytest.mark.parametrize("pool", ["balanced"], indirect=True)
+@pytest.mark.parametrize("pool", [NO_STEALS | {"affinity_placement": "balanced"}], indirect=True, ids=["balanced"])
 async def test_balanced_placement_shares_keys_that_hash_to_one_worker_between_both(pool: Pool) -> None:
     _w1, _e1, q1 = pool.workers["w1"]
     mine = q1.owned("cpu", "w1")
