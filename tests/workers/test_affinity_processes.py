@@ -23,7 +23,7 @@ from llamamesh.settings import RedisSettings
 from llamamesh.types import JobEvent
 from tests.redisproc import RedisProcess
 from tests.waiting import until
-from tests.workers.test_affinity_workers import P, job, key_in
+from tests.workers.test_affinity_workers import P, job, key_in, settled
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(120)]
 
@@ -49,6 +49,8 @@ class Pool:
             "LLAMAMESH_WORKER_FAKE_STEP_S": "0.05",
             "LLAMAMESH_WORKER_HEARTBEAT_S": "0.2",
             "LLAMAMESH_WORKER_HEARTBEAT_TTL_S": "1",
+            # a blocking read ends within a heartbeat: see settled()
+            "LLAMAMESH_REDIS_BLOCK_MS": "200",
             "LLAMAMESH_WORKER_CLAIM_IDLE_S": "1",
             "LLAMAMESH_LOG_FORMAT": "json",
         }
@@ -111,6 +113,7 @@ async def test_two_worker_processes_keep_their_keys_and_a_killed_ones_share_move
             return sorted(len(v) for v in (await owners(r, pool)).values()) == [2, 2]
 
         await until(shared, 60, "both workers to own half the partitions")
+        await settled(r, pool.keys.owners("cpu"))
         own = await owners(r, pool)
         keys = {w: key_in(own[w]) for w in ("w1", "w2")}
         for i in range(3):

@@ -10,6 +10,7 @@ import itertools
 from collections.abc import AsyncIterator
 
 import pytest
+import redis.asyncio as aioredis
 
 from llamamesh.queue.affinity import partition_of
 from llamamesh.queue.streams import RedisQueue
@@ -37,6 +38,29 @@ def job(rid: str, key: str, n: int = 2) -> GenerationRequest:
 
 def key_in(partitions: list[int]) -> str:
     return next(k for i in itertools.count() if partition_of(job("x", k := f"conv-{i}"), P) in partitions)
+
+
+async def settled(client: aioredis.Redis, owners_key: str, beats: int = 5) -> None:
+    """Once the partitions are shared out, until every worker heartbeats ``beats`` more times with
+    none of them moving: a blocking read that a worker began before it gave a partition back still
+    covers it, and Redis serves the reader that blocked first, so a job sent at once could go to the
+    old owner; by then every such read has timed out (the workers here block for less than that)."""
+    owners: dict[bytes, bytes] = {}
+    beat: dict[bytes, set[bytes]] = {}
+
+    async def quiet() -> bool:
+        raw = await client.hgetall(owners_key)
+        now = {f: v.split()[0] for f, v in raw.items() if not f.startswith(b"m:")}
+        if now != owners:
+            owners.clear()
+            owners.update(now)
+            beat.clear()
+        for f, v in raw.items():
+            if f.startswith(b"m:"):
+                beat.setdefault(f, set()).add(v)
+        return bool(beat) and all(len(b) > beats for b in beat.values())
+
+    await until(quiet, 30, f"{beats} heartbeats of every worker with no partition moving")
 
 
 async def finished(q: RedisQueue, rid: str) -> list[JobEvent]:
@@ -75,6 +99,7 @@ async def pool(request: pytest.FixtureRequest, redis_settings: RedisSettings) ->
     try:
         shares = lambda: sorted(len(q.owned("cpu", n)) for n, (_w, _e, q) in started.items())  # noqa: E731
         await until(shares, 10, "the two workers' equal shares (a few heartbeats)", done=lambda got: got == [2, 2])
+        await settled(gateway.client, gateway.keys.owners("cpu"))
         yield Pool(gateway, started)
     finally:
         for stop, task in stops:
