@@ -140,7 +140,7 @@ async def test_the_sweep_ends_what_a_dead_worker_left_leased(redis_settings: Red
     end too, expired past the deadline or cancelled in a cancelled batch, once each, and their
     entries are gone; a live worker's touched item and another batch's items are left alone."""
     q = RedisQueue.from_settings(redis_settings)
-    store = RedisBatches(q.client, q.keys, retention_s=60, claim_idle_s=0.3)
+    store = RedisBatches(q.client, q.keys, retention_s=60, claim_idle_s=0.6)
     stream = q.keys.batch_lane("cpu", "other")
     try:
         await store.join("cpu")
@@ -154,8 +154,8 @@ async def test_the_sweep_ends_what_a_dead_worker_left_leased(redis_settings: Red
         assert await store.record(dead[0], ok("c0")) is True  # late c0 finished before the worker died
         cancelling = await store.cancel("gone")
         assert cancelling is not None and cancelling.state is BatchState.CANCELLING  # two running
-        await asyncio.sleep(0.6)  # time passing on purpose: past late's deadline and the claim idle time
-        await store.touch("cpu", "live", [live[0].item_ref])
+        await asyncio.sleep(0.7)  # time passing on purpose: past late's deadline and the claim idle time
+        await store.touch("cpu", "live", [live[0].item_ref])  # the sweep must come within the claim idle time
         assert await store.sweep() == 2  # late (deadline) and gone (cancelled: looked at after claim idle)
         late, gone, other = [await store.get(b) for b in ("late", "gone", "other")]
         assert late is not None and late.state is BatchState.EXPIRED and counts(late) == (0, 1, 0, 0, 1)
@@ -205,7 +205,7 @@ async def test_a_dead_workers_item_behind_many_live_ones_is_reclaimed_within_a_f
     """XAUTOCLAIM scans 10 x COUNT pending entries per call: a reclaim of one item at a time must go
     on from where the last call stopped, or an item left behind 40 live ones is never found."""
     q = RedisQueue.from_settings(redis_settings)
-    store = RedisBatches(q.client, q.keys, retention_s=60, claim_idle_s=0.2)
+    store = RedisBatches(q.client, q.keys, retention_s=60, claim_idle_s=0.5)
     try:
         await store.join("cpu")
         info, items = batch("deep", 41)
@@ -213,15 +213,16 @@ async def test_a_dead_workers_item_behind_many_live_ones_is_reclaimed_within_a_f
         live = await store.lease_items("cpu", "live", 40, 100)
         dead = await store.lease_items("cpu", "dead", 1, 100)  # c40, after the 40 live ones
         assert len(live) == 40 and [x.request.custom_id for x in dead] == ["c40"]
-        await asyncio.sleep(0.3)  # time passing on purpose: past the claim idle time; the live worker touches its items
-        await store.touch("cpu", "live", [x.item_ref for x in live])
+        await asyncio.sleep(0.6)  # time passing on purpose: past the claim idle time
         got = []
         for _ in range(6):  # 10 entries a call: the fifth call reaches c40
-            got += await store.reclaim("cpu", "heir", 200, 1)
+            await store.touch("cpu", "live", [x.item_ref for x in live])  # the live worker lives on
+            got += await store.reclaim("cpu", "heir", 500, 1)
             if got:
                 break
         assert [x.request.custom_id for x in got] == ["c40"]
-        assert await store.reclaim("cpu", "heir", 200, 1) == []  # nothing else is idle
+        await store.touch("cpu", "live", [x.item_ref for x in live])
+        assert await store.reclaim("cpu", "heir", 500, 1) == []  # nothing else is idle
     finally:
         await q.close()
 
