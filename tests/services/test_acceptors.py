@@ -114,12 +114,14 @@ async def test_the_drain_serves_open_streams_they_accepted_and_ends_them(stack: 
     acceptors = stack.gateway.acceptors
     assert acceptors is not None
     before = acceptors.accepted
-    calls = [stack.stub.Generate(pb.GenerateRequest(prompt=f"drain {i}", max_tokens=40)) for i in range(8)]
-    for call in calls:
-        await call.read()
+    # 200 tokens of 10 ms: running at the stop (a loaded machine may still send one in a message or two)
+    calls = [stack.stub.Generate(pb.GenerateRequest(prompt=f"drain {i}", max_tokens=200)) for i in range(8)]
+    firsts = [await call.read() for call in calls]
     assert acceptors.accepted > before
     stopping = asyncio.create_task(stack.gateway.stop(10))
     rest = await asyncio.gather(*(rest_of(call) for call in calls))
     await asyncio.wait_for(stopping, 15)
-    assert all(msgs and msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH for msgs in rest)
+    streams = [[first, *msgs] for first, msgs in zip(firsts, rest, strict=True)]
+    assert all(msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH for msgs in streams)
+    assert [sum(len(m.token_ids) for m in msgs) for msgs in streams] == [200] * 8
     assert acceptors.running == 0
