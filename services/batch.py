@@ -42,6 +42,7 @@ __all__ = ["DEFAULT_TEMPLATE", "BatchServicer", "BatchSweeper", "batch_pb", "bat
 log = structlog.get_logger(__name__)
 
 CURSOR = re.compile(r"^\d{1,20}-\d{1,20}$")
+MAX_PAGE_BYTES = 1 << 20  # ListBatches: a page's batches, at most (a batch's labels are up to 37 KB)
 
 Items = list[tuple[ModelInfo, GenerationRequest]]
 
@@ -204,11 +205,16 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
             if not math.isfinite(before):  # "nan" and "inf" parse as floats, Redis takes neither
                 raise InvalidRequest.field("page_token", "not a token from ListBatches") from None
         got = await self._store.owned(who.tenant, size + 1, before)
-        more = len(got) > size
-        page = got[:size]
-        return bpb.ListBatchesResponse(
-            batches=[batch_pb(b) for b in page], next_page_token=repr(page[-1].created_at) if more else ""
-        )
+        page: list[bpb.Batch] = []
+        held = 0
+        for info in got[:size]:  # a page ends early rather than outgrow a client's 4 MiB message limit
+            msg = batch_pb(info)
+            held += msg.ByteSize()
+            if page and held > MAX_PAGE_BYTES:
+                break
+            page.append(msg)
+        following = repr(got[len(page) - 1].created_at) if len(got) > len(page) else ""
+        return bpb.ListBatchesResponse(batches=page, next_page_token=following)
 
     @rpc("CancelBatch")
     async def CancelBatch(self, request: bpb.CancelBatchRequest, context: grpc.aio.ServicerContext) -> bpb.Batch:

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import replace
 
-from llamamesh.errors import FieldViolation, InvalidRequest
+from llamamesh.errors import FieldViolation, InvalidRequest, NotFound
 from llamamesh.settings import BatchSettings, GatewaySettings
 from llamamesh.types import DEFAULT_TENANT, GenerationRequest, ModelInfo, scoped_id
 from llamamesh.v1 import batch_pb2 as bpb
@@ -66,8 +66,8 @@ def batch_requests(
     tenant: str = DEFAULT_TENANT,
 ) -> tuple[str, int, list[tuple[ModelInfo, GenerationRequest]]]:
     """Validate a whole BatchGenerateRequest: (batch id as the caller knows it, completion window,
-    items of ``tenant``). Raises InvalidRequest naming every bad field (or NotFound for an unknown
-    model); nothing is written. Item ids (``b~<scoped batch id>~<n>``) meet no caller's id."""
+    items of ``tenant``). Raises InvalidRequest naming every bad field (or NotFound naming the item
+    of an unknown model); nothing is written. Item ids (``b~<scoped batch id>~<n>``) meet no caller's id."""
     bad: list[FieldViolation] = []
     batch_id = r.batch_id or uuid.uuid4().hex
     if not convert.REQUEST_ID.match(batch_id):
@@ -75,6 +75,7 @@ def batch_requests(
     window = r.completion_window_s if r.HasField("completion_window_s") else b.completion_window_s
     if window < MIN_WINDOW_S:
         bad.append(FieldViolation("completion_window_s", f"at least {MIN_WINDOW_S} seconds"))
+    convert.metadata(r.metadata.items(), bad)
     size = r.ByteSize()
     if size > b.max_bytes:
         bad.append(FieldViolation("items", f"the batch is {size} bytes; at most {b.max_bytes}"))
@@ -99,6 +100,8 @@ def batch_requests(
         except InvalidRequest as exc:
             bad.extend(v for v in (_item_violation(path, v) for v in exc.violations) if v not in bad)
             continue
+        except NotFound as exc:  # an unknown model or adapter: which item names it
+            raise NotFound(f"item {n} ({custom_id!r}): {exc.message}") from None
         if out and model.id != out[0][0].id:
             bad.append(FieldViolation(f"{path}.request.model", f"every item must use one model ({out[0][0].id})"))
             continue

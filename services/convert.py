@@ -151,8 +151,8 @@ def _request_id(given: str, bad: list[FieldViolation]) -> str:
     return given
 
 
-def _metadata(items: Iterable[tuple[str, str]], bad: list[FieldViolation]) -> MappingProxyType[str, str]:
-    """The request's labels, bounded (they are logged with it): ``MAX_METADATA`` entries, keys of
+def metadata(items: Iterable[tuple[str, str]], bad: list[FieldViolation]) -> MappingProxyType[str, str]:
+    """A request's or a batch's labels, bounded (they are logged and stored with it): ``MAX_METADATA`` entries, keys of
     1-``MAX_METADATA_KEY`` characters, values of at most ``MAX_METADATA_VALUE``."""
     meta = dict(items)
     if len(meta) > MAX_METADATA:
@@ -183,7 +183,7 @@ def generate_request(
         if r.HasField("response_format"):
             bad.append(FieldViolation("tool_choice", "a required or named tool call cannot have a response_format too"))
         sampling = replace(sampling, constraint=forced)
-    meta = _metadata(r.metadata.items(), bad)
+    meta = metadata(r.metadata.items(), bad)
     key = _prefix_key(r, prompt, messages, s, bad)
     if bad:
         raise InvalidRequest(bad)

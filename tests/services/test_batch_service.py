@@ -59,6 +59,22 @@ async def test_a_batch_runs_to_completion_with_one_result_each(stack: Stack) -> 
     assert [x.batch_id for x in page.batches] == ["b"] and page.next_page_token == ""
 
 
+async def test_pages_of_heavily_labelled_batches_stay_small_and_list_each_once(stack: Stack) -> None:
+    labels = {f"k{i}": "v" * 512 for i in range(64)}  # the most a batch may carry: about 37 KB
+    for n in range(40):
+        await stack.batch.BatchGenerate(bpb.BatchGenerateRequest(batch_id=f"l{n}", items=items(1), metadata=labels))
+    seen: list[str] = []
+    token = ""
+    for _ in range(10):
+        page = await stack.batch.ListBatches(bpb.ListBatchesRequest(page_size=100, page_token=token))
+        assert page.ByteSize() < 2 << 20 and len(page.batches) < 40
+        seen += [b.batch_id for b in page.batches]
+        token = page.next_page_token
+        if not token:
+            break
+    assert seen == [f"l{n}" for n in reversed(range(40))]
+
+
 async def test_a_duplicate_custom_id_is_rejected_and_nothing_is_stored(stack: Stack) -> None:
     stub = stack.batch
     bad = items(3)

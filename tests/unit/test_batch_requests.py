@@ -86,6 +86,19 @@ def test_every_bad_field_is_named_and_nothing_passes() -> None:
     assert fields(many, BatchSettings(max_bytes=10)) == ["items"]
 
 
-def test_an_unknown_model_is_not_found() -> None:
-    with pytest.raises(NotFound):
-        batch_requests(bpb.BatchGenerateRequest(items=[item("a", model="nope")]), GW, BatchSettings(), MODELS)
+def test_an_unknown_model_is_not_found_naming_the_item() -> None:
+    with pytest.raises(NotFound) as exc:
+        batch_requests(
+            bpb.BatchGenerateRequest(items=[item("a"), item("b", model="nope")]), GW, BatchSettings(), MODELS
+        )
+    assert exc.value.message.startswith("item 1 ('b'): ")
+
+
+def test_the_batchs_labels_are_bounded_as_a_requests() -> None:
+    def labelled(**meta: str) -> bpb.BatchGenerateRequest:
+        return bpb.BatchGenerateRequest(items=[item("a")], metadata=meta)
+
+    assert fields(labelled(k="v" * 513)) == ["metadata[k]"]
+    assert fields(labelled(**{f"k{i}": "v" for i in range(65)})) == ["metadata"]
+    assert fields(labelled(**{"k" * 65: "v"})) == ["metadata"]
+    batch_requests(labelled(k="v" * 512), GW, BatchSettings(), MODELS)
