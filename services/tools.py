@@ -57,8 +57,13 @@ def checked(r: pb.GenerateRequest, bad: list[FieldViolation], parser: str = "lla
     """The request's tools and tool choice (violations go to ``bad``), read with ``parser``."""
     has_choice = r.HasField("tool_choice")
     if not r.tools:
-        if has_choice and r.tool_choice.WhichOneof("choice") == "function":
+        which = r.tool_choice.WhichOneof("choice") if has_choice else None
+        if which == "function":
             bad.append(FieldViolation("tool_choice.function", "names a function, but there are no tools"))
+        elif which == "mode" and r.tool_choice.mode not in MODES:
+            bad.append(FieldViolation("tool_choice.mode", f"one of {', '.join(MODES)}"))
+        elif which == "mode" and r.tool_choice.mode == "required":
+            bad.append(FieldViolation("tool_choice.mode", "required needs tools to call"))
         return Tools()
     if r.HasField("prompt"):
         bad.append(FieldViolation("tools", "tools need messages (a chat), not a prompt"))

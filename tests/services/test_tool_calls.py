@@ -138,6 +138,9 @@ async def test_bad_tools_are_invalid_argument_naming_the_field(openai_door: tupl
     cases = [
         (asked("x", tool_choice=pb.ToolChoice(function="nope")), "tool_choice.function"),
         (asked("x", tool_choice=pb.ToolChoice(mode="sometimes")), "tool_choice.mode"),
+        (pb.GenerateRequest(prompt="x", tool_choice=pb.ToolChoice(mode="sometimes")), "tool_choice.mode"),
+        (pb.GenerateRequest(prompt="x", tool_choice=pb.ToolChoice(mode="required")), "tool_choice.mode"),
+        (pb.GenerateRequest(prompt="x", tool_choice=pb.ToolChoice(function="f")), "tool_choice.function"),
         (pb.GenerateRequest(prompt="x", tools=[WEATHER]), "tools"),
         (
             pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="x")], tools=[WEATHER, WEATHER]),
@@ -175,6 +178,11 @@ async def test_bad_tools_are_invalid_argument_naming_the_field(openai_door: tupl
             tool_choice={"type": "function", "function": {"name": "g"}},
         )
     assert bad.value.param == "tool_choice.function"
+    with pytest.raises(openai.BadRequestError) as bad:  # required, but nothing to call
+        await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], tool_choice="required"
+        )
+    assert bad.value.param == "tool_choice.mode"
     batches = batch_pb2_grpc.BatchServiceStub(stack.channel)  # type: ignore[no-untyped-call]
     with pytest.raises(grpc.aio.AioRpcError) as exc:
         await batches.BatchGenerate(bpb.BatchGenerateRequest(items=[bpb.BatchItem(custom_id="a", request=asked("x"))]))
