@@ -213,10 +213,11 @@ _BY_CODE: dict[str, type[LlamameshError]] = {c.code: c for c in _all_subclasses(
 
 
 def from_code(code: str, message: str, field: str = "") -> LlamameshError:
-    """Rebuild a domain error from its wire form; unknown codes become InternalError."""
+    """Rebuild a domain error from its wire form; unknown codes become InternalError. An
+    InvalidRequest's message already names its field (``field: why``): the violation keeps the why."""
     cls = _BY_CODE.get(code, InternalError)
     if issubclass(cls, InvalidRequest):
-        return cls(FieldViolation(field or "request", message))
+        return cls(FieldViolation(field or "request", message.removeprefix(f"{field}: ") if field else message))
     return cls(message)
 
 

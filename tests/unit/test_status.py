@@ -64,4 +64,5 @@ def test_errors_cross_redis_as_codes(cls: type[errors.LlamameshError]) -> None:
     exc = cls.field("f", "why") if issubclass(cls, errors.InvalidRequest) else cls("why")  # type: ignore[attr-defined]
     back = errors.from_code(exc.code, exc.message, errors.field_of(exc))
     assert type(back) is cls
+    assert back.message == exc.message  # "f: why", the field named once
     assert errors.from_code("no-such-code", "x").__class__ is errors.InternalError
