@@ -199,7 +199,8 @@ class BatchRoutes:
             token = repr(before.created_at.ToNanoseconds() / 1e9)
         page = await self._batches.page(who, limit + 1 if after else limit, token)
         data: list[dict[str, Any]] = []
-        for b in [b for b in page.batches if b.batch_id != after][:limit]:
+        listed = [b for b in page.batches if b.batch_id != after]
+        for b in listed[:limit]:
             link = await self._files.linked(scoped_id(who.tenant, b.batch_id))
             if link:  # (batches made over gRPC have no OpenAI form)
                 data.append(openai_batches.batch_object(b, link["endpoint"], link["input_file_id"]))
@@ -209,7 +210,7 @@ class BatchRoutes:
                 "data": data,
                 "first_id": data[0]["id"] if data else None,
                 "last_id": data[-1]["id"] if data else None,
-                "has_more": bool(page.next_page_token),
+                "has_more": bool(page.next_page_token) or len(listed) > limit,
             }
         )
 

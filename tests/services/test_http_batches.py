@@ -74,6 +74,21 @@ async def test_a_jsonl_file_runs_as_a_batch_to_its_output_file(openai_door: tupl
         await client.files.retrieve(uploaded.id)
 
 
+async def test_the_sdk_pages_through_every_batch_once(openai_door: tuple[Stack, openai.AsyncOpenAI]) -> None:
+    _, client = openai_door
+    uploaded = await client.files.create(file=("one.jsonl", jsonl([chat_line(0)])), purpose="batch")
+    made = [
+        (
+            await client.batches.create(
+                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+        ).id
+        for _ in range(5)
+    ]
+    listed = [b.id async for b in client.batches.list(limit=2)]  # the SDK follows has_more and last_id
+    assert listed == made[::-1]
+
+
 @pytest.mark.fake_step_s(0.05)
 async def test_a_cancelled_batch_writes_its_unrun_items_to_the_error_file(
     openai_door: tuple[Stack, openai.AsyncOpenAI],
