@@ -150,7 +150,9 @@ class BatchRoutes:
         metadata = body.get("metadata") or {}
         if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
             raise errors.InvalidRequest.field("metadata", "an object of strings")
-        input_id = str(body.get("input_file_id", ""))
+        input_id = body.get("input_file_id")
+        if not isinstance(input_id, str) or not input_id:
+            raise errors.InvalidRequest.field("input_file_id", "required: the id of a file uploaded for purpose batch")
         file = await self._uploaded(input_id, who)
         content = await self._files.content(who.tenant, file.file_id) or b""
         batch_id = BATCH_ID + uuid.uuid4().hex

@@ -17,6 +17,7 @@ from llamamesh.errors import FieldViolation, InvalidRequest
 from llamamesh.v1 import batch_pb2 as bpb
 from llamamesh.v1 import generation_pb2 as pb
 from services.http import openai_requests, openai_responses
+from services.http.wire import NOT_TEXT, unpaired_surrogate
 
 ENDPOINTS: dict[str, Callable[[object, str], openai_requests.Parsed]] = {
     "/v1/chat/completions": openai_requests.chat,
@@ -72,6 +73,9 @@ def batch_request(
             line = json.loads(raw)
         except (ValueError, RecursionError) as exc:
             bad.append(FieldViolation(f"line {n}", f"not JSON: {exc}"))
+            continue
+        if (where := unpaired_surrogate(line, raw)) is not None:
+            bad.append(FieldViolation(f"line {n}: {where}" if where else f"line {n}", NOT_TEXT))
             continue
         if not isinstance(line, dict) or not isinstance(line.get("custom_id"), str):
             bad.append(FieldViolation(f"line {n}", "an object with custom_id, method, url and body"))

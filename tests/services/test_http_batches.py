@@ -140,6 +140,15 @@ async def test_bad_files_and_bad_batches_are_400_naming_the_line(openai_door: tu
     with pytest.raises(openai.NotFoundError):
         await client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
     with pytest.raises(openai.BadRequestError) as exc:
+        await client.batches.create(input_file_id="", endpoint="/v1/chat/completions", completion_window="24h")
+    assert exc.value.param == "input_file_id"
+    ok = {"custom_id": "ok", "url": "/v1/completions", "body": {"model": "tiny", "prompt": "x", "max_tokens": 2}}
+    lone = b'{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "\\ud800"}}\n'  # not text
+    surrogate = await client.files.create(file=("s.jsonl", jsonl([ok]) + lone), purpose="batch")
+    with pytest.raises(openai.BadRequestError) as exc:
+        await client.batches.create(input_file_id=surrogate.id, endpoint="/v1/completions", completion_window="24h")
+    assert exc.value.param == "line 2: body.prompt", exc.value.body
+    with pytest.raises(openai.BadRequestError) as exc:
         await client.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
     assert exc.value.param == "purpose"
 

@@ -172,6 +172,18 @@ async def test_what_is_not_json_or_not_here_is_answered_in_openais_shape(door: t
                 assert r.status == 400, (r.status, await r.text())
         async with s.post(f"{door[1]}/completions", json={"prompt": "x", "logprobs": 2**40}) as r:
             assert r.status == 400 and (await r.json())["error"]["param"] == "logprobs"
+        lone = [  # a string that is not text: an escaped lone surrogate, or its UTF-8 form
+            (
+                "chat/completions",
+                b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+                "messages[0].content",
+            ),
+            ("completions", b'{"model": "tiny", "prompt": "x", "stop": ["\xed\xa0\x80"]}', "stop[0]"),
+            ("completions", b'{"model": "tiny", "prompt": "x", "metadata": {"\\udfff": "v"}}', "metadata"),
+        ]
+        for path, data, param in lone:
+            async with s.post(f"{door[1]}/{path}", data=io.BytesIO(data)) as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == param, await r.text()
         async with s.get(f"{door[1]}/no/such/path") as r:
             error = (await r.json())["error"]
             assert r.status == 404 and error["type"] == "not_found_error"
