@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llamamesh.errors import FieldViolation, InvalidRequest
+from llamamesh.sampling import MAX_LOGPROBS
 from llamamesh.v1 import generation_pb2 as pb
 
 # OpenAI's roles as the gateway's chat roles ("developer" is OpenAI's newer name for "system").
@@ -20,7 +21,7 @@ EXTRA_FLOATS = ("min_p", "repetition_penalty")
 EXTRA_INTS = ("top_k", "min_tokens")
 # Fields OpenAI defines that this door does not implement: refused by name rather than ignored.
 UNSUPPORTED = ("functions", "function_call", "audio", "modalities", "prediction")
-UNSUPPORTED_COMPLETIONS = ("suffix", "echo", "best_of")
+UNSUPPORTED_COMPLETIONS = {"suffix": "", "echo": False, "best_of": 1}  # each accepted only at this value
 
 
 @dataclass(frozen=True)
@@ -103,10 +104,11 @@ def completion(body: object, request_id: str) -> Parsed:
         b.bad.append(FieldViolation("prompt", "required: a string (or a list of one string)"))
     else:
         req.prompt = prompt
-    for name in UNSUPPORTED_COMPLETIONS:
-        if b.body.get(name) not in (None, False, 1, ""):
+    for name, default in UNSUPPORTED_COMPLETIONS.items():
+        value = b.body.get(name)
+        if value is not None and (type(value) is not type(default) or value != default):  # (True == 1)
             b.bad.append(FieldViolation(name, "not supported by this server"))
-    _set(b, req, "logprobs", int, "an integer from 0 to 5", "logprobs")
+    _set(b, req, "logprobs", int, f"an integer in [0, {MAX_LOGPROBS}]", "logprobs")
     logprobs = req.HasField("logprobs")
     _common(b, req, "max_tokens")
     return _parsed(b, req, chat=False, logprobs=logprobs, renamed={"request_id": "x-request-id"})

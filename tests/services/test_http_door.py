@@ -172,6 +172,11 @@ async def test_what_is_not_json_or_not_here_is_answered_in_openais_shape(door: t
                 assert r.status == 400, (r.status, await r.text())
         async with s.post(f"{door[1]}/completions", json={"prompt": "x", "logprobs": 2**40}) as r:
             assert r.status == 400 and (await r.json())["error"]["param"] == "logprobs"
+        for legacy in ({"echo": True}, {"best_of": 2}, {"suffix": "!"}, {"best_of": True}):  # refused, not ignored
+            async with s.post(f"{door[1]}/completions", json={"prompt": "x", **legacy}) as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == next(iter(legacy)), legacy
+        async with s.post(f"{door[1]}/completions", json={"prompt": "x", "max_tokens": 2, "echo": False}) as r:
+            assert r.status == 200  # the defaults, as the SDKs may send them
         lone = [  # a string that is not text: an escaped lone surrogate, or its UTF-8 form
             (
                 "chat/completions",
