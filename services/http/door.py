@@ -122,8 +122,8 @@ class HttpDoor:
             parsed = parse(body, request.headers.get("x-request-id", ""))
             try:
                 return await self._answer(request, parsed, who)
-            except errors.InvalidRequest as exc:  # the fields as the caller named them
-                raise errors.InvalidRequest(
+            except errors.InvalidRequest as exc:  # the fields as the caller named them (same class: its code)
+                raise type(exc)(
                     [errors.FieldViolation(parsed.caller_field(v.field), v.description) for v in exc.violations]
                 ) from None
 
@@ -131,23 +131,24 @@ class HttpDoor:
 
     async def _answer(self, request: web.Request, parsed: Parsed, who: Identity) -> web.StreamResponse:
         out = openai_responses.Completion("", parsed.chat, parsed.logprobs)
+        # A stream's status and headers go with its first message: an error before it (a prompt
+        # longer than the model, found by the worker) is the same 4xx as without streaming.
         started: web.StreamResponse | None = None
 
         async def accepted(public: str) -> None:
-            nonlocal started
             out.request_id = public
-            if parsed.stream:
-                started = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": public})
-                await started.prepare(request)
 
         responses = self._generation.stream(parsed.request, who, None, accepted)
         try:
             async with aclosing(responses) as stream:
                 async for r in stream:
-                    if started is not None:
-                        await event(started, out.chunk(r))
-                    else:
+                    if not parsed.stream:
                         out.add(r)
+                        continue
+                    if started is None:
+                        started = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": out.request_id})
+                        await started.prepare(request)
+                    await event(started, out.chunk(r))
         except errors.LlamameshError as exc:
             if started is None:
                 raise
@@ -155,8 +156,11 @@ class HttpDoor:
             await event(started, body)  # mid-stream: the error as the last event, as vLLM does
             await started.write_eof()
             return started
-        if started is None:
+        if not parsed.stream:
             return web.json_response(out.body(), headers={"x-request-id": out.request_id})
+        if started is None:  # (a stream ends with at least one message; this is only defensive)
+            started = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": out.request_id})
+            await started.prepare(request)
         if parsed.include_usage:
             await event(started, out.usage_chunk())
         await started.write(b"data: [DONE]\n\n")

@@ -152,6 +152,16 @@ async def test_bad_requests_are_400_naming_the_callers_field(client: openai.Asyn
     assert missing.value.status_code == 404
 
 
+async def test_a_prompt_longer_than_the_model_is_400_whether_streamed_or_not(client: openai.AsyncOpenAI) -> None:
+    long = [{"role": "user", "content": "word " * 3000}]  # the fake engine's limit: 2048
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as exc:
+            answer = await client.chat.completions.create(model="tiny", messages=long, stream=stream)  # type: ignore[call-overload]
+            async for _ in answer:  # (a stream that began with 200 would raise a bare APIError here)
+                pass
+        assert exc.value.code == "prompt_too_long" and exc.value.param, (stream, exc.value.body)
+
+
 async def test_what_is_not_json_or_not_here_is_answered_in_openais_shape(door: tuple[Stack, str]) -> None:
     async with aiohttp.ClientSession() as s:
         async with s.post(f"{door[1]}/chat/completions", data=b"{not json") as r:
