@@ -84,6 +84,22 @@ def batch_requests(
         bad.append(FieldViolation("items", "a batch needs at least one item (items or summarise.documents)"))
     if len(raw) > b.max_items:
         bad.append(FieldViolation("items", f"{len(raw)} items; at most {b.max_items}"))
+    out = _items(raw, gw, models, scoped_id(tenant, batch_id), tenant, bad)
+    if bad:
+        raise InvalidRequest(bad)
+    return batch_id, window, out
+
+
+def _items(
+    raw: list[tuple[str, str, pb.GenerateRequest]],
+    gw: GatewaySettings,
+    models: Sequence[ModelInfo],
+    scoped: str,
+    tenant: str,
+    bad: list[FieldViolation],
+) -> list[tuple[ModelInfo, GenerationRequest]]:
+    """Each item validated as a request of the batch ``scoped`` (violations go to ``bad``); an
+    unknown model or adapter raises NotFound naming the item."""
     seen: dict[str, str] = {}
     out: list[tuple[ModelInfo, GenerationRequest]] = []
     for n, (path, custom_id, request) in enumerate(raw):
@@ -105,7 +121,6 @@ def batch_requests(
         if out and model.id != out[0][0].id:
             bad.append(FieldViolation(f"{path}.request.model", f"every item must use one model ({out[0][0].id})"))
             continue
-        scoped = scoped_id(tenant, batch_id)
         out.append(
             (
                 model,
@@ -118,6 +133,4 @@ def batch_requests(
                 ),
             )
         )
-    if bad:
-        raise InvalidRequest(bad)
-    return batch_id, window, out
+    return out

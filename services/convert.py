@@ -98,6 +98,8 @@ def _input(
             )
         if m.tool_call_id and m.role != "tool":
             bad.append(FieldViolation(f"messages[{i}].tool_call_id", "only a tool turn answers a call"))
+        elif m.role == "tool" and not m.tool_call_id:
+            bad.append(FieldViolation(f"messages[{i}].tool_call_id", "required: the id of the call it answers"))
     turns = tuple(
         ChatMessage(m.role, m.content, tools.message_calls(m, i, bad), m.tool_call_id) for i, m in enumerate(messages)
     )

@@ -154,11 +154,15 @@ async def test_bad_requests_are_400_naming_the_callers_field(client: openai.Asyn
 
 async def test_a_prompt_longer_than_the_model_is_400_whether_streamed_or_not(client: openai.AsyncOpenAI) -> None:
     long = [{"role": "user", "content": "word " * 3000}]  # the fake engine's limit: 2048
+
+    async def answer(stream: bool) -> None:
+        got = await client.chat.completions.create(model="tiny", messages=long, stream=stream)  # type: ignore[call-overload]
+        async for _ in got:  # (a stream that began with 200 would raise a bare APIError here)
+            pass
+
     for stream in (False, True):
         with pytest.raises(openai.BadRequestError) as exc:
-            answer = await client.chat.completions.create(model="tiny", messages=long, stream=stream)  # type: ignore[call-overload]
-            async for _ in answer:  # (a stream that began with 200 would raise a bare APIError here)
-                pass
+            await answer(stream)
         assert exc.value.code == "prompt_too_long" and exc.value.param, (stream, exc.value.body)
 
 

@@ -162,6 +162,7 @@ async def test_bad_tools_are_invalid_argument_naming_the_field(openai_door: tupl
             ),
             "messages[0].tool_calls",
         ),
+        (pb.GenerateRequest(messages=[pb.ChatMessage(role="tool", content="42")]), "messages[0].tool_call_id"),
     ]
     for req, field in cases:
         with pytest.raises(grpc.aio.AioRpcError) as exc:
