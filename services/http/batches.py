@@ -133,7 +133,7 @@ class BatchRoutes:
             async for r in stream:
                 succeeded = r.status == bpb.BATCH_ITEM_STATUS_SUCCEEDED
                 if succeeded and not errors_file:
-                    yield openai_batches.output_line(r, endpoint)
+                    yield openai_batches.output_line(r, endpoint, batch.model)
                 elif not succeeded and errors_file:
                     yield openai_batches.error_line(r)
 

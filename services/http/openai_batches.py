@@ -146,9 +146,15 @@ def batch_object(b: bpb.Batch, endpoint: str, input_file_id: str) -> dict[str, A
     return out
 
 
-def output_line(r: bpb.BatchResult, endpoint: str) -> str:
-    """A succeeded item as a line of the output file: the response a single request would get."""
+def output_line(r: bpb.BatchResult, endpoint: str, model: str) -> str:
+    """A succeeded item as a line of the output file: the response a single request would get,
+    created when the result was stored (its cursor is a Redis stream id: milliseconds first), so a
+    file reads the same each time."""
     answer = openai_responses.Completion(f"{r.batch_id}-{r.custom_id}", endpoint.endswith("chat/completions"), False)
+    answer.model = model
+    ms = r.cursor.partition("-")[0]
+    if ms.isdigit():
+        answer.created = int(ms) // 1000
     samples = list(r.samples) or [bpb.BatchSample(text=r.text, finish_reason=r.finish_reason)]
     for i, s in enumerate(samples):
         answer.add(pb.GenerateResponse(text=s.text, finish_reason=s.finish_reason, sample=i))

@@ -62,7 +62,9 @@ async def test_a_jsonl_file_runs_as_a_batch_to_its_output_file(openai_door: tupl
         body = line["response"]["body"]
         assert line["response"]["status_code"] == 200 and line["error"] is None
         assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"]
-        assert body["usage"]["completion_tokens"] == 4
+        assert body["usage"]["completion_tokens"] == 4 and body["model"] == "tiny"
+        assert done.in_progress_at - 1 <= body["created"] <= done.completed_at  # type: ignore[attr-defined]
+    assert (await client.files.content(done.output_file_id)).content == output  # type: ignore[attr-defined]
     usage = done.usage  # type: ignore[attr-defined]
     assert usage.output_tokens == 24 and usage.input_tokens == sum(
         x["response"]["body"]["usage"]["prompt_tokens"] for x in lines

@@ -43,6 +43,14 @@ class MemoryBatches:
         self.lanes = MemoryLanes(hold_ms)
         self._changed = asyncio.Condition()
         self._ids = itertools.count(1)
+        self._last_id = (0, 0)
+
+    def _result_id(self) -> str:
+        """A result's cursor as Redis makes a stream entry's id: ``<ms>-<seq>``, rising."""
+        ms, seq = self._last_id
+        now = int(time.time() * 1000)
+        self._last_id = (now, 0) if now > ms else (ms, seq + 1)
+        return "-".join(map(str, self._last_id))
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -140,7 +148,7 @@ class MemoryBatches:
             return []
 
         def newer() -> list[tuple[str, ItemResult]]:
-            return [(c, r) for c, r in b.results if int(c.split("-")[0]) > int(after.split("-")[0])]
+            return [(c, r) for c, r in b.results if _id(c) > _id(after)]
 
         await self._wait(lambda: bool(newer()), block_ms)
         return newer()
@@ -186,7 +194,7 @@ class MemoryBatches:
 
     def _add(self, b: _Batch, result: ItemResult) -> None:
         b.done[result.custom_id] = result.status.value
-        b.results.append((f"{next(self._ids)}-0", result))
+        b.results.append((self._result_id(), result))
         self._set(
             b,
             **{result.status.value: getattr(b.info, result.status.value) + 1},
@@ -215,3 +223,8 @@ class MemoryBatches:
             self._set(b, results_expire_at=now)
         if not b.info.processing:
             self.lanes.close(i.batch_id)
+
+
+def _id(stream_id: str) -> tuple[int, int]:
+    ms, _, seq = stream_id.partition("-")
+    return int(ms), int(seq or 0)
