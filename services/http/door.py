@@ -6,7 +6,7 @@ and the responses back (services/http/openai_responses.py); nothing else is its 
 - ``POST /v1/chat/completions``, ``POST /v1/completions``: whole, or streamed as server-sent events
   (``stream: true``) ending with ``data: [DONE]``; ``x-request-id`` in and out; a caller that goes
   away cancels its request, as on gRPC.
-- ``GET /v1/models``.
+- ``GET /v1/models``, ``GET /v1/models/{id}``.
 - Files and Batches in OpenAI's format (services/http/batches.py), when the gateway runs the batch
   service.
 - Errors: OpenAI's ``{"error": {message, type, param, code}}`` with the matching HTTP status (400
@@ -70,6 +70,7 @@ class HttpDoor:
         )
         app.router.add_post("/v1/completions", self.route("Completions", self._completions(openai_requests.completion)))
         app.router.add_get("/v1/models", self.route("ListModels", self._list_models))
+        app.router.add_get("/v1/models/{id:.+}", self.route("GetModel", self._get_model))
         if self.batches is not None:
             self.batches.add_routes(app, self.route)
         return app
@@ -169,8 +170,17 @@ class HttpDoor:
 
     async def _list_models(self, request: web.Request, who: Identity) -> web.StreamResponse:
         models = convert.with_adapters(self._models, self._adapters_of)
-        data = [{"id": m.id, "object": "model", "created": 0, "owned_by": "llamamesh"} for m in models]
-        return web.json_response({"object": "list", "data": data})
+        return web.json_response({"object": "list", "data": [_model(m.id) for m in models]})
+
+    async def _get_model(self, request: web.Request, who: Identity) -> web.StreamResponse:
+        wanted = request.match_info["id"]
+        if not any(m.id == wanted for m in convert.with_adapters(self._models, self._adapters_of)):
+            raise errors.NotFound(f"model {wanted!r} is not served here")
+        return web.json_response(_model(wanted))
+
+
+def _model(model_id: str) -> dict[str, object]:
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "llamamesh"}
 
 
 @web.middleware
@@ -183,4 +193,5 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
             raise
         kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
         body = {"error": {"message": exc.reason, "type": kind, "param": None, "code": None}}
-        return web.json_response(body, status=exc.status)
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None  # a 405's methods
+        return web.json_response(body, status=exc.status, headers=allow)

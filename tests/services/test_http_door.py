@@ -128,6 +128,9 @@ async def test_completions_whole_and_streamed(client: openai.AsyncOpenAI) -> Non
 async def test_the_models_listed(client: openai.AsyncOpenAI) -> None:
     models = [m.id async for m in client.models.list()]
     assert models == ["tiny", "other"]
+    assert (await client.models.retrieve("other")).id == "other"
+    with pytest.raises(openai.NotFoundError):
+        await client.models.retrieve("no-such-model")
 
 
 async def test_bad_requests_are_400_naming_the_callers_field(client: openai.AsyncOpenAI) -> None:
@@ -206,6 +209,8 @@ async def test_what_is_not_json_or_not_here_is_answered_in_openais_shape(door: t
         async with s.get(f"{door[1]}/no/such/path") as r:
             error = (await r.json())["error"]
             assert r.status == 404 and error["type"] == "not_found_error"
+        async with s.delete(f"{door[1]}/chat/completions") as r:
+            assert r.status == 405 and r.headers["Allow"] == "POST" and (await r.json())["error"]
 
 
 @pytest.mark.fake_step_s(0.05)
