@@ -75,6 +75,8 @@ def bearer(header: Header) -> str:
     scheme, _, key = raw.partition(" ")
     if raw and scheme.lower() != "bearer":
         raise errors.Unauthenticated("the authorization header must be 'Bearer <API key>'")
+    if not key.isascii():  # no key is (the HTTP door passes other bytes through undecoded)
+        raise errors.Unauthenticated("invalid API key")
     return key.strip()
 
 

@@ -15,12 +15,14 @@ and the responses back (services/http/openai_responses.py); nothing else is its 
 
 from __future__ import annotations
 
+import logging
 import ssl
 from collections.abc import Callable, Sequence
 from contextlib import aclosing
 
 import structlog
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from llamamesh import errors
 from llamamesh.settings import GatewaySettings
@@ -39,6 +41,22 @@ from services.tls import peer_names
 log = structlog.get_logger(__name__)
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _without_request_bytes(record: logging.LogRecord) -> bool:
+    """aiohttp logs a request that is not valid HTTP with its parser's error, which quotes the bytes
+    it stopped at (an authorization header's API key among them): the line keeps only the kind."""
+    exc = record.exc_info[1] if record.exc_info else None
+    if isinstance(exc, HttpProcessingError):
+        record.msg, record.args = "http_request_refused %s (status %s)", (type(exc).__name__, exc.code)
+        record.exc_info, record.exc_text = None, None
+        record.levelno, record.levelname = logging.INFO, "INFO"
+    return True
+
+
+# The door's protocol log (aiohttp's server logger, for this door's connections).
+PROTOCOL_LOG = logging.getLogger("llamamesh.http.protocol")
+PROTOCOL_LOG.addFilter(_without_request_bytes)
 
 
 class HttpDoor:
@@ -98,7 +116,11 @@ class HttpDoor:
         """Listen on ``settings.host``:``port`` (0: a free one); returns the port."""
         # handler_cancellation: a caller that disconnects cancels its handler, and so its request.
         self._runner = web.AppRunner(
-            self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=self._s.grace_s
+            self.app(),
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=self._s.grace_s,
+            logger=PROTOCOL_LOG,
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._s.host, port, ssl_context=ssl_context, reuse_port=share_port or None)

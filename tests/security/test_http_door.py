@@ -5,7 +5,9 @@ CA it requires a client certificate, which maps to its tenant as on gRPC."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import ssl
 from dataclasses import replace
 from pathlib import Path
@@ -48,6 +50,36 @@ async def test_keys_are_checked_as_on_grpc(tmp_path: Path) -> None:
         assert [d["outcome"] for d in decisions] == ["unauthenticated", "unauthenticated", "allowed", "unauthenticated"]
         assert decisions[2]["tenant"] == "alpha"
         assert key not in json.dumps([dict(e) for e in logs], default=str)
+
+
+async def test_a_malformed_head_or_a_key_of_other_bytes_leaves_no_key_in_the_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    auth = tmp_path / "tenants.json"
+    key = create_key(auth, "alpha")
+    port = free_port()
+    async with gateway_in_process(GatewaySettings(port=0, http_port=port), auth=AuthSettings(file=str(auth))):
+        heads = [  # each refused by aiohttp's parser, whose error quotes the bytes it stopped at
+            f"Authorization: Bearer {key}{'x' * 9000}".encode(),  # longer than a header may be
+            f"Authorization: Bearer {key}\x01".encode(),  # a control character
+            f"Authorization : Bearer {key}".encode(),  # a space before the colon
+        ]
+        with caplog.at_level(logging.DEBUG):
+            for head in heads:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n\r\n")
+                status = await asyncio.wait_for(reader.readline(), 10)
+                assert status.split()[1] == b"400", status
+                writer.close()
+            other_bytes = {"authorization": "Bearer \udcff"}  # not UTF-8 where a key goes: 401, not 500
+            async with (
+                aiohttp.ClientSession() as s,
+                s.get(f"http://127.0.0.1:{port}/v1/models", headers=other_bytes) as r,
+            ):
+                assert r.status == 401, await r.text()
+    refused = [r for r in caplog.records if r.name == "llamamesh.http.protocol"]
+    assert len(refused) == len(heads) and all(r.exc_info is None for r in refused)
+    assert key.split("_")[-1] not in caplog.text
 
 
 async def test_tls_and_client_certificates_as_on_grpc(pki: PKI, tmp_path: Path) -> None:
