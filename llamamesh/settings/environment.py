@@ -77,8 +77,24 @@ class Settings:
             if value and key in SECRETS:
                 out[key] = "***"
             elif value and key == "LLAMAMESH_REDIS_URL":
-                out[key] = re.sub(r"(://[^:@/]*:)[^@/]*@", r"\1***@", value)
+                out[key] = redacted_url(value)
         return out
+
+
+def redacted_url(url: str) -> str:
+    """A Redis url with its passwords as ``***``: the userinfo's (up to the host's ``@``, which is
+    the last one: a password may hold an ``@``) and any query parameter named ``*password``."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    cut = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    netloc, tail = rest[:cut], rest[cut:]
+    if "@" in netloc:
+        userinfo, host = netloc.rsplit("@", 1)
+        user, colon, _ = userinfo.partition(":")
+        netloc = f"{user}:***@{host}" if colon else netloc
+    tail = re.sub(r"([?&][^=&#]*password=)[^&#]*", r"\1***", tail, flags=re.IGNORECASE)
+    return f"{scheme}://{netloc}{tail}"
 
 
 @functools.cache

@@ -14,6 +14,7 @@ import pytest
 
 from llamamesh.cli import main, parser
 from llamamesh.settings import Settings
+from llamamesh.settings.environment import redacted_url
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -108,6 +109,22 @@ def test_config_prints_every_setting_sorted_with_secrets_redacted() -> None:
     assert got["LLAMAMESH_CLIENT_API_KEY"] == "***" and "sekrit" not in out.stdout
     assert got["LLAMAMESH_REDIS_URL"] == "redis://user:***@redis:6379/0" and "hunter2" not in out.stdout
     assert got["LLAMAMESH_GATEWAY_PORT"] == "4321" and got["LLAMAMESH_WORKER_THREADS"] == "3"
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://u:PW@AT5@h:6379", "redis://u:***@h:6379"),  # the host's @ is the last
+        ("redis://h:6379/0?password=PWQUERY2", "redis://h:6379/0?password=***"),
+        (
+            "redis+sentinel://:pw@s1:1,s2:2/svc?sentinel_password=zz&db=1",
+            "redis+sentinel://:***@s1:1,s2:2/svc?sentinel_password=***&db=1",
+        ),
+        ("redis://h:6379/0", "redis://h:6379/0"),
+    ],
+)
+def test_every_password_of_a_redis_url_is_hidden(url: str, shown: str) -> None:
+    assert redacted_url(url) == shown
 
 
 def test_config_says_which_value_is_bad_in_one_line() -> None:
