@@ -23,9 +23,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from llamamesh import errors
 from llamamesh.settings import LimitsSettings
 from llamamesh.types import TENANT_NAME
+
+log = structlog.get_logger(__name__)
 
 # An API key is ``lm_<key id>_<secret>``: the key id names it in logs and in the file.
 KEY_PREFIX = "lm_"
@@ -165,7 +169,8 @@ def _key_id(key: str) -> str:
 class TenantsFile:
     """The tenants file as a gateway sees it: parsed once, parsed again when it changed (looked at
     most every ``RELOAD_EVERY_S``). A file that turns unreadable or invalid keeps the last good
-    version (logged by the caller through ``last_error``)."""
+    version, logged once per distinct error (``tenants_file_refused``), as is each version taken
+    (``tenants_file_reloaded``)."""
 
     def __init__(self, path: str, defaults: LimitsSettings) -> None:
         self.path = path
@@ -200,7 +205,10 @@ class TenantsFile:
                 if self._stat() != self._stamp:
                     self._tenants = self._load()
                     self.last_error = ""
+                    log.info("tenants_file_reloaded", path=self.path, tenants=len(self._tenants.tenants))
             except (OSError, ValueError) as exc:
+                if str(exc) != self.last_error:
+                    log.warning("tenants_file_refused", path=self.path, error=str(exc), kept="the last valid version")
                 self.last_error = str(exc)
         return self._tenants
 

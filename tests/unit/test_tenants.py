@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import structlog
 
 from llamamesh import errors, tenants
 from llamamesh.settings import LimitsSettings
@@ -83,8 +84,15 @@ def test_a_file_turned_invalid_keeps_the_last_good_one(tmp_path: Path, monkeypat
     file = TenantsFile(str(path), LimitsSettings())
     path.write_text("{not json")
     os.utime(path, (time.time() + 5, time.time() + 5))
-    assert file.current().authenticate(key).tenant == "acme"
-    assert "t.json" in file.last_error
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(3):  # looked at again each time, said once
+            assert file.current().authenticate(key).tenant == "acme"
+        assert "t.json" in file.last_error
+        create_key(str(path.with_name("other.json")), "beta")
+        os.replace(path.with_name("other.json"), path)  # a valid file again: taken
+        assert file.current().tenants.keys() == {"beta"}
+    said = [(e["event"], e["log_level"]) for e in logs]
+    assert said == [("tenants_file_refused", "warning"), ("tenants_file_reloaded", "info")]
     path.write_text("{not json")
     with pytest.raises(ValueError, match="tenants file"):
         TenantsFile(str(path), LimitsSettings())  # a gateway does not start on a bad file
