@@ -38,6 +38,8 @@ log = structlog.get_logger(__name__)
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
 BATCH_SERVICE = batch_pb2.DESCRIPTOR.services_by_name["BatchService"].full_name
+# A gRPC connection's TLS and HTTP/2 handshake, at most (seconds; gRPC's own default is 120).
+HANDSHAKE_S = 10.0
 
 
 @dataclass
@@ -198,6 +200,8 @@ def _grpc_server(
         options=[
             ("grpc.so_reuseport", 1 if share_port else 0),
             ("grpc.max_receive_message_length", max(batch_bytes, settings.max_request_bytes)),
+            # A connection that has not finished its TLS and HTTP/2 handshake by then is closed.
+            ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_S * 1000)),
         ],
     )
     return server, gatekeeper

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import resource
 import signal
 import sys
 
@@ -102,6 +103,18 @@ def supervise(settings: Settings) -> int:
     return code
 
 
+def raise_open_files_limit(most: int = 1 << 20) -> int:
+    """Raise this process's open-files limit to its hard limit (at most ``most``), as ``vllm serve``
+    does: each connection holds a descriptor, and containers often start at 1024 of a far higher
+    hard limit. Returns the limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = most if hard == resource.RLIM_INFINITY else min(hard, most)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):  # (a kernel cap below the hard limit)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
 def main() -> None:
     try:
         settings = Settings.from_env()
@@ -114,6 +127,7 @@ def main() -> None:
         )
     logs.configure(settings.log, "gateway")
     tracing.configure("gateway")
+    log.info("open_files_limit", limit=raise_open_files_limit())
     if settings.gateway.processes > 1:
         sys.exit(supervise(settings))
     run_main(serve(settings, share_port=settings.gateway.share_port), settings.gateway.event_loop)

@@ -40,6 +40,9 @@ from services.tls import peer_names
 
 log = structlog.get_logger(__name__)
 
+# A connection that sends no request for this long is closed: before its first request (a request
+# head still arriving counts as none) and between requests on a kept-alive one (seconds).
+IDLE_S = 15.0
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -120,6 +123,7 @@ class HttpDoor:
             handler_cancellation=True,
             access_log=None,
             shutdown_timeout=self._s.grace_s,
+            keepalive_timeout=IDLE_S,
             logger=PROTOCOL_LOG,
         )
         await self._runner.setup()

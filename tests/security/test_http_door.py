@@ -9,6 +9,8 @@ import asyncio
 import json
 import logging
 import ssl
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,6 +20,8 @@ import pytest
 import structlog
 
 from llamamesh.settings import AuthSettings, GatewaySettings
+from services import gateway
+from services.http import door
 from tests.redisproc import free_port
 from tests.security.conftest import PKI
 from tests.security.secured import create_key
@@ -80,6 +84,36 @@ async def test_a_malformed_head_or_a_key_of_other_bytes_leaves_no_key_in_the_log
     refused = [r for r in caplog.records if r.name == "llamamesh.http.protocol"]
     assert len(refused) == len(heads) and all(r.exc_info is None for r in refused)
     assert key.split("_")[-1] not in caplog.text
+
+
+async def test_connections_that_send_nothing_are_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(door, "IDLE_S", 0.5)
+    monkeypatch.setattr(gateway, "HANDSHAKE_S", 0.5)
+    port = free_port()
+    async with gateway_in_process(GatewaySettings(port=0, http_port=port)) as g:
+        silent = [  # the HTTP door: nothing, half a request head; the gRPC port: no handshake
+            (port, b""),
+            (port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n"),
+            (g.port, b""),
+        ]
+        for target, sent in silent:
+            reader, writer = await asyncio.open_connection("127.0.0.1", target)
+            writer.write(sent)
+            await asyncio.wait_for(reader.read(), 10)  # all it says (gRPC: a GOAWAY), then closed
+            assert reader.at_eof(), target
+            writer.close()
+
+
+def test_the_gateway_raises_its_open_files_limit_to_the_hard_one() -> None:
+    code = (
+        "import resource; from services.server import raise_open_files_limit as r; "
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE); "
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)); "  # as a container may start it
+        "print(r(), min(hard, 1 << 20) if hard != resource.RLIM_INFINITY else 1 << 20)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    got, want = out.stdout.split()
+    assert got == want and int(got) > 256
 
 
 async def test_tls_and_client_certificates_as_on_grpc(pki: PKI, tmp_path: Path) -> None:
