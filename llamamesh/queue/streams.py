@@ -21,13 +21,14 @@ from llamamesh.queue.attempts import AttemptsLog
 from llamamesh.queue.cancels import CancelFlags
 from llamamesh.queue.events import EventStreams
 from llamamesh.queue.groups import create_group, prune_consumers, touch_entries
-from llamamesh.queue.keys import Keys, Retention, shard_tags
+from llamamesh.queue.keys import Keys, Retention
 from llamamesh.queue.lease import Leasing
 from llamamesh.queue.protocol import Lease, QueueDepth
 from llamamesh.queue.reclaim import Reclaimer
 from llamamesh.queue.redisio import connect, unreachable
 from llamamesh.queue.registry import WorkerRegistry
 from llamamesh.queue.replicas import Replicas
+from llamamesh.queue.slots import shard_tags
 from llamamesh.queue.submit import WorkStreams
 from llamamesh.settings import RedisSettings
 from llamamesh.types import Attempt, GenerationRequest, JobEvent, WorkerStatus

@@ -25,7 +25,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from llamamesh.queue.keys import Keys, shard_tags
+from llamamesh.queue.keys import Keys
+from llamamesh.queue.slots import shard_tags
 from llamamesh.v1 import batch_pb2 as bpb
 from llamamesh.v1 import batch_pb2_grpc
 from llamamesh.v1 import generation_pb2 as pb

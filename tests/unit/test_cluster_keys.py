@@ -8,8 +8,9 @@ from redis.exceptions import RedisClusterException
 
 from llamamesh.queue.cluster import stream_keys
 from llamamesh.queue.follow import hash_tag
-from llamamesh.queue.keys import Keys, shard_tags
+from llamamesh.queue.keys import Keys
 from llamamesh.queue.redisio import cluster_nodes, connect, is_cluster
+from llamamesh.queue.slots import shard_tags
 from llamamesh.settings import RedisSettings
 
 pytestmark = pytest.mark.timeout(30)
@@ -70,8 +71,8 @@ def test_the_keys_each_script_names_share_one_slot() -> None:
 
 
 def test_our_slot_function_is_redis_pys() -> None:
-    from llamamesh.queue import keys
+    from llamamesh.queue import slots
 
     samples = [b"", b"a", b"llamamesh:v1:pool:{cpu}:jobs", b"{}x", b"x{}y", b"{a}{b}", b"e3.17", b"\xff\x00{t:acme}"]
     samples += [f"req:{{r{i}}}:attempts".encode() for i in range(500)]
-    assert [keys.key_slot(k) for k in samples] == [key_slot(k) for k in samples]
+    assert [slots.key_slot(k) for k in samples] == [key_slot(k) for k in samples]
