@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 import structlog
 
 from llamamesh import errors, metrics
+from llamamesh.queue.gateway_stores import Quotas
 from llamamesh.queue.keys import STREAM_LEASE_MS
-from llamamesh.queue.protocol import Quotas
 from llamamesh.tenants import Identity
 from llamamesh.types import GenerationRequest, tenant_salt
 from services.routing import Access

@@ -10,8 +10,9 @@ import structlog
 
 from llamamesh import metrics
 from llamamesh.errors import QueueUnavailable
+from llamamesh.queue.gateway_stores import Quotas
 from llamamesh.queue.keys import UNSTORED_GRACE_S
-from llamamesh.queue.protocol import BatchStore, Quotas
+from llamamesh.queue.protocol import BatchStore
 from llamamesh.types import BatchInfo
 from llamamesh.types.batches import batch_at_risk, projected_finish
 

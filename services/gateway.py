@@ -13,7 +13,8 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from llamamesh.queue.protocol import BatchStore, FileStore, JobQueue, Quotas
+from llamamesh.queue.gateway_stores import FileStore, Quotas
+from llamamesh.queue.protocol import BatchStore, JobQueue
 from llamamesh.settings import AuthSettings, BatchSettings, BreakerSettings, GatewaySettings, LimitsSettings
 from llamamesh.tenants import TenantsFile
 from llamamesh.v1 import admin_pb2, admin_pb2_grpc, batch_pb2, batch_pb2_grpc, generation_pb2, generation_pb2_grpc

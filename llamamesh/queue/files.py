@@ -1,4 +1,4 @@
-"""Uploaded files on Redis (``protocol.FileStore``): one hash per file (``Keys.file``: its record's
+"""Uploaded files on Redis (``gateway_stores.FileStore``): one hash per file (``Keys.file``: its record's
 fields and its ``content``), kept until deleted; and the HTTP door's facts about the batches it
 created (``Keys.batch_link``), kept for the batch's life. A file is at most
 ``LLAMAMESH_BATCH_MAX_BYTES`` (the door refuses a larger one), so one hash holds it."""

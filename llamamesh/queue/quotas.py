@@ -14,13 +14,13 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from llamamesh.errors import RateLimited
+from llamamesh.queue.gateway_stores import Quotas
 from llamamesh.queue.keys import STREAM_LEASE_MS, UNSTORED_GRACE_S, Keys, Retention
-from llamamesh.queue.protocol import Quotas
 from llamamesh.queue.redisio import call_scripts, unreachable
 from llamamesh.queue.scripts import register
 from llamamesh.settings import LimitsSettings
 
-# Also importable from here (the protocol and the constants are protocol.py's and keys.py's).
+# Also importable from here (the protocol and the constants are gateway_stores.py's and keys.py's).
 __all__ = ["STREAM_LEASE_MS", "UNSTORED_GRACE_S", "Quotas", "RedisQuotas"]
 
 # What a refused batch is told: items free as batches end (the sweep gives them back every few

@@ -21,7 +21,7 @@ from typing import Any
 from aiohttp import BodyPartReader, web
 
 from llamamesh import errors
-from llamamesh.queue.protocol import FileStore
+from llamamesh.queue.gateway_stores import FileStore
 from llamamesh.tenants import Identity
 from llamamesh.types import StoredFile, scoped_id
 from llamamesh.v1 import batch_pb2 as bpb

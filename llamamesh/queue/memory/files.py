@@ -1,4 +1,4 @@
-"""``protocol.FileStore`` in memory, for tests of one layer (the files live as long as the object)."""
+"""``gateway_stores.FileStore`` in memory, for tests of one layer (the files live as long as the object)."""
 
 from __future__ import annotations
 
