@@ -31,15 +31,15 @@ class RedisFiles:
             "content": content,
         }
         with unreachable():
-            await self._r.hset(self.keys.file(file.owner, file.file_id), mapping=fields)
+            async with self._r.pipeline(transaction=True) as pipe:  # (one slot: the owner's hash tag)
+                pipe.hset(self.keys.file(file.owner, file.file_id), mapping=fields)
+                pipe.zadd(self.keys.files(file.owner), {file.file_id: file.created_at})
+                await pipe.execute()
 
     async def get(self, owner: str, file_id: str) -> StoredFile | None:
         with unreachable():
             raw: Any = await self._r.hmget(self.keys.file(owner, file_id), list(RECORD))
-        if raw[0] is None:
-            return None
-        name, purpose, size, created = (v.decode() for v in raw)
-        return StoredFile(file_id, owner, name, purpose, int(size), float(created))
+        return _record(owner, file_id, raw)
 
     async def content(self, owner: str, file_id: str) -> bytes | None:
         with unreachable():
@@ -48,7 +48,30 @@ class RedisFiles:
 
     async def delete(self, owner: str, file_id: str) -> bool:
         with unreachable():
-            return bool(await self._r.delete(self.keys.file(owner, file_id)))
+            async with self._r.pipeline(transaction=True) as pipe:
+                pipe.delete(self.keys.file(owner, file_id))
+                pipe.zrem(self.keys.files(owner), file_id)
+                deleted, _ = await pipe.execute()
+        return bool(deleted)
+
+    async def owned(self, owner: str, limit: int, after: str = "", newest_first: bool = True) -> list[StoredFile]:
+        key = self.keys.files(owner)
+        with unreachable():
+            rank: Any = 0
+            if after:
+                rank = await (self._r.zrevrank if newest_first else self._r.zrank)(key, after)
+                if rank is None:
+                    return []
+                rank += 1
+            ranged = self._r.zrevrange if newest_first else self._r.zrange
+            listed: Any = await ranged(key, rank, rank + limit - 1)
+            ids = [raw.decode() for raw in listed]
+            async with self._r.pipeline(transaction=False) as pipe:
+                for file_id in ids:
+                    pipe.hmget(self.keys.file(owner, file_id), list(RECORD))
+                records: Any = await pipe.execute()
+        found = (_record(owner, file_id, raw) for file_id, raw in zip(ids, records, strict=True))
+        return [f for f in found if f is not None]
 
     async def link(self, batch_id: str, fields: Mapping[str, str], ttl_s: float) -> None:
         key = self.keys.batch_link(batch_id)
@@ -63,3 +86,11 @@ class RedisFiles:
         with unreachable():
             raw: Any = await self._r.hgetall(self.keys.batch_link(batch_id))
         return {k.decode(): v.decode() for k, v in raw.items()}
+
+
+def _record(owner: str, file_id: str, raw: list[bytes | None]) -> StoredFile | None:
+    """A file's record from the HMGET of its ``RECORD`` fields (None: no such file)."""
+    if raw[0] is None:
+        return None
+    name, purpose, size, created = (v.decode() if v is not None else "0" for v in raw)
+    return StoredFile(file_id, owner, name, purpose, int(size), float(created))

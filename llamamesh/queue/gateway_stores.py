@@ -60,6 +60,11 @@ class FileStore(Protocol):
         """False when the owner had no file of that id."""
         ...
 
+    async def owned(self, owner: str, limit: int, after: str = "", newest_first: bool = True) -> list[StoredFile]:
+        """Up to ``limit`` of the owner's files in upload order (``newest_first``: the latest first),
+        those after the file ``after`` (an id of theirs; "": from the start; unknown: none)."""
+        ...
+
     async def link(self, batch_id: str, fields: Mapping[str, str], ttl_s: float) -> None:
         """Keep ``fields`` beside the (scoped) batch for ``ttl_s`` seconds (its whole life)."""
         ...

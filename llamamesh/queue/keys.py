@@ -212,6 +212,10 @@ class Keys:
         """An uploaded file: its record's fields and its content (a hash)."""
         return f"{self.prefix}:file:{{{owner}}}:{file_id}"
 
+    def files(self, owner: str) -> str:
+        """An owner's uploaded files by upload time (a sorted set; its files' slot), until deleted."""
+        return f"{self.prefix}:owner:{{{owner}}}:files"
+
     def batch_done(self, batch_id: str) -> str:
         """custom_id -> status of every item with a result (a hash): one result per custom_id."""
         return f"{self.prefix}:batch:{{b:{batch_id}}}:done"

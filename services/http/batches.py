@@ -32,6 +32,7 @@ from services.http.wire import Handler, Work, read_json
 Route = Callable[[str, Work], Handler]
 FILE_ID = "file-"
 BATCH_ID = "batch_"
+MAX_FILES_LISTED = 10000  # GET /v1/files: the most one page lists, and its default (as OpenAI's)
 
 
 class BatchRoutes:
@@ -44,6 +45,7 @@ class BatchRoutes:
     def add_routes(self, app: web.Application, route: Route) -> None:
         r = app.router
         r.add_post("/v1/files", route("UploadFile", self._upload))
+        r.add_get("/v1/files", route("ListFiles", self._list_files))
         r.add_get("/v1/files/{id}", route("GetFile", self._file))
         r.add_get("/v1/files/{id}/content", route("GetFileContent", self._content))
         r.add_delete("/v1/files/{id}", route("DeleteFile", self._delete))
@@ -61,6 +63,19 @@ class BatchRoutes:
         stored = StoredFile(FILE_ID + uuid.uuid4().hex, who.tenant, filename, purpose, len(content), time.time())
         await self._files.put(stored, content)
         return web.json_response(_file_object(stored))
+
+    async def _list_files(self, request: web.Request, who: Identity) -> web.StreamResponse:
+        """The caller's uploaded files: ``limit`` (1-10000, default 10000) after the file ``after``,
+        ``order`` desc (newest first, the default) or asc, of ``purpose`` (all are batch)."""
+        q = request.query
+        limit = _limit(q.get("limit", str(MAX_FILES_LISTED)), MAX_FILES_LISTED)
+        if (order := q.get("order", "desc")) not in ("asc", "desc"):
+            raise errors.InvalidRequest.field("order", "asc or desc")
+        found = await self._files.owned(who.tenant, limit + 1, q.get("after", ""), newest_first=order == "desc")
+        purpose = q.get("purpose", "")
+        data = [_file_object(f) for f in found[:limit] if not purpose or f.purpose == purpose]
+        page = {"object": "list", "data": data, "first_id": data[0]["id"] if data else None}
+        return web.json_response({**page, "last_id": data[-1]["id"] if data else None, "has_more": len(found) > limit})
 
     async def _form(self, request: web.Request) -> tuple[str, str, bytes]:
         if not request.content_type.startswith("multipart/"):
@@ -189,12 +204,7 @@ class BatchRoutes:
     async def _list(self, request: web.Request, who: Identity) -> web.StreamResponse:
         """The caller's batches made through this door, newest first: ``limit`` (1-100, default 20)
         after the batch ``after``."""
-        try:
-            limit = int(request.query.get("limit", "20"))
-        except ValueError:
-            raise errors.InvalidRequest.field("limit", "an integer from 1 to 100") from None
-        if not 1 <= limit <= 100:
-            raise errors.InvalidRequest.field("limit", "an integer from 1 to 100")
+        limit = _limit(request.query.get("limit", "20"), 100)
         token = ""
         if after := request.query.get("after", ""):
             before, _ = await self._batch(after, who)
@@ -215,6 +225,17 @@ class BatchRoutes:
                 "has_more": bool(page.next_page_token) or len(listed) > limit,
             }
         )
+
+
+def _limit(text: str, most: int) -> int:
+    """A listing's ``limit`` query parameter, from 1 to ``most``."""
+    try:
+        limit = int(text)
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= most:
+        raise errors.InvalidRequest.field("limit", f"an integer from 1 to {most}")
+    return limit
 
 
 def _file_object(f: StoredFile) -> dict[str, Any]:

@@ -174,7 +174,22 @@ async def test_another_tenants_files_and_batches_are_not_found(openai_door: tupl
     ):
         with pytest.raises(openai.NotFoundError):
             await call()
-    assert (await other.batches.list()).data == []
+    assert (await other.batches.list()).data == [] and (await other.files.list()).data == []
+
+
+async def test_the_sdk_lists_the_files_uploaded(openai_door: tuple[Stack, openai.AsyncOpenAI]) -> None:
+    _, client = openai_door
+    made = [
+        (await client.files.create(file=(f"{n}.jsonl", jsonl([chat_line(n)])), purpose="batch")).id for n in range(3)
+    ]
+    assert [f.id async for f in client.files.list(limit=2)] == made[::-1]  # the SDK follows has_more and after
+    assert [f.id async for f in client.files.list(order="asc", purpose="batch")] == made
+    await client.files.delete(made[1])
+    listed = await client.files.list()
+    assert [f.id for f in listed.data] == [made[2], made[0]] and listed.data[0].filename == "2.jsonl"
+    with pytest.raises(openai.BadRequestError) as exc:
+        await client.files.list(limit=0)
+    assert exc.value.param == "limit"
 
 
 async def test_the_batch_usage_counts_the_prompt_tokens_the_engine_had_cached(

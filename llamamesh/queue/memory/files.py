@@ -26,6 +26,16 @@ class MemoryFiles:
     async def delete(self, owner: str, file_id: str) -> bool:
         return self._files.pop((owner, file_id), None) is not None
 
+    async def owned(self, owner: str, limit: int, after: str = "", newest_first: bool = True) -> list[StoredFile]:
+        mine = sorted((f for f, _ in self._files.values() if f.owner == owner), key=lambda f: f.created_at)
+        if newest_first:
+            mine.reverse()
+        ids = [f.file_id for f in mine]
+        if after and after not in ids:
+            return []
+        start = ids.index(after) + 1 if after else 0
+        return mine[start : start + limit]
+
     async def link(self, batch_id: str, fields: Mapping[str, str], ttl_s: float) -> None:
         self._links[batch_id] = dict(fields)
 
