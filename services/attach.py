@@ -102,6 +102,10 @@ class Attachment:
             raise errors.InvalidRequest.field(
                 "offset", f"this request has {n} samples: give what you have of each in sample_offsets"
             )
+        if len(self._sample_offsets) > n:
+            raise errors.InvalidRequest.field(
+                "sample_offsets", f"{len(self._sample_offsets)} entries; this request has {n} sample(s)"
+            )
         offsets = list(self._sample_offsets) if n > 1 else [self._offset or next(iter(self._sample_offsets), 0)]
         self.streams = SampleCursors(n, offsets)
         return records

@@ -128,6 +128,9 @@ async def test_attach_gives_each_sample_from_its_own_offset(stack: Stack) -> Non
         await Samples.read(stack.stub.Attach(pb.AttachRequest(request_id="two", offset=3)))
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field_violations(ei.value) == ["offset"]
     offsets = [len(have.ids[0]), len(have.ids[1])]
+    with pytest.raises(grpc.aio.AioRpcError) as ei:  # more samples than the request has
+        await Samples.read(stack.stub.Attach(pb.AttachRequest(request_id="two", sample_offsets=[*offsets, 0])))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field_violations(ei.value) == ["sample_offsets"]
     rest = await Samples.read(stack.stub.Attach(pb.AttachRequest(request_id="two", sample_offsets=offsets)))
     for k in (0, 1):
         assert rest.idx[k] == list(range(offsets[k], 40))
