@@ -29,6 +29,10 @@ __all__ = ["Gateway", "main", "serve", "start_gateway", "supervise"]
 log = structlog.get_logger(__name__)
 
 
+class StartFailed(Exception):
+    """The gateway could not start (the message says why, in one line)."""
+
+
 async def serve(settings: Settings, share_port: bool = False) -> None:
     """Run the gateway until SIGTERM/SIGINT, then settle (NOT_SERVING, still serving, for
     ``settle_s``; a second signal ends it), then drain open streams for ``grace_s``."""
@@ -41,21 +45,26 @@ async def serve(settings: Settings, share_port: bool = False) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, signalled)
     g = settings.gateway
-    metrics.serve(g.metrics_port, g.host, "gateway", prometheus_multiproc_dir())
     queue = RedisQueue.from_settings(settings.redis)
     batches = RedisBatches.from_settings(queue.client, queue.keys, settings.batch, replicas=queue.replicas)
-    gateway = await start_gateway(
-        queue,
-        settings.gateway,
-        share_port=share_port,
-        breaker=settings.breaker,
-        batches=batches,
-        batch=settings.batch,
-        auth=settings.auth,
-        limits=settings.limits,
-        quotas=RedisQuotas(queue.client, queue.keys, queue.retention),
-        files=RedisFiles(queue.client, queue.keys),
-    )
+    try:
+        metrics.serve(g.metrics_port, g.host, "gateway", prometheus_multiproc_dir())
+        gateway = await start_gateway(
+            queue,
+            settings.gateway,
+            share_port=share_port,
+            breaker=settings.breaker,
+            batches=batches,
+            batch=settings.batch,
+            auth=settings.auth,
+            limits=settings.limits,
+            quotas=RedisQuotas(queue.client, queue.keys, queue.retention),
+            files=RedisFiles(queue.client, queue.keys),
+        )
+    except (ValueError, OSError, RuntimeError) as exc:  # a bad rule or file, a port taken (grpc's RuntimeError)
+        await batches.close()
+        await queue.close()
+        raise StartFailed(str(exc)) from exc
     log.info("heap_frozen", objects=serving_heap())
     try:
         await stop.wait()
@@ -130,7 +139,10 @@ def main() -> None:
     log.info("open_files_limit", limit=raise_open_files_limit())
     if settings.gateway.processes > 1:
         sys.exit(supervise(settings))
-    run_main(serve(settings, share_port=settings.gateway.share_port), settings.gateway.event_loop)
+    try:
+        run_main(serve(settings, share_port=settings.gateway.share_port), settings.gateway.event_loop)
+    except StartFailed as exc:
+        sys.exit(f"error: the gateway could not start: {exc}")
 
 
 if __name__ == "__main__":

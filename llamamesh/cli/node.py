@@ -243,7 +243,8 @@ class Node:
             if code is not None:
                 raise StartFailed(f"the node's {self._ended()} ended (exit code {code}) while starting")
             serving = serving or await self.gateway_serving(client)
-            views = await self.workers(queue) if serving else None
+            heard = await self.workers(queue)  # None: Redis does not answer
+            views = heard if serving else None
             if views is not None and all(v.state == WorkerState.READY.value for v in views):
                 show.done(f"ready: {len(views)} worker(s) serving on {self.address}")
                 show.done(f"OpenAI-compatible HTTP: {self.http_url}")
@@ -255,7 +256,11 @@ class Node:
                     show.done("")
                     why = v.detail.split(NOTE)[0] if v.detail else "its process exited"
                     raise StartFailed(f"{v.name} could not start: {why}")
-            show.update(_doing(views), _doing(views, took=False))
+            if heard is None:
+                where = "the embedded Valkey" if self._embedded is not None else "Redis (LLAMAMESH_REDIS_URL)"
+                show.update(f"{_doing(views)}: {where} does not answer yet", f"{_doing(views, took=False)}: no Redis")
+            else:
+                show.update(_doing(views), _doing(views, took=False))
             if time.monotonic() - t0 > limit:
                 show.done("")
                 raise StartFailed(f"the node was not ready within {limit:.0f} s: {_doing(views)}")
