@@ -15,10 +15,13 @@ llamamesh config                the effective configuration, secrets redacted
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from importlib import metadata
 
-from llamamesh.cli import auth, batch, config, generate, models, serve, top
+import grpc
+
+from llamamesh.cli import auth, batch, config, flags, generate, models, serve, top
 from llamamesh.cli.flags import BadSetting
 
 # Each command module adds its own subcommands, in the order `llamamesh --help` lists them.
@@ -41,12 +44,20 @@ def main(argv: list[str] | None = None) -> None:
     setting exits 1 with one line naming it."""
     args = parser().parse_args(argv)
     try:
-        sys.exit(args.func(args))
-    except BadSetting as exc:
+        code = args.func(args)
+        sys.stdout.flush()  # here, where a reader that went away is caught, not at exit
+    except (BadSetting, TimeoutError) as exc:  # (TimeoutError: --wait for a gateway that is not up)
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
+    except grpc.RpcError as exc:  # a call the gateway refused or could not be reached for
+        print(flags.rpc_error(exc), file=sys.stderr)
+        sys.exit(1)
+    except BrokenPipeError:  # the reader went away (| head): quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python's flush at exit)
+        sys.exit(141)
     except KeyboardInterrupt:
         sys.exit(130)
+    sys.exit(code)
 
 
 def _version() -> str:

@@ -12,7 +12,7 @@ from typing import Any, TextIO
 import grpc
 
 from llamamesh.cli import batchfile, flags
-from llamamesh.client import build_request, field_violations
+from llamamesh.client import build_request
 from llamamesh.v1 import batch_pb2 as bpb
 
 ENDED = (bpb.BATCH_STATE_COMPLETED, bpb.BATCH_STATE_FAILED, bpb.BATCH_STATE_EXPIRED, bpb.BATCH_STATE_CANCELLED)
@@ -29,7 +29,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         if name == "submit":
             _submit_flags(a)
         elif name == "list":
-            a.add_argument("--limit", type=int, default=20)
+            a.add_argument("--limit", type=flags.at_least(1), default=20)
         else:
             a.add_argument("id", help="the batch id")
         if name == "results":
@@ -53,7 +53,7 @@ def _submit_flags(a: argparse.ArgumentParser) -> None:
     a.add_argument("--max-tokens", type=int, default=128)
     a.add_argument("--temperature", type=float, default=0.0)
     a.add_argument("--batch-id", help="your id for it (submitting it again is harmless)")
-    a.add_argument("--window", type=int, help="seconds in which items must start (default 24 h)")
+    a.add_argument("--window", type=flags.at_least(1), help="seconds in which items must start (default 24 h)")
     a.add_argument("--no-wait", action="store_true", help="print the id and return")
 
 
@@ -84,11 +84,7 @@ async def _batch(args: argparse.Namespace, lines: list[str], out: TextIO) -> int
             else:
                 await ACTIONS[args.action](c.batches, meta, args, out)
         except grpc.aio.AioRpcError as exc:
-            fields = field_violations(exc)
-            print(
-                f"error: {exc.code().name}: {exc.details()}" + (f" (fields: {', '.join(fields)})" if fields else ""),
-                file=sys.stderr,
-            )
+            print(flags.rpc_error(exc), file=sys.stderr)
             return 1
         except ValueError as exc:  # a bad input file, or flags that do not go together
             print(f"error: {exc}", file=sys.stderr)

@@ -4,9 +4,12 @@ the settings and client they make."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
-from llamamesh.client import DEFAULT_ADDRESS, Client
+import grpc
+
+from llamamesh.client import DEFAULT_ADDRESS, Client, field_violations
 from llamamesh.settings import ClientSettings, Settings
 
 CLIENT_FLAGS = ("api_key", "tls_ca", "tls_cert", "tls_key", "tls_server_name")
@@ -39,7 +42,7 @@ def node_flags(p: argparse.ArgumentParser) -> None:
     gateway_flags(p)
     redis_flags(p)
     worker_flags(p)
-    p.add_argument("--workers", type=int, default=1, help="worker processes on this node")
+    p.add_argument("--workers", type=at_least(0), default=1, help="worker processes on this node")
 
 
 def settings(args: argparse.Namespace) -> Settings:
@@ -86,6 +89,21 @@ def format_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def at_least(low: float, kind: type[int] | type[float] = int) -> Callable[[str], float]:
+    """An argparse type: a number (``kind``) of at least ``low`` (argparse names the flag)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not value >= low:  # (also NaN)
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        return value
+
+    return parse
+
+
 def file_text(path: str) -> str:
     """A file's text, read while the arguments are parsed (sent as it is: the gateway checks it)."""
     try:
@@ -117,5 +135,24 @@ def client_settings(args: argparse.Namespace) -> ClientSettings:
 
 
 def client(address: str, args: argparse.Namespace) -> Client:
-    """A client of the gateway at ``address`` with the command's client settings."""
-    return Client.from_settings(address, client_settings(args), tls=bool(getattr(args, "tls", False)))
+    """A client of the gateway at ``address`` with the command's client settings; raises BadSetting
+    for a TLS file it cannot read (read now: the channel reads them only when it connects)."""
+    settings = client_settings(args)
+    for name in ("tls_ca", "tls_cert", "tls_key"):
+        path = getattr(settings, name)
+        try:
+            if path:
+                Path(path).read_bytes()
+        except OSError as exc:
+            flag = f"--{name.replace('_', '-')}"
+            raise BadSetting(f"LLAMAMESH_CLIENT_{name.upper()} ({flag}): cannot read {path}: {exc.strerror}") from None
+    return Client.from_settings(address, settings, tls=bool(getattr(args, "tls", False)))
+
+
+def rpc_error(err: grpc.RpcError) -> str:
+    """A call the gateway refused (or could not be reached for), as one line: its status, its
+    message and the fields it named."""
+    if not isinstance(err, grpc.aio.AioRpcError):
+        return f"error: {err}"
+    fields = field_violations(err)
+    return f"error: {err.code().name}: {err.details()}" + (f" (fields: {', '.join(fields)})" if fields else "")

@@ -6,12 +6,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from contextlib import aclosing
 from typing import Any, TextIO
 
 import grpc
 
 from llamamesh.cli import flags
-from llamamesh.client import Messages, field_violations
+from llamamesh.client import Messages
 from llamamesh.v1 import generation_pb2 as pb
 
 
@@ -38,21 +39,20 @@ async def stream_answer(address: str, args: argparse.Namespace, wait_s: float, o
     async with flags.client(address, args) as client:
         if wait_s:
             await client.wait_ready(wait_s)
+        # (aclosing: a reader gone mid-answer cancels the request now, while the channel is open)
         try:
-            async for msg in client.generate(prompt, messages, **_fields(args, n)):
-                if n > 1:  # samples interleave: each is printed whole once the stream ends
-                    samples.setdefault(msg.sample, []).append(msg.text)
-                    ends[msg.sample] = msg.finish_reason or ends.get(msg.sample, 0)
-                else:
-                    out.write(msg.text)
-                    out.flush()
-                last = msg
+            async with aclosing(client.generate(prompt, messages, **_fields(args, n))) as stream:
+                async for msg in stream:
+                    if n > 1:  # samples interleave: each is printed whole once the stream ends
+                        samples.setdefault(msg.sample, []).append(msg.text)
+                        ends[msg.sample] = msg.finish_reason or ends.get(msg.sample, 0)
+                    else:
+                        out.write(msg.text)
+                        out.flush()
+                    last = msg
         except grpc.aio.AioRpcError as err:
-            fields = field_violations(err)
-            print(
-                f"\nerror: {err.code().name}: {err.details()}" + (f" (fields: {fields})" if fields else ""),
-                file=sys.stderr,
-            )
+            began = last is not None and n == 1  # the answer so far ends without a newline
+            print(("\n" if began else "") + flags.rpc_error(err), file=sys.stderr)
             return 1
     for k in sorted(samples):
         finish = _finish(ends[k]) if ends[k] else None

@@ -106,7 +106,9 @@ def render(resp: pb.ListBackendsResponse, title: str = "") -> str:
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("top", help="each pool's workers, requests in flight, queue and tokens/s, refreshed")
-    p.add_argument("--interval", type=float, default=1.0, help="seconds between frames (default 1)")
+    p.add_argument(
+        "--interval", type=flags.at_least(0.1, float), default=1.0, help="seconds between frames (default 1)"
+    )
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     flags.client_flags(p)
     p.set_defaults(func=cmd_top)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from typing import Any
 
 import grpc
@@ -82,14 +83,16 @@ class Client(Stubs[grpc.aio.Channel]):
         messages: Messages | None = None,
         timeout: float | None = None,
         **fields: Any,
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """The responses of one request (``timeout``: for all of it, resumes included). Stopping
-        early, or cancelling the iterating task, cancels the request."""
+        early, or cancelling the iterating task, cancels the request (at once when the caller closes
+        this generator, e.g. with ``contextlib.aclosing``; else when it is collected)."""
         stub = self._next_stream()
         request = build_request(prompt, messages, **fields)
         if self._resume_attempts:
-            async for msg in resumed(stub, request, self._resume_attempts, timeout):
-                yield msg
+            async with aclosing(resumed(stub, request, self._resume_attempts, timeout)) as msgs:
+                async for msg in msgs:
+                    yield msg
             return
         call = stub.Generate(request, timeout=timeout)
         try:

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
 import grpc
@@ -117,7 +117,7 @@ class Resumption:
 
 async def resumed(
     stub: generation_pb2_grpc.GenerationServiceStub, request: pb.GenerateRequest, attempts: int, timeout: float | None
-) -> AsyncIterator[pb.GenerateResponse]:
+) -> AsyncGenerator[pb.GenerateResponse, None]:
     """The responses of ``request``, resumed through ``stub``'s channel when the stream breaks; the
     last error is raised when it cannot go on. A caller that stops reading before the end (or is
     cancelled) has the request cancelled with ``Cancel`` (shielded), as a plain disconnect would."""
@@ -136,7 +136,8 @@ async def resumed(
                 call.cancel()
     finally:
         if (cancel := r.cancel_now) is not None:
-            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):
+            # (UsageError: the channel closed first; its call ended with it, as a disconnect does)
+            with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.TimeoutError):
                 await asyncio.shield(stub.Cancel(cancel, timeout=CANCEL_TIMEOUT_S))
 
 

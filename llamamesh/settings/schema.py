@@ -117,7 +117,9 @@ class Spec:
             raise ValueError(f"{self.env}={shown}: expected {self.expected()}")
 
     def text(self, value: Any) -> str:
-        """``value`` as the variable's text (``parse`` reads it back)."""
+        """``value`` as the variable's text (``parse`` reads it back; a bool as the docs write it)."""
+        if isinstance(value, bool):
+            return "true" if value else "false"
         return "" if value is None else str(value)
 
 

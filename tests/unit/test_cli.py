@@ -15,6 +15,7 @@ import pytest
 from llamamesh.cli import main, parser
 from llamamesh.settings import Settings
 from llamamesh.settings.environment import redacted_url
+from tests.redisproc import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -151,3 +152,36 @@ def test_an_old_module_path_warns_and_re_exports(
     with pytest.warns(DeprecationWarning, match=new):
         module = importlib.import_module(old)
     assert getattr(module, name) is getattr(importlib.import_module(new), name)
+
+
+def test_a_command_that_fails_says_why_in_one_line() -> None:
+    nobody = f"127.0.0.1:{free_port()}"  # nothing listens there
+    cases = [
+        ["models", "--address", nobody],
+        ["tokenize", "hi", "--address", nobody],
+        ["generate", "hi", "--address", nobody, "--wait", "1"],
+        ["models", "--address", nobody, "--tls-ca", "/no/such/ca.pem"],
+    ]
+    for args in cases:
+        out = run(*args)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), (args, out.stderr)
+    assert "LLAMAMESH_CLIENT_TLS_CA (--tls-ca)" in out.stderr
+    for args, flag in ((["top", "--interval", "0"], "--interval"), (["batch", "list", "--limit", "-3"], "--limit")):
+        out = run(*args, "--address", nobody)
+        assert out.returncode == 2 and f"argument {flag}" in out.stderr, out.stderr
+
+
+def test_a_gateway_that_cannot_start_says_why_in_one_line() -> None:
+    out = run("gateway", LLAMAMESH_GATEWAY_MODELS="garbage", LLAMAMESH_REDIS_URL=f"redis://127.0.0.1:{free_port()}")
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("error: the gateway could not start: "), out.stderr
+
+
+def test_a_reader_that_went_away_ends_the_command_quietly() -> None:
+    read, write = os.pipe()
+    os.close(read)  # (| head that has read its fill)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("LLAMAMESH_")}
+    done = subprocess.run([str(CLI), "config"], stdout=write, stderr=subprocess.PIPE, env=base, timeout=50)
+    os.close(write)
+    assert done.returncode == 141 and done.stderr == b"", done.stderr
