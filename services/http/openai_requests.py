@@ -20,7 +20,7 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 EXTRA_FLOATS = ("min_p", "repetition_penalty")
 EXTRA_INTS = ("top_k", "min_tokens")
 # Fields OpenAI defines that this door does not implement: refused by name rather than ignored.
-UNSUPPORTED = ("functions", "function_call", "audio", "modalities", "prediction")
+UNSUPPORTED = ("functions", "function_call", "audio", "modalities", "prediction", "logit_bias")
 UNSUPPORTED_COMPLETIONS = {"suffix": "", "echo": False, "best_of": 1}  # each accepted only at this value
 
 
@@ -170,7 +170,7 @@ def _message(m: object, i: int, req: pb.GenerateRequest, b: _Body) -> None:
 def _common(b: _Body, req: pb.GenerateRequest, limit: str) -> None:
     """The fields both endpoints share, onto ``req``; ``limit``: the caller's name of max_tokens."""
     for name in UNSUPPORTED:
-        if b.body.get(name) is not None:
+        if b.body.get(name) not in (None, {}, []):  # (empty: the same as not sent)
             b.bad.append(FieldViolation(name, "not supported by this server"))
     _set(b, req, "model", str, "a string", "model")
     _set(b, req, limit, int, "an integer", "max_tokens")

@@ -140,6 +140,7 @@ async def test_bad_requests_are_400_naming_the_callers_field(client: openai.Asyn
         ({"max_tokens": 0}, "max_tokens"),
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"functions": [{"name": "f"}]}, "functions"),
+        ({"logit_bias": {"42": -100}}, "logit_bias"),  # refused, not ignored: it would change the answer
         ({"response_format": {"type": "xml"}}, "response_format.type"),
     ]
     for fields, param in cases:
