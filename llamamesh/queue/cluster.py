@@ -24,8 +24,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from llamamesh.queue.connection import hiredis_packed, tls_options
 from llamamesh.settings import RedisSettings
-
-CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+from llamamesh.settings.redis import CLUSTER_SCHEMES
 
 
 def is_cluster(client: Any) -> bool:

@@ -29,7 +29,8 @@ class SentinelUrl:
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 SENTINEL_PORT = 26379
 # What LLAMAMESH_REDIS_URL may begin with (the queue picks its client by it: queue/redisio.py).
-URL_SCHEMES = ("redis", "rediss", "unix", *SENTINEL_SCHEMES, "redis+cluster", "rediss+cluster")
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+URL_SCHEMES = ("redis", "rediss", "unix", *SENTINEL_SCHEMES, *CLUSTER_SCHEMES)
 SENTINEL_FORM = "redis+sentinel://[user:password@]host[:port][,host[:port]...]/<service>[/<db>]"
 
 
@@ -190,9 +191,9 @@ class RedisSettings(Section, section="redis"):
         super().__post_init__()
         if self.wait_replicas and self.wait_timeout_ms <= 0:
             raise ValueError("LLAMAMESH_REDIS_WAIT_TIMEOUT_MS must be positive (0 would wait forever)")
-        if self.wait_replicas and self.url.partition("://")[0] in ("redis+cluster", "rediss+cluster"):
-            raise ValueError("LLAMAMESH_REDIS_WAIT_REPLICAS is for one primary and its replicas, not a Redis Cluster")
         scheme = self.url.partition("://")[0] if "://" in self.url else ""
+        if self.wait_replicas and scheme in CLUSTER_SCHEMES:
+            raise ValueError("LLAMAMESH_REDIS_WAIT_REPLICAS is for one primary and its replicas, not a Redis Cluster")
         if self.url and scheme not in URL_SCHEMES:  # (never quoting the url: it may hold a password)
             raise ValueError(f"LLAMAMESH_REDIS_URL: expected a url of {', '.join(f'{s}://' for s in URL_SCHEMES)}")
         self.sentinel()  # a malformed Sentinel url is refused here, at start

@@ -165,17 +165,21 @@ class HttpDoor:
         async def accepted(public: str) -> None:
             out.request_id = public
 
+        async def begun() -> web.StreamResponse:
+            nonlocal started
+            if started is None:
+                started = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": out.request_id})
+                await started.prepare(request)
+            return started
+
         responses = self._generation.stream(parsed.request, who, None, accepted)
         try:
             async with aclosing(responses) as stream:
                 async for r in stream:
-                    if not parsed.stream:
+                    if parsed.stream:
+                        await event(await begun(), out.chunk(r))
+                    else:
                         out.add(r)
-                        continue
-                    if started is None:
-                        started = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": out.request_id})
-                        await started.prepare(request)
-                    await event(started, out.chunk(r))
         except errors.LlamameshError as exc:
             if started is None:
                 raise
@@ -185,14 +189,12 @@ class HttpDoor:
             return started
         if not parsed.stream:
             return web.json_response(out.body(), headers={"x-request-id": out.request_id})
-        if started is None:  # (a stream ends with at least one message; this is only defensive)
-            started = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": out.request_id})
-            await started.prepare(request)
+        stream_out = await begun()
         if parsed.include_usage:
-            await event(started, out.usage_chunk())
-        await started.write(b"data: [DONE]\n\n")
-        await started.write_eof()
-        return started
+            await event(stream_out, out.usage_chunk())
+        await stream_out.write(b"data: [DONE]\n\n")
+        await stream_out.write_eof()
+        return stream_out
 
     async def _list_models(self, request: web.Request, who: Identity) -> web.StreamResponse:
         models = convert.with_adapters(self._models, self._adapters_of)
