@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import logging
 import ssl
-from collections.abc import Callable, Sequence
+import uuid
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 
 import structlog
@@ -28,12 +29,14 @@ from llamamesh import errors
 from llamamesh.settings import GatewaySettings
 from llamamesh.tenants import Identity
 from llamamesh.types import ModelInfo
+from llamamesh.v1 import generation_pb2 as pb
 from services import convert
 from services.auth import Gatekeeper
-from services.calls import call
+from services.calls import call, note
 from services.generation import GenerationServicer
 from services.http import openai_requests, openai_responses
 from services.http.batches import BatchRoutes
+from services.http.fanout import merged
 from services.http.openai_requests import Parsed
 from services.http.wire import Handler, Work, event, read_json
 from services.tls import peer_names
@@ -157,13 +160,19 @@ class HttpDoor:
         return work
 
     async def _answer(self, request: web.Request, parsed: Parsed, who: Identity) -> web.StreamResponse:
-        out = openai_responses.Completion("", parsed.chat, parsed.logprobs)
+        # Several prompts: one request each, ids <id>:<i> under one id (the caller's, or made here).
+        several = len(parsed.prompts) > 1
+        base_id = parsed.request.request_id or (uuid.uuid4().hex if several else "")
+        if several:
+            structlog.contextvars.bind_contextvars(request_id=base_id)
+        out = openai_responses.Completion(base_id, parsed.chat, parsed.logprobs, per_prompt=parsed.request.n or 1)
         # A stream's status and headers go with its first message: an error before it (a prompt
         # longer than the model, found by the worker) is the same 4xx as without streaming.
         started: web.StreamResponse | None = None
 
         async def accepted(public: str) -> None:
-            out.request_id = public
+            if not several:
+                out.request_id = public
 
         async def begun() -> web.StreamResponse:
             nonlocal started
@@ -172,14 +181,17 @@ class HttpDoor:
                 await started.prepare(request)
             return started
 
-        responses = self._generation.stream(parsed.request, who, None, accepted)
+        streams = [
+            _of_prompt(i, self._generation.stream(r, who, None, accepted), several)
+            for i, r in enumerate(parsed.requests(base_id))
+        ]
         try:
-            async with aclosing(responses) as stream:
-                async for r in stream:
+            async with aclosing(merged(streams)) as responses:
+                async for i, r in responses:
                     if parsed.stream:
-                        await event(await begun(), out.chunk(r))
+                        await event(await begun(), out.chunk(r, i))
                     else:
-                        out.add(r)
+                        out.add(r, i)
         except errors.LlamameshError as exc:
             if started is None:
                 raise
@@ -187,6 +199,8 @@ class HttpDoor:
             await event(started, body)  # mid-stream: the error as the last event, as vLLM does
             await started.write_eof()
             return started
+        if several:  # the call's line: every prompt's tokens, not the last one's
+            note(prompts=len(parsed.prompts), completion_tokens=sum(u.completion_tokens for u in out.usages.values()))
         if not parsed.stream:
             return web.json_response(out.body(), headers={"x-request-id": out.request_id})
         stream_out = await begun()
@@ -205,6 +219,24 @@ class HttpDoor:
         if not any(m.id == wanted for m in convert.with_adapters(self._models, self._adapters_of)):
             raise errors.NotFound(f"model {wanted!r} is not served here")
         return web.json_response(_model(wanted))
+
+
+async def _of_prompt(
+    i: int, responses: AsyncGenerator[pb.GenerateResponse, None], several: bool
+) -> AsyncGenerator[pb.GenerateResponse, None]:
+    """``responses`` to prompt ``i``; of several prompts, a bad prompt is named ``prompt[i]``."""
+    try:
+        async with aclosing(responses) as stream:
+            async for r in stream:
+                yield r
+    except errors.InvalidRequest as exc:
+        if not several:
+            raise
+        named = [
+            errors.FieldViolation(f"prompt[{i}]" if v.field == "prompt" else v.field, v.description)
+            for v in exc.violations
+        ]
+        raise type(exc)(named) from None
 
 
 def _model(model_id: str) -> dict[str, object]:

@@ -91,6 +91,9 @@ def batch_request(
         if p.stream:
             bad.append(FieldViolation(f"line {n}: body.stream", "a batch's requests are not streamed"))
             continue
+        if len(p.prompts) > 1:
+            bad.append(FieldViolation(f"line {n}: body.prompt", "one prompt per line"))
+            continue
         lines.parsed.append(p)
         lines.numbers.append(n)
         req.items.add(custom_id=line["custom_id"], request=p.request)
@@ -158,7 +161,7 @@ def output_line(r: bpb.BatchResult, endpoint: str, model: str) -> str:
     samples = list(r.samples) or [bpb.BatchSample(text=r.text, finish_reason=r.finish_reason)]
     for i, s in enumerate(samples):
         answer.add(pb.GenerateResponse(text=s.text, finish_reason=s.finish_reason, sample=i))
-    answer.usage = openai_responses.usage(r.usage)
+    answer.usages[0] = r.usage
     body = answer.body()
     response = {"status_code": 200, "request_id": answer.request_id, "body": body}
     return _line({"id": f"batch_req_{r.cursor}", "custom_id": r.custom_id, "response": response, "error": None})

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from llamamesh.errors import FieldViolation, InvalidRequest
@@ -22,6 +22,7 @@ EXTRA_INTS = ("top_k", "min_tokens")
 # Fields OpenAI defines that this door does not implement: refused by name rather than ignored.
 UNSUPPORTED = ("functions", "function_call", "audio", "modalities", "prediction", "logit_bias")
 UNSUPPORTED_COMPLETIONS = {"suffix": "", "echo": False, "best_of": 1}  # each accepted only at this value
+MAX_PROMPTS = 64  # prompts in one completions request (each is a generation of its own)
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,20 @@ class Parsed:
     chat: bool
     logprobs: bool  # chat: logprobs requested (top_logprobs says how many alternatives)
     renamed: dict[str, str]  # the gateway's field -> the caller's
+    prompts: tuple[str, ...] = ()  # completions given a list of prompts: every one (request has the first)
+
+    def requests(self, base_id: str) -> list[pb.GenerateRequest]:
+        """The gateway's requests: ``request``, or one per prompt of a list, with ids
+        ``<base_id>:<i>``."""
+        if len(self.prompts) <= 1:
+            return [self.request]
+        out = []
+        for i, prompt in enumerate(self.prompts):
+            r = pb.GenerateRequest()
+            r.CopyFrom(self.request)
+            r.prompt, r.request_id = prompt, f"{base_id}:{i}"
+            out.append(r)
+        return out
 
     def caller_field(self, field: str) -> str:
         head, dot, rest = field.partition(".")
@@ -97,13 +112,9 @@ def chat(body: object, request_id: str) -> Parsed:
 def completion(body: object, request_id: str) -> Parsed:
     b = _Body(body)
     req = pb.GenerateRequest(request_id=request_id)
-    prompt = b.body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        b.bad.append(FieldViolation("prompt", "required: a string (or a list of one string)"))
-    else:
-        req.prompt = prompt
+    prompts = _prompts(b)
+    if prompts:
+        req.prompt = prompts[0]
     for name, default in UNSUPPORTED_COMPLETIONS.items():
         value = b.body.get(name)
         if value is not None and (type(value) is not type(default) or value != default):  # (True == 1)
@@ -111,7 +122,23 @@ def completion(body: object, request_id: str) -> Parsed:
     _set(b, req, "logprobs", int, f"an integer in [0, {MAX_LOGPROBS}]", "logprobs")
     logprobs = req.HasField("logprobs")
     _common(b, req, "max_tokens")
-    return _parsed(b, req, chat=False, logprobs=logprobs, renamed={"request_id": "x-request-id"})
+    parsed = _parsed(b, req, chat=False, logprobs=logprobs, renamed={"request_id": "x-request-id"})
+    return replace(parsed, prompts=prompts) if len(prompts) > 1 else parsed
+
+
+def _prompts(b: _Body) -> tuple[str, ...]:
+    """``prompt``: a string, or a list of (at most MAX_PROMPTS) strings; () when it is neither."""
+    prompt = b.body.get("prompt")
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    if isinstance(prompts, list) and prompts and all(isinstance(p, str) for p in prompts):
+        if len(prompts) <= MAX_PROMPTS:
+            return tuple(prompts)
+        b.bad.append(FieldViolation("prompt", f"at most {MAX_PROMPTS} prompts in one request"))
+    elif isinstance(prompts, list) and prompts and all(isinstance(p, int | list) for p in prompts):
+        b.bad.append(FieldViolation("prompt", "token ids are not supported: send the text"))
+    else:
+        b.bad.append(FieldViolation("prompt", "required: a string or a non-empty list of strings"))
+    return ()
 
 
 def _parsed(b: _Body, req: pb.GenerateRequest, chat: bool, logprobs: bool, renamed: dict[str, str]) -> Parsed:

@@ -106,26 +106,42 @@ class Completion:
     request_id: str
     chat: bool
     logprobs: bool
+    per_prompt: int = 1  # choices of each prompt (n): prompt p's sample s is choice p * n + s
     created: int = field(default_factory=lambda: int(time.time()))
     model: str = ""
     choices: dict[int, Choice] = field(default_factory=dict)
-    usage: dict[str, Any] | None = None
+    usages: dict[int, pb.Usage] = field(default_factory=dict)  # each prompt's, once it has ended
     _started: set[int] = field(default_factory=set)
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        """Every prompt's usage together (None before any has ended)."""
+        if not self.usages:
+            return None
+        total = pb.Usage()
+        for u in self.usages.values():
+            total.prompt_tokens += u.prompt_tokens
+            total.completion_tokens += u.completion_tokens
+            total.cached_tokens += u.cached_tokens
+        return usage(total)
 
     @property
     def id(self) -> str:
         return f"{'chatcmpl' if self.chat else 'cmpl'}-{self.request_id}"
 
-    def add(self, r: pb.GenerateResponse) -> None:
+    def add(self, r: pb.GenerateResponse, prompt: int = 0) -> int:
+        """Take ``r``, a response to prompt ``prompt``; returns its choice's index."""
         self.model = r.model or self.model
-        c = self.choices.setdefault(r.sample, Choice())
+        index = prompt * self.per_prompt + r.sample
+        c = self.choices.setdefault(index, Choice())
         c.text.append(r.text)
         c.logprobs.extend(r.logprobs)
         c.calls.extend(r.tool_calls)
         if r.finish_reason:
             c.finish = FINISH.get(r.finish_reason, "stop")
         if r.HasField("usage"):
-            self.usage = usage(r.usage)
+            self.usages[prompt] = r.usage
+        return index
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
@@ -156,22 +172,22 @@ class Completion:
             "text_offset": [],
         }
 
-    def chunk(self, r: pb.GenerateResponse) -> dict[str, Any]:
+    def chunk(self, r: pb.GenerateResponse, prompt: int = 0) -> dict[str, Any]:
         """The streamed chunk of one response (the first of each choice carries the role)."""
-        self.add(r)
+        index = self.add(r, prompt)
         finish = FINISH.get(r.finish_reason) if r.finish_reason else None
         if self.chat:
             delta: dict[str, Any] = {"content": r.text}
             if r.tool_calls:
                 delta = {"content": None, "tool_calls": tool_calls(list(r.tool_calls), deltas=True)}
-            if r.sample not in self._started:
-                self._started.add(r.sample)
+            if index not in self._started:
+                self._started.add(index)
                 delta = {"role": "assistant", **delta}
             lp = {"content": _logprobs(list(r.logprobs))} if self.logprobs else None
-            choice = {"index": r.sample, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
             lp2 = self._completion_logprobs(list(r.logprobs))
-            choice = {"index": r.sample, "text": r.text, "logprobs": lp2, "finish_reason": finish}
+            choice = {"index": index, "text": r.text, "logprobs": lp2, "finish_reason": finish}
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
 
     def usage_chunk(self) -> dict[str, Any]:

@@ -150,6 +150,11 @@ async def test_bad_files_and_bad_batches_are_400_naming_the_line(openai_door: tu
     with pytest.raises(openai.BadRequestError) as exc:
         await client.batches.create(input_file_id=surrogate.id, endpoint="/v1/completions", completion_window="24h")
     assert exc.value.param == "line 2: body.prompt", exc.value.body
+    several = {**ok, "custom_id": "b", "body": {"prompt": ["x", "y"]}}  # a line is one request
+    two = await client.files.create(file=("p.jsonl", jsonl([ok, several])), purpose="batch")
+    with pytest.raises(openai.BadRequestError) as exc:
+        await client.batches.create(input_file_id=two.id, endpoint="/v1/completions", completion_window="24h")
+    assert exc.value.param == "line 2: body.prompt", exc.value.body
     with pytest.raises(openai.BadRequestError) as exc:
         await client.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
     assert exc.value.param == "purpose"
