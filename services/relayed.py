@@ -306,7 +306,9 @@ class RelayedRequest:
 
     async def _give_up_or_cancel(self, exc: errors.WorkerLost | errors.EngineDead | errors.EventsLost) -> None:
         """Raise when the request goes no further; else cancel the lost attempt (a worker that comes
-        back skips it) and count the failure against the pool."""
+        back skips it). The lost attempt counts against no breaker: the request goes on, and its
+        outcome is what counts (``leave``). One worker's death loses every attempt it held at once;
+        were each a failure, it would open its pool's breaker while the other workers serve."""
         s, backends, pool = self._p.settings, self._p.backends, self.pool
         if s.max_worker_deaths and self.deaths >= s.max_worker_deaths:
             # A poison request: the workers running it keep dying; no third one.
@@ -319,8 +321,6 @@ class RelayedRequest:
             if self.attempts:  # it outlived every worker it was sent to: keep it for inspection
                 await self._set_aside(self.attempts + 1, exc)
             raise exc
-        if not isinstance(exc, errors.EventsLost):
-            await backends.record(pool, exc)
         assert self.attempt is not None
         await asyncio.shield(cancel_quietly(self._p.queue, self.attempt.request_id))
         metrics.FAILOVERS.labels(pool).inc()

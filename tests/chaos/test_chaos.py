@@ -161,16 +161,20 @@ def node(e2e_redis: RedisProcess, tmp_path: Path) -> Iterator[ProcessNode]:
         yield n
 
 
-async def test_kill_minus_nine_of_a_worker_holding_five_streams(node: ProcessNode) -> None:
+async def test_kill_minus_nine_of_a_worker_holding_twenty_four_streams(node: ProcessNode) -> None:
+    """More streams than the breaker's window (20) fail over at once: the pool's breaker stays closed
+    (a lost attempt that goes on elsewhere is not a failed request), so every one goes on."""
     ledger = Ledger()
     async with grpc.aio.insecure_channel(node.address) as ch:
         stub = pb_grpc.GenerationServiceStub(ch)
-        calls = await ledger.open_streams(stub, 5, 80)  # 80 x 50 ms = 4 s each
+        calls = await ledger.open_streams(stub, 24, 80)  # 80 x 50 ms = 4 s each
         node.spawn("worker2", "workers", LLAMAMESH_WORKER_CONSUMER="e2e-worker-2")
         await asyncio.to_thread(wait_until, lambda: '"worker_started"' in node.log("worker2"), 30, "worker 2")
         node.procs["worker"].send_signal(signal.SIGKILL)
         await asyncio.wait_for(asyncio.gather(*calls), 60)
-    ledger.check(accepted=5, tokens=80)  # every stream resumed on worker 2, token for token
+    ledger.check(accepted=24, tokens=80)  # every stream resumed on worker 2, token for token
+    assert '"breaker_transition"' not in node.log("gateway")
+    await serves(node)  # at once: no breaker to wait out
     # The dead worker's five leased entries: cancelled by the gateway's failover, then reclaimed
     # (claim idle 2 s) and dropped by worker 2; nothing stays pending.
     await asyncio.to_thread(wait_until, lambda: pending(node) == 0, 15, "no pending jobs")
@@ -453,20 +457,23 @@ async def test_a_stream_whose_gateway_died_is_reattached_through_another(node: P
 
 
 async def test_sigterm_to_a_worker_hands_back_what_it_cannot_finish(e2e_redis: RedisProcess, tmp_path: Path) -> None:
-    """SIGTERM to a worker holding 3 streams longer than its grace (1 s): it stops leasing, then
-    hands the streams back (worker_lost), and they go on, token for token, on the other worker."""
+    """SIGTERM to a worker holding 24 streams longer than its grace (1 s): it stops leasing, then
+    hands the streams back (worker_lost), and they go on, token for token, on the other worker,
+    with the pool's breaker closed throughout (a rolling upgrade refuses nothing)."""
     ledger = Ledger()
     with started(e2e_redis, tmp_path, {**FAST, "LLAMAMESH_WORKER_GRACE_S": "1"}) as n:
         async with grpc.aio.insecure_channel(n.address) as ch:
             stub = pb_grpc.GenerationServiceStub(ch)
-            calls = await ledger.open_streams(stub, 3, 100)  # 5 s each, all on the first worker
+            calls = await ledger.open_streams(stub, 24, 100)  # 5 s each, all on the first worker
             n.spawn("worker2", "workers", LLAMAMESH_WORKER_CONSUMER="e2e-worker-2")
             await asyncio.to_thread(wait_until, lambda: '"worker_started"' in n.log("worker2"), 30, "worker 2")
             n.procs["worker"].send_signal(signal.SIGTERM)
             await asyncio.wait_for(asyncio.gather(*calls), 60)
-        ledger.check(accepted=3, tokens=100)
+            ledger.check(accepted=24, tokens=100)
+            await serves(n)  # at once: a drained worker's hand-backs open no breaker
         assert await asyncio.to_thread(n.procs["worker"].wait, 30) == 0
-        assert n.log("gateway").count('"request_failed_over"') == 3
+        assert n.log("gateway").count('"request_failed_over"') == 24
+        assert '"breaker_transition"' not in n.log("gateway")
 
 
 async def test_redis_down_for_ten_seconds_backs_off_and_recovers(own_redis: RedisProcess, tmp_path: Path) -> None:
