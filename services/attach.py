@@ -25,6 +25,12 @@ from services.liveness import Liveness
 
 log = structlog.get_logger(__name__)
 
+LOST_WHILE_ATTACHED = (
+    "A request is moved to another worker by the gateway that accepted it while it follows it: "
+    "Attach again to go on with it; one whose gateway was gone or whose caller had left it ends here "
+    "(send it again)"
+)
+
 
 def check_in_range(request_id: str, end: JobEvent, base: int, offset: int, n: int) -> None:
     """Raise OutOfRange when an Attach asked for tokens past the end of what the request (or
@@ -127,12 +133,17 @@ class Attachment:
         """The last attempt ``rec`` followed to its end (its worker's liveness watched), renumbered
         and cut to what the caller has not got."""
         streams = self.streams
-        async with aclosing(self._liveness.watched(rec.pool, rec.attempt_id)) as events:
-            async for ev in events:
-                raise_failure(ev)
-                cursor = streams.cursors.get(ev.sample)
-                if cursor is not None and ev.ends_sample is not None:
-                    check_in_range(self.request_id, ev, rec.base_of(ev.sample), cursor.next, streams.n)
-                part = window(ev, rec.base_of(ev.sample), cursor.next if cursor else 0, None, rec.base)
-                if part is not None and (part := streams.accept(part)) is not None:
-                    yield part
+        try:
+            async with aclosing(self._liveness.watched(rec.pool, rec.attempt_id)) as events:
+                async for ev in events:
+                    raise_failure(ev)
+                    cursor = streams.cursors.get(ev.sample)
+                    if cursor is not None and ev.ends_sample is not None:
+                        check_in_range(self.request_id, ev, rec.base_of(ev.sample), cursor.next, streams.n)
+                    part = window(ev, rec.base_of(ev.sample), cursor.next if cursor else 0, None, rec.base)
+                    if part is not None and (part := streams.accept(part)) is not None:
+                        yield part
+        except (errors.WorkerLost, errors.EngineDead) as exc:
+            # Only the gateway that accepted the request moves it to another worker, and only while
+            # it follows it (its caller connected there): say what the caller can do.
+            raise type(exc)(f"{exc.message}. {LOST_WHILE_ATTACHED}") from exc

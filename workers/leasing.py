@@ -113,7 +113,7 @@ class Leasing:
         elif lease.started:
             # A dead worker had begun it and its caller has those tokens: a run from the start would
             # send them again. End it; the gateway resumes it elsewhere from what the caller has.
-            died = WorkerDied("the worker running it died; it is resumed from the tokens already sent")
+            died = WorkerDied("the worker running it died")
             await self._outbox.finish(lease, JobEvent(worker=self._name, failed=failure_of(died)))
             log.info("job_not_restarted", request_id=rid)
         else:

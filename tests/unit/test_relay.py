@@ -9,7 +9,7 @@ import pytest
 from llamamesh import errors
 from llamamesh.queue.memory import MemoryQueue
 from llamamesh.settings import GatewaySettings
-from llamamesh.types import Attempt, Finished, FinishReason, JobEvent, Usage
+from llamamesh.types import Attempt, Failure, Finished, FinishReason, JobEvent, Usage
 from services.attach import Attachment
 from services.detach import DetachTimers
 from services.liveness import Liveness
@@ -164,3 +164,16 @@ async def test_a_counted_attach_dropped_again_detaches_the_request_again() -> No
     await stream.aclose()  # the caller went away again, before the end
     assert await q.attach_count("r") == 1 and len(timers.tasks) == 1
     await timers.close()
+
+
+async def test_an_attached_request_whose_worker_died_says_what_the_caller_can_do() -> None:
+    """Only the gateway that accepted a request moves it to another worker: an Attach that finds its
+    worker dead tells its caller to Attach again (or, with nobody following it, to send it again)."""
+    q = MemoryQueue()
+    await q.begin("r", Attempt("r", 0, "cpu", "tiny", 1, True), first=True)
+    await q.end("r", ev(0, 10))
+    died = errors.WorkerDied("the worker running it died")
+    await q.end("r", JobEvent(index=1, failed=Failure(died.code, died.message)))
+    with pytest.raises(errors.WorkerDied, match="Attach again") as exc:
+        [e async for _head, e in attachment(q).events()]
+    assert exc.value.running and exc.value.message.startswith("the worker running it died.")
