@@ -34,6 +34,18 @@ def note(**fields: Any) -> None:
         current.update(fields)
 
 
+_OUTCOME = "_outcome"  # (a field of no log line: the status a door answered with itself)
+
+
+def answered_with(exc: errors.LlamameshError) -> None:
+    """The current call ended with ``exc``, sent by its door itself rather than raised (an error
+    event after a stream began): the call's status and error, as if raised."""
+    current = _fields.get()
+    if current is not None:
+        current[_OUTCOME] = status.code_for(exc).name
+        current["error"] = exc.message
+
+
 def _finished(method: str, outcome: str, t0: float, fields: dict[str, Any]) -> None:
     seconds = time.perf_counter() - t0
     extra = {k: v for k, v in fields.items() if v is not None}
@@ -73,6 +85,7 @@ async def call(
             outcome = _other(exc)
             raise
         finally:
+            outcome = fields.pop(_OUTCOME, outcome)
             metrics.INFLIGHT.dec()
             tracing.ended(span, outcome)
             _finished(method, outcome, t0, fields)

@@ -32,7 +32,7 @@ from llamamesh.types import ModelInfo
 from llamamesh.v1 import generation_pb2 as pb
 from services import convert
 from services.auth import Gatekeeper
-from services.calls import call, note
+from services.calls import answered_with, call, note
 from services.generation import GenerationServicer
 from services.http import openai_requests, openai_responses
 from services.http.batches import BatchRoutes
@@ -196,6 +196,7 @@ class HttpDoor:
             if started is None:
                 raise
             _, body, _ = openai_responses.error(exc, parsed.caller_field)
+            answered_with(exc)
             await event(started, body)  # mid-stream: the error as the last event, as vLLM does
             await started.write_eof()
             return started

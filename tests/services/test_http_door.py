@@ -264,3 +264,14 @@ async def test_no_worker_is_503_and_a_full_process_is_429_with_retry_after() -> 
                 body = await r.json()
                 assert r.status == 429 and body["error"]["type"] == "rate_limit_error", body
                 assert int(r.headers["Retry-After"]) >= 1
+
+
+async def test_a_stream_that_ends_in_an_error_event_is_logged_with_its_status(door: tuple[Stack, str]) -> None:
+    body = {"model": "tiny", "prompt": "__raise__ after the first token", "max_tokens": 8, "stream": True}
+    with structlog.testing.capture_logs() as logs:
+        async with aiohttp.ClientSession() as s, s.post(f"{door[1]}/completions", json=body) as r:
+            assert r.status == 200
+            events = [line async for line in r.content if line.strip()]
+    assert b'"error"' in events[-1]  # the error as the last event, after the first token
+    (line,) = [e for e in logs if e["event"] == "rpc_finished"]
+    assert line["status"] not in ("ok", "OK") and line["error"], line
