@@ -224,6 +224,11 @@ class RelayedRequest:
                 with contextlib.suppress(errors.QueueUnavailable):
                     await p.queue.forget(self.req.request_id)
             raise
+        except asyncio.CancelledError:
+            # The caller went away while the job was being queued: it may be queued all the same,
+            # so ``leave`` cancels it (a flag the worker reads; harmless if it never landed).
+            self.submitted, self.finished = True, False
+            raise
         self.submitted, self.finished = True, False
         tracing.event("job_submitted", pool=self.pool, job=attempt.request_id, attempt=self.attempts)
         if self._recorder is None or self._recorder.pool != self.pool:

@@ -296,3 +296,28 @@ async def test_watched_gives_up_on_a_worker_that_stopped_answering_and_on_a_queu
     generation[0] = 1  # Redis came back without its data
     with pytest.raises(errors.QueueUnavailable, match="without its data"):
         await anext(lost)
+
+
+async def test_a_caller_gone_while_its_job_is_queued_has_the_job_cancelled() -> None:
+    """The caller goes away while the job's submission is in flight and lands all the same: the
+    stream's bookkeeping cancels the job (else it would run to its end for nobody)."""
+    p = await parts()
+    q = queue_of(p)
+    landed, hold = asyncio.Event(), asyncio.Event()
+    submit = q.submit
+
+    async def slow_submit(*args: object, **kwargs: object) -> None:
+        await submit(*args, **kwargs)  # type: ignore[arg-type]
+        landed.set()
+        await hold.wait()  # the reply still on its way when the caller goes
+
+    q.submit = slow_submit  # type: ignore[method-assign]
+    stream = RelayedRequest(p, request("gone"), "cpu", Progress()).events()
+    reading = asyncio.create_task(anext(stream))
+    await asyncio.wait_for(landed.wait(), 5)
+    reading.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reading
+    await stream.aclose()
+    (lease,) = await q.lease("cpu", "w", 1, 0)
+    assert lease.cancelled  # the worker that takes it skips it
