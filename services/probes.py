@@ -15,7 +15,7 @@ import structlog
 from llamamesh import errors, metrics
 from llamamesh.queue.protocol import ProbeQueue, QueueDepth
 from llamamesh.settings import BreakerSettings
-from llamamesh.types import GenerationRequest, SamplingParams, WorkerState
+from llamamesh.types import PROBE_TENANT, GenerationRequest, SamplingParams, WorkerState
 from services.breaker import State
 from services.outage import QueueOutage
 from services.pool import Pool
@@ -154,6 +154,7 @@ class Probes:
             prompt=PROBE_PROMPT,
             sampling=SamplingParams(max_tokens=1, temperature=0.0),
             accepted_unix_ns=time.time_ns(),
+            tenant=PROBE_TENANT,  # its own work stream: never behind a tenant's backlog
         )
         try:
             return await asyncio.wait_for(self._followed(pool, request), self._s.probe_timeout_s)

@@ -14,7 +14,15 @@ from llamamesh.types.events import (
     TopLogprob,
     Usage,
 )
-from llamamesh.types.names import ADAPTER_NAME, DEFAULT_TENANT, TENANT_NAME, public_id, scoped_id, tenant_salt
+from llamamesh.types.names import (
+    ADAPTER_NAME,
+    DEFAULT_TENANT,
+    PROBE_TENANT,
+    TENANT_NAME,
+    public_id,
+    scoped_id,
+    tenant_salt,
+)
 from llamamesh.types.requests import (
     CHAT_ROLES,
     MAX_PREFIX_KEY_CHARS,
@@ -34,6 +42,7 @@ __all__ = [
     "CHAT_ROLES",
     "DEFAULT_TENANT",
     "MAX_PREFIX_KEY_CHARS",
+    "PROBE_TENANT",
     "TENANT_NAME",
     "Attempt",
     "BatchInfo",

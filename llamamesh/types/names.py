@@ -9,6 +9,10 @@ import re
 # separates a tenant from its ids, and no ":" or "~", which internal ids use).
 TENANT_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 DEFAULT_TENANT = "default"
+# The gateways' health probes wait in a work stream of their own, which no caller's name can be: a
+# worker's tenant headroom starts one at once however long any tenant's backlog (the default one's
+# too); behind a backlog, a probe's timeout would open the pool's breaker while it serves.
+PROBE_TENANT = "~probe"
 
 # Adapter names (a worker's LLAMAMESH_WORKER_ADAPTERS, GenerateRequest.adapter): no ":" (it separates
 # a model from its adapter) and nothing a path or a key would trip on.

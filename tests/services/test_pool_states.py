@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+import structlog.testing
 
 from llamamesh.queue.memory import MemoryQueue
 from llamamesh.settings import BreakerSettings, GatewaySettings, WorkerSettings
@@ -18,6 +19,8 @@ from llamamesh.types import WorkerStatus
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc as pb_grpc
 from tests.services.conftest import Config, Workers, running, serving
+from tests.waiting import until
+from workers.engines.fake import FakeEngine
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -109,3 +112,24 @@ async def test_a_request_that_kills_two_workers_is_not_sent_to_a_third() -> None
         survivor = next(w for w, s in zip(ws.workers, served, strict=True) if not s)
         msgs = [m async for m in stub.Generate(pb.GenerateRequest(prompt="fine", max_tokens=3))]
         assert msgs[-1].finish_reason and survivor.engine_died is None
+
+
+async def test_a_default_tenants_backlog_does_not_hold_up_the_probes() -> None:
+    """Every slot of the pool's one worker busy with the default tenant's requests and more of them
+    queued: the gateway's probes (their own work stream) start in the worker's tenant headroom, so
+    they keep answering and the pool's breaker stays closed."""
+    queue = MemoryQueue()
+    ws = WorkerSettings(pool="gpu", engine="fake", consumer="w1", fake_step_s=0.02, heartbeat_s=0.05, max_inflight=2)
+    with structlog.testing.capture_logs() as logs:
+        async with serving(queue, [ws], Config(block_ms=50, ready_s=10)) as fleet, gateway(queue) as stub:
+            calls = [
+                stub.Generate(pb.GenerateRequest(prompt=f"busy {i}", max_tokens=400), timeout=30) for i in range(6)
+            ]
+            engine = fleet.engines[0]
+            assert isinstance(engine, FakeEngine)
+            probes = lambda: sum(r.startswith("probe~") for r in engine.served)  # noqa: E731
+            before = probes()
+            await until(lambda: probes() >= before + 8, 20, "8 probes behind the backlog")
+            for c in calls:
+                c.cancel()
+    assert not [e for e in logs if e["event"] in ("breaker_transition", "probe_failed")]
