@@ -215,10 +215,13 @@ def _common(b: _Body, req: pb.GenerateRequest, limit: str) -> None:
     elif stop is not None:
         b.bad.append(FieldViolation("stop", "must be a string or a list of strings"))
     ids = b.get("stop_token_ids", list, "a list of integers") or []
-    if all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        req.stop_token_ids.extend(ids)
-    else:
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         b.bad.append(FieldViolation("stop_token_ids", "must be a list of integers"))
+    else:
+        try:
+            req.stop_token_ids.extend(ids)
+        except (ValueError, TypeError):  # out of the protobuf field's range
+            b.bad.append(FieldViolation("stop_token_ids", "token ids out of range"))
     _response_format(b, req)
     _labels(b, req)
 

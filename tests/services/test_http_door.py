@@ -184,6 +184,7 @@ async def test_what_is_not_json_or_not_here_is_answered_in_openais_shape(door: t
             b"[" * 100_000 + b"]" * 100_000,  # nesting past Python's stack
             json.dumps({"model": "tiny", "messages": CHAT, "logprobs": True, "top_logprobs": 10**12}).encode(),
             json.dumps({"model": "tiny", "messages": CHAT, "n": -1, "seed": 2**70}).encode(),
+            json.dumps({"model": "tiny", "messages": CHAT, "stop_token_ids": [2**40]}).encode(),
         ]
         for data in hostile:
             async with s.post(f"{door[1]}/chat/completions", data=io.BytesIO(data)) as r:
