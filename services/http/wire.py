@@ -3,6 +3,7 @@ server-sent events."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -17,6 +18,11 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Work = Callable[[web.Request, Identity], Awaitable[web.StreamResponse]]
 
 
+# A JSON body not received whole in this long (seconds) is refused: a client that stalls its body
+# would otherwise hold its connection and its call open for ever.
+BODY_S = 30.0
+
+
 async def read_json(request: web.Request, limit: int) -> object:
     """The request's JSON body, at most ``limit`` bytes (``LLAMAMESH_GATEWAY_MAX_REQUEST_BYTES``, as
     a gRPC request), else InvalidRequest naming ``body``."""
@@ -24,9 +30,11 @@ async def read_json(request: web.Request, limit: int) -> object:
     if request.content_length is not None and request.content_length > limit:
         raise too_big
     try:
-        raw = await request.read()
+        raw = await asyncio.wait_for(request.read(), BODY_S)
     except web.HTTPRequestEntityTooLarge:
         raise too_big from None
+    except asyncio.TimeoutError:
+        raise errors.InvalidRequest.field("body", f"not received whole within {BODY_S:g} s") from None
     if len(raw) > limit:
         raise too_big
     try:

@@ -17,6 +17,7 @@ import pytest
 import structlog
 
 from llamamesh import metrics
+from services.http import wire
 from tests.redisproc import free_port
 from tests.services.conftest import GATEWAY, Config, Stack, running
 from tests.waiting import until
@@ -276,3 +277,17 @@ async def test_a_stream_that_ends_in_an_error_event_is_logged_with_its_status(do
     assert b'"error"' in events[-1]  # the error as the last event, after the first token
     (line,) = [e for e in logs if e["event"] == "rpc_finished"]
     assert line["status"] not in ("ok", "OK") and line["error"], line
+
+
+async def test_a_body_that_stalls_is_refused(door: tuple[Stack, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request whose body stops short of its Content-Length is answered 400 naming body once
+    wire.BODY_S passed (here 0.5 s), not held open for ever."""
+    monkeypatch.setattr(wire, "BODY_S", 0.5)
+    port = int(door[1].split(":")[2].split("/")[0])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    writer.write(head.encode() + b'{"prompt": "x",')
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(4096), 10)
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 400") and b'"param": "body"' in answer, answer
