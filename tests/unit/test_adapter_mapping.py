@@ -121,7 +121,9 @@ class StubTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return ([1] if add_special_tokens else []) + [100 + len(w) for w in text.split()]
 
-    def apply_chat_template(self, chat: list[dict[str, str]], tokenize: bool, add_generation_prompt: bool) -> str:
+    def apply_chat_template(
+        self, chat: list[dict[str, str]], tokenize: bool, add_generation_prompt: bool, chat_template: str = ""
+    ) -> str:
         return " ".join(f"<{m['role']}> {m['content']}" for m in chat) + " <assistant>"
 
 

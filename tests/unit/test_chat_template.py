@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -81,3 +82,30 @@ def test_the_llama3_form_renders_the_tools_a_call_and_its_answer() -> None:
     )
     assert answer == '<|start_header_id|>ipython<|end_header_id|>\n\n{"sky": "clear"}'
     assert prompt == "<|start_header_id|>assistant<|end_header_id|>\n\n"
+
+
+def test_a_tokenizer_that_renders_on_copies_of_itself_gets_the_template_too() -> None:
+    """vLLM's tokenizer (vllm/tokenizers/hf.py, maybe_make_thread_pool) renders chats on deep copies
+    of itself made when it was built, so a template set on it afterwards never reached them: the
+    vLLM worker rendered the model's own template, without the tools. Built here the way vLLM 0.26
+    builds it, from the real SmolLM2 tokenizer."""
+    import copy
+
+    from transformers import AutoTokenizer
+
+    from tests.contract.conftest import smollm2_folder
+
+    hf = AutoTokenizer.from_pretrained(str(smollm2_folder()), local_files_only=True)
+    rendering = copy.deepcopy(hf)  # what vLLM's pool renders with
+
+    class Pooled(hf.__class__):  # type: ignore[misc, name-defined]
+        def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+            return rendering.apply_chat_template(*args, **kwargs)
+
+    hf.__class__ = Pooled
+    tokenizer = use_chat_template(hf, str(LLAMA3))
+    request = GenerationRequest(
+        request_id="r", model="m", messages=(ChatMessage("user", "Weather in Paris?"),), tools=TOOLS
+    )
+    text, _ = prompt_text(request, tokenizer)
+    assert text.startswith("<|start_header_id|>system<|end_header_id|>") and '"name": "get_weather"' in text

@@ -415,7 +415,9 @@ class StubTokenizer:
         self.calls.append(("encode", add_special_tokens))
         return ([1] if add_special_tokens else []) + [100 + len(w) for w in text.split()]
 
-    def apply_chat_template(self, chat: list[dict[str, str]], tokenize: bool, add_generation_prompt: bool) -> str:
+    def apply_chat_template(
+        self, chat: list[dict[str, str]], tokenize: bool, add_generation_prompt: bool, chat_template: str = ""
+    ) -> str:
         self.calls.append(("template", (tokenize, add_generation_prompt)))
         if self.fail:
             raise ValueError("roles must alternate")

@@ -57,7 +57,9 @@ class ListTokenizer:
         self.calls.append(("list", len(texts), add_special_tokens))
         return {"input_ids": [self._ids(t, add_special_tokens) for t in texts]}
 
-    def apply_chat_template(self, chat: list[dict[str, str]], tokenize: bool, add_generation_prompt: bool) -> str:
+    def apply_chat_template(
+        self, chat: list[dict[str, str]], tokenize: bool, add_generation_prompt: bool, chat_template: str = ""
+    ) -> str:
         if any(m["role"] == "tool" for m in chat):
             raise ValueError("no tool role in this template")
         return " ".join(f"<{m['role']}> {m['content']}" for m in chat) + " <assistant>"

@@ -36,9 +36,15 @@ def prompt_text(request: GenerationRequest, tokenizer: Any) -> tuple[str, bool]:
             raise InvalidRequest.field("messages", "at least one message is required")
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidRequest.field("messages", "this model has no chat template; send a prompt")
-        chat, tools = chat_turns(request, tokenizer.chat_template)
+        template = tokenizer.chat_template
+        chat, tools = chat_turns(request, template)
         try:
-            text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, **tools)
+            # The template given, not left to the tokenizer: vLLM's renders on copies of itself made
+            # when it was built (vllm/tokenizers/hf.py, maybe_make_thread_pool), which a template set
+            # on it later (use_chat_template) does not reach.
+            text = tokenizer.apply_chat_template(
+                chat, tokenize=False, add_generation_prompt=True, chat_template=template, **tools
+            )
         except Exception as exc:  # jinja raises whatever the template author chose
             raise InvalidRequest.field("messages", f"the chat template rejected them: {exc}") from exc
         return text, False
