@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 
 from llamamesh.queue.keys import Keys
 from llamamesh.queue.redisio import unreachable
+from llamamesh.queue.scripts import register
 from llamamesh.types import StoredFile
 
 RECORD = ("filename", "purpose", "size", "created_at")
@@ -21,20 +22,19 @@ class RedisFiles:
     def __init__(self, client: aioredis.Redis, keys: Keys) -> None:
         self._r = client
         self.keys = keys
+        self._put = register(client, "put_file")
+        self._delete = register(client, "delete_file")
 
-    async def put(self, file: StoredFile, content: bytes) -> None:
-        fields: Any = {
-            "filename": file.filename,
-            "purpose": file.purpose,
-            "size": file.size,
-            "created_at": repr(file.created_at),
-            "content": content,
-        }
-        with unreachable():
-            async with self._r.pipeline(transaction=True) as pipe:  # (one slot: the owner's hash tag)
-                pipe.hset(self.keys.file(file.owner, file.file_id), mapping=fields)
-                pipe.zadd(self.keys.files(file.owner), {file.file_id: file.created_at})
-                await pipe.execute()
+    async def put(self, file: StoredFile, content: bytes, max_total: int = 0) -> int | None:
+        fields: list[Any] = ["filename", file.filename, "purpose", file.purpose, "size", file.size]
+        fields += ["created_at", repr(file.created_at), "content", content]
+        k = self.keys
+        with unreachable():  # (one slot: the owner's hash tag)
+            stored, held = await self._put(
+                keys=[k.file(file.owner, file.file_id), k.files(file.owner), k.files_bytes(file.owner)],
+                args=[file.file_id, repr(file.created_at), file.size, max_total, *fields],
+            )
+        return None if int(stored) else int(held)
 
     async def get(self, owner: str, file_id: str) -> StoredFile | None:
         with unreachable():
@@ -47,11 +47,11 @@ class RedisFiles:
         return bytes(got) if got is not None else None
 
     async def delete(self, owner: str, file_id: str) -> bool:
+        k = self.keys
         with unreachable():
-            async with self._r.pipeline(transaction=True) as pipe:
-                pipe.delete(self.keys.file(owner, file_id))
-                pipe.zrem(self.keys.files(owner), file_id)
-                deleted, _ = await pipe.execute()
+            deleted = await self._delete(
+                keys=[k.file(owner, file_id), k.files(owner), k.files_bytes(owner)], args=[file_id]
+            )
         return bool(deleted)
 
     async def owned(self, owner: str, limit: int, after: str = "", newest_first: bool = True) -> list[StoredFile]:

@@ -48,7 +48,10 @@ class FileStore(Protocol):
     """Files tenants upload (the HTTP door's batch inputs), each its owner's only, and what the door
     keeps beside a batch it made. ``files.RedisFiles`` on Redis; ``memory.MemoryFiles`` in memory."""
 
-    async def put(self, file: StoredFile, content: bytes) -> None: ...
+    async def put(self, file: StoredFile, content: bytes, max_total: int = 0) -> int | None:
+        """Store the file, unless its owner's files would then hold more than ``max_total`` bytes
+        (0: no bound): None when stored, else the bytes they hold already."""
+        ...
 
     async def get(self, owner: str, file_id: str) -> StoredFile | None:
         """The owner's file (None: unknown, deleted, or another tenant's)."""

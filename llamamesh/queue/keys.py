@@ -216,6 +216,11 @@ class Keys:
         """An owner's uploaded files by upload time (a sorted set; its files' slot), until deleted."""
         return f"{self.prefix}:owner:{{{owner}}}:files"
 
+    def files_bytes(self, owner: str) -> str:
+        """The bytes an owner's uploaded files hold (a counter; its files' slot), against its
+        ``max_batch_bytes``."""
+        return f"{self.prefix}:owner:{{{owner}}}:files:bytes"
+
     def batch_done(self, batch_id: str) -> str:
         """custom_id -> status of every item with a result (a hash): one result per custom_id."""
         return f"{self.prefix}:batch:{{b:{batch_id}}}:done"

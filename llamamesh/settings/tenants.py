@@ -38,7 +38,8 @@ class LimitsSettings(Section, section="limits"):
     """Batch items not finished yet."""
 
     max_batch_bytes: int = setting(0, Range(0))
-    """Bytes of batches kept (until their results expire)."""
+    """Bytes of batches kept (until their results expire); and, apart, bytes of files uploaded to the HTTP door
+    (until deleted)."""
 
     max_priority: int = 10
     """The highest GenerateRequest.priority a tenant may ask for (above it: PERMISSION_DENIED)."""

@@ -33,6 +33,7 @@ Route = Callable[[str, Work], Handler]
 FILE_ID = "file-"
 BATCH_ID = "batch_"
 MAX_FILES_LISTED = 10000  # GET /v1/files: the most one page lists, and its default (as OpenAI's)
+FILES_FULL_RETRY_S = 60.0  # a tenant whose files hold its max_batch_bytes: after this, or a deletion
 
 
 class BatchRoutes:
@@ -61,7 +62,14 @@ class BatchRoutes:
         if purpose != "batch":
             raise errors.InvalidRequest.field("purpose", "must be batch")
         stored = StoredFile(FILE_ID + uuid.uuid4().hex, who.tenant, filename, purpose, len(content), time.time())
-        await self._files.put(stored, content)
+        most = who.limits.max_batch_bytes
+        held = await self._files.put(stored, content, most)
+        if held is not None:
+            raise errors.RateLimited(
+                f"tenant {who.tenant!r} keeps {held} bytes of uploaded files; {len(content)} more would pass its "
+                f"limit of {most} (LLAMAMESH_LIMITS_MAX_BATCH_BYTES): delete files it no longer needs",
+                retry_after_s=FILES_FULL_RETRY_S,
+            )
         return web.json_response(_file_object(stored))
 
     async def _list_files(self, request: web.Request, who: Identity) -> web.StreamResponse:

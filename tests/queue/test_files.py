@@ -45,3 +45,17 @@ async def test_files_are_their_owners_and_listed_in_upload_order(files: FileStor
     assert await files.delete("acme", "file-2") and not await files.delete("acme", "file-2")
     assert await ids(10) == ["file-4", "file-3", "file-1", "file-0"]
     assert [f.file_id for f in await files.owned("beta", 10)] == ["file-b"]
+
+
+async def test_an_owners_files_hold_at_most_its_bytes_and_a_deletion_frees_them(files: FileStore) -> None:
+    def upload(n: int, size: int, owner: str = "acme") -> StoredFile:
+        return StoredFile(f"file-{owner}-{n}", owner, "f.jsonl", "batch", size, 1000.0 + n)
+
+    assert await files.put(upload(0, 60), b"x" * 60, max_total=100) is None
+    assert await files.put(upload(1, 50), b"x" * 50, max_total=100) == 60  # refused: 60 held, 110 > 100
+    assert await files.get("acme", "file-acme-1") is None
+    assert await files.put(upload(2, 40), b"x" * 40, max_total=100) is None  # exactly 100
+    assert await files.put(upload(0, 100, owner="beta"), b"b" * 100, max_total=100) is None  # its own bytes
+    assert await files.delete("acme", "file-acme-0")
+    assert await files.put(upload(3, 60), b"x" * 60, max_total=100) is None  # 40 + 60 after the deletion
+    assert await files.put(upload(4, 10**6), b"", max_total=0) is None  # 0: no bound

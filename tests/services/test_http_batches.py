@@ -6,11 +6,16 @@ format; bad files are refused naming the line, and nothing of another tenant's i
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+from pathlib import Path
 
 import openai
 import pytest
 
-from tests.services.conftest import Stack
+from llamamesh.settings import AuthSettings
+from tests.redisproc import free_port
+from tests.security.secured import create_key
+from tests.services.conftest import GATEWAY, Config, Stack, running
 from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(60)
@@ -209,3 +214,25 @@ async def test_the_batch_usage_counts_the_prompt_tokens_the_engine_had_cached(
     done = await finished(client, batch.id)
     usage = done.usage  # type: ignore[attr-defined]
     assert usage.input_tokens_details.cached_tokens == usage.input_tokens * 3 // 4  # every run but the first
+
+
+async def test_a_tenants_uploads_hold_at_most_its_batch_bytes(tmp_path: Path) -> None:
+    """Uploaded files count against the tenant's max_batch_bytes: one that would pass it is 429
+    naming the limit, and a deletion makes room again."""
+    auth = tmp_path / "tenants.json"
+    key = create_key(auth, "alpha")
+    tenants = json.loads(auth.read_text())
+    tenants["tenants"]["alpha"] = {"limits": {"max_batch_bytes": 1000}}
+    auth.write_text(json.dumps(tenants))
+    port = free_port()
+    config = Config(gateway=replace(GATEWAY, http_port=port), batches=True, auth=AuthSettings(file=str(auth)))
+    async with (
+        running(config),
+        openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0) as client,
+    ):
+        first = await client.files.create(file=("a.jsonl", b"x" * 600), purpose="batch")
+        with pytest.raises(openai.RateLimitError) as exc:
+            await client.files.create(file=("b.jsonl", b"x" * 600), purpose="batch")
+        assert "LLAMAMESH_LIMITS_MAX_BATCH_BYTES" in exc.value.message and exc.value.response.headers["retry-after"]
+        await client.files.delete(first.id)
+        await client.files.create(file=("b.jsonl", b"x" * 600), purpose="batch")

@@ -12,8 +12,12 @@ class MemoryFiles:
         self._files: dict[tuple[str, str], tuple[StoredFile, bytes]] = {}
         self._links: dict[str, dict[str, str]] = {}
 
-    async def put(self, file: StoredFile, content: bytes) -> None:
+    async def put(self, file: StoredFile, content: bytes, max_total: int = 0) -> int | None:
+        held = sum(f.size for f, _ in self._files.values() if f.owner == file.owner)
+        if max_total and held + file.size > max_total:
+            return held
         self._files[(file.owner, file.file_id)] = (file, bytes(content))
+        return None
 
     async def get(self, owner: str, file_id: str) -> StoredFile | None:
         got = self._files.get((owner, file_id))
