@@ -45,6 +45,7 @@ CURSOR = re.compile(r"^\d{1,20}-\d{1,20}$")
 MAX_PAGE_BYTES = 1 << 20  # ListBatches: a page's batches, at most (a batch's labels are up to 37 KB)
 
 Items = list[tuple[ModelInfo, GenerationRequest]]
+Queued = list[tuple[str, GenerationRequest]]  # each item with the pool it goes to
 
 
 class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
@@ -111,6 +112,16 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
     async def submit(self, request: bpb.BatchGenerateRequest, who: Identity) -> bpb.Batch:
         """Validate, store and queue ``who``'s batch (either door: the HTTP door builds the request
         from an OpenAI batch file); the same batch_id again returns the stored batch."""
+        # The checks and conversion of up to 50 000 items take seconds: off the event loop, whose
+        # other calls' streams would stall meanwhile.
+        batch_id, info, fingerprint, queued = await asyncio.to_thread(self._prepared, request, who)
+        await self._admission.request(who)
+        stored, new = await self._stored(who, info, fingerprint, queued, request.ByteSize())
+        log.info("batch_submitted", batch_id=batch_id, items=len(queued), new=new, owner=info.owner)
+        return batch_pb(stored)
+
+    def _prepared(self, request: bpb.BatchGenerateRequest, who: Identity) -> tuple[str, BatchInfo, str, Queued]:
+        """The batch's id, record, fingerprint and items as queued (each with its pool), checked."""
         batch_id, window, items = batch_requests(request, self._gw, self._s, self._models, who.tenant)
         items = self._admitted(who, items)
         scoped = scoped_id(who.tenant, batch_id)
@@ -132,10 +143,7 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
         if self._tenant_cache:
             items = [(model, cache_scoped(req, who.tenant)) for model, req in items]
         queued = [(self._policy.choose(req, model.pool, access)[0], replace(req, trace=trace)) for model, req in items]
-        await self._admission.request(who)
-        stored, new = await self._stored(who, info, fingerprint, queued, request.ByteSize())
-        log.info("batch_submitted", batch_id=batch_id, items=len(items), new=new, owner=info.owner)
-        return batch_pb(stored)
+        return batch_id, info, fingerprint, queued
 
     def _admitted(self, who: Identity, items: Items) -> Items:
         """The items normalised (services/normalize.py: before routing and storing; the fingerprint
