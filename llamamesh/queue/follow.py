@@ -302,7 +302,12 @@ class _Lane:
                 if key == self._wake_key:
                     self._wake_last = entries[-1][0].decode()
                     continue
+                start = entry_order(streams[key]) if key in streams else None
                 for sub in self._subs.get(key, ()):
+                    if start is None or entry_order(sub.last) < start:
+                        # It came after this read was made, from further on than its own place: what
+                        # lies between would be skipped. The next read starts from its place.
+                        continue
                     for raw_id, fields in entries:
                         entry_id = raw_id.decode()
                         if entry_order(entry_id) > entry_order(sub.last):

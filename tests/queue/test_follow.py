@@ -103,3 +103,26 @@ async def test_close_returns_while_the_read_is_blocked(redis_settings, client) -
     await asyncio.wait_for(sub.queue.get(), 5)
     f.unfollow(sub)  # the loop is back in a 10 s XREAD on a stream nobody follows
     await asyncio.wait_for(f.close(), 5)
+
+
+async def test_followers_of_one_stream_joining_while_it_is_read_each_get_all_of_it(redis_settings, client) -> None:
+    """Followers of one long stream (a finished request read by several Attach calls at once), each
+    joining while the lane's read of it is in flight (from further on, for those before it): each
+    gets every entry after its own place, none skipped."""
+    keys = Keys(redis_settings.prefix)
+    key = keys.events("long")
+    async with client.pipeline(transaction=False) as pipe:
+        for i in range(3000):
+            pipe.xadd(key, {"e": str(i).encode()})
+        await pipe.execute()
+    f = EventFollower(client, keys, block_ms=500)
+    try:
+        subs = []
+        for _ in range(8):  # each joins at another point of the others' reading
+            subs.append(await f.follow(key))
+            await asyncio.sleep(0)
+        for sub in subs:
+            got = [int((await asyncio.wait_for(sub.queue.get(), 10))[1][b"e"]) for _ in range(3000)]
+            assert got == list(range(3000))
+    finally:
+        await f.close()
