@@ -32,7 +32,8 @@ class LimitsSettings(Section, section="limits"):
     """Tokens generated per minute (counted as they stream)."""
 
     max_streams: int = setting(0, Range(0))
-    """Generate and Attach streams open at once."""
+    """Generate and Attach streams open at once. A resumable request whose caller left runs on for the re-attach
+    grace (LLAMAMESH_GATEWAY_REATTACH_GRACE_S) without holding one: requests_per_s bounds how many a tenant leaves."""
 
     max_batch_items: int = setting(0, Range(0))
     """Batch items not finished yet."""
