@@ -51,12 +51,17 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 
 def _without_request_bytes(record: logging.LogRecord) -> bool:
     """aiohttp logs a request that is not valid HTTP with its parser's error, which quotes the bytes
-    it stopped at (an authorization header's API key among them): the line keeps only the kind."""
+    it stopped at (an authorization header's API key among them): the line keeps only the kind. A
+    caller gone mid-answer is no server error: one info line, no traceback."""
     exc = record.exc_info[1] if record.exc_info else None
     if isinstance(exc, HttpProcessingError):
         record.msg, record.args = "http_request_refused %s (status %s)", (type(exc).__name__, exc.code)
-        record.exc_info, record.exc_text = None, None
-        record.levelno, record.levelname = logging.INFO, "INFO"
+    elif isinstance(exc, ConnectionResetError):  # the caller went away mid-answer: its call ends CANCELLED
+        record.msg, record.args = "http_caller_gone %s", (type(exc).__name__,)
+    else:
+        return True
+    record.exc_info, record.exc_text = None, None
+    record.levelno, record.levelname = logging.INFO, "INFO"
     return True
 
 

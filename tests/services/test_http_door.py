@@ -8,6 +8,9 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import logging
+import socket
+import struct
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -291,3 +294,28 @@ async def test_a_body_that_stalls_is_refused(door: tuple[Stack, str], monkeypatc
     answer = await asyncio.wait_for(reader.read(4096), 10)
     writer.close()
     assert answer.startswith(b"HTTP/1.1 400") and b'"param": "body"' in answer, answer
+
+
+@pytest.mark.fake_step_s(0.02)
+async def test_a_caller_reset_mid_stream_is_no_server_error(
+    door: tuple[Stack, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A caller that resets its connection mid-answer is logged as gone (info), not as an error
+    with a traceback."""
+    port = int(door[1].split(":")[2].split("/")[0])
+    body = json.dumps({"model": "tiny", "messages": CHAT, "max_tokens": 300, "stream": True}).encode()
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    with caplog.at_level(logging.INFO):
+        for _ in range(5):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(head.encode() + body)
+            await asyncio.wait_for(reader.readuntil(b"data: "), 10)  # it streams
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+            writer.transport.abort()
+        await until(lambda: door[0].queue.pending("cpu") == {}, 10, "every job cancelled")
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
