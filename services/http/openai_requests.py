@@ -258,7 +258,8 @@ def _set(b: _Body, req: pb.GenerateRequest, name: str, kind: Any, what: str, tar
     try:
         setattr(req, target, value)
     except (ValueError, TypeError):  # out of the protobuf field's range (int32, uint32)
-        b.bad.append(FieldViolation(name, f"{value!r} is out of range"))
+        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:20]}... ({len(repr(value))} characters)"
+        b.bad.append(FieldViolation(name, f"{shown} is out of range"))
 
 
 def _response_format(b: _Body, req: pb.GenerateRequest) -> None:

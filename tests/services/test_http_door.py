@@ -195,6 +195,10 @@ async def test_what_is_not_json_or_not_here_is_answered_in_openais_shape(door: t
                 assert r.status == 400, (r.status, await r.text())
         async with s.post(f"{door[1]}/completions", json={"prompt": "x", "logprobs": 2**40}) as r:
             assert r.status == 400 and (await r.json())["error"]["param"] == "logprobs"
+        huge = b'{"prompt": "x", "max_tokens": ' + b"9" * 4000 + b"}"  # not echoed back whole
+        async with s.post(f"{door[1]}/completions", data=io.BytesIO(huge)) as r:
+            error = (await r.json())["error"]
+            assert r.status == 400 and error["param"] == "max_tokens" and len(error["message"]) < 200, error
         for legacy in ({"echo": True}, {"best_of": 2}, {"suffix": "!"}, {"best_of": True}):  # refused, not ignored
             async with s.post(f"{door[1]}/completions", json={"prompt": "x", **legacy}) as r:
                 assert r.status == 400 and (await r.json())["error"]["param"] == next(iter(legacy)), legacy
