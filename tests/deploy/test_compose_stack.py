@@ -303,7 +303,9 @@ def test_docker_restart_of_redis_loses_no_batch_item_and_runs_none_twice(stack: 
 
 
 def test_docker_kill_of_a_worker_its_running_and_queued_work_completes_on_the_other(stack: Stack) -> None:
-    n_requests, n_tokens = 6, 48
+    # Long enough that a worker is seen running them for busy_throughout's window (48 tokens took
+    # 4 s on an idle machine: over before a worker's heartbeats showed it busy for 2.5 s).
+    n_requests, n_tokens = 6, 160
 
     async def run() -> tuple[str, list[list[pb.GenerateResponse]]]:
         async with Client(stack.gateway) as c:
