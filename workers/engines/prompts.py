@@ -41,10 +41,10 @@ def prompt_text(request: GenerationRequest, tokenizer: Any) -> tuple[str, bool]:
         try:
             # The template given, not left to the tokenizer: vLLM's renders on copies of itself made
             # when it was built (vllm/tokenizers/hf.py, maybe_make_thread_pool), which a template set
-            # on it later (use_chat_template) does not reach.
-            text = tokenizer.apply_chat_template(
-                chat, tokenize=False, add_generation_prompt=True, chat_template=template, **tools
-            )
+            # on it later (use_chat_template) does not reach. (A model's named templates, a dict,
+            # are left to the tokenizer to choose from.)
+            given = {"chat_template": template} if isinstance(template, str) else {}
+            text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, **given, **tools)
         except Exception as exc:  # jinja raises whatever the template author chose
             raise InvalidRequest.field("messages", f"the chat template rejected them: {exc}") from exc
         return text, False
