@@ -186,10 +186,9 @@ class HttpDoor:
                 await started.prepare(request)
             return started
 
-        streams = [
-            _of_prompt(i, self._generation.stream(r, who, None, accepted), several)
-            for i, r in enumerate(parsed.requests(base_id))
-        ]
+        streams = [self._generation.stream(r, who, None, accepted) for r in parsed.requests(base_id)]
+        if several:
+            streams = [_of_prompt(i, s) for i, s in enumerate(streams)]
         try:
             async with aclosing(merged(streams)) as responses:
                 async for i, r in responses:
@@ -205,8 +204,8 @@ class HttpDoor:
             await event(started, body)  # mid-stream: the error as the last event, as vLLM does
             await started.write_eof()
             return started
-        if several:  # the call's line: every prompt's tokens, not the last one's
-            note(prompts=len(parsed.prompts), completion_tokens=sum(u.completion_tokens for u in out.usages.values()))
+        if several and out.usage is not None:  # the call's line: every prompt's tokens, not the last one's
+            note(prompts=len(parsed.prompts), completion_tokens=out.usage["completion_tokens"])
         if not parsed.stream:
             return web.json_response(out.body(), headers={"x-request-id": out.request_id})
         stream_out = await begun()
@@ -228,16 +227,14 @@ class HttpDoor:
 
 
 async def _of_prompt(
-    i: int, responses: AsyncGenerator[pb.GenerateResponse, None], several: bool
+    i: int, responses: AsyncGenerator[pb.GenerateResponse, None]
 ) -> AsyncGenerator[pb.GenerateResponse, None]:
-    """``responses`` to prompt ``i``; of several prompts, a bad prompt is named ``prompt[i]``."""
+    """``responses`` to prompt ``i`` of several: a bad prompt is named ``prompt[i]``."""
     try:
         async with aclosing(responses) as stream:
             async for r in stream:
                 yield r
     except errors.InvalidRequest as exc:
-        if not several:
-            raise
         named = [
             errors.FieldViolation(f"prompt[{i}]" if v.field == "prompt" else v.field, v.description)
             for v in exc.violations
