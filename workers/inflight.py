@@ -15,6 +15,7 @@ from llamamesh.errors import EngineDead
 from llamamesh.queue.protocol import BatchStore, Lease
 from workers.allowance import BatchAllowance
 from workers.batch import run_batch_item
+from workers.carry_on import Carried
 from workers.job import Job
 from workers.life import Life
 from workers.outbox import Outbox
@@ -60,8 +61,9 @@ class Inflight:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.tasks
 
-    def start(self, lease: Lease) -> None:
-        """Run the leased job (a batch item when batches are on and it is one) in a task of its own."""
+    def start(self, lease: Lease, carried: Carried | None = None) -> None:
+        """Run the leased job (a batch item when batches are on and it is one) in a task of its own;
+        ``carried``: a job a dead worker had begun, going on from its stream's tokens."""
         rid = lease.request.request_id
         if lease.request.batch_id and self._batches is not None:
             job: Coroutine[Any, Any, None] = run_batch_item(lease, self._samples, self._batches)
@@ -69,7 +71,7 @@ class Inflight:
             self._batch_started[rid] = time.monotonic()
         else:
             seen = self._allowance.first_token if self._allowance is not None else None
-            job = Job(lease, self._samples, self._outbox, self._worker, self.handing_back, seen).run()
+            job = Job(lease, self._samples, self._outbox, self._worker, self.handing_back, seen, carried).run()
             self.running[rid] = lease
         task = asyncio.create_task(job, name=f"job-{rid}")
         self.tasks[rid] = task

@@ -15,6 +15,7 @@ from llamamesh import metrics, tracing
 from llamamesh.errors import DeadlineExceeded, EngineDead, InternalError, LlamameshError, WorkerLost, field_of
 from llamamesh.queue.protocol import Lease
 from llamamesh.types import Failure, Finished, FinishReason, JobEvent, JobKind, TokenDelta, Usage
+from workers.carry_on import Carried
 from workers.samples import Samples
 
 log = structlog.get_logger(__name__)
@@ -46,7 +47,8 @@ class EventSink(Protocol):
 class Job:
     """One job from its lease to its terminal event.
 
-    Invariants: each sample's events carry contiguous token indexes from 0; a sample of several that
+    Invariants: each sample's events carry contiguous token indexes from 0 (from where its stream
+    stood, for a job carried on from a dead worker's: workers/carry_on.py); a sample of several that
     ends while others go on says so (``sample_end``); the job publishes exactly one terminal event,
     whether it finishes, fails, is cancelled or its engine dies; with ``n`` > 1 (workers/samples.py
     merges the samples' deltas) the last sample to end ends the job.
@@ -60,6 +62,7 @@ class Job:
         worker: str,
         stopping: asyncio.Event | None = None,
         first_token: Callable[[float], None] | None = None,
+        carried: Carried | None = None,
     ) -> None:
         """``stopping``: set by the worker's drain once its grace ran out; a job it aborts or cancels
         then ends worker_lost (handed back), not cancelled. ``first_token``: told the seconds from
@@ -74,8 +77,8 @@ class Job:
         self._stopping = stopping
         self.started = time.time_ns()
         self.first_token = 0
-        self.generated = 0  # tokens, every sample's
-        self._next: dict[int, int] = {}  # each sample's next token index
+        self.generated = carried.generated if carried else 0  # tokens on its stream, every sample's
+        self._next: dict[int, int] = dict(carried.next_index) if carried else {}  # each sample's next token index
         # The samples still to end (n > 1: each ends on its own; the last one's end is the terminal event).
         self._left = set(self.request.resume_samples) or set(range(self.request.sampling.samples))
         self._prompt_tokens = 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 
 import structlog
@@ -18,6 +19,7 @@ from llamamesh.settings import BatchSettings, WorkerSettings
 from llamamesh.types import JobEvent
 from workers.allowance import BatchAllowance
 from workers.batch import record, skipped_result
+from workers.carry_on import carried
 from workers.inflight import Inflight
 from workers.job import cancelled_event, failure_of
 from workers.life import Life
@@ -111,13 +113,30 @@ class Leasing:
             await self._outbox.finish(lease, cancelled_event(lease, self._name))
             log.info("job_skipped_cancelled", request_id=rid)
         elif lease.started:
-            # A dead worker had begun it and its caller has those tokens: a run from the start would
-            # send them again. End it; the gateway resumes it elsewhere from what the caller has.
+            await self._carry_on(lease)
+        else:
+            self._jobs.start(lease)
+
+    async def _carry_on(self, lease: Lease) -> None:
+        """A job a dead worker had begun: its caller may have those tokens, so a run from the start
+        would send them again. It goes on in place from what its stream holds (workers/carry_on.py);
+        when that cannot be, it ends worker_died and a gateway following it resumes it elsewhere."""
+        rid = lease.request.request_id
+        c = carried(lease.request, lease.begun, self._name)
+        if c is None:
             died = WorkerDied("the worker running it died")
             await self._outbox.finish(lease, JobEvent(worker=self._name, failed=failure_of(died)))
             log.info("job_not_restarted", request_id=rid)
-        else:
-            self._jobs.start(lease)
+            return
+        for ev in c.ends:
+            self._outbox.add(lease, ev)
+        tokens = c.generated
+        if c.done is not None:
+            await self._outbox.finish(lease, c.done)
+            log.info("job_carried_on", request_id=rid, tokens=tokens, left=0)
+            return
+        log.info("job_carried_on", request_id=rid, tokens=tokens, left=c.request.sampling.max_tokens)
+        self._jobs.start(dataclasses.replace(lease, request=c.request), c)
 
     async def _admit_item(self, lease: Lease, batches: BatchStore) -> None:
         rid = lease.request.request_id

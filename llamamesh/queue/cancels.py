@@ -12,13 +12,14 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from llamamesh.queue import codec
 from llamamesh.queue.cluster import is_cluster
-from llamamesh.queue.keys import Keys, Retention
+from llamamesh.queue.keys import EVENT_FIELD, Keys, Retention
 from llamamesh.queue.protocol import Lease
 from llamamesh.queue.redisio import unreachable
 from llamamesh.queue.replicas import Replicas
 from llamamesh.queue.scripts import register
-from llamamesh.types import GenerationRequest
+from llamamesh.types import GenerationRequest, JobEvent
 
 
 class CancelFlags:
@@ -66,8 +67,8 @@ class CancelFlags:
         return {req.request_id for i, req in enumerate(requests) if flags[2 * i] or flags[2 * i + 1]}
 
     async def flagged(self, leases: list[Lease], reclaimed: bool = False) -> list[Lease]:
-        """``leases`` with ``cancelled`` set from their flags; ``reclaimed``: also ``started``, whether
-        each had begun (its event stream exists). Raises QueueUnavailable."""
+        """``leases`` with ``cancelled`` set from their flags; ``reclaimed``: also ``started`` and
+        ``begun``, what a dead worker had published of each (its event stream). Raises QueueUnavailable."""
         if not leases:
             return []
         requests = [lease.request for lease in leases]
@@ -76,11 +77,16 @@ class CancelFlags:
                 n_flags = self.check(pipe, requests)
                 if reclaimed:
                     for req in requests:
-                        pipe.exists(self.keys.events(req.request_id))
+                        pipe.xrange(self.keys.events(req.request_id))
                 flags = await pipe.execute()
         gone = self.cancelled(requests, flags[:n_flags])
-        begun = flags[n_flags:] if reclaimed else [False] * len(leases)
+        begun = [_events(raw) for raw in flags[n_flags:]] if reclaimed else [()] * len(leases)
         return [
-            dataclasses.replace(lease, cancelled=lease.request.request_id in gone, started=bool(b))
+            dataclasses.replace(lease, cancelled=lease.request.request_id in gone, started=bool(b), begun=b)
             for lease, b in zip(leases, begun, strict=True)
         ]
+
+
+def _events(raw: Any) -> tuple[JobEvent, ...]:
+    """An event stream's entries (XRANGE's reply) as events."""
+    return tuple(codec.decode_event(fields[EVENT_FIELD.encode()]) for _id, fields in raw or ())

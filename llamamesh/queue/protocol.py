@@ -34,8 +34,10 @@ class Lease:
     # A batch item leased after its batch's deadline: it ends expired, unrun.
     expired: bool = False
     # A reclaimed job a dead worker had already begun (its event stream has entries): its caller has
-    # tokens of it, so it must not run again from the start (the gateway resumes it elsewhere).
+    # tokens of it, so it must not run again from the start; ``begun`` holds those events, from which
+    # the worker that reclaimed it goes on (workers/carry_on.py).
     started: bool = False
+    begun: tuple[JobEvent, ...] = ()
     # The tenant whose work stream of the pool holds the entry (``Keys.jobs(pool, tenant)``; "":
     # the default tenant's): where it is acked, touched and reclaimed.
     tenant: str = ""

@@ -1,11 +1,12 @@
 """Prefix affinity with two real worker processes (`python -m workers`, fake engine) on real Redis:
 each prefix key's jobs run on its partition's owner; SIGKILL one, and its partitions move to the
-other, its leased job is reclaimed once (it had begun: it ends worker_died for the gateway to resume),
+other, its leased job is reclaimed once (it had begun: it goes on where its stream stood),
 and its keys' next jobs run on the survivor."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import subprocess
@@ -135,12 +136,15 @@ async def test_two_worker_processes_keep_their_keys_and_a_killed_ones_share_move
             return await owners(r, pool) == {"w2": list(range(P))}
 
         await until(moved, 10, "w2 to own every partition")
-        # taken over once by w2 (claim idle 1 s): it had begun, so it ends worker_died (resumed by the
-        # gateway from the tokens its caller has), never run again from the start
+        # taken over once by w2 (claim idle 1 s): it had begun, so w2 goes on from where its stream
+        # stood, never from the start
         workers, last = await asyncio.wait_for(ran_on(q, "long"), 15)
-        assert last.failed is not None and last.failed.code == "worker_died" and workers == {"w1", "w2"}
+        assert last.finished is not None and last.finished.usage.completion_tokens == 100 and workers == {"w1", "w2"}
         evs = await q.read_events("long")
         assert sum(1 for _i, e in evs if e.terminal) == 1
+        ranges = [(e.index, e.index + len(e.token_ids)) for _i, e in evs if e.token_ids]
+        assert ranges[0][0] == 0 and ranges[-1][1] == 100  # every token once, in order
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges)), ranges
         await q.submit("cpu", job("after", keys["w1"]))
         workers, last = await asyncio.wait_for(ran_on(q, "after"), 10)
         assert workers == {"w2"} and last.finished is not None
