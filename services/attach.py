@@ -26,10 +26,13 @@ from services.liveness import Liveness
 log = structlog.get_logger(__name__)
 
 LOST_WHILE_ATTACHED = (
-    "A request is moved to another worker by the gateway that accepted it while it follows it: "
-    "Attach again to go on with it; one whose gateway was gone or whose caller had left it ends here "
-    "(send it again)"
+    "it did not go on elsewhere in time (a request is moved to another worker by the gateway that accepted it "
+    "while that gateway follows it, or carried on by the worker that reclaims its job): Attach again, or send it again"
 )
+
+
+class _Moved(Exception):
+    """The followed attempt was abandoned for a later one: read the attempts again."""
 
 
 def check_in_range(request_id: str, end: JobEvent, base: int, offset: int, n: int) -> None:
@@ -82,21 +85,29 @@ class Attachment:
                 sample_offsets=list(self._sample_offsets),
             )
         try:
-            for i, rec in enumerate(records):
-                head = GenerationRequest(
-                    request_id=self.request_id, model=rec.model, accepted_unix_ns=rec.accepted_unix_ns
-                )
-                if i + 1 < len(records):
-                    for ev in self.abandoned(rec, records[i + 1], await self._queue.read_events(rec.attempt_id)):
-                        yield head, ev
-                    continue
-                async with aclosing(self.followed(rec)) as events:
-                    async for ev in events:
-                        yield head, ev
+            while True:
+                try:
+                    async for item in self._through(records):
+                        yield item
+                    return
+                except _Moved:
+                    records = await self._queue.attempts(self.request_id)
         except (asyncio.CancelledError, GeneratorExit):
             if self._count and records[-1].resumable:  # dropped again: the same grace as the first time
                 await asyncio.shield(self._timers.start(self.request_id, records[-1].attempt_id))
             raise
+
+    async def _through(self, records: list[Attempt]) -> AsyncGenerator[tuple[GenerationRequest, JobEvent], None]:
+        """Every attempt in ``records``: what each abandoned one sent, then the last one followed."""
+        for i, rec in enumerate(records):
+            head = GenerationRequest(request_id=self.request_id, model=rec.model, accepted_unix_ns=rec.accepted_unix_ns)
+            if i + 1 < len(records):
+                for ev in self.abandoned(rec, records[i + 1], await self._queue.read_events(rec.attempt_id)):
+                    yield head, ev
+                continue
+            async with aclosing(self.followed(rec, len(records))) as events:
+                async for ev in events:
+                    yield head, ev
 
     async def records(self) -> list[Attempt]:
         """The request's attempts; the cursors of what the caller has of it are set from the first."""
@@ -129,21 +140,36 @@ class Attachment:
             if part is not None and (part := streams.accept(part)) is not None:
                 yield part
 
-    async def followed(self, rec: Attempt) -> AsyncGenerator[JobEvent, None]:
-        """The last attempt ``rec`` followed to its end (its worker's liveness watched), renumbered
-        and cut to what the caller has not got."""
+    async def followed(self, rec: Attempt, attempts: int = 1) -> AsyncGenerator[JobEvent, None]:
+        """The last attempt ``rec`` (of ``attempts``) followed to its end (its worker's liveness
+        watched), renumbered and cut to what the caller has not got. When its worker is lost, it waits
+        for the request to go on (``Liveness.went_on``): moved to a later attempt (raises _Moved), or
+        carried on in place (followed again from what the caller has)."""
+        while True:
+            lost, ended = "", False
+            try:
+                async with aclosing(self._liveness.watched(rec.pool, rec.attempt_id)) as events:
+                    async for ev in events:
+                        lost = ev.worker or lost
+                        ended = ev.failed is not None
+                        raise_failure(ev)
+                        part = self._part(rec, ev)
+                        if part is not None:
+                            yield part
+                return
+            except (errors.WorkerLost, errors.EngineDead) as exc:
+                went = await self._liveness.went_on(self.request_id, rec.attempt_id, attempts, "" if ended else lost)
+                if went == "moved":
+                    raise _Moved from exc
+                if not went:
+                    raise type(exc)(f"{exc.message}; {LOST_WHILE_ATTACHED}") from exc
+                log.info("attached_request_carried_on", request_id=self.request_id, lost=lost)
+
+    def _part(self, rec: Attempt, ev: JobEvent) -> JobEvent | None:
+        """``ev`` of attempt ``rec`` as the caller numbers it, less what it has (None: nothing)."""
         streams = self.streams
-        try:
-            async with aclosing(self._liveness.watched(rec.pool, rec.attempt_id)) as events:
-                async for ev in events:
-                    raise_failure(ev)
-                    cursor = streams.cursors.get(ev.sample)
-                    if cursor is not None and ev.ends_sample is not None:
-                        check_in_range(self.request_id, ev, rec.base_of(ev.sample), cursor.next, streams.n)
-                    part = window(ev, rec.base_of(ev.sample), cursor.next if cursor else 0, None, rec.base)
-                    if part is not None and (part := streams.accept(part)) is not None:
-                        yield part
-        except (errors.WorkerLost, errors.EngineDead) as exc:
-            # Only the gateway that accepted the request moves it to another worker, and only while
-            # it follows it (its caller connected there): say what the caller can do.
-            raise type(exc)(f"{exc.message}. {LOST_WHILE_ATTACHED}") from exc
+        cursor = streams.cursors.get(ev.sample)
+        if cursor is not None and ev.ends_sample is not None:
+            check_in_range(self.request_id, ev, rec.base_of(ev.sample), cursor.next, streams.n)
+        part = window(ev, rec.base_of(ev.sample), cursor.next if cursor else 0, None, rec.base)
+        return None if part is None else streams.accept(part)

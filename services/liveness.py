@@ -8,6 +8,7 @@ the attempt can still end; otherwise it raises, and the request may go on elsewh
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncGenerator, Callable
 
@@ -62,6 +63,28 @@ class Liveness:
             raise errors.WorkerLost("the event stream ended without a terminal event")
         finally:
             await events.aclose()
+
+    async def went_on(self, request_id: str, attempt_id: str, attempts: int, lost: str) -> str:
+        """After the worker ``lost`` running ``attempt_id``, the last of ``attempts`` attempts of
+        ``request_id``, was lost: wait (``lost_worker_wait_s`` at most) for the request to go on.
+        "moved": a later attempt was recorded (its gateway moved it); "carried": its stream moved
+        again through another worker, or ended (the worker that reclaimed it); "": neither. ``lost``
+        empty (the attempt ended with the loss): only a move is looked for."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self._s.lost_worker_wait_s
+        every = self._backends.check_interval_s if self._backends is not None else 0.5
+        while True:
+            if len(await self._queue.attempts(request_id)) > attempts:
+                return "moved"
+            if lost:
+                read = await self._queue.read_events(attempt_id)
+                last = read[-1][1] if read else None
+                if last is not None and (last.terminal or last.worker not in ("", lost)):
+                    return "carried"
+            left = until - loop.time()
+            if left <= 0:
+                return ""
+            await asyncio.sleep(min(every, left))
 
     def _check_waiting(self, pool: str, worker: str) -> None:
         """After an idle interval: raise unless ``worker`` (or, with none yet, ``pool``) can still

@@ -140,6 +140,12 @@ class GatewaySettings(Section, section="gateway"):
     """Seconds a resumable request (GenerateRequest.resumable) keeps generating after its caller's connection
     dropped, waiting for an Attach; then it is cancelled."""
 
+    lost_worker_wait_s: float = setting(60.0, Range(0))
+    """Seconds an Attach whose request's worker was lost waits for the request to go on elsewhere before it ends
+    UNAVAILABLE: moved by the gateway that accepted it (at once, while that gateway follows it), or carried on in
+    place by the worker that reclaims its job (LLAMAMESH_WORKER_CLAIM_IDLE_S to 1.5 times that after the death:
+    keep this above it). 0: end at once."""
+
     tls_cert: str = ""
     """TLS: the server's certificate chain (PEM). With ``tls_key`` set too: the port speaks TLS only; the files are
     read again on the next handshake after they change (rotation, no restart). Empty: plaintext (a warning when

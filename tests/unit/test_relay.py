@@ -4,6 +4,8 @@ detach timers."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from llamamesh import errors
@@ -118,8 +120,8 @@ async def attempts_of(q: MemoryQueue, rid: str = "r") -> None:
         await q.end(f"{rid}~1", e)
 
 
-def attachment(q: MemoryQueue, offset: int = 0, count: bool = False) -> Attachment:
-    s = GatewaySettings(reattach_grace_s=3600)
+def attachment(q: MemoryQueue, offset: int = 0, count: bool = False, wait_s: float = 0) -> Attachment:
+    s = GatewaySettings(reattach_grace_s=3600, lost_worker_wait_s=wait_s)
     return Attachment(q, Liveness(q, s), DetachTimers(q, s.reattach_grace_s), "r", offset, count)
 
 
@@ -167,13 +169,38 @@ async def test_a_counted_attach_dropped_again_detaches_the_request_again() -> No
 
 
 async def test_an_attached_request_whose_worker_died_says_what_the_caller_can_do() -> None:
-    """Only the gateway that accepted a request moves it to another worker: an Attach that finds its
-    worker dead tells its caller to Attach again (or, with nobody following it, to send it again)."""
+    """Its worker's death ended the attempt and nothing moved it on within the wait: the Attach tells
+    its caller to Attach again, or to send it again."""
     q = MemoryQueue()
     await q.begin("r", Attempt("r", 0, "cpu", "tiny", 1, True), first=True)
     await q.end("r", ev(0, 10))
     died = errors.WorkerDied("the worker running it died")
     await q.end("r", JobEvent(index=1, failed=Failure(died.code, died.message)))
     with pytest.raises(errors.WorkerDied, match="Attach again") as exc:
-        [e async for _head, e in attachment(q).events()]
-    assert exc.value.running and exc.value.message.startswith("the worker running it died.")
+        [e async for _head, e in attachment(q, wait_s=0.2).events()]
+    assert exc.value.running and exc.value.message.startswith("the worker running it died;")
+
+
+async def test_an_attach_whose_worker_died_goes_on_with_the_attempt_its_gateway_moved_it_to() -> None:
+    """The gateway that accepted the request moves it to another worker while an Attach follows it
+    elsewhere: the Attach waits for that and delivers the rest, every token once."""
+    q = MemoryQueue()
+    await q.begin("r", Attempt("r", 0, "cpu", "tiny", 1, True), first=True)
+    for e in (ev(0, 10, 11), ev(2, 12, 13)):
+        await q.end("r", e)
+    died = errors.WorkerDied("the worker running it died")
+    await q.end("r", JobEvent(index=4, failed=Failure(died.code, died.message)))
+    reading = attachment(q, wait_s=30).events()
+    got = [(await anext(reading))[1]]
+    while sum(len(e.token_ids) for e in got) < 4:  # what queued up unread may come joined
+        got.append((await anext(reading))[1])
+    rest = asyncio.create_task(anext(reading))
+    await asyncio.sleep(0)  # (not a wait for time: the task runs up to its own wait)
+    await q.begin("r", Attempt("r~1", 3, "cpu", "tiny", 1, True), first=False)
+    for e in (ev(0, 13), ev(1, 14, 15, end=True)):
+        await q.end("r~1", e)
+    got.append((await asyncio.wait_for(rest, 10))[1])
+    got += [e async for _head, e in reading]
+    assert [t for e in got for t in e.token_ids] == [10, 11, 12, 13, 14, 15]
+    indexes = [i for e in got for i in range(e.index, e.index + len(e.token_ids))]
+    assert indexes == list(range(6)) and got[-1].terminal and sum(e.terminal for e in got) == 1
