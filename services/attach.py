@@ -17,7 +17,7 @@ import structlog
 
 from llamamesh import errors
 from llamamesh.queue.protocol import RelayQueue
-from llamamesh.types import Attempt, GenerationRequest, JobEvent, public_id
+from llamamesh.types import Attempt, FinishReason, GenerationRequest, JobEvent, public_id
 from services.attempts import raise_failure
 from services.cursor import SampleCursors, window
 from services.detach import DetachTimers
@@ -33,6 +33,10 @@ LOST_WHILE_ATTACHED = (
 
 class _Moved(Exception):
     """The followed attempt was abandoned for a later one: read the attempts again."""
+
+
+def _cancelled(ev: JobEvent) -> bool:
+    return ev.finished is not None and ev.finished.finish_reason is FinishReason.CANCELLED
 
 
 def check_in_range(request_id: str, end: JobEvent, base: int, offset: int, n: int) -> None:
@@ -153,6 +157,8 @@ class Attachment:
                         lost = ev.worker or lost
                         ended = ev.failed is not None
                         raise_failure(ev)
+                        if _cancelled(ev) and len(await self._queue.attempts(self.request_id)) > attempts:
+                            raise _Moved  # cancelled by the gateway that moved it, not by its caller
                         part = self._part(rec, ev)
                         if part is not None:
                             yield part

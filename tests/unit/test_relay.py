@@ -204,3 +204,19 @@ async def test_an_attach_whose_worker_died_goes_on_with_the_attempt_its_gateway_
     assert [t for e in got for t in e.token_ids] == [10, 11, 12, 13, 14, 15]
     indexes = [i for e in got for i in range(e.index, e.index + len(e.token_ids))]
     assert indexes == list(range(6)) and got[-1].terminal and sum(e.terminal for e in got) == 1
+
+
+async def test_an_attempt_cancelled_by_the_gateway_that_moved_it_is_not_the_callers_end() -> None:
+    """The attempt an Attach follows ends CANCELLED because its gateway moved the request (a worker
+    carrying it on saw the attempt's cancel flag): the Attach goes on with the later attempt."""
+    q = MemoryQueue()
+    await q.begin("r", Attempt("r", 0, "cpu", "tiny", 1, True), first=True)
+    await q.end("r", ev(0, 10, 11))
+    reading = attachment(q).events()
+    got = [(await anext(reading))[1]]  # following "r", its last attempt then
+    await q.begin("r", Attempt("r~1", 2, "cpu", "tiny", 1, True), first=False)
+    await q.end("r~1", ev(0, 12, 13, end=True))
+    await q.end("r", JobEvent(index=2, finished=Finished(FinishReason.CANCELLED, Usage(1, 2))))
+    got += [e async for _head, e in reading]
+    assert [t for e in got for t in e.token_ids] == [10, 11, 12, 13]
+    assert got[-1].finished is not None and got[-1].finished.finish_reason is FinishReason.LENGTH
