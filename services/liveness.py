@@ -18,6 +18,10 @@ from llamamesh.settings import GatewaySettings
 from llamamesh.types import JobEvent
 from services.backends import Backends
 
+# How long a lost attempt that no worker can carry on is waited for to be moved by its gateway (which
+# does so as soon as it sees the loss, while it follows the request).
+MOVE_WAIT_S = 5.0
+
 
 class Liveness:
     """The checks for every request of one relay (``backends`` None: a relay without the view of
@@ -69,9 +73,11 @@ class Liveness:
         ``request_id``, was lost: wait (``lost_worker_wait_s`` at most) for the request to go on.
         "moved": a later attempt was recorded (its gateway moved it); "carried": its stream moved
         again through another worker, or ended (the worker that reclaimed it); "": neither. ``lost``
-        empty (the attempt ended with the loss): only a move is looked for."""
+        empty (the attempt ended with the loss, or no worker had it yet): only a move is looked for,
+        which a gateway following the request makes at once, so for ``MOVE_WAIT_S`` at most."""
         loop = asyncio.get_running_loop()
-        until = loop.time() + self._s.lost_worker_wait_s
+        wait_s = self._s.lost_worker_wait_s
+        until = loop.time() + (wait_s if lost else min(wait_s, MOVE_WAIT_S))
         every = self._backends.check_interval_s if self._backends is not None else 0.5
         while True:
             if len(await self._queue.attempts(request_id)) > attempts:
