@@ -23,17 +23,12 @@ def resumed(req: GenerationRequest, n: int, sent: Sequence[int]) -> GenerationRe
     attempt_id = f"{req.request_id}~{n}"  # "~" is in no caller id: the two never meet
     if not sent:
         return replace(req, request_id=attempt_id, origin_id=req.request_id)
-    s = req.sampling
     return replace(
         req,
         request_id=attempt_id,
         origin_id=req.request_id,
         resume_token_ids=tuple(sent),
-        sampling=replace(
-            s,
-            max_tokens=None if s.max_tokens is None else s.max_tokens - len(sent),
-            min_tokens=None if s.min_tokens is None else max(0, s.min_tokens - len(sent)),
-        ),
+        sampling=req.sampling.after(len(sent)),
     )
 
 

@@ -58,15 +58,7 @@ def _one(request: GenerationRequest, got: tuple[int, ...], generated: int, worke
     s = request.sampling
     if s.max_tokens is not None and len(got) >= s.max_tokens:
         return Carried(request, generated=generated, done=_length_end(len(got), 0, generated, worker))
-    resumed = replace(
-        request,
-        resume_token_ids=request.resume_token_ids + got,
-        sampling=replace(
-            s,
-            max_tokens=None if s.max_tokens is None else s.max_tokens - len(got),
-            min_tokens=None if s.min_tokens is None else max(0, s.min_tokens - len(got)),
-        ),
-    )
+    resumed = replace(request, resume_token_ids=request.resume_token_ids + got, sampling=s.after(len(got)))
     return Carried(resumed, MappingProxyType({0: len(got)}), generated)
 
 

@@ -23,13 +23,7 @@ def sample_requests(request: GenerationRequest) -> list[tuple[int, GenerationReq
     todo = dict(request.resume_samples) or dict.fromkeys(range(s.samples), ())
     out = []
     for k, done in sorted(todo.items()):
-        params = replace(
-            s,
-            n=None,
-            seed=None if s.seed is None else s.seed + k,
-            max_tokens=None if s.max_tokens is None else s.max_tokens - len(done),
-            min_tokens=None if s.min_tokens is None else max(0, s.min_tokens - len(done)),
-        )
+        params = replace(s.after(len(done)), n=None, seed=None if s.seed is None else s.seed + k)
         sub = replace(
             request,
             request_id=f"{request.request_id}~s{k}",

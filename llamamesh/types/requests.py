@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 
@@ -80,6 +80,15 @@ class SamplingParams:
     def samples(self) -> int:
         """How many samples the request generates (``n``, at least 1)."""
         return max(self.n or 1, 1)
+
+    def after(self, done: int) -> SamplingParams:
+        """These parameters for the rest of a sample of which ``done`` tokens were generated already:
+        the rest of ``max_tokens`` and of ``min_tokens``."""
+        return replace(
+            self,
+            max_tokens=None if self.max_tokens is None else self.max_tokens - done,
+            min_tokens=None if self.min_tokens is None else max(0, self.min_tokens - done),
+        )
 
 
 @dataclass(frozen=True)
