@@ -149,12 +149,18 @@ class Attachment:
         watched), renumbered and cut to what the caller has not got. When its worker is lost, it waits
         for the request to go on (``Liveness.went_on``): moved to a later attempt (raises _Moved), or
         carried on in place (followed again from what the caller has)."""
+        passed = 0  # hand-backs the stream went on after (a worker carried it on)
         while True:
-            lost, ended = "", False
+            lost, ended, seen = "", False, 0
             try:
                 async with aclosing(self._liveness.watched(rec.pool, rec.attempt_id)) as events:
                     async for ev in events:
                         lost = ev.worker or lost
+                        if ev.handed_back:
+                            seen += 1
+                            if seen > passed:
+                                raise errors.WorkerLost(f"worker {ev.worker!r} handed the request back")
+                            continue
                         ended = ev.failed is not None
                         raise_failure(ev)
                         if _cancelled(ev) and len(await self._queue.attempts(self.request_id)) > attempts:
@@ -170,6 +176,7 @@ class Attachment:
                 if not went:
                     raise type(exc)(f"{exc.message}; {LOST_WHILE_ATTACHED}") from exc
                 log.info("attached_request_carried_on", request_id=self.request_id, lost=lost)
+                passed = seen
 
     def _part(self, rec: Attempt, ev: JobEvent) -> JobEvent | None:
         """``ev`` of attempt ``rec`` as the caller numbers it, less what it has (None: nothing)."""

@@ -72,13 +72,15 @@ class Liveness:
         """After the worker ``lost`` running ``attempt_id``, the last of ``attempts`` attempts of
         ``request_id``, was lost: wait (``lost_worker_wait_s`` at most) for the request to go on.
         "moved": a later attempt was recorded (its gateway moved it); "carried": its stream moved
-        again through another worker, or ended (the worker that reclaimed it); "": neither. ``lost``
+        again (through another worker, or the same one restarted under its name: the worker that
+        reclaimed it), or ended; "": neither. ``lost``
         empty (the attempt ended with the loss, or no worker had it yet): only a move is looked for,
         which a gateway following the request makes at once, so for ``MOVE_WAIT_S`` at most."""
         loop = asyncio.get_running_loop()
         wait_s = self._s.lost_worker_wait_s
         until = loop.time() + (wait_s if lost else min(wait_s, MOVE_WAIT_S))
         every = self._backends.check_interval_s if self._backends is not None else 0.5
+        seen: int | None = None  # entries of the stream when first looked at
         while True:
             if len(await self._queue.attempts(request_id)) > attempts:
                 return "moved"
@@ -87,6 +89,9 @@ class Liveness:
                 last = read[-1][1] if read else None
                 if last is not None and (last.terminal or last.worker not in ("", lost)):
                     return "carried"
+                if seen is not None and len(read) > seen:
+                    return "carried"
+                seen = len(read) if seen is None else seen
             left = until - loop.time()
             if left <= 0:
                 return ""

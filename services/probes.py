@@ -172,6 +172,9 @@ class Probes:
         async for _id, ev in self._queue.events(request.request_id):
             if ev.failed is not None:
                 return f"{ev.failed.code}: {ev.failed.message}"
+            if ev.handed_back:  # its worker drained: no other carries a probe on
+                await self._queue.cancel(request.request_id)
+                return f"worker_lost: worker {ev.worker!r} handed it back"
             if ev.terminal:
                 return ""
         return "the probe's events ended without a terminal one"

@@ -125,6 +125,8 @@ class QueueRelay:
         await self._queue.submit(pool, request)
         async for _eid, ev in self._queue.events(request.request_id):
             raise_failure(ev)
+            if ev.handed_back:
+                raise errors.WorkerLost(f"worker {ev.worker!r} handed the request back")
             if ev.terminal:
                 return ev
         raise errors.WorkerLost("the worker ended without an answer")

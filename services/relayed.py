@@ -243,6 +243,8 @@ class RelayedRequest:
             async for raw in events:
                 self.finished = raw.terminal
                 raise_failure(raw)
+                if raw.handed_back:  # its worker gave it up (a drain): on to another at once
+                    raise errors.WorkerLost(f"worker {raw.worker!r} handed the request back")
                 ev = self.accept(raw)
                 if ev is None:
                     continue

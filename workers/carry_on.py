@@ -1,6 +1,7 @@
-"""Carrying on a job a dead worker had begun: the worker that reclaims it reads what its event stream
-holds (``Lease.begun``) and runs the rest in place, on the same stream, so a request nobody follows
-at that moment (its caller detached from a resumable request, or its gateway gone) still ends whole.
+"""Carrying on a job a dead worker had begun (or a drained one handed back): the worker that reclaims
+it reads what its event stream holds (``Lease.begun``) and runs the rest in place, on the same
+stream, so a request nobody follows at that moment (its caller detached from a resumable request, or
+its gateway gone) still ends whole.
 The tokens already published are fed after the input, as a gateway's failover does, and the new
 events are numbered on from them: to a reader, the stream simply goes on.
 
@@ -40,6 +41,8 @@ def carried(request: GenerationRequest, begun: Sequence[JobEvent], worker: str) 
     tokens: dict[int, list[int]] = {}
     ended: set[int] = set()
     for ev in begun:
+        if ev.handed_back:
+            continue  # a worker that gave it up: what it wrote before counts
         if ev.terminal:
             return None
         got = tokens.setdefault(ev.sample, [])

@@ -12,7 +12,7 @@ from typing import Protocol
 import structlog
 
 from llamamesh import metrics, tracing
-from llamamesh.errors import DeadlineExceeded, EngineDead, InternalError, LlamameshError, WorkerLost, field_of
+from llamamesh.errors import DeadlineExceeded, EngineDead, InternalError, LlamameshError, field_of
 from llamamesh.queue.protocol import Lease
 from llamamesh.types import Failure, Finished, FinishReason, JobEvent, JobKind, TokenDelta, Usage
 from workers.carry_on import Carried
@@ -116,6 +116,8 @@ class Job:
         except asyncio.CancelledError:
             self.terminal = self.cancelled()
             raise
+        except _HandBack:
+            self.terminal = self.handed_back()
         except EngineDead as exc:
             log.error("engine_dead", error=str(exc))
             dead, self.terminal = exc, self.failed(exc)
@@ -199,18 +201,23 @@ class Job:
         if 0 < self.request.deadline_unix_ns <= time.time_ns():
             raise DeadlineExceeded(f"aborted at the request's deadline after {self.generated} tokens")
         if self._stopping is not None and self._stopping.is_set():
-            # Aborted by this worker's drain, not by its caller: hand it back. The gateway takes
-            # worker_lost for a lost worker and resumes the stream elsewhere from these tokens.
-            raise WorkerLost(f"worker {self.worker!r} stopped after {self.generated} tokens; handed back")
+            # Aborted by this worker's drain, not by its caller: hand it back. A gateway following it
+            # moves it to another worker at once; else the worker that claims it carries it on.
+            raise _HandBack
 
     def cancelled(self) -> JobEvent:
-        """The terminal event of a job whose task was cancelled: handed back (worker_lost) when the
-        worker gives it up, so that another one resumes it; else cancelled, with the tokens made."""
+        """The last event of a job whose task was cancelled: handed back when the worker gives it up;
+        else its terminal event, cancelled, with the tokens made."""
         if self._stopping is not None and self._stopping.is_set():
-            lost = WorkerLost(f"worker {self.worker!r} stopped after {self.generated} tokens; handed back")
-            return self.failed(lost)
+            return self.handed_back()
         finished = Finished(FinishReason.CANCELLED, Usage(0, self.generated), self.started, self.first_token)
         return JobEvent(worker=self.worker, finished=finished)
+
+    def handed_back(self) -> JobEvent:
+        """The last event of a job this worker gives up unfinished: not terminal, its lease not acked,
+        so another worker goes on with it from its stream (workers/carry_on.py)."""
+        log.info("job_handed_back", tokens=self.generated)
+        return JobEvent(worker=self.worker, handed_back=True)
 
     def failed(self, exc: LlamameshError) -> JobEvent:
         return JobEvent(worker=self.worker, failed=failure_of(exc))
@@ -243,12 +250,18 @@ class Job:
             )
         elif event.failed is not None:
             fields.update(status=event.failed.code, error=event.failed.message)
+        elif event.handed_back:
+            fields.update(status="handed_back")
         else:
             fields.update(status="ok")
         log.info("job_finished", **fields)
         if not self.probe:
             status = "cancelled" if _outcome(event) == "cancelled" else str(fields["status"])
             metrics.JOBS_FINISHED.labels(self.lease.pool, status).inc()
+
+
+class _HandBack(Exception):
+    """The engine aborted the job for this worker's drain: it is handed back, not ended."""
 
 
 def _ms(ns: int) -> float:
@@ -261,6 +274,8 @@ def _outcome(event: JobEvent | None) -> str:
         return "internal"
     if event.failed is not None:
         return event.failed.code
+    if event.handed_back:
+        return "handed_back"
     cancelled = event.finished is not None and event.finished.finish_reason is FinishReason.CANCELLED
     return "cancelled" if cancelled else "ok"
 

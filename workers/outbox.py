@@ -94,8 +94,9 @@ class Outbox:
 
     async def finish(self, lease: Lease, event: JobEvent) -> None:
         """Queue the terminal event (merged with an unpublished delta it follows on) and wait until
-        it is written and the job acked. Cancelling the waiter does not withdraw the event. Returns at
-        once if the flusher failed: the event cannot be written, and the worker is leaving."""
+        it is written and the job acked (a hand-back, ``JobEvent.handed_back``: written, not acked).
+        Cancelling the waiter does not withdraw the event. Returns at once if the flusher failed: the
+        event cannot be written, and the worker is leaving."""
         if self.failed is not None:
             return
         rid = lease.request.request_id
@@ -154,7 +155,7 @@ class Outbox:
         self.publishes += 1
         for lease, event in batch:
             rid = lease.request.request_id
-            if event.terminal:
+            if event.last_of_worker:
                 self._watch.pop(rid, None)
                 self._cancel_seen.discard(rid)
                 fut = self._terminal_done.pop(rid, None)

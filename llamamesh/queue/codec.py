@@ -171,6 +171,8 @@ def encode_event(ev: JobEvent) -> bytes:
         msg.sample = ev.sample
     if ev.sample_end is not None:
         msg.sample_end = ev.sample_end.value
+    if ev.handed_back:
+        msg.handed_back = True
     if ev.finished is not None:
         f = ev.finished
         msg.finished.CopyFrom(
@@ -222,6 +224,7 @@ def decode_event(data: bytes) -> JobEvent:
         worker=msg.worker,
         sample=msg.sample,
         sample_end=FinishReason(msg.sample_end) if msg.sample_end else None,
+        handed_back=msg.handed_back,
     )
 
 

@@ -144,7 +144,7 @@ class GatewaySettings(Section, section="gateway"):
     """Seconds an Attach whose request's worker was lost waits for the request to go on elsewhere before it ends
     UNAVAILABLE: moved by the gateway that accepted it (at once, while that gateway follows it), or carried on in
     place by the worker that reclaims its job (LLAMAMESH_WORKER_CLAIM_IDLE_S to 1.5 times that after the death:
-    keep this above it). An attempt that ended with the loss (handed back by a drained worker, or its engine dead)
+    keep this above it; a drained worker's hand-back too). An attempt that ended with the loss (its engine dead)
     can only be moved, which its gateway does at once: for it the wait is 5 s at most. 0: end at once."""
 
     tls_cert: str = ""

@@ -81,7 +81,8 @@ class JobEvent:
     """One entry of a request's event stream (token deltas of one engine step).
 
     At most one of ``finished`` / ``failed`` is set, on the last event only.
-    ``tokenized`` marks the last event of a tokenize job. With n > 1 samples, ``sample`` says whose
+    ``tokenized`` marks the last event of a tokenize job; ``handed_back`` the last one of a worker
+    that gave the job up unfinished (never joined with another). With n > 1 samples, ``sample`` says whose
     tokens these are (``index`` counts within that sample), and ``sample_end`` ends a sample that is
     not the last one to end; the terminal event's ``finished`` ends the last one (its sample) and
     counts every sample's tokens.
@@ -103,11 +104,19 @@ class JobEvent:
     worker: str = ""
     sample: int = 0
     sample_end: FinishReason | None = None
+    # The last event its worker writes for a job it gave up unfinished (a drain out of grace): not
+    # terminal; the job stays leased for another worker to carry on (workers/carry_on.py).
+    handed_back: bool = False
     marks: tuple[tuple[int, int], ...] = ()
 
     @property
     def terminal(self) -> bool:
         return self.finished is not None or self.failed is not None or self.tokenized
+
+    @property
+    def last_of_worker(self) -> bool:
+        """Whether its worker writes nothing more for the job: it ended it, or handed it back."""
+        return self.terminal or self.handed_back
 
     @property
     def ends_sample(self) -> FinishReason | None:
@@ -119,7 +128,7 @@ class JobEvent:
     def follows_on(self, later: JobEvent) -> bool:
         """``later`` (of the same sample, this one not ending it) starts where this event's tokens
         end (or carries none): the two can be one."""
-        if later.sample != self.sample or self.sample_end is not None:
+        if later.sample != self.sample or self.sample_end is not None or self.handed_back or later.handed_back:
             return False
         return not later.token_ids or later.index == self.index + len(self.token_ids)
 

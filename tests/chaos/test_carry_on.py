@@ -30,8 +30,8 @@ TOKENS = 120
 
 @pytest.fixture
 def node(e2e_redis: RedisProcess, tmp_path: Path) -> Iterator[ProcessNode]:
-    """A gateway and two workers (claim idle 2 s)."""
-    with started(e2e_redis, tmp_path, FAST) as n:
+    """A gateway and two workers (claim idle 2 s, a drain's grace 1 s)."""
+    with started(e2e_redis, tmp_path, {**FAST, "LLAMAMESH_WORKER_GRACE_S": "1"}) as n:
         n.spawn("worker2", "workers", LLAMAMESH_WORKER_CONSUMER="e2e-worker-2")
         wait_until(lambda: '"worker_started"' in n.log("worker2"), 30, "the second worker")
         yield n
@@ -97,6 +97,22 @@ async def test_a_detached_request_whose_worker_is_killed_is_carried_on_by_the_ot
         await asyncio.to_thread(wait_until, lambda: ended(node, "orphan"), 60, "the request carried on to its end")
         assert '"job_carried_on"' in node.log("worker2" if victim == "worker" else "worker")
         rest, rest_text = await rest_of(stub, "orphan", len(got))
+    assert got + rest == ref and text + rest_text == ref_text
+
+
+async def test_a_detached_request_whose_worker_is_drained_is_carried_on_by_the_other(node: ProcessNode) -> None:
+    """SIGTERM to its worker, whose grace (1 s) is too short for the rest: it hands the request back
+    without ending it, and the other worker carries it on."""
+    async with grpc.aio.insecure_channel(node.address) as ch:
+        stub = pb_grpc.GenerationServiceStub(ch)
+        ref, ref_text = await reference(stub)
+        got, text = await first_tokens(stub, "drained", 10)
+        victim = worker_of(node, "drained")
+        node.procs[victim].send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(node.procs[victim].wait, 30) == 0
+        assert '"job_handed_back"' in node.log(victim)
+        await asyncio.to_thread(wait_until, lambda: ended(node, "drained"), 60, "the request carried on to its end")
+        rest, rest_text = await rest_of(stub, "drained", len(got))
     assert got + rest == ref and text + rest_text == ref_text
 
 

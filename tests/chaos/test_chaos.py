@@ -458,7 +458,7 @@ async def test_a_stream_whose_gateway_died_is_reattached_through_another(node: P
 
 async def test_sigterm_to_a_worker_hands_back_what_it_cannot_finish(e2e_redis: RedisProcess, tmp_path: Path) -> None:
     """SIGTERM to a worker holding 24 streams longer than its grace (1 s): it stops leasing, then
-    hands the streams back (worker_lost), and they go on, token for token, on the other worker,
+    hands the streams back, and they go on, token for token, on the other worker,
     with the pool's breaker closed throughout (a rolling upgrade refuses nothing)."""
     ledger = Ledger()
     with started(e2e_redis, tmp_path, {**FAST, "LLAMAMESH_WORKER_GRACE_S": "1"}) as n:

@@ -5,6 +5,7 @@ detach timers."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -17,6 +18,7 @@ from services.attach import Attachment
 from services.detach import DetachTimers
 from services.liveness import Liveness
 from services.relay import Cursor, QueueRelay, SampleCursors
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -229,3 +231,33 @@ async def test_an_attempt_cancelled_by_the_gateway_that_moved_it_is_not_the_call
     got += [e async for _head, e in reading]
     assert [t for e in got for t in e.token_ids] == [10, 11, 12, 13]
     assert got[-1].finished is not None and got[-1].finished.finish_reason is FinishReason.LENGTH
+
+
+def by(worker: str, e: JobEvent) -> JobEvent:
+    return replace(e, worker=worker)
+
+
+async def test_an_attach_waits_through_a_hand_back_for_the_worker_that_carries_it_on() -> None:
+    """Its worker handed the request back (a drain): the Attach waits, and goes on once the stream
+    moves again, even when the worker carrying it on has the same name (restarted under it)."""
+    q = MemoryQueue()
+    await q.begin("r", Attempt("r", 0, "cpu", "tiny", 1, True), first=True)
+    await q.end("r", by("w1", ev(0, 10, 11)))
+    await q.end("r", JobEvent(worker="w1", handed_back=True))
+    got: list[JobEvent] = []
+    rest = asyncio.create_task(read_into(attachment(q, wait_s=30), got))
+    await until(lambda: got, 5, "the tokens before the hand-back")
+    await q.end("r", by("w1", ev(2, 12)))  # not an end: only the stream growing says it went on
+    await until(lambda: len(got) > 1, 5, "the carried-on token")
+    await q.end("r", by("w1", ev(3, 13, end=True)))
+    await asyncio.wait_for(rest, 10)
+    assert [t for e in got for t in e.token_ids] == [10, 11, 12, 13] and sum(e.terminal for e in got) == 1
+    assert not any(e.handed_back for e in got)
+    # read again afterwards: the hand-back the stream went on after is passed at once
+    again = await asyncio.wait_for(read_all(attachment(q, wait_s=30)), 10)
+    assert [t for e in again for t in e.token_ids] == [10, 11, 12, 13] and again[-1].terminal
+
+
+async def read_into(reading: Attachment, got: list[JobEvent]) -> None:
+    async for _head, e in reading.events():
+        got.append(e)

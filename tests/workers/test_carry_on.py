@@ -73,3 +73,8 @@ def test_an_attempt_of_several_samples_goes_on_with_those_it_was_resumed_for() -
     c = carried(attempt, [ev(0, 2, sample=0), ev(0, 7, sample=2)], "w2")
     assert c is not None and dict(c.request.resume_samples) == {0: (1, 2), 2: (7,)}
     assert dict(c.next_index) == {0: 1, 2: 1}
+
+
+def test_a_hand_back_is_passed_over_and_what_came_before_it_counts() -> None:
+    c = carried(req(8), [ev(0, 10, 11), JobEvent(worker="w1", handed_back=True)], "w2")
+    assert c is not None and c.request.resume_token_ids == (10, 11) and dict(c.next_index) == {0: 2}

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import pytest
 from structlog.testing import capture_logs
 
-from llamamesh.errors import DeadlineExceeded, EngineDead, WorkerLost
+from llamamesh.errors import DeadlineExceeded, EngineDead
 from llamamesh.queue.protocol import Lease
 from llamamesh.types import FinishReason, GenerationRequest, JobEvent, JobKind, SamplingParams, TokenDelta
 from workers.engines.base import EngineStats
@@ -139,13 +139,19 @@ def test_a_cancelled_sample_ends_the_job_at_once() -> None:
     assert end.finished.usage.completion_tokens == 1 and [e.token_ids for e in sink.added] == [(1,)]
 
 
-def test_an_abort_by_the_drain_or_at_the_deadline_is_not_the_callers_cancel() -> None:
+async def test_an_abort_by_the_drain_or_at_the_deadline_is_not_the_callers_cancel() -> None:
+    """The drain's abort hands the job back: its last event says so and is not terminal (the lease
+    stays for another worker to carry on); the deadline's ends it DEADLINE_EXCEEDED."""
     stopping = asyncio.Event()
-    j, _, _ = job(stopping=stopping)
-    j.on_delta(d(" a", (1,)))
+    j, sink, engine = job(stopping=stopping)
     stopping.set()
-    with pytest.raises(WorkerLost, match="after 1 tokens"):
-        j.on_delta(d("", (), end=FinishReason.CANCELLED))
+    for x in (d(" a", (1,)), d("", (), end=FinishReason.CANCELLED)):
+        engine.feed.put_nowait(x)
+    with capture_logs() as logs:
+        await j.run()
+    (last,) = sink.terminal
+    assert last.handed_back and not last.terminal and last.worker == j.worker
+    assert [e["status"] for e in logs if e["event"] == "job_finished"] == ["handed_back"]
     late, _, _ = job(deadline_unix_ns=time.time_ns() - 1)
     with pytest.raises(DeadlineExceeded, match="after 0 tokens"):
         late.on_delta(d("", (), end=FinishReason.CANCELLED))
@@ -162,8 +168,8 @@ def test_a_cancelled_job_ends_cancelled_unless_the_worker_gives_it_up() -> None:
     assert ev.finished is not None and ev.finished.finish_reason is FinishReason.CANCELLED
     assert ev.finished.usage.completion_tokens == 2 and ev.failed is None
     stopping.set()
-    lost = j.cancelled()
-    assert lost.failed is not None and lost.failed.code == "worker_lost" and lost.finished is None
+    back = j.cancelled()
+    assert back.handed_back and not back.terminal
     dead = j.failed(EngineDead("gone")).failed
     assert dead is not None and (dead.code, dead.message) == ("engine_dead", "gone")
 
