@@ -84,35 +84,26 @@ async def rest_of(stub: pb_grpc.GenerationServiceStub, request_id: str, offset: 
     return rest, text
 
 
-async def test_a_detached_request_whose_worker_is_killed_is_carried_on_by_the_other(node: ProcessNode) -> None:
+@pytest.mark.parametrize(("how", "says"), [(signal.SIGKILL, "killed"), (signal.SIGTERM, "handed back")])
+async def test_a_detached_request_whose_worker_leaves_is_carried_on_by_the_other(
+    node: ProcessNode, how: signal.Signals, says: str
+) -> None:
+    """Its caller left a resumable request, so no gateway follows it when its worker is killed, or
+    drained (SIGTERM) with too short a grace (1 s) for the rest: the other worker claims the job
+    (claim idle 2 s) and carries it on where its stream stood."""
+    rid = f"orphan-{how.name}"
     async with grpc.aio.insecure_channel(node.address) as ch:
         stub = pb_grpc.GenerationServiceStub(ch)
         ref, ref_text = await reference(stub)
-        got, text = await first_tokens(stub, "orphan", 10)
-        victim = worker_of(node, "orphan")
-        node.procs[victim].send_signal(signal.SIGKILL)
-        node.procs[victim].wait(10)
-        # nobody follows it now: its gateway's caller left. The other worker reclaims it (claim idle
-        # 2 s) and carries it on where its stream stood.
-        await asyncio.to_thread(wait_until, lambda: ended(node, "orphan"), 60, "the request carried on to its end")
+        got, text = await first_tokens(stub, rid, 10)
+        victim = worker_of(node, rid)
+        node.procs[victim].send_signal(how)
+        code = await asyncio.to_thread(node.procs[victim].wait, 30)
+        if says == "handed back":
+            assert code == 0 and '"job_handed_back"' in node.log(victim)
+        await asyncio.to_thread(wait_until, lambda: ended(node, rid), 60, "the request carried on to its end")
         assert '"job_carried_on"' in node.log("worker2" if victim == "worker" else "worker")
-        rest, rest_text = await rest_of(stub, "orphan", len(got))
-    assert got + rest == ref and text + rest_text == ref_text
-
-
-async def test_a_detached_request_whose_worker_is_drained_is_carried_on_by_the_other(node: ProcessNode) -> None:
-    """SIGTERM to its worker, whose grace (1 s) is too short for the rest: it hands the request back
-    without ending it, and the other worker carries it on."""
-    async with grpc.aio.insecure_channel(node.address) as ch:
-        stub = pb_grpc.GenerationServiceStub(ch)
-        ref, ref_text = await reference(stub)
-        got, text = await first_tokens(stub, "drained", 10)
-        victim = worker_of(node, "drained")
-        node.procs[victim].send_signal(signal.SIGTERM)
-        assert await asyncio.to_thread(node.procs[victim].wait, 30) == 0
-        assert '"job_handed_back"' in node.log(victim)
-        await asyncio.to_thread(wait_until, lambda: ended(node, "drained"), 60, "the request carried on to its end")
-        rest, rest_text = await rest_of(stub, "drained", len(got))
+        rest, rest_text = await rest_of(stub, rid, len(got))
     assert got + rest == ref and text + rest_text == ref_text
 
 
