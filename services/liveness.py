@@ -73,9 +73,9 @@ class Liveness:
         ``request_id``, was lost: wait (``lost_worker_wait_s`` at most) for the request to go on.
         "moved": a later attempt was recorded (its gateway moved it); "carried": its stream moved
         again (through another worker, or the same one restarted under its name: the worker that
-        reclaimed it), or ended; "": neither. ``lost``
-        empty (the attempt ended with the loss, or no worker had it yet): only a move is looked for,
-        which a gateway following the request makes at once, so for ``MOVE_WAIT_S`` at most."""
+        reclaimed it), or ended; "": neither. ``lost`` empty (the attempt ended with the loss, or no
+        worker had it yet): only a move is looked for, which a gateway following the request makes
+        at once, so for ``MOVE_WAIT_S`` at most."""
         loop = asyncio.get_running_loop()
         wait_s = self._s.lost_worker_wait_s
         until = loop.time() + (wait_s if lost else min(wait_s, MOVE_WAIT_S))
