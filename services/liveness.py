@@ -85,13 +85,12 @@ class Liveness:
             if len(await self._queue.attempts(request_id)) > attempts:
                 return "moved"
             if lost:
-                read = await self._queue.read_events(attempt_id)
-                last = read[-1][1] if read else None
+                n, last = await self._queue.last_event(attempt_id)  # not the whole stream, every interval
                 if last is not None and (last.terminal or last.worker not in ("", lost)):
                     return "carried"
-                if seen is not None and len(read) > seen:
+                if seen is not None and n > seen:
                     return "carried"
-                seen = len(read) if seen is None else seen
+                seen = n if seen is None else seen
             left = until - loop.time()
             if left <= 0:
                 return ""

@@ -126,6 +126,15 @@ class EventStreams:
             raw: Any = await self._r.xrange(self.keys.events(request_id))
         return [(i.decode(), codec.decode_event(f[EVENT_FIELD.encode()])) for i, f in raw]
 
+    async def last_event(self, request_id: str) -> tuple[int, JobEvent | None]:
+        key = self.keys.events(request_id)
+        with unreachable():
+            async with self._r.pipeline(transaction=False) as pipe:
+                pipe.xlen(key)
+                pipe.xrevrange(key, count=1)
+                n, last = await pipe.execute()
+        return int(n), codec.decode_event(last[0][1][EVENT_FIELD.encode()]) if last else None
+
     async def close(self) -> None:
         if self._follower is not None:
             await self._follower.close()

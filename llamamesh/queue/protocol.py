@@ -131,6 +131,11 @@ class Jobs(Protocol):
         """Every event of a request so far, without waiting."""
         ...
 
+    async def last_event(self, request_id: str) -> tuple[int, JobEvent | None]:
+        """How many events a request's stream holds, and its last one (None: none), without
+        reading the others."""
+        ...
+
     async def set_aside(self, pool: str, request: GenerationRequest, reason: str, deliveries: int) -> None:
         """Record a poison request in the pool's dead-letter stream (every worker that ran it died)."""
 

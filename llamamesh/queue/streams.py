@@ -121,6 +121,9 @@ class RedisQueue:
     async def read_events(self, request_id: str) -> list[tuple[str, JobEvent]]:
         return await self._events.read_events(request_id)
 
+    async def last_event(self, request_id: str) -> tuple[int, JobEvent | None]:
+        return await self._events.last_event(request_id)
+
     async def publish(self, events: Sequence[tuple[Lease, JobEvent]], watch: Sequence[GenerationRequest]) -> set[str]:
         return await self._events.publish(events, watch)
 

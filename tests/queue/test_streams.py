@@ -332,8 +332,20 @@ async def test_a_reclaimed_job_says_whether_its_dead_worker_had_begun_it(rq: Red
     assert not any(x.started for x in leases.values())  # a first lease never is
     await rq.publish([(leases["begun"], JobEvent(text="a", token_ids=(1,), index=0))], [])
     await asyncio.sleep(0.3)  # time passing on purpose: both entries age past the 200 ms idle time
-    got = {x.request.request_id: x.started for x in await rq.reclaim("cpu", "w2", 200, 10, 3)}
-    assert got == {"begun": True, "untouched": False}
+    got = {x.request.request_id: x for x in await rq.reclaim("cpu", "w2", 200, 10, 3)}
+    assert {k: x.started for k, x in got.items()} == {"begun": True, "untouched": False}
+    assert got["begun"].begun == (JobEvent(text="a", token_ids=(1,), index=0),) and got["untouched"].begun == ()
+
+
+async def test_a_streams_last_event_is_read_alone_with_its_count(rq: RedisQueue) -> None:
+    await rq.join("cpu")
+    await rq.submit("cpu", req("r"))
+    (lease,) = await rq.lease("cpu", "w1", 1, 500)
+    assert await rq.last_event("r") == (0, None)
+    evs = [JobEvent(text="a", token_ids=(1,), index=0, worker="w1"), JobEvent(text="b", token_ids=(2,), index=1)]
+    for ev in evs:
+        await rq.publish([(lease, ev)], [])
+    assert await rq.last_event("r") == (2, evs[1])
 
 
 async def test_a_job_that_keeps_killing_workers_is_dead_lettered(rq: RedisQueue, redis_settings: RedisSettings) -> None:

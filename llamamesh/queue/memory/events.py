@@ -53,6 +53,11 @@ class MemoryEvents(MemoryState):
         self._check()
         return list(self._events.get(request_id, ()))
 
+    async def last_event(self, request_id: str) -> tuple[int, JobEvent | None]:
+        self._check()
+        got = self._events.get(request_id, ())
+        return len(got), got[-1][1] if got else None
+
     async def publish(self, events: Sequence[tuple[Lease, JobEvent]], watch: Sequence[GenerationRequest]) -> set[str]:
         self._check()
         for lease, event in events:
