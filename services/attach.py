@@ -18,7 +18,7 @@ import structlog
 from llamamesh import errors
 from llamamesh.queue.protocol import RelayQueue
 from llamamesh.types import Attempt, FinishReason, GenerationRequest, JobEvent, public_id
-from services.attempts import raise_failure
+from services.attempts import handed_back, raise_failure
 from services.cursor import SampleCursors, window
 from services.detach import DetachTimers
 from services.liveness import Liveness
@@ -159,7 +159,7 @@ class Attachment:
                         if ev.handed_back:
                             seen += 1
                             if seen > passed:
-                                raise errors.WorkerLost(f"worker {ev.worker!r} handed the request back")
+                                raise handed_back(ev)
                             continue
                         ended = ev.failed is not None
                         raise_failure(ev)

@@ -71,6 +71,14 @@ def spent_samples(req: GenerationRequest, streams: SampleCursors) -> list[JobEve
     return out
 
 
+def handed_back(ev: JobEvent) -> errors.WorkerLost:
+    """What a hand-back (``JobEvent.handed_back``) means to the request's gateway: its worker gave it
+    up, a death when its engine died under it (it counts against the gateway's max_worker_deaths)."""
+    if ev.engine_died:
+        return errors.WorkerLost(f"the engine of worker {ev.worker!r} died running the request", running=True)
+    return errors.WorkerLost(f"worker {ev.worker!r} handed the request back")
+
+
 def raise_failure(ev: JobEvent) -> None:
     """Raise the domain error a failure event carries (none for any other event)."""
     if ev.failed is not None:

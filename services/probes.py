@@ -16,6 +16,7 @@ from llamamesh import errors, metrics
 from llamamesh.queue.protocol import ProbeQueue, QueueDepth
 from llamamesh.settings import BreakerSettings
 from llamamesh.types import PROBE_TENANT, GenerationRequest, SamplingParams, WorkerState
+from services.attempts import handed_back
 from services.breaker import State
 from services.outage import QueueOutage
 from services.pool import Pool
@@ -172,9 +173,10 @@ class Probes:
         async for _id, ev in self._queue.events(request.request_id):
             if ev.failed is not None:
                 return f"{ev.failed.code}: {ev.failed.message}"
-            if ev.handed_back:  # its worker drained: no other carries a probe on
+            if ev.handed_back:  # its worker drained or lost its engine: no other carries a probe on
                 await self._queue.cancel(request.request_id)
-                return f"worker_lost: worker {ev.worker!r} handed it back"
+                lost = handed_back(ev)
+                return f"{lost.code}: {lost.message}"
             if ev.terminal:
                 return ""
         return "the probe's events ended without a terminal one"

@@ -17,7 +17,7 @@ from llamamesh.queue.protocol import RelayQueue
 from llamamesh.settings import GatewaySettings
 from llamamesh.types import Finished, FinishReason, GenerationRequest, JobEvent, Usage
 from services.attach import Attachment
-from services.attempts import raise_failure, resumed, resumed_samples
+from services.attempts import handed_back, raise_failure, resumed, resumed_samples
 from services.backends import Backends
 from services.cursor import Cursor, SampleCursors
 from services.detach import DetachTimers
@@ -126,7 +126,7 @@ class QueueRelay:
         async for _eid, ev in self._queue.events(request.request_id):
             raise_failure(ev)
             if ev.handed_back:
-                raise errors.WorkerLost(f"worker {ev.worker!r} handed the request back")
+                raise handed_back(ev)
             if ev.terminal:
                 return ev
         raise errors.WorkerLost("the worker ended without an answer")

@@ -20,7 +20,7 @@ from llamamesh.queue.protocol import RelayQueue
 from llamamesh.settings import GatewaySettings
 from llamamesh.types import Attempt, Finished, FinishReason, GenerationRequest, JobEvent, public_id
 from services.attach import Attachment
-from services.attempts import next_attempt, raise_failure, spent_samples
+from services.attempts import handed_back, next_attempt, raise_failure, spent_samples
 from services.backends import Backends
 from services.cursor import SampleCursors, shifted
 from services.detach import DetachTimers, cancel_quietly
@@ -243,8 +243,8 @@ class RelayedRequest:
             async for raw in events:
                 self.finished = raw.terminal
                 raise_failure(raw)
-                if raw.handed_back:  # its worker gave it up (a drain): on to another at once
-                    raise errors.WorkerLost(f"worker {raw.worker!r} handed the request back")
+                if raw.handed_back:  # its worker gave it up (a drain, a dead engine): on to another at once
+                    raise handed_back(raw)
                 ev = self.accept(raw)
                 if ev is None:
                     continue

@@ -89,9 +89,11 @@ class Job:
         self._tokens = metrics.WORKER_TOKENS.labels(lease.pool)
 
     async def run(self) -> None:
-        """Drive the engine and publish the job's events. The terminal event is published under
-        ``shield``, so a cancelled job still leaves one terminal event and an acked job. Raises
-        EngineDead after publishing, so that the worker stops; re-raises CancelledError."""
+        """Drive the engine and publish the job's events. The last event is published under
+        ``shield``, so a cancelled job still leaves one last event (terminal and acked, or a
+        hand-back). When the engine dies under it, the job is handed back (another worker carries it
+        on) and EngineDead raised after publishing, so that the worker stops; re-raises
+        CancelledError."""
         req = self.request
         structlog.contextvars.bind_contextvars(request_id=req.request_id)
         span = tracing.JobSpan(
@@ -120,7 +122,7 @@ class Job:
             self.terminal = self.handed_back()
         except EngineDead as exc:
             log.error("engine_dead", error=str(exc))
-            dead, self.terminal = exc, self.failed(exc)
+            dead, self.terminal = exc, self.handed_back(engine_died=True)
         except LlamameshError as exc:
             self.terminal = self.failed(exc)
         except Exception:
@@ -213,11 +215,12 @@ class Job:
         finished = Finished(FinishReason.CANCELLED, Usage(0, self.generated), self.started, self.first_token)
         return JobEvent(worker=self.worker, finished=finished)
 
-    def handed_back(self) -> JobEvent:
-        """The last event of a job this worker gives up unfinished: not terminal, its lease not acked,
-        so another worker goes on with it from its stream (workers/carry_on.py)."""
-        log.info("job_handed_back", tokens=self.generated)
-        return JobEvent(worker=self.worker, handed_back=True)
+    def handed_back(self, engine_died: bool = False) -> JobEvent:
+        """The last event of a job this worker gives up unfinished (``engine_died``: its engine died
+        under it): not terminal, its lease not acked, so another worker goes on with it from its
+        stream (workers/carry_on.py)."""
+        log.info("job_handed_back", tokens=self.generated, engine_died=engine_died)
+        return JobEvent(worker=self.worker, handed_back=True, engine_died=engine_died)
 
     def failed(self, exc: LlamameshError) -> JobEvent:
         return JobEvent(worker=self.worker, failed=failure_of(exc))

@@ -13,7 +13,7 @@ import structlog
 
 from llamamesh import metrics
 from llamamesh.backoff import Delays
-from llamamesh.errors import QueueUnavailable, WorkerDied, WorkerLost
+from llamamesh.errors import QueueUnavailable, WorkerDied
 from llamamesh.queue.protocol import BatchStore, Lease, WorkQueue
 from llamamesh.settings import BatchSettings, WorkerSettings
 from llamamesh.types import JobEvent
@@ -94,13 +94,13 @@ class Leasing:
                 await self.admit(lease)
 
     async def _hand_back(self, leases: list[Lease]) -> None:
-        """Jobs leased after the engine died, never started: each ends ``worker_lost`` (not a death:
-        nothing ran), so the gateway sends it to another worker at once."""
-        lost = WorkerLost(f"worker {self._name!r} lost its engine before it started the job")
+        """Jobs leased after the engine died, never started: each is handed back (not a death:
+        nothing ran), so a gateway following it sends it to another worker at once, and otherwise
+        the worker that claims it runs it. A batch item is left leased without a word: another
+        worker reclaims it once idle (claim_idle_s)."""
         for lease in leases:
-            if lease.request.batch_id:
-                continue  # left leased: another worker reclaims it once idle (claim_idle_s)
-            await self._outbox.finish(lease, JobEvent(worker=self._name, failed=failure_of(lost)))
+            if not lease.request.batch_id:
+                await self._outbox.finish(lease, JobEvent(worker=self._name, handed_back=True))
         log.warning("jobs_handed_back", count=len(leases), reason="engine_died")
 
     async def admit(self, lease: Lease) -> None:

@@ -173,6 +173,7 @@ def encode_event(ev: JobEvent) -> bytes:
         msg.sample_end = ev.sample_end.value
     if ev.handed_back:
         msg.handed_back = True
+        msg.engine_died = ev.engine_died
     if ev.finished is not None:
         f = ev.finished
         msg.finished.CopyFrom(
@@ -225,6 +226,7 @@ def decode_event(data: bytes) -> JobEvent:
         sample=msg.sample,
         sample_end=FinishReason(msg.sample_end) if msg.sample_end else None,
         handed_back=msg.handed_back,
+        engine_died=msg.engine_died,
     )
 
 

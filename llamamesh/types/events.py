@@ -104,9 +104,11 @@ class JobEvent:
     worker: str = ""
     sample: int = 0
     sample_end: FinishReason | None = None
-    # The last event its worker writes for a job it gave up unfinished (a drain out of grace): not
-    # terminal; the job stays leased for another worker to carry on (workers/carry_on.py).
+    # The last event its worker writes for a job it gave up unfinished (a drain out of grace, a
+    # withdrawal, a dead engine): not terminal; the job stays leased for another worker to carry on
+    # (workers/carry_on.py). ``engine_died``: given up because the engine died under it.
     handed_back: bool = False
+    engine_died: bool = False
     marks: tuple[tuple[int, int], ...] = ()
 
     @property

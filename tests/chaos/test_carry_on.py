@@ -84,13 +84,16 @@ async def rest_of(stub: pb_grpc.GenerationServiceStub, request_id: str, offset: 
     return rest, text
 
 
-@pytest.mark.parametrize(("how", "says"), [(signal.SIGKILL, "killed"), (signal.SIGTERM, "handed back")])
+@pytest.mark.parametrize(
+    ("how", "says"), [(signal.SIGKILL, "killed"), (signal.SIGTERM, "handed back"), (signal.SIGUSR1, "engine died")]
+)
 async def test_a_detached_request_whose_worker_leaves_is_carried_on_by_the_other(
     node: ProcessNode, how: signal.Signals, says: str
 ) -> None:
-    """Its caller left a resumable request, so no gateway follows it when its worker is killed, or
-    drained (SIGTERM) with too short a grace (1 s) for the rest: the other worker claims the job
-    (claim idle 2 s) and carries it on where its stream stood."""
+    """Its caller left a resumable request, so no gateway follows it when its worker is killed,
+    drained (SIGTERM) with too short a grace (1 s) for the rest, or loses its engine (SIGUSR1 kills
+    the fake engine, not the process): the other worker claims the job (claim idle 2 s) and carries
+    it on where its stream stood."""
     rid = f"orphan-{how.name}"
     async with grpc.aio.insecure_channel(node.address) as ch:
         stub = pb_grpc.GenerationServiceStub(ch)
@@ -101,6 +104,8 @@ async def test_a_detached_request_whose_worker_leaves_is_carried_on_by_the_other
         code = await asyncio.to_thread(node.procs[victim].wait, 30)
         if says == "handed back":
             assert code == 0 and '"job_handed_back"' in node.log(victim)
+        if says == "engine died":
+            assert code == 1 and '"job_handed_back"' in node.log(victim), node.log(victim)[-3000:]
         await asyncio.to_thread(wait_until, lambda: ended(node, rid), 60, "the request carried on to its end")
         assert '"job_carried_on"' in node.log("worker2" if victim == "worker" else "worker")
         rest, rest_text = await rest_of(stub, rid, len(got))

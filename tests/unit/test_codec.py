@@ -89,6 +89,8 @@ def test_undecodable_job_is_invalid_request() -> None:
         JobEvent(token_ids=(4, 5, 6), tokenized=True),
         JobEvent(text=" a", token_ids=(3,), index=2, sample=4, sample_end=FinishReason.LENGTH),
         JobEvent(sample=1, finished=Finished(FinishReason.STOP, Usage(3, 9))),
+        JobEvent(worker="w", handed_back=True),
+        JobEvent(worker="w", handed_back=True, engine_died=True),
     ],
 )
 def test_event_round_trip(event: JobEvent) -> None:

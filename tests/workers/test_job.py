@@ -203,7 +203,9 @@ async def test_a_job_cancelled_mid_stream_publishes_one_cancelled_event_and_re_r
     assert end.finished.usage.completion_tokens == 1
 
 
-async def test_an_engine_death_mid_stream_publishes_one_failure_then_raises() -> None:
+async def test_an_engine_death_mid_stream_hands_the_job_back_then_raises() -> None:
+    """The job is given up, not ended: another worker carries it on from its stream; the hand-back
+    says the engine died (a gateway counts the death)."""
     j, sink, engine = job()
     engine.feed.put_nowait(d(" a", (1,)))
     engine.feed.put_nowait(EngineDead("the GPU fell off the bus"))
@@ -211,7 +213,7 @@ async def test_an_engine_death_mid_stream_publishes_one_failure_then_raises() ->
         await j.run()
     assert [e.token_ids for e in sink.added] == [(1,)]
     (end,) = sink.terminal
-    assert end.failed is not None and end.failed.code == "engine_dead" and end.failed.retryable
+    assert end.handed_back and end.engine_died and not end.terminal, end
 
 
 @pytest.mark.parametrize(

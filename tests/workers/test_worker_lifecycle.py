@@ -7,18 +7,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator
-from dataclasses import replace
 
 import pytest
 from structlog.testing import capture_logs
 
 from llamamesh.errors import EngineDead, QueueUnavailable
-from llamamesh.queue.keys import WORKER_GROUP
 from llamamesh.queue.memory import MemoryBatches, MemoryQueue
 from llamamesh.queue.protocol import Lease
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import RedisSettings, WorkerSettings
-from llamamesh.types import FinishReason, GenerationRequest, ItemResult, JobEvent, SamplingParams, WorkerStatus
+from llamamesh.types import GenerationRequest, ItemResult, JobEvent, SamplingParams, WorkerStatus
 from tests.queue.jobs import batch
 from tests.waiting import until
 from workers.engines.fake import FakeEngine
@@ -245,67 +243,6 @@ async def test_items_waiting_on_redis_to_record_their_results_are_not_an_engine_
         await asyncio.wait_for(task, 10)
 
 
-async def _fake_tokens(req: GenerationRequest) -> list[int]:
-    """The tokens the fake engine generates for ``req`` uninterrupted."""
-    engine = FakeEngine(settings("w-whole"))
-    await engine.start()
-    return [t async for d in engine.stream(req) for t in d.token_ids]
-
-
-async def _reclaimed_by_heir(
-    redis_settings: RedisSettings, req: GenerationRequest, begun: list[JobEvent]
-) -> tuple[list[JobEvent], FakeEngine]:
-    """``req`` leased by a worker that published ``begun`` and died; the events of its stream once
-    another worker (claim idle 0.3 s) took it over, and that worker's engine."""
-    queue = RedisQueue.from_settings(redis_settings)
-    try:
-        await queue.join("cpu")
-        await queue.submit("cpu", req)
-        (lease,) = await queue.lease("cpu", "w-dead", 1, 500)
-        await queue.publish([(lease, ev) for ev in begun], [])
-        ws = settings("w-heir", claim_idle_s=0.3)
-        engine = FakeEngine(ws)
-        await until(lambda: _idle_past(queue, 300), 10, "the dead worker's lease to age past the claim idle time")
-        stop = asyncio.Event()
-        _worker, task = running(ws, queue, engine, stop)
-        try:
-            evs = [e async for _i, e in queue.events(req.request_id)]
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, 10)
-        return evs, engine
-    finally:
-        await queue.close()
-
-
-async def test_a_job_a_dead_worker_had_begun_goes_on_where_its_stream_stood(redis_settings: RedisSettings) -> None:
-    """Its caller may have its first tokens (or may come back for them: a detached resumable
-    request): the worker that takes it over goes on from them on the same stream, fed after the
-    input, instead of sending them again; the stream reads as one uninterrupted run."""
-    request = GenerationRequest("half", "m", prompt="x", sampling=SamplingParams(max_tokens=9, seed=5))
-    whole = await _fake_tokens(replace(request, request_id="whole"))
-    begun = [JobEvent(token_ids=tuple(whole[:2]), index=0, worker="w-dead"), JobEvent(token_ids=(whole[2],), index=2)]
-    evs, engine = await _reclaimed_by_heir(redis_settings, request, begun)
-    assert [t for e in evs for t in e.token_ids] == whole  # nothing sent twice, nothing lost
-    at = 0
-    for e in evs:
-        assert e.index == at, evs
-        at += len(e.token_ids)
-    end = evs[-1].finished
-    assert end is not None and end.finish_reason is FinishReason.LENGTH and end.usage.completion_tokens == 9
-    assert engine.served == ["half"]
-
-
-async def test_a_begun_job_whose_stream_has_a_gap_ends_worker_died(redis_settings: RedisSettings) -> None:
-    """What its stream holds cannot be trusted: it ends worker_died (a following gateway resumes
-    it from what its caller has), and nothing runs."""
-    request = GenerationRequest("gap", "m", prompt="x", sampling=SamplingParams(max_tokens=9))
-    begun = [JobEvent(token_ids=(1,), index=0, worker="w-dead"), JobEvent(token_ids=(3,), index=2)]
-    evs, engine = await _reclaimed_by_heir(redis_settings, request, begun)
-    assert evs[-1].failed is not None and evs[-1].failed.code == "worker_died", evs[-1]
-    assert engine.served == []
-
-
 class PublishBreaks(RedisQueue):
     """A queue whose ``publish`` fails with an unexpected error (not QueueUnavailable) once ``broken``."""
 
@@ -374,12 +311,6 @@ async def test_an_event_writer_that_breaks_while_draining_cuts_the_drain_short(r
         with contextlib.suppress(Exception):
             await engine.shutdown()
         await queue.close()
-
-
-async def _idle_past(queue: RedisQueue, ms: int) -> bool:
-    """Every job leased in the pool has been idle (untouched) for more than ``ms``."""
-    rows = await queue.client.xpending_range(queue.keys.jobs("cpu"), WORKER_GROUP, "-", "+", 10)
-    return bool(rows) and all(int(r["time_since_delivered"]) > ms for r in rows)
 
 
 def _logged(logs: list[dict[str, object]], event: str) -> bool:

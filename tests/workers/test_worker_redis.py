@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from llamamesh.errors import EngineDead, QueueUnavailable
+from llamamesh.errors import QueueUnavailable
 from llamamesh.queue.batches import RedisBatches
 from llamamesh.queue.keys import WORKER_GROUP, Keys
 from llamamesh.queue.streams import RedisQueue
@@ -125,29 +125,6 @@ async def test_job_cancelled_before_lease_is_skipped(redis_settings: RedisSettin
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)
-        await queue.close()
-
-
-async def test_engine_death_fails_the_job_and_stops_the_worker(redis_settings: RedisSettings) -> None:
-    ws = WorkerSettings(pool="cpu", engine="fake", max_inflight=2, consumer="w-dead", fake_step_s=0.02)
-    queue = RedisQueue.from_settings(redis_settings)
-    engine = FakeEngine(ws)
-    await engine.start()
-    worker = Worker(ws, queue, engine, block_ms=100)
-    task = asyncio.create_task(worker.run(asyncio.Event()))
-    try:
-        await asyncio.wait_for(worker.ready.wait(), 5)
-        await queue.submit("cpu", req("d", n=100))
-        async for _i, _ev in queue.events("d"):
-            engine.dead = True
-            break
-        evs = await asyncio.wait_for(events(queue, "d"), 5)
-        assert evs[-1].failed is not None and evs[-1].failed.code == "engine_dead"
-        with pytest.raises(EngineDead):
-            await asyncio.wait_for(task, 10)
-        assert await pending(redis_settings) == 0
-    finally:
-        await engine.shutdown()
         await queue.close()
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import threading
 import zlib
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -55,7 +57,9 @@ class FakeEngine:
     Poison, for fault tests, by the prompt's first word: ``__raise__`` makes the engine raise after
     its first token; ``__die__`` kills the engine after its first token (EngineDead, as a lost GPU);
     ``__crash__`` ends the whole worker process before the first token (exit code 70), as a
-    segfaulting kernel would, and ``__crash_late__`` after it."""
+    segfaulting kernel would, and ``__crash_late__`` after it. SIGUSR1 to a process running a
+    started fake engine kills the engine and not the process (as killing vLLM's engine core
+    process would): the requests running in it end EngineDead, whatever their prompt."""
 
     def __init__(self, settings: WorkerSettings) -> None:
         self._settings = settings
@@ -92,6 +96,8 @@ class FakeEngine:
         return bool(self._settings.fake_step_request_s or self._settings.fake_step_prompt_token_s)
 
     async def start(self) -> None:
+        if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
+            asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, self._die)
         if (self._settings.fake_step_s or self._costed) and self._ticker is None:
             self._tick = asyncio.get_running_loop().create_future()
             self._clock_start = asyncio.get_running_loop().time()
@@ -279,7 +285,12 @@ class FakeEngine:
     def stats(self) -> EngineStats:
         return EngineStats(running=len(self._running), steps=self.tokens)
 
+    def _die(self) -> None:
+        self.dead = True
+
     async def shutdown(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGUSR1)
         for ev in self._running.values():
             ev.set()
         if self._ticker is not None:

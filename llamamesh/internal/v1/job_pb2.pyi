@@ -231,7 +231,7 @@ class Finished(_message.Message):
     def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., started_unix_ns: _Optional[int] = ..., first_token_unix_ns: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class JobEvent(_message.Message):
-    __slots__ = ("text", "token_ids", "index", "logprobs", "finished", "failed", "tokenized", "worker", "sample", "sample_end", "handed_back")
+    __slots__ = ("text", "token_ids", "index", "logprobs", "finished", "failed", "tokenized", "worker", "sample", "sample_end", "handed_back", "engine_died")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +243,7 @@ class JobEvent(_message.Message):
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_END_FIELD_NUMBER: _ClassVar[int]
     HANDED_BACK_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_DIED_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     index: int
@@ -254,4 +255,5 @@ class JobEvent(_message.Message):
     sample: int
     sample_end: str
     handed_back: bool
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., failed: _Optional[_Union[Failed, _Mapping]] = ..., tokenized: _Optional[bool] = ..., worker: _Optional[str] = ..., sample: _Optional[int] = ..., sample_end: _Optional[str] = ..., handed_back: _Optional[bool] = ...) -> None: ...
+    engine_died: bool
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., failed: _Optional[_Union[Failed, _Mapping]] = ..., tokenized: _Optional[bool] = ..., worker: _Optional[str] = ..., sample: _Optional[int] = ..., sample_end: _Optional[str] = ..., handed_back: _Optional[bool] = ..., engine_died: _Optional[bool] = ...) -> None: ...
