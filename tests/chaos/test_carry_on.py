@@ -97,7 +97,7 @@ async def test_a_detached_request_whose_worker_leaves_is_carried_on_by_the_other
     rid = f"orphan-{how.name}"
     async with grpc.aio.insecure_channel(node.address) as ch:
         stub = pb_grpc.GenerationServiceStub(ch)
-        ref, ref_text = await reference(stub)
+        uninterrupted = asyncio.create_task(reference(stub))  # meanwhile, on the same fake clock
         got, text = await first_tokens(stub, rid, 10)
         victim = worker_of(node, rid)
         node.procs[victim].send_signal(how)
@@ -109,6 +109,7 @@ async def test_a_detached_request_whose_worker_leaves_is_carried_on_by_the_other
         await asyncio.to_thread(wait_until, lambda: ended(node, rid), 60, "the request carried on to its end")
         assert '"job_carried_on"' in node.log("worker2" if victim == "worker" else "worker")
         rest, rest_text = await rest_of(stub, rid, len(got))
+        ref, ref_text = await uninterrupted
     assert got + rest == ref and text + rest_text == ref_text
 
 
@@ -121,7 +122,7 @@ async def test_an_attach_whose_gateway_and_then_worker_died_waits_for_the_carrie
     await asyncio.to_thread(wait_until, lambda: '"gateway_started"' in node.log("gateway_b"), 30, "gateway b")
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port_b}") as ch_b:
         stub_b = pb_grpc.GenerationServiceStub(ch_b)
-        ref, ref_text = await reference(stub_b)
+        uninterrupted = asyncio.create_task(reference(stub_b))  # meanwhile, on the same fake clock
         async with grpc.aio.insecure_channel(node.address) as ch_a:
             got, text = await first_tokens(pb_grpc.GenerationServiceStub(ch_a), "twice", 10)
             node.procs["gateway"].send_signal(signal.SIGKILL)
@@ -131,4 +132,5 @@ async def test_an_attach_whose_gateway_and_then_worker_died_waits_for_the_carrie
         node.procs[victim].send_signal(signal.SIGKILL)
         node.procs[victim].wait(10)
         rest, rest_text = await asyncio.wait_for(reading, 90)
+        ref, ref_text = await uninterrupted
     assert got + rest == ref and text + rest_text == ref_text
