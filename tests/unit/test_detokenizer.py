@@ -176,3 +176,49 @@ def test_after_a_stop_nothing_more_comes_out() -> None:
     assert stops.feed("ax") == ("a", True)
     assert stops.feed("more") == ("", True)
     assert stops.flush() == ""
+
+
+# --- a resumed sequence: the text at the resume point
+
+
+def resumed(tok: HFLike, ids: list[int], k: int, stop: list[str]) -> tuple[str, str] | None:
+    """The text a caller gets of ``ids`` with ``stop``: from a run of the first ``k`` tokens (what it
+    emitted of them, held text and an incomplete character not) and a resumed run of the rest. None
+    if the first run ended at a stop string (there is nothing to resume)."""
+    first, stops = IncrementalDetokenizer(tok), StopStrings(stop)
+    before = "".join(stops.feed(first.push(i))[0] for i in ids[:k])
+    if stops.stopped is not None:
+        return None
+    detok, stops = IncrementalDetokenizer(tok), StopStrings(stop)
+    stops.prime(detok.seed(ids[:k]))
+    after = ""
+    for i in ids[k:]:
+        text, stopped = stops.feed(detok.push(i))
+        after += text
+        if stopped:
+            return before, after
+    return before, after + stops.feed(detok.flush())[0] + stops.flush()
+
+
+@pytest.mark.parametrize("stop", [[], ["🚀🚀"], ["Café 日"], ["ne."]], ids=["none", "emoji", "words", "the-end"])
+def test_a_resume_at_any_token_joins_the_text_and_finds_a_stop_string_across_it(
+    byte_level: HFLike, stop: list[str]
+) -> None:
+    """Cut anywhere, inside a character or inside a possible stop string: the text before the cut and
+    the resumed run's join as the uninterrupted run's, which ends at the same stop string."""
+    text = SAMPLES[0]
+    ids = byte_level.encode(text)
+    whole = text.split(stop[0])[0] if stop else text
+    cuts = [(k, got) for k in range(len(ids) + 1) if (got := resumed(byte_level, ids, k, stop)) is not None]
+    # some cuts fall where the first run held text back (a possible stop string, a partial character)
+    assert any(before != byte_level.decode(ids[:k]) for k, (before, _after) in cuts)
+    for k, (before, after) in cuts:
+        assert before + after == whole, (k, before, after)
+
+
+def test_a_seeded_sequence_emits_the_character_its_last_tokens_left_incomplete(byte_level: HFLike) -> None:
+    ids = byte_level.encode("ok🚀")
+    k = len(ids) - 1  # the rocket's last byte still to come
+    detok = IncrementalDetokenizer(byte_level)
+    assert detok.seed(ids[:k]) == "ok"
+    assert detok.push(ids[k]) == "🚀"

@@ -36,13 +36,19 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 
-    def seed(self, token_ids: Sequence[int]) -> None:
-        """Take ``token_ids`` as already emitted (a resumed sequence): they give the next tokens their
-        context but their text is not emitted again."""
+    def seed(self, token_ids: Sequence[int]) -> str:
+        """Take ``token_ids`` as already generated (a resumed sequence): they give the next tokens their
+        context, and their text is not emitted again, bar a last character they leave incomplete (the
+        run that generated them held it back; it comes with the tokens that complete it). Returns the
+        text they were emitted as."""
         self._ids.extend(token_ids)
-        self._read_offset = len(self._ids)
-        self._prefix_offset = max(0, self._read_offset - 6)
-        self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        read = len(self._ids)
+        while read > 0 and self._decode(self._ids[max(0, read - 6) : read]).endswith(REPLACEMENT_CHAR):
+            read -= 1
+        self._read_offset = read
+        self._prefix_offset = max(0, read - 6)
+        self._prefix_text = self._decode(self._ids[self._prefix_offset : read])
+        return self._decode(self._ids[:read])
 
     def push(self, token_ids: int | Sequence[int]) -> str:
         """Add tokens; return the text they complete ("" while a character is still incomplete)."""
@@ -79,6 +85,13 @@ class StopStrings:
     @property
     def held(self) -> str:
         return self._held
+
+    def prime(self, text: str) -> None:
+        """Take ``text`` as streamed already (a resumed sequence's, past its min_tokens): hold back its
+        tail that could begin a stop string, as the run that streamed it did. That tail is emitted with
+        what follows, and a stop string across the resume point is found."""
+        hold = self._partial_suffix(text)
+        self._held = text[len(text) - hold :] if hold else ""
 
     def feed(self, text: str, check: bool = True) -> tuple[str, bool]:
         """Add streamed text; return ``(text safe to emit, whether a stop string was found)``.

@@ -225,6 +225,8 @@ class FakeEngine:
         # Its first token comes from the clock's next step (by the time it arrived, not by a late tick).
         at = self._due() if self._tick is not None and self._settings.fake_clock == "deadline" else self.steps
         said = _said(request)
+        if request.resume_token_ids and not s.min_tokens and said is None:  # as the CPU engine does
+            stops.prime("".join(f" w{t}" for t in request.resume_token_ids))
         max_tokens = min(max_tokens, len(said)) if said is not None else max_tokens
         try:
             for i in range(max_tokens):

@@ -147,7 +147,9 @@ class Batch:
             admission.params, self.vocab_size, ids[: len(ids) - len(replay)], self.eos_ids, matcher
         )
         seq = Seq(admission, ids, sampler, self.tokenizer, n_prompt, replay)
-        seq.detok.seed(resumed)
+        sent = seq.detok.seed(resumed)
+        if resumed and not admission.params.min_tokens:  # its earlier run checked stop strings
+            seq.stops.prime(sent)
         return seq
 
     # --- the step
