@@ -93,6 +93,7 @@ class RelayedRequest:
         self.record: Attempt | None = None
         self.base = 0  # tokens the caller had when the current attempt began
         self.attempts = self.deaths = 0
+        self.writer = ""  # the worker that wrote the current attempt's last event
         self.submitted = False  # the current attempt's job is queued
         self.finished = False  # the current attempt's terminal event was read
         self.failure: BaseException | None = None  # what ended the stream, if not its end
@@ -239,8 +240,10 @@ class RelayedRequest:
         one (its liveness watched). Raises the error of a failure event, EventsLost for a gap, and
         WorkerLost or EngineDead for a lost attempt."""
         assert self.attempt is not None  # made by ``begin``
+        self.writer = ""
         async with aclosing(self._p.liveness.watched(self.pool, self.attempt.request_id)) as events:
             async for raw in events:
+                self._note_writer(raw.worker)
                 self.finished = raw.terminal
                 raise_failure(raw)
                 if raw.handed_back:  # its worker gave it up (a drain, a dead engine): on to another at once
@@ -252,6 +255,14 @@ class RelayedRequest:
                 yield ev
                 if self.finished:
                     return
+
+    def _note_writer(self, worker: str) -> None:
+        """Count a death when another worker wrote on the attempt: the one before died under it and
+        this one carried it on (a hand-back would have ended the read first) before the gateway
+        noticed, so a request that kills its workers is still set aside after max_worker_deaths."""
+        if worker and self.writer and worker != self.writer:
+            self.deaths += 1
+        self.writer = worker or self.writer
 
     def accept(self, raw: JobEvent) -> JobEvent | None:
         """An event of the current attempt renumbered as the caller's stream, less what the caller has

@@ -56,28 +56,32 @@ class Reclaimer:
     ) -> list[Lease]:
         """Each of the pool's work streams (every tenant's): XPENDING, then XCLAIM of up to ``count``
         stale entries in all, one pipeline each; a job delivered more than ``max_deliveries`` times
-        goes to the dead letters. Raises QueueUnavailable."""
+        goes to the dead letters, unless it was cancelled (its gateway moved it on, or set it aside
+        itself): that one comes back for the worker to skip. Raises QueueUnavailable."""
         with unreachable("cannot reclaim from the work stream"):
             delivered = await self._stale(pool, consumer, min_idle_ms, count, own, running)
             if not delivered:
                 return []
             entries = await self._claimed(pool, consumer, 0 if own else min_idle_ms, delivered)
         leases: list[Lease] = []
+        times: list[int] = []
         for (t, k), eid, fields in entries:
             try:
                 req = codec.decode_job(fields[JOB_FIELD.encode()])
             except (InvalidRequest, KeyError):
                 await groups.drop(self._r, self.keys.work(pool, t, k), [eid])
                 continue
-            times = delivered[(t, k)].get(eid, 1)
-            if times > max_deliveries:
-                await self.dead_letter(
-                    pool, eid, req, f"the {times - 1} workers that took it died", times, tenant=t, partition=k
-                )
-            else:
-                leases.append(Lease(pool=pool, entry_id=eid, request=req, tenant=t, partition=k))
-        log.info("jobs_reclaimed", pool=pool, count=len(leases), dead=len(entries) - len(leases), own=own)
-        return await self._flags.flagged(leases, reclaimed=True)
+            leases.append(Lease(pool=pool, entry_id=eid, request=req, tenant=t, partition=k))
+            times.append(delivered[(t, k)].get(eid, 1))
+        taken: list[Lease] = []
+        for lease, n in zip(await self._flags.flagged(leases, reclaimed=True), times, strict=True):
+            if n <= max_deliveries or lease.cancelled:
+                taken.append(lease)
+                continue
+            reason = f"the {n - 1} workers that took it died"
+            await self.dead_letter(pool, lease.entry_id, lease.request, reason, n, lease.tenant, lease.partition)
+        log.info("jobs_reclaimed", pool=pool, count=len(taken), dead=len(leases) - len(taken), own=own)
+        return taken
 
     async def _stale(
         self, pool: str, consumer: str, min_idle_ms: int, count: int, own: bool, running: Collection[str]

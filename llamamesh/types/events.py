@@ -132,6 +132,8 @@ class JobEvent:
         end (or carries none): the two can be one."""
         if later.sample != self.sample or self.sample_end is not None or self.handed_back or later.handed_back:
             return False
+        if self.worker and later.worker and later.worker != self.worker:
+            return False  # a stream another worker carried on: a reader counts the switch
         return not later.token_ids or later.index == self.index + len(self.token_ids)
 
     def then(self, later: JobEvent) -> JobEvent:

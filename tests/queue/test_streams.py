@@ -370,6 +370,21 @@ async def test_a_job_that_keeps_killing_workers_is_dead_lettered(rq: RedisQueue,
         await r.aclose()
 
 
+async def test_a_cancelled_job_past_its_deliveries_comes_back_to_be_skipped(rq: RedisQueue) -> None:
+    """Its gateway moved it on or set it aside itself: no second dead letter, the worker skips it."""
+    await rq.join("cpu")
+    await rq.submit("cpu", req("poison"))
+    assert len(await rq.lease("cpu", "w1", 1, 500)) == 1
+    await asyncio.sleep(0.25)  # time passing on purpose: the entry ages past the 200 ms idle time
+    assert len(await rq.reclaim("cpu", "w2", 200, 10, max_deliveries=1)) == 0  # (a poison job, were it not)
+    await rq.submit("cpu", req("cancelled"))
+    assert len(await rq.lease("cpu", "w1", 1, 500)) == 1
+    await rq.cancel("cancelled")
+    await asyncio.sleep(0.25)  # and again
+    (lease,) = await rq.reclaim("cpu", "w3", 200, 10, max_deliveries=1)
+    assert lease.request.request_id == "cancelled" and lease.cancelled
+
+
 async def test_queue_depth_counts_waiting_and_leased_jobs_of_every_tenant(queue) -> None:
     assert await queue.queue_depth("cpu") == QueueDepth(0, 0)  # no stream yet
     await queue.join("cpu")

@@ -321,3 +321,21 @@ async def test_a_caller_gone_while_its_job_is_queued_has_the_job_cancelled() -> 
     await stream.aclose()
     (lease,) = await q.lease("cpu", "w", 1, 0)
     assert lease.cancelled  # the worker that takes it skips it
+
+
+async def test_an_attempt_another_worker_carried_on_counts_the_death_it_went_on_from() -> None:
+    """The first worker died and a second carried the attempt on before the gateway saw the loss:
+    when the second dies too, that is two deaths, and the request is set aside (not sent to a third)."""
+    p = await parts()
+    q = queue_of(p)
+    r = RelayedRequest(p, request(), "cpu", Progress())
+    r.route()
+    await submitted(r)
+    await q.end("r", tok(0, 1))
+    await q.end("r", JobEvent(token_ids=(2,), index=1, worker="w2"))  # carried on by w2
+    await q.end("r", JobEvent(failed=Failure("worker_lost", "w2 lost", True), worker="w2"))
+    with pytest.raises(errors.WorkerLost):
+        [ev async for ev in r.read()]
+    assert r.deaths == 1
+    with pytest.raises(errors.SetAside, match="2 workers died"):
+        await r.fail_over(errors.WorkerLost("w2 gone", running=True))
