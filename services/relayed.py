@@ -243,7 +243,8 @@ class RelayedRequest:
         self.writer = ""
         async with aclosing(self._p.liveness.watched(self.pool, self.attempt.request_id)) as events:
             async for raw in events:
-                self._note_writer(raw.worker)
+                if raw.failed is None:  # (a failure a claiming worker wrote counts in ``fail_over``)
+                    self._note_writer(raw.worker)
                 self.finished = raw.terminal
                 raise_failure(raw)
                 if raw.handed_back:  # its worker gave it up (a drain, a dead engine): on to another at once

@@ -339,3 +339,18 @@ async def test_an_attempt_another_worker_carried_on_counts_the_death_it_went_on_
     assert r.deaths == 1
     with pytest.raises(errors.SetAside, match="2 workers died"):
         await r.fail_over(errors.WorkerLost("w2 gone", running=True))
+
+
+async def test_a_worker_died_failure_from_the_claiming_worker_counts_one_death() -> None:
+    """The worker that claimed a dead worker's job could not carry it on and says so: one death."""
+    p = await parts()
+    q = queue_of(p)
+    r = RelayedRequest(p, request(), "cpu", Progress())
+    r.route()
+    await submitted(r)
+    await q.end("r", tok(0, 1))
+    await q.end("r", JobEvent(failed=Failure("worker_died", "the worker running it died", True), worker="w2"))
+    with pytest.raises(errors.WorkerDied) as lost:
+        [ev async for ev in r.read()]
+    await r.fail_over(lost.value)
+    assert r.deaths == 1 and r.attempts == 1
