@@ -72,6 +72,15 @@ async def submitted(r: RelayedRequest) -> None:
     await r.submit()
 
 
+async def queued() -> tuple[RelayedRequest, MemoryQueue]:
+    """Request "r" (of the default settings) with its first attempt queued, and its queue."""
+    p = await parts()
+    r = RelayedRequest(p, request(), "cpu", Progress())
+    r.route()
+    await submitted(r)
+    return r, queue_of(p)
+
+
 async def test_accept_renumbers_a_resumed_attempt_drops_repeats_and_raises_on_a_gap() -> None:
     r = RelayedRequest(await parts(), request(max_tokens=6), "cpu", Progress())
     r.route()
@@ -169,11 +178,7 @@ async def test_fail_over_cancels_the_lost_attempt_until_no_attempt_is_left() -> 
 
 
 async def test_a_request_whose_workers_keep_dying_is_set_aside() -> None:
-    p = await parts()
-    q = queue_of(p)
-    r = RelayedRequest(p, request(), "cpu", Progress())
-    r.route()
-    await submitted(r)
+    r, q = await queued()
     await r.fail_over(errors.EngineDead("boom"))
     await submitted(r)
     with pytest.raises(errors.SetAside, match="2 workers died"):
@@ -326,11 +331,7 @@ async def test_a_caller_gone_while_its_job_is_queued_has_the_job_cancelled() -> 
 async def test_an_attempt_another_worker_carried_on_counts_the_death_it_went_on_from() -> None:
     """The first worker died and a second carried the attempt on before the gateway saw the loss:
     when the second dies too, that is two deaths, and the request is set aside (not sent to a third)."""
-    p = await parts()
-    q = queue_of(p)
-    r = RelayedRequest(p, request(), "cpu", Progress())
-    r.route()
-    await submitted(r)
+    r, q = await queued()
     await q.end("r", tok(0, 1))
     await q.end("r", JobEvent(token_ids=(2,), index=1, worker="w2"))  # carried on by w2
     await q.end("r", JobEvent(failed=Failure("worker_lost", "w2 lost", True), worker="w2"))
@@ -343,11 +344,7 @@ async def test_an_attempt_another_worker_carried_on_counts_the_death_it_went_on_
 
 async def test_a_worker_died_failure_from_the_claiming_worker_counts_one_death() -> None:
     """The worker that claimed a dead worker's job could not carry it on and says so: one death."""
-    p = await parts()
-    q = queue_of(p)
-    r = RelayedRequest(p, request(), "cpu", Progress())
-    r.route()
-    await submitted(r)
+    r, q = await queued()
     await q.end("r", tok(0, 1))
     await q.end("r", JobEvent(failed=Failure("worker_died", "the worker running it died", True), worker="w2"))
     with pytest.raises(errors.WorkerDied) as lost:
