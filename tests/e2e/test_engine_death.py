@@ -13,11 +13,9 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from llamamesh.queue import codec
-from llamamesh.queue.keys import EVENT_FIELD
 from llamamesh.v1 import generation_pb2 as pb
 from llamamesh.v1 import generation_pb2_grpc as pb_grpc
-from tests.chaos.test_chaos import events_of
+from tests.chaos.test_carry_on import worker_of
 from tests.e2e.conftest import ProcessNode, vllm_node
 from tests.redisproc import RedisProcess
 from tests.waiting import wait_until
@@ -45,11 +43,6 @@ def two_workers(e2e_redis: RedisProcess, tmp_path_factory: pytest.TempPathFactor
         yield node
     finally:
         node.stop()
-
-
-def worker_of(node: ProcessNode, request_id: str) -> str:
-    last = codec.decode_event(events_of(node, request_id)[-1][1][EVENT_FIELD.encode()])
-    return "worker" if last.worker != "e2e-worker-2" else "worker2"
 
 
 def handed_back(log: str) -> list[dict[str, object]]:

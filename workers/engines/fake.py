@@ -31,6 +31,11 @@ def _input_text(request: GenerationRequest) -> str:
     return "".join(f"<{m.role}>{m.content}" for m in request.messages or ())
 
 
+def _word(token: int) -> str:
+    """A token's text."""
+    return f" w{token}"
+
+
 def _said(request: GenerationRequest) -> list[str] | None:
     """The pieces of a ``__say__`` script's text (four characters a token), or None."""
     last = request.messages[-1].content if request.messages else ""
@@ -226,7 +231,7 @@ class FakeEngine:
         at = self._due() if self._tick is not None and self._settings.fake_clock == "deadline" else self.steps
         said = _said(request)
         if request.resume_token_ids and not s.min_tokens and said is None:  # as the CPU engine does
-            stops.prime("".join(f" w{t}" for t in request.resume_token_ids))
+            stops.prime("".join(map(_word, request.resume_token_ids)))
         max_tokens = min(max_tokens, len(said)) if said is not None else max_tokens
         try:
             for i in range(max_tokens):
@@ -248,7 +253,7 @@ class FakeEngine:
                 if said is not None:  # a script: its pieces, the last one ending it
                     yield TokenDelta(said[i], (tok,), lps, FinishReason.STOP if i == len(said) - 1 else None, n_prompt)
                     continue
-                text, hit = stops.feed(f" w{tok}", check=i + 1 >= s.min_tokens)
+                text, hit = stops.feed(_word(tok), check=i + 1 >= s.min_tokens)
                 if hit:
                     yield TokenDelta(text, (tok,), lps, FinishReason.STOP_SEQUENCE, prompt_tokens=n_prompt)
                     return
