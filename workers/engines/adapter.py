@@ -15,6 +15,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import time
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Collection, Mapping, Sequence
@@ -35,6 +36,7 @@ from llamamesh.types import (
 )
 from workers.engines.base import remember
 from workers.engines.prompts import BatchTokenizer
+from workers.engines.resumed_text import ResumedText
 
 log = structlog.get_logger(__name__)
 
@@ -202,6 +204,12 @@ class LibraryEngine(abc.ABC):
     def _abort_in_library(self, request_id: str, state: Any) -> Awaitable[None] | None:
         """Stop a running request in the library (:meth:`abort`)."""
 
+    def _held_back(self, request: GenerationRequest) -> int | None:
+        """How many characters of ``request``'s text the library streams behind its tokens (to keep
+        stop strings out of the text); None where not known: a resumed request then gets no help at
+        its failover point (resumed_text.py)."""
+        return None
+
     def _left(self, state: Any) -> None:  # noqa: B027 - optional hook: vLLM's generate() stops by itself
         """A stream ended without its final delta (consumer gone, or an error): stop it where needed."""
 
@@ -243,25 +251,21 @@ class LibraryEngine(abc.ABC):
             ids += request.resume_token_ids
             if not state.aborted:
                 self._check_length(len(ids), input_field)
+                seam = await self._resumed_text(request)
                 deltas = self._deltas(llm, api, request, ids, params, state, input_field, tokenize_ms)
-                # n > 1 on a library that samples in parallel (``parallel_samples``): every sample
-                # ends with its own finish reason, the last one ends the stream.
-                samples_left = request.sampling.samples
-                async with contextlib.aclosing(deltas):  # type: ignore[type-var]
-                    async for delta in deltas:
-                        if delta.finish_reason is None:
-                            if delta.token_ids or delta.text:
-                                yield delta
-                            continue
-                        if delta.finish_reason is FinishReason.CANCELLED and not state.aborted and self._dead:
-                            raise EngineDead(self._dead)
-                        if samples_left > 1 and delta.finish_reason is not FinishReason.CANCELLED:
-                            samples_left -= 1
-                            yield dataclasses.replace(delta, prompt_tokens=n_prompt)
+                ours = self._ours(deltas, request.sampling.samples, state, seam)
+                async with contextlib.aclosing(deltas), contextlib.aclosing(ours):  # type: ignore[type-var]
+                    async for delta, last in ours:
+                        if delta.finish_reason is not None:
+                            delta = dataclasses.replace(delta, prompt_tokens=n_prompt)
+                        if not last:
+                            yield delta
                             continue
                         finished = True
                         del self._streams[rid]  # from here on, abort(rid) is a no-op
-                        yield dataclasses.replace(delta, prompt_tokens=n_prompt)
+                        if seam is not None and seam.stopped:
+                            self._left(state)  # ended here, not by the library
+                        yield delta
                         return
             if not state.aborted:
                 raise InternalError(f"{self.library} ended the stream without a finish_reason")
@@ -277,6 +281,45 @@ class LibraryEngine(abc.ABC):
             if not finished:
                 self._left(state)
             self._streams.pop(rid, None)
+
+    async def _resumed_text(self, request: GenerationRequest) -> ResumedText | None:
+        """The failover point's text handling of a resumed request with stop strings (resumed_text.py),
+        where the library says how far its text runs behind its tokens."""
+        hold = self._held_back(request) if request.resume_token_ids else None
+        if not hold:
+            return None
+        make = functools.partial(
+            ResumedText,
+            self._tokenizer,
+            request.resume_token_ids,
+            request.sampling.stop,
+            hold,
+            check=not request.sampling.min_tokens,
+        )
+        return await asyncio.get_running_loop().run_in_executor(self._executor, make)
+
+    async def _ours(
+        self, deltas: AsyncIterator[TokenDelta], samples: int, state: Any, seam: ResumedText | None
+    ) -> AsyncIterator[tuple[TokenDelta, bool]]:
+        """The library's deltas as the stream gives them, each with whether it ends the stream: empty
+        ones skipped; with ``samples`` > 1 (a library that samples in parallel) each sample ends with
+        its own finish reason and the last one ends the stream; a CANCELLED end no abort asked for is
+        the engine's death (EngineDead)."""
+        samples_left = samples
+        async for got in deltas:
+            delta = got if seam is None else seam.feed(got)
+            if delta.finish_reason is None:
+                if delta.token_ids or delta.text:
+                    yield delta, False
+                continue
+            if delta.finish_reason is FinishReason.CANCELLED and not state.aborted and self._dead:
+                raise EngineDead(self._dead)
+            if samples_left > 1 and delta.finish_reason is not FinishReason.CANCELLED:
+                samples_left -= 1
+                yield delta, False
+                continue
+            yield delta, True
+            return
 
     async def abort(self, request_id: str) -> None:
         """Stop a running request; its stream ends with one CANCELLED delta. Unknown or finished ids are

@@ -261,6 +261,12 @@ class VllmEngine(LibraryEngine):
     def _check_length(self, n_tokens: int, input_field: str) -> None:
         check_prompt_len(n_tokens, self._max_model_len, input_field)
 
+    def _held_back(self, request: GenerationRequest) -> int:
+        """vLLM streams a request's text its longest stop string's length less one character behind its
+        tokens (``stop_buffer_length`` in vllm/v1/engine/detokenizer.py; we never set
+        ``include_stop_str_in_output``)."""
+        return max((len(s) for s in request.sampling.stop), default=1) - 1
+
     async def _deltas(
         self,
         llm: Any,
