@@ -19,7 +19,7 @@ import grpc
 import structlog
 
 from llamamesh import errors, tracing
-from llamamesh.errors import InvalidRequest, QueueUnavailable
+from llamamesh.errors import FieldViolation, InvalidRequest, NotFound, QueueUnavailable
 from llamamesh.queue.protocol import BatchStore
 from llamamesh.settings import BatchSettings, GatewaySettings
 from llamamesh.tenants import Identity
@@ -119,6 +119,16 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
         stored, new = await self._stored(who, info, fingerprint, queued, request.ByteSize())
         log.info("batch_submitted", batch_id=batch_id, items=len(queued), new=new, owner=info.owner)
         return batch_pb(stored)
+
+    def violations(self, request: bpb.BatchGenerateRequest, who: Identity) -> list[FieldViolation]:
+        """What :meth:`submit` would refuse in ``request`` as invalid (nothing is stored)."""
+        try:
+            batch_requests(request, self._gw, self._s, self._models, who.tenant)
+        except InvalidRequest as exc:
+            return list(exc.violations)
+        except NotFound:  # an unknown model: not a field of its own
+            pass
+        return []
 
     def _prepared(self, request: bpb.BatchGenerateRequest, who: Identity) -> tuple[str, BatchInfo, str, Queued]:
         """The batch's id, record, fingerprint and items as queued (each with its pool), checked."""

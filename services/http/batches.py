@@ -90,15 +90,18 @@ class BatchRoutes:
         if not request.content_type.startswith("multipart/"):
             raise errors.InvalidRequest.field("file", "upload the file as multipart/form-data with purpose")
         purpose, filename, content = "", "", None
-        reader = await request.multipart()
-        while (part := await reader.next()) is not None:
-            if not isinstance(part, BodyPartReader):
-                continue
-            if part.name == "purpose":
-                purpose = (await part.text()).strip()
-            elif part.name == "file":
-                filename = part.filename or "input.jsonl"
-                content = await _read_at_most(part, self.max_bytes)
+        try:
+            reader = await request.multipart()
+            while (part := await reader.next()) is not None:
+                if not isinstance(part, BodyPartReader):
+                    continue
+                if part.name == "purpose":
+                    purpose = (await part.text()).strip()
+                elif part.name == "file":
+                    filename = part.filename or "input.jsonl"
+                    content = await _read_at_most(part, self.max_bytes)
+        except (ValueError, LookupError) as exc:  # aiohttp's words for a body that is not multipart, or cut short
+            raise errors.InvalidRequest.field("file", f"not a whole multipart/form-data body: {exc}") from exc
         if content is None:
             raise errors.InvalidRequest.field("file", "required")
         return purpose, filename, content
@@ -182,13 +185,14 @@ class BatchRoutes:
         batch_id = BATCH_ID + uuid.uuid4().hex
         # Reading up to 50 000 lines takes seconds: off the event loop (other calls' streams).
         parse = openai_batches.batch_request
-        req, lines = await asyncio.to_thread(parse, content, endpoint, batch_id, window, metadata)
+        req, lines, bad = await asyncio.to_thread(parse, content, endpoint, batch_id, window, metadata)
+        if bad:  # the batch service's checks of the other lines too: every bad line in one answer
+            found = await asyncio.to_thread(self._batches.violations, req, who) if req.items else []
+            raise errors.InvalidRequest(sorted(bad + lines.renamed(found), key=openai_batches.line_of))
         try:
             batch = await self._batches.submit(req, who)
         except errors.InvalidRequest as exc:  # the batch service's names, as the file's lines
-            raise errors.InvalidRequest(
-                [errors.FieldViolation(lines.rename(v.field), v.description) for v in exc.violations]
-            ) from None
+            raise errors.InvalidRequest(lines.renamed(exc.violations)) from None
         link = {"endpoint": endpoint, "input_file_id": input_id}
         await self._files.link(scoped_id(who.tenant, batch_id), link, window + self._retention_s + 3600)
         return web.json_response(openai_batches.batch_object(batch, endpoint, input_id))

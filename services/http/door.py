@@ -119,7 +119,7 @@ class HttpDoor:
                         self._gate.active -= 1
             except errors.LlamameshError as exc:  # recorded by call(); answered in OpenAI's shape
                 http, body, headers = openai_responses.error(exc)
-                return web.json_response(body, status=http, headers=headers)
+                return web.json_response(body, status=http, headers={**headers, **_request_id(request)})
 
         return handle
 
@@ -170,7 +170,9 @@ class HttpDoor:
         base_id = parsed.request.request_id or (uuid.uuid4().hex if several else "")
         if several:
             structlog.contextvars.bind_contextvars(request_id=base_id)
-        out = openai_responses.Completion(base_id, parsed.chat, parsed.logprobs, per_prompt=parsed.request.n or 1)
+        out = openai_responses.Completion(
+            base_id, parsed.chat, parsed.logprobs, per_prompt=parsed.request.n or 1, include_usage=parsed.include_usage
+        )
         # A stream's status and headers go with its first message: an error before it (a prompt
         # longer than the model, found by the worker) is the same 4xx as without streaming.
         started: web.StreamResponse | None = None
@@ -256,5 +258,10 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
             raise
         kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
         body = {"error": {"message": exc.reason, "type": kind, "param": None, "code": None}}
-        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None  # a 405's methods
-        return web.json_response(body, status=exc.status, headers=allow)
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else {}  # a 405's methods
+        return web.json_response(body, status=exc.status, headers={**allow, **_request_id(request)})
+
+
+def _request_id(request: web.Request) -> dict[str, str]:
+    """An answer's ``x-request-id`` header: the caller's id, or one made for it."""
+    return {"x-request-id": request.headers.get("x-request-id") or uuid.uuid4().hex}

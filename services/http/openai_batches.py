@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,23 +45,34 @@ class Lines:
     parsed: list[openai_requests.Parsed]
     numbers: list[int]
 
+    def renamed(self, violations: Sequence[FieldViolation]) -> list[FieldViolation]:
+        return [FieldViolation(self.rename(v.field), v.description) for v in violations]
+
     def rename(self, field: str) -> str:
-        """The batch service's field names (``items[3].request.temperature``) as the file's lines."""
+        """The batch service's field names (``items[3].request.temperature``) as the file's lines
+        (``line 4: body.temperature``), and the batch's own as OpenAI's."""
+        if field == "completion_window_s":
+            return "completion_window"
         match = ITEM_FIELD.match(field)
         i = int(match.group(1)) if match else -1
         if match is None or i >= len(self.numbers):
             return field
         rest = match.group(2)
         if rest.startswith("request."):
-            rest = "body." + self.parsed[i].caller_field(rest.removeprefix("request."))
+            rest = _in_body(self.parsed[i].caller_field(rest.removeprefix("request.")))
         return f"line {self.numbers[i]}: {rest}"
+
+
+def _in_body(field: str) -> str:
+    """A field of a line's request body as the line names it (``body`` itself when the body is bad)."""
+    return field if field == "body" else f"body.{field}"
 
 
 def batch_request(
     content: bytes, endpoint: str, batch_id: str, window: int, metadata: dict[str, str]
-) -> tuple[bpb.BatchGenerateRequest, Lines]:
-    """The input file as the gateway's batch: each line one item. Raises InvalidRequest naming the
-    line (``line N: ...``) of every malformed line, before anything is stored."""
+) -> tuple[bpb.BatchGenerateRequest, Lines, list[FieldViolation]]:
+    """The input file as the gateway's batch: each well-formed line one item, and what is wrong with
+    every malformed line (``line N: ...``). Raises InvalidRequest when the file has no line at all."""
     parse = ENDPOINTS[endpoint]
     req = bpb.BatchGenerateRequest(batch_id=batch_id, completion_window_s=window, metadata=metadata)
     bad: list[FieldViolation] = []
@@ -86,7 +97,7 @@ def batch_request(
         try:
             p = parse(line.get("body"), "")
         except InvalidRequest as exc:
-            bad += [FieldViolation(f"line {n}: body.{v.field}", v.description) for v in exc.violations]
+            bad += [FieldViolation(f"line {n}: {_in_body(v.field)}", v.description) for v in exc.violations]
             continue
         if p.stream:
             bad.append(FieldViolation(f"line {n}: body.stream", "a batch's requests are not streamed"))
@@ -97,11 +108,15 @@ def batch_request(
         lines.parsed.append(p)
         lines.numbers.append(n)
         req.items.add(custom_id=line["custom_id"], request=p.request)
-    if bad:
-        raise InvalidRequest(bad)
-    if not req.items:
+    if not req.items and not bad:
         raise InvalidRequest.field("input_file_id", "the file has no request lines")
-    return req, lines
+    return req, lines, bad
+
+
+def line_of(v: FieldViolation) -> int:
+    """The line a violation names (0: the batch's own fields)."""
+    match = re.match(r"line (\d+)", v.field)
+    return int(match.group(1)) if match else 0
 
 
 def file_ids(batch_id: str) -> tuple[str, str]:

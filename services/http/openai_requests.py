@@ -52,6 +52,8 @@ class Parsed:
 
     def caller_field(self, field: str) -> str:
         head, dot, rest = field.partition(".")
+        if head == "metadata[user]":  # the request's label from OpenAI's ``user``
+            return "user" + dot + rest
         name, bracket, index = head.partition("[")
         mapped = self.renamed.get(name, name)
         return mapped + bracket + index + dot + rest
@@ -92,6 +94,8 @@ def chat(body: object, request_id: str) -> Parsed:
     if b.body.get("messages") is None:
         b.bad.append(FieldViolation("messages", "required: a list of messages"))
     messages = b.get("messages", list, "a list of messages")
+    if messages == []:
+        b.bad.append(FieldViolation("messages", "needs at least one message"))
     for i, m in enumerate(messages or []):
         _message(m, i, req, b)
     logprobs = b.get("logprobs", bool, "true or false") or False
@@ -167,8 +171,11 @@ def _message(m: object, i: int, req: pb.GenerateRequest, b: _Body) -> None:
         content = ""
     if isinstance(content, list):  # content parts: the text ones, joined
         texts = [p.get("text") if isinstance(p, dict) and p.get("type") == "text" else None for p in content]
-        if not all(isinstance(t, str) for t in texts):
-            b.bad.append(FieldViolation(f"{field}.content", "only text parts are supported"))
+        wrong = next((k for k, t in enumerate(texts) if not isinstance(t, str)), None)
+        if wrong is not None:
+            part = content[wrong]
+            why = "text must be a string" if isinstance(part, dict) and part.get("type") == "text" else ""
+            b.bad.append(FieldViolation(f"{field}.content[{wrong}]", why or "only text parts are supported"))
             return
         content = "".join(t for t in texts if isinstance(t, str))
     if not isinstance(content, str):

@@ -107,6 +107,8 @@ class Completion:
     chat: bool
     logprobs: bool
     per_prompt: int = 1  # choices of each prompt (n): prompt p's sample s is choice p * n + s
+    # stream_options.include_usage: every chunk has "usage" (null but the last, OpenAI's form)
+    include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     model: str = ""
     choices: dict[int, Choice] = field(default_factory=dict)
@@ -188,7 +190,8 @@ class Completion:
         else:
             lp2 = self._completion_logprobs(list(r.logprobs))
             choice = {"index": index, "text": r.text, "logprobs": lp2, "finish_reason": finish}
-        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
+        chunk = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
+        return {**chunk, "usage": None} if self.include_usage else chunk
 
     def usage_chunk(self) -> dict[str, Any]:
         """The last chunk with ``stream_options.include_usage``: no choices, the usage."""

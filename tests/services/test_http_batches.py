@@ -9,6 +9,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import aiohttp
 import openai
 import pytest
 
@@ -123,13 +124,20 @@ async def test_bad_files_and_bad_batches_are_400_naming_the_line(openai_door: tu
         {"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": {}},
         chat_line(2),
         {"not": "a request"},
+        chat_line(4, temperature=-1),  # well-formed, refused by the batch service
+        {"custom_id": "nb", "method": "POST", "url": "/v1/chat/completions"},
+        chat_line(0),  # a repeated custom_id
     ]
     uploaded = await client.files.create(file=("bad.jsonl", jsonl(bad) + b"{not json\n"), purpose="batch")
     with pytest.raises(openai.BadRequestError) as exc:
         await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
     message = exc.value.message
     assert exc.value.param == "line 2: url"
-    assert all(f"line {n}:" in message for n in (2, 4, 5)), message  # every malformed line
+    assert all(f"line {n}:" in message for n in (2, 4, 5, 6, 7, 8)), message  # every bad line, in one answer
+    assert "line 5: body.temperature" in message and "line 6: body:" in message, message
+    with pytest.raises(openai.BadRequestError) as exc:
+        await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="0h")
+    assert exc.value.param == "completion_window", exc.value.body
     # the batch service's own checks, named by the file's lines and the body's fields
     sampling = await client.files.create(
         file=("s.jsonl", jsonl([chat_line(0), chat_line(1, temperature=-1)])), purpose="batch"
@@ -163,6 +171,16 @@ async def test_bad_files_and_bad_batches_are_400_naming_the_line(openai_door: tu
     with pytest.raises(openai.BadRequestError) as exc:
         await client.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
     assert exc.value.param == "purpose"
+    files = f"{client.base_url}files"  # (base_url ends in "/")
+    not_multipart = [
+        ("multipart/form-data; boundary=zzz", b"garbage"),  # no boundary in the body
+        ("multipart/form-data", b"x"),  # no boundary at all
+        ("multipart/form-data; boundary=zzz", b'--zzz\r\nContent-Disposition: form-data; name="file"\r\n\r\n{}'),
+    ]  # the last one cut short, as by a client gone mid-upload
+    async with aiohttp.ClientSession() as s:
+        for content_type, body in not_multipart:
+            async with s.post(files, data=body, headers={"content-type": content_type}) as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == "file", (body, await r.text())
 
 
 async def test_another_tenants_files_and_batches_are_not_found(openai_door: tuple[Stack, openai.AsyncOpenAI]) -> None:

@@ -100,6 +100,7 @@ async def test_a_streamed_chat_completion_ends_with_usage_and_done(door: tuple[S
     finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
     assert finishes[-1] == "length" and not any(finishes[:-1])
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1])  # OpenAI's form: null but the last
 
 
 async def test_the_sdk_streams_a_chat_and_parallel_samples(client: openai.AsyncOpenAI) -> None:
@@ -155,9 +156,27 @@ async def test_bad_requests_are_400_naming_the_callers_field(client: openai.Asyn
     with pytest.raises(openai.BadRequestError) as exc:
         await client.chat.completions.create(model="tiny", messages=[{"role": "robot", "content": "x"}])  # type: ignore[list-item, misc]
     assert exc.value.param == "messages[0].role"
+    odd = [
+        ([], "messages", "at least one message"),
+        ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "messages[0].content[0]", "must be a string"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content[0]", "only text parts"),
+    ]
+    for messages, param, why in odd:
+        with pytest.raises(openai.BadRequestError) as exc:
+            await client.chat.completions.create(model="tiny", messages=messages)  # type: ignore[arg-type]
+        assert exc.value.param == param and why in exc.value.message, exc.value.body
+    with pytest.raises(openai.BadRequestError) as exc:
+        await client.chat.completions.create(model="tiny", messages=CHAT, user="u" * 100_000)
+    assert exc.value.param == "user", exc.value.body  # (it becomes the request's label)
     with pytest.raises(openai.NotFoundError) as missing:
         await client.chat.completions.create(model="no-such-model", messages=CHAT)
     assert missing.value.status_code == 404
+    with pytest.raises(openai.BadRequestError) as exc:  # an error answer carries the request's id too
+        await client.chat.completions.create(model="tiny", messages=CHAT, n=0, extra_headers={"x-request-id": "bad-1"})
+    assert exc.value.response.headers["x-request-id"] == "bad-1"
+    with pytest.raises(openai.BadRequestError) as exc:
+        await client.chat.completions.create(model="tiny", messages=CHAT, n=0)
+    assert exc.value.response.headers["x-request-id"]  # made for it
 
 
 async def test_a_prompt_longer_than_the_model_is_400_whether_streamed_or_not(client: openai.AsyncOpenAI) -> None:
