@@ -116,12 +116,11 @@ class RelayedRequest:
                     yield ev
                 if self.finished:
                     return
-                if not await self.begin():
+                if not await self.queued():
                     async with aclosing(self.follow_accepted()) as accepted:
                         async for ev in accepted:
                             yield ev
                     return
-                await self.submit()
                 try:
                     async with aclosing(self.read()) as read:
                         async for ev in read:
@@ -181,6 +180,25 @@ class RelayedRequest:
         )
         return await self._p.queue.begin(req.request_id, self.record, first=self.attempts == 0)
 
+    async def queued(self) -> bool:
+        """``begin``, then ``submit`` when it is True: a caller gone meanwhile does not cut them in
+        two (a record with no job would keep an Attach or a retry waiting for ever); both end, then
+        CancelledError is raised, and ``leave`` detaches or cancels the job."""
+
+        async def both() -> bool:
+            if not await self.begin():
+                return False
+            await self.submit()
+            return True
+
+        step = asyncio.ensure_future(both())
+        try:
+            return await asyncio.shield(step)
+        except asyncio.CancelledError:
+            await asyncio.wait([step])
+            _ = step.cancelled() or step.exception()  # (retrieved: the cancellation is what it raises)
+            raise
+
     async def follow_accepted(self) -> AsyncGenerator[JobEvent, None]:
         """The request accepted before under this id, followed as it is (one job). Raises
         AlreadyExists when the id names a different request."""
@@ -217,18 +235,11 @@ class RelayedRequest:
                 await p.queue.forget(self.req.request_id)
             raise errors.QueueFull(exc.message, retry_after_s=p.settings.retry_after_s) from None
         except errors.QueueUnavailable:
-            # Queued or not (a lost reply): the caller's retry must not find an attempt record and
-            # wait on a job that may never have been queued. Without the record it submits again,
-            # and a submission that did land is not queued twice (its submitted marker); so the
-            # record goes, if Redis lets it.
+            # Queued or not (a lost reply): the record goes, if Redis lets it, so that the caller's
+            # retry submits again (a submission that did land is not queued twice: its marker).
             if self.attempts == 0:
                 with contextlib.suppress(errors.QueueUnavailable):
                     await p.queue.forget(self.req.request_id)
-            raise
-        except asyncio.CancelledError:
-            # The caller went away while the job was being queued: it may be queued all the same,
-            # so ``leave`` cancels it (a flag the worker reads; harmless if it never landed).
-            self.submitted, self.finished = True, False
             raise
         self.submitted, self.finished = True, False
         tracing.event("job_submitted", pool=self.pool, job=attempt.request_id, attempt=self.attempts)

@@ -29,9 +29,12 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-async def door() -> AsyncIterator[tuple[Stack, str]]:
+async def door(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Stack, str]]:
     port = free_port()
-    async with running(Config(gateway=replace(GATEWAY, http_port=port))) as stack:
+    config = Config(gateway=replace(GATEWAY, http_port=port))
+    if marker := request.node.get_closest_marker("fake_step_s"):
+        config = config.stepping(marker.args[0])
+    async with running(config) as stack:
         yield stack, f"http://127.0.0.1:{port}/v1"
 
 

@@ -51,6 +51,7 @@ async def test_several_prompts_streamed_with_usage(client: openai.AsyncOpenAI) -
     assert usage is not None and usage.completion_tokens == 3 * 4
 
 
+@pytest.mark.fake_step_s(0.05)  # the short prompt's first token comes after the long one's refusal
 async def test_a_bad_list_of_prompts_is_400_naming_it(door: tuple[Stack, str], client: openai.AsyncOpenAI) -> None:  # noqa: F811
     cases = [
         ([], "required"),

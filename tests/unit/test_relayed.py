@@ -303,29 +303,37 @@ async def test_watched_gives_up_on_a_worker_that_stopped_answering_and_on_a_queu
         await anext(lost)
 
 
-async def test_a_caller_gone_while_its_job_is_queued_has_the_job_cancelled() -> None:
-    """The caller goes away while the job's submission is in flight and lands all the same: the
-    stream's bookkeeping cancels the job (else it would run to its end for nobody)."""
+@pytest.mark.parametrize("step", ["begin", "submit"])
+async def test_a_caller_gone_while_its_job_is_queued_has_the_job_queued_and_cancelled(step: str) -> None:
+    """The caller goes away while the attempt's record, or its job's submission, is in flight and
+    lands all the same: the record and the job are both written (a record with no job would keep an
+    Attach or a retry waiting for ever), and the stream's bookkeeping cancels the job (else it would
+    run to its end for nobody)."""
     p = await parts()
     q = queue_of(p)
     landed, hold = asyncio.Event(), asyncio.Event()
-    submit = q.submit
+    real = getattr(q, step)
 
-    async def slow_submit(*args: object, **kwargs: object) -> None:
-        await submit(*args, **kwargs)  # type: ignore[arg-type]
+    async def slow(*args: object, **kwargs: object) -> object:
+        done = await real(*args, **kwargs)
         landed.set()
         await hold.wait()  # the reply still on its way when the caller goes
+        return done
 
-    q.submit = slow_submit  # type: ignore[method-assign]
+    setattr(q, step, slow)
     stream = RelayedRequest(p, request("gone"), "cpu", Progress()).events()
     reading = asyncio.create_task(anext(stream))
     await asyncio.wait_for(landed.wait(), 5)
     reading.cancel()
+    await asyncio.sleep(0)
+    assert not reading.done()  # it waits for the reply
+    hold.set()
     with pytest.raises(asyncio.CancelledError):
         await reading
     await stream.aclose()
+    assert [a.attempt_id for a in await q.attempts("gone")] == ["gone"]
     (lease,) = await q.lease("cpu", "w", 1, 0)
-    assert lease.cancelled  # the worker that takes it skips it
+    assert lease.cancelled  # the worker that takes it skips it, ending its stream
 
 
 async def test_an_attempt_another_worker_carried_on_counts_the_death_it_went_on_from() -> None:
