@@ -41,6 +41,10 @@ def counts_against_backend(exc: BaseException | None) -> bool | None:
     return True
 
 
+# How fast a pool's measured queue wait fades when no request adds to it (seconds to halve).
+WAIT_HALF_LIFE_S = 10.0
+
+
 class Backends:
     """Every pool of one gateway process: its breaker, its live workers, its health. A request goes
     to its model's pool unless that pool is unusable (breaker open, or no live worker), then to the
@@ -166,11 +170,16 @@ class Backends:
         if p is not None:
             p.queue_wait_s = seconds if not p.waits else 0.8 * p.queue_wait_s + 0.2 * seconds
             p.waits += 1
+            p.wait_seen_at = self._clock()
 
     def expected_queue_wait(self, pool: str) -> float:
-        """The pool's recent queue wait in seconds (0 until it has a few samples)."""
+        """The pool's recent queue wait in seconds: 0 until it has a few samples, and while a worker
+        has a free slot; halved for every ``WAIT_HALF_LIFE_S`` without a new sample (a wait measured
+        in a burst says little once nothing finishes: it must not refuse every request after it)."""
         p = self.pools[pool]
-        return p.queue_wait_s if p.waits >= 5 else 0.0
+        if p.waits < 5 or p.has_room():
+            return 0.0
+        return p.queue_wait_s * 0.5 ** ((self._clock() - p.wait_seen_at) / WAIT_HALF_LIFE_S)
 
     def count_tokens(self, pool: str, n: int) -> None:
         """``n`` tokens of ``pool`` reached a caller (for ``tokens_per_s``)."""

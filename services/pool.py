@@ -55,9 +55,13 @@ class Pool:
     # that arrive close it outright, so a burst after a (re)start is served, not refused half-open.
     opened_empty: bool = False
     ever_live: bool = False
-    # Recent queue wait (accepted -> a worker started it), an exponential average, and its samples.
+    # Recent queue wait (accepted -> a worker started it), an exponential average, its samples, and
+    # when the last was taken (clock time).
     queue_wait_s: float = 0.0
     waits: int = 0
+    wait_seen_at: float = 0.0
+    # Its jobs queued and not leased by any worker, at the last probe.
+    waiting: int = 0
     # Tokens relayed to callers from this pool (services/relayed.py), per second of late.
     tokens: TokenRate = field(default_factory=lambda: TokenRate(time.monotonic))
 
@@ -83,6 +87,11 @@ class Pool:
             if not w.ready
         ][:3]
         return "; ".join(parts)
+
+    def has_room(self) -> bool:
+        """No job was waiting at the last probe and a ready worker had a free slot at its last
+        heartbeat: a new request need not queue."""
+        return not self.waiting and any(w.ready and w.inflight < w.max_inflight for w in self.workers)
 
     def usable(self) -> bool:
         return self.live and self.breaker.available()

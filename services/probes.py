@@ -125,6 +125,7 @@ class Probes:
         if p.unreachable:  # Redis is out: nothing to learn about the pool
             return
         if (depth := await self.queue_depth(p.name)) is not None:  # for the metrics, once a probe
+            p.waiting = depth.waiting
             metrics.QUEUE_DEPTH.labels(p.name).set(depth.waiting)
             metrics.QUEUE_PENDING.labels(p.name).set(depth.leased)
         if p.starting:  # coming up: nothing to hold against it

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -11,7 +12,7 @@ from llamamesh import errors
 from llamamesh.queue.memory import MemoryQueue
 from llamamesh.settings import BreakerSettings
 from llamamesh.types import WorkerStatus
-from services.backends import Backends, backend_service
+from services.backends import WAIT_HALF_LIFE_S, Backends, backend_service
 from services.breaker import State
 
 S = BreakerSettings(probe_failures=3, error_rate=0.5, window=4, min_requests=2, open_s=60)
@@ -144,3 +145,25 @@ async def test_stop_ends_the_probe_loops_even_when_a_probe_swallows_the_cancel()
     await asyncio.wait_for(probing.wait(), 5)
     await asyncio.wait_for(b.stop(), 5)
     assert swallowed
+
+
+async def test_the_expected_queue_wait_is_the_recent_one_only_while_the_pool_is_full() -> None:
+    now = [1000.0]
+    q = MemoryQueue()
+    full = WorkerStatus(worker="w", pool="cpu", inflight=4, max_inflight=4)
+    await q.heartbeat(full, ttl_s=60)
+    b = Backends(q, ["cpu"], {}, S, clock=lambda: now[0])
+    pool = b.pools["cpu"]
+    await b.refresh(pool)
+    for _ in range(4):
+        b.observe_queue_wait("cpu", 8.0)
+    assert b.expected_queue_wait("cpu") == 0.0  # too few samples to go by
+    b.observe_queue_wait("cpu", 8.0)
+    assert b.expected_queue_wait("cpu") == 8.0
+    now[0] += 10.0  # nothing finished since: it fades (halved every WAIT_HALF_LIFE_S)
+    assert b.expected_queue_wait("cpu") == pytest.approx(8.0 * 0.5 ** (10.0 / WAIT_HALF_LIFE_S))
+    await q.heartbeat(replace(full, inflight=3), ttl_s=60)  # a slot free, nothing waiting: no wait
+    await b.refresh(pool)
+    assert b.expected_queue_wait("cpu") == 0.0
+    pool.waiting = 2  # jobs waiting at the last probe: the free slot is theirs
+    assert b.expected_queue_wait("cpu") == pytest.approx(8.0 * 0.5 ** (10.0 / WAIT_HALF_LIFE_S))
