@@ -41,11 +41,22 @@ def _requests_of(r: bpb.BatchGenerateRequest, bad: list[FieldViolation]) -> list
             req = pb.GenerateRequest()
             req.CopyFrom(s.params)
             req.ClearField("prompt")  # reported once, on summarise.params
+            req.ClearField("request_id")  # ignored: the server names each item's job
             del req.messages[:]
             req.messages.append(pb.ChatMessage(role="user", content=template.replace("{document}", d.text)))
             out.append((f"summarise.documents[{i}]", d.custom_id, req))
         return out
-    return [(f"items[{i}]", item.custom_id, item.request) for i, item in enumerate(r.items)]
+    return [(f"items[{i}]", item.custom_id, _unnamed(item.request)) for i, item in enumerate(r.items)]
+
+
+def _unnamed(request: pb.GenerateRequest) -> pb.GenerateRequest:
+    """An item's request without the request_id it may carry (ignored: the server names its job)."""
+    if not request.request_id:
+        return request
+    out = pb.GenerateRequest()
+    out.CopyFrom(request)
+    out.ClearField("request_id")
+    return out
 
 
 def _item_violation(path: str, v: FieldViolation) -> FieldViolation:

@@ -141,6 +141,8 @@ def _sampling(r: pb.GenerateRequest, s: GatewaySettings, bad: list[FieldViolatio
         for i, x in enumerate(r.stop)
         if len(x) > MAX_STOP_LENGTH
     ]
+    if r.response_format.WhichOneof("format") == "json_object" and not r.response_format.json_object:
+        found.append(FieldViolation("response_format.json_object", "must be true (no response_format: text)"))
     bad.extend(found)
     return params if found else sampling.normalized(params)
 

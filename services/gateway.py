@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from llamamesh.queue.gateway_stores import FileStore, Quotas
 from llamamesh.queue.protocol import BatchStore, JobQueue
@@ -224,12 +224,27 @@ def _backends(
     return backends
 
 
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
 def _add_health(server: grpc.aio.Server, reporter: HealthReporter, reflected: list[str] | None) -> None:
     """grpc.health.v1 on the server, and reflection of ``reflected`` services (None: no reflection)."""
     health_pb2_grpc.add_HealthServicer_to_server(reporter.servicer, server)
     if reflected is not None:
         health = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-        reflection.enable_server_reflection((*reflected, health, reflection.SERVICE_NAME), server)
+        servicer = reflection.aio.ReflectionServicer((*reflected, health, reflection.SERVICE_NAME))
+        # grpc.reflection.v1 (newer tools ask only it) and v1alpha (grpcurl's): one protocol under two
+        # names, the same messages on the wire.
+        for name in (REFLECTION_V1, reflection.SERVICE_NAME):
+            handlers = {
+                "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+                    servicer.ServerReflectionInfo,
+                    request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+                    response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+                )
+            }
+            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+            server.add_registered_method_handlers(name, handlers)
 
 
 async def _start(gateway: Gateway, settings: GatewaySettings, port: int | None, share_port: bool) -> None:

@@ -45,7 +45,9 @@ def items(n: int, max_tokens: int = 3) -> list[bpb.BatchItem]:
 
 async def test_a_batch_runs_to_completion_with_one_result_each(stack: Stack) -> None:
     stub = stack.batch
-    b = await stub.BatchGenerate(bpb.BatchGenerateRequest(batch_id="b", items=items(9)))
+    named = items(9)
+    named[0].request.request_id = "not an id!"  # ignored, as the proto says: the server names each job
+    b = await stub.BatchGenerate(bpb.BatchGenerateRequest(batch_id="b", items=named))
     assert b.counts.total == 9 and b.counts.processing == 9
     got = [r async for r in stub.StreamBatchResults(bpb.StreamBatchResultsRequest(batch_id="b"))]
     assert sorted(r.custom_id for r in got) == sorted(f"c{i}" for i in range(9))

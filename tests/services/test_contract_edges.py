@@ -8,8 +8,10 @@ import asyncio
 
 import grpc
 import pytest
+from google.protobuf import descriptor_pb2
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 from grpc_status import rpc_status
 from prometheus_client import REGISTRY
 
@@ -110,3 +112,23 @@ async def test_request_ids_are_the_documented_characters(stack: Stack, request_i
     with pytest.raises(grpc.aio.AioRpcError) as bad:
         await read(call)
     assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field_violations(bad.value) == ["request_id"]
+
+
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+async def test_reflection_answers_under_both_names(stack: Stack, version: str) -> None:
+    """grpc.reflection.v1 (what newer tools ask) and v1alpha (grpcurl's) list and describe the API."""
+    call = stack.channel.stream_stream(
+        f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )
+    asks = [
+        reflection_pb2.ServerReflectionRequest(list_services=""),
+        reflection_pb2.ServerReflectionRequest(file_containing_symbol="llamamesh.v1.GenerationService"),
+    ]
+    listed, described = [r async for r in call(iter(asks), timeout=10)]
+    names = {s.name for s in listed.list_services_response.service}
+    assert {"llamamesh.v1.GenerationService", "grpc.health.v1.Health"} <= names
+    raw = described.file_descriptor_response.file_descriptor_proto
+    files = [descriptor_pb2.FileDescriptorProto.FromString(b) for b in raw]
+    assert any(s.name == "GenerationService" for f in files for s in f.service)

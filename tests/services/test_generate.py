@@ -100,6 +100,7 @@ BAD = [
     (dict(prompt="x", stop_token_ids=[-1]), "stop_token_ids[0]"),
     (dict(prompt="x", request_id="has space"), "request_id"),
     (dict(prompt="x", temperature=float("nan")), "temperature"),
+    (dict(prompt="x", response_format=pb.ResponseFormat(json_object=False)), "response_format.json_object"),
 ]
 
 

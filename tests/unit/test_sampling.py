@@ -186,6 +186,9 @@ def test_the_same_seed_gives_the_same_samples() -> None:
 
     assert draws(1234) == draws(1234)
     assert draws(1234) != draws(4321)
+    # The seed is 64 bits; the CPU generator keeps 32: seeds alike in their low half differ too.
+    for a, b in [(1, 2**32 + 1), (0, 2**32), (-1, 2**63 - 1), (-5, 2**62 - 5)]:
+        assert draws(a) != draws(b), (a, b)
 
 
 def test_sampling_respects_the_filters() -> None:

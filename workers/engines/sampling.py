@@ -19,6 +19,16 @@ from llamamesh.types import TokenLogprob, TopLogprob
 from workers.engines.params import ResolvedSampling
 
 _U64 = (1 << 64) - 1
+_U32 = (1 << 32) - 1
+
+
+def generator_seed(seed: int) -> int:
+    """A request's 64-bit seed as the CPU generator's seed. torch's CPU generator (mt19937) keeps only
+    the low 32 bits, so seeds that differ only above them would give the same sample: the high half
+    is mixed into the low one (a seed in [0, 2**32) stays itself)."""
+    bits = seed & _U64
+    high = bits >> 32
+    return (bits & _U32) ^ ((high * 0x9E3779B1) & _U32)  # (odd: every high half moves it differently)
 
 
 # --- processors: [n, vocab] float logits in, processed logits out.
@@ -110,7 +120,7 @@ class SequenceSampler:
         self.generated = 0
         self.generator: torch.Generator | None = None
         if params.seed is not None and not params.greedy:
-            self.generator = torch.Generator().manual_seed(params.seed & _U64)
+            self.generator = torch.Generator().manual_seed(generator_seed(params.seed))
         self.counts: torch.Tensor | None = None
         if params.presence_penalty or params.frequency_penalty:
             self.counts = torch.zeros(vocab_size)
