@@ -296,7 +296,12 @@ class LibraryEngine(abc.ABC):
             hold,
             check=not request.sampling.min_tokens,
         )
-        return await asyncio.get_running_loop().run_in_executor(self._executor, make)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, make)
+        except RuntimeError as exc:  # the engine shut its tokenizer thread down meanwhile
+            if self._dead is None:
+                raise
+            raise EngineDead(self._dead) from exc
 
     async def _ours(
         self, deltas: AsyncIterator[TokenDelta], samples: int, state: Any, seam: ResumedText | None
