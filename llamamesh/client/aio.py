@@ -24,8 +24,8 @@ class Client(Stubs[grpc.aio.Channel]):
     """Asyncio client. Errors are ``grpc.aio.AioRpcError`` with the gateway's status code.
 
     The connection keywords (API key, TLS, ``retries``, ``load_balancing``) are ``Connection``'s. A
-    ``generate`` stream that breaks is resumed (``resume_attempts`` times in a row, 5 by default; 0
-    turns it off): re-attached from what it delivered, through any gateway behind the channel, so
+    ``generate`` stream that breaks is resumed (``resume_attempts`` times in a row and for at least
+    10 s, 5 by default; 0 turns it off): re-attached from what it delivered, through any gateway behind the channel, so
     the caller's iterator sees one uninterrupted stream (``llamamesh.client.resume``).
     """
 

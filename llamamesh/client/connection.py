@@ -15,6 +15,7 @@ from llamamesh.client.interceptors import SyncMetadata, aio_interceptors
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 LOAD_BALANCING = ("pick_first", "round_robin")
+MAX_RECONNECT_BACKOFF_MS = 1000
 RETRIED_SERVICES = ("llamamesh.v1.GenerationService", "llamamesh.v1.BatchService", "llamamesh.v1.AdminService")
 
 
@@ -63,7 +64,12 @@ class Connection:
     def options(self, own_connection: bool = False) -> list[tuple[str, Any]]:
         """The channel's options. ``own_connection``: its connections are its own, not shared with
         other channels to the same address (gRPC shares them by default)."""
-        opts: list[tuple[str, Any]] = [("grpc.service_config", service_config(self.retries, self.load_balancing))]
+        opts: list[tuple[str, Any]] = [
+            ("grpc.service_config", service_config(self.retries, self.load_balancing)),
+            # A gateway that went away is tried again at least every second (gRPC's default backoff
+            # grows to 2 minutes), so a stream resumes as soon as it is back.
+            ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
+        ]
         if self.tls_server_name:
             opts.append(("grpc.ssl_target_name_override", self.tls_server_name))
         if own_connection:

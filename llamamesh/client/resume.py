@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -27,6 +27,10 @@ from llamamesh.v1 import generation_pb2_grpc
 # killed or gone, a broken connection).
 RESUMED_REASONS = frozenset({"QUEUE_UNAVAILABLE"})
 CANCEL_TIMEOUT_S = 2.0
+# A broken stream is called again for at least this long (and ``attempts`` times), so that a gateway
+# restarting in that time (a crash, a rollout) finds its caller still there; the gateway keeps the
+# request running for its re-attach grace (30 s) meanwhile.
+RESUME_WINDOW_S = 10.0
 
 
 def worth_resuming(err: grpc.RpcError) -> bool:
@@ -44,7 +48,13 @@ class Resumption:
     """What one resumable stream has delivered, and the next call that goes on from there. The request
     is sent with ``resumable`` set and a ``request_id`` (one is made when the caller gives none)."""
 
-    def __init__(self, request: pb.GenerateRequest, attempts: int, timeout: float | None) -> None:
+    def __init__(
+        self,
+        request: pb.GenerateRequest,
+        attempts: int,
+        timeout: float | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.request = pb.GenerateRequest()
         self.request.CopyFrom(request)
         self.cancel_on_exit = not request.resumable  # the caller did not ask to keep it running
@@ -55,9 +65,11 @@ class Resumption:
         self.have = [0] * self.n  # tokens of each sample delivered
         self.ended: set[int] = set()  # samples whose end was delivered
         self.attempts = attempts
-        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self._clock = clock
+        self.deadline = None if timeout is None else clock() + timeout
         self.done = False
         self._failures = 0
+        self._failing_since = 0.0
         self._delays = Delays(first_s=0.1, cap_s=1.0)
 
     @property
@@ -77,14 +89,17 @@ class Resumption:
         return True
 
     def timeout(self) -> float | None:
-        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+        return None if self.deadline is None else max(0.0, self.deadline - self._clock())
 
     def backoff(self, err: grpc.RpcError) -> float:
         """The wait before the next call after ``err`` (jittered, never past the caller's timeout);
         raises ``err`` when it ends the stream: not worth resuming, or ``attempts`` failures in a row
-        (the count restarts once a call delivers a message)."""
+        over at least ``RESUME_WINDOW_S`` (both restart once a call delivers a message)."""
         delay = None
-        if worth_resuming(err) and self._failures < self.attempts:
+        now = self._clock()
+        if not self._failures:
+            self._failing_since = now
+        if worth_resuming(err) and (self._failures < self.attempts or now - self._failing_since < RESUME_WINDOW_S):
             self._failures += 1
             delay = self._delays.next()
             left = self.timeout()

@@ -39,6 +39,6 @@ class ClientSettings(Section, section="client"):
     about one per 32 concurrent streams for a client that relays many."""
 
     resume_attempts: int = setting(5, Range(0))
-    """Times in a row a broken Generate stream is resumed through the channel (llamamesh/client/resume.py): sent
-    resumable, re-attached from what was delivered on UNAVAILABLE. 0: never (a broken stream is the caller's
-    error, and a disconnect cancels the request)."""
+    """Times in a row a broken Generate stream is resumed through the channel (llamamesh/client/resume.py), and for
+    at least 10 s: sent resumable, re-attached from what was delivered on UNAVAILABLE. 0: never (a broken stream is
+    the caller's error, and a disconnect cancels the request)."""

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from llamamesh.client import Client, SyncClient, by_sample
-from llamamesh.client.resume import Resumption, worth_resuming
+from llamamesh.client.resume import RESUME_WINDOW_S, Resumption, worth_resuming
 from llamamesh.settings import GatewaySettings, WorkerSettings
 from llamamesh.v1 import generation_pb2 as pb
 from tests.services.conftest import Config, Stack
@@ -90,6 +90,28 @@ async def test_the_sync_client_resumes_too(stack: Stack) -> None:
     assert text == ref and len(ref) > 0
 
 
+async def test_a_stream_waits_out_its_only_gateway_down_for_six_seconds(stack: Stack) -> None:
+    """The only gateway it knows is down for 6 s mid-stream (a crash, then a restart): the client
+    keeps calling for its resume window, its channel reconnecting every second, and the caller's
+    loop reads the whole stream once."""
+    port = stack.gateways[0].port
+
+    async def outage() -> None:
+        await stack.gateways[0].stop(0)
+        await asyncio.sleep(6.0)  # the outage itself
+        stack.gateways[0] = await stack.start_gateway(port=port)
+
+    async with Client(f"127.0.0.1:{port}") as client:
+        ref = await client.complete("outage", max_tokens=150, temperature=0)
+        text, fault = "", None
+        async for m in client.generate("outage", max_tokens=150, temperature=0):
+            text += m.text
+            if fault is None and m.index >= 5:
+                fault = asyncio.create_task(outage())
+        assert fault is not None and fault.done()
+    assert text == ref and len(ref) > 0
+
+
 async def test_resuming_off_gives_the_caller_the_break(stack: Stack) -> None:
     async def read_past_a_restart(client: Client) -> None:
         async for m in client.generate("no resume", max_tokens=200):
@@ -122,3 +144,16 @@ async def test_errors_of_the_gateways_own_are_not_resumed(stack: Stack) -> None:
     assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and not worth_resuming(bad.value)
     r = Resumption(pb.GenerateRequest(prompt="x"), attempts=2, timeout=None)
     assert r.request.resumable and len(r.request_id) == 32  # sent resumable, under an id of its own
+
+
+def test_a_broken_stream_is_called_again_for_its_attempts_and_at_least_the_window() -> None:
+    now = [0.0]
+    r = Resumption(pb.GenerateRequest(prompt="x"), attempts=2, timeout=None, clock=lambda: now[0])
+    gone = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "refused")
+    waited = 0
+    while now[0] < RESUME_WINDOW_S:  # fast failures (nothing listens): still called again
+        now[0] += r.backoff(gone) + 0.01
+        waited += 1
+    assert waited > 2
+    with pytest.raises(grpc.aio.AioRpcError):  # past both: the caller gets the error
+        r.backoff(gone)
