@@ -306,7 +306,11 @@ def serve(port: int, host: str, role: str, directory: str = "") -> int:
         from prometheus_client import REGISTRY
 
         registry = REGISTRY
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:  # a port taken, a host that is no address here: name the setting
+        setting = f"LLAMAMESH_{role.upper()}_METRICS_PORT"
+        raise OSError(exc.errno, f"{setting}: cannot serve /metrics on {host}:{port}: {exc.strerror or exc}") from exc
     bound = int(server.server_address[1])
     log.info("metrics_serving", role=role, url=f"http://{host}:{bound}/metrics", multiprocess=bool(directory))
     return bound

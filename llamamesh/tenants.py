@@ -116,6 +116,9 @@ class Tenants:
         """From the JSON document; ValueError naming what is wrong."""
         if not isinstance(doc, Mapping):
             raise ValueError("tenants file: expected a JSON object with 'tenants' and 'keys'")
+        for part in ("tenants", "keys"):
+            if not isinstance(doc.get(part) or {}, Mapping):
+                raise ValueError(f"tenants file: '{part}' must be an object")
         tenants: dict[str, Tenant] = {}
         for name, t in (doc.get("tenants") or {}).items():
             if not TENANT_NAME.match(name):
@@ -186,12 +189,15 @@ class TenantsFile:
         return st.st_mtime_ns, st.st_size, st.st_ino
 
     def _load(self) -> Tenants:
-        stamp = self._stat()
         try:
+            stamp = self._stat()
             doc = json.loads(Path(self.path).read_text())
         except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"tenants file {self.path}: {exc}") from exc
-        tenants = Tenants.parse(doc, self._defaults)
+            raise ValueError(f"tenants file {self.path} (LLAMAMESH_AUTH_FILE): {exc}") from exc
+        try:
+            tenants = Tenants.parse(doc, self._defaults)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (LLAMAMESH_AUTH_FILE {self.path})") from exc
         self._stamp = stamp
         return tenants
 

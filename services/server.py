@@ -126,7 +126,7 @@ def raise_open_files_limit(most: int = 1 << 20) -> int:
 
 def main() -> None:
     try:
-        settings = Settings.from_env()
+        settings = Settings.from_env().checked_for_process()
     except ValueError as exc:  # a bad setting: one line naming it, exit code 1
         sys.exit(f"error: {exc}")
     if settings.gateway.event_loop not in EVENT_LOOPS:  # (uvloop may be missing where the Literal allows it)

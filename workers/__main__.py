@@ -9,7 +9,7 @@ import sys
 
 from llamamesh import logs, tracing
 from llamamesh.loop import run_main
-from llamamesh.settings import Settings
+from llamamesh.settings import Settings, adapter_table
 from workers.engines.prompts import read_chat_template
 from workers.engines.registry import ENGINES, ProcessMode
 from workers.frontends import run_frontends
@@ -35,12 +35,19 @@ def main() -> None:
     try:
         settings = Settings.from_env()
         read_chat_template(settings.worker.chat_template)
+        adapter_table(settings.worker.adapters)
+        settings.checked_for_process()
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
     logs.configure(settings.log, "worker")
     tracing.configure("worker")
-    sys.exit(run(settings))
+    try:
+        code = run(settings)
+    except OSError as exc:  # a port of its own it cannot listen on (health, metrics)
+        print(f"error: the worker could not start: {exc}", file=sys.stderr)
+        sys.exit(1)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,11 @@ class HealthServer:
                 pass  # probes every few seconds: not worth a log line each
 
         self._host = host
-        self._server = ThreadingHTTPServer((host, port), Handler)
+        try:
+            self._server = ThreadingHTTPServer((host, port), Handler)
+        except OSError as exc:  # a port taken, a host that is no address here: name the setting
+            why = f"LLAMAMESH_WORKER_HEALTH_PORT: cannot serve health on {host}:{port}: {exc.strerror or exc}"
+            raise OSError(exc.errno, why) from exc
         self._server.daemon_threads = True
         self.port = int(self._server.server_address[1])
         self._thread = threading.Thread(target=self._server.serve_forever, name="worker-health", daemon=True)

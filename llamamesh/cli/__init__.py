@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = args.func(args)
         sys.stdout.flush()  # here, where a reader that went away is caught, not at exit
-    except (BadSetting, TimeoutError) as exc:  # (TimeoutError: --wait for a gateway that is not up)
+    # (TimeoutError: --wait for a gateway that is not up; ValueError: flags that do not go together)
+    except (BadSetting, TimeoutError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
     except grpc.RpcError as exc:  # a call the gateway refused or could not be reached for

@@ -49,9 +49,9 @@ def _submit_flags(a: argparse.ArgumentParser) -> None:
     a.add_argument("--summarise", action="store_true", help="each line is a document to summarise")
     a.add_argument("--template", help="the summarisation prompt; {document} is replaced")
     flags.format_flags(a)
-    a.add_argument("--model", default="")
-    a.add_argument("--max-tokens", type=int, default=128)
-    a.add_argument("--temperature", type=float, default=0.0)
+    a.add_argument("--model", help="with --summarise: the model (default: the gateway's default)")
+    a.add_argument("--max-tokens", type=flags.between(1, flags.INT32_MAX), help="with --summarise (default 128)")
+    a.add_argument("--temperature", type=float, help="with --summarise (default 0)")
     a.add_argument("--batch-id", help="your id for it (submitting it again is harmless)")
     a.add_argument("--window", type=flags.at_least(1), help="seconds in which items must start (default 24 h)")
     a.add_argument("--no-wait", action="store_true", help="print the id and return")
@@ -65,8 +65,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
             with open(args.file, encoding="utf-8") as f:
                 lines = f.readlines()
         out = open(args.output, "a", encoding="utf-8") if getattr(args, "output", None) else sys.stdout  # noqa: SIM115
-    except OSError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"error: {getattr(args, 'file', '')}: {exc}", file=sys.stderr)
         return 2
     try:
         return asyncio.run(_batch(args, lines, out))
@@ -92,6 +92,10 @@ async def _batch(args: argparse.Namespace, lines: list[str], out: TextIO) -> int
     return 0
 
 
+# The flags that set a summarisation's one request; a file of items carries a request a line.
+SUMMARISE_ONLY = ("model", "max_tokens", "temperature", "json_schema", "template")
+
+
 async def _submit(stub: Any, meta: Metadata, args: argparse.Namespace, lines: list[str]) -> None:
     """Submit the file's batch, print its id and, unless --no-wait, its progress until it ends."""
     req = bpb.BatchGenerateRequest(batch_id=args.batch_id or "")
@@ -99,11 +103,15 @@ async def _submit(stub: Any, meta: Metadata, args: argparse.Namespace, lines: li
         req.completion_window_s = args.window
     if args.summarise:
         params = build_request(
-            model=args.model, max_tokens=args.max_tokens, temperature=args.temperature, json_schema=args.json_schema
+            model=args.model or "",
+            max_tokens=128 if args.max_tokens is None else args.max_tokens,
+            temperature=args.temperature or 0.0,
+            json_schema=args.json_schema,
         )
         req.summarise.CopyFrom(batchfile.summarise_request(lines, params, args.template or ""))
-    elif args.json_schema:
-        raise ValueError("--json-schema goes with --summarise (items carry their own response_format)")
+    elif given := [f for f in SUMMARISE_ONLY if getattr(args, f) not in (None, "")]:
+        flag = "--" + given[0].replace("_", "-")
+        raise ValueError(f"{flag} goes with --summarise (each item's request carries its own)")
     else:
         req.items.extend(batchfile.items(lines))
     b = await stub.BatchGenerate(req, metadata=meta)

@@ -28,14 +28,30 @@ def read_lines(lines: Iterable[str]) -> Iterator[tuple[int, dict[str, Any]]]:
             yield n, obj
 
 
+def _custom_id(n: int, obj: dict[str, Any]) -> str:
+    """A line's ``custom_id``: a string (the gateway checks it is there and unique)."""
+    value = obj.get("custom_id", "")
+    if not isinstance(value, str):
+        raise ValueError(f'line {n}: "custom_id" must be a string')
+    return value
+
+
+def _only(n: int, obj: dict[str, Any], keys: tuple[str, ...]) -> None:
+    """Refuse a line with a key the format has not (a misspelt one would be ignored otherwise)."""
+    extra = sorted(set(obj) - set(keys))
+    if extra:
+        raise ValueError(f"line {n}: unknown key {extra[0]!r}: a line holds {', '.join(keys)}")
+
+
 def summarise_request(lines: Iterable[str], params: pb.GenerateRequest, template: str = "") -> bpb.Summarise:
     """The documents of ``--summarise``, one ``{"custom_id": "doc-1", "text": "the document"}`` a line,
     each run with ``params``; ValueError naming a bad line."""
     docs = []
     for n, obj in read_lines(lines):
+        _only(n, obj, ("custom_id", "text"))
         if not isinstance(obj.get("text"), str):
             raise ValueError(f'line {n}: needs a "text" string')
-        docs.append(bpb.Document(custom_id=str(obj.get("custom_id", "")), text=obj["text"]))
+        docs.append(bpb.Document(custom_id=_custom_id(n, obj), text=obj["text"]))
     return bpb.Summarise(template=template, documents=docs, params=params)
 
 
@@ -45,12 +61,15 @@ def items(lines: Iterable[str]) -> list[bpb.BatchItem]:
     [{"role": "user", "content": "..."}], "temperature": 0}``); ValueError naming a bad line."""
     out = []
     for n, obj in read_lines(lines):
+        _only(n, obj, ("custom_id", "request"))
+        if not isinstance(obj.get("request"), dict):
+            raise ValueError(f'line {n}: needs a "request" object (a GenerateRequest in protobuf JSON)')
         request = pb.GenerateRequest()
         try:
-            json_format.ParseDict(obj.get("request", {}), request)
+            json_format.ParseDict(obj["request"], request)
         except json_format.ParseError as exc:
             raise ValueError(f"line {n}: bad request: {exc}") from None
-        out.append(bpb.BatchItem(custom_id=str(obj.get("custom_id", "")), request=request))
+        out.append(bpb.BatchItem(custom_id=_custom_id(n, obj), request=request))
     return out
 
 

@@ -69,11 +69,11 @@ def generation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
     p.add_argument("--system", help="a system message before the prompt")
     p.add_argument("--model", default="", help="model name (default: the gateway's default)")
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=between(1, INT32_MAX), default=128)
     p.add_argument("--temperature", type=float, help="0 = greedy (the default; 1 with --n above 1)")
-    p.add_argument("--n", type=int, help="parallel samples of the answer (printed one after another)")
+    p.add_argument("--n", type=between(1, INT32_MAX), help="parallel samples of the answer (printed one after another)")
     p.add_argument("--top-p", type=float)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--seed", type=between(-(2**63), 2**63 - 1))
     p.add_argument("--stop", action="append", help="a stop string (repeatable)")
     format_flags(p)
     p.add_argument("--regex", help="the answer matches this regular expression")
@@ -99,6 +99,25 @@ def at_least(low: float, kind: type[int] | type[float] = int) -> Callable[[str],
             raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
         if not value >= low:  # (also NaN)
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        return value
+
+    return parse
+
+
+INT32_MAX = 2**31 - 1
+
+
+def between(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high], the field's range on the wire (argparse names the
+    flag; the gateway's own bounds, such as max_tokens' cap, come back from it)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be from {low} to {high}, got {text}")
         return value
 
     return parse

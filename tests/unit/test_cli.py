@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import socket
 import subprocess
 import sys
 from importlib import metadata
@@ -12,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from llamamesh.cli import main, parser
+from llamamesh.cli import batchfile, main, parser
 from llamamesh.settings import Settings
 from llamamesh.settings.environment import redacted_url
+from llamamesh.v1 import generation_pb2 as pb
 from tests.redisproc import free_port
 
 pytestmark = pytest.mark.timeout(60)
@@ -176,6 +178,66 @@ def test_a_gateway_that_cannot_start_says_why_in_one_line() -> None:
     out = run("gateway", LLAMAMESH_GATEWAY_MODELS="garbage", LLAMAMESH_REDIS_URL=f"redis://127.0.0.1:{free_port()}")
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith("error: the gateway could not start: "), out.stderr
+
+
+def test_a_process_of_a_node_says_in_one_line_what_it_cannot_start_with(tmp_path: Path) -> None:
+    """One process of a node (``gateway``, ``worker``): no Redis url, a tenants file that is not one,
+    adapters that are not name=path, a port of its own taken: one line naming the setting, exit 1."""
+    redis = f"redis://127.0.0.1:{free_port()}"
+    bad_tenants = tmp_path / "tenants.json"
+    bad_tenants.write_text('{"tenants": 5}')
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = str(taken.getsockname()[1])
+    cases = [
+        (("gateway",), {}, "LLAMAMESH_REDIS_URL"),
+        (("worker",), {}, "LLAMAMESH_REDIS_URL"),
+        (("gateway",), {"LLAMAMESH_AUTH_FILE": str(bad_tenants), "LLAMAMESH_REDIS_URL": redis}, "LLAMAMESH_AUTH_FILE"),
+        (("gateway",), {"LLAMAMESH_AUTH_FILE": "/no/such/file", "LLAMAMESH_REDIS_URL": redis}, "LLAMAMESH_AUTH_FILE"),
+        (("worker",), {"LLAMAMESH_WORKER_ADAPTERS": "foo", "LLAMAMESH_REDIS_URL": redis}, "LLAMAMESH_WORKER_ADAPTERS"),
+        (
+            ("worker",),
+            {"LLAMAMESH_WORKER_HEALTH_PORT": port, "LLAMAMESH_WORKER_ENGINE": "fake", "LLAMAMESH_REDIS_URL": redis},
+            "LLAMAMESH_WORKER_HEALTH_PORT",
+        ),
+    ]
+    with taken:
+        for args, env, setting in cases:
+            out = run(*args, **env)
+            last = out.stderr.strip().splitlines()[-1]
+            assert out.returncode == 1 and "Traceback" not in out.stderr, (args, env, out.stderr)
+            assert last.startswith("error: ") and setting in last, (args, env, out.stderr)
+
+
+def test_flags_that_do_not_go_together_are_one_line(tmp_path: Path) -> None:
+    nobody = f"127.0.0.1:{free_port()}"
+    items = tmp_path / "items.jsonl"
+    items.write_text('{"custom_id": "a", "request": {"prompt": "x"}}\n')
+    cases = [
+        (["generate", "x", "--choice", "yes", "--regex", "a", "--address", nobody], 1, "one response format"),
+        (["generate", "x", "--seed", "99999999999999999999", "--address", nobody], 2, "argument --seed"),
+        (["generate", "x", "--max-tokens", "9999999999", "--address", nobody], 2, "argument --max-tokens"),
+        (["batch", "submit", str(items), "--max-tokens", "3", "--address", nobody], 2, "--max-tokens goes with"),
+    ]
+    for args, code, says in cases:
+        out = run(*args)
+        assert out.returncode == code and "Traceback" not in out.stderr and says in out.stderr, (args, out.stderr)
+
+
+def test_a_batch_file_line_that_is_not_an_item_is_named() -> None:
+    bad = [
+        ('{"custom_id": "x", "request": null}', '"request" object'),
+        ('{"custom_id": null, "request": {"prompt": "x"}}', '"custom_id" must be a string'),
+        ('{"custom_id": "x", "request": "hello"}', '"request" object'),
+        ('{"custom_id": "x", "reqest": {"prompt": "x"}}', "unknown key 'reqest'"),
+    ]
+    for line, says in bad:
+        with pytest.raises(ValueError, match="line 2: ") as exc:
+            batchfile.items(['{"custom_id": "ok", "request": {"prompt": "x"}}', line])
+        assert says in str(exc.value), (line, exc.value)
+    with pytest.raises(ValueError, match='line 1: "custom_id" must be a string'):
+        batchfile.summarise_request(['{"custom_id": 7, "text": "a document"}'], pb.GenerateRequest())
 
 
 def test_a_reader_that_went_away_ends_the_command_quietly() -> None:
