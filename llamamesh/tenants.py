@@ -271,7 +271,9 @@ def revoke_key(path: str, key_id: str) -> None:
 
 def list_keys(path: str) -> list[dict[str, Any]]:
     """Every key's id, tenant, admin flag, creation time and revocation (never a hash)."""
-    doc = json.loads(Path(path).read_text()) if Path(path).exists() else {}
+    doc = json.loads(Path(path).read_text())  # (a missing or broken file: OSError, ValueError)
+    if not isinstance(doc, Mapping) or not isinstance(doc.get("keys") or {}, Mapping):
+        raise ValueError(f"tenants file {path}: expected a JSON object with 'tenants' and 'keys'")
     return [
         {"key_id": kid, **{f: k.get(f) for f in ("tenant", "admin", "created", "revoked")}}
         for kid, k in sorted((doc.get("keys") or {}).items())

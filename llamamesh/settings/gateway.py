@@ -192,8 +192,10 @@ class GatewaySettings(Section, section="gateway"):
         out: list[ModelInfo] = []
         for i, item in enumerate(x.strip() for x in self.models.split(",") if x.strip()):
             name, sep, pool = item.partition("=")
-            if not sep or not name.strip() or not pool.strip():
+            if not sep or not name.strip() or not pool.strip() or "=" in pool:
                 raise ValueError(f"LLAMAMESH_GATEWAY_MODELS: expected name=pool, got {item!r}")
+            if any(m.id == name.strip() for m in out):
+                raise ValueError(f"LLAMAMESH_GATEWAY_MODELS: model {name.strip()!r} is listed twice")
             out.append(ModelInfo(id=name.strip(), pool=pool.strip(), default=i == 0))
         if not out:
             raise ValueError("LLAMAMESH_GATEWAY_MODELS lists no model")

@@ -10,6 +10,7 @@ Every value is checked when a section is built, from the environment or in code 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -36,9 +37,10 @@ class Range:
     above: float | None = None
 
     def __contains__(self, value: float) -> bool:
-        # Written so that NaN is in no range: every comparison with it is false.
+        # Written so that NaN is in no range (every comparison with it is false), nor infinity.
         return (
-            (self.low is None or value >= self.low)
+            math.isfinite(value)
+            and (self.low is None or value >= self.low)
             and (self.high is None or value <= self.high)
             and (self.above is None or value > self.above)
         )
@@ -132,7 +134,18 @@ def _read_bool(raw: str) -> bool:
     raise ValueError(raw)
 
 
-_READERS: Mapping[type, Any] = {bool: _read_bool, int: int, float: float, str: str}
+def _read_number(kind: type[int] | type[float]) -> Any:
+    """int or float, but not the ``1_000`` form Python's own readers also take."""
+
+    def read(raw: str) -> int | float:
+        if "_" in raw:
+            raise ValueError(raw)
+        return kind(raw)
+
+    return read
+
+
+_READERS: Mapping[type, Any] = {bool: _read_bool, int: _read_number(int), float: _read_number(float), str: str}
 _KIND_WORDS: Mapping[type, str] = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 

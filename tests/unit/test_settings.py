@@ -41,8 +41,9 @@ def test_round_trip_through_the_environment() -> None:
 def test_bad_values_name_the_variable() -> None:
     with pytest.raises(ValueError, match="LLAMAMESH_WORKER_MAX_INFLIGHT"):
         Settings.from_env({"LLAMAMESH_WORKER_MAX_INFLIGHT": "many"})
-    with pytest.raises(ValueError, match="LLAMAMESH_GATEWAY_MODELS"):
-        Settings.from_env({"LLAMAMESH_GATEWAY_MODELS": "nopool"}).gateway.model_table()
+    for models in ("nopool", "a=b=c", "a=cpu,a=gpu"):
+        with pytest.raises(ValueError, match="LLAMAMESH_GATEWAY_MODELS"):
+            Settings.from_env({"LLAMAMESH_GATEWAY_MODELS": models}).gateway.model_table()
 
 
 def test_threads_default_leaves_a_core_free() -> None:
@@ -143,6 +144,8 @@ def test_a_variable_that_is_no_setting_is_refused_with_the_closest_name() -> Non
         ),
         ("LLAMAMESH_WORKER_HEARTBEAT_S", "0", "LLAMAMESH_WORKER_HEARTBEAT_S=0: expected a number, more than 0"),
         ("LLAMAMESH_WORKER_HEARTBEAT_S", "nan", "LLAMAMESH_WORKER_HEARTBEAT_S=nan: expected a number, more than 0"),
+        ("LLAMAMESH_GATEWAY_GRACE_S", "inf", "LLAMAMESH_GATEWAY_GRACE_S=inf: expected a number, 0 or more"),
+        ("LLAMAMESH_GATEWAY_PORT", "1_000", "LLAMAMESH_GATEWAY_PORT='1_000': expected an integer, from 0 to 65535"),
         ("LLAMAMESH_GATEWAY_SHARE_PORT", "maybe", "LLAMAMESH_GATEWAY_SHARE_PORT='maybe': expected true or false"),
         ("LLAMAMESH_LOG_FORMAT", "JSON", "LLAMAMESH_LOG_FORMAT='JSON': expected one of auto, json, console"),
         (

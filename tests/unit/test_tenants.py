@@ -62,6 +62,11 @@ def test_keys_are_stored_hashed_and_authenticate_their_tenant(tmp_path: Path) ->
     listed = list_keys(path)
     assert {k["tenant"] for k in listed} == {"acme", "ops"} and kid in {k["key_id"] for k in listed}
     assert all("sha256" not in k for k in listed)
+    with pytest.raises(FileNotFoundError):  # no file: said, not an empty list
+        list_keys(str(tmp_path / "none.json"))
+    (tmp_path / "odd.json").write_text('{"keys": 5}')
+    with pytest.raises(ValueError, match="tenants file"):
+        list_keys(str(tmp_path / "odd.json"))
 
 
 def test_a_revoked_key_is_refused_after_the_next_reload(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
