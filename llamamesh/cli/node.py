@@ -56,6 +56,8 @@ class WorkerView:
 
 # The HTTP door of an embedded node, where it is free (the port OpenAI-compatible servers use).
 HTTP_PORT = 8000
+# How long a starting node waits for a Redis that never answered before it gives up, saying so.
+REDIS_WAIT_S = 30.0
 
 
 class Node:
@@ -238,6 +240,7 @@ class Node:
     async def _watch_start(self, client: Client, queue: RedisQueue, show: _Progress, t0: float, limit: float) -> float:
         """wait_ready's loop: every 0.25 s, the children, the gateway's health, the workers' heartbeats."""
         serving = False
+        answered = False  # Redis answered once: later silences are waited out up to ``limit``
         while True:
             code = self.poll()
             if code is not None:
@@ -256,8 +259,12 @@ class Node:
                     show.done("")
                     why = v.detail.split(NOTE)[0] if v.detail else "its process exited"
                     raise StartFailed(f"{v.name} could not start: {why}")
+            answered = answered or heard is not None
             if heard is None:
                 where = "the embedded Valkey" if self._embedded is not None else "Redis (LLAMAMESH_REDIS_URL)"
+                if not answered and time.monotonic() - t0 > REDIS_WAIT_S:
+                    show.done("")
+                    raise StartFailed(f"{where} did not answer within {REDIS_WAIT_S:.0f} s")
                 show.update(f"{_doing(views)}: {where} does not answer yet", f"{_doing(views, took=False)}: no Redis")
             else:
                 show.update(_doing(views), _doing(views, took=False))

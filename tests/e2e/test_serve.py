@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from llamamesh.cli.node import REDIS_WAIT_S
 from llamamesh.client import Client
 from llamamesh.v1 import admin_pb2
 from tests.redisproc import free_port
@@ -165,3 +166,15 @@ def test_a_node_that_cannot_start_says_why_in_one_line_and_exits_non_zero(tmp_pa
     assert len(errors) == 1, out.stderr[-3000:]
     assert "could not start: cannot load model" in errors[0] and "no.gguf" in errors[0], errors
     assert took < 60, took  # not a timeout: the worker said why
+
+
+def test_a_node_whose_redis_never_answers_says_so_and_exits(tmp_path: Path) -> None:
+    args = [str(CLI), "serve", "--redis-url", f"redis://127.0.0.1:{free_port()}", "--port", str(free_port())]
+    t0 = time.monotonic()
+    env = clean_env(tmp_path, LLAMAMESH_LOG_LEVEL="error", LLAMAMESH_WORKER_ENGINE="fake")
+    out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - t0
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert out.returncode == 1 and len(errors) == 1, out.stderr[-3000:]
+    assert "LLAMAMESH_REDIS_URL" in errors[0] and "did not answer" in errors[0], errors
+    assert took < REDIS_WAIT_S + 30, took
