@@ -36,6 +36,8 @@ def main() -> None:
         settings = Settings.from_env()
         read_chat_template(settings.worker.chat_template)
         adapter_table(settings.worker.adapters)
+        if not settings.worker.pool.strip():
+            raise ValueError("LLAMAMESH_WORKER_POOL: empty; name the pool this worker serves")
         settings.checked_for_process()
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from llamamesh.cli import flags
+from llamamesh.settings import adapter_table
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -18,7 +19,16 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    """Every setting from the environment (and the flags), sorted by name."""
-    for name, value in sorted(flags.settings(args).redacted_env().items()):
+    """Every setting from the environment (and the flags), sorted by name; a setting whose text has a
+    form of its own (the model, fallback and adapter tables) that does not parse stops it, naming it,
+    as it would stop the process that reads it."""
+    settings = flags.settings(args)
+    try:
+        settings.gateway.model_table()
+        settings.gateway.fallback_table()
+        adapter_table(settings.worker.adapters)
+    except ValueError as exc:
+        raise flags.BadSetting(str(exc)) from exc
+    for name, value in sorted(settings.redacted_env().items()):
         print(f"{name}={value}")
     return 0

@@ -130,10 +130,19 @@ def test_every_password_of_a_redis_url_is_hidden(url: str, shown: str) -> None:
     assert redacted_url(url) == shown
 
 
-def test_config_says_which_value_is_bad_in_one_line() -> None:
-    out = run("config", LLAMAMESH_GATEWAY_PORT="many")
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("LLAMAMESH_GATEWAY_PORT", "many"),
+        ("LLAMAMESH_GATEWAY_MODELS", "foo"),
+        ("LLAMAMESH_GATEWAY_FALLBACK", "cpu"),
+        ("LLAMAMESH_WORKER_ADAPTERS", "foo"),
+    ],
+)
+def test_config_says_which_value_is_bad_in_one_line(variable: str, value: str) -> None:
+    out = run("config", **{variable: value})
     assert out.returncode == 1 and out.stdout == ""
-    assert out.stderr.startswith("error: ") and "LLAMAMESH_GATEWAY_PORT" in out.stderr
+    assert out.stderr.startswith("error: ") and variable in out.stderr
     assert len(out.stderr.splitlines()) == 1
 
 
@@ -196,6 +205,7 @@ def test_a_process_of_a_node_says_in_one_line_what_it_cannot_start_with(tmp_path
         (("gateway",), {"LLAMAMESH_AUTH_FILE": str(bad_tenants), "LLAMAMESH_REDIS_URL": redis}, "LLAMAMESH_AUTH_FILE"),
         (("gateway",), {"LLAMAMESH_AUTH_FILE": "/no/such/file", "LLAMAMESH_REDIS_URL": redis}, "LLAMAMESH_AUTH_FILE"),
         (("worker",), {"LLAMAMESH_WORKER_ADAPTERS": "foo", "LLAMAMESH_REDIS_URL": redis}, "LLAMAMESH_WORKER_ADAPTERS"),
+        (("worker",), {"LLAMAMESH_WORKER_POOL": " ", "LLAMAMESH_REDIS_URL": redis}, "LLAMAMESH_WORKER_POOL"),
         (
             ("worker",),
             {"LLAMAMESH_WORKER_HEALTH_PORT": port, "LLAMAMESH_WORKER_ENGINE": "fake", "LLAMAMESH_REDIS_URL": redis},
