@@ -29,6 +29,9 @@ MAX_LOGPROBS = 20
 # A response constraint's text (schema, regex, grammar) and a choice's options, at most.
 MAX_CONSTRAINT_CHARS = 64 * 1024
 MAX_CHOICES = 1024
+# How deep a JSON schema (response format, tool parameters) may nest objects and lists: deeper ones
+# are refused, not handed to a grammar compiler that recurses through them.
+MAX_SCHEMA_DEPTH = 64
 # GenerateRequest.n, at most (vLLM's own limit is higher; every sample holds a slot and KV blocks).
 MAX_SAMPLES = 16
 
@@ -126,8 +129,10 @@ def constraint_violations(c: ResponseConstraint) -> list[FieldViolation]:
     if c.kind is ConstraintKind.JSON_SCHEMA:
         try:
             schema = json.loads(c.text)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # (nesting past Python's stack)
             return [FieldViolation(name, f"is not JSON: {exc}")]
+        if json_depth(schema) > MAX_SCHEMA_DEPTH:
+            return [FieldViolation(name, f"nests objects and lists at most {MAX_SCHEMA_DEPTH} deep")]
         if not isinstance(schema, (dict, bool)):
             return [FieldViolation(name, f"a JSON schema is an object (or a boolean), got {type(schema).__name__}")]
     elif c.kind is ConstraintKind.REGEX:
@@ -138,6 +143,18 @@ def constraint_violations(c: ResponseConstraint) -> list[FieldViolation]:
     elif c.kind is ConstraintKind.GRAMMAR and "::=" not in c.text:
         return [FieldViolation(name, "an EBNF grammar of rules `name ::= ...`, with a `root` rule")]
     return []
+
+
+def json_depth(value: object) -> int:
+    """How deep ``value`` (parsed JSON) nests objects and lists: 0 for a scalar."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, depth = todo.pop()
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            todo.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def normalized(p: SamplingParams) -> SamplingParams:

@@ -75,11 +75,12 @@ class Admission:
             except errors.QueueUnavailable:
                 log.warning("stream_leases_not_renewed", streams=len(self._held))
 
-    async def request(self, who: Identity) -> None:
-        """One request against the tenant's requests-per-second and tokens-per-minute."""
+    async def request(self, who: Identity, reserve: int = 0) -> None:
+        """One request against the tenant's requests-per-second and tokens-per-minute, reserving
+        ``reserve`` tokens (the most it may generate) until ``spent`` settles it."""
         if self.quotas is not None:
             try:
-                await self.quotas.admit(who.tenant, who.limits)
+                await self.quotas.admit(who.tenant, who.limits, reserve)
             except errors.RateLimited as exc:
                 metrics.rejected(exc)
                 raise
@@ -106,12 +107,12 @@ class Admission:
             with contextlib.suppress(errors.QueueUnavailable):  # its lease then ends by itself
                 await asyncio.shield(self.quotas.close_stream(who.tenant, stream_id))
 
-    async def spent(self, who: Identity, tokens: int) -> None:
-        """What a request generated, taken off the tenant's token budget (shielded; with Redis out it
-        is logged, not counted)."""
-        if self.quotas is None or tokens <= 0:
+    async def spent(self, who: Identity, tokens: int, reserved: int = 0) -> None:
+        """What a request generated, settled against what it reserved on the tenant's token budget
+        (shielded; with Redis out it is logged, not counted)."""
+        if self.quotas is None or tokens == reserved:
             return
         try:
-            await asyncio.shield(self.quotas.spend(who.tenant, who.limits, tokens))
+            await asyncio.shield(self.quotas.spend(who.tenant, who.limits, tokens - reserved))
         except errors.QueueUnavailable:
             log.warning("tokens_not_counted", tenant=who.tenant, tokens=tokens)

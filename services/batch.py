@@ -251,8 +251,10 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
         self, request: bpb.StreamBatchResultsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bpb.BatchResult]:
         follow = request.follow if request.HasField("follow") else True
-        results = self.results(request.batch_id, identity(context), request.cursor, follow)
-        async with contextlib.aclosing(results) as stream:
+        who = identity(context)
+        results = self.results(request.batch_id, who, request.cursor, follow)
+        # One of the tenant's streams (max_streams) while it is open: a follower can wait for hours.
+        async with self._admission.stream(who), contextlib.aclosing(results) as stream:
             async for r in stream:
                 yield r
 

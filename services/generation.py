@@ -106,7 +106,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         caller = Caller(_fingerprint(request), access_of(who), who.limits.weight)
         structlog.contextvars.bind_contextvars(request_id=public)
         note(tenant=who.tenant, labels=dict(req.metadata) or None)  # the request's labels, in its line
-        await self._admission.request(who)
+        # The most it may generate is held from the tenant's tokens per minute until it ends.
+        reserved = (req.sampling.max_tokens or 0) * (req.sampling.n or 1) if who.limits.tokens_per_min else 0
+        await self._admission.request(who, reserved)
         progress = Progress()
         try:
             async with self._admission.stream(who):
@@ -118,7 +120,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         for msg in calls.feed(convert.generate_response(req, ev, request_id=public)):
                             yield msg
         finally:
-            await self._admission.spent(who, progress.tokens)
+            await self._admission.spent(who, progress.tokens, reserved)
             note(
                 pool=progress.pool or None,
                 route=progress.route,

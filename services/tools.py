@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llamamesh.errors import FieldViolation
+from llamamesh.sampling import MAX_SCHEMA_DEPTH, json_depth
 from llamamesh.types import ConstraintKind, ResponseConstraint
 from llamamesh.v1 import generation_pb2 as pb
 
@@ -113,6 +114,9 @@ def _parameters(text: str, field: str, bad: list[FieldViolation]) -> dict[str, A
         return {}
     if not isinstance(schema, dict) or schema.get("type", "object") != "object":
         bad.append(FieldViolation(field, "a JSON Schema of an object"))
+        return {}
+    if json_depth(schema) > MAX_SCHEMA_DEPTH:
+        bad.append(FieldViolation(field, f"nests objects and lists at most {MAX_SCHEMA_DEPTH} deep"))
         return {}
     return schema
 

@@ -15,12 +15,13 @@ from llamamesh.types import StoredFile
 class Quotas(Protocol):
     """Every tenant's budgets, shared by all gateways (``quotas.RedisQuotas``)."""
 
-    async def admit(self, tenant: str, limits: LimitsSettings) -> None:
-        """Take one request from the tenant's request bucket, if its token bucket is above zero.
-        Raises RateLimited (nothing taken) or QueueUnavailable."""
+    async def admit(self, tenant: str, limits: LimitsSettings, reserve: int = 0) -> None:
+        """Take one request from the tenant's request bucket and ``reserve`` tokens from its token
+        bucket, if that is above zero. Raises RateLimited (nothing taken) or QueueUnavailable."""
 
     async def spend(self, tenant: str, limits: LimitsSettings, tokens: int) -> None:
-        """Take ``tokens`` (what a request generated) off the tenant's token bucket."""
+        """Take ``tokens`` (what a request generated less what it reserved; below zero: given back)
+        off the tenant's token bucket."""
 
     async def open_stream(self, tenant: str, limits: LimitsSettings, stream_id: str) -> None:
         """Hold one of the tenant's concurrent streams; raises RateLimited when all are held."""

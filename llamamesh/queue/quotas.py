@@ -47,17 +47,19 @@ class RedisQuotas:
         self._reserve = register(client, "reserve_batch")
         self._give_back = register(client, "give_back_quota")
 
-    async def admit(self, tenant: str, limits: LimitsSettings) -> None:
+    async def admit(self, tenant: str, limits: LimitsSettings, reserve: int = 0) -> None:
         """Requests per second: a token bucket (``requests_per_s``, ``burst``). Tokens per minute: a
         bucket that refills at ``tokens_per_min`` a minute; a request is admitted while it is above
-        zero."""
+        zero, and takes ``reserve`` tokens (the most it may generate) out of it at once, so that a
+        burst of requests cannot spend many minutes' worth; ``spend`` settles the difference."""
         rps, tpm = limits.requests_per_s, limits.tokens_per_min
         if rps <= 0 and tpm <= 0:
             return
         burst = limits.burst or max(1, math.ceil(rps))
         with unreachable():
             got: Any = await self._admit(
-                keys=[self.keys.tenant_rate(tenant)], args=[rps, burst, tpm, self.retention.rate_ms]
+                keys=[self.keys.tenant_rate(tenant)],
+                args=[rps, burst, tpm, self.retention.rate_ms, max(0, reserve) if tpm > 0 else 0],
             )
         if got != 0:
             wait_ms, which = int(got[0]), got[1].decode()
@@ -69,9 +71,10 @@ class RedisQuotas:
             )
 
     async def spend(self, tenant: str, limits: LimitsSettings, tokens: int) -> None:
-        """What a request generated, taken off when it ends: the bucket may go below zero, and later
-        requests wait until it refilled."""
-        if limits.tokens_per_min <= 0 or tokens <= 0:
+        """What a request generated less what it reserved at admission, taken off when it ends (below
+        zero: the unused reservation given back): the bucket may go below zero, and later requests wait
+        until it refilled."""
+        if limits.tokens_per_min <= 0 or tokens == 0:
             return
         with unreachable():
             await self._spend(

@@ -24,7 +24,9 @@ class BatchSettings(Section, section="batch"):
     """Most items in one batch."""
 
     max_bytes: int = setting(64 * 1024 * 1024, Range(1))
-    """Most bytes of one BatchGenerate request."""
+    """Most bytes of one BatchGenerate request; past it: INVALID_ARGUMENT naming this setting. The gRPC transport
+    takes at most the larger of this and LLAMAMESH_GATEWAY_MAX_REQUEST_BYTES, plus 1 MiB: a message larger still is
+    refused by gRPC itself (RESOURCE_EXHAUSTED "Received message larger than max", no details), unread."""
 
     max_share: float = setting(0.5, FRACTION)
     """Fraction of a worker's max_inflight that batch items may hold at most (the rest stays free for interactive

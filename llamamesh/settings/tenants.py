@@ -29,11 +29,13 @@ class LimitsSettings(Section, section="limits"):
     """Requests allowed in a burst above ``requests_per_s``. 0: one second's worth."""
 
     tokens_per_min: int = setting(0, Range(0))
-    """Tokens generated per minute (counted as they stream)."""
+    """Tokens generated per minute. A request is admitted while the budget is above zero and holds its most
+    (max_tokens x n) from then until it ends, when what it did not generate is given back."""
 
     max_streams: int = setting(0, Range(0))
-    """Generate and Attach streams open at once. A resumable request whose caller left runs on for the re-attach
-    grace (LLAMAMESH_GATEWAY_REATTACH_GRACE_S) without holding one: requests_per_s bounds how many a tenant leaves."""
+    """Generate, Attach and StreamBatchResults streams open at once. A resumable request whose caller left runs on
+    for the re-attach grace (LLAMAMESH_GATEWAY_REATTACH_GRACE_S) without holding one: requests_per_s bounds how
+    many a tenant leaves."""
 
     max_batch_items: int = setting(0, Range(0))
     """Batch items not finished yet."""

@@ -20,6 +20,7 @@ from contextlib import aclosing
 from typing import Any
 
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from llamamesh import errors
 from llamamesh.queue.gateway_stores import FileStore
@@ -35,6 +36,7 @@ FILE_ID = "file-"
 BATCH_ID = "batch_"
 MAX_FILES_LISTED = 10000  # GET /v1/files: the most one page lists, and its default (as OpenAI's)
 FILES_FULL_RETRY_S = 60.0  # a tenant whose files hold its max_batch_bytes: after this, or a deletion
+MAX_FILENAME = 255  # an uploaded file's name: at most this many printable characters
 
 
 class BatchRoutes:
@@ -100,10 +102,16 @@ class BatchRoutes:
                 elif part.name == "file":
                     filename = part.filename or "input.jsonl"
                     content = await _read_at_most(part, self.max_bytes)
-        except (ValueError, LookupError) as exc:  # aiohttp's words for a body that is not multipart, or cut short
+        except (
+            ValueError,
+            LookupError,
+            HttpProcessingError,
+        ) as exc:  # aiohttp's: not multipart, cut short, bad headers
             raise errors.InvalidRequest.field("file", f"not a whole multipart/form-data body: {exc}") from exc
         if content is None:
             raise errors.InvalidRequest.field("file", "required")
+        if len(filename) > MAX_FILENAME or not filename.isprintable():
+            raise errors.InvalidRequest.field("file", f"its filename: at most {MAX_FILENAME} printable characters")
         return purpose, filename, content
 
     async def _file(self, request: web.Request, who: Identity) -> web.StreamResponse:
@@ -224,22 +232,22 @@ class BatchRoutes:
         if after := request.query.get("after", ""):
             before, _ = await self._batch(after, who)
             token = repr(before.created_at.ToNanoseconds() / 1e9)
-        page = await self._batches.page(who, limit + 1 if after else limit, token)
         data: list[dict[str, Any]] = []
-        listed = [b for b in page.batches if b.batch_id != after]
-        for b in listed[:limit]:
-            link = await self._files.linked(scoped_id(who.tenant, b.batch_id))
-            if link:  # (batches made over gRPC have no OpenAI form)
-                data.append(openai_batches.batch_object(b, link["endpoint"], link["input_file_id"]))
-        return web.json_response(
-            {
-                "object": "list",
-                "data": data,
-                "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None,
-                "has_more": bool(page.next_page_token) or len(listed) > limit,
-            }
-        )
+        more = False
+        while not more:  # pages of all the tenant's batches, until one past ``limit`` of this door's
+            page = await self._batches.page(who, 100, token)
+            for b in page.batches:
+                link = await self._files.linked(scoped_id(who.tenant, b.batch_id)) if b.batch_id != after else None
+                if link and len(data) == limit:
+                    more = True
+                    break
+                if link:  # (batches made over gRPC have no OpenAI form)
+                    data.append(openai_batches.batch_object(b, link["endpoint"], link["input_file_id"]))
+            if not page.next_page_token:
+                break
+            token = page.next_page_token
+        first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
+        return web.json_response({"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": more})
 
 
 def _limit(text: str, most: int) -> int:

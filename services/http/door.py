@@ -26,6 +26,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from llamamesh import errors
+from llamamesh.ports import check_free
 from llamamesh.settings import GatewaySettings
 from llamamesh.tenants import Identity
 from llamamesh.types import ModelInfo
@@ -117,7 +118,9 @@ class HttpDoor:
                         return await work(request, who)
                     finally:
                         self._gate.active -= 1
-            except errors.LlamameshError as exc:  # recorded by call(); answered in OpenAI's shape
+            except web.HTTPException:
+                raise  # (a path or method this door lacks: _errors)
+            except Exception as exc:  # recorded by call(); answered in OpenAI's shape (anything else: 500, logged)
                 http, body, headers = openai_responses.error(exc)
                 return web.json_response(body, status=http, headers={**headers, **_request_id(request)})
 
@@ -134,6 +137,7 @@ class HttpDoor:
             keepalive_timeout=IDLE_S,
             logger=PROTOCOL_LOG,
         )
+        check_free(self._s.host, port, "LLAMAMESH_GATEWAY_HTTP_PORT", reuse_port=share_port)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._s.host, port, ssl_context=ssl_context, reuse_port=share_port or None)
         await site.start()
@@ -154,7 +158,10 @@ class HttpDoor:
     def _completions(self, parse: openai_requests.Parse) -> Work:
         async def work(request: web.Request, who: Identity) -> web.StreamResponse:
             body = await read_json(request, self._s.max_request_bytes)
-            parsed = parse(body, request.headers.get("x-request-id", ""))
+            given = request.headers.get("x-request-id", "")
+            if given and not convert.REQUEST_ID.match(given):  # (it may not even be text to put in a message)
+                raise errors.InvalidRequest.field("x-request-id", "1-128 characters of A-Z a-z 0-9 . _ : -")
+            parsed = parse(body, given)
             try:
                 return await self._answer(request, parsed, who)
             except errors.InvalidRequest as exc:  # the fields as the caller named them (same class: its code)
@@ -263,5 +270,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 
 def _request_id(request: web.Request) -> dict[str, str]:
-    """An answer's ``x-request-id`` header: the caller's id, or one made for it."""
-    return {"x-request-id": request.headers.get("x-request-id") or uuid.uuid4().hex}
+    """An answer's ``x-request-id`` header: the caller's id, or one made for it (also in place of one
+    that is not an id, which may not even be text to echo)."""
+    given = request.headers.get("x-request-id", "")
+    return {"x-request-id": given if convert.REQUEST_ID.match(given) else uuid.uuid4().hex}

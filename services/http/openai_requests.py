@@ -51,6 +51,8 @@ class Parsed:
         return out
 
     def caller_field(self, field: str) -> str:
+        if field in self.renamed:  # a whole path renamed (tool_choice.mode: OpenAI's tool_choice itself)
+            return self.renamed[field]
         head, dot, rest = field.partition(".")
         if head == "metadata[user]":  # the request's label from OpenAI's ``user``
             return "user" + dot + rest
@@ -90,7 +92,12 @@ def _kinds(kind: type | tuple[type, ...]) -> tuple[type, ...]:
 def chat(body: object, request_id: str) -> Parsed:
     b = _Body(body)
     req = pb.GenerateRequest(request_id=request_id)
-    renamed: dict[str, str] = {"prompt": "messages", "request_id": "x-request-id"}
+    renamed: dict[str, str] = {
+        "prompt": "messages",
+        "request_id": "x-request-id",
+        "tool_choice.mode": "tool_choice",
+        "tool_choice.function": "tool_choice.function.name",
+    }
     if b.body.get("messages") is None:
         b.bad.append(FieldViolation("messages", "required: a list of messages"))
     messages = b.get("messages", list, "a list of messages")

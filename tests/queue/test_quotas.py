@@ -67,6 +67,23 @@ async def test_tokens_are_admitted_while_the_budget_is_above_zero_and_spent_afte
     await quotas.admit("t", limits)
 
 
+async def test_a_request_reserves_what_it_may_generate_and_gets_back_what_it_did_not(quotas: RedisQuotas) -> None:
+    """A burst of requests admitted at once cannot spend many minutes' worth: each holds its most
+    (max_tokens x n) from admission until it ends and settles what it generated."""
+    limits = LimitsSettings(tokens_per_min=600)  # 10 a second
+    await quotas.admit("r", limits, reserve=400)
+    await quotas.admit("r", limits, reserve=400)  # 200 left: admitted, the bucket now 200 in debt
+    with pytest.raises(RateLimited) as exc:
+        await quotas.admit("r", limits, reserve=1)
+    assert 19 < exc.value.retry_after_s <= 21, exc.value.retry_after_s
+    await quotas.spend("r", limits, 10 - 400)  # both generated 10: 780 given back, capped at a full bucket
+    await quotas.spend("r", limits, 10 - 400)
+    for _ in range(4):  # 580 (a full bucket less the 20 spent): 390, 200, 10, then -180
+        await quotas.admit("r", limits, reserve=190)
+    with pytest.raises(RateLimited):
+        await quotas.admit("r", limits, reserve=190)
+
+
 async def test_no_limits_cost_no_round_trip(quotas: RedisQuotas) -> None:
     await quotas._r.aclose()  # a closed client would fail any command
     unlimited = LimitsSettings()

@@ -116,8 +116,14 @@ async def test_one_budget_across_gateways(limited: tuple[SecuredNode, Tenants]) 
 async def test_tokens_per_minute(limited: tuple[SecuredNode, Tenants], security_redis: RedisProcess) -> None:
     node, tenants = limited
     async with node.client(tenants.keys["tokens"]) as c:
-        got = await generate(c, max_tokens=130)  # within budget when it starts; 10 tokens of debt after
-        assert sum(len(m.token_ids) for m in got) == 130
+        # Within budget when it starts, it holds its 130 from then on: another is refused meanwhile.
+        first = c.stub.Generate(pb.GenerateRequest(request_id=uuid.uuid4().hex, prompt="p", max_tokens=130))
+        got = [await first.read()]
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await generate(c, "refused-while-held", max_tokens=1)
+        retry_after(exc.value)
+        got += [m async for m in first]
+        assert sum(len(m.token_ids) for m in got) == 130  # 10 tokens of debt after
         with pytest.raises(grpc.aio.AioRpcError) as exc:
             await generate(c, "refused-tokens", max_tokens=1)
         wait = retry_after(exc.value)
@@ -145,6 +151,10 @@ async def test_concurrent_streams(limited: tuple[SecuredNode, Tenants], security
             async for _m in c.stub.Attach(pb.AttachRequest(request_id="long-0")):
                 pass
         retry_after(exc.value)
+        with pytest.raises(grpc.aio.AioRpcError) as exc:  # and a batch's results stream
+            async for _r in c.batches.StreamBatchResults(bpb.StreamBatchResultsRequest(batch_id="any")):
+                pass
+        assert "LLAMAMESH_LIMITS_MAX_STREAMS" in (exc.value.details() or ""), exc.value
         assert not queued_ever(node, security_redis, "streams", "refused-stream")
         held[0].cancel()
 

@@ -14,6 +14,9 @@ import openai
 import pytest
 
 from llamamesh.settings import AuthSettings
+from llamamesh.v1 import batch_pb2 as bpb
+from llamamesh.v1 import batch_pb2_grpc
+from llamamesh.v1 import generation_pb2 as pb
 from tests.redisproc import free_port
 from tests.security.secured import create_key
 from tests.services.conftest import GATEWAY, Config, Stack, running
@@ -83,7 +86,7 @@ async def test_a_jsonl_file_runs_as_a_batch_to_its_output_file(openai_door: tupl
 
 
 async def test_the_sdk_pages_through_every_batch_once(openai_door: tuple[Stack, openai.AsyncOpenAI]) -> None:
-    _, client = openai_door
+    stack, client = openai_door
     uploaded = await client.files.create(file=("one.jsonl", jsonl([chat_line(0)])), purpose="batch")
     made = [
         (
@@ -95,6 +98,13 @@ async def test_the_sdk_pages_through_every_batch_once(openai_door: tuple[Stack, 
     ]
     listed = [b.id async for b in client.batches.list(limit=2)]  # the SDK follows has_more and last_id
     assert listed == made[::-1]
+    grpc_batches = batch_pb2_grpc.BatchServiceStub(stack.channel)  # type: ignore[no-untyped-call]
+    for i in range(120):  # newer batches made over gRPC (no OpenAI form) hide none of the door's
+        item = bpb.BatchItem(custom_id="a", request=pb.GenerateRequest(prompt="x", max_tokens=1))
+        await grpc_batches.BatchGenerate(bpb.BatchGenerateRequest(batch_id=f"grpc-{i}", items=[item]))
+    assert [b.id async for b in client.batches.list(limit=2)] == made[::-1]
+    page = await client.batches.list()
+    assert [b.id for b in page.data] == made[::-1] and not page.has_more
 
 
 @pytest.mark.fake_step_s(0.05)
@@ -181,6 +191,17 @@ async def test_bad_files_and_bad_batches_are_400_naming_the_line(openai_door: tu
         for content_type, body in not_multipart:
             async with s.post(files, data=body, headers={"content-type": content_type}) as r:
                 assert r.status == 400 and (await r.json())["error"]["param"] == "file", (body, await r.text())
+        for name in (b"a\x00b", b"x" * 1000, b"a\x7fb", b"\xff"):  # a file name that is not one
+            body = (
+                b'--zzz\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+                b'--zzz\r\nContent-Disposition: form-data; name="file"; filename="'
+                + name
+                + b'"\r\n\r\n'
+                + jsonl([ok])
+                + b"\r\n--zzz--\r\n"
+            )
+            async with s.post(files, data=body, headers={"content-type": "multipart/form-data; boundary=zzz"}) as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == "file", (name, await r.text())
 
 
 async def test_another_tenants_files_and_batches_are_not_found(openai_door: tuple[Stack, openai.AsyncOpenAI]) -> None:

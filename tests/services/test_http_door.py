@@ -238,11 +238,33 @@ async def test_what_is_not_json_or_not_here_is_answered_in_openais_shape(door: t
         for path, data, param in lone:
             async with s.post(f"{door[1]}/{path}", data=io.BytesIO(data)) as r:
                 assert r.status == 400 and (await r.json())["error"]["param"] == param, await r.text()
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        choices = [  # named as OpenAI's request names them, not as the gateway's message does
+            ({"tool_choice": "required"}, "tool_choice"),
+            ({"tools": [tool], "tool_choice": "bogus"}, "tool_choice"),
+            (
+                {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+                "tool_choice.function.name",
+            ),
+        ]
+        for fields, param in choices:
+            async with s.post(f"{door[1]}/chat/completions", json={"messages": CHAT, **fields}) as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == param, await r.text()
         async with s.get(f"{door[1]}/no/such/path") as r:
             error = (await r.json())["error"]
             assert r.status == 404 and error["type"] == "not_found_error"
         async with s.delete(f"{door[1]}/chat/completions") as r:
             assert r.status == 405 and r.headers["Allow"] == "POST" and (await r.json())["error"]
+    for path in ("completions", "chat/completions"):  # an x-request-id that is not even UTF-8 text
+        body = b'{"prompt": "x", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}'
+        head = f"POST /v1/{path} HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n".encode()
+        head += b"x-request-id: \xe9\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+        reader, writer = await asyncio.open_connection(*door[1].split("//")[1].split("/")[0].split(":"))
+        writer.write(head + body)
+        reply = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        status, _, rest = reply.partition(b"\r\n")
+        assert status.startswith(b"HTTP/1.1 400") and b'"param": "x-request-id"' in rest, reply
 
 
 @pytest.mark.fake_step_s(0.05)

@@ -152,6 +152,17 @@ async def test_bad_tools_are_invalid_argument_naming_the_field(openai_door: tupl
             ),
             "tools[0].parameters",
         ),
+        (  # nested deeper than a schema may be
+            pb.GenerateRequest(
+                messages=[pb.ChatMessage(role="user", content="x")],
+                tools=[pb.Tool(name="f", parameters='{"type": "object", "a": ' + "[" * 70 + "]" * 70 + "}")],
+            ),
+            "tools[0].parameters",
+        ),
+        (
+            asked("x", response_format=pb.ResponseFormat(json_schema='{"a": ' * 900 + "1" + "}" * 900)),
+            "response_format.json_schema",
+        ),
         (
             asked("x", tool_choice=pb.ToolChoice(mode="required"), response_format=pb.ResponseFormat(json_object=True)),
             "tool_choice",
@@ -178,12 +189,12 @@ async def test_bad_tools_are_invalid_argument_naming_the_field(openai_door: tupl
             tools=[{"type": "function", "function": {"name": "f"}}],
             tool_choice={"type": "function", "function": {"name": "g"}},
         )
-    assert bad.value.param == "tool_choice.function"
+    assert bad.value.param == "tool_choice.function.name"  # as OpenAI's request names it
     with pytest.raises(openai.BadRequestError) as bad:  # required, but nothing to call
         await client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "x"}], tool_choice="required"
         )
-    assert bad.value.param == "tool_choice.mode"
+    assert bad.value.param == "tool_choice"
     batches = batch_pb2_grpc.BatchServiceStub(stack.channel)  # type: ignore[no-untyped-call]
     with pytest.raises(grpc.aio.AioRpcError) as exc:
         await batches.BatchGenerate(bpb.BatchGenerateRequest(items=[bpb.BatchItem(custom_id="a", request=asked("x"))]))

@@ -41,6 +41,11 @@ def test_a_constraint_travels_through_the_job_codec_unchanged(constraint: Respon
     assert codec.decode_job(codec.encode_job(req)).sampling.constraint == constraint
 
 
+# A schema nested 65 deep, well inside the 64-KiB bound; and one nested past Python's own stack.
+DEEP = '{"items": ' * 64 + "{}" + "}" * 64
+PAST_STACK = '{"a": ' * 5000 + "1" + "}" * 5000
+
+
 @pytest.mark.parametrize(
     ("constraint", "field", "why"),
     [
@@ -52,11 +57,19 @@ def test_a_constraint_travels_through_the_job_codec_unchanged(constraint: Respon
         (ResponseConstraint(ConstraintKind.CHOICE, options=("a", "")), "response_format.choice", "empty"),
         (ResponseConstraint(ConstraintKind.GRAMMAR, text="just words"), "response_format.grammar", "root"),
         (ResponseConstraint(ConstraintKind.GRAMMAR, text=LONG), "response_format.grammar", "at most"),
+        (ResponseConstraint(ConstraintKind.JSON_SCHEMA, text=DEEP), "response_format.json_schema", "at most 64 deep"),
+        (ResponseConstraint(ConstraintKind.JSON_SCHEMA, text=PAST_STACK), "response_format.json_schema", "not JSON"),
     ],
 )
 def test_what_needs_no_engine_is_refused_naming_the_field(constraint: ResponseConstraint, field: str, why: str) -> None:
     (v,) = sampling.violations(SamplingParams(constraint=constraint))
     assert v.field == field and why in v.description
+
+
+def test_a_schema_as_deep_as_allowed_passes_and_depth_counts_objects_and_lists() -> None:
+    assert sampling.json_depth(1) == 0 and sampling.json_depth({"a": [1, {"b": []}]}) == 4
+    ok = '{"items": ' * 63 + "{}" + "}" * 63
+    assert sampling.violations(SamplingParams(constraint=ResponseConstraint(ConstraintKind.JSON_SCHEMA, text=ok))) == []
 
 
 def test_a_constraint_excludes_ignore_eos_and_min_tokens() -> None:
@@ -152,3 +165,5 @@ def test_the_python_client_builds_one_response_format_from_keywords() -> None:
     assert not build_request("p").HasField("response_format")
     with pytest.raises(ValueError, match="one response format"):
         build_request("p", regex="x", choice=["a"])
+    with pytest.raises(TypeError, match="messages="):  # messages where the prompt goes: said so
+        build_request([("user", "hi")], json_object=True)  # type: ignore[arg-type]

@@ -1,5 +1,6 @@
--- KEYS: rate hash. ARGV: requests/s, burst, tokens/min, the hash's ttl (ms). Returns 0
--- (admitted) or {wait ms, which}. Nothing changes when refused.
+-- KEYS: rate hash. ARGV: requests/s, burst, tokens/min, the hash's ttl (ms), tokens reserved by the
+-- request (its max_tokens times its samples). Returns 0 (admitted) or {wait ms, which}. Nothing
+-- changes when refused.
 --! include redis_now
 local rps, burst, tpm = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local h = redis.call('HMGET', KEYS[1], 'r', 'rt', 't', 'tt')
@@ -13,6 +14,6 @@ if tpm > 0 then
   if t <= 0 then return {math.ceil((1 - t) * 60000 / tpm), 'tokens_per_min'} end
 end
 if rps > 0 then redis.call('HSET', KEYS[1], 'r', tostring(r - 1), 'rt', now) end
-if tpm > 0 then redis.call('HSET', KEYS[1], 't', tostring(t), 'tt', now) end
+if tpm > 0 then redis.call('HSET', KEYS[1], 't', tostring(t - (tonumber(ARGV[5]) or 0)), 'tt', now) end
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[4]))
 return 0
