@@ -7,6 +7,7 @@ limits").
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import fcntl
@@ -217,6 +218,13 @@ class TenantsFile:
                     log.warning("tenants_file_refused", path=self.path, error=str(exc), kept="the last valid version")
                 self.last_error = str(exc)
         return self._tenants
+
+    async def watch(self) -> None:
+        """Look at the file every ``RELOAD_EVERY_S`` until cancelled, so that a change is taken (and
+        logged) within a second even while no request comes to look."""
+        while True:
+            await asyncio.sleep(RELOAD_EVERY_S)
+            await asyncio.to_thread(self.current)
 
 
 # --- writing the file (the `llamamesh auth` commands)

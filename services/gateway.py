@@ -5,6 +5,7 @@ pools, admission, the gatekeeper); ``Gateway.stop`` drains and closes it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +14,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
+from llamamesh.ports import check_free
 from llamamesh.queue.gateway_stores import FileStore, Quotas
 from llamamesh.queue.protocol import BatchStore, JobQueue
 from llamamesh.settings import AuthSettings, BatchSettings, BreakerSettings, GatewaySettings, LimitsSettings
@@ -59,6 +61,9 @@ class Gateway:
     # The OpenAI-compatible HTTP door (settings.http_port), and where it listens (0: off).
     http: HttpDoor | None = None
     http_port: int = 0
+    # The tenants file (LLAMAMESH_AUTH_FILE) and the task that looks for its changes.
+    tenants: TenantsFile | None = None
+    tenants_watch: asyncio.Task[None] | None = None
 
     async def stop(self, grace_s: float) -> None:
         """Health NOT_SERVING, stop accepting, give open streams ``grace_s``, then close (the
@@ -74,6 +79,10 @@ class Gateway:
             await self.admission.stop()
         if self.sweeper is not None:
             await self.sweeper.stop()
+        if self.tenants_watch is not None:
+            self.tenants_watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.tenants_watch
         if self.health_server is not None:
             await self.health_server.stop(0)
 
@@ -83,6 +92,7 @@ async def health_only_server(
 ) -> tuple[grpc.aio.Server, int]:
     """A plaintext server of grpc.health.v1 alone (the same statuses as the main port): Kubernetes'
     native gRPC probes cannot speak TLS, so with TLS on the main port they probe this one."""
+    check_free(host, port, "LLAMAMESH_GATEWAY_HEALTH_PORT", reuse_port=share_port)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 1 if share_port else 0)])
     health_pb2_grpc.add_HealthServicer_to_server(reporter.servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
@@ -139,7 +149,7 @@ async def start_gateway(
         sweeper, routes = _batch_service(server, servicer, batches, batch, quotas, files)
     http = HttpDoor(generation, gatekeeper, settings, models, backends.adapters, routes) if settings.http_port else None
     _add_health(server, reporter, services if settings.reflection else None)
-    gateway = Gateway(server, reporter, backends, relay, 0, acceptors, sweeper, admission, http=http)
+    gateway = Gateway(server, reporter, backends, relay, 0, acceptors, sweeper, admission, http=http, tenants=tenants)
     await _start(gateway, settings, port, share_port)
     _log_started(gateway, settings, normalizer, tenants)
     return gateway
@@ -232,7 +242,7 @@ def _add_health(server: grpc.aio.Server, reporter: HealthReporter, reflected: li
     health_pb2_grpc.add_HealthServicer_to_server(reporter.servicer, server)
     if reflected is not None:
         health = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-        servicer = reflection.aio.ReflectionServicer((*reflected, health, reflection.SERVICE_NAME))
+        servicer = reflection.aio.ReflectionServicer((*reflected, health, REFLECTION_V1, reflection.SERVICE_NAME))
         # grpc.reflection.v1 (newer tools ask only it) and v1alpha (grpcurl's): one protocol under two
         # names, the same messages on the wire.
         for name in (REFLECTION_V1, reflection.SERVICE_NAME):
@@ -249,7 +259,7 @@ def _add_health(server: grpc.aio.Server, reporter: HealthReporter, reflected: li
 
 async def _start(gateway: Gateway, settings: GatewaySettings, port: int | None, share_port: bool) -> None:
     """Listen (and on the health-only port), then start serving and every background task."""
-    gateway.port = tls.bind(gateway.server, settings, port)
+    gateway.port = tls.bind(gateway.server, settings, port, share_port)
     if settings.health_port:
         gateway.health_server, gateway.health_port = await health_only_server(
             gateway.health, settings.host, settings.health_port, share_port
@@ -265,3 +275,5 @@ async def _start(gateway: Gateway, settings: GatewaySettings, port: int | None, 
         gateway.admission.start()
     if gateway.sweeper is not None:
         gateway.sweeper.start()
+    if gateway.tenants is not None:
+        gateway.tenants_watch = asyncio.create_task(gateway.tenants.watch(), name="tenants-file")

@@ -184,9 +184,9 @@ class Probes:
 
     async def result(self, p: Pool, error: str) -> None:
         """Record a probe's result ("" or what went wrong) in the pool's breaker."""
+        if error and p.breaker.state is not State.OPEN:  # said once while it fails the same way, then debug
+            (log.debug if error == p.last_probe_error else log.warning)("probe_failed", pool=p.name, error=error)
         p.last_probe_error = error
-        if error and p.breaker.state is not State.OPEN:
-            log.warning("probe_failed", pool=p.name, error=error)
         was_open = p.breaker.state is State.OPEN
         p.breaker.record(not error, probe=True, reason=error)
         if p.breaker.state is State.OPEN and not was_open:

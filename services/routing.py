@@ -96,6 +96,16 @@ def bucket(request_id: str) -> float:
     return int.from_bytes(digest, "big") / 2**64
 
 
+def _rule(raw: str) -> Rule:
+    """One rule, ``cond & cond ... -> target``; ValueError naming it."""
+    conds, arrow, target = raw.partition("->")
+    if not arrow or not target.strip() or not conds.strip():
+        raise ValueError(f"routing rule {raw!r}: expected 'condition & ... -> pool'")
+    pool, split = _split(target.strip(), raw)
+    conditions = tuple(_condition(c.strip(), raw) for c in conds.split("&"))
+    return Rule(conditions, pool, " ".join(raw.split()), split)
+
+
 def _split(target: str, rule: str) -> tuple[str, tuple[tuple[str, float], ...]]:
     """``pool`` or ``pool=weight, pool=weight, ...`` (a split by weight; at least two pools)."""
     if "=" not in target and "," not in target:
@@ -179,16 +189,10 @@ class RoutingPolicy:
         The shipped example (:data:`EXAMPLE_ROUTES`) sends a premium tenant to its dedicated pool first (it
         pays for isolation, whatever it asks), short greedy prompts to TensorRT-LLM, and very long prompts or
         narrow nucleus sampling to vLLM."""
-        rules = []
-        for raw in (r.strip() for r in text.split(";")):
-            if not raw:
-                continue
-            conds, arrow, target = raw.partition("->")
-            if not arrow or not target.strip() or not conds.strip():
-                raise ValueError(f"routing rule {raw!r}: expected 'condition & ... -> pool'")
-            pool, split = _split(target.strip(), raw)
-            conditions = tuple(_condition(c.strip(), raw) for c in conds.split("&"))
-            rules.append(Rule(conditions, pool, " ".join(raw.split()), split))
+        try:
+            rules = [_rule(raw) for raw in (r.strip() for r in text.split(";")) if raw]
+        except ValueError as exc:
+            raise ValueError(f"LLAMAMESH_GATEWAY_ROUTES: {exc}") from exc
         return cls(tuple(rules), count_tokens)
 
     @property

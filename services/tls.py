@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 import structlog
 
+from llamamesh.ports import check_free
 from llamamesh.settings import GatewaySettings
 
 log = structlog.get_logger(__name__)
@@ -130,19 +131,21 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def bind(server: grpc.aio.Server, settings: GatewaySettings, port: int | None = None) -> int:
+def bind(server: grpc.aio.Server, settings: GatewaySettings, port: int | None = None, share_port: bool = False) -> int:
     """Open ``settings.host`` on ``port`` (None: ``settings.port``; 0: a free one) with TLS when
     ``tls_cert`` and ``tls_key`` are set, else plaintext; returns the port bound. Raises ValueError
-    for TLS settings that are incomplete or do not load, OSError when the port cannot be bound.
+    for TLS settings that are incomplete or do not load, OSError (naming LLAMAMESH_GATEWAY_PORT) when
+    the port cannot be bound; ``share_port``: the gateway's own processes share it.
     With ``tls_client_ca`` too, a client without a certificate signed by that CA is refused at the
     handshake (it sees UNAVAILABLE; no handler runs). Plaintext is logged as ``gateway_plaintext``
     (a warning) when the host is not a loopback address."""
     port = settings.port if port is None else port
     address = f"{settings.host}:{port}"
     tls = bool(settings.tls_cert or settings.tls_key or settings.tls_client_ca)
+    check_free(settings.host, port, "LLAMAMESH_GATEWAY_PORT", reuse_port=share_port)
     bound = server.add_secure_port(address, server_credentials(settings)) if tls else server.add_insecure_port(address)
     if bound == 0:
-        raise OSError(f"cannot listen on {address}")
+        raise OSError(f"LLAMAMESH_GATEWAY_PORT: cannot listen on {address}")
     if not tls and not is_loopback(settings.host):
         log.warning("gateway_plaintext", host=settings.host, port=bound)
     return int(bound)

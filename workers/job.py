@@ -257,7 +257,7 @@ class Job:
             fields.update(status="handed_back")
         else:
             fields.update(status="ok")
-        log.info("job_finished", **fields)
+        (log.debug if self.probe else log.info)("job_finished", **fields)  # (the gateways' probes: every second)
         if not self.probe:
             status = "cancelled" if _outcome(event) == "cancelled" else str(fields["status"])
             metrics.JOBS_FINISHED.labels(self.lease.pool, status).inc()

@@ -29,7 +29,8 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         if name == "submit":
             _submit_flags(a)
         elif name == "list":
-            a.add_argument("--limit", type=flags.at_least(1), default=20)
+            limit = flags.between(1, 100)
+            a.add_argument("--limit", type=limit, default=20, help="batches listed, newest first (1-100; default 20)")
         else:
             a.add_argument("id", help="the batch id")
         if name == "results":

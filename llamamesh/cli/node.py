@@ -29,6 +29,7 @@ from llamamesh import metrics
 from llamamesh.cli.embedded import EmbeddedRedis
 from llamamesh.client import Client
 from llamamesh.errors import QueueUnavailable
+from llamamesh.ports import check_free, free_port
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import Settings, prometheus_multiproc_dir
 from llamamesh.supervisor import Child, ChildState, Supervisor
@@ -53,6 +54,9 @@ class WorkerView:
     detail: str
     since_unix_s: float
 
+
+# What gRPC's handshake error says when the gateway's certificate is not trusted, or not for its address.
+UNTRUSTED = ("CERTIFICATE_VERIFY_FAILED", "not in peer certificate", "Peer name")
 
 # The HTTP door of an embedded node, where it is free (the port OpenAI-compatible servers use).
 HTTP_PORT = 8000
@@ -111,6 +115,10 @@ class Node:
                 "the gateway asks clients for a certificate (LLAMAMESH_GATEWAY_TLS_CLIENT_CA): set "
                 "LLAMAMESH_CLIENT_TLS_CERT and LLAMAMESH_CLIENT_TLS_KEY so the node can watch it start"
             )
+        g = self.settings.gateway
+        for setting, port in (("LLAMAMESH_GATEWAY_PORT", g.port), ("LLAMAMESH_GATEWAY_HEALTH_PORT", g.health_port)):
+            check_free(g.host, port, setting, reuse_port=g.share_port)
+        self._check_worker_health_ports()
         if not self.settings.redis.url:
             self._embedded = EmbeddedRedis(self.settings.redis.embedded_dir)
             url = self._embedded.start()
@@ -120,26 +128,21 @@ class Node:
         g, w = self.settings.gateway, self.settings.worker
         self.settings = self.settings.with_overrides(
             gateway={
-                "metrics_port": g.metrics_port or _free_port(g.host),
-                "http_port": g.http_port or _free_port(g.host, HTTP_PORT),
+                "metrics_port": g.metrics_port or free_port(g.host),
+                "http_port": g.http_port or free_port(g.host, HTTP_PORT),
             },
-            worker={"metrics_port": w.metrics_port or _free_port(w.metrics_host)},
+            worker={"metrics_port": w.metrics_port or free_port(w.metrics_host)},
         )
         w = self.settings.worker
         self._metrics = metrics.Aggregate(w.metrics_port, w.metrics_host, "worker", prometheus_multiproc_dir())
         env = self.settings.to_env()
-        worker_env = {
-            **env,
-            "LLAMAMESH_WORKER_METRICS_PORT": "0",
-            "LLAMAMESH_WORKER_HEALTH_PORT": "0",
-            **self._metrics.children_env(),
-        }
+        worker_env = {**env, "LLAMAMESH_WORKER_METRICS_PORT": "0", **self._metrics.children_env()}
         if self._log_file is not None:
             self._log_file.parent.mkdir(parents=True, exist_ok=True)
             self._log_handle = self._log_file.open("ab")
         children = [Child("gateway", (sys.executable, "-m", "services"), env, essential=True)]
         children += [
-            Child(f"worker-{i}", (sys.executable, "-m", "workers"), {**worker_env, "LLAMAMESH_WORKER_CONSUMER": name})
+            Child(f"worker-{i}", (sys.executable, "-m", "workers"), {**worker_env, **self._worker_env(i, name)})
             for i, name in enumerate(self.worker_names)
         ]
         self.supervisor = Supervisor(children, output=self._log_handle, on_exit=self._worker_exited)
@@ -154,6 +157,25 @@ class Node:
             workers=self._n_workers,
             metrics=self.metrics_urls,
         )
+
+    def _check_worker_health_ports(self) -> None:
+        w = self.settings.worker
+        if w.health_port and w.health_port + self._n_workers - 1 > 65535:
+            raise OSError(f"LLAMAMESH_WORKER_HEALTH_PORT: {self._n_workers} workers need ports up to 65535")
+        for i in range(self._n_workers if w.health_port else 0):
+            check_free(w.metrics_host, w.health_port + i, "LLAMAMESH_WORKER_HEALTH_PORT")
+
+    def _worker_env(self, i: int, name: str) -> dict[str, str]:
+        """Worker ``i``'s own settings: its consumer name, and its health port (the setting's port plus
+        ``i``; none when the setting is 0)."""
+        port = self.settings.worker.health_port
+        return {"LLAMAMESH_WORKER_CONSUMER": name, "LLAMAMESH_WORKER_HEALTH_PORT": str(port + i if port else 0)}
+
+    @property
+    def health_urls(self) -> list[str]:
+        """Each worker's HTTP health base URL (empty without LLAMAMESH_WORKER_HEALTH_PORT)."""
+        w = self.settings.worker
+        return [f"http://{w.metrics_host}:{w.health_port + i}" for i in range(self._n_workers)] if w.health_port else []
 
     def _worker_exited(self, state: ChildState) -> None:
         """Write the exit into the worker's heartbeat (keeping the reason it gave, if it failed to
@@ -216,7 +238,13 @@ class Node:
         """Whether the gateway answers its health check with SERVING."""
         try:
             return bool(await client.health() == health_pb2.HealthCheckResponse.SERVING)
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as exc:
+            if any(sign in (exc.details() or "") for sign in UNTRUSTED):
+                raise StartFailed(
+                    "the gateway's certificate (LLAMAMESH_GATEWAY_TLS_CERT) does not verify: set "
+                    "LLAMAMESH_CLIENT_TLS_CA to the CA that signed it (and LLAMAMESH_CLIENT_TLS_SERVER_NAME to a "
+                    "name it holds)"
+                ) from exc
             return False
 
     async def wait_ready(self, out: IO[str] | None = None, timeout_s: float | None = None) -> float:
@@ -253,6 +281,8 @@ class Node:
                 show.done(f"OpenAI-compatible HTTP: {self.http_url}")
                 for role, url in self.metrics_urls.items():
                     show.done(f"metrics ({role}): {url}")
+                for i, url in enumerate(self.health_urls):
+                    show.done(f"health (worker-{i}): {url}/readyz")
                 return time.monotonic() - t0
             for v in views or ():
                 if v.state == WorkerState.FAILED.value:
@@ -280,6 +310,7 @@ class Node:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM every child (they drain), kill what outlives ``timeout_s``, stop Redis."""
+        started = self.supervisor is not None or self._embedded is not None
         if self.supervisor is not None:
             self.supervisor.stop(timeout_s)
             self.supervisor = None
@@ -292,17 +323,8 @@ class Node:
         if self._log_handle is not None:
             self._log_handle.close()
             self._log_handle = None
-        log.info("node_stopped")
-
-
-def _free_port(host: str, preferred: int = 0) -> int:
-    """``preferred`` where it is free, else a free port."""
-    with socket.socket() as s:
-        try:
-            s.bind((host, preferred))
-        except OSError:
-            s.bind((host, 0))
-        return int(s.getsockname()[1])
+        if started:
+            log.info("node_stopped")
 
 
 def _doing(views: list[WorkerView] | None, took: bool = True) -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -17,6 +16,7 @@ from llamamesh import logs
 from llamamesh.cli import flags
 from llamamesh.cli.generate import stream_answer
 from llamamesh.cli.node import Node, StartFailed
+from llamamesh.ports import free_port
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -61,7 +61,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     settings = flags.settings(args)
     if args.port is None:  # a free port, so a demo never collides with a running node
-        settings = settings.with_overrides(gateway={"port": _free_port()})
+        settings = settings.with_overrides(gateway={"port": free_port()})
     logs.configure(replace(settings.log, level="warning", format="console"), "demo")
     log_file = Path(tempfile.gettempdir()) / "llamamesh-demo.log"
     node = Node(settings, workers=1, log_file=log_file)
@@ -91,9 +91,3 @@ def become(module: str, args: argparse.Namespace) -> int:
         os.putenv(name, value)
     os.execv(sys.executable, [sys.executable, "-m", module])
     return 1  # not reached
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -39,6 +39,8 @@ def build_request(prompt: str | None = None, messages: Messages | None = None, *
         fields["response_format"] = fmt
     req = pb.GenerateRequest(**{k: v for k, v in fields.items() if v is not None})
     if prompt is not None:
+        if not isinstance(prompt, str):  # (chat messages passed where the prompt goes)
+            raise TypeError(f"prompt: a str, got {type(prompt).__name__}; chat messages go in messages=[...]")
         req.prompt = prompt
     for m in messages or ():
         req.messages.append(m if isinstance(m, pb.ChatMessage) else pb.ChatMessage(role=m[0], content=m[1]))

@@ -23,7 +23,8 @@ class GatewaySettings(Section, section="gateway"):
 
     http_port: int = setting(0, PORT)
     """The OpenAI-compatible HTTP door (services/http/door.py: /v1/chat/completions, /v1/completions,
-    /v1/models) on this port (host: ``host``; TLS and authentication as the gRPC port). 0: off; the
+    /v1/models, and with the batch service /v1/files and /v1/batches) on this port (host: ``host``; TLS and
+    authentication as the gRPC port). 0: off; the
     embedded node (``llamamesh serve``/``demo``) opens it on 8000 unless this is set."""
 
     max_tokens_cap: int = setting(4096, Range(1))

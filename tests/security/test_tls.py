@@ -9,6 +9,7 @@ import contextlib
 import os
 import shutil
 import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -394,6 +395,28 @@ async def test_a_node_with_a_mutual_tls_gateway_becomes_ready(pki: PKI, tmp_path
         await node.wait_ready(timeout_s=90)
         async with node.client() as c:
             assert [m.id for m in await c.list_models()] == ["smollm2-135m-instruct"]
+    finally:
+        node.stop()
+
+
+@pytest.mark.timeout(120)
+async def test_a_node_whose_gateway_certificate_its_client_cannot_verify_stops_saying_which_setting(
+    pki: PKI, tmp_path: Path
+) -> None:
+    """A gateway certificate from a private CA, and no LLAMAMESH_CLIENT_TLS_CA: the node cannot watch
+    its gateway start; it stops at once naming the setting, instead of waiting out its start timeout."""
+    settings = Settings().with_overrides(
+        redis={"embedded_dir": str(tmp_path / "redis")},
+        gateway={"port": free_port(), "tls_cert": str(pki.server.cert), "tls_key": str(pki.server.key)},
+        worker={"engine": "fake", "consumer": "tls-untrusted"},
+    )
+    node = Node(settings, log_file=tmp_path / "node.log")
+    try:
+        node.start()
+        t0 = time.monotonic()
+        with pytest.raises(StartFailed, match="LLAMAMESH_CLIENT_TLS_CA"):
+            await node.wait_ready(timeout_s=90)
+        assert time.monotonic() - t0 < 60
     finally:
         node.stop()
 

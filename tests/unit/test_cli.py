@@ -178,7 +178,11 @@ def test_a_command_that_fails_says_why_in_one_line() -> None:
         lines = out.stderr.strip().splitlines()
         assert out.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), (args, out.stderr)
     assert "LLAMAMESH_CLIENT_TLS_CA (--tls-ca)" in out.stderr
-    for args, flag in ((["top", "--interval", "0"], "--interval"), (["batch", "list", "--limit", "-3"], "--limit")):
+    for args, flag in (
+        (["top", "--interval", "0"], "--interval"),
+        (["batch", "list", "--limit", "-3"], "--limit"),
+        (["batch", "list", "--limit", "101"], "--limit"),
+    ):
         out = run(*args, "--address", nobody)
         assert out.returncode == 2 and f"argument {flag}" in out.stderr, out.stderr
 
@@ -211,6 +215,18 @@ def test_a_process_of_a_node_says_in_one_line_what_it_cannot_start_with(tmp_path
             {"LLAMAMESH_WORKER_HEALTH_PORT": port, "LLAMAMESH_WORKER_ENGINE": "fake", "LLAMAMESH_REDIS_URL": redis},
             "LLAMAMESH_WORKER_HEALTH_PORT",
         ),
+        (("gateway",), {"LLAMAMESH_GATEWAY_PORT": port, "LLAMAMESH_REDIS_URL": redis}, "LLAMAMESH_GATEWAY_PORT"),
+        (
+            ("gateway",),
+            {
+                "LLAMAMESH_GATEWAY_HTTP_PORT": port,
+                "LLAMAMESH_GATEWAY_PORT": str(free_port()),
+                "LLAMAMESH_REDIS_URL": redis,
+            },
+            "LLAMAMESH_GATEWAY_HTTP_PORT",
+        ),
+        (("serve", "--engine", "fake", "--port", port), {}, "LLAMAMESH_GATEWAY_PORT"),
+        (("serve", "--engine", "fake"), {"LLAMAMESH_WORKER_HEALTH_PORT": port}, "LLAMAMESH_WORKER_HEALTH_PORT"),
     ]
     with taken:
         for args, env, setting in cases:
@@ -218,6 +234,8 @@ def test_a_process_of_a_node_says_in_one_line_what_it_cannot_start_with(tmp_path
             last = out.stderr.strip().splitlines()[-1]
             assert out.returncode == 1 and "Traceback" not in out.stderr, (args, env, out.stderr)
             assert last.startswith("error: ") and setting in last, (args, env, out.stderr)
+            if "PORT" in setting and "serve" in args:  # stopped before anything started: that line alone
+                assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
 def test_flags_that_do_not_go_together_are_one_line(tmp_path: Path) -> None:

@@ -96,7 +96,7 @@ def test_model_priority_and_operators() -> None:
     ],
 )
 def test_bad_rules_are_rejected_naming_the_rule(text: str, message: str) -> None:
-    with pytest.raises(ValueError, match="routing rule") as exc:
+    with pytest.raises(ValueError, match=r"^LLAMAMESH_GATEWAY_ROUTES: routing rule") as exc:
         RoutingPolicy.parse(f"top_p < 0.8 -> vllm; {text}")
     assert message in str(exc.value)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import stat
@@ -14,6 +16,7 @@ import structlog
 from llamamesh import errors, tenants
 from llamamesh.settings import LimitsSettings
 from llamamesh.tenants import Tenants, TenantsFile, create_key, list_keys, revoke_key
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -130,3 +133,22 @@ def test_create_key_refuses_a_bad_tenant_name(tmp_path: Path) -> None:
 def test_a_limit_out_of_range_is_refused_naming_it_as_the_file_does(limits: dict[str, object], named: str) -> None:
     with pytest.raises(ValueError, match=f"tenants.acme.{named}"):
         Tenants.parse(doc(acme={"limits": limits}), LimitsSettings())
+
+
+async def test_a_watched_file_is_taken_and_logged_with_no_request_to_look(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tenants, "RELOAD_EVERY_S", 0.01)
+    path = tmp_path / "t.json"
+    create_key(str(path), "acme")
+    file = TenantsFile(str(path), LimitsSettings())
+    with structlog.testing.capture_logs() as logs:
+        watch = asyncio.create_task(file.watch())
+        try:
+            path.write_text("{not json")
+            os.utime(path, (time.time() + 5, time.time() + 5))
+            await until(lambda: [e for e in logs if e["event"] == "tenants_file_refused"], 5, "the refusal logged")
+        finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
