@@ -267,11 +267,16 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
         cursor = cursor or "0-0"
         if not CURSOR.match(cursor):
             raise InvalidRequest.field("cursor", "not a BatchResult.cursor")
+        # An item's result once per stream: a result Redis lost after it was sent is recorded again
+        # when its item runs again, under a later cursor.
+        sent: set[str] = set()
         while True:
             ended = info.state.ended
             got = await self._store.results(info.batch_id, cursor, self._block_ms if follow and not ended else None)
             for cursor, result in got:
-                yield result_pb(info.batch_id, cursor, result)
+                if result.custom_id not in sent:
+                    sent.add(result.custom_id)
+                    yield result_pb(info.batch_id, cursor, result)
             if not got and (ended or not follow):
                 return
             if not got:  # nothing within block_ms: has the batch ended meanwhile?

@@ -44,7 +44,8 @@ class Liveness:
         one, check that its worker is still alive (or, before any worker took it, that its pool can
         still serve it better than the fallback): otherwise raise WorkerLost (the request may go
         elsewhere), or NoWorkers (see ``check_pool``). Raises QueueUnavailable when Redis came back
-        without its data (its events and job may be gone: never wait on them)."""
+        without its data and the job is not in what it holds now (its events and job may be gone:
+        never wait on them)."""
         backends = self._backends
         # One read of the events with an idle signal, not a task and a timed wait per event: at one
         # event per token per stream those cost a large share of the gateway's CPU.
@@ -55,7 +56,11 @@ class Liveness:
         try:
             async for item in events:
                 if self._queue_generation() != generation:
-                    raise errors.QueueUnavailable("Redis came back without its data: this request was lost")
+                    # Lost, unless queued to the data Redis holds now (after it came back, before the
+                    # gateway saw that it had: such a job runs there).
+                    if not await self._queue.queued(pool, job_id):
+                        raise errors.QueueUnavailable("Redis came back without its data: this request was lost")
+                    generation = self._queue_generation()
                 if item is None:  # nothing for idle_s
                     self._check_waiting(pool, worker)
                     continue

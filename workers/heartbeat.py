@@ -43,6 +43,7 @@ class Heartbeat:
         self._adapters = adapters
         self._name = settings.consumer_name()
         self._steps_counted = 0  # of the engine's step counter, added to llamamesh_engine_steps_total
+        self._epoch = ""  # the queue's data's, as the last beat saw it
 
     def status(self) -> WorkerStatus:
         """What the heartbeat says now (while starting: what the engine's start is doing); updates the
@@ -102,5 +103,23 @@ class Heartbeat:
             if self._batches is not None and self._jobs.batch_running:
                 items = [x.item_ref for x in self._jobs.batch_running.values()]
                 await self._batches.touch(self._s.pool, self._name, items)
+            epoch = await self._queue.epoch()
         except QueueUnavailable:
             log.warning("heartbeat_failed")
+            return
+        if self._epoch and epoch != self._epoch and not await self._data_lost():
+            return  # (looked at again next beat)
+        self._epoch = epoch
+
+    async def _data_lost(self) -> bool:
+        """Redis came back without its data: stop the jobs running here that were not queued to what
+        it holds now (those queued since it came back run on; batch items' results land in no batch)."""
+        running = list(self._jobs.running.items())
+        try:
+            lost = [rid for rid, lease in running if not await self._queue.queued(lease.pool, rid)]
+        except QueueUnavailable:
+            log.warning("heartbeat_failed")
+            return False
+        await self._jobs.forsake(lost)
+        log.error("redis_data_lost", jobs_stopped=len(lost), detail="Redis answers without the queue's data")
+        return True

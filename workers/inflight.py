@@ -79,6 +79,7 @@ class Inflight:
 
     def _done(self, rid: str, task: asyncio.Task[None]) -> None:
         self.tasks.pop(rid, None)
+        self._outbox.release(rid)
         started = self._batch_started.pop(rid, None)
         if started is not None and self._allowance is not None:
             self._allowance.item_done(time.monotonic() - started)
@@ -87,6 +88,19 @@ class Inflight:
         self._life.slot_free.set()
         if not task.cancelled() and isinstance(task.exception(), EngineDead):
             self._life.engine_died = task.exception()  # type: ignore[assignment]
+
+    async def forsake(self, rids: list[str]) -> None:
+        """Redis came back without its data: these interactive jobs running here belong to data that
+        is gone (their records, streams and leases). Stop them, writing nothing more (a request sent
+        again under the same id runs as a new job, whose stream theirs must not mix into)."""
+        self._outbox.forsake(rids)
+        tasks = [self.tasks[rid] for rid in rids if rid in self.tasks]
+        for rid in rids:
+            await self._samples.abort(rid)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
 
     async def drain(self, grace_s: float) -> None:
         """Give the jobs ``grace_s`` to finish, abort the rest (they end worker_lost: handed back), then

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 import structlog
 
@@ -56,6 +56,8 @@ class Outbox:
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
         self.publishes = 0
+        # Jobs of data Redis lost (``forsake``): nothing more of theirs is written.
+        self._forsaken: set[str] = set()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="outbox")
@@ -81,8 +83,26 @@ class Outbox:
         self._queue_event(lease, event)
         self._wake.set()
 
+    def forsake(self, rids: Iterable[str]) -> None:
+        """Write nothing more of these jobs (Redis came back without their data: their streams,
+        records and leases are gone, and a request sent again under the same id must not see their
+        events), until ``release``."""
+        for rid in rids:
+            self._forsaken.add(rid)
+            self._pending.pop(rid, None)
+            self._watch.pop(rid, None)
+            if (fut := self._terminal_done.pop(rid, None)) is not None and not fut.done():
+                fut.set_result(None)
+        self._order = [rid for rid in self._order if rid not in self._forsaken]
+
+    def release(self, rid: str) -> None:
+        """The forsaken job ``rid`` ended: a new job under its id is written again."""
+        self._forsaken.discard(rid)
+
     def _queue_event(self, lease: Lease, event: JobEvent) -> None:
         rid = lease.request.request_id
+        if rid in self._forsaken:
+            return
         prev = self._pending.get(rid)
         if prev is None:
             self._pending[rid] = (lease, [event])
@@ -97,9 +117,9 @@ class Outbox:
         it is written and the job acked (a hand-back, ``JobEvent.handed_back``: written, not acked).
         Cancelling the waiter does not withdraw the event. Returns at once if the flusher failed: the
         event cannot be written, and the worker is leaving."""
-        if self.failed is not None:
-            return
         rid = lease.request.request_id
+        if self.failed is not None or rid in self._forsaken:
+            return
         self._queue_event(lease, event)
         done = self._terminal_done[rid] = asyncio.get_running_loop().create_future()
         self._wake.set()

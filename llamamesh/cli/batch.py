@@ -157,10 +157,15 @@ async def _list(stub: Any, meta: Metadata, args: argparse.Namespace, out: TextIO
 
 
 async def _results(stub: Any, meta: Metadata, args: argparse.Namespace, out: TextIO) -> None:
-    """Each result as a JSONL line on ``out``, then their count on stderr."""
+    """Each result as a JSONL line on ``out``, then their count on stderr. An item's result comes
+    once: a repeat (its first result lost with Redis's last second, the item run again) is skipped."""
     request = bpb.StreamBatchResultsRequest(batch_id=args.id, cursor=args.cursor or "", follow=args.follow)
     n = 0
+    seen: set[str] = set()
     async for r in stub.StreamBatchResults(request, metadata=meta):
+        if r.custom_id in seen:
+            continue
+        seen.add(r.custom_id)
         out.write(batchfile.result_line(r) + "\n")
         n += 1
     print(f"[{n} results]", file=sys.stderr)

@@ -100,6 +100,12 @@ class Jobs(Protocol):
         that many jobs of the tenant already wait there unleased (a bound per tenant: one tenant
         cannot fill the pool for the others). Raises QueueUnavailable."""
 
+    async def queued(self, pool: str, request_id: str) -> bool:
+        """Whether the job was queued to the pool in the data Redis holds now (its submitted marker,
+        kept ``Retention.submitted_s``, is there): after Redis came back without its data, a job
+        queued since is not lost. Raises QueueUnavailable."""
+        ...
+
     def events(self, request_id: str, after: str = "0-0") -> AsyncGenerator[tuple[str, JobEvent], None]:
         """Yield (event id, event) after ``after`` as they arrive, ending after the terminal event.
         Events that queued up unread may come merged into one (``JobEvent.then``; never a failure,
@@ -228,6 +234,14 @@ class JobQueue(Jobs, RequestLog, Registry, QueueState, AdapterRegistry, Protocol
 
 class WorkQueue(AdapterRegistry, Protocol):
     """A worker's side: lease jobs from a pool, publish their events, ack them."""
+
+    async def epoch(self) -> str:
+        """As ``QueueState.epoch``: a worker whose jobs' data Redis lost sees it change."""
+        ...
+
+    async def queued(self, pool: str, request_id: str) -> bool:
+        """As ``Jobs.queued``: which of its jobs were queued to the data Redis holds now."""
+        ...
 
     async def join(self, pool: str) -> None:
         """Create the pool's work stream and consumer group if missing."""

@@ -107,6 +107,9 @@ class RedisQueue:
     async def submit(self, pool: str, request: GenerationRequest, max_waiting: int = 0, weight: float = 1.0) -> None:
         await self._work.submit(pool, request, max_waiting, weight)
 
+    async def queued(self, pool: str, request_id: str) -> bool:
+        return await self._work.queued(pool, request_id)
+
     def events(self, request_id: str, after: str = "0-0") -> AsyncGenerator[tuple[str, JobEvent], None]:
         return self._events.events(request_id, after)
 

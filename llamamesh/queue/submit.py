@@ -111,6 +111,10 @@ class WorkStreams:
             raise QueueFull(f"pool {pool!r} {whose} {waiting} requests waiting (at most {max_waiting}); retry later")
         self.replicas.check(replies, "the submission")
 
+    async def queued(self, pool: str, request_id: str) -> bool:
+        with unreachable():
+            return bool(await self._r.exists(self.keys.submitted(pool, request_id)))
+
     async def join(self, pool: str) -> None:
         """The default tenant's streams and groups, and the pool's affinity partitions recorded (on),
         or checked to be none (off): QueueMisconfigured when they differ."""

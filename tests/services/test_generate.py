@@ -276,6 +276,9 @@ async def test_redis_back_without_its_data_ends_open_streams_and_holds_readiness
     call = stack.stub.Generate(pb.GenerateRequest(prompt="long one", max_tokens=500))
     assert (await call.read()).token_ids
     stack.queue.lose_data()  # what a restart without persistence looks like
+    # Queued to the data Redis holds now, before the gateway saw what happened: not lost.
+    since = stack.stub.Generate(pb.GenerateRequest(prompt="since", max_tokens=20))
+    assert (await since.read()).token_ids
     await stack.gateway.health.check_now()
     assert stack.gateway.health.data_losses == 1
     health = health_pb2_grpc.HealthStub(stack.channel)
@@ -284,6 +287,10 @@ async def test_redis_back_without_its_data_ends_open_streams_and_holds_readiness
     with pytest.raises(grpc.aio.AioRpcError) as ei:
         await asyncio.wait_for(_drain(call), 5)
     assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "without its data" in (ei.value.details() or "")
+    last = pb.GenerateResponse()
+    while (m := await since.read()) is not grpc.aio.EOF:
+        last = m
+    assert last.finish_reason == pb.FINISH_REASON_LENGTH and last.usage.completion_tokens == 20
 
 
 async def _drain(call: grpc.aio.UnaryStreamCall) -> None:

@@ -301,6 +301,15 @@ async def test_watched_gives_up_on_a_worker_that_stopped_answering_and_on_a_queu
     generation[0] = 1  # Redis came back without its data
     with pytest.raises(errors.QueueUnavailable, match="without its data"):
         await anext(lost)
+    # A job queued to the data Redis holds now (after it came back, before the gateway saw it had)
+    # is not lost: its stream goes on.
+    await q.submit("cpu", GenerationRequest(request_id="m", model="tiny", prompt="x"))
+    await q.end("m", tok(0, 1))
+    kept = Liveness(q, SETTINGS, b, lambda: generation[0]).watched("cpu", "m")
+    assert (await anext(kept)).token_ids == (1,)
+    generation[0] = 2
+    await q.end("m", tok(1, 2))
+    assert (await anext(kept)).token_ids == (2,)
 
 
 @pytest.mark.parametrize("step", ["begin", "submit"])

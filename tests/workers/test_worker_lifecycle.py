@@ -315,3 +315,33 @@ async def test_an_event_writer_that_breaks_while_draining_cuts_the_drain_short(r
 
 def _logged(logs: list[dict[str, object]], event: str) -> bool:
     return any(e["event"] == event for e in logs)
+
+
+async def test_jobs_of_data_redis_lost_stop_writing_and_the_worker_serves_on(redis_settings: RedisSettings) -> None:
+    """Redis comes back empty (its keys gone, the epoch with them) while a job runs: the worker sees
+    the queue's epoch change at its next heartbeat, stops that job and writes nothing more of it (a
+    request sent again under its id must not see the old job's events), and serves new jobs."""
+    ws = settings("w-lost", fake_step_s=0.02, grace_s=0)
+    queue = RedisQueue.from_settings(redis_settings)
+    engine = FakeEngine(ws)
+    stop = asyncio.Event()
+    worker, task = running(ws, queue, engine, stop)
+    try:
+        events, _first = await streaming(worker, queue, "old")
+        await events.aclose()
+        with capture_logs() as logs:
+            async for key in queue.client.scan_iter(f"{queue.keys.prefix}:*"):  # what a restart empty leaves
+                await queue.client.delete(key)
+            await until(lambda: _logged(logs, "redis_data_lost"), 5, "the worker to see the data lost")
+        assert "old" in engine.aborted and "old" not in worker.jobs
+        written = await queue.client.xlen(queue.keys.events("old"))
+        await queue.join("cpu")
+        _events, first = await streaming(worker, queue, "new")  # a new job runs and is written
+        assert first.token_ids
+        assert written <= 3  # what it wrote in the heartbeat before it saw (at most a few steps)
+        assert await queue.client.xlen(queue.keys.events("old")) == written
+    finally:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 10)
+        await queue.close()

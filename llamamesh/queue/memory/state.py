@@ -34,6 +34,8 @@ class MemoryState:
         # caller id -> ("a": ahead of its Generate, until the deadline; "1": while its request lives)
         self._called_off: dict[str, tuple[str, float]] = {}
         self._epoch = uuid.uuid4().hex
+        # (pool, request id) -> the epoch its job was queued in: ``queued`` (a lost epoch's are not).
+        self.queued_in: dict[tuple[str, str], str] = {}
         self.dead: list[tuple[str, GenerationRequest, str, int]] = []
         self._attempts: dict[str, list[Attempt]] = {}
         self._adapters: dict[str, dict[str, str]] = {}  # pool -> run-time LoRA adapters

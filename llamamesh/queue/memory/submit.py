@@ -29,7 +29,12 @@ class MemorySubmission(MemoryState):
             self._pool(pool).part[entry_id] = self._partition(pool, tenant, request)
             self._pool(pool).born[entry_id] = time.monotonic()
         waiting.append((entry_id, request))
+        self.queued_in[(pool, request.request_id)] = self._epoch
         await self._notify()
+
+    async def queued(self, pool: str, request_id: str) -> bool:
+        self._check()
+        return self.queued_in.get((pool, request_id)) == self._epoch
 
     def _partition(self, pool: str, tenant: str, request: GenerationRequest) -> int:
         """The job's partition: its key's hash, or (balanced) where its key is placed."""
