@@ -115,9 +115,12 @@ class HttpDoor:
                     who = self._who(request, method)
                     self._gate.active += 1
                     try:
-                        return await work(request, who)
+                        answer = await work(request, who)
                     finally:
                         self._gate.active -= 1
+                if not answer.prepared and "x-request-id" not in answer.headers:  # every answer carries one
+                    answer.headers.update(_request_id(request))
+                return answer
             except web.HTTPException:
                 raise  # (a path or method this door lacks: _errors)
             except Exception as exc:  # recorded by call(); answered in OpenAI's shape (anything else: 500, logged)
@@ -201,8 +204,14 @@ class HttpDoor:
         try:
             async with aclosing(merged(streams)) as responses:
                 async for i, r in responses:
+                    if r.finish_reason == pb.FINISH_REASON_CANCELLED:  # (OpenAI's answers have no such end)
+                        raise errors.FailedPrecondition(
+                            f"request {out.request_id or base_id!r} was cancelled (a Cancel, or its caller went "
+                            "away before it ended): send it again under a new x-request-id"
+                        )
                     if parsed.stream:
-                        await event(await begun(), out.chunk(r, i))
+                        for chunk in out.chunks(r, i):
+                            await event(await begun(), chunk)
                     else:
                         out.add(r, i)
         except errors.LlamameshError as exc:

@@ -174,6 +174,17 @@ class Completion:
             "text_offset": [],
         }
 
+    def chunks(self, r: pb.GenerateResponse, prompt: int = 0) -> list[dict[str, Any]]:
+        """The streamed chunks of one response: its chunk, and for tool calls that end the choice, their
+        finish reason in a chunk of its own after them, as OpenAI sends it (the SDKs' stream helpers
+        say a call is done on that chunk)."""
+        one = self.chunk(r, prompt)
+        if not (self.chat and r.tool_calls and r.finish_reason):
+            return [one]
+        (choice,) = one["choices"]
+        ends = {**one, "choices": [{**choice, "delta": {}, "logprobs": None}]}
+        return [{**one, "choices": [{**choice, "finish_reason": None}]}, ends]
+
     def chunk(self, r: pb.GenerateResponse, prompt: int = 0) -> dict[str, Any]:
         """The streamed chunk of one response (the first of each choice carries the role)."""
         index = self.add(r, prompt)

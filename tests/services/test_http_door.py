@@ -180,6 +180,9 @@ async def test_bad_requests_are_400_naming_the_callers_field(client: openai.Asyn
     with pytest.raises(openai.BadRequestError) as exc:
         await client.chat.completions.create(model="tiny", messages=CHAT, n=0)
     assert exc.value.response.headers["x-request-id"]  # made for it
+    models = await client.models.with_raw_response.list(extra_headers={"x-request-id": "models-1"})
+    assert models.headers["x-request-id"] == "models-1"  # every answer, not only completions'
+    assert (await client.models.with_raw_response.retrieve("tiny")).headers["x-request-id"]
 
 
 async def test_a_prompt_longer_than_the_model_is_400_whether_streamed_or_not(client: openai.AsyncOpenAI) -> None:
@@ -281,6 +284,15 @@ async def test_a_caller_that_goes_away_cancels_its_request(door: tuple[Stack, st
     aborted = lambda: "goes-away" in stack.engine.aborted and stack.queue.pending("cpu") == {}  # noqa: E731
     await until(aborted, 10, "the engine's abort and the job's ack")
     await until(lambda: cancelled._value.get() > before, 10, "the call to end CANCELLED")
+    # The same id again (an SDK's retry after its own timeout): not the cut-off answer as a success,
+    # nor an end OpenAI's answers do not have, but an error saying what to do.
+    for stream in (False, True):
+        async with aiohttp.ClientSession() as s:
+            again = {**body, "stream": stream}
+            async with s.post(f"{door[1]}/chat/completions", json=again, headers=headers) as r:
+                text = await r.text()
+        assert "abort" not in text and "send it again under a new x-request-id" in text, text
+        assert r.status == 400 or (stream and r.status == 200 and text.rstrip().endswith("}")), (r.status, text)
 
 
 async def test_the_sync_sdk_too(door: tuple[Stack, str]) -> None:

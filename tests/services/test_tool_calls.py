@@ -121,7 +121,14 @@ async def test_the_sdk_sees_tool_calls_whole_and_streamed(openai_door: tuple[Sta
     deltas = [c.choices[0] async for c in stream if c.choices]
     calls = [t for d in deltas for t in d.delta.tool_calls or []]
     assert [(t.index, t.function.name if t.function else None) for t in calls] == [(0, "get_weather")]
-    assert deltas[-1].finish_reason == "tool_calls"
+    assert deltas[-1].finish_reason == "tool_calls" and not deltas[-1].delta.tool_calls  # a chunk of its own
+    assert deltas[-2].finish_reason is None  # (the calls' chunk), as OpenAI streams them
+    strict = [
+        {"type": "function", "function": {**tools[0]["function"], "strict": True}}
+    ]  # (the helper parses only those)
+    async with client.chat.completions.stream(model="tiny", messages=messages, tools=strict, max_tokens=64) as helper:  # type: ignore[arg-type]
+        kinds = [e.type async for e in helper]
+    assert "tool_calls.function.arguments.done" in kinds, kinds  # the SDK's helper says the call is whole
     # the conversation goes on with the call and its answer in the history
     history = [
         *messages,
