@@ -86,6 +86,7 @@ def result_pb(batch_id: str, cursor: str, r: ItemResult) -> bpb.BatchResult:
         error_code=_status_name(r.error_code),
         error_reason=r.error_code.upper(),
         error_message=r.error_message,
+        error_field=r.error_field,
         cursor=cursor,
     )
     if r.finish_reason is not None:

@@ -15,7 +15,7 @@ import structlog
 
 from llamamesh import metrics, tracing
 from llamamesh.backoff import Delays
-from llamamesh.errors import EngineDead, LlamameshError, QueueUnavailable
+from llamamesh.errors import EngineDead, InvalidRequest, LlamameshError, QueueUnavailable
 from llamamesh.queue.protocol import BatchStore, Lease
 from llamamesh.types import FinishReason, GenerationRequest, ItemResult, ItemStatus, TokenDelta, Usage
 from workers.samples import Samples
@@ -117,7 +117,10 @@ async def run_batch_item(lease: Lease, engine: Samples, batches: BatchStore) -> 
         outcome = "engine_dead"
         raise
     except LlamameshError as exc:
-        result = ItemResult(req.custom_id, ItemStatus.ERRORED, error_code=exc.code, error_message=exc.message)
+        field = exc.violations[0].field if isinstance(exc, InvalidRequest) and exc.violations else ""
+        result = ItemResult(
+            req.custom_id, ItemStatus.ERRORED, error_code=exc.code, error_message=exc.message, error_field=field
+        )
     except Exception:
         log.exception("batch_item_crashed", batch_id=req.batch_id, custom_id=req.custom_id)
         result = ItemResult(req.custom_id, ItemStatus.ERRORED, error_code="internal", error_message="internal error")

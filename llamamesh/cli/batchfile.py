@@ -77,7 +77,7 @@ def result_line(r: bpb.BatchResult) -> str:
     """One line of ``batch results`` (BatchResult's fields): ``{"custom_id", "status" (succeeded |
     errored | cancelled | expired), "text", "finish_reason", "usage": {"prompt_tokens",
     "completion_tokens"}, "samples" (n > 1), "error": {"code" (a gRPC status name), "reason",
-    "message"} (if any), "cursor"}``."""
+    "message", "field" (a client error's)} (if any), "cursor"}``."""
     obj: dict[str, Any] = {
         "custom_id": r.custom_id,
         "status": bpb.BatchItemStatus.Name(r.status).removeprefix("BATCH_ITEM_STATUS_").lower(),
@@ -90,6 +90,8 @@ def result_line(r: bpb.BatchResult) -> str:
         obj["samples"] = [{"text": x.text, "finish_reason": _finish(x.finish_reason)} for x in r.samples]
     if r.error_code:
         obj["error"] = {"code": r.error_code, "reason": r.error_reason, "message": r.error_message}
+        if r.error_field:
+            obj["error"]["field"] = r.error_field
     obj["cursor"] = r.cursor
     return json.dumps(obj, ensure_ascii=False)
 

@@ -255,6 +255,7 @@ def encode_result(r: ItemResult) -> bytes:
         cached_tokens=r.usage.cached_tokens,
         error_code=r.error_code,
         error_message=r.error_message,
+        error_field=r.error_field,
         samples=[pb.SampleResult(text=t, finish_reason=f.value if f is not None else "") for t, f in r.samples],
     ).SerializeToString()
 
@@ -270,5 +271,6 @@ def decode_result(data: bytes) -> ItemResult:
         usage=Usage(m.prompt_tokens, m.completion_tokens, m.cached_tokens),
         error_code=m.error_code,
         error_message=m.error_message,
+        error_field=m.error_field,
         samples=tuple((x.text, FinishReason(x.finish_reason) if x.finish_reason else None) for x in m.samples),
     )

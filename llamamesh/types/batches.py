@@ -43,6 +43,7 @@ class ItemResult:
     usage: Usage = Usage(0, 0)  # noqa: RUF009 (Usage is frozen: one shared default is safe)
     error_code: str = ""
     error_message: str = ""
+    error_field: str = ""  # a client error's field at fault (the first), as the gateway's request names it
     # An item with n > 1 samples: each sample's (text, finish reason), in order; ``text`` and
     # ``finish_reason`` are sample 0's, ``usage`` counts them all. Empty for n = 1.
     samples: tuple[tuple[str, FinishReason | None], ...] = ()

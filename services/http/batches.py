@@ -170,7 +170,7 @@ class BatchRoutes:
                 if succeeded and not errors_file:
                     yield openai_batches.output_line(r, endpoint, batch.model)
                 elif not succeeded and errors_file:
-                    yield openai_batches.error_line(r)
+                    yield openai_batches.error_line(r, endpoint)
 
     # --- batches
 

@@ -275,3 +275,23 @@ async def test_a_tenants_uploads_hold_at_most_its_batch_bytes(tmp_path: Path) ->
         assert "LLAMAMESH_LIMITS_MAX_BATCH_BYTES" in exc.value.message and exc.value.response.headers["retry-after"]
         await client.files.delete(first.id)
         await client.files.create(file=("b.jsonl", b"x" * 600), purpose="batch")
+
+
+async def test_a_failed_items_error_line_names_its_field_as_a_request_would(
+    openai_door: tuple[Stack, openai.AsyncOpenAI],
+) -> None:
+    """An item the worker refuses (its prompt longer than the model) is a line of the error file
+    whose body is the error a single request gets, the field at fault named as the request names it."""
+    _, client = openai_door
+    too_long = chat_line(1)
+    too_long["body"]["messages"] = [{"role": "user", "content": "word " * 5000}]  # type: ignore[index]
+    uploaded = await client.files.create(file=("in.jsonl", jsonl([chat_line(0), too_long])), purpose="batch")
+    batch = await client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    done = await finished(client, batch.id)
+    assert done.request_counts.completed == 1 and done.request_counts.failed == 1  # type: ignore[attr-defined]
+    (line,) = [json.loads(x) for x in (await client.files.content(done.error_file_id)).content.splitlines()]  # type: ignore[attr-defined]
+    error = line["response"]["body"]["error"]
+    assert line["custom_id"] == "doc-1" and line["response"]["status_code"] == 400, line
+    assert error["param"] == "messages" and error["code"] == "prompt_too_long", error
