@@ -330,8 +330,8 @@ async def test_jobs_of_data_redis_lost_stop_writing_and_the_worker_serves_on(red
         events, _first = await streaming(worker, queue, "old")
         await events.aclose()
         with capture_logs() as logs:
-            async for key in queue.client.scan_iter(f"{queue.keys.prefix}:*"):  # what a restart empty leaves
-                await queue.client.delete(key)
+            keys = [key async for key in queue.client.scan_iter(f"{queue.keys.prefix}:*")]
+            await queue.client.delete(*keys)  # all at once, as a restart empty leaves it
             await until(lambda: _logged(logs, "redis_data_lost"), 5, "the worker to see the data lost")
         assert "old" in engine.aborted and "old" not in worker.jobs
         written = await queue.client.xlen(queue.keys.events("old"))
