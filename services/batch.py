@@ -89,7 +89,7 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
         if not batch_id:
             raise InvalidRequest.field("batch_id", "required")
         if not convert.REQUEST_ID.match(batch_id):
-            raise InvalidRequest.field("batch_id", "1-128 characters of A-Z a-z 0-9 . _ : -")
+            raise InvalidRequest.field("batch_id", convert.ID_RULE)
         info = await self._store.get(scoped_id(tenant, batch_id))
         if info is None or info.owner != tenant:
             raise errors.NotFound(await self._unknown(batch_id))

@@ -82,7 +82,7 @@ def batch_requests(
     bad: list[FieldViolation] = []
     batch_id = r.batch_id or uuid.uuid4().hex
     if not convert.REQUEST_ID.match(batch_id):
-        bad.append(FieldViolation("batch_id", "1-128 characters of A-Z a-z 0-9 . _ : -"))
+        bad.append(FieldViolation("batch_id", convert.ID_RULE))
     window = r.completion_window_s if r.HasField("completion_window_s") else b.completion_window_s
     if window < MIN_WINDOW_S:
         bad.append(FieldViolation("completion_window_s", f"at least {MIN_WINDOW_S} seconds"))

@@ -36,6 +36,7 @@ from llamamesh.v1 import generation_pb2 as pb
 from services import tools
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+ID_RULE = "1-128 characters of A-Z a-z 0-9 . _ : -"  # what REQUEST_ID takes, as errors say it
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_METADATA = 64
@@ -151,7 +152,7 @@ def _request_id(given: str, bad: list[FieldViolation]) -> str:
     if not given:
         return uuid.uuid4().hex
     if not REQUEST_ID.match(given):
-        bad.append(FieldViolation("request_id", "1-128 characters of A-Z a-z 0-9 . _ : -"))
+        bad.append(FieldViolation("request_id", ID_RULE))
     return given
 
 

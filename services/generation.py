@@ -36,7 +36,7 @@ def _fingerprint(request: pb.GenerateRequest) -> str:
 
 def _checked_id(request_id: str) -> str:
     if not convert.REQUEST_ID.match(request_id):
-        raise errors.InvalidRequest.field("request_id", "required: 1-128 characters of A-Z a-z 0-9 . _ : -")
+        raise errors.InvalidRequest.field("request_id", f"required: {convert.ID_RULE}")
     return request_id
 
 

@@ -102,11 +102,7 @@ class BatchRoutes:
                 elif part.name == "file":
                     filename = part.filename or "input.jsonl"
                     content = await _read_at_most(part, self.max_bytes)
-        except (
-            ValueError,
-            LookupError,
-            HttpProcessingError,
-        ) as exc:  # aiohttp's: not multipart, cut short, bad headers
+        except (ValueError, LookupError, HttpProcessingError) as exc:  # aiohttp's: not multipart, cut short
             raise errors.InvalidRequest.field("file", f"not a whole multipart/form-data body: {exc}") from exc
         if content is None:
             raise errors.InvalidRequest.field("file", "required")

@@ -163,7 +163,7 @@ class HttpDoor:
             body = await read_json(request, self._s.max_request_bytes)
             given = request.headers.get("x-request-id", "")
             if given and not convert.REQUEST_ID.match(given):  # (it may not even be text to put in a message)
-                raise errors.InvalidRequest.field("x-request-id", "1-128 characters of A-Z a-z 0-9 . _ : -")
+                raise errors.InvalidRequest.field("x-request-id", convert.ID_RULE)
             parsed = parse(body, given)
             try:
                 return await self._answer(request, parsed, who)

@@ -29,8 +29,6 @@ STATES = {v: bpb.BatchState.Name(v).removeprefix("BATCH_STATE_").lower() for v i
 TIMES = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at")
 UNRUN = {bpb.BATCH_ITEM_STATUS_CANCELLED: "batch_cancelled", bpb.BATCH_ITEM_STATUS_EXPIRED: "batch_expired"}
 CHAT = "/v1/chat/completions"
-# The gateway's field -> what a chat request names it (the prompt is its messages).
-CHAT_NAMES = {"prompt": "messages"}
 
 
 def window_s(text: object) -> int:
@@ -185,7 +183,7 @@ def output_line(r: bpb.BatchResult, endpoint: str, model: str) -> str:
     return _line({"id": f"batch_req_{r.cursor}", "custom_id": r.custom_id, "response": response, "error": None})
 
 
-def error_line(r: bpb.BatchResult, endpoint: str = "/v1/completions") -> str:
+def error_line(r: bpb.BatchResult, endpoint: str) -> str:
     """An item that did not succeed, as a line of the error file: its error response (``param`` the
     field as a request to ``endpoint`` names it), or (never run: cancelled, expired) the error alone."""
     base = {"id": f"batch_req_{r.cursor}", "custom_id": r.custom_id}
@@ -193,7 +191,9 @@ def error_line(r: bpb.BatchResult, endpoint: str = "/v1/completions") -> str:
         return _line({**base, "response": None, "error": {"code": UNRUN[r.status], "message": r.error_message}})
     code = grpc.StatusCode.__members__.get(r.error_code, grpc.StatusCode.INTERNAL)
     http, kind = openai_responses.HTTP.get(code, (500, "internal_error"))
-    param = (CHAT_NAMES.get(r.error_field, r.error_field) if endpoint == CHAT else r.error_field) or None
+    param = (
+        openai_requests.CHAT_FIELDS.get(r.error_field, r.error_field) if endpoint == CHAT else r.error_field
+    ) or None
     error = {"message": r.error_message, "type": kind, "param": param, "code": (r.error_reason or r.error_code).lower()}
     response = {"status_code": http, "request_id": f"{r.batch_id}-{r.custom_id}", "body": {"error": error}}
     return _line({**base, "response": response, "error": None})

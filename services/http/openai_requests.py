@@ -89,15 +89,20 @@ def _kinds(kind: type | tuple[type, ...]) -> tuple[type, ...]:
     return kind if isinstance(kind, tuple) else (kind,)
 
 
+# The gateway's fields a chat request names otherwise (the prompt is its messages; a whole path, or a
+# path's head).
+CHAT_FIELDS = {
+    "prompt": "messages",
+    "request_id": "x-request-id",
+    "tool_choice.mode": "tool_choice",
+    "tool_choice.function": "tool_choice.function.name",
+}
+
+
 def chat(body: object, request_id: str) -> Parsed:
     b = _Body(body)
     req = pb.GenerateRequest(request_id=request_id)
-    renamed: dict[str, str] = {
-        "prompt": "messages",
-        "request_id": "x-request-id",
-        "tool_choice.mode": "tool_choice",
-        "tool_choice.function": "tool_choice.function.name",
-    }
+    renamed = dict(CHAT_FIELDS)
     if b.body.get("messages") is None:
         b.bad.append(FieldViolation("messages", "required: a list of messages"))
     messages = b.get("messages", list, "a list of messages")
