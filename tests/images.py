@@ -43,6 +43,10 @@ STAND_INS = ("redis", "prometheus")
 # The lowest priority: a nice value for processes, a CPU share for build containers.
 NICE = ["nice", "-n", "19"]
 CPU_SHARES = "2"
+# Free disk the images need where Docker keeps them: a cold build of all four and the base peaks at
+# about 3 GiB (the CPU worker's torch is most of it). Short of that and room for the tests that write
+# meanwhile (Redis AOFs, model folders), the container tests skip rather than fill the disk under them.
+NEED_FREE_GIB = 6.0
 
 
 class Unavailable(Exception):
@@ -60,6 +64,12 @@ def docker(*args: str, timeout: float = 120, check: bool = True) -> subprocess.C
     if check:
         assert done.returncode == 0, f"docker {' '.join(args)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done
+
+
+def image_id(tag: str) -> str:
+    """The id of the image ``tag`` names, or "" where there is none."""
+    done = docker("image", "inspect", "-f", "{{.Id}}", tag, check=False)
+    return done.stdout.strip() if done.returncode == 0 else ""
 
 
 def daemon_answers() -> bool:
@@ -98,6 +108,7 @@ class Preparation:
     def _prepare(self) -> None:
         try:
             self._ensure_daemon()
+            self._check_disk()
             base = self._base()
             with local_wheels() as wheel_args:
                 products = {
@@ -136,6 +147,15 @@ class Preparation:
         if daemon.poll() is not None or not daemon_answers():
             raise Unavailable(f"dockerd did not start; its log ends: {log.read_text()[-500:]}")
 
+    def _check_disk(self) -> None:
+        root = docker("info", "--format", "{{.DockerRootDir}}").stdout.strip() or "/"
+        free_gib = shutil.disk_usage(root if Path(root).exists() else "/").free / 2**30
+        if free_gib < NEED_FREE_GIB:
+            raise Unavailable(
+                f"only {free_gib:.1f} GiB of disk is free under {root}; the images need {NEED_FREE_GIB:g} GiB"
+                " (building them would fill the disk the other tests write to)"
+            )
+
     def _base(self) -> str:
         """The local Debian base, made once per machine (an image already there is reused)."""
         if docker("image", "inspect", BASE, check=False).returncode == 0:
@@ -153,7 +173,10 @@ class Preparation:
         """``docker build`` with the legacy builder (BuildKit would fetch its frontend from a registry),
         host networking (pip and apt reach their indexes as this machine does) and the lowest CPU share."""
         cmd = ["docker", "build", "--network", "host", "--cpu-shares", CPU_SHARES, *args]
+        before = image_id(tag)
         self._run([*cmd, "-f", str(dockerfile), "-t", tag, str(context)], 1500, f"building {tag}")
+        if before and before != image_id(tag):  # the image this build replaced: its layers, untagged, only take disk
+            docker("image", "rm", before, check=False)
         return tag
 
     def _run(self, cmd: list[str], timeout_s: float, what: str) -> None:

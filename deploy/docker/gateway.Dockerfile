@@ -7,13 +7,12 @@
 # The base: by default the pinned 3.12.8 slim image on Debian bookworm (python:3.12-slim moves under
 # you); any Debian-like root filesystem with python3 and its venv module will do (--build-arg BASE=...).
 ARG BASE=python:3.12.8-slim-bookworm
-FROM ${BASE} AS build
+FROM ${BASE}
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PATH=/opt/venv/bin:$PATH
 
-RUN python3 -m venv /opt/venv
-ENV PATH=/opt/venv/bin:$PATH
 
 WORKDIR /src
 # Only what building the package needs: pyproject.toml names README.md as its readme, and
@@ -26,20 +25,18 @@ COPY workers/ workers/
 
 # The same steps as `make install` without the cpu extra: pip from the lock first (it knows
 # --build-constraint), then the package with every version, build backend included, from the lock.
-RUN pip install -q --no-cache-dir -c requirements/lock.txt pip \
+# One stage, as the CPU worker's (worker-cpu.Dockerfile says why).
+RUN python3 -m venv /opt/venv \
+ && pip install -q --no-cache-dir -c requirements/lock.txt pip \
  && pip install -q --no-cache-dir -c requirements/lock.txt --build-constraint requirements/lock.txt . \
- && ! pip show torch >/dev/null 2>&1
-
-FROM ${BASE}
-
-COPY --from=build /opt/venv /opt/venv
+ && ! pip show torch >/dev/null 2>&1 \
+ && rm -rf /src
+WORKDIR /tmp
 
 # A numeric uid, so runAsNonRoot can verify it; no home directory in the image: HOME is /tmp.
 RUN useradd --uid 10001 --user-group --no-create-home --home-dir /tmp --shell /usr/sbin/nologin llamamesh
 
-ENV PATH=/opt/venv/bin:$PATH \
-    PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1 \
+ENV PYTHONUNBUFFERED=1 \
     HOME=/tmp \
     TMPDIR=/tmp \
     LLAMAMESH_GATEWAY_HOST=0.0.0.0 \
@@ -48,7 +45,6 @@ ENV PATH=/opt/venv/bin:$PATH \
     LLAMAMESH_GATEWAY_METRICS_PORT=9400
 
 USER 10001:10001
-WORKDIR /tmp
 # /tmp is the only path written (tempfile, the metrics folder of LLAMAMESH_GATEWAY_PROCESSES > 1):
 # mount a tmpfs there when the root filesystem is read-only.
 VOLUME ["/tmp"]

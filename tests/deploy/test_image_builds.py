@@ -35,10 +35,15 @@ def test_both_images_build_and_the_gateway_carries_no_torch(images: dict[str, st
     assert sizes["gateway"] < sizes["worker-cpu"] / 2, sizes
     no_torch = "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)"
     assert run_python(images["gateway"], no_torch).returncode == 0, "torch in the gateway image"
+    # xgrammar (structured output) imports and masks logits on the CPU without triton, which is not there.
     cpu_torch = (
-        "import torch, transformers, workers.engines.transformers; "
+        "import importlib.util, torch, transformers, xgrammar, workers.engines.transformers; "
         "from workers.engines.transformers_model import default_model_path; "
-        "assert torch.version.cuda is None and default_model_path().is_file(); print(torch.__version__)"
+        "assert torch.version.cuda is None and default_model_path().is_file(); "
+        "assert importlib.util.find_spec('triton') is None; "
+        "logits, mask = torch.zeros(1, 64), xgrammar.allocate_token_bitmask(1, 64); mask[0] = 1; "
+        "xgrammar.apply_token_bitmask_inplace(logits, mask); assert logits[0, 0] == 0 and logits[0, 63] < -1e30; "
+        "print(torch.__version__)"
     )
     got = run_python(images["worker-cpu"], cpu_torch)
     assert got.returncode == 0 and "+cpu" in got.stdout, got.stderr[-2000:]
