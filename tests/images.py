@@ -7,8 +7,9 @@ the session ends); a local Debian bookworm base made with mmdebstrap and `docker
 registry); the product's gateway and CPU worker images from deploy/docker, with their own install
 steps from the lock; and stand-ins for the public Redis and Prometheus images of deploy/compose,
 from Debian's packages (tests/deploy/images). Every build runs at the lowest CPU share, so the
-tests running meanwhile keep the CPUs. Where Docker or mmdebstrap is missing, :meth:`result`
-raises :class:`Unavailable` saying why, and the tests skip with it.
+tests running meanwhile keep the CPUs. Where Docker or mmdebstrap is missing, or the disk has too
+little room for the images, :meth:`result` raises :class:`Unavailable` saying why, and the tests skip
+with it.
 """
 
 from __future__ import annotations

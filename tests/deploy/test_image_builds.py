@@ -4,7 +4,8 @@ mmdebstrap and imported with `docker import`, so no registry is needed. Then eac
 it ships: as uid 10001 on a read-only root with every capability dropped.
 
 Needs Docker (dockerd is started when it is not running and this runs as root) and mmdebstrap;
-skipped, saying why, without them. Each image's size is printed (deploy/README.md keeps them).
+skipped, saying why, without them or without disk room for the images. Each image's size is printed
+(deploy/README.md keeps them).
 """
 
 from __future__ import annotations
