@@ -51,7 +51,7 @@ async def test_several_prompts_streamed_with_usage(client: openai.AsyncOpenAI) -
     assert usage is not None and usage.completion_tokens == 3 * 4
 
 
-@pytest.mark.fake_step_s(0.05)  # the short prompt's first token comes after the long one's refusal
+@pytest.mark.fake_step_s(0.05)
 async def test_a_bad_list_of_prompts_is_400_naming_it(door: tuple[Stack, str], client: openai.AsyncOpenAI) -> None:  # noqa: F811
     cases = [
         ([], "required"),
@@ -74,8 +74,11 @@ async def test_a_bad_list_of_prompts_is_400_naming_it(door: tuple[Stack, str], c
             pass
 
     for stream in (False, True):
-        with pytest.raises(openai.BadRequestError) as exc:
+        with pytest.raises(openai.APIError) as exc:
             await answer(stream)
+        # Streamed, the refusal is the 400 or, when the short prompt's first token came before it, the
+        # stream's last event (docs/api.md, "Streaming"): which comes first is the worker's timing.
+        assert stream or isinstance(exc.value, openai.BadRequestError), exc.value
         assert exc.value.code == "prompt_too_long" and exc.value.param == "prompt[1]", exc.value.body
     await until(lambda: door[0].queue.pending("cpu") == {}, 10, "no job left leased")
 
