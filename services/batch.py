@@ -133,7 +133,7 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
     def _prepared(self, request: bpb.BatchGenerateRequest, who: Identity) -> tuple[str, BatchInfo, str, Queued]:
         """The batch's id, record, fingerprint and items as queued (each with its pool), checked."""
         batch_id, window, items = batch_requests(request, self._gw, self._s, self._models, who.tenant)
-        items = self._admitted(who, items)
+        items = self._admitted(who, items, "summarise.documents" if request.summarise.documents else "items")
         scoped = scoped_id(who.tenant, batch_id)
         now = time.time()
         info = BatchInfo(
@@ -155,10 +155,10 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
         queued = [(self._policy.choose(req, model.pool, access)[0], replace(req, trace=trace)) for model, req in items]
         return batch_id, info, fingerprint, queued
 
-    def _admitted(self, who: Identity, items: Items) -> Items:
+    def _admitted(self, who: Identity, items: Items, named: str) -> Items:
         """The items normalised (services/normalize.py: before routing and storing; the fingerprint
         is of what was sent), each checked for the caller's priority and its adapter. Raises
-        PermissionDenied or NotFound naming the item; nothing is written."""
+        PermissionDenied or NotFound naming the item (``named[n]``); nothing is written."""
         rewritten = 0
         for n, (model, req) in enumerate(items):
             out = self._normalizer.apply(req)
@@ -169,9 +169,9 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
                 check_priority(who, req.priority)
                 convert.check_adapter(req.adapter, model, self._adapters_of)
             except errors.PermissionDenied as exc:
-                raise errors.PermissionDenied(f"item {n} ({req.custom_id!r}): {exc.message}") from None
+                raise errors.PermissionDenied(f"{named}[{n}] ({req.custom_id!r}): {exc.message}") from None
             except errors.NotFound as exc:  # nothing is written
-                raise errors.NotFound(f"item {n} ({req.custom_id!r}): {exc.message}") from None
+                raise errors.NotFound(f"{named}[{n}] ({req.custom_id!r}): {exc.message}") from None
         note(tenant=who.tenant, normalized_items=rewritten or None)
         return items
 

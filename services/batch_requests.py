@@ -89,12 +89,13 @@ def batch_requests(
     convert.metadata(r.metadata.items(), bad)
     size = r.ByteSize()
     if size > b.max_bytes:
-        bad.append(FieldViolation("items", f"the batch is {size} bytes; at most {b.max_bytes}"))
+        most = f"at most {b.max_bytes} (LLAMAMESH_BATCH_MAX_BYTES)"
+        bad.append(FieldViolation("items", f"the batch is {size} bytes; {most}"))
     raw = _requests_of(r, bad)
     if not raw and not bad:
         bad.append(FieldViolation("items", "a batch needs at least one item (items or summarise.documents)"))
     if len(raw) > b.max_items:
-        bad.append(FieldViolation("items", f"{len(raw)} items; at most {b.max_items}"))
+        bad.append(FieldViolation("items", f"{len(raw)} items; at most {b.max_items} (LLAMAMESH_BATCH_MAX_ITEMS)"))
     out = _items(raw, gw, models, scoped_id(tenant, batch_id), tenant, bad)
     if bad:
         raise InvalidRequest(bad)
@@ -117,7 +118,7 @@ def _items(
         if not custom_id or len(custom_id) > MAX_CUSTOM_ID:
             bad.append(FieldViolation(f"{path}.custom_id", f"1-{MAX_CUSTOM_ID} characters"))
         elif custom_id in seen:
-            bad.append(FieldViolation(f"{path}.custom_id", f"duplicate of {seen[custom_id]}.custom_id"))
+            bad.append(FieldViolation(f"{path}.custom_id", f"the custom_id of {seen[custom_id]} too"))
         else:
             seen[custom_id] = path
         if len(bad) > 20:  # enough to act on
@@ -128,7 +129,7 @@ def _items(
             bad.extend(v for v in (_item_violation(path, v) for v in exc.violations) if v not in bad)
             continue
         except NotFound as exc:  # an unknown model or adapter: which item names it
-            raise NotFound(f"item {n} ({custom_id!r}): {exc.message}") from None
+            raise NotFound(f"{path} ({custom_id!r}): {exc.message}") from None
         if out and model.id != out[0][0].id:
             bad.append(FieldViolation(f"{path}.request.model", f"every item must use one model ({out[0][0].id})"))
             continue

@@ -197,6 +197,8 @@ class BatchRoutes:
             batch = await self._batches.submit(req, who)
         except errors.InvalidRequest as exc:  # the batch service's names, as the file's lines
             raise errors.InvalidRequest(lines.renamed(exc.violations)) from None
+        except (errors.NotFound, errors.PermissionDenied) as exc:  # a model, adapter or priority: its line
+            raise type(exc)(lines.described(exc.message)) from None
         link = {"endpoint": endpoint, "input_file_id": input_id}
         await self._files.link(scoped_id(who.tenant, batch_id), link, window + self._retention_s + 3600)
         return web.json_response(openai_batches.batch_object(batch, endpoint, input_id))

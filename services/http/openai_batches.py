@@ -25,6 +25,7 @@ ENDPOINTS: dict[str, Callable[[object, str], openai_requests.Parsed]] = {
 }
 WINDOW = re.compile(r"^(\d{1,7})([smh])$")
 ITEM_FIELD = re.compile(r"^items\[(\d+)\]\.(.+)$")
+ITEM = re.compile(r"\bitems\[(\d+)\]")
 STATES = {v: bpb.BatchState.Name(v).removeprefix("BATCH_STATE_").lower() for v in bpb.BatchState.values()}
 TIMES = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at")
 UNRUN = {bpb.BATCH_ITEM_STATUS_CANCELLED: "batch_cancelled", bpb.BATCH_ITEM_STATUS_EXPIRED: "batch_expired"}
@@ -47,7 +48,16 @@ class Lines:
     numbers: list[int]
 
     def renamed(self, violations: Sequence[FieldViolation]) -> list[FieldViolation]:
-        return [FieldViolation(self.rename(v.field), v.description) for v in violations]
+        return [FieldViolation(self.rename(v.field), self.described(v.description)) for v in violations]
+
+    def described(self, text: str) -> str:
+        """A message of the batch service with each item it names (``items[3]``) as its line (``line 4``)."""
+
+        def line(m: re.Match[str]) -> str:
+            i = int(m.group(1))
+            return f"line {self.numbers[i]}" if i < len(self.numbers) else m.group(0)
+
+        return ITEM.sub(line, text)
 
     def rename(self, field: str) -> str:
         """The batch service's field names (``items[3].request.temperature``) as the file's lines

@@ -92,6 +92,7 @@ async def test_a_duplicate_custom_id_is_rejected_and_nothing_is_stored(stack: St
         await stub.BatchGenerate(bpb.BatchGenerateRequest(batch_id="dup", items=bad))
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field_violations(exc.value) == ["items[2].custom_id"]
+    assert "the custom_id of items[0] too" in (exc.value.details() or ""), exc.value.details()
     with pytest.raises(grpc.aio.AioRpcError) as missing:
         await stub.GetBatch(bpb.GetBatchRequest(batch_id="dup"))
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND
@@ -192,7 +193,7 @@ async def test_items_name_an_adapter_and_an_unserved_one_is_not_found_before_any
 
     refused, attempt = await until(refusal, 10, "the gateway to see the worker's adapters", poll_s=0.05)
     assert refused.code() == grpc.StatusCode.NOT_FOUND, refused
-    assert "item 0 ('x')" in (refused.details() or "") and "'nope'" in (refused.details() or ""), refused.details()
+    assert "items[0] ('x')" in (refused.details() or "") and "'nope'" in (refused.details() or ""), refused.details()
     with pytest.raises(grpc.aio.AioRpcError) as missing:  # nothing was stored
         await stub.GetBatch(bpb.GetBatchRequest(batch_id=f"p{attempt}"))
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND

@@ -155,10 +155,18 @@ async def test_bad_files_and_bad_batches_are_400_naming_the_line(openai_door: tu
     with pytest.raises(openai.BadRequestError) as exc:
         await client.batches.create(input_file_id=sampling.id, endpoint="/v1/chat/completions", completion_window="24h")
     assert exc.value.param == "line 2: body.temperature", exc.value.body
-    dup = await client.files.create(file=("dup.jsonl", jsonl([chat_line(0), chat_line(0)])), purpose="batch")
+    # a repeated custom_id and an unknown model, named by the file's lines (a blank line counts)
+    dup = await client.files.create(
+        file=("dup.jsonl", jsonl([chat_line(0)]) + b"\n" + jsonl([chat_line(1), chat_line(0)])), purpose="batch"
+    )
     with pytest.raises(openai.BadRequestError) as exc:
         await client.batches.create(input_file_id=dup.id, endpoint="/v1/chat/completions", completion_window="24h")
-    assert exc.value.param is not None and exc.value.param.startswith("line 2"), exc.value.body
+    assert exc.value.param == "line 4: custom_id" and "the custom_id of line 1 too" in exc.value.message, exc.value.body
+    unknown = jsonl([chat_line(0)]) + b"\n" + jsonl([chat_line(1, model="nope")])
+    nope = await client.files.create(file=("nope.jsonl", unknown), purpose="batch")
+    with pytest.raises(openai.NotFoundError) as missing:
+        await client.batches.create(input_file_id=nope.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert "line 3 ('doc-1'): model 'nope' is not served here" in missing.value.message, missing.value.body
     with pytest.raises(openai.BadRequestError) as exc:
         await client.batches.create(input_file_id=dup.id, endpoint="/v1/embeddings", completion_window="24h")  # type: ignore[arg-type]
     assert exc.value.param == "endpoint"

@@ -82,8 +82,13 @@ def test_every_bad_field_is_named_and_nothing_passes() -> None:
         "summarise.params.response_format.regex",
     ]
     many = bpb.BatchGenerateRequest(items=[item(str(i)) for i in range(3)])
-    assert fields(many, BatchSettings(max_items=2)) == ["items"]
-    assert fields(many, BatchSettings(max_bytes=10)) == ["items"]
+    for bound, setting in (
+        (BatchSettings(max_items=2), "LLAMAMESH_BATCH_MAX_ITEMS"),
+        (BatchSettings(max_bytes=10), "LLAMAMESH_BATCH_MAX_BYTES"),
+    ):
+        with pytest.raises(InvalidRequest) as exc:
+            batch_requests(many, GW, bound, MODELS)
+        assert [(v.field, setting in v.description) for v in exc.value.violations] == [("items", True)]
 
 
 def test_an_unknown_model_is_not_found_naming_the_item() -> None:
@@ -91,7 +96,7 @@ def test_an_unknown_model_is_not_found_naming_the_item() -> None:
         batch_requests(
             bpb.BatchGenerateRequest(items=[item("a"), item("b", model="nope")]), GW, BatchSettings(), MODELS
         )
-    assert exc.value.message.startswith("item 1 ('b'): ")
+    assert exc.value.message.startswith("items[1] ('b'): ")
 
 
 def test_the_batchs_labels_are_bounded_as_a_requests() -> None:
