@@ -20,6 +20,7 @@ import ssl
 import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
+from typing import Any
 
 import structlog
 from aiohttp import web
@@ -183,9 +184,12 @@ class HttpDoor:
         out = openai_responses.Completion(
             base_id, parsed.chat, parsed.logprobs, per_prompt=parsed.request.n or 1, include_usage=parsed.include_usage
         )
-        # A stream's status and headers go with its first message: an error before it (a prompt
-        # longer than the model, found by the worker) is the same 4xx as without streaming.
+        # A stream's status and headers go with its first message, and (several prompts) once every
+        # prompt has sent one: an error before (a prompt longer than the model, found by the worker)
+        # is the same 4xx as without streaming, whichever prompt's worker found it first.
         started: web.StreamResponse | None = None
+        waiting = set(range(len(parsed.prompts))) if several else set()
+        held: list[dict[str, Any]] = []
 
         async def accepted(public: str) -> None:
             if not several:
@@ -210,8 +214,12 @@ class HttpDoor:
                             "away before it ended): send it again under a new x-request-id"
                         )
                     if parsed.stream:
-                        for chunk in out.chunks(r, i):
-                            await event(await begun(), chunk)
+                        waiting.discard(i)
+                        held.extend(out.chunks(r, i))
+                        if not waiting:
+                            for chunk in held:
+                                await event(await begun(), chunk)
+                            held.clear()
                     else:
                         out.add(r, i)
         except errors.LlamameshError as exc:
@@ -227,6 +235,8 @@ class HttpDoor:
         if not parsed.stream:
             return web.json_response(out.body(), headers={"x-request-id": out.request_id})
         stream_out = await begun()
+        for chunk in held:  # (a prompt that ended without a message)
+            await event(stream_out, chunk)
         if parsed.include_usage:
             await event(stream_out, out.usage_chunk())
         await stream_out.write(b"data: [DONE]\n\n")
