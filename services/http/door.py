@@ -178,6 +178,13 @@ class HttpDoor:
     async def _answer(self, request: web.Request, parsed: Parsed, who: Identity) -> web.StreamResponse:
         # Several prompts: one request each, ids <id>:<i> under one id (the caller's, or made here).
         several = len(parsed.prompts) > 1
+        most = who.limits.max_streams
+        if most > 0 and len(parsed.prompts) > most:  # never admitted: not a 429 to retry
+            raise errors.InvalidRequest.field(
+                "prompt",
+                f"{len(parsed.prompts)} prompts, each a stream of its own; tenant {who.tenant!r} may hold at most "
+                f"{most} streams at once (max_streams, LLAMAMESH_LIMITS_MAX_STREAMS)",
+            )
         base_id = parsed.request.request_id or (uuid.uuid4().hex if several else "")
         if several:
             structlog.contextvars.bind_contextvars(request_id=base_id)

@@ -19,7 +19,14 @@ import grpc
 import pytest
 
 from llamamesh.queue.memory import MemoryBatches, MemoryFiles, MemoryQueue
-from llamamesh.settings import AuthSettings, BatchSettings, BreakerSettings, GatewaySettings, WorkerSettings
+from llamamesh.settings import (
+    AuthSettings,
+    BatchSettings,
+    BreakerSettings,
+    GatewaySettings,
+    LimitsSettings,
+    WorkerSettings,
+)
 from llamamesh.v1 import admin_pb2_grpc, batch_pb2_grpc, generation_pb2_grpc
 from services.server import Gateway, start_gateway
 from tests.redisproc import free_port
@@ -43,6 +50,7 @@ class Config:
     worker_batch: BatchSettings | None = None
     breaker: BreakerSettings | None = None
     auth: AuthSettings | None = None
+    limits: LimitsSettings | None = None  # every tenant's (no quotas: only the static bounds apply)
     block_ms: int = 100  # the workers' lease wait
     engine: Callable[[WorkerSettings], Engine] = FakeEngine
     ready_s: float = 5.0  # for the workers to be ready
@@ -147,7 +155,14 @@ async def running(config: Config | None = None) -> AsyncIterator[Stack]:
             files = MemoryFiles() if batches is not None else None
             gateways.append(
                 await start_gateway(
-                    queue, c.gateway, port=0, breaker=c.breaker, batches=batches, auth=c.auth, files=files
+                    queue,
+                    c.gateway,
+                    port=0,
+                    breaker=c.breaker,
+                    batches=batches,
+                    auth=c.auth,
+                    files=files,
+                    limits=c.limits,
                 )
             )
         async with (

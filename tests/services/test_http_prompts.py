@@ -4,12 +4,16 @@ whole or streamed, through the ``openai`` SDK against an in-process gateway and 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import aiohttp
 import openai
 import pytest
 
+from llamamesh.settings import LimitsSettings
 from services.http.openai_requests import MAX_PROMPTS
-from tests.services.conftest import Stack
+from tests.redisproc import free_port
+from tests.services.conftest import GATEWAY, Config, Stack, running
 from tests.services.test_http_door import client, door  # noqa: F401 (fixtures)
 from tests.waiting import until
 
@@ -97,3 +101,19 @@ async def test_a_caller_that_goes_away_cancels_every_prompt(door: tuple[Stack, s
     every = lambda: all(any(a.endswith(f"away:{i}") for a in stack.engine.aborted) for i in range(3))  # noqa: E731
     await until(every, 10, "every prompt's generation aborted")
     await until(lambda: stack.queue.pending("cpu") == {}, 10, "every job acknowledged")
+
+
+async def test_more_prompts_than_the_tenant_may_stream_at_once_is_400_not_429() -> None:
+    """Each prompt holds one of the tenant's streams: a request of more than max_streams prompts could
+    never be admitted, so it is refused as invalid (retrying it would not help), naming prompt."""
+    port = free_port()
+    config = Config(gateway=replace(GATEWAY, http_port=port), limits=LimitsSettings(max_streams=2))
+    async with (
+        running(config),
+        openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0) as c,
+    ):
+        with pytest.raises(openai.BadRequestError) as exc:
+            await c.completions.create(model="tiny", prompt=["a", "b", "c"], max_tokens=2)
+        assert exc.value.param == "prompt" and "LLAMAMESH_LIMITS_MAX_STREAMS" in exc.value.message, exc.value.body
+        got = await c.completions.create(model="tiny", prompt=["a", "b"], max_tokens=2)
+        assert len(got.choices) == 2
