@@ -80,6 +80,8 @@ class Attachment:
         expired) id, InvalidRequest for an offset given for a request of several samples,
         OutOfRange for one past its end, and the error of a failure event."""
         records = await self.records()
+        if self._offset or any(self._sample_offsets):
+            await self._check_ended(records[-1])
         if self._count:
             await self._queue.attach(self.request_id)
             log.info(
@@ -130,6 +132,18 @@ class Attachment:
         offsets = list(self._sample_offsets) if n > 1 else [self._offset or next(iter(self._sample_offsets), 0)]
         self.streams = SampleCursors(n, offsets)
         return records
+
+    async def _check_ended(self, last: Attempt) -> None:
+        """When the request has ended (its last attempt ``last`` did), raise OutOfRange for an offset
+        past the end of any sample before anything is sent: a sample's tokens are not sent ahead of
+        another's refusal."""
+        read = await self._queue.read_events(last.attempt_id)
+        if not read or not read[-1][1].terminal:
+            return
+        for _id, ev in read:
+            cursor = self.streams.cursors.get(ev.sample)
+            if cursor is not None and ev.ends_sample is not None:
+                check_in_range(self.request_id, ev, last.base_of(ev.sample), cursor.next, self.streams.n)
 
     def abandoned(self, rec: Attempt, later: Attempt, read: list[tuple[str, JobEvent]]) -> Iterator[JobEvent]:
         """What attempt ``rec`` (abandoned for ``later``) sent that the caller has not got, up to where

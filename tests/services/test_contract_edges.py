@@ -132,3 +132,20 @@ async def test_reflection_answers_under_both_names(stack: Stack, version: str) -
     raw = described.file_descriptor_response.file_descriptor_proto
     files = [descriptor_pb2.FileDescriptorProto.FromString(b) for b in raw]
     assert any(s.name == "GenerationService" for f in files for s in f.service)
+
+
+async def test_attach_past_the_end_of_one_sample_sends_nothing_of_the_others(stack: Stack) -> None:
+    """An ended request of two samples, sample 0's offset past its end: OUT_OF_RANGE before any message,
+    not sample 1's tokens first (the caller may have applied them)."""
+    req = pb.GenerateRequest(request_id="ended-two", prompt="x", max_tokens=6, n=2, seed=3)
+    assert sum(len(m.token_ids) for m in await read(stack.stub.Generate(req))) == 12
+    got: list[pb.GenerateResponse] = []
+
+    async def attach() -> None:
+        async for m in stack.stub.Attach(pb.AttachRequest(request_id="ended-two", sample_offsets=[7, 0])):
+            got.append(m)
+
+    with pytest.raises(grpc.aio.AioRpcError) as past:
+        await attach()
+    assert past.value.code() == grpc.StatusCode.OUT_OF_RANGE and got == [], (got, past.value)
+    assert "sample_offsets[0] 7" in (past.value.details() or ""), past.value.details()
