@@ -178,36 +178,18 @@ class HttpDoor:
     async def _answer(self, request: web.Request, parsed: Parsed, who: Identity) -> web.StreamResponse:
         # Several prompts: one request each, ids <id>:<i> under one id (the caller's, or made here).
         several = len(parsed.prompts) > 1
-        most = who.limits.max_streams
-        if most > 0 and len(parsed.prompts) > most:  # never admitted: not a 429 to retry
-            raise errors.InvalidRequest.field(
-                "prompt",
-                f"{len(parsed.prompts)} prompts, each a stream of its own; tenant {who.tenant!r} may hold at most "
-                f"{most} streams at once (max_streams, LLAMAMESH_LIMITS_MAX_STREAMS)",
-            )
+        _check_streams(parsed, who)
         base_id = parsed.request.request_id or (uuid.uuid4().hex if several else "")
         if several:
             structlog.contextvars.bind_contextvars(request_id=base_id)
         out = openai_responses.Completion(
             base_id, parsed.chat, parsed.logprobs, per_prompt=parsed.request.n or 1, include_usage=parsed.include_usage
         )
-        # A stream's status and headers go with its first message, and (several prompts) once every
-        # prompt has sent one: an error before (a prompt longer than the model, found by the worker)
-        # is the same 4xx as without streaming, whichever prompt's worker found it first.
-        started: web.StreamResponse | None = None
-        waiting = set(range(len(parsed.prompts))) if several else set()
-        held: list[dict[str, Any]] = []
+        sse = _Events(request, out, len(parsed.prompts))
 
         async def accepted(public: str) -> None:
             if not several:
                 out.request_id = public
-
-        async def begun() -> web.StreamResponse:
-            nonlocal started
-            if started is None:
-                started = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": out.request_id})
-                await started.prepare(request)
-            return started
 
         streams = [self._generation.stream(r, who, None, accepted) for r in parsed.requests(base_id)]
         if several:
@@ -221,29 +203,22 @@ class HttpDoor:
                             "away before it ended): send it again under a new x-request-id"
                         )
                     if parsed.stream:
-                        waiting.discard(i)
-                        held.extend(out.chunks(r, i))
-                        if not waiting:
-                            for chunk in held:
-                                await event(await begun(), chunk)
-                            held.clear()
+                        await sse.send(i, out.chunks(r, i))
                     else:
                         out.add(r, i)
         except errors.LlamameshError as exc:
-            if started is None:
+            if sse.started is None:
                 raise
             _, body, _ = openai_responses.error(exc, parsed.caller_field)
             answered_with(exc)
-            await event(started, body)  # mid-stream: the error as the last event, as vLLM does
-            await started.write_eof()
-            return started
+            await event(sse.started, body)  # mid-stream: the error as the last event, as vLLM does
+            await sse.started.write_eof()
+            return sse.started
         if several and out.usage is not None:  # the call's line: every prompt's tokens, not the last one's
             note(prompts=len(parsed.prompts), completion_tokens=out.usage["completion_tokens"])
         if not parsed.stream:
             return web.json_response(out.body(), headers={"x-request-id": out.request_id})
-        stream_out = await begun()
-        for chunk in held:  # (a prompt that ended without a message)
-            await event(stream_out, chunk)
+        stream_out = await sse.flush()
         if parsed.include_usage:
             await event(stream_out, out.usage_chunk())
         await stream_out.write(b"data: [DONE]\n\n")
@@ -259,6 +234,47 @@ class HttpDoor:
         if not any(m.id == wanted for m in convert.with_adapters(self._models, self._adapters_of)):
             raise errors.NotFound(f"model {wanted!r} is not served here")
         return web.json_response(_model(wanted))
+
+
+def _check_streams(parsed: Parsed, who: Identity) -> None:
+    """Each prompt holds one of the tenant's streams: more prompts than its max_streams could never be
+    admitted, so they are refused as invalid, not with a 429 to retry."""
+    most = who.limits.max_streams
+    if most > 0 and len(parsed.prompts) > most:
+        raise errors.InvalidRequest.field(
+            "prompt",
+            f"{len(parsed.prompts)} prompts, each a stream of its own; tenant {who.tenant!r} may hold at most "
+            f"{most} streams at once (max_streams, LLAMAMESH_LIMITS_MAX_STREAMS)",
+        )
+
+
+class _Events:
+    """A streamed answer's server-sent events. Its status and headers go with its first message, and
+    (several prompts) once every prompt has sent one: an error before (a prompt longer than the model,
+    found by the worker) is the same 4xx as without streaming, whichever prompt's worker found it first."""
+
+    def __init__(self, request: web.Request, out: openai_responses.Completion, prompts: int) -> None:
+        self._request = request
+        self._out = out
+        self._waiting = set(range(prompts)) if prompts > 1 else set()
+        self._held: list[dict[str, Any]] = []
+        self.started: web.StreamResponse | None = None
+
+    async def send(self, prompt: int, chunks: list[dict[str, Any]]) -> None:
+        self._waiting.discard(prompt)
+        self._held.extend(chunks)
+        if not self._waiting and self._held:
+            await self.flush()
+
+    async def flush(self) -> web.StreamResponse:
+        """The response, begun, with every chunk held so far sent."""
+        if self.started is None:
+            self.started = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": self._out.request_id})
+            await self.started.prepare(self._request)
+        for chunk in self._held:
+            await event(self.started, chunk)
+        self._held.clear()
+        return self.started
 
 
 async def _of_prompt(
