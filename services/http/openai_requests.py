@@ -6,6 +6,7 @@ violation names is translated back to the caller's own (``caller_field``)."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -22,6 +23,10 @@ EXTRA_INTS = ("top_k", "min_tokens")
 # Fields OpenAI defines that this door does not implement: refused by name rather than ignored.
 UNSUPPORTED = ("functions", "function_call", "audio", "modalities", "prediction", "logit_bias")
 UNSUPPORTED_COMPLETIONS = {"suffix": "", "echo": False, "best_of": 1}  # each accepted only at this value
+# A tool's and a tool call's own fields, which OpenAI's requests hold under ``function``.
+FUNCTION_FIELD = re.compile(
+    r"^(tools\[\d+\]|messages\[\d+\]\.tool_calls\[\d+\])\.(name|description|parameters|arguments)\b"
+)
 MAX_PROMPTS = 64  # prompts in one completions request (each is a generation of its own)
 
 
@@ -57,8 +62,9 @@ class Parsed:
         if head == "metadata[user]":  # the request's label from OpenAI's ``user``
             return "user" + dot + rest
         name, bracket, index = head.partition("[")
-        mapped = self.renamed.get(name, name)
-        return mapped + bracket + index + dot + rest
+        mapped = self.renamed.get(name, name) + bracket + index + dot + rest
+        # A tool's and a tool call's own fields are under OpenAI's ``function``.
+        return FUNCTION_FIELD.sub(r"\1.function.\2", mapped)
 
 
 class _Body:
@@ -152,6 +158,9 @@ def _prompts(b: _Body) -> tuple[str, ...]:
         b.bad.append(FieldViolation("prompt", f"at most {MAX_PROMPTS} prompts in one request"))
     elif isinstance(prompts, list) and prompts and all(isinstance(p, int | list) for p in prompts):
         b.bad.append(FieldViolation("prompt", "token ids are not supported: send the text"))
+    elif isinstance(prompts, list) and prompts:  # a list of strings but for one
+        i = next(i for i, p in enumerate(prompts) if not isinstance(p, str))
+        b.bad.append(FieldViolation(f"prompt[{i}]", "must be a string"))
     else:
         b.bad.append(FieldViolation("prompt", "required: a string or a non-empty list of strings"))
     return ()

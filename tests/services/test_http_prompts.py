@@ -61,12 +61,14 @@ async def test_a_bad_list_of_prompts_is_400_naming_it(door: tuple[Stack, str], c
         ([], "required"),
         ([[1, 2, 3]], "token ids"),
         ([1, 2], "token ids"),
+        (["ok", 5], "must be a string"),
         (["x"] * (MAX_PROMPTS + 1), "at most"),
     ]
     for prompt, says in cases:
         with pytest.raises(openai.BadRequestError) as exc:
             await client.completions.create(model="tiny", prompt=prompt, max_tokens=2)  # type: ignore[arg-type]
-        assert exc.value.param == "prompt" and says in exc.value.message, (prompt, exc.value.body)
+        param = "prompt[1]" if prompt == ["ok", 5] else "prompt"
+        assert exc.value.param == param and says in exc.value.message, (prompt, exc.value.body)
 
     # one prompt longer than the model (the fake engine's 2048): the whole request is refused, naming it,
     # and the others' generations do not run on

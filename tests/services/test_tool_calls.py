@@ -197,6 +197,20 @@ async def test_bad_tools_are_invalid_argument_naming_the_field(openai_door: tupl
             tool_choice={"type": "function", "function": {"name": "g"}},
         )
     assert bad.value.param == "tool_choice.function.name"  # as OpenAI's request names it
+    with pytest.raises(openai.BadRequestError) as bad:
+        await client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "x"}],
+            tools=[{"type": "function", "function": {"name": "a b"}}],
+        )
+    assert bad.value.param == "tools[0].function.name", bad.value.body
+    called = {
+        "role": "assistant",
+        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{no"}}],
+    }
+    with pytest.raises(openai.BadRequestError) as bad:
+        await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}, called])  # type: ignore[list-item]
+    assert bad.value.param == "messages[1].tool_calls[0].function.arguments", bad.value.body
     with pytest.raises(openai.BadRequestError) as bad:  # required, but nothing to call
         await client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "x"}], tool_choice="required"
