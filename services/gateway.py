@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 import structlog
+from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
@@ -235,6 +236,31 @@ def _backends(
 
 
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+REFLECTION_V1_FILE = "grpc/reflection/v1/reflection.proto"
+
+
+def _describe_reflection_v1() -> None:
+    """grpc.reflection.v1's file in the default descriptor pool, so that reflection describes the v1
+    service it lists: v1alpha's messages under v1's package, which is what v1 is (grpcio-reflection
+    ships only v1alpha's descriptors)."""
+    pool = descriptor_pool.Default()
+    try:
+        pool.FindFileByName(REFLECTION_V1_FILE)
+        return
+    except KeyError:
+        pass
+    alpha = f".{reflection_pb2.DESCRIPTOR.package}."
+    proto = descriptor_pb2.FileDescriptorProto()
+    reflection_pb2.DESCRIPTOR.CopyToProto(proto)
+    proto.name, proto.package = REFLECTION_V1_FILE, REFLECTION_V1.rsplit(".", 1)[0]
+    for message in proto.message_type:
+        for field in message.field:
+            if field.type_name:  # (a message's: scalars have none)
+                field.type_name = field.type_name.replace(alpha, f".{proto.package}.")
+    for method in proto.service[0].method:
+        method.input_type = method.input_type.replace(alpha, f".{proto.package}.")
+        method.output_type = method.output_type.replace(alpha, f".{proto.package}.")
+    pool.Add(proto)
 
 
 def _add_health(server: grpc.aio.Server, reporter: HealthReporter, reflected: list[str] | None) -> None:
@@ -242,6 +268,7 @@ def _add_health(server: grpc.aio.Server, reporter: HealthReporter, reflected: li
     health_pb2_grpc.add_HealthServicer_to_server(reporter.servicer, server)
     if reflected is not None:
         health = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+        _describe_reflection_v1()
         servicer = reflection.aio.ReflectionServicer((*reflected, health, REFLECTION_V1, reflection.SERVICE_NAME))
         # grpc.reflection.v1 (newer tools ask only it) and v1alpha (grpcurl's): one protocol under two
         # names, the same messages on the wire.

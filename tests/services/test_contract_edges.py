@@ -132,6 +132,14 @@ async def test_reflection_answers_under_both_names(stack: Stack, version: str) -
     raw = described.file_descriptor_response.file_descriptor_proto
     files = [descriptor_pb2.FileDescriptorProto.FromString(b) for b in raw]
     assert any(s.name == "GenerationService" for f in files for s in f.service)
+    # every service listed is described too (grpcurl's describe), the reflection services included
+    asks = [reflection_pb2.ServerReflectionRequest(file_containing_symbol=name) for name in sorted(names)]
+    for name, answer in zip(sorted(names), [r async for r in call(iter(asks), timeout=10)], strict=True):
+        raw = answer.file_descriptor_response.file_descriptor_proto
+        described_services = {
+            f"{f.package}.{s.name}" for f in map(descriptor_pb2.FileDescriptorProto.FromString, raw) for s in f.service
+        }
+        assert name in described_services, (name, answer.error_response)
 
 
 async def test_attach_past_the_end_of_one_sample_sends_nothing_of_the_others(stack: Stack) -> None:
