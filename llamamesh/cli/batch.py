@@ -85,7 +85,7 @@ async def _batch(args: argparse.Namespace, lines: list[str], out: TextIO) -> int
             else:
                 await ACTIONS[args.action](c.batches, meta, args, out)
         except grpc.aio.AioRpcError as exc:
-            print(flags.rpc_error(exc), file=sys.stderr)
+            print(flags.rpc_error(exc, batchfile.line_names(lines)), file=sys.stderr)
             return 1
         except ValueError as exc:  # a bad input file, or flags that do not go together
             print(f"error: {exc}", file=sys.stderr)

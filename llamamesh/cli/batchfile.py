@@ -6,13 +6,31 @@ Both formats are tabled in docs/api.md ("BatchService").
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from google.protobuf import json_format
 
 from llamamesh.v1 import batch_pb2 as bpb
 from llamamesh.v1 import generation_pb2 as pb
+
+# An item the gateway names (``items[3].request.temperature``, ``summarise.documents[0]``).
+ITEM = re.compile(r"\b(?:items|summarise\.documents)\[(\d+)\](?:\.request)?(?:\.([\w.\[\]]+))?")
+
+
+def line_names(lines: Sequence[str]) -> Callable[[str], str]:
+    """A renamer of the gateway's messages about the batch read from ``lines``: each item it names
+    as the file's line (``line 4: temperature``; blank lines count, as an editor numbers them)."""
+    numbers = [n for n, line in enumerate(lines, 1) if line.strip()]
+
+    def named(m: re.Match[str]) -> str:
+        i, field = int(m.group(1)), m.group(2)
+        if i >= len(numbers):
+            return m.group(0)
+        return f"line {numbers[i]}" + (f": {field}" if field else "")
+
+    return lambda text: ITEM.sub(named, text)
 
 
 def read_lines(lines: Iterable[str]) -> Iterator[tuple[int, dict[str, Any]]]:

@@ -168,10 +168,12 @@ def client(address: str, args: argparse.Namespace) -> Client:
     return Client.from_settings(address, settings, tls=bool(getattr(args, "tls", False)))
 
 
-def rpc_error(err: grpc.RpcError) -> str:
+def rpc_error(err: grpc.RpcError, named: Callable[[str], str] = str) -> str:
     """A call the gateway refused (or could not be reached for), as one line: its status, its
-    message and the fields it named."""
+    message and the fields it named (each through ``named``: a file's items as its lines)."""
     if not isinstance(err, grpc.aio.AioRpcError):
         return f"error: {err}"
-    fields = field_violations(err)
-    return f"error: {err.code().name}: {err.details()}" + (f" (fields: {', '.join(fields)})" if fields else "")
+    fields = [named(f) for f in field_violations(err)]
+    return f"error: {err.code().name}: {named(err.details() or '')}" + (
+        f" (fields: {', '.join(fields)})" if fields else ""
+    )

@@ -275,3 +275,15 @@ def test_a_reader_that_went_away_ends_the_command_quietly() -> None:
     done = subprocess.run([str(CLI), "config"], stdout=write, stderr=subprocess.PIPE, env=base, timeout=50)
     os.close(write)
     assert done.returncode == 141 and done.stderr == b"", done.stderr
+
+
+def test_the_gateways_names_of_a_files_items_are_its_lines() -> None:
+    named = batchfile.line_names(['{"custom_id": "a"}\n', "\n", '{"custom_id": "b"}\n', '{"custom_id": "a"}\n'])
+    assert (
+        named("items[2].custom_id: the custom_id of items[0] too") == "line 4: custom_id: the custom_id of line 1 too"
+    )
+    assert named("items[1].request.temperature") == "line 3: temperature"
+    assert named("summarise.documents[1] ('b'): model 'x' is not served here") == (
+        "line 3 ('b'): model 'x' is not served here"
+    )
+    assert named("items[9].custom_id") == "items[9].custom_id"  # not an item of this file
