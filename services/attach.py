@@ -80,7 +80,7 @@ class Attachment:
         expired) id, InvalidRequest for an offset given for a request of several samples,
         OutOfRange for one past its end, and the error of a failure event."""
         records = await self.records()
-        if self._offset or any(self._sample_offsets):
+        if self.streams.n > 1 and any(self._sample_offsets):  # (one sample: nothing is sent before its end)
             await self._check_ended(records[-1])
         if self._count:
             await self._queue.attach(self.request_id)
