@@ -73,6 +73,10 @@ def cluster_client(settings: RedisSettings) -> aioredis.Redis:
         health_check_interval=settings.health_check_s,
         # Blocking reads (a gateway's event lanes, a worker's lease) hold one connection each.
         max_connections=1024,
+        # A MOVED patches its slot's owner in the map. redis-py's default, re-learning the whole map
+        # every 5th MOVED, does it by closing every connection of every node, under the commands in
+        # flight: a resharding (every command on a moved slot answered MOVED once) failed them.
+        reinitialize_steps=0,
         # A master's failover takes the cluster's node timeout and then some: keep learning the new
         # map for a while (each attempt re-reads it) before the caller sees the queue unreachable.
         retry=Retry(ExponentialWithJitterBackoff(base=0.1, cap=1.0), retries=max(settings.retries, 6)),
@@ -104,13 +108,31 @@ class _AskingNode(ClusterNode):
     more to that node, the command arrives without ASKING; the node answers MOVED back to the old
     master, which answers ASK again, until the client's tries are spent ("TTL exhausted"): every
     command on a key already moved fails for as long as its slot migrates. Here ASKING is held back
-    and sent with the command, on one connection, as Redis requires. Its connections pack commands
-    with hiredis (``hiredis_packed``)."""
+    and sent with the command, on one connection, as Redis requires. A connection closed under a
+    command (its writer gone: AttributeError, RuntimeError) fails it with ConnectionError, which the
+    client retries on a fresh connection once it has learnt the map again; redis-py let those
+    through unretried. Its connections pack commands with hiredis (``hiredis_packed``)."""
 
     def __init__(self, *args: Any, connection_class: type[Connection] = Connection, **kwargs: Any) -> None:
         super().__init__(*args, connection_class=hiredis_packed(connection_class), **kwargs)  # type: ignore[arg-type]
 
     async def execute_command(self, *args: Any, asking: bool = False, **kwargs: Any) -> Any:
+        try:
+            return await self._execute(*args, asking=asking, **kwargs)
+        except _CLIENT_FAULTS as exc:  # a lost connection, to the client's retries as to its callers
+            raise _fault(exc) from exc
+
+    async def execute_pipeline(self, commands: list[Any]) -> bool:
+        try:
+            failed = await super().execute_pipeline(commands)
+        except _CLIENT_FAULTS as exc:
+            raise _fault(exc) from exc
+        for cmd in commands:  # a reply read from a connection closed under it
+            if isinstance(cmd.result, _CLIENT_FAULTS):
+                cmd.result = _fault(cmd.result)
+        return failed
+
+    async def _execute(self, *args: Any, asking: bool, **kwargs: Any) -> Any:
         if args == ("ASKING",):
             _ASKED.set(self)  # the client awaits this node's next command right after, in this task
             return True
@@ -174,8 +196,10 @@ _redis_cluster.ClusterNode = _AskingNode  # type: ignore[misc]
 
 
 class _Cluster(RedisCluster):
-    """redis-py's cluster client, with five of its faults mended at the seam (two more in
-    _AskingNode: ASKING on the wrong connection, idle connections closed under a command):
+    """redis-py's cluster client, with five of its faults mended at the seam (three more in
+    _AskingNode: ASKING on the wrong connection, idle connections closed under a command, a command
+    whose connection was closed under it not retried; and one by its settings: every 5th MOVED
+    closed every connection of every node, ``reinitialize_steps=0`` in cluster_client):
 
     - it learns the cluster's map before its first command runs. Left lazy, the commands of a burst
       at start (a gateway's event lanes, each a blocking read on its own node) race the map being
@@ -189,7 +213,8 @@ class _Cluster(RedisCluster):
       XREADGROUP, the queue's most frequent commands: their keys are read from the command here;
     - a connection closed under a command in flight (a master killed, the map refreshed) raises
       RuntimeError or AttributeError from inside the client: those become the ConnectionError they
-      are, so that the queue's callers retry as for any outage instead of dying of it;
+      are (in the node, where the client's own retries see them; here for what escapes them), so
+      that the queue's callers retry as for any outage instead of dying of it;
     - it gives a command up after 16 redirections (about 0.4 s of TRYAGAIN while a slot's keys are
       split between two masters): such a command never ran, so it is tried again for
       RESHARD_WAIT_S."""

@@ -136,3 +136,58 @@ async def test_stream_reads_are_routed_without_asking_a_node_for_their_keys(
     assert [m for _, m in (await c.xreadgroup("g", "c", {"{t0}:s": ">"}, count=1))[0][1]] == [{b"f": b"v"}]
     stats = await c.info("commandstats", target_nodes=c.get_nodes())
     assert not [k for node in stats.values() for k in node if "getkeys" in k], stats
+
+
+async def test_moved_replies_close_no_connection_in_flight(cluster: RedisClusterProcs, client: aioredis.Redis) -> None:
+    """Once a slot has moved, each command on it with the old map answers MOVED. redis-py's default
+    re-learns the whole map every 5th MOVED by closing every connection of every node, under the
+    commands in flight: a resharding failed blocking reads and scripts mid-reply. A MOVED only
+    patches its slot's owner here."""
+    c: Any = client
+    stay = a_tag_on(cluster, cluster.master_of("{t0}").port)
+    tag = a_tag_on(cluster, cluster.master_of("{t0}").port, not_=stay)
+    await c.set(f"{{{tag}}}:k", "v")
+    node = c.get_node_from_key(f"{{{stay}}}:held")
+    held = asyncio.create_task(c.execute_command("BLPOP", f"{{{stay}}}:held", 2, target_nodes=node))
+    await until(lambda: len(node._connections) > len(node._free), 10, "the blocking read to hold a connection")
+    await asyncio.to_thread(cluster.migrate_slot, f"{{{tag}}}")
+    # The client still has the old owner: each of these is answered MOVED once (more than 5 of them).
+    assert await asyncio.gather(*(c.get(f"{{{tag}}}:k") for _ in range(16))) == [b"v"] * 16
+    assert await asyncio.wait_for(held, 10) is None  # its timeout, not a closed connection
+
+
+def _lose_next_send(node: Any) -> list[int]:
+    """The next command sent on one of ``node``'s connections fails as redis-py fails when the
+    connection was closed under it (its writer gone). Returns the list of such failures."""
+    lost: list[int] = []
+    original = node.connection_class.send_packed_command
+
+    async def send(self: Any, *args: Any, **kwargs: Any) -> None:
+        if not lost:
+            lost.append(1)
+            raise AttributeError("'NoneType' object has no attribute 'writelines'")
+        await original(self, *args, **kwargs)
+
+    node.connection_class = type("Losing", (node.connection_class,), {"send_packed_command": send})
+    for connection in (*node._free, *node._connections):
+        connection.__class__ = node.connection_class
+    return lost
+
+
+@pytest.mark.parametrize("how", ["command", "pipeline"])
+async def test_a_connection_closed_under_a_command_is_retried(
+    cluster: RedisClusterProcs, client: aioredis.Redis, how: str
+) -> None:
+    """A connection closed under a command in flight (the map re-learnt, a master killed) raises
+    AttributeError or RuntimeError from inside redis-py: a lost connection, retried on a fresh one
+    as redis-py retries its own ConnectionError, not an error for the queue's caller."""
+    c: Any = client
+    await c.set("{t0}:k", "v")
+    lost = _lose_next_send(c.get_node_from_key("{t0}:k"))
+    if how == "command":
+        assert await c.get("{t0}:k") == b"v"
+    else:
+        async with c.pipeline(transaction=False) as pipe:
+            pipe.get("{t0}:k")
+            assert await pipe.execute() == [b"v"]
+    assert lost == [1]
