@@ -60,8 +60,6 @@ UNTRUSTED = ("CERTIFICATE_VERIFY_FAILED", "not in peer certificate", "Peer name"
 
 # The HTTP door of an embedded node, where it is free (the port OpenAI-compatible servers use).
 HTTP_PORT = 8000
-# How long a starting node waits for a Redis that never answered before it gives up, saying so.
-REDIS_WAIT_S = 30.0
 
 
 class Node:
@@ -292,9 +290,10 @@ class Node:
             answered = answered or heard is not None
             if heard is None:
                 where = "the embedded Valkey" if self._embedded is not None else "Redis (LLAMAMESH_REDIS_URL)"
-                if not answered and time.monotonic() - t0 > REDIS_WAIT_S:
+                wait_s = self.settings.redis.start_wait_s
+                if not answered and time.monotonic() - t0 > wait_s:
                     show.done("")
-                    raise StartFailed(f"{where} did not answer within {REDIS_WAIT_S:.0f} s")
+                    raise StartFailed(f"{where} did not answer within {wait_s:g} s (LLAMAMESH_REDIS_START_WAIT_S)")
                 show.update(f"{_doing(views)}: {where} does not answer yet", f"{_doing(views, took=False)}: no Redis")
             else:
                 show.update(_doing(views), _doing(views, took=False))

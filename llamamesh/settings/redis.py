@@ -123,6 +123,11 @@ class RedisSettings(Section, section="redis"):
     embedded_dir: str = ""
     """Where the embedded server keeps its data (empty: a temporary folder)."""
 
+    start_wait_s: float = setting(30.0, Range(above=0))
+    """Seconds `llamamesh serve` and `demo` wait at start for a Redis (or the embedded Valkey) that has not answered
+    yet; past it the node exits 1 saying so. Once it has answered, a silence is waited out within the node's start
+    time (LLAMAMESH_WORKER_START_TIMEOUT_S)."""
+
     outage_grace_s: float = setting(15.0, Range(0))
     """Seconds a gateway's open streams ride out Redis being unreachable (a restart, a failover), reading on from
     where they were once it answers; past it they end UNAVAILABLE."""

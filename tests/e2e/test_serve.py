@@ -21,7 +21,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from llamamesh.cli.node import REDIS_WAIT_S
 from llamamesh.client import Client
 from llamamesh.v1 import admin_pb2
 from tests.redisproc import free_port
@@ -193,10 +192,14 @@ def test_a_node_that_cannot_start_says_why_in_one_line_and_exits_non_zero(tmp_pa
 def test_a_node_whose_redis_never_answers_says_so_and_exits(tmp_path: Path) -> None:
     args = [str(CLI), "serve", "--redis-url", f"redis://127.0.0.1:{free_port()}", "--port", str(free_port())]
     t0 = time.monotonic()
-    env = clean_env(tmp_path, LLAMAMESH_LOG_LEVEL="error", LLAMAMESH_WORKER_ENGINE="fake")
+    wait_s = 3
+    env = clean_env(
+        tmp_path, LLAMAMESH_LOG_LEVEL="error", LLAMAMESH_WORKER_ENGINE="fake", LLAMAMESH_REDIS_START_WAIT_S=str(wait_s)
+    )
     out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
     took = time.monotonic() - t0
     errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
     assert out.returncode == 1 and len(errors) == 1, out.stderr[-3000:]
-    assert "LLAMAMESH_REDIS_URL" in errors[0] and "did not answer" in errors[0], errors
-    assert took < REDIS_WAIT_S + 30, took
+    assert "LLAMAMESH_REDIS_URL" in errors[0] and f"did not answer within {wait_s} s" in errors[0], errors
+    assert "LLAMAMESH_REDIS_START_WAIT_S" in errors[0], errors
+    assert wait_s <= took < wait_s + 30, took
