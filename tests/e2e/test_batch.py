@@ -59,9 +59,8 @@ def make_node(redis: RedisProcess, tmp_path: Path) -> ProcessNode:
     return ProcessNode(tmp_path, redis, engine="transformers", extra_env=ENV)
 
 
-@pytest.fixture
-def node(e2e_redis: RedisProcess, tmp_path: Path) -> Iterator[ProcessNode]:
-    n = make_node(e2e_redis, tmp_path)
+def running(redis: RedisProcess, workdir: Path) -> Iterator[ProcessNode]:
+    n = make_node(redis, workdir)
     try:
         n.start()
         yield n
@@ -69,9 +68,21 @@ def node(e2e_redis: RedisProcess, tmp_path: Path) -> Iterator[ProcessNode]:
         n.stop()
 
 
+@pytest.fixture(scope="module")
+def shared(e2e_redis: RedisProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessNode]:
+    """One node for the tests that kill or stop nothing of it (each uses batch ids of its own)."""
+    yield from running(e2e_redis, tmp_path_factory.mktemp("batch-node"))
+
+
+@pytest.fixture
+def node(e2e_redis: RedisProcess, tmp_path: Path) -> Iterator[ProcessNode]:
+    """A node of the test's own, for a test that kills a part of it."""
+    yield from running(e2e_redis, tmp_path)
+
+
 @pytest_asyncio.fixture
-async def stub(node: ProcessNode) -> AsyncIterator[batch_pb2_grpc.BatchServiceStub]:
-    async with grpc.aio.insecure_channel(node.address) as ch:
+async def stub(shared: ProcessNode) -> AsyncIterator[batch_pb2_grpc.BatchServiceStub]:
+    async with grpc.aio.insecure_channel(shared.address) as ch:
         yield batch_pb2_grpc.BatchServiceStub(ch)
 
 
@@ -190,21 +201,23 @@ async def test_cancel_mid_batch(stub: batch_pb2_grpc.BatchServiceStub) -> None:
     assert {r.status for r in got} == {bpb.BATCH_ITEM_STATUS_SUCCEEDED, bpb.BATCH_ITEM_STATUS_CANCELLED}
 
 
-async def test_kill_minus_nine_of_a_worker_mid_batch(node: ProcessNode, stub: batch_pb2_grpc.BatchServiceStub) -> None:
+async def test_kill_minus_nine_of_a_worker_mid_batch(node: ProcessNode) -> None:
     node.spawn("worker2", "workers", LLAMAMESH_WORKER_CONSUMER="e2e-worker-2")
-    await stub.BatchGenerate(summarise("killed", n=20, max_tokens=24))
-    stream = aiter(stub.StreamBatchResults(bpb.StreamBatchResultsRequest(batch_id="killed")))
-    got = [await asyncio.wait_for(anext(stream), 120)]
-    node.procs["worker"].send_signal(signal.SIGKILL)  # its running items stay leased to it
-    node.procs["worker"].wait(10)
-    got += [r async for r in stream]
-    b = await until_ended(stub, "killed", 180)
-    assert b.state == bpb.BATCH_STATE_COMPLETED and b.counts.succeeded == 20
-    assert_counts(b)
-    one_each(got, 20)
-    # the items the dead worker ran again count once: the batch's tokens are its results' own
-    assert b.usage.completion_tokens == sum(r.usage.completion_tokens for r in got) > 0
-    assert '"batch_item_finished"' in node.log("worker2")
+    async with grpc.aio.insecure_channel(node.address) as ch:
+        stub = batch_pb2_grpc.BatchServiceStub(ch)
+        await stub.BatchGenerate(summarise("killed", n=20, max_tokens=24))
+        stream = aiter(stub.StreamBatchResults(bpb.StreamBatchResultsRequest(batch_id="killed")))
+        got = [await asyncio.wait_for(anext(stream), 120)]
+        node.procs["worker"].send_signal(signal.SIGKILL)  # its running items stay leased to it
+        node.procs["worker"].wait(10)
+        got += [r async for r in stream]
+        b = await until_ended(stub, "killed", 180)
+        assert b.state == bpb.BATCH_STATE_COMPLETED and b.counts.succeeded == 20
+        assert_counts(b)
+        one_each(got, 20)
+        # the items the dead worker ran again count once: the batch's tokens are its results' own
+        assert b.usage.completion_tokens == sum(r.usage.completion_tokens for r in got) > 0
+        assert '"batch_item_finished"' in node.log("worker2")
 
 
 @pytest.mark.parametrize("stop", ["graceful", "kill -9"])
@@ -350,7 +363,9 @@ SUMMARY = {
 }
 
 
-def test_the_cli_summarises_documents_into_a_json_schema_every_result_valid(node: ProcessNode, tmp_path: Path) -> None:
+def test_the_cli_summarises_documents_into_a_json_schema_every_result_valid(
+    shared: ProcessNode, tmp_path: Path
+) -> None:
     """`llamamesh batch submit --summarise --json-schema FILE` on the real model: each result parses and
     validates; a bad schema is refused naming the field, with nothing stored."""
     import jsonschema
@@ -358,7 +373,7 @@ def test_the_cli_summarises_documents_into_a_json_schema_every_result_valid(node
     docs, schema = tmp_path / "docs.jsonl", tmp_path / "summary.schema.json"
     docs.write_text("".join(json.dumps({"custom_id": f"doc-{i}", "text": DOCS[i]}) + "\n" for i in range(5)))
     schema.write_text(json.dumps(SUMMARY))
-    cli, addr = [sys.executable, "-m", "llamamesh.cli", "batch"], ["--address", node.address]
+    cli, addr = [sys.executable, "-m", "llamamesh.cli", "batch"], ["--address", shared.address]
     sub = subprocess.run(
         [
             *cli,
@@ -397,11 +412,11 @@ def test_the_cli_summarises_documents_into_a_json_schema_every_result_valid(node
     assert "summarise.params.response_format.json_schema" in bad.stderr, bad.stderr
 
 
-def test_the_cli_submits_waits_and_writes_results(node: ProcessNode, tmp_path: Path) -> None:
+def test_the_cli_submits_waits_and_writes_results(shared: ProcessNode, tmp_path: Path) -> None:
     docs = tmp_path / "docs.jsonl"
     docs.write_text("".join(json.dumps({"custom_id": f"doc-{i}", "text": DOCS[i]}) + "\n" for i in range(5)))
     cli = [sys.executable, "-m", "llamamesh.cli", "batch"]
-    addr = ["--address", node.address]
+    addr = ["--address", shared.address]
     sub = subprocess.run(
         [*cli, "submit", str(docs), "--summarise", "--max-tokens", "8", "--batch-id", "cli", *addr],
         capture_output=True,
