@@ -6,6 +6,7 @@ kill it and start it again on the same data.
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -19,11 +20,36 @@ import redis
 
 from tests.waiting import wait_until
 
+PORT_FLOOR = 10000  # free_port's ports lie from here up to the kernel's ephemeral range
+_handed_out: set[int] = set()
+_rng = random.SystemRandom()  # not the global generator, which Hypothesis seeds
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (where it picks outgoing connections' ports)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0  # not Linux: ports the kernel picks, as before
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port nothing listens on, not handed out before in this process, and below the
+    kernel's ephemeral range: a server is handed its port some time before it binds it, and a port
+    the kernel picked could meanwhile become the local port of an outgoing connection (or be picked
+    again for another server), so that the server's bind fails with "Address already in use"."""
+    low = _ephemeral_low()
+    for _ in range(1000):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", _rng.randrange(PORT_FLOOR, low) if low > PORT_FLOOR + 1000 else 0))
+            except OSError:
+                continue  # taken: another
+            port = int(s.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError("no free loopback port found in 1000 tries")
 
 
 def wait_answering(
