@@ -42,6 +42,8 @@ class ProcessNode:
             "LLAMAMESH_GATEWAY_MODELS": f"smollm2-135m-instruct={pool}",
             "LLAMAMESH_WORKER_CONSUMER": "e2e-worker",
             "LLAMAMESH_LOG_FORMAT": "json",
+            # Stopped at once: the settle window, for load balancers, is tested in test_drain alone.
+            "LLAMAMESH_GATEWAY_SETTLE_S": "0",
             **extra_env,
         }
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
