@@ -230,7 +230,7 @@ async def test_redis_restart_with_aof_loses_nothing(tmp_path: Path, stop: str) -
         node.start()
         async with grpc.aio.insecure_channel(node.address) as ch:
             stub = batch_pb2_grpc.BatchServiceStub(ch)
-            await stub.BatchGenerate(summarise("aof", n=12, max_tokens=24))
+            await stub.BatchGenerate(summarise("aof", n=12, max_tokens=12))
             first = await asyncio.wait_for(
                 stub.StreamBatchResults(bpb.StreamBatchResultsRequest(batch_id="aof")).read(), 120
             )

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
 
@@ -228,9 +229,9 @@ def test_a_process_of_a_node_says_in_one_line_what_it_cannot_start_with(tmp_path
         (("serve", "--engine", "fake", "--port", port), {}, "LLAMAMESH_GATEWAY_PORT"),
         (("serve", "--engine", "fake"), {"LLAMAMESH_WORKER_HEALTH_PORT": port}, "LLAMAMESH_WORKER_HEALTH_PORT"),
     ]
-    with taken:
-        for args, env, setting in cases:
-            out = run(*args, **env)
+    with taken, ThreadPoolExecutor(2) as pool:  # each case is a process of its own: two at a time
+        outs = list(pool.map(lambda case: run(*case[0], **case[1]), cases))
+        for (args, env, setting), out in zip(cases, outs, strict=True):
             last = out.stderr.strip().splitlines()[-1]
             assert out.returncode == 1 and "Traceback" not in out.stderr, (args, env, out.stderr)
             assert last.startswith("error: ") and setting in last, (args, env, out.stderr)
