@@ -37,6 +37,19 @@ def check_priority(who: Identity, priority: int) -> None:
         )
 
 
+def check_streams(who: Identity, streams: int, field: str, what: str) -> None:
+    """InvalidRequest naming ``field`` when one call (``what``) holds ``streams`` of the tenant's concurrent
+    streams, more than its max_streams: it could never be admitted, so it is refused as invalid, not with a
+    RESOURCE_EXHAUSTED to retry."""
+    most = who.limits.max_streams
+    if most > 0 and streams > most:
+        raise errors.InvalidRequest.field(
+            field,
+            f"{what}, each a stream of its own; tenant {who.tenant!r} may hold at most "
+            f"{most} streams at once (max_streams, LLAMAMESH_LIMITS_MAX_STREAMS)",
+        )
+
+
 def cache_scoped(req: GenerationRequest, tenant: str) -> GenerationRequest:
     """``req`` with the prefix cache its tenant's own: the engine's cache salt from the tenant, and
     its prefix-affinity key (a prefix's worker) keyed by it too, so that two tenants' identical

@@ -32,7 +32,7 @@ from llamamesh.settings import GatewaySettings
 from llamamesh.tenants import Identity
 from llamamesh.types import ModelInfo
 from llamamesh.v1 import generation_pb2 as pb
-from services import convert
+from services import admission, convert
 from services.auth import Gatekeeper
 from services.calls import answered_with, call, note
 from services.generation import GenerationServicer
@@ -178,7 +178,7 @@ class HttpDoor:
     async def _answer(self, request: web.Request, parsed: Parsed, who: Identity) -> web.StreamResponse:
         # Several prompts: one request each, ids <id>:<i> under one id (the caller's, or made here).
         several = len(parsed.prompts) > 1
-        _check_streams(parsed, who)
+        admission.check_streams(who, len(parsed.prompts), "prompt", f"{len(parsed.prompts)} prompts")
         base_id = parsed.request.request_id or (uuid.uuid4().hex if several else "")
         if several:
             structlog.contextvars.bind_contextvars(request_id=base_id)
@@ -234,18 +234,6 @@ class HttpDoor:
         if not any(m.id == wanted for m in convert.with_adapters(self._models, self._adapters_of)):
             raise errors.NotFound(f"model {wanted!r} is not served here")
         return web.json_response(_model(wanted))
-
-
-def _check_streams(parsed: Parsed, who: Identity) -> None:
-    """Each prompt holds one of the tenant's streams: more prompts than its max_streams could never be
-    admitted, so they are refused as invalid, not with a 429 to retry."""
-    most = who.limits.max_streams
-    if most > 0 and len(parsed.prompts) > most:
-        raise errors.InvalidRequest.field(
-            "prompt",
-            f"{len(parsed.prompts)} prompts, each a stream of its own; tenant {who.tenant!r} may hold at most "
-            f"{most} streams at once (max_streams, LLAMAMESH_LIMITS_MAX_STREAMS)",
-        )
 
 
 class _Events:
