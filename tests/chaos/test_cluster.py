@@ -115,6 +115,8 @@ async def test_three_gateways_and_four_workers_share_one_cluster(cluster: RedisC
             ledger = Ledger()
             await asyncio.wait_for(asyncio.gather(*(ledger.stream(stubs[i % 3], 20, None) for i in range(60))), 120)
             ledger.check(accepted=60, tokens=20)
+            # A worker logs a job's end just after its last token went out: every line, then who ran them.
+            await asyncio.to_thread(wait_until, lambda: f.jobs_by_worker().total() >= 60, 10, "60 jobs logged")
             assert all(n > 0 for n in f.jobs_by_worker().values()), f.jobs_by_worker()
 
             # Cancel through another gateway than the one streaming.

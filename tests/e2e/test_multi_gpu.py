@@ -138,10 +138,14 @@ async def test_streams_on_both_gpus(node: ProcessNode) -> None:
             raise AssertionError(f"{exc.code()}: {exc.details()}\n{tail}") from exc
     assert got == [(64, 64)] * 64
     if node.param == "two workers":  # type: ignore[attr-defined]
-        # both replicas took work: each logs the jobs it finished under its own consumer name
-        finished = [line for line in node.log("worker").splitlines() if '"job_finished"' in line]
+        # both replicas took work: each logs the jobs it finished under its own consumer name, just
+        # after its last token went out (so the callers may be first: every line, then who ran them)
+        def finished() -> list[str]:
+            return [line for line in node.log("worker").splitlines() if '"job_finished"' in line]
+
+        await until(lambda: len(finished()) >= 64, 10, "64 jobs logged")
         for replica in ("r0", "r1"):
-            assert any(f'"e2e-worker-{replica}-' in line for line in finished), replica
+            assert any(f'"e2e-worker-{replica}-' in line for line in finished()), replica
 
 
 async def test_cancel_mid_stream_frees_the_slot(node: ProcessNode) -> None:
