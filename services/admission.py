@@ -39,8 +39,8 @@ def check_priority(who: Identity, priority: int) -> None:
 
 def check_streams(who: Identity, streams: int, field: str, what: str) -> None:
     """InvalidRequest naming ``field`` when one call (``what``) holds ``streams`` of the tenant's concurrent
-    streams, more than its max_streams: it could never be admitted, so it is refused as invalid, not with a
-    RESOURCE_EXHAUSTED to retry."""
+    streams, more than its max_streams: it could never be admitted, so it is refused as invalid, not as
+    RateLimited (which says to retry)."""
     most = who.limits.max_streams
     if most > 0 and streams > most:
         raise errors.InvalidRequest.field(
