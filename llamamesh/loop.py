@@ -50,3 +50,19 @@ def serving_heap() -> int:
     _g0, g1, g2 = gc.get_threshold()
     gc.set_threshold(SERVING_GC_THRESHOLD, g1, g2)
     return gc.get_freeze_count()
+
+
+async def cancel_and_wait(*tasks: asyncio.Task[Any] | None, again_s: float = 0.1) -> None:
+    """Cancel ``tasks`` (None: none) and return once each has ended, whatever it ended with. A
+    cancellation can be lost inside a library (one that arrives just as a Redis reply does), and a
+    periodic loop then runs on to its next wait: a task still running after ``again_s`` is cancelled
+    again, so that a stop never waits out a loop's interval or hangs."""
+    given = [t for t in tasks if t is not None]
+    pending = set(given)
+    while pending:
+        for t in pending:
+            t.cancel()
+        _, pending = await asyncio.wait(pending, timeout=again_s)
+    for t in given:
+        if not t.cancelled():
+            t.exception()  # retrieved: an ending error is the task's own to log

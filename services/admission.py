@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import structlog
 
 from llamamesh import errors, metrics
+from llamamesh.loop import cancel_and_wait
 from llamamesh.queue.gateway_stores import Quotas
 from llamamesh.queue.keys import STREAM_LEASE_MS
 from llamamesh.tenants import Identity
@@ -74,10 +75,7 @@ class Admission:
             self._renewer = asyncio.create_task(self._renew(), name="stream-leases")
 
     async def stop(self) -> None:
-        if self._renewer is not None:
-            self._renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._renewer
+        await cancel_and_wait(self._renewer)
 
     async def _renew(self) -> None:
         assert self.quotas is not None

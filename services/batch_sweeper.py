@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 import structlog
 
 from llamamesh import metrics
 from llamamesh.errors import QueueUnavailable
+from llamamesh.loop import cancel_and_wait
 from llamamesh.queue.gateway_stores import Quotas
 from llamamesh.queue.keys import UNSTORED_GRACE_S
 from llamamesh.queue.protocol import BatchStore
@@ -41,10 +41,7 @@ class BatchSweeper:
         self._task = asyncio.create_task(self._run(), name="batch-sweeper")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     async def _run(self) -> None:
         while True:

@@ -5,7 +5,6 @@ pools, admission, the gatekeeper); ``Gateway.stop`` drains and closes it."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +14,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
+from llamamesh.loop import cancel_and_wait
 from llamamesh.ports import check_free
 from llamamesh.queue.gateway_stores import FileStore, Quotas
 from llamamesh.queue.protocol import BatchStore, JobQueue
@@ -80,10 +80,7 @@ class Gateway:
             await self.admission.stop()
         if self.sweeper is not None:
             await self.sweeper.stop()
-        if self.tenants_watch is not None:
-            self.tenants_watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.tenants_watch
+        await cancel_and_wait(self.tenants_watch)
         if self.health_server is not None:
             await self.health_server.stop(0)
 

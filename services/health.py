@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable, Sequence
 
@@ -12,6 +11,7 @@ from grpc_health.v1 import health, health_pb2
 
 from llamamesh import metrics
 from llamamesh.errors import QueueOutOfMemory, QueueUnavailable
+from llamamesh.loop import cancel_and_wait
 from llamamesh.queue.protocol import QueueState
 from llamamesh.settings import GatewaySettings
 
@@ -179,7 +179,5 @@ class HealthReporter:
         """Report NOT_SERVING for good and stop probing."""
         if (task := self._task) is not None:
             self._task = None
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         await self.servicer.enter_graceful_shutdown()

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Iterable
 import structlog
 
 from llamamesh import errors, metrics
+from llamamesh.loop import cancel_and_wait
 from llamamesh.queue.protocol import ProbeQueue, QueueDepth
 from llamamesh.settings import BreakerSettings
 from llamamesh.types import PROBE_TENANT, GenerationRequest, SamplingParams, WorkerState
@@ -54,9 +55,7 @@ class Probes:
         # The flag as well as the cancel: on Python < 3.12 asyncio.wait_for can swallow a cancel
         # that lands as the awaited probe finishes (gh-86296), and the loop would probe on forever.
         self._stopping = True
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(*self._tasks)
         self._tasks = []
 
     async def _loop(self, p: Pool) -> None:

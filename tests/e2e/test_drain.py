@@ -119,3 +119,22 @@ async def _collect(stream, into: list) -> list:  # type: ignore[no-untyped-def]
     async for m in stream:
         into.append(m)
     return into
+
+
+def test_a_gateway_sigtermed_as_it_starts_stops_at_once(e2e_redis: RedisProcess, tmp_path: Path) -> None:
+    """SIGTERM while the gateway's background loops (the batch sweep, health, stream leases) make
+    their first Redis calls: it exits 0 at once, every time (not after a loop's interval, nor killed
+    by its supervisor after the grace)."""
+    node = ProcessNode(tmp_path, e2e_redis, engine="fake", extra_env={"LLAMAMESH_BATCH_SWEEP_INTERVAL_S": "3600"})
+    node.spawn("worker", "workers")
+    try:
+        for attempt in range(6):
+            name = f"gateway-{attempt}"
+            node.spawn(name, "services")
+            wait_until(lambda n=name: '"gateway_started"' in node.log(n), 30, f"{name} started", poll_s=0.005)
+            t0 = time.monotonic()
+            node.procs[name].send_signal(signal.SIGTERM)
+            assert node.procs[name].wait(15) == 0, node.log(name)[-2000:]
+            assert time.monotonic() - t0 < 5, node.log(name)[-2000:]
+    finally:
+        node.stop()

@@ -9,7 +9,7 @@ import sys
 import pytest
 import uvloop
 
-from llamamesh.loop import run_main
+from llamamesh.loop import cancel_and_wait, run_main
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -49,3 +49,35 @@ def test_serving_heap_freezes_the_start_up_heap_and_collects_young_objects_less_
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
     assert done.stdout.strip() == "ok", done.stderr
+
+
+async def test_cancel_and_wait_ends_a_task_that_lost_a_cancellation() -> None:
+    """A loop whose cancellation was lost inside a call (as a library may lose one that arrives with
+    its reply) goes on to its next wait: it is cancelled again there, not waited out."""
+    lost = asyncio.Event()
+
+    async def loop() -> None:
+        while True:
+            try:
+                await asyncio.sleep(0.01)  # the call the cancellation arrives in
+            except asyncio.CancelledError:
+                if lost.is_set():
+                    raise
+                lost.set()  # lost once
+            await asyncio.sleep(3600)  # the loop's interval
+
+    task = asyncio.create_task(loop())
+    await asyncio.sleep(0)  # not a wait: the task reaches its first call
+    await asyncio.wait_for(cancel_and_wait(task, None), 5)
+    assert lost.is_set() and task.cancelled()
+
+
+async def test_cancel_and_wait_returns_whatever_the_tasks_ended_with() -> None:
+    async def fails() -> None:
+        raise RuntimeError("its own")
+
+    done = asyncio.create_task(asyncio.sleep(0))
+    failed = asyncio.create_task(fails())
+    await asyncio.wait({done, failed})
+    await cancel_and_wait(done, failed, None, asyncio.create_task(asyncio.sleep(3600)))
+    assert failed.exception() is not None and done.result() is None
