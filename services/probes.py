@@ -45,24 +45,20 @@ class Probes:
         self._publish = publish
         self._clock = clock
         self._tasks: list[asyncio.Task[None]] = []
-        self._stopping = False
 
     def start(self, pools: Iterable[Pool]) -> None:
         """Probe each pool every ``probe_interval_s`` in the background."""
         self._tasks = [asyncio.create_task(self._loop(p), name=f"probe-{p.name}") for p in pools]
 
     async def stop(self) -> None:
-        # The flag as well as the cancel: on Python < 3.12 asyncio.wait_for can swallow a cancel
-        # that lands as the awaited probe finishes (gh-86296), and the loop would probe on forever.
-        self._stopping = True
+        # Cancelled until they end: on Python < 3.12 asyncio.wait_for can swallow a cancel that
+        # lands as the awaited probe finishes (gh-86296), and the loop would probe on forever.
         await cancel_and_wait(*self._tasks)
         self._tasks = []
 
     async def _loop(self, p: Pool) -> None:
-        while not self._stopping:
+        while True:
             await asyncio.sleep(self._s.probe_interval_s)
-            if self._stopping:
-                return
             try:
                 await self.probe(p)
             except Exception as exc:  # a probe must never take the gateway down

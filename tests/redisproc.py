@@ -33,12 +33,15 @@ def _ephemeral_low() -> int:
         return 0  # not Linux: ports the kernel picks, as before
 
 
+EPHEMERAL_LOW = _ephemeral_low()
+
+
 def free_port() -> int:
     """A loopback port nothing listens on, not handed out before in this process, and below the
     kernel's ephemeral range: a server is handed its port some time before it binds it, and a port
     the kernel picked could meanwhile become the local port of an outgoing connection (or be picked
     again for another server), so that the server's bind fails with "Address already in use"."""
-    low = _ephemeral_low()
+    low = EPHEMERAL_LOW
     for _ in range(1000):
         with socket.socket() as s:
             try:
