@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -29,7 +29,7 @@ from llamamesh.types import StoredFile, scoped_id
 from llamamesh.v1 import batch_pb2 as bpb
 from services.batch import BatchServicer
 from services.http import openai_batches
-from services.http.wire import Handler, Work, read_json
+from services.http.wire import Handler, Work, read_at_most, read_json
 
 Route = Callable[[str, Work], Handler]
 FILE_ID = "file-"
@@ -37,6 +37,7 @@ BATCH_ID = "batch_"
 MAX_FILES_LISTED = 10000  # GET /v1/files: the most one page lists, and its default (as OpenAI's)
 FILES_FULL_RETRY_S = 60.0  # a tenant whose files hold its max_batch_bytes: after this, or a deletion
 MAX_FILENAME = 255  # an uploaded file's name: at most this many printable characters
+MAX_PURPOSE = 64  # an upload's purpose field (bytes; "batch" is the one purpose)
 
 
 class BatchRoutes:
@@ -98,10 +99,14 @@ class BatchRoutes:
                 if not isinstance(part, BodyPartReader):
                     continue
                 if part.name == "purpose":
-                    purpose = (await part.text()).strip()
+                    too_big = errors.InvalidRequest.field("purpose", f"more than {MAX_PURPOSE} bytes")
+                    purpose = (await read_at_most(_chunks_of(part), MAX_PURPOSE, too_big)).decode().strip()
                 elif part.name == "file":
                     filename = part.filename or "input.jsonl"
-                    content = await _read_at_most(part, self.max_bytes)
+                    too_big = errors.InvalidRequest.field(
+                        "file", f"more than {self.max_bytes} bytes (LLAMAMESH_BATCH_MAX_BYTES)"
+                    )
+                    content = await read_at_most(_chunks_of(part), self.max_bytes, too_big)
         except (ValueError, LookupError, HttpProcessingError) as exc:  # aiohttp's: not multipart, cut short
             raise errors.InvalidRequest.field("file", f"not a whole multipart/form-data body: {exc}") from exc
         if content is None:
@@ -272,11 +277,5 @@ def _file_object(f: StoredFile) -> dict[str, Any]:
     }
 
 
-async def _read_at_most(part: BodyPartReader, limit: int) -> bytes:
-    chunks, size = [], 0
-    while chunk := await part.read_chunk(65536):
-        size += len(chunk)
-        if size > limit:
-            raise errors.InvalidRequest.field("file", f"more than {limit} bytes (LLAMAMESH_BATCH_MAX_BYTES)")
-        chunks.append(chunk)
-    return b"".join(chunks)
+def _chunks_of(part: BodyPartReader) -> Callable[[], Awaitable[bytes]]:
+    return lambda: part.read_chunk(65536)

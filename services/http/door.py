@@ -40,7 +40,7 @@ from services.http import openai_requests, openai_responses
 from services.http.batches import BatchRoutes
 from services.http.fanout import merged
 from services.http.openai_requests import Parsed
-from services.http.wire import Handler, Work, event, read_json
+from services.http.wire import Handler, Runner, Work, event, read_json
 from services.tls import peer_names
 
 log = structlog.get_logger(__name__)
@@ -91,7 +91,7 @@ class HttpDoor:
         self._s = settings
         self._models = tuple(models)
         self._adapters_of = adapters_of
-        self._runner: web.AppRunner | None = None
+        self._runner: Runner | None = None
         self.port = 0
 
     def app(self) -> web.Application:
@@ -122,8 +122,8 @@ class HttpDoor:
                 if not answer.prepared and "x-request-id" not in answer.headers:  # every answer carries one
                     answer.headers.update(_request_id(request))
                 return answer
-            except web.HTTPException:
-                raise  # (a path or method this door lacks: _errors)
+            except (web.HTTPException, ConnectionResetError):
+                raise  # (a path or method this door lacks: _errors; a caller gone mid-body: no one to answer)
             except Exception as exc:  # recorded by call(); answered in OpenAI's shape (anything else: 500, logged)
                 http, body, headers = openai_responses.error(exc)
                 return web.json_response(body, status=http, headers={**headers, **_request_id(request)})
@@ -133,7 +133,7 @@ class HttpDoor:
     async def start(self, port: int, ssl_context: ssl.SSLContext | None, share_port: bool) -> int:
         """Listen on ``settings.host``:``port`` (0: a free one); returns the port."""
         # handler_cancellation: a caller that disconnects cancels its handler, and so its request.
-        self._runner = web.AppRunner(
+        self._runner = Runner(
             self.app(),
             handler_cancellation=True,
             access_log=None,

@@ -1,5 +1,6 @@
-"""What the HTTP door's routes share on the wire: JSON bodies read into domain errors, and
-server-sent events."""
+"""What the HTTP door's routes share on the wire: bodies read at most to their limit, JSON bodies
+read into domain errors, server-sent events, and the runner that answers a request head that is not
+valid HTTP without echoing it."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
 
 from llamamesh import errors
 from llamamesh.tenants import Identity
+from services.http import openai_responses
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # A route's own work, given the request and the caller's identity (the door does the rest).
@@ -23,6 +27,18 @@ Work = Callable[[web.Request, Identity], Awaitable[web.StreamResponse]]
 BODY_S = 30.0
 
 
+async def read_at_most(read: Callable[[], Awaitable[bytes]], limit: int, too_big: Exception) -> bytes:
+    """The chunks ``read`` returns until it returns b"", refused with ``too_big`` as soon as they pass
+    ``limit`` bytes: a body sent in chunks (no Content-Length) never holds more than that."""
+    chunks, size = [], 0
+    while chunk := await read():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def read_json(request: web.Request, limit: int) -> object:
     """The request's JSON body, at most ``limit`` bytes (``LLAMAMESH_GATEWAY_MAX_REQUEST_BYTES``, as
     a gRPC request), else InvalidRequest naming ``body``."""
@@ -30,13 +46,9 @@ async def read_json(request: web.Request, limit: int) -> object:
     if request.content_length is not None and request.content_length > limit:
         raise too_big
     try:
-        raw = await asyncio.wait_for(request.read(), BODY_S)
-    except web.HTTPRequestEntityTooLarge:
-        raise too_big from None
+        raw = await asyncio.wait_for(read_at_most(request.content.readany, limit, too_big), BODY_S)
     except asyncio.TimeoutError:
         raise errors.InvalidRequest.field("body", f"not received whole within {BODY_S:g} s") from None
-    if len(raw) > limit:
-        raise too_big
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # (nesting past Python's stack)
@@ -81,3 +93,34 @@ def _text(s: str) -> bool:
 
 async def event(response: web.StreamResponse, body: dict[str, Any]) -> None:
     await response.write(b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n")
+
+
+class Runner(web.AppRunner):
+    """aiohttp's runner, but a request head that is not valid HTTP is answered in OpenAI's shape
+    naming only the parser's error kind: aiohttp's own answer quotes the bytes its parser stopped
+    at, an authorization header's API key among them, to whoever sent them or a proxy's log."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _Server  # (aiohttp takes no handler class: the server makes one per connection)
+        return server
+
+
+class _Server(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _Handler(self, loop=self._loop, **self._kwargs)
+
+
+class _Handler(RequestHandler):
+    def handle_error(
+        self, request: Any, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
+        if not isinstance(exc, HttpProcessingError):
+            return super().handle_error(request, status, exc, message)
+        self.logger.info("http_request_refused %s (status %s)", type(exc).__name__, exc.code)
+        http, body, _ = openai_responses.error(
+            errors.InvalidRequest.field("request", f"not valid HTTP ({type(exc).__name__})")
+        )
+        answer = web.json_response(body, status=http)
+        answer.force_close()
+        return answer

@@ -356,6 +356,68 @@ async def test_a_body_that_stalls_is_refused(door: tuple[Stack, str], monkeypatc
     assert answer.startswith(b"HTTP/1.1 400") and b'"param": "body"' in answer, answer
 
 
+async def test_a_chunked_body_is_refused_as_soon_as_it_passes_the_limit() -> None:
+    """A body sent in chunks (no Content-Length to check first) is read only up to
+    LLAMAMESH_GATEWAY_MAX_REQUEST_BYTES: the 400 comes while the client is still sending, though
+    the door also takes uploads of up to LLAMAMESH_BATCH_MAX_BYTES (64 MiB) on other routes."""
+    port = free_port()
+    async with running(Config(gateway=replace(GATEWAY, http_port=port, max_request_bytes=65536), batches=True)):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        writer.write(f"{head}Transfer-Encoding: chunked\r\n\r\n".encode())
+        for _ in range(4):  # 128 KiB, and never the last chunk
+            writer.write(b"8000\r\n" + b" " * 0x8000 + b"\r\n")
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(4096), 10)
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 400") and b'"param": "body"' in answer, answer
+    assert b"more than 65536 bytes" in answer, answer
+
+
+async def test_a_caller_gone_mid_body_is_a_cancelled_call_not_a_server_error(
+    door: tuple[Stack, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    port = int(door[1].split(":")[2].split("/")[0])
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    with structlog.testing.capture_logs() as logs, caplog.at_level(logging.INFO):
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(f"{head}Transfer-Encoding: chunked\r\n\r\n1\r\n{{\r\n".encode())
+        await writer.drain()
+        writer.transport.abort()
+        await until(lambda: [e for e in logs if e["event"] == "rpc_finished"], 10, "the call to end")
+    (line,) = [e for e in logs if e["event"] == "rpc_finished"]
+    assert line["status"] == "CANCELLED", line
+    assert not [e for e in logs if e.get("log_level") == "error"], logs
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.records
+
+
+async def test_a_request_head_that_is_not_http_is_refused_without_echoing_it(
+    door: tuple[Stack, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """aiohttp's own answer to a bad request head quotes the bytes its parser stopped at: here an API
+    key. The door answers in OpenAI's shape with the parser's error kind alone, and logs only that."""
+    port = int(door[1].split(":")[2].split("/")[0])
+    key = "lm_secret_key_0123456789"
+    bad_heads = [
+        f"Authorization: Bearer {key}{'0' * 9000}",  # a header line past aiohttp's 8190 bytes
+        f"Authorization: Bearer {key}\x01",  # a control character in a value
+        f"Authorization Bearer {key}",  # no colon
+    ]
+    with caplog.at_level(logging.INFO):
+        for line in bad_heads:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(f"GET /v1/models HTTP/1.1\r\nHost: x\r\n{line}\r\n\r\n".encode())
+            answer = await asyncio.wait_for(reader.read(), 10)  # (and the connection is closed)
+            writer.close()
+            assert answer.split(b" ")[1] == b"400" and key.encode() not in answer, answer  # (HTTP/1.0: unparsed)
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert b"application/json" in head, head
+            error = json.loads(body)["error"]
+            assert error["param"] == "request" and error["message"].startswith("request: not valid HTTP ("), error
+    refused = [r.getMessage() for r in caplog.records if "http_request_refused" in r.getMessage()]
+    assert len(refused) == 3 and not any(key in r.getMessage() for r in caplog.records), refused
+
+
 @pytest.mark.fake_step_s(0.02)
 async def test_a_caller_reset_mid_stream_is_no_server_error(
     door: tuple[Stack, str], caplog: pytest.LogCaptureFixture
