@@ -54,7 +54,7 @@ async def serve(settings: Settings, engine: Engine | None = None) -> int:
     try:
         if engine is None:
             engine = await _create_engine(settings, queue)
-        batches = RedisBatches.from_settings(queue.client, queue.keys, settings.batch)
+        batches = RedisBatches.from_settings(queue.client, queue.keys, settings.batch, replicas=queue.replicas)
         worker = Worker(ws, queue, engine, settings.redis.block_ms, batches, settings.batch, freeze=True)
         await worker.run(stop)
     except EngineDead as exc:

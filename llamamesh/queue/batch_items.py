@@ -19,6 +19,7 @@ from llamamesh.queue.keys import JOB_FIELD, PREFIX_HOLD_MS, Keys, Retention
 from llamamesh.queue.lanes import BatchLanes, Entry
 from llamamesh.queue.protocol import Lease
 from llamamesh.queue.redisio import call_scripts, unreachable
+from llamamesh.queue.replicas import Replicas
 from llamamesh.queue.scripts import register
 from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, ItemStatus
 
@@ -38,8 +39,11 @@ class BatchItems:
         fail_after: int,
         claim_idle_s: float,
         hold_ms: int = PREFIX_HOLD_MS,
+        replicas: Replicas | None = None,
     ) -> None:
+        """``replicas``: how many Redis replicas hold an item's result before its ack is sent."""
         self._r = client
+        self.replicas = replicas or Replicas()
         self.keys = keys
         self.retention = retention
         self.fail_after = fail_after
@@ -124,32 +128,36 @@ class BatchItems:
         (``Keys.batch_done``, custom_id -> status), appends it to ``Keys.batch_results``, counts it
         and, with the last item, ends the batch. A worker that dies leaves its items pending for
         another to claim (:meth:`reclaim`), and a second result for the same custom_id is dropped
-        here: execution is at least once, the result exactly once."""
+        here: execution is at least once, the result exactly once.
+
+        With ``replicas``, the ack waits until that many replicas hold the result (WAIT), else
+        raises QueueUnavailable leaving the item leased: the result and its ack may reach different
+        primaries across a failover (the old one takes writes until it is demoted), and an ack
+        that outlived its result would leave an item that never ends."""
         req = lease.request
-        with unreachable():
-            done = int(
-                await self._record(
-                    keys=batch_record.item_keys(self.keys, req.batch_id),
-                    args=[
-                        req.custom_id,
-                        result.status.value,
-                        codec.encode_result(result),
-                        time.time(),
-                        self.retention.batch_s,
-                        self.fail_after,
-                        result.usage.prompt_tokens,
-                        result.usage.completion_tokens,
-                        result.usage.cached_tokens,
-                    ],
-                )
-            )
+        done = await self.write(req.batch_id, result)
         await self.discard(lease)
-        if done == 2:
+        if done == 1 and not lease.shared:
+            with unreachable():
+                drained = not await self._r.xlen(self.lanes.stream(lease.pool, req.batch_id))
+            if drained:  # its lane is empty, the batch not ended: a result may have been lost (BatchSweep.end_lost)
+                await self.look_again_soon(req.batch_id)
+        elif done == 2:
             await self.settle(req.batch_id)
             await self.look_again_soon(req.batch_id)
         elif done == 3:
             await self.lanes.close_ended(await batch_record.read(self._r, self.keys, req.batch_id))
         return done >= 1
+
+    async def write(self, batch_id: str, result: ItemResult) -> int:
+        """Write an item's result unless it has one (record_result.lua's reply), on ``replicas``."""
+        usage = result.usage
+        args = [result.custom_id, result.status.value, codec.encode_result(result), time.time(), self.retention.batch_s]
+        args += [self.fail_after, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens]
+        with unreachable():
+            keys = batch_record.item_keys(self.keys, batch_id)
+            replies = await self.replicas.script(self._r, self._record, keys, args)
+        return int(self.replicas.check(replies, "the item's result")[0])
 
     async def settle(self, batch_id: str) -> BatchInfo | None:
         """End, without running them, the items that can no longer start: all unstarted ones of a

@@ -1,9 +1,9 @@
 """The gateways' batch sweep: it ends what can no longer run even while no worker is alive, so every
 batch reaches an end state by itself: unstarted items of a batch past its deadline (expired) or
-cancelled or failed (cancelled), and items a dead worker left leased (untouched for
-``claim_idle_s``). Nothing outlives its batch: the record and results expire ``Retention.batch_s``
-after the end, and the sweep then takes the batch off its owner's list (``Keys.batches_kept``), a
-bounded page per sweep.
+cancelled or failed (cancelled), items a dead worker left leased (untouched for ``claim_idle_s``),
+and items whose result a Redis failover lost (errored). Nothing outlives its batch: the record and
+results expire ``Retention.batch_s`` after the end, and the sweep then takes the batch off its
+owner's list (``Keys.batches_kept``), a bounded page per sweep.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import time
 from typing import Any
 
 import redis.asyncio as aioredis
+import structlog
 from redis.exceptions import ResponseError
 
-from llamamesh.errors import InvalidRequest
+from llamamesh.errors import InvalidRequest, QueueUnavailable
 from llamamesh.queue import batch_record, codec
 from llamamesh.queue.batch_items import BatchItems
 from llamamesh.queue.intake import BatchIntake
@@ -23,6 +24,8 @@ from llamamesh.queue.keys import JOB_FIELD, WORKER_GROUP, Keys, Retention
 from llamamesh.queue.protocol import Lease
 from llamamesh.queue.redisio import unreachable
 from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, ItemStatus
+
+log = structlog.get_logger(__name__)
 
 # The consumer name under which the sweep claims a dead worker's items before ending them.
 SWEEPER = "batch-sweeper"
@@ -60,6 +63,8 @@ class BatchSweep:
                 info = await self._items.settle(raw.decode())
                 if info is not None and batch_record.waits(info):
                     info = await self.end_abandoned(info)
+                if info is not None and batch_record.waits(info):
+                    info = await self.end_lost(info)
                 if info is None or not batch_record.waits(info):
                     await self._items.lanes.close_ended(info)
                     await self._r.zrem(key, raw)
@@ -134,6 +139,34 @@ class BatchSweep:
                         if claimed and claimed[0] and claimed[0][1]:  # still idle, still there: ours now
                             result = ItemResult.unrun(req.custom_id, status, why)
                             await self._items.record(Lease(pool, entry_id, req, shared=not lane), result)
+        return await batch_record.read(self._r, self.keys, info.batch_id)
+
+    async def end_lost(self, info: BatchInfo, page: int = 500) -> BatchInfo | None:
+        """End, errored, the items of this sealed batch that can no longer get a result: none of its
+        items is queued or leased in any of its pools, yet these have none. A worker writes an item's
+        result before it acks the item, but across a Redis failover the two may reach different
+        primaries (or the result only a primary that then crashed): the ack survives, the result
+        does not. Returns the batch after it."""
+        meta = self.keys.batch(info.batch_id)
+        with unreachable():
+            pools, sealed = await self._r.hmget(meta, "pools", "enqueued")
+            if not sealed:
+                return info
+            for pool in batch_record.pool_list(pools):
+                for lane in (info.batch_id, ""):  # its lane, and the pool's shared stream
+                    if await self._r.xlen(self._items.lanes.stream(pool, lane)):
+                        return info
+            ids = [raw async for raw in self._r.sscan_iter(self.keys.batch_ids(info.batch_id), count=page)]
+            lost: list[str] = []
+            for i in range(0, len(ids), page):
+                done: Any = await self._r.hmget(self.keys.batch_done(info.batch_id), ids[i : i + page])
+                lost += [raw.decode() for raw, status in zip(ids[i : i + page], done, strict=True) if status is None]
+        why = "its result was lost in a Redis failover after it ran; submit it again"
+        for custom_id in lost:
+            result = ItemResult(custom_id, ItemStatus.ERRORED, error_code=QueueUnavailable.code, error_message=why)
+            await self._items.write(info.batch_id, result)
+        if lost:
+            log.warning("batch_results_lost", batch_id=info.batch_id, items=len(lost))
         return await batch_record.read(self._r, self.keys, info.batch_id)
 
     async def _idle_items(

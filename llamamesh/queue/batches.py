@@ -44,8 +44,8 @@ class RedisBatches:
     and the worker's (lease_items, record, touch, reclaim). Redis errors become QueueUnavailable.
 
     With ``replicas`` (``RedisSettings.wait_replicas``) a batch's creation and its cancel are on that
-    many replicas before the caller is answered (WAIT); a result needs none: its ack comes after it,
-    so a failover that loses it loses the ack too and the item runs again."""
+    many replicas before the caller is answered (WAIT), and an item's result before its ack is sent
+    (BatchItems.record)."""
 
     def __init__(
         self,
@@ -67,7 +67,7 @@ class RedisBatches:
         # (0: never ended by the sweep; workers' own reclaim still takes them over).
         # prefix_hold_ms: how long the rest of a prefix group waits for the worker that leased its
         # first item (lanes.py).
-        self._items = BatchItems(client, keys, self.retention, fail_after, claim_idle_s, prefix_hold_ms)
+        self._items = BatchItems(client, keys, self.retention, fail_after, claim_idle_s, prefix_hold_ms, self._replicas)
         self._sweep = BatchSweep(client, keys, self.retention, self._items, self.intake)
         self._cancel = register(client, "cancel_batch")
         # Made by the first waiting ``results``; every caller waiting on any batch shares its one

@@ -1,8 +1,8 @@
 """Writes a client is told about only once replicas have them: ``WAIT`` on the write's connection.
 
-A submission, a Cancel, a batch's creation and its cancel wait; events, leases, results, quotas and
-heartbeats do not (a loss of those is recovered otherwise). What a failover can lose, and what WAIT
-guarantees: docs/guarantees.md, for operators.
+A submission, a Cancel, a batch's creation and its cancel wait, and a batch item's result before
+its ack; events, leases, quotas and heartbeats do not (a loss of those is recovered otherwise).
+What a failover can lose, and what WAIT guarantees: docs/guarantees.md, for operators.
 """
 
 from __future__ import annotations

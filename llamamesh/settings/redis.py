@@ -185,7 +185,8 @@ class RedisSettings(Section, section="redis"):
     wait_replicas: int = setting(0, Range(0))
     """Replicas that must have a write a client is told about (a submission, a Cancel, a batch's creation or cancel)
     before it is told: Redis WAIT on the same connection right after the write. Fewer within wait_timeout_ms: the
-    call fails UNAVAILABLE (the write may stay on the primary; a retry finds it). 0: off. With Sentinel: 1. With
+    call fails UNAVAILABLE (the write may stay on the primary; a retry finds it). A batch item's result, likewise,
+    before the item is acked (fewer: it stays leased, and its worker records it again). 0: off. With Sentinel: 1. With
     one replica no acknowledged write is lost to a failover, and after one they fail until the old primary is back
     as a replica; with two or more they go on, and a SENTINEL FAILOVER may lose about a second of them. The
     guarantee and its limits: docs/guarantees.md, "Redis Sentinel"."""

@@ -10,6 +10,7 @@ import pytest
 import redis
 
 from llamamesh.errors import AlreadyExists, QueueUnavailable
+from llamamesh.queue import groups
 from llamamesh.queue.batches import RedisBatches
 from llamamesh.queue.memory import MemoryBatches
 from llamamesh.queue.protocol import BatchStore, Lease
@@ -185,6 +186,35 @@ async def test_the_sweep_ends_a_failed_batchs_item_left_by_a_dead_worker(redis_s
         assert end.results_expire_at > 0
         last = (await store.results("f", "0-0", None))[-1][1]
         assert (last.custom_id, last.status) == ("c2", ItemStatus.CANCELLED) and "failed" in last.error_message
+    finally:
+        await q.close()
+
+
+async def test_the_sweep_ends_an_item_whose_result_a_failover_lost(redis_settings: RedisSettings) -> None:
+    """An item acked whose result is gone (written to a primary that a failover dropped, the ack to
+    the new one): the worker that empties the batch's lane has it looked at after the claim idle
+    time, and the sweep ends the item errored, so the batch completes; never while an item of the
+    batch is still leased or queued."""
+    q = RedisQueue.from_settings(redis_settings)
+    store = RedisBatches(q.client, q.keys, retention_s=60, claim_idle_s=0.3)
+    try:
+        await store.join("cpu")
+        info, items = batch("lost", 3)
+        await store.create(info, "fp", items)
+        leases = await store.lease_items("cpu", "w", 3, 100)
+        await groups.drop(q.client, q.keys.batch_lane("cpu", "lost"), [leases[2].entry_id])  # its ack alone
+        assert await store.record(leases[0], ok("c0")) is True
+        await q.client.zadd(q.keys.batches_open(), {"lost": 0})  # due now: c1 is still leased
+        assert await store.sweep() == 1
+        assert counts(await store.get("lost")) == (2, 1, 0, 0, 0)  # nothing ended
+        assert await store.record(leases[1], ok("c1")) is True  # the lane is empty now
+        await asyncio.sleep(0.4)  # time passing on purpose: the claim idle time
+        assert await store.sweep() == 1
+        end = await store.get("lost")
+        assert end is not None and end.state is BatchState.COMPLETED and counts(end) == (0, 2, 1, 0, 0)
+        (lost,) = [r for _c, r in await store.results("lost", "0-0", None) if r.custom_id == "c2"]
+        assert lost.status is ItemStatus.ERRORED and lost.error_code == "queue_unavailable"
+        assert "lost in a Redis failover" in lost.error_message
     finally:
         await q.close()
 

@@ -126,6 +126,36 @@ async def test_writes_short_of_replicas_fail_unavailable_and_a_retry_finds_them(
         await retry.close()
 
 
+async def test_an_items_result_short_of_replicas_is_not_acked_and_a_retry_acks_it(group: SentinelGroup) -> None:
+    """WAIT 2 with one replica: recording an item's result fails UNAVAILABLE and the item stays
+    leased (its result may not survive a failover, so its ack must not be sent); the retry with WAIT
+    1 finds the result recorded, and acks the item without a second result."""
+    s = settings_of(group, wait_replicas=2, wait_timeout_ms=100)
+    strict = RedisQueue.from_settings(s)
+    retry = RedisQueue.from_settings(RedisSettings(url=s.url, prefix=s.prefix, block_ms=200, wait_replicas=1))
+    try:
+        lenient = RedisBatches(retry.client, retry.keys, retention_s=60, replicas=retry.replicas)
+        store = RedisBatches(strict.client, strict.keys, retention_s=60, replicas=strict.replicas)
+        info, items = batch("r", 1)
+        await lenient.join("cpu")
+        await lenient.create(info, "fp", items)
+        (lease,) = await store.lease_items("cpu", "w", 10, 100)
+        result = ItemResult(lease.request.custom_id, ItemStatus.SUCCEEDED, "t")
+        with pytest.raises(QueueUnavailable, match="the item's result reached 1 of the 2 Redis replicas"):
+            await store.record(lease, result)
+        lane = strict.keys.batch_lane("cpu", "r")
+        with direct(group.primary()) as r:
+            assert r.xpending(lane, WORKER_GROUP)["pending"] == 1  # not acked
+        assert await lenient.record(lease, result) is False  # recorded already: acked now, once
+        with direct(group.primary()) as r:
+            assert r.xpending(lane, WORKER_GROUP)["pending"] == 0 and r.xlen(lane) == 0
+        end = await lenient.get("r")
+        assert end is not None and end.state.value == "completed" and end.succeeded == 1
+    finally:
+        await strict.close()
+        await retry.close()
+
+
 async def test_a_sentinel_that_is_down_is_skipped(group: SentinelGroup) -> None:
     proc = group.sentinel_procs[0]
     assert proc is not None

@@ -2,10 +2,14 @@
 -- retention (s), fail_after, prompt, completion and cached tokens (added to the batch's usage).
 -- Returns 1 (recorded), 2 (recorded, and it failed the batch: its first fail_after results all
 -- errored), 3 (recorded, the batch's last: every item has its result), 0 (the item had a result
--- already), -1 (no such batch: it was purged).
+-- already: its status is written again, so that a WAIT after this call covers the first call's
+-- write), -1 (no such batch: it was purged).
 --! include batch_finish
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2]) == 0 then return 0 end
+if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2]) == 0 then
+  redis.call('HSET', KEYS[2], ARGV[1], redis.call('HGET', KEYS[2], ARGV[1]))
+  return 0
+end
 redis.call('XADD', KEYS[3], '*', 'r', ARGV[3])
 redis.call('HINCRBY', KEYS[1], ARGV[2], 1)
 if tonumber(ARGV[7]) > 0 then redis.call('HINCRBY', KEYS[1], 'prompt_tokens', ARGV[7]) end
