@@ -156,6 +156,14 @@ class EventsLost(QueueUnavailable):
     code = "events_lost"
 
 
+class RequestLost(QueueUnavailable):
+    """Redis came back without its data, and this request (queued to the data before) with it: no
+    call finds it again (an Attach is NOT_FOUND), so a client does not resume it; sent again under
+    its id it runs as a new request."""
+
+    code = "request_lost"
+
+
 class EngineDead(Unavailable):
     code = "engine_dead"
 

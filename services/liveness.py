@@ -59,7 +59,7 @@ class Liveness:
                     # Lost, unless queued to the data Redis holds now (after it came back, before the
                     # gateway saw that it had: such a job runs there).
                     if not await self._queue.queued(pool, job_id):
-                        raise errors.QueueUnavailable("Redis came back without its data: this request was lost")
+                        raise errors.RequestLost("Redis came back without its data: this request was lost")
                     generation = self._queue_generation()
                 if item is None:  # nothing for idle_s
                     self._check_waiting(pool, worker)

@@ -22,6 +22,7 @@ import grpc
 import pytest
 import redis
 
+from llamamesh.client import Client, error_reason
 from llamamesh.queue import codec
 from llamamesh.queue.keys import EVENT_FIELD, WORKER_GROUP, Keys
 from llamamesh.queue.streams import RedisQueue
@@ -301,19 +302,32 @@ async def test_a_backlog_of_ten_thousand_jobs_drains_with_nothing_lost(e2e_redis
 @pytest.mark.parametrize("own_redis", ["none"], indirect=True)
 async def test_redis_back_empty_is_not_run_against_silently(own_redis: RedisProcess, tmp_path: Path) -> None:
     """Redis restarts without persistence mid-stream: the open streams end UNAVAILABLE (their jobs
-    and events are gone), readiness is NOT_SERVING for a while, then the node serves again."""
+    and events are gone), REQUEST_LOST, which the Python client gives its caller as it is (an
+    Attach could only say NOT_FOUND); readiness is NOT_SERVING for a while, then the node serves
+    again."""
     env = {**FAST, "LLAMAMESH_GATEWAY_HEALTH_INTERVAL_S": "0.3", "LLAMAMESH_GATEWAY_DATA_LOSS_HOLD_S": "3"}
     ledger = Ledger()
     with started(own_redis, tmp_path / "node", env) as n:
-        async with grpc.aio.insecure_channel(n.address) as ch:
+        async with grpc.aio.insecure_channel(n.address) as ch, Client(n.address) as client:
             stub = pb_grpc.GenerationServiceStub(ch)
             calls = await ledger.open_streams(stub, 5, 100)  # 5 s each
+            flowing = asyncio.Event()
+
+            async def through_the_client() -> None:
+                async for _msg in client.generate("Tell me a story.", max_tokens=100):
+                    flowing.set()
+
+            resumable = asyncio.create_task(through_the_client())
+            await asyncio.wait_for(flowing.wait(), 30)
             own_redis.kill()
             own_redis.start()  # same port, nothing kept
             await asyncio.to_thread(wait_until, lambda: not n._serving(), 10, "readiness NOT_SERVING")
             await asyncio.wait_for(asyncio.gather(*calls), 60)
+            with pytest.raises(grpc.aio.AioRpcError) as lost:
+                await asyncio.wait_for(resumable, 60)
         ledger.ended_once()
         assert all(e.error == "UNAVAILABLE" and len(e.indexes) < 100 for e in ledger.entries), ledger.entries
+        assert lost.value.code() == grpc.StatusCode.UNAVAILABLE and error_reason(lost.value) == "REQUEST_LOST"
         assert '"redis_data_lost"' in n.log("gateway")
         await serves(n, wait_ready=True)
 
