@@ -100,7 +100,8 @@ class BatchRoutes:
                     continue
                 if part.name == "purpose":
                     too_big = errors.InvalidRequest.field("purpose", f"more than {MAX_PURPOSE} bytes")
-                    purpose = (await read_at_most(_chunks_of(part), MAX_PURPOSE, too_big)).decode().strip()
+                    raw = await read_at_most(_chunks_of(part), MAX_PURPOSE, too_big)
+                    purpose = raw.decode(errors="replace").strip()  # (not "batch": refused naming purpose)
                 elif part.name == "file":
                     filename = part.filename or "input.jsonl"
                     too_big = errors.InvalidRequest.field(

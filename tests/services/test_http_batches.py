@@ -210,9 +210,14 @@ async def test_bad_files_and_bad_batches_are_400_naming_the_line(openai_door: tu
             )
             async with s.post(files, data=body, headers={"content-type": "multipart/form-data; boundary=zzz"}) as r:
                 assert r.status == 400 and (await r.json())["error"]["param"] == "file", (name, await r.text())
-        long_purpose = b'--zzz\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n' + b"b" * 100_000
-        async with s.post(files, data=long_purpose, headers={"content-type": "multipart/form-data; boundary=zzz"}) as r:
-            assert r.status == 400 and (await r.json())["error"]["param"] == "purpose", await r.text()
+        purpose_part = b'--zzz\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n'
+        file_part = b'--zzz\r\nContent-Disposition: form-data; name="file"; filename="x.jsonl"\r\n\r\n'
+        not_text = b"\xffbatch\r\n" + file_part + jsonl([ok]) + b"\r\n--zzz--\r\n"
+        for purpose in (b"b" * 100_000, not_text):  # too long (and never ended); not text
+            async with s.post(
+                files, data=purpose_part + purpose, headers={"content-type": "multipart/form-data; boundary=zzz"}
+            ) as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == "purpose", await r.text()
 
 
 async def test_another_tenants_files_and_batches_are_not_found(openai_door: tuple[Stack, openai.AsyncOpenAI]) -> None:
