@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from typing import Any
 
 import pytest
@@ -145,9 +146,11 @@ async def test_the_sweep_ends_what_a_dead_worker_left_leased(redis_settings: Red
     stream = q.keys.batch_lane("cpu", "other")
     try:
         await store.join("cpu")
-        for bid, window in (("late", 0.5), ("gone", 3600), ("other", 3600)):
+        ends = {}
+        for bid, window in (("late", 2.0), ("gone", 3600), ("other", 3600)):  # late: leased well before its end
             info, items = batch(bid, 2, window_s=window)
             await store.create(info, "fp", items)
+            ends[bid] = info.expires_at
         dead = await store.lease_items("cpu", "dead", 4, 100)  # late c0 c1, gone c0 c1: its worker dies
         live = await store.lease_items("cpu", "live", 1, 100)  # other c0: its worker lives
         assert [x.request.batch_id for x in dead] == ["late", "late", "gone", "gone"]
@@ -155,7 +158,8 @@ async def test_the_sweep_ends_what_a_dead_worker_left_leased(redis_settings: Red
         assert await store.record(dead[0], ok("c0")) is True  # late c0 finished before the worker died
         cancelling = await store.cancel("gone")
         assert cancelling is not None and cancelling.state is BatchState.CANCELLING  # two running
-        await asyncio.sleep(0.7)  # time passing on purpose: past late's deadline and the claim idle time
+        # Time passing on purpose: past late's deadline and the claim idle time.
+        await asyncio.sleep(max(ends["late"] - time.time(), 0.6) + 0.1)
         await store.touch("cpu", "live", [live[0].item_ref])  # the sweep must come within the claim idle time
         assert await store.sweep() == 2  # late (deadline) and gone (cancelled: looked at after claim idle)
         late, gone, other = [await store.get(b) for b in ("late", "gone", "other")]
