@@ -52,9 +52,10 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 
 
 def _without_request_bytes(record: logging.LogRecord) -> bool:
-    """aiohttp logs a request that is not valid HTTP with its parser's error, which quotes the bytes
-    it stopped at (an authorization header's API key among them): the line keeps only the kind. A
-    caller gone mid-answer is no server error: one info line, no traceback."""
+    """A line of aiohttp's with a parser's error (a request head wire.Runner's handler did not see
+    first, or a body's), which quotes the bytes it stopped at (an authorization header's API key
+    among them): the line keeps only the kind. A caller gone mid-answer is no server error: one info
+    line, no traceback."""
     exc = record.exc_info[1] if record.exc_info else None
     if isinstance(exc, HttpProcessingError):
         record.msg, record.args = "http_request_refused %s (status %s)", (type(exc).__name__, exc.code)
