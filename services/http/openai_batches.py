@@ -99,8 +99,11 @@ def batch_request(
         if (where := unpaired_surrogate(line, raw)) is not None:
             bad.append(FieldViolation(f"line {n}: {where}" if where else f"line {n}", NOT_TEXT))
             continue
-        if not isinstance(line, dict) or not isinstance(line.get("custom_id"), str):
+        if not isinstance(line, dict):
             bad.append(FieldViolation(f"line {n}", "an object with custom_id, method, url and body"))
+            continue
+        if not isinstance(line.get("custom_id"), str):
+            bad.append(FieldViolation(f"line {n}: custom_id", "required: a string"))
             continue
         if line.get("method", "POST") != "POST" or line.get("url") != endpoint:
             bad.append(FieldViolation(f"line {n}: url", f"must be POST {endpoint}, the batch's endpoint"))

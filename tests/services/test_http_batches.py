@@ -133,7 +133,7 @@ async def test_bad_files_and_bad_batches_are_400_naming_the_line(openai_door: tu
         chat_line(0),
         {"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": {}},
         chat_line(2),
-        {"not": "a request"},
+        {"not": "a request"},  # no custom_id
         chat_line(4, temperature=-1),  # well-formed, refused by the batch service
         {"custom_id": "nb", "method": "POST", "url": "/v1/chat/completions"},
         chat_line(0),  # a repeated custom_id
@@ -145,6 +145,7 @@ async def test_bad_files_and_bad_batches_are_400_naming_the_line(openai_door: tu
     assert exc.value.param == "line 2: url"
     assert all(f"line {n}:" in message for n in (2, 4, 5, 6, 7, 8)), message  # every bad line, in one answer
     assert "line 5: body.temperature" in message and "line 6: body:" in message, message
+    assert "line 4: custom_id: required" in message, message
     with pytest.raises(openai.BadRequestError) as exc:
         await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="0h")
     assert exc.value.param == "completion_window", exc.value.body
