@@ -13,8 +13,9 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Protocol
 
@@ -202,13 +203,38 @@ class Supervisor:
 
     def stop(self, grace_s: float = 30.0, sig: int = signal.SIGTERM) -> int:
         """Send ``sig`` to every running child, wait up to ``grace_s`` for all, kill the rest.
-        Returns 0, or 1 if a child had to be killed. Watched processes are left to their owner."""
+        Returns 0, or 1 if a child had to be killed. Watched processes are left to their owner.
+        A SIGTERM or SIGINT meanwhile is passed on to the children (a gateway's second signal
+        skips its settle wait), never the end of this process before theirs."""
         self.stopping = True
         ours = [s for s in self.states.values() if not s.external and s.process is not None and s.restart_at is None]
-        for s in ours:
-            if s.process is not None and s.process.poll() is None:
-                with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
-                    s.process.send_signal(sig)
+        with self.forwarding(ours):
+            for s in ours:
+                self._send(s, sig)
+            return self._wait(ours, grace_s)
+
+    @contextlib.contextmanager
+    def forwarding(self, states: Sequence[ChildState]) -> Iterator[None]:
+        """For the block: SIGTERM and SIGINT go on to the running ``states`` (main thread only; in
+        another the handlers are left as they are)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        pass_on = (signal.SIGTERM, signal.SIGINT)
+        old = {n: signal.signal(n, lambda signum, frame: [self._send(s, signum) for s in states]) for n in pass_on}
+        try:
+            yield
+        finally:
+            for n, handler in old.items():
+                signal.signal(n, handler)
+
+    @staticmethod
+    def _send(state: ChildState, sig: int) -> None:
+        if state.process is not None and state.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+                state.process.send_signal(sig)
+
+    def _wait(self, ours: Sequence[ChildState], grace_s: float) -> int:
         deadline = self.clock() + grace_s
         code = 0
         for s in ours:

@@ -308,14 +308,16 @@ class Node:
         return ended[0] if ended else "gateway"
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM every child (they drain), kill what outlives ``timeout_s``, stop Redis."""
+        """SIGTERM every child (they drain), kill what outlives ``timeout_s``, stop Redis. A signal
+        meanwhile goes on to the children (Supervisor.stop), never ends the node before them."""
         started = self.supervisor is not None or self._embedded is not None
-        if self.supervisor is not None:
-            self.supervisor.stop(timeout_s)
-            self.supervisor = None
-        if self._embedded is not None:
-            self._embedded.stop()
-            self._embedded = None
+        with self.supervisor.forwarding([]) if self.supervisor is not None else contextlib.nullcontext():
+            if self.supervisor is not None:
+                self.supervisor.stop(timeout_s)
+                self.supervisor = None
+            if self._embedded is not None:
+                self._embedded.stop()
+                self._embedded = None
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None

@@ -146,6 +146,33 @@ async def test_a_killed_worker_is_back_within_30_s_and_the_node_never_stopped(se
     print(f"worker back and serving {back:.1f} s after kill -9")
 
 
+def children_of(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(x) for x in out.stdout.split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def test_a_second_sigterm_while_the_node_stops_never_leaves_its_children_behind(tmp_path: Path) -> None:
+    """SIGTERM, then SIGTERM again while the gateway settles: the second goes on to the children (the
+    gateway skips the rest of its settle wait); the node exits 0 once they all did, the embedded
+    Valkey included, never before them."""
+    with serve_node(tmp_path, "--engine", "fake") as s:
+        children = children_of(s.proc.pid)  # the gateway, the worker, the embedded Valkey
+        assert len(children) == 3, children
+        s.proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: '"gateway_settling"' in s.text(), 20, "the gateway to settle")
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(60) == 0, s.text()[-3000:]
+        assert not [pid for pid in children if alive(pid)], s.text()[-3000:]
+
+
 def two_free_ports() -> int:
     """A port that is free, and the one after it."""
     while True:

@@ -143,3 +143,34 @@ def test_nothing_restarts_once_stopping() -> None:
     clock.now += 100
     sup.step()
     assert len(started) == 1
+
+
+def test_a_signal_while_stopping_goes_on_to_the_children_not_the_end_of_the_supervisor() -> None:
+    """A second SIGTERM (an impatient operator, a process manager) while the children drain: each
+    running child gets it too, and the supervisor waits for them as before instead of dying of it
+    and leaving them behind."""
+    raised: list[bool] = []
+
+    @dataclass
+    class Draining(FakeProcess):
+        def poll(self) -> int | None:
+            if self.signals == [signal.SIGTERM] and not raised:  # draining: the second signal comes
+                raised.append(True)
+                signal.raise_signal(signal.SIGTERM)
+            return self.code
+
+        def send_signal(self, sig: int) -> None:
+            self.signals.append(sig)
+            self.code = 0 if len(self.signals) == 2 else None  # the second signal ends its drain
+
+    sup = Supervisor([GATEWAY], launch=lambda child, output: Draining(pid=1, on_term=None))
+    sup.start()
+    ended_here: list[int] = []
+    old = signal.signal(signal.SIGTERM, lambda signum, frame: ended_here.append(signum))  # (the default ends us)
+    try:
+        assert sup.stop(grace_s=30.0) == 0
+        assert signal.getsignal(signal.SIGTERM) is not None and not ended_here
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    (child,) = [s.process for s in sup.states.values()]
+    assert isinstance(child, Draining) and child.signals == [signal.SIGTERM, signal.SIGTERM]
