@@ -27,7 +27,8 @@ Every setting is an environment variable `LLAMAMESH_<SECTION>_<FIELD>`, read onc
 starts (`llamamesh serve`'s flags override a few of them). A value of the wrong type or out of its
 range, or a `LLAMAMESH_*` variable that is no setting (a typo), stops the process at once with one
 line naming the variable. Booleans are `1`, `true`, `yes`, `on` or `0`, `false`, `no`, `off`
-(or empty); a setting whose type says "or empty" takes an empty value as "not set".
+(or empty); a setting whose type says "or empty" takes an empty value as "not set". No number is
+larger than 2^53 (9007199254740992).
 """
 
 

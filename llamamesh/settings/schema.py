@@ -59,6 +59,9 @@ class Range:
 
 
 PORT = Range(0, 65535)
+# No number setting is larger (2**53): Redis takes a TTL in seconds up to about this, times 1000 in
+# milliseconds; past it a time or a count is a typo, refused at start rather than failing every call.
+LARGEST = 2**53
 FRACTION = Range(0, 1)
 
 
@@ -114,9 +117,11 @@ class Spec:
         if value is None and self.optional:
             return
         fits = _is_kind(value, self.kind) and (not self.choices or value in self.choices)
+        shown = repr(value) if raw is None else raw if self.kind in (int, float) else repr(raw)
         if not fits or (self.bounds is not None and value not in self.bounds):
-            shown = repr(value) if raw is None else raw if self.kind in (int, float) else repr(raw)
             raise ValueError(f"{self.env}={shown}: expected {self.expected()}")
+        if self.kind in (int, float) and abs(value) > LARGEST:
+            raise ValueError(f"{self.env}={shown}: expected {self.expected()}, at most {LARGEST}")
 
     def text(self, value: Any) -> str:
         """``value`` as the variable's text (``parse`` reads it back; a bool as the docs write it)."""

@@ -146,6 +146,17 @@ def test_a_variable_that_is_no_setting_is_refused_with_the_closest_name() -> Non
         ("LLAMAMESH_WORKER_HEARTBEAT_S", "nan", "LLAMAMESH_WORKER_HEARTBEAT_S=nan: expected a number, more than 0"),
         ("LLAMAMESH_GATEWAY_GRACE_S", "inf", "LLAMAMESH_GATEWAY_GRACE_S=inf: expected a number, 0 or more"),
         ("LLAMAMESH_GATEWAY_PORT", "1_000", "LLAMAMESH_GATEWAY_PORT='1_000': expected an integer, from 0 to 65535"),
+        (  # past what Redis takes as a TTL: every publish would fail
+            "LLAMAMESH_REDIS_EVENT_TTL_S",
+            "99999999999999999999999999",
+            "LLAMAMESH_REDIS_EVENT_TTL_S=99999999999999999999999999: expected an integer, 1 or more, "
+            "at most 9007199254740992",
+        ),
+        (
+            "LLAMAMESH_GATEWAY_GRACE_S",
+            "1e300",
+            "LLAMAMESH_GATEWAY_GRACE_S=1e300: expected a number, 0 or more, at most 9007199254740992",
+        ),
         ("LLAMAMESH_GATEWAY_SHARE_PORT", "maybe", "LLAMAMESH_GATEWAY_SHARE_PORT='maybe': expected true or false"),
         ("LLAMAMESH_LOG_FORMAT", "JSON", "LLAMAMESH_LOG_FORMAT='JSON': expected one of auto, json, console"),
         (
@@ -171,6 +182,7 @@ def test_bounds_are_inclusive_where_they_say_so() -> None:
             "LLAMAMESH_BATCH_MAX_SHARE": "1",
             "LLAMAMESH_BATCH_MIN_SHARE": "0",
             "LLAMAMESH_GATEWAY_SETTLE_S": "0",
+            "LLAMAMESH_REDIS_EVENT_TTL_S": str(2**53),
         }
     )
     assert (s.gateway.port, s.gateway.health_port, s.worker.max_inflight) == (0, 65535, 1)
