@@ -11,7 +11,6 @@ import contextvars
 import time
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as aioredis
 import redis.asyncio.cluster as _redis_cluster
@@ -24,34 +23,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from llamamesh.queue.connection import hiredis_packed, tls_options
 from llamamesh.settings import RedisSettings
-from llamamesh.settings.redis import CLUSTER_SCHEMES
+from llamamesh.settings.redis import cluster_nodes
 
 
 def is_cluster(client: Any) -> bool:
     return isinstance(client, RedisCluster)
-
-
-def cluster_nodes(url: str) -> tuple[list[tuple[str, int]], dict[str, str]]:
-    """The (host, port) of each node a ``redis+cluster://`` url lists, and its credentials
-    (``username``/``password``, when given). Raises ValueError naming what is wrong."""
-    parts = urlsplit(url)
-    if parts.scheme not in CLUSTER_SCHEMES:
-        raise ValueError(f"LLAMAMESH_REDIS_URL: not a cluster url: {url!r}")
-    auth, _, hosts = parts.netloc.rpartition("@")
-    nodes = []
-    for item in hosts.split(","):
-        host, _, port = item.strip().rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"LLAMAMESH_REDIS_URL: expected {parts.scheme}://host:port[,host:port...], got {item!r}")
-        nodes.append((host.strip("[]"), int(port)))
-    if parts.path.strip("/") not in ("", "0"):
-        raise ValueError("LLAMAMESH_REDIS_URL: a Redis Cluster has only database 0")
-    creds: dict[str, str] = {}
-    if auth:
-        user, colon, password = auth.partition(":")
-        creds = {"username": unquote(user), "password": unquote(password)} if colon else {"password": unquote(user)}
-        creds = {k: v for k, v in creds.items() if v}
-    return nodes, creds
 
 
 def cluster_client(settings: RedisSettings) -> aioredis.Redis:

@@ -16,11 +16,12 @@ import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from llamamesh.errors import QueueOutOfMemory, QueueUnavailable
-from llamamesh.queue.cluster import CLUSTER_SCHEMES, RESHARD_WAIT_S, cluster_client, cluster_nodes, is_cluster
+from llamamesh.queue.cluster import RESHARD_WAIT_S, cluster_client, is_cluster
 from llamamesh.queue.connection import hiredis_packed, options, tls_options
 from llamamesh.queue.replicas import Replicas
 from llamamesh.queue.sentinel import PRIMARY_RECHECK_S, SENTINEL_TIMEOUT_S, sentinel_client
 from llamamesh.settings import RedisSettings
+from llamamesh.settings.redis import CLUSTER_SCHEMES, cluster_nodes
 
 # Also importable from here, the queue's one door to Redis (each is its own module's).
 __all__ = [

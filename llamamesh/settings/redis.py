@@ -3,9 +3,10 @@ event streams' lifetimes and shards, and the replicas a write must reach."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal
-from urllib.parse import unquote
+from urllib.parse import unquote, urlsplit
 
 from llamamesh.settings.schema import Range, Section, setting
 
@@ -84,6 +85,49 @@ def _host_port(item: str) -> tuple[str, int]:
     if not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"LLAMAMESH_REDIS_URL: bad port in Sentinel address {item!r}")
     return host, int(port)
+
+
+def cluster_nodes(url: str) -> tuple[list[tuple[str, int]], dict[str, str]]:
+    """The (host, port) of each node a ``redis+cluster://`` url lists, and its credentials
+    (``username``/``password``, when given). Raises ValueError naming what is wrong."""
+    parts = urlsplit(url)
+    if parts.scheme not in CLUSTER_SCHEMES:
+        raise ValueError("LLAMAMESH_REDIS_URL: not a cluster url")
+    auth, _, hosts = parts.netloc.rpartition("@")
+    nodes = []
+    for item in hosts.split(","):
+        host, _, port = item.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"LLAMAMESH_REDIS_URL: expected {parts.scheme}://host:port[,host:port...], got {item!r}")
+        nodes.append((host.strip("[]"), int(port)))
+    if parts.path.strip("/") not in ("", "0"):
+        raise ValueError("LLAMAMESH_REDIS_URL: a Redis Cluster has only database 0")
+    creds: dict[str, str] = {}
+    if auth:
+        user, colon, password = auth.partition(":")
+        creds = {"username": unquote(user), "password": unquote(password)} if colon else {"password": unquote(user)}
+        creds = {k: v for k, v in creds.items() if v}
+    return nodes, creds
+
+
+def check_url(url: str) -> None:
+    """Raise ValueError naming what is wrong with a ``redis://``, ``rediss://`` or ``unix://`` url
+    (a Sentinel or Cluster url: ``parse_sentinel_url``, ``cluster_nodes``), never quoting it (it may
+    hold a password)."""
+    parts = urlsplit(url)
+    try:
+        _ = parts.port  # (urlsplit reads it only when asked)
+    except ValueError:
+        raise ValueError("LLAMAMESH_REDIS_URL: its port must be a number from 0 to 65535") from None
+    if parts.scheme == "unix":
+        if not parts.path:
+            raise ValueError("LLAMAMESH_REDIS_URL: expected unix://<path of the socket>")
+        return
+    if not parts.hostname:
+        raise ValueError(f"LLAMAMESH_REDIS_URL: expected {parts.scheme}://[user:password@]host[:port][/<db>]")
+    db = parts.path.strip("/")
+    if db and not db.isdigit():
+        raise ValueError("LLAMAMESH_REDIS_URL: the db (its path) must be a number")
 
 
 @dataclass(frozen=True)
@@ -204,7 +248,14 @@ class RedisSettings(Section, section="redis"):
             raise ValueError("LLAMAMESH_REDIS_WAIT_REPLICAS is for one primary and its replicas, not a Redis Cluster")
         if self.url and scheme not in URL_SCHEMES:  # (never quoting the url: it may hold a password)
             raise ValueError(f"LLAMAMESH_REDIS_URL: expected a url of {', '.join(f'{s}://' for s in URL_SCHEMES)}")
-        self.sentinel()  # a malformed Sentinel url is refused here, at start
+        self.sentinel()  # a malformed url is refused here, at start
+        if scheme in CLUSTER_SCHEMES:
+            cluster_nodes(self.url)
+        elif self.url and scheme not in SENTINEL_SCHEMES:
+            check_url(self.url)
+        for name, path in (("TLS_CA", self.tls_ca), ("TLS_CERT", self.tls_cert), ("TLS_KEY", self.tls_key)):
+            if path and not os.path.isfile(path):
+                raise ValueError(f"LLAMAMESH_REDIS_{name}: no such file: {path}")
 
     def sentinel(self) -> SentinelUrl | None:
         """The parsed url when it is a Sentinel one (``parse_sentinel_url``), else None."""

@@ -162,10 +162,13 @@ async def test_clients_the_tls_queue_refuses_fail_cleanly(tls_redis: TLSRedis, p
         await queue.close()
 
 
-def test_tls_files_without_a_rediss_url_are_refused() -> None:
+def test_tls_files_without_a_rediss_url_are_refused(tmp_path: Path) -> None:
+    ca, cert = tmp_path / "ca.pem", tmp_path / "c.pem"
+    ca.write_text("(a PEM)")
+    cert.write_text("(a PEM)")
     assert tls_options(RedisSettings(url="redis://h:1/0")) == {}
-    assert tls_options(RedisSettings(url="rediss://h:1/0", tls_ca="ca.pem")) == {"ssl_ca_certs": "ca.pem"}
+    assert tls_options(RedisSettings(url="rediss://h:1/0", tls_ca=str(ca))) == {"ssl_ca_certs": str(ca)}
     with pytest.raises(ValueError, match="not rediss://"):
-        tls_options(RedisSettings(url="redis://h:1/0", tls_ca="ca.pem"))
+        tls_options(RedisSettings(url="redis://h:1/0", tls_ca=str(ca)))
     with pytest.raises(ValueError, match="together"):
-        tls_options(RedisSettings(url="rediss://h:1/0", tls_cert="c.pem"))
+        tls_options(RedisSettings(url="rediss://h:1/0", tls_cert=str(cert)))

@@ -3,6 +3,8 @@ malformed, and the client redisio.connect makes of it (lazily: nothing here conn
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from redis.asyncio.sentinel import SentinelManagedConnection, SentinelManagedSSLConnection
 
@@ -43,6 +45,37 @@ def test_a_malformed_sentinel_url_is_refused_at_start_saying_why(url: str, says:
     with pytest.raises(ValueError, match=says) as caught:
         Settings.from_env({"LLAMAMESH_REDIS_URL": url})
     assert "LLAMAMESH_REDIS_URL" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("redis://127.0.0.1:notaport", "its port must be a number"),
+        ("redis://127.0.0.1:99999", "its port must be a number"),
+        ("redis://:hunter2@", "expected redis://"),
+        ("redis://h/abc", "the db \\(its path\\) must be a number"),
+        ("unix://", "unix://<path"),
+        ("redis+cluster://", "host:port"),
+        ("redis+cluster://h:abc", "host:port"),
+        ("redis+cluster://127.0.0.1:7000,", "host:port"),
+    ],
+)
+def test_a_malformed_server_or_cluster_url_is_refused_at_start_saying_why(url: str, says: str) -> None:
+    """Refused when the settings are read, in one line naming the variable: not later, by the Redis
+    client, as a traceback (the gateway and workers connect only after they started)."""
+    with pytest.raises(ValueError, match=f"^LLAMAMESH_REDIS_URL: .*{says}") as caught:
+        Settings.from_env({"LLAMAMESH_REDIS_URL": url})
+    assert "hunter2" not in str(caught.value)
+    for good in ("redis://h:6379/0", "rediss://u:p@h:6380", "unix:///tmp/r.sock", "redis://h?db=2"):
+        Settings.from_env({"LLAMAMESH_REDIS_URL": good})
+
+
+def test_a_tls_file_that_is_not_there_is_refused_at_start(tmp_path: Path) -> None:
+    ca = tmp_path / "ca.pem"
+    with pytest.raises(ValueError, match=f"^LLAMAMESH_REDIS_TLS_CA: no such file: {ca}$"):
+        Settings.from_env({"LLAMAMESH_REDIS_URL": "rediss://h:6380", "LLAMAMESH_REDIS_TLS_CA": str(ca)})
+    ca.write_text("(a PEM)")
+    assert Settings.from_env({"LLAMAMESH_REDIS_TLS_CA": str(ca)}).redis.tls_ca == str(ca)
 
 
 def test_an_error_never_quotes_the_password() -> None:
