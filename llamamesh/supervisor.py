@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Protocol
 
@@ -201,17 +201,23 @@ class Supervisor:
     def _on_signal(self, signum: int, frame: object) -> None:
         self.stopping = True
 
-    def stop(self, grace_s: float = 30.0, sig: int = signal.SIGTERM) -> int:
-        """Send ``sig`` to every running child, wait up to ``grace_s`` for all, kill the rest.
-        Returns 0, or 1 if a child had to be killed. Watched processes are left to their owner.
-        A SIGTERM or SIGINT meanwhile is passed on to the children (a gateway's second signal
-        skips its settle wait), never the end of this process before theirs."""
+    def stop(self, grace_s: float = 30.0, sig: int = signal.SIGTERM, first: Collection[str] = ()) -> int:
+        """Send ``sig`` to every running child, wait up to ``grace_s`` for all, kill the rest; the
+        children named in ``first`` before the others (each in ``grace_s``): a node's gateway
+        drains while its workers still run what it accepts. Returns 0, or 1 if a child had to be
+        killed. Watched processes are left to their owner. A SIGTERM or SIGINT meanwhile is passed
+        on to the children (a gateway's second signal skips its settle wait), never the end of
+        this process before theirs."""
         self.stopping = True
         ours = [s for s in self.states.values() if not s.external and s.process is not None and s.restart_at is None]
+        code = 0
         with self.forwarding(ours):
-            for s in ours:
-                self._send(s, sig)
-            return self._wait(ours, grace_s)
+            for stage in ([s for s in ours if s.name in first], [s for s in ours if s.name not in first]):
+                for s in stage:
+                    self._send(s, sig)
+                code = max(code, self._wait(stage, grace_s))
+        log.info("children_stopped", children=len(ours))
+        return code
 
     @contextlib.contextmanager
     def forwarding(self, states: Sequence[ChildState]) -> Iterator[None]:
@@ -249,7 +255,6 @@ class Supervisor:
                 while p.poll() is None:
                     time.sleep(POLL_S / 2)
                 code = 1
-        log.info("children_stopped", children=len(ours))
         return code
 
 

@@ -308,12 +308,13 @@ class Node:
         return ended[0] if ended else "gateway"
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM every child (they drain), kill what outlives ``timeout_s``, stop Redis. A signal
-        meanwhile goes on to the children (Supervisor.stop), never ends the node before them."""
+        """SIGTERM the gateway, then (once it drained) the workers, killing what outlives ``timeout_s``
+        at each step; then stop Redis. A signal meanwhile goes on to the children (Supervisor.stop),
+        never ends the node before them."""
         started = self.supervisor is not None or self._embedded is not None
         with self.supervisor.forwarding([]) if self.supervisor is not None else contextlib.nullcontext():
             if self.supervisor is not None:
-                self.supervisor.stop(timeout_s)
+                self.supervisor.stop(timeout_s, first=("gateway",))  # its workers run what it accepts meanwhile
                 self.supervisor = None
             if self._embedded is not None:
                 self._embedded.stop()

@@ -173,6 +173,18 @@ def test_a_second_sigterm_while_the_node_stops_never_leaves_its_children_behind(
         assert not [pid for pid in children if alive(pid)], s.text()[-3000:]
 
 
+async def test_a_request_sent_while_the_node_settles_is_answered(tmp_path: Path) -> None:
+    """SIGTERM stops the gateway first: while it settles (still accepting, for a load balancer to
+    notice) its workers still run what it accepts, and stop only after it drained."""
+    with serve_node(tmp_path, "--engine", "fake") as s:
+        s.proc.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(wait_until, lambda: '"gateway_settling"' in s.text(), 20, "the gateway to settle")
+        async with Client(s.address) as c:
+            answer = await asyncio.wait_for(c.complete("Hi", max_tokens=4), 10)
+        assert answer, s.text()[-3000:]
+        assert await asyncio.to_thread(s.proc.wait, 60) == 0
+
+
 def two_free_ports() -> int:
     """A port that is free, and the one after it."""
     while True:

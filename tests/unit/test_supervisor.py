@@ -174,3 +174,21 @@ def test_a_signal_while_stopping_goes_on_to_the_children_not_the_end_of_the_supe
         signal.signal(signal.SIGTERM, old)
     (child,) = [s.process for s in sup.states.values()]
     assert isinstance(child, Draining) and child.signals == [signal.SIGTERM, signal.SIGTERM]
+
+
+def test_the_children_named_first_stop_before_the_others() -> None:
+    """A node's gateway drains while its workers still run what it accepts: they get their SIGTERM
+    only once it exited."""
+    sup, _clock, started = supervisor(GATEWAY, WORKER)
+    sup.start()
+    gateway, worker = started
+    seen: list[int | None] = []
+    worker_signal = worker.send_signal
+
+    def note_the_gateway_then_signal(sig: int) -> None:
+        seen.append(gateway.code)
+        worker_signal(sig)
+
+    worker.send_signal = note_the_gateway_then_signal  # type: ignore[method-assign]
+    assert sup.stop(grace_s=30.0, first=("gateway",)) == 0
+    assert seen == [0] and gateway.signals == [signal.SIGTERM] and worker.signals == [signal.SIGTERM]
