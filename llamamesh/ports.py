@@ -17,16 +17,18 @@ def free_port(host: str = "127.0.0.1", preferred: int = 0) -> int:
         return int(s.getsockname()[1])
 
 
-def check_free(host: str, port: int, setting: str, reuse_port: bool = False) -> None:
+def check_free(
+    host: str, port: int, setting: str, reuse_port: bool = False, host_setting: str = "LLAMAMESH_GATEWAY_HOST"
+) -> None:
     """Raise OSError (one line naming ``setting``) when ``host:port`` cannot be listened on because
-    another socket holds it. ``reuse_port``: the server will share the port (SO_REUSEPORT) with
-    processes of its own, which a check that shares it too does not count. Port 0 and a host that
-    does not resolve pass: the server's own bind reports those."""
-    if not port:
-        return
+    another socket holds it, or naming ``host_setting`` when ``host`` does not resolve.
+    ``reuse_port``: the server will share the port (SO_REUSEPORT) with processes of its own, which a
+    check that shares it too does not count. Port 0 passes: the server's own bind reports it."""
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except OSError:
+    except OSError as exc:
+        raise OSError(f"{host_setting}: cannot listen on {host!r}: {exc.strerror or exc}") from exc
+    if not port:
         return
     for family, kind, proto, _, address in infos:
         with socket.socket(family, kind, proto) as s:

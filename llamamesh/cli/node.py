@@ -58,6 +58,7 @@ class WorkerView:
 # What gRPC's handshake error says when the gateway's certificate is not trusted, or not for its address.
 UNTRUSTED = ("CERTIFICATE_VERIFY_FAILED", "not in peer certificate", "Peer name")
 
+METRICS_HOST = "LLAMAMESH_WORKER_METRICS_HOST"
 # The HTTP door of an embedded node, where it is free (the port OpenAI-compatible servers use).
 HTTP_PORT = 8000
 
@@ -161,7 +162,7 @@ class Node:
         if w.health_port and w.health_port + self._n_workers - 1 > 65535:
             raise OSError(f"LLAMAMESH_WORKER_HEALTH_PORT: {self._n_workers} workers need ports up to 65535")
         for i in range(self._n_workers if w.health_port else 0):
-            check_free(w.metrics_host, w.health_port + i, "LLAMAMESH_WORKER_HEALTH_PORT")
+            check_free(w.metrics_host, w.health_port + i, "LLAMAMESH_WORKER_HEALTH_PORT", host_setting=METRICS_HOST)
 
     def _worker_env(self, i: int, name: str) -> dict[str, str]:
         """Worker ``i``'s own settings: its consumer name, and its health port (the setting's port plus
