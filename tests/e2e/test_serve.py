@@ -23,6 +23,7 @@ import pytest
 
 from llamamesh.client import Client
 from llamamesh.v1 import admin_pb2
+from tests.e2e.test_gateway_processes import gone
 from tests.redisproc import free_port
 from tests.waiting import until, wait_until
 
@@ -151,14 +152,6 @@ def children_of(pid: int) -> list[int]:
     return [int(x) for x in out.stdout.split()]
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
-
-
 def test_a_second_sigterm_while_the_node_stops_never_leaves_its_children_behind(tmp_path: Path) -> None:
     """SIGTERM, then SIGTERM again while the gateway settles: the second goes on to the children (the
     gateway skips the rest of its settle wait); the node exits 0 once they all did, the embedded
@@ -170,7 +163,7 @@ def test_a_second_sigterm_while_the_node_stops_never_leaves_its_children_behind(
         wait_until(lambda: '"gateway_settling"' in s.text(), 20, "the gateway to settle")
         s.proc.send_signal(signal.SIGTERM)
         assert s.proc.wait(60) == 0, s.text()[-3000:]
-        assert not [pid for pid in children if alive(pid)], s.text()[-3000:]
+        assert all(gone(pid) for pid in children), s.text()[-3000:]
 
 
 async def test_a_request_sent_while_the_node_settles_is_answered(tmp_path: Path) -> None:
