@@ -114,6 +114,11 @@ class Node:
                 "the gateway asks clients for a certificate (LLAMAMESH_GATEWAY_TLS_CLIENT_CA): set "
                 "LLAMAMESH_CLIENT_TLS_CERT and LLAMAMESH_CLIENT_TLS_KEY so the node can watch it start"
             )
+        if self.settings.redis.url:
+            try:
+                self.settings.redis.check_tls()
+            except ValueError as exc:
+                raise StartFailed(str(exc)) from None
         g = self.settings.gateway
         for setting, port in (("LLAMAMESH_GATEWAY_PORT", g.port), ("LLAMAMESH_GATEWAY_HEALTH_PORT", g.health_port)):
             check_free(g.host, port, setting, reuse_port=g.share_port)

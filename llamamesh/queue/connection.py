@@ -14,6 +14,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError
 
 from llamamesh.settings import RedisSettings
+from llamamesh.settings.redis import TLS_URLS
 
 
 def tls_options(settings: RedisSettings) -> dict[str, Any]:
@@ -21,16 +22,10 @@ def tls_options(settings: RedisSettings) -> dict[str, Any]:
     url: the CA to verify the server with (else the system's) and this client's certificate and key
     (mutual TLS). Empty for any other url; a TLS file set for one raises ValueError (it would
     silently go unused)."""
-    files = {"ssl_ca_certs": settings.tls_ca, "ssl_certfile": settings.tls_cert, "ssl_keyfile": settings.tls_key}
-    if not settings.url.startswith(("rediss://", "rediss+sentinel://", "rediss+cluster://")):
-        if any(files.values()):
-            raise ValueError(
-                "LLAMAMESH_REDIS_TLS_* are set but LLAMAMESH_REDIS_URL is not rediss:// "
-                "(or rediss+sentinel://, rediss+cluster://)"
-            )
+    settings.check_tls()
+    if not settings.url.startswith(TLS_URLS):
         return {}
-    if bool(settings.tls_cert) != bool(settings.tls_key):
-        raise ValueError("LLAMAMESH_REDIS_TLS_CERT and LLAMAMESH_REDIS_TLS_KEY must be set together")
+    files = {"ssl_ca_certs": settings.tls_ca, "ssl_certfile": settings.tls_cert, "ssl_keyfile": settings.tls_key}
     return {k: v for k, v in files.items() if v}
 
 

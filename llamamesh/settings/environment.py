@@ -53,12 +53,14 @@ class Settings:
 
     def checked_for_process(self) -> Settings:
         """These settings, for one process of a node (``llamamesh gateway`` or ``worker``): ValueError
-        naming the setting when it needs one that only a whole node (``llamamesh serve``) makes."""
+        naming the setting when it needs one that only a whole node (``llamamesh serve``) makes, or
+        Redis's TLS files are not as its url needs them (``RedisSettings.check_tls``)."""
         if not self.redis.url:
             raise ValueError(
                 "LLAMAMESH_REDIS_URL: required by one process of a node (only `llamamesh serve` starts an "
                 "embedded Valkey): set it to the node's Redis, e.g. redis://127.0.0.1:6379"
             )
+        self.redis.check_tls()
         return self
 
     def with_overrides(self, **sections: Mapping[str, Any]) -> Settings:

@@ -32,6 +32,7 @@ SENTINEL_PORT = 26379
 # What LLAMAMESH_REDIS_URL may begin with (the queue picks its client by it: queue/redisio.py).
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 URL_SCHEMES = ("redis", "rediss", "unix", *SENTINEL_SCHEMES, *CLUSTER_SCHEMES)
+TLS_URLS = ("rediss://", "rediss+sentinel://", "rediss+cluster://")
 SENTINEL_FORM = "redis+sentinel://[user:password@]host[:port][,host[:port]...]/<service>[/<db>]"
 
 
@@ -253,7 +254,22 @@ class RedisSettings(Section, section="redis"):
             cluster_nodes(self.url)
         elif self.url and scheme not in SENTINEL_SCHEMES:
             check_url(self.url)
-        for name, path in (("TLS_CA", self.tls_ca), ("TLS_CERT", self.tls_cert), ("TLS_KEY", self.tls_key)):
+
+    def check_tls(self) -> None:
+        """For a process about to connect (the files may be only where it runs, e.g. a pod's
+        mounted secret): ValueError naming the variable for a TLS file set for a url that is not
+        TLS, a certificate without its key, or a file that is not there."""
+        files = (("TLS_CA", self.tls_ca), ("TLS_CERT", self.tls_cert), ("TLS_KEY", self.tls_key))
+        if not self.url.startswith(TLS_URLS):
+            if any(path for _name, path in files):
+                raise ValueError(
+                    "LLAMAMESH_REDIS_TLS_* are set but LLAMAMESH_REDIS_URL is not rediss:// "
+                    "(or rediss+sentinel://, rediss+cluster://)"
+                )
+            return
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("LLAMAMESH_REDIS_TLS_CERT and LLAMAMESH_REDIS_TLS_KEY must be set together")
+        for name, path in files:
             if path and not os.path.isfile(path):
                 raise ValueError(f"LLAMAMESH_REDIS_{name}: no such file: {path}")
 

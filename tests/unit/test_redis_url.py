@@ -70,12 +70,18 @@ def test_a_malformed_server_or_cluster_url_is_refused_at_start_saying_why(url: s
         Settings.from_env({"LLAMAMESH_REDIS_URL": good})
 
 
-def test_a_tls_file_that_is_not_there_is_refused_at_start(tmp_path: Path) -> None:
+def test_a_tls_file_that_is_not_there_is_refused_by_the_process_that_needs_it(tmp_path: Path) -> None:
+    """The settings parse where the files are not (a pod's env checked elsewhere); a gateway or
+    worker process refuses them at start, in one line naming the variable."""
     ca = tmp_path / "ca.pem"
+    settings = Settings.from_env({"LLAMAMESH_REDIS_URL": "rediss://h:6380", "LLAMAMESH_REDIS_TLS_CA": str(ca)})
     with pytest.raises(ValueError, match=f"^LLAMAMESH_REDIS_TLS_CA: no such file: {ca}$"):
-        Settings.from_env({"LLAMAMESH_REDIS_URL": "rediss://h:6380", "LLAMAMESH_REDIS_TLS_CA": str(ca)})
+        settings.checked_for_process()
     ca.write_text("(a PEM)")
-    assert Settings.from_env({"LLAMAMESH_REDIS_TLS_CA": str(ca)}).redis.tls_ca == str(ca)
+    assert settings.checked_for_process().redis.tls_ca == str(ca)
+    plain = Settings.from_env({"LLAMAMESH_REDIS_URL": "redis://h:6379", "LLAMAMESH_REDIS_TLS_CA": str(ca)})
+    with pytest.raises(ValueError, match=r"^LLAMAMESH_REDIS_TLS_.* LLAMAMESH_REDIS_URL is not rediss://"):
+        plain.checked_for_process()
 
 
 def test_an_error_never_quotes_the_password() -> None:
