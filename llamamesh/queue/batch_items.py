@@ -115,10 +115,16 @@ class BatchItems:
             for lane, eid, req in decoded
         ]
 
-    async def discard(self, lease: Lease) -> None:
-        """Ack and drop a leased item without a result (a second copy of an item already running)."""
-        lane = "" if lease.shared else lease.request.batch_id
-        await groups.drop(self._r, self.lanes.stream(lease.pool, lane), [lease.entry_id])
+    async def discard(self, lease: Lease) -> int:
+        """Ack and drop a leased item without a result (a second copy of an item already running), or
+        after its result. Returns how many entries its lane still holds (one round trip)."""
+        stream = self.lanes.stream(lease.pool, "" if lease.shared else lease.request.batch_id)
+        with unreachable():
+            async with self._r.pipeline(transaction=False) as pipe:
+                groups.ack(pipe, stream, lease.entry_id)
+                pipe.xlen(stream)
+                replies = await pipe.execute()
+        return int(replies[-1])
 
     async def record(self, lease: Lease, result: ItemResult) -> bool:
         """Record the item's one result (False: it had one already, or its batch is gone), then ack
@@ -136,12 +142,10 @@ class BatchItems:
         that outlived its result would leave an item that never ends."""
         req = lease.request
         done = await self.write(req.batch_id, result)
-        await self.discard(lease)
-        if done == 1 and not lease.shared:
-            with unreachable():
-                drained = not await self._r.xlen(self.lanes.stream(lease.pool, req.batch_id))
-            if drained:  # its lane is empty, the batch not ended: a result may have been lost (BatchSweep.end_lost)
-                await self.look_again_soon(req.batch_id)
+        left = await self.discard(lease)
+        if done == 1 and not lease.shared and not left:
+            # its lane is empty, the batch not ended: a result may have been lost (BatchSweep.end_lost)
+            await self.look_again_soon(req.batch_id)
         elif done == 2:
             await self.settle(req.batch_id)
             await self.look_again_soon(req.batch_id)
