@@ -15,8 +15,8 @@ import structlog
 from llamamesh.settings import LogSettings
 
 
-def configure(settings: LogSettings, process: str) -> None:
-    """Configure structlog and the stdlib root logger for this process."""
+def configure(settings: LogSettings, process: str) -> bool:
+    """Configure structlog and the stdlib root logger for this process; True when lines are JSON."""
     use_json = settings.format == "json" or (settings.format == "auto" and not sys.stderr.isatty())
     named = logging.getLevelName(settings.level.upper())  # an int for known names (3.10 has no mapping API)
     level = named if isinstance(named, int) else logging.INFO
@@ -46,3 +46,4 @@ def configure(settings: LogSettings, process: str) -> None:
     root.handlers[:] = [handler]
     root.setLevel(max(level, logging.INFO))
     structlog.contextvars.bind_contextvars(process=settings.process or process)
+    return use_json

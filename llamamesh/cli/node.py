@@ -251,17 +251,21 @@ class Node:
                 ) from exc
             return False
 
-    async def wait_ready(self, out: IO[str] | None = None, timeout_s: float | None = None) -> float:
+    async def wait_ready(
+        self, out: IO[str] | None = None, timeout_s: float | None = None, events: bool = False
+    ) -> float:
         """Wait until every worker of the node is ready, showing what they are doing on ``out`` (one
-        updating line on a terminal, a line per step otherwise); returns the seconds it took. The
-        workers' start is followed in their heartbeats, the gateway's through its health service
-        (which needs no API key; with mutual TLS, the client certificate of LLAMAMESH_CLIENT_TLS_*).
+        updating line on a terminal, a line per step otherwise; with ``events``, log events instead:
+        ``node_starting`` per step, ``node_status`` per line of the ready summary); returns the
+        seconds it took. The workers' start is followed in their heartbeats, the gateway's through its
+        health service (which needs no API key; with mutual TLS, the client certificate of
+        LLAMAMESH_CLIENT_TLS_*).
         Raises StartFailed with a one-line reason when a worker could not start (its own reason), an
         essential process ended, or ``timeout_s`` (default: the worker start timeout) passed."""
         t0 = time.monotonic()
         limit = timeout_s if timeout_s is not None else self.settings.worker.start_timeout_s + 60
         # One line rewritten in place only when the children's logs do not share the terminal.
-        show = _Progress(out, t0, inline=self._log_file is not None)
+        show = _Progress(out, t0, inline=self._log_file is not None, events=events)
         queue = RedisQueue.from_settings(self.settings.redis)
         async with self.client() as client:
             try:
@@ -350,15 +354,21 @@ def _doing(views: list[WorkerView] | None, took: bool = True) -> str:
 class _Progress:
     """What the node is doing, on a terminal as one line rewritten in place, elsewhere a line per change."""
 
-    def __init__(self, out: IO[str] | None, t0: float, inline: bool = True) -> None:
+    def __init__(self, out: IO[str] | None, t0: float, inline: bool = True, events: bool = False) -> None:
         self._out = out
         self._t0 = t0
-        self._tty = inline and bool(out is not None and out.isatty())
+        self._tty = inline and bool(out is not None and out.isatty()) and not events
+        self._events = events  # log events (JSON logs) rather than lines of text
         self._last = ""
         self._width = 0
 
     def update(self, what: str, step: str) -> None:
         """Show ``what``; off a terminal only when ``step`` (``what`` without its timings) changed."""
+        if self._events:
+            if step != self._last:
+                log.info("node_starting", step=step, elapsed_s=round(time.monotonic() - self._t0, 1))
+            self._last = step
+            return
         if self._out is None:
             return
         elapsed = f"[{time.monotonic() - self._t0:5.1f} s] "
@@ -372,6 +382,10 @@ class _Progress:
         self._out.flush()
 
     def done(self, what: str) -> None:
+        if self._events:
+            if what:
+                log.info("node_status", message=what, elapsed_s=round(time.monotonic() - self._t0, 1))
+            return
         if self._out is None:
             return
         if self._tty and self._width:

@@ -9,8 +9,11 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+
+import structlog
 
 from llamamesh import logs
 from llamamesh.cli import flags
@@ -43,19 +46,30 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = flags.settings(args)
-    logs.configure(settings.log, "node")
+    # With JSON logs (stderr not a terminal, or LLAMAMESH_LOG_FORMAT=json) the node's progress is log
+    # events like its processes' lines; the one `error:` line of a node that cannot start stays text.
+    events = logs.configure(settings.log, "node")
+    say = _say(events)
     node = Node(settings, workers=args.workers)
     try:
         node.start()
-        print(f"llamamesh starting on {node.address} with {args.workers} worker(s) ...", file=sys.stderr)
-        took = asyncio.run(node.wait_ready(sys.stderr))
-        print(f"llamamesh serving on {node.address} (ready in {took:.1f} s; Ctrl-C stops)", file=sys.stderr)
+        say("node_starting", f"llamamesh starting on {node.address} with {args.workers} worker(s) ...")
+        took = asyncio.run(node.wait_ready(sys.stderr, events=events))
+        say("node_serving", f"llamamesh serving on {node.address} (ready in {took:.1f} s; Ctrl-C stops)")
         return node.wait()
     except (StartFailed, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
         node.stop()
+
+
+def _say(events: bool) -> Callable[[str, str], None]:
+    """A line for the operator: a log event named ``event`` with JSON logs, else the text on stderr."""
+    if events:
+        log = structlog.get_logger("llamamesh.serve")
+        return lambda event, text: log.info(event, message=text)
+    return lambda _event, text: print(text, file=sys.stderr)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -111,6 +112,16 @@ async def test_a_subnormal_temperature_is_answered_greedy_and_the_node_serves_on
             assert odd
         assert await greedy(c, temperature=0.0) == reference
     assert served.proc.poll() is None and '"child_exited"' not in served.text()
+
+
+def test_a_node_with_json_logs_writes_nothing_but_json_lines(served: Served) -> None:
+    # its own progress too (operations.md: "one JSON object per line unless stderr is a terminal")
+    lines = served.text().splitlines()
+    events = [json.loads(line) for line in lines]  # raises on any line that is not JSON
+    assert all(isinstance(e, dict) and "event" in e for e in events), lines
+    (serving,) = [e for e in events if e["event"] == "node_serving"]
+    assert serving["message"].startswith(f"llamamesh serving on {served.address}"), serving
+    assert any(e["event"] == "node_status" and e["message"].startswith("ready: 1 worker(s)") for e in events)
 
 
 async def test_a_killed_worker_is_back_within_30_s_and_the_node_never_stopped(served: Served) -> None:
