@@ -97,19 +97,29 @@ class Heartbeat:
                 await asyncio.gather(sync, return_exceptions=True)
 
     async def _beat(self) -> None:
+        running = {x.ref: rid for rid, x in self._jobs.running.items()}
+        items = {x.item_ref: rid for rid, x in self._jobs.batch_running.items()}
         try:
-            jobs = [x.ref for x in self._jobs.running.values()]
-            await self._queue.heartbeat(self.status(), self._s.heartbeat_ttl_s, touch=jobs)
-            if self._batches is not None and self._jobs.batch_running:
-                items = [x.item_ref for x in self._jobs.batch_running.values()]
-                await self._batches.touch(self._s.pool, self._name, items)
+            lost = await self._queue.heartbeat(self.status(), self._s.heartbeat_ttl_s, touch=list(running))
+            if self._batches is not None and items:
+                lost += await self._batches.touch(self._s.pool, self._name, list(items))
             epoch = await self._queue.epoch()
         except QueueUnavailable:
+            self._life.unreachable()
             log.warning("heartbeat_failed")
             return
+        if lost:
+            await self._taken_over([running.get(ref) or items[ref] for ref in lost])
         if self._epoch and epoch != self._epoch and not await self._data_lost():
             return  # (looked at again next beat)
         self._epoch = epoch
+
+    async def _taken_over(self, rids: list[str]) -> None:
+        """Jobs another worker took over while this one could not touch them (it was paused, or cut
+        off from Redis, for the claim idle time): that worker runs them now, from what their streams
+        hold, so these stop here, writing nothing more."""
+        await self._jobs.forsake(rids)
+        log.warning("jobs_taken_over", count=len(rids), request_ids=rids)
 
     async def _data_lost(self) -> bool:
         """Redis came back without its data: stop the jobs running here that were not queued to what

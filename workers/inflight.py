@@ -90,9 +90,10 @@ class Inflight:
             self._life.engine_died = task.exception()  # type: ignore[assignment]
 
     async def forsake(self, rids: list[str]) -> None:
-        """Redis came back without its data: these interactive jobs running here belong to data that
-        is gone (their records, streams and leases). Stop them, writing nothing more (a request sent
-        again under the same id runs as a new job, whose stream theirs must not mix into)."""
+        """Stop these jobs, writing nothing more: another worker took them over (it runs them now),
+        or Redis came back without their data (their records, streams and leases are gone, and a
+        request sent again under the same id runs as a new job, whose stream theirs must not mix
+        into)."""
         self._outbox.forsake(rids)
         tasks = [self.tasks[rid] for rid in rids if rid in self.tasks]
         for rid in rids:

@@ -54,6 +54,10 @@ class Leasing:
         self._outbox = outbox
         self._life = life
         self._name = settings.consumer_name()
+        # When it last reclaimed (monotonic), batch items and jobs. Neither is reclaimed within half
+        # the claim idle time of the last time Redis did not answer it (``Life.unreachable_at``): a
+        # live worker's jobs look idle after an outage until its next heartbeat touches them, and a
+        # worker whose slots were full saw the outage only in its heartbeat.
         self._last_reclaim = 0.0
         self._last_job_reclaim = time.monotonic()
         # Only the tenant headroom was free at the last lease (see _interactive).
@@ -73,9 +77,7 @@ class Leasing:
                 leases = await self._lease(free)
                 delays.reset()
             except QueueUnavailable:
-                # Redis is out: no worker could touch its jobs meanwhile, so reclaim none until a
-                # round of heartbeats has touched them again after it is back.
-                self._last_job_reclaim = self._last_reclaim = time.monotonic()
+                self._life.unreachable()
                 log.warning("lease_failed", retry_in_s=round(await delays.wait(stop), 3))
                 continue
             if self._life.engine_died is not None and leases:
@@ -197,7 +199,7 @@ class Leasing:
     async def _reclaim_items(self, batches: BatchStore, free: int, cap: int) -> list[Lease]:
         """Every claim_idle_s / 2: batch items of workers that died, within the batch share."""
         now = time.monotonic()
-        if now - self._last_reclaim < self._b.claim_idle_s / 2:
+        if now - max(self._last_reclaim, self._life.unreachable_at) < self._b.claim_idle_s / 2:
             return []
         self._last_reclaim = now
         room = min(free, cap - len(self._jobs.batch_running))
@@ -226,7 +228,7 @@ class Leasing:
         """Every claim_idle_s / 2: jobs untouched for claim_idle_s (of workers that died, or its own
         that it does not run: leased but never started here, or acked in a Redis that lost it)."""
         now = time.monotonic()
-        if now - self._last_job_reclaim < self._s.claim_idle_s / 2:
+        if now - max(self._last_job_reclaim, self._life.unreachable_at) < self._s.claim_idle_s / 2:
             return []
         self._last_job_reclaim = now
         s = self._s

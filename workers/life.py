@@ -4,6 +4,7 @@ whether its engine died or wedged, and the wake-ups its loops wait on."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 from llamamesh.errors import EngineDead
@@ -27,6 +28,13 @@ class Life:
         self.slot_free = asyncio.Event()
         # The event writer failed: cuts a drain short.
         self.writer_failed = asyncio.Event()
+        # When (monotonic) Redis last failed to answer this worker: no worker could touch its jobs
+        # meanwhile, so none is reclaimed until a round of heartbeats has touched them again.
+        self.unreachable_at = -math.inf
+
+    def unreachable(self) -> None:
+        """Redis did not answer one of the worker's calls."""
+        self.unreachable_at = time.monotonic()
 
     def set(self, state: WorkerState, detail: str = "") -> None:
         self.state, self.detail, self.since = state, detail, time.time()

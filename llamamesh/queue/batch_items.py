@@ -73,10 +73,10 @@ class BatchItems:
         from any of the pool's lanes (``BatchLanes.reclaim``)."""
         return await self._leases(pool, await self.lanes.reclaim(pool, consumer, min_idle_ms, count))
 
-    async def touch(self, pool: str, consumer: str, refs: Sequence[str]) -> None:
+    async def touch(self, pool: str, consumer: str, refs: Sequence[str]) -> list[str]:
         """Reset the idle time of items this worker is still running (``Lease.item_ref`` each), so
-        nobody reclaims them."""
-        await self.lanes.touch(pool, consumer, refs)
+        nobody reclaims them; returns those another worker took over meanwhile."""
+        return await self.lanes.touch(pool, consumer, refs)
 
     async def _leases(self, pool: str, entries: Sequence[Entry]) -> list[Lease]:
         """Leases of the entries read, each batch's items marked started in one script a batch

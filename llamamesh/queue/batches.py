@@ -210,8 +210,8 @@ class RedisBatches:
     async def reclaim(self, pool: str, consumer: str, min_idle_ms: int, count: int) -> list[Lease]:
         return await self._items.reclaim(pool, consumer, min_idle_ms, count)
 
-    async def touch(self, pool: str, consumer: str, refs: Sequence[str]) -> None:
-        await self._items.touch(pool, consumer, refs)
+    async def touch(self, pool: str, consumer: str, refs: Sequence[str]) -> list[str]:
+        return await self._items.touch(pool, consumer, refs)
 
     async def discard(self, lease: Lease) -> None:
         await self._items.discard(lease)

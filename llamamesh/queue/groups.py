@@ -1,6 +1,6 @@
 """The workers' consumer group on a stream (a pool's work streams, its batch stream): made, its
-entries touched, acked and dropped, its idle consumers pruned, and what a read that finds it gone
-looks like.
+entries touched (while their consumer still holds them), acked and dropped, its idle consumers
+pruned, and what a read that finds it gone looks like.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from llamamesh.queue.keys import WORKER_GROUP
-from llamamesh.queue.redisio import unreachable
+from llamamesh.queue.redisio import call_scripts, unreachable
 from llamamesh.queue.scripts import source
 
 
@@ -35,12 +35,17 @@ async def create_group(client: aioredis.Redis, stream: str) -> bool:
     return True
 
 
-async def touch_entries(client: aioredis.Redis, stream: str, consumer: str, entry_ids: Sequence[str]) -> None:
-    """Reset the idle time of the entries ``consumer`` still works on, so that nobody reclaims them."""
-    if not entry_ids:
-        return
+async def touch_owned(client: aioredis.Redis, script: Any, consumer: str, refs: dict[str, dict[str, str]]) -> list[str]:
+    """Reset the idle time of the entries ``consumer`` still holds, so that nobody reclaims them
+    (touch_owned.lua, one call per stream: ``refs`` maps each stream to its entry ids, each with the
+    caller's name for it). Returns the names of those another consumer took over meanwhile (it
+    could not touch them for the claim idle time: paused, or cut off from Redis): the caller must
+    stop running them, for their new consumer does. Raises QueueUnavailable."""
+    streams = [s for s, ids in refs.items() if ids]
+    calls = [(script, [s], [WORKER_GROUP, consumer, *refs[s]]) for s in streams]
     with unreachable():
-        await client.xclaim(stream, WORKER_GROUP, consumer, 0, list(entry_ids), justid=True)
+        replies = await call_scripts(client, calls)
+    return [refs[s][eid.decode()] for s, lost in zip(streams, replies, strict=True) for eid in lost]
 
 
 def ack(pipe: Any, stream: str, *entry_ids: str) -> None:

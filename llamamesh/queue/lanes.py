@@ -55,6 +55,7 @@ class BatchLanes:
         self.keys = keys
         self.hold_ms = hold_ms
         self._lease = register(client, "lease_items")
+        self._touch = register(client, "touch_owned")
         # Where the next reclaim of each stream goes on scanning its pending entries.
         self._claim_from: dict[str, bytes | str] = {}
         # pool -> the rank (in the open lanes) of the first lane its next reclaim looks at.
@@ -136,23 +137,15 @@ class BatchLanes:
             self._claim_from[stream] = cursor
         return [(e[0].decode(), e[1]) for e in reply[1] if e and e[1]]
 
-    async def touch(self, pool: str, consumer: str, refs: Sequence[str]) -> None:
+    async def touch(self, pool: str, consumer: str, refs: Sequence[str]) -> list[str]:
         """Reset the idle time of items ``consumer`` still runs (``Lease.item_ref`` each), so nobody
-        reclaims them; one XCLAIM per stream, in one round trip. A lane gone has nothing to touch."""
-        by_stream: dict[str, list[Any]] = {}
+        reclaims them; one script per stream, in one round trip. Returns those another consumer took
+        over meanwhile (``groups.touch_owned``). A lane gone has nothing to touch."""
+        by_stream: dict[str, dict[str, str]] = {}
         for ref in refs:
             bid, eid = split_item_ref(ref)
-            by_stream.setdefault(self.stream(pool, bid), []).append(eid)
-        if not by_stream:
-            return
-        with unreachable():
-            async with self._r.pipeline(transaction=False) as pipe:
-                for stream, eids in by_stream.items():
-                    pipe.xclaim(stream, WORKER_GROUP, consumer, 0, eids, justid=True)
-                replies = await pipe.execute(raise_on_error=False)
-        for reply in replies:
-            if isinstance(reply, BaseException) and not groups.gone(reply):
-                raise reply
+            by_stream.setdefault(self.stream(pool, bid), {})[eid] = ref
+        return await groups.touch_owned(self._r, self._touch, consumer, by_stream)
 
     async def open_streams(self, pool: str, limit: int = RECLAIM_LANES) -> list[str]:
         """The pool's shared stream and ``limit`` of its open lanes, the next call going on with the

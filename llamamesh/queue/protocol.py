@@ -276,11 +276,15 @@ class WorkQueue(AdapterRegistry, Protocol):
         comes with ``started`` set."""
         ...
 
-    async def heartbeat(self, status: WorkerStatus, ttl_s: float, touch: Sequence[str] = ()) -> None:
+    async def heartbeat(self, status: WorkerStatus, ttl_s: float, touch: Sequence[str] = ()) -> list[str]:
         """Say this worker is alive (with its figures) for the next ``ttl_s`` seconds, and reset
         the idle time of the jobs it runs (``touch``: their ``Lease.ref``) so nobody reclaims them.
-        With prefix affinity on, a ready worker's heartbeat also renews and rebalances its share of
-        the pool's partitions for ``ttl_s`` (any other state gives its share up)."""
+        Returns those of ``touch`` another worker took over meanwhile (this one could not touch them
+        for the claim idle time: paused, or cut off from Redis): the worker must stop them, for the
+        other one runs them now. With prefix affinity on, a ready worker's heartbeat also renews and
+        rebalances its share of the pool's partitions for ``ttl_s`` (any other state gives its share
+        up)."""
+        ...
 
     async def leave(self, pool: str, worker: str) -> None:
         """Withdraw this worker's heartbeat (a clean stop)."""
@@ -351,8 +355,10 @@ class BatchStore(Protocol):
         """Items another consumer leased and left untouched for ``min_idle_ms``."""
         ...
 
-    async def touch(self, pool: str, consumer: str, refs: Sequence[str]) -> None:
-        """Keep the items ``consumer`` runs (``Lease.item_ref`` each) from being reclaimed."""
+    async def touch(self, pool: str, consumer: str, refs: Sequence[str]) -> list[str]:
+        """Keep the items ``consumer`` runs (``Lease.item_ref`` each) from being reclaimed; returns
+        those another consumer took over meanwhile (the worker stops them)."""
+        ...
 
     async def record(self, lease: Lease, result: ItemResult) -> bool:
         """The item's one result (False if it had one), then ack the item."""

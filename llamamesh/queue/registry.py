@@ -42,6 +42,7 @@ class WorkerRegistry:
         self._clock = clock
         self._cluster = is_cluster(client)
         self._own = register(client, "own_partitions")
+        self._touch = register(client, "touch_owned")
         # pool -> when its consumers were last pruned (clock seconds)
         self._pruned: dict[str, float] = {}
         # (pool, worker) -> the partitions it owned at its last heartbeat (affinity on)
@@ -114,11 +115,12 @@ class WorkerRegistry:
         return n
 
     # ---- the worker's side --------------------------------------------------
-    async def heartbeat(self, status: WorkerStatus, ttl_s: float, touch: Sequence[str] = ()) -> None:
-        """The worker's status for ``ttl_s``, and its jobs (``touch``) touched, in one round trip;
-        with affinity on, in the same one, a ready worker renews and rebalances its partitions
-        (own_partitions.lua, for ``ttl_s``) and any other gives them up; off, the pool must have no
-        partitions recorded. Either way a mismatch raises QueueMisconfigured."""
+    async def heartbeat(self, status: WorkerStatus, ttl_s: float, touch: Sequence[str] = ()) -> list[str]:
+        """The worker's status for ``ttl_s`` in one round trip; with affinity on, in the same one, a
+        ready worker renews and rebalances its partitions (own_partitions.lua, for ``ttl_s``) and
+        any other gives them up; off, the pool must have no partitions recorded. Either way a
+        mismatch raises QueueMisconfigured. Then its jobs (``touch``) touched, in one more: returns
+        those another worker took over meanwhile (``groups.touch_owned``)."""
         pool, parts = status.pool, self._work.partitions
         own_keys = [self.keys.owners(pool), self.keys.partitions(pool)]
         own_args: list[Any] = [status.worker, int(ttl_s * 1000), parts, "own" if status.ready else "leave"]
@@ -126,12 +128,6 @@ class WorkerRegistry:
             async with self._r.pipeline(transaction=False) as pipe:
                 pipe.set(self.keys.worker(pool, status.worker), codec.encode_status(status), px=int(ttl_s * 1000))
                 pipe.sadd(self.keys.workers(pool), status.worker)
-                by_stream: dict[tuple[str, int | None], list[Any]] = {}
-                for ref in touch:  # the jobs it runs, in the same round trip
-                    tenant, k, eid = split_ref(ref)
-                    by_stream.setdefault((tenant, k), []).append(eid)
-                for (tenant, k), eids in by_stream.items():
-                    pipe.xclaim(self.keys.work(pool, tenant, k), WORKER_GROUP, status.worker, 0, eids, justid=True)
                 if not parts:
                     pipe.exists(self.keys.partitions(pool))
                 elif not self._cluster:
@@ -142,10 +138,15 @@ class WorkerRegistry:
                     replies.append(await self._own(keys=own_keys, args=own_args))
                 except ResponseError as exc:
                     replies.append(exc)
-            for reply in replies[:-1]:  # a stream gone (its jobs with it) has nothing to touch
-                if isinstance(reply, BaseException) and not groups.gone(reply):
+            for reply in replies[:-1]:
+                if isinstance(reply, BaseException):
                     raise reply
         await self._owns(pool, status.worker, replies[-1])
+        by_stream: dict[str, dict[str, str]] = {}
+        for ref in touch:
+            tenant, k, eid = split_ref(ref)
+            by_stream.setdefault(self.keys.work(pool, tenant, k), {})[eid] = ref
+        return await groups.touch_owned(self._r, self._touch, status.worker, by_stream)
 
     async def _owns(self, pool: str, worker: str, reply: Any) -> None:
         """Note the partitions the heartbeat's last reply says the worker owns (affinity on), or

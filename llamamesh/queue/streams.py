@@ -20,7 +20,7 @@ from llamamesh.queue.adapters import AdapterTable
 from llamamesh.queue.attempts import AttemptsLog
 from llamamesh.queue.cancels import CancelFlags
 from llamamesh.queue.events import EventStreams
-from llamamesh.queue.groups import create_group, prune_consumers, touch_entries
+from llamamesh.queue.groups import create_group, prune_consumers, touch_owned
 from llamamesh.queue.keys import Keys, Retention
 from llamamesh.queue.lease import Leasing
 from llamamesh.queue.protocol import Lease, QueueDepth
@@ -34,7 +34,7 @@ from llamamesh.settings import RedisSettings
 from llamamesh.types import Attempt, GenerationRequest, JobEvent, WorkerStatus
 
 # Also importable from here, where callers outside the queue's roles look for them.
-__all__ = ["RedisQueue", "create_group", "prune_consumers", "touch_entries"]
+__all__ = ["RedisQueue", "create_group", "prune_consumers", "touch_owned"]
 
 
 class RedisQueue:
@@ -198,8 +198,8 @@ class RedisQueue:
     async def prune_consumers(self, pool: str) -> int:
         return await self._registry.prune_consumers(pool)
 
-    async def heartbeat(self, status: WorkerStatus, ttl_s: float, touch: Sequence[str] = ()) -> None:
-        await self._registry.heartbeat(status, ttl_s, touch)
+    async def heartbeat(self, status: WorkerStatus, ttl_s: float, touch: Sequence[str] = ()) -> list[str]:
+        return await self._registry.heartbeat(status, ttl_s, touch)
 
     def owned(self, pool: str, worker: str) -> list[int]:
         return self._registry.owned(pool, worker)

@@ -13,6 +13,7 @@ import pytest
 from llamamesh.queue import codec, intake
 from llamamesh.queue.batches import RedisBatches
 from llamamesh.queue.keys import JOB_FIELD, WORKER_GROUP, lane_member
+from llamamesh.queue.lanes import BatchLanes
 from llamamesh.queue.memory import MemoryBatches
 from llamamesh.queue.protocol import BatchStore, Lease
 from llamamesh.queue.streams import RedisQueue
@@ -244,6 +245,30 @@ async def test_a_dead_workers_items_are_reclaimed_from_every_lane(redis_settings
             BatchState.COMPLETED,
             BatchState.IN_PROGRESS,
         ]
+    finally:
+        await q.close()
+
+
+async def test_a_touch_never_takes_back_an_item_another_worker_took_over(redis_settings: RedisSettings) -> None:
+    """A worker that could not touch its items for the claim idle time (paused) lost them to another:
+    its next touch leaves them with that one and names them (the worker stops them), and still
+    touches those it holds."""
+    q = RedisQueue.from_settings(redis_settings)
+    store = RedisBatches(q.client, q.keys, retention_s=60, claim_idle_s=0.2)
+    try:
+        for bid in ("one", "two"):
+            info, items = batch(bid, 1)
+            await store.create(info, "fp", items)
+        lanes = BatchLanes(q.client, q.keys)
+        held = await store.lease_items("cpu", "paused", 2, None)
+        lost = held[0]
+        await q.client.xclaim(lanes.stream("cpu", lost.request.batch_id), WORKER_GROUP, "heir", 0, [lost.entry_id])
+        assert await store.touch("cpu", "paused", [x.item_ref for x in held]) == [lost.item_ref]
+        for x in held:
+            stream = lanes.stream("cpu", x.request.batch_id)
+            (row,) = await q.client.xpending_range(stream, WORKER_GROUP, "-", "+", 10)
+            assert row["consumer"].decode() == ("heir" if x is lost else "paused")
+            assert int(row["time_since_delivered"]) < 1000
     finally:
         await q.close()
 

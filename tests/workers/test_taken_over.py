@@ -5,16 +5,19 @@ died under it is handed back and carried on by the next worker."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
-from llamamesh.errors import EngineDead
+from llamamesh.errors import EngineDead, QueueUnavailable
 from llamamesh.queue.keys import WORKER_GROUP
+from llamamesh.queue.protocol import Lease
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import RedisSettings
-from llamamesh.types import FinishReason, GenerationRequest, JobEvent, SamplingParams
+from llamamesh.types import FinishReason, GenerationRequest, JobEvent, SamplingParams, WorkerStatus
 from tests.waiting import until
 from tests.workers.test_worker_lifecycle import running, settings
 from workers.engines.fake import FakeEngine
@@ -176,3 +179,91 @@ async def _until_handed_back(queue: RedisQueue, rid: str) -> AsyncIterator[tuple
         yield i, ev
         if ev.last_of_worker:
             return
+
+
+async def _owner(queue: RedisQueue) -> str | None:
+    rows = await queue.client.xpending_range(queue.keys.jobs("cpu"), WORKER_GROUP, "-", "+", 10)
+    return rows[0]["consumer"].decode() if rows else None
+
+
+async def test_a_job_taken_over_from_a_live_worker_stops_there_and_stays_with_the_other(
+    redis_settings: RedisSettings,
+) -> None:
+    """A worker paused (or cut off from Redis) past the claim idle time looks dead, and another one
+    takes its job over. When it comes back, its heartbeat must not take the job back (both would
+    run it, each writing its tokens and a terminal event into one stream): it stops the job, writing
+    nothing more, and the job stays with the worker that took it."""
+    queue = RedisQueue.from_settings(redis_settings)
+    ws = settings("w-paused", fake_step_s=0.05)
+    worker, task = running(ws, queue, FakeEngine(ws))
+    try:
+        await asyncio.wait_for(worker.ready.wait(), 5)
+        await queue.submit("cpu", GenerationRequest("long", "m", prompt="x", sampling=SamplingParams(max_tokens=400)))
+        events = queue.events("long")
+        await anext(events)  # it runs
+        (entry,) = await queue.client.xpending_range(queue.keys.jobs("cpu"), WORKER_GROUP, "-", "+", 10)
+        # What a reclaiming worker does to a job untouched for its claim idle time.
+        await queue.client.xclaim(queue.keys.jobs("cpu"), WORKER_GROUP, "w-heir", 0, [entry["message_id"]])
+        await until(lambda: "long" not in worker.jobs.running, 10, "the paused worker to stop the job taken from it")
+        assert await _owner(queue) == "w-heir"
+        held = await queue.read_events("long")
+        assert not any(ev.terminal for _i, ev in held), held[-1]
+        await until(lambda: _idle_past(queue, 300), 10, "six heartbeats of the paused worker, none touching it")
+        assert await _owner(queue) == "w-heir" and await queue.read_events("long") == held  # nothing more
+        assert "long" not in worker.jobs and not task.done()  # the worker serves on
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await queue.close()
+
+
+class _Outage:
+    """A queue whose worker-side heartbeat fails (Redis out) while ``out``, noting when it last did,
+    and which notes when the worker looks for jobs to reclaim."""
+
+    def __init__(self, queue: RedisQueue) -> None:
+        self._q = queue
+        self.out = False
+        self.failed_at: list[float] = []
+        self.reclaimed_at: list[float] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._q, name)
+
+    async def heartbeat(self, status: WorkerStatus, ttl_s: float, touch: Sequence[str] = ()) -> list[str]:
+        if self.out:
+            self.failed_at.append(time.monotonic())
+            raise QueueUnavailable("Redis is out")
+        return await self._q.heartbeat(status, ttl_s, touch)
+
+    async def reclaim(self, *args: Any, **kw: Any) -> list[Lease]:
+        if not kw.get("own"):
+            self.reclaimed_at.append(time.monotonic())
+        return await self._q.reclaim(*args, **kw)
+
+
+async def test_a_worker_that_saw_redis_out_only_in_its_heartbeat_reclaims_nothing_until_others_touched_theirs(
+    redis_settings: RedisSettings,
+) -> None:
+    """While Redis is out no worker can touch its jobs, so right after it every live worker's jobs
+    look idle. A worker whose slots were all full saw the outage only in its heartbeat; once its job
+    ends it must still wait half the claim idle time (a round of the others' heartbeats) before it
+    reclaims anything, or it takes a live worker's job."""
+    queue = _Outage(RedisQueue.from_settings(redis_settings))
+    ws = settings("w-full", fake_step_s=0.05, claim_idle_s=2.0, max_inflight=1, tenant_headroom=0)
+    worker, task = running(ws, queue, FakeEngine(ws))  # type: ignore[arg-type]
+    try:
+        await asyncio.wait_for(worker.ready.wait(), 5)
+        await queue.submit("cpu", GenerationRequest("busy", "m", prompt="x", sampling=SamplingParams(max_tokens=40)))
+        async for _i, ev in queue.events("busy"):
+            if ev.index >= 32:  # its job ends within claim_idle_s / 2 of the outage
+                break
+        queue.out = True
+        await until(lambda: len(queue.failed_at) >= 2, 5, "its heartbeat to find Redis out")
+        queue.out = False
+        await until(lambda: "busy" not in worker.jobs and queue.reclaimed_at, 15, "a reclaim after the job ended")
+        assert queue.reclaimed_at[0] >= queue.failed_at[-1] + ws.claim_idle_s / 2, (queue.reclaimed_at, queue.failed_at)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await queue.close()

@@ -171,8 +171,8 @@ class MemoryBatches:
     async def reclaim(self, pool: str, consumer: str, min_idle_ms: int, count: int) -> list[Lease]:
         return []
 
-    async def touch(self, pool: str, consumer: str, refs: Sequence[str]) -> None:
-        return None
+    async def touch(self, pool: str, consumer: str, refs: Sequence[str]) -> list[str]:
+        return []  # nothing here is taken over from a live worker
 
     async def discard(self, lease: Lease) -> None:
         self.lanes.ack(lease.pool, lease.entry_id)

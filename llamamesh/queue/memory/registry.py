@@ -27,7 +27,7 @@ class MemoryRegistry(MemoryState):
         p = self._pool(pool)
         return QueueDepth(sum(len(q) for q in p.tenants.values()), len(p.pending))
 
-    async def heartbeat(self, status: WorkerStatus, ttl_s: float, touch: Sequence[str] = ()) -> None:
+    async def heartbeat(self, status: WorkerStatus, ttl_s: float, touch: Sequence[str] = ()) -> list[str]:
         self._check()
         self._beats.setdefault(status.pool, {})[status.worker] = (time.monotonic() + ttl_s, status)
         if self._parts:
@@ -39,6 +39,7 @@ class MemoryRegistry(MemoryState):
                 )
             else:
                 _release(p, status.worker)
+        return []  # nothing is taken over in memory (reclaim.py)
 
     def owned(self, pool: str, worker: str) -> list[int]:
         """The partitions the worker owns now (affinity on; an owner's lease may have expired)."""
