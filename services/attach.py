@@ -42,9 +42,13 @@ def _cancelled(ev: JobEvent) -> bool:
 def check_in_range(request_id: str, end: JobEvent, base: int, offset: int, n: int) -> None:
     """Raise OutOfRange when an Attach asked for tokens past the end of what the request (or
     sample) produced: ``end`` ends it, after ``base`` tokens of earlier attempts."""
-    produced = base + end.index + len(end.token_ids)
+    past_end(request_id, end.sample, base + end.index + len(end.token_ids), offset, n)
+
+
+def past_end(request_id: str, sample: int, produced: int, offset: int, n: int) -> None:
+    """Raise OutOfRange when ``offset`` is past the ``produced`` tokens of an ended ``sample``."""
     if offset > produced:
-        field, what = ("offset", "request") if n == 1 else (f"sample_offsets[{end.sample}]", f"sample {end.sample}")
+        field, what = ("offset", "request") if n == 1 else (f"sample_offsets[{sample}]", f"sample {sample}")
         raise errors.OutOfRange(
             f"{field} {offset} is past the end of request {public_id(request_id)!r}: its {what} ended after "
             f"{produced} tokens"
@@ -90,6 +94,9 @@ class Attachment:
                 offset=self._offset,
                 sample_offsets=list(self._sample_offsets),
             )
+        reader = records[-1].resumable  # one of its readers while this reads (a detach timer waits for none)
+        if reader:
+            await self._timers.came(self.request_id)
         try:
             while True:
                 try:
@@ -102,6 +109,9 @@ class Attachment:
             if self._count and records[-1].resumable:  # dropped again: the same grace as the first time
                 await asyncio.shield(self._timers.start(self.request_id, records[-1].attempt_id))
             raise
+        finally:
+            if reader:
+                await asyncio.shield(self._timers.went(self.request_id))
 
     async def _through(self, records: list[Attempt]) -> AsyncGenerator[tuple[GenerationRequest, JobEvent], None]:
         """Every attempt in ``records``: what each abandoned one sent, then the last one followed."""
@@ -140,6 +150,9 @@ class Attachment:
         read = await self._queue.read_events(last.attempt_id)
         if not read or not read[-1][1].terminal:
             return
+        for k in last.ended:  # samples that ended in earlier attempts: their base is all they made
+            if (cursor := self.streams.cursors.get(k)) is not None:
+                past_end(self.request_id, k, last.base_of(k), cursor.next, self.streams.n)
         for _id, ev in read:
             cursor = self.streams.cursors.get(ev.sample)
             if cursor is not None and ev.ends_sample is not None:

@@ -1,5 +1,6 @@
 """What happens to a request's job when its caller leaves: a resumable request is detached (a timer
-cancels it after the re-attach grace unless someone attaches meanwhile), any other is cancelled.
+cancels it after the re-attach grace unless someone attaches meanwhile or still reads it), any
+other is cancelled.
 
 ``DetachTimers`` owns the timers of one relay and cancels them at its close; ``cancel_quietly``
 cancels a job when nobody waits for the answer (Redis being out is logged, not raised).
@@ -8,10 +9,11 @@ cancels a job when nobody waits for the answer (Redis being out is logged, not r
 from __future__ import annotations
 
 import asyncio
+import time
 
 import structlog
 
-from llamamesh import errors
+from llamamesh import errors, metrics, tracing
 from llamamesh.queue.protocol import RelayQueue
 
 log = structlog.get_logger(__name__)
@@ -45,10 +47,40 @@ class DetachTimers:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
+    async def stop(self, caller_id: str, job_id: str, gone: bool, resumable: bool) -> None:
+        """A caller's stream ended before its job ``job_id`` did: a resumable request whose caller
+        went away (``gone``) is detached (it may Attach again); otherwise (disconnect, deadline or a
+        failed read) the worker must stop generating."""
+        if resumable and gone:
+            tracing.event("detached", job=job_id)
+            await asyncio.shield(self.start(caller_id, job_id))
+            return
+        gone_at = time.perf_counter()
+        tracing.event("job_cancelled", job=job_id)
+        await asyncio.shield(cancel_quietly(self._queue, job_id))
+        if gone:
+            metrics.DISCONNECT_CANCEL.observe(time.perf_counter() - gone_at)
+
+    async def came(self, caller_id: str) -> None:
+        """A reader of the resumable request ``caller_id`` came: a Generate stream or an Attach."""
+        await self._count(caller_id, 1)
+
+    async def went(self, caller_id: str) -> None:
+        """A reader of the resumable request ``caller_id`` went, however its stream ended."""
+        await self._count(caller_id, -1)
+
+    async def _count(self, caller_id: str, delta: int) -> None:
+        try:
+            await self._queue.reading(caller_id, delta)
+        except errors.QueueUnavailable:  # counted high, the request runs to its end; low, as before
+            log.warning("readers_not_counted", request_id=caller_id, delta=delta)
+
     async def _expire(self, caller_id: str, job_id: str, seen: int) -> None:
+        """Cancel the job unless someone attached since the timer started or a reader (the caller's
+        first stream, through any gateway, or another Attach) still reads it."""
         await asyncio.sleep(self._grace_s)
         try:
-            if await self._queue.attach_count(caller_id) == seen:
+            if await self._queue.attach_count(caller_id) == seen and await self._queue.reading(caller_id, 0) <= 0:
                 log.info("request_detach_expired", request_id=caller_id)
                 await cancel_quietly(self._queue, job_id)
         except errors.QueueUnavailable:

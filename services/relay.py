@@ -114,11 +114,10 @@ class QueueRelay:
         await self._queue.call_off(request_id)
         records = await self._queue.attempts(request_id)
         if records and not await self._queue.read_events(records[-1].attempt_id):
-            # Still queued: its stream ends now (the worker that reaches the job skips it).
-            last = records[-1]
-            now = time.time_ns()
-            ended = JobEvent(index=last.base_of(0), finished=Finished(FinishReason.CANCELLED, Usage(0, last.base), now))
-            await self._queue.end(last.attempt_id, ended)
+            # Still queued: its stream ends now (the worker that reaches the job skips it). Numbered
+            # as its worker numbers it (from the attempt's start: the readers add the attempt's base).
+            ended = JobEvent(finished=Finished(FinishReason.CANCELLED, Usage(0, 0), time.time_ns()))
+            await self._queue.end(records[-1].attempt_id, ended)
         log.info("request_cancel_requested", request_id=request_id)
 
     async def tokenize(self, request: GenerationRequest, pool: str) -> JobEvent:

@@ -97,6 +97,7 @@ class RelayedRequest:
         self.submitted = False  # the current attempt's job is queued
         self.finished = False  # the current attempt's terminal event was read
         self.failure: BaseException | None = None  # what ended the stream, if not its end
+        self.reading = False  # counted among the resumable request's readers (``DetachTimers.came``)
         self._recorder: metrics.PoolRecorder | None = None
         self._t0 = 0.0
         self._first_token_ns = 0
@@ -242,6 +243,9 @@ class RelayedRequest:
                     await p.queue.forget(self.req.request_id)
             raise
         self.submitted, self.finished = True, False
+        if self.resumable and not self.reading:  # its caller reads it (a failover does not count again)
+            self.reading = True
+            await self._p.timers.came(self.req.request_id)
         tracing.event("job_submitted", pool=self.pool, job=attempt.request_id, attempt=self.attempts)
         if self._recorder is None or self._recorder.pool != self.pool:
             self._recorder = metrics.pool_recorder(self.pool)
@@ -376,6 +380,8 @@ class RelayedRequest:
         still running detached or cancelled, the outcome recorded for the pool's breaker."""
         if self._recorder is not None and self.streams.total:
             self._recorder.generated.inc(self.streams.total)
+        if self.reading:
+            await asyncio.shield(self._p.timers.went(self.req.request_id))
         if self.submitted and not self.finished and self.attempt is not None:
             await self._stop_attempt(self.attempt.request_id)
         backends = self._p.backends
@@ -385,16 +391,6 @@ class RelayedRequest:
             await asyncio.shield(backends.record(self.progress.pool, outcome))
 
     async def _stop_attempt(self, job_id: str) -> None:
-        """The stream ended before the attempt did: a resumable request whose caller went away is
-        detached (it may Attach again); otherwise (disconnect, deadline or a failed read) the worker
-        must stop generating."""
+        """The stream ended before the attempt did: detached or cancelled (``DetachTimers.stop``)."""
         gone = self.failure is None or isinstance(self.failure, asyncio.CancelledError | GeneratorExit)
-        if self.resumable and gone:
-            tracing.event("detached", job=job_id)
-            await asyncio.shield(self._p.timers.start(self.req.request_id, job_id))
-            return
-        gone_at = time.perf_counter()
-        tracing.event("job_cancelled", job=job_id)
-        await asyncio.shield(cancel_quietly(self._p.queue, job_id))
-        if gone:
-            metrics.DISCONNECT_CANCEL.observe(time.perf_counter() - gone_at)
+        await self._p.timers.stop(self.req.request_id, job_id, gone, self.resumable)

@@ -1,7 +1,8 @@
 """The attempts log: the record of a caller's request (``Keys.attempts``, one JSON Attempt per
-failover) and its re-attach count (``Keys.attaches``). Both live as long as the request's events
-may: ``Retention.event_idle_s`` while it runs (its worker renews the record as it publishes),
-``Retention.event_s`` once its latest attempt ended.
+failover), its re-attach count (``Keys.attaches``) and how many read it now (``Keys.readers``).
+They live as long as the request's events may: ``Retention.event_idle_s`` while it runs (its worker
+renews the record and the readers as it publishes), the record ``Retention.event_s`` once its latest
+attempt ended.
 """
 
 from __future__ import annotations
@@ -63,9 +64,19 @@ class AttemptsLog:
             n: Any = await self._r.get(self.keys.attaches(caller_id))
         return int(n or 0)
 
+    async def reading(self, caller_id: str, delta: int) -> int:
+        with unreachable():
+            async with self._r.pipeline(transaction=False) as pipe:
+                pipe.incrby(self.keys.readers(caller_id), delta)
+                pipe.expire(self.keys.readers(caller_id), self.retention.event_idle_s)
+                n, _ = await pipe.execute()
+        return int(n)
+
     def renew(self, pipe: Any, caller_id: str) -> None:
-        """Queue on ``pipe`` the renewal of a running request's record (its worker publishes)."""
+        """Queue on ``pipe`` the renewal of a running request's record and its count of readers (its
+        worker publishes)."""
         pipe.expire(self.keys.attempts(caller_id), self.retention.event_idle_s)
+        pipe.expire(self.keys.readers(caller_id), self.retention.event_idle_s)
 
     def ended(self, request: GenerationRequest, ttl: int) -> tuple[Any, list[str], list[Any]]:
         """The script call (for ``call_scripts``) that gives the caller's record the ``ttl`` of the

@@ -145,11 +145,17 @@ class Keys:
         cancel holds off when it moved."""
         return f"{self.prefix}:req:{{{caller_id}}}:attaches"
 
+    def readers(self, caller_id: str) -> str:
+        """How many callers read a resumable request now (a counter, Generate and Attach streams
+        across the gateways): a detached stream's delayed cancel holds off while one still reads."""
+        return f"{self.prefix}:req:{{{caller_id}}}:readers"
+
     def called_off(self, caller_id: str) -> str:
         """Present while the caller cancelled its request by id (Cancel RPC): every attempt stops. It
-        lives as long as the request's attempts record, or ``Retention.cancel_ahead_s`` when the id had
-        none yet ("a"); a request begun under an id whose older request had been cancelled ("1")
-        clears it."""
+        takes the TTL the request's attempts record has when it is set (at most
+        ``Retention.event_idle_s``; the record's own is cut when the request ends), or
+        ``Retention.cancel_ahead_s`` when the id had none yet ("a"); a request begun under an id
+        whose older request had been cancelled ("1") clears it."""
         return f"{self.prefix}:req:{{{caller_id}}}:called-off"
 
     def workers(self, pool: str) -> str:

@@ -167,6 +167,11 @@ class RequestLog(Protocol):
 
     async def attach_count(self, caller_id: str) -> int: ...
 
+    async def reading(self, caller_id: str, delta: int) -> int:
+        """Count a reader of the caller's resumable request coming (``delta`` 1) or going (-1), as
+        any gateway sees them; returns how many read it now (``delta`` 0: only that)."""
+        ...
+
 
 class AdapterRegistry(Protocol):
     """The LoRA adapters loaded into each pool at run time (AdminService), besides each worker's own

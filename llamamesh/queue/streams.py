@@ -152,6 +152,9 @@ class RedisQueue:
     async def attach_count(self, caller_id: str) -> int:
         return await self._attempts.attach_count(caller_id)
 
+    async def reading(self, caller_id: str, delta: int) -> int:
+        return await self._attempts.reading(caller_id, delta)
+
     # ---- leasing and reclaim (lease.py, reclaim.py) --------------------------
     async def join(self, pool: str) -> None:
         await self._work.join(pool)

@@ -261,3 +261,76 @@ async def test_an_attach_waits_through_a_hand_back_for_the_worker_that_carries_i
 async def read_into(reading: Attachment, got: list[JobEvent]) -> None:
     async for _head, e in reading.events():
         got.append(e)
+
+
+async def test_a_cancel_of_a_queued_later_attempt_ends_the_request_at_the_tokens_its_caller_has() -> None:
+    """The request lost its first attempt after 5 tokens and its second is still queued when its
+    caller cancels: the end the relay writes is numbered as that attempt's worker would number it,
+    so every reader says 5 tokens (not 10), and an offset past them is out of range."""
+    q = MemoryQueue()
+    await q.begin("r", Attempt("r", 0, "cpu", "tiny", 1, True), first=True)
+    await q.end("r", ev(0, 10, 11, 12, 13, 14))
+    await q.begin("r", Attempt("r~1", 5, "cpu", "tiny", 1, True), first=False)
+    relay = QueueRelay(q, GatewaySettings(reattach_grace_s=3600))
+    try:
+        await relay.cancel("r")
+        got = await read_all(attachment(q))
+        assert [t for e in got for t in e.token_ids] == [10, 11, 12, 13, 14]
+        end = got[-1].finished
+        assert end is not None and end.finish_reason is FinishReason.CANCELLED, got[-1]
+        assert (got[-1].index, end.usage.completion_tokens) == (5, 5)
+        with pytest.raises(errors.OutOfRange):
+            await read_all(attachment(q, offset=7))
+    finally:
+        await relay.close()
+
+
+async def test_a_dropped_attach_never_cancels_a_request_another_reader_still_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A resumable request's detach timer cancels it only when nobody reads it at its end: a second
+    Attach (an observer, or a caller's re-attach made before its first stream was seen to break)
+    that goes away leaves the request to the reader still there; once that one goes too, it is."""
+    q = MemoryQueue()
+    await q.begin("r", Attempt("r", 0, "cpu", "tiny", 1, True), first=True)
+    await q.end("r", ev(0, 10))
+    cancelled: list[str] = []
+
+    async def cancel(job_id: str) -> None:
+        cancelled.append(job_id)
+
+    monkeypatch.setattr(q, "cancel", cancel)
+    timers = DetachTimers(q, 0.05)
+    # the caller's stream (as a retried Generate follows it) and a second, counted Attach
+    caller = Attachment(q, Liveness(q, GatewaySettings()), timers, "r", 0, count=False).events()
+    other = Attachment(q, Liveness(q, GatewaySettings()), timers, "r", 0, count=True).events()
+    for stream in (caller, other):
+        assert (await anext(stream))[1].token_ids == (10,)
+    await other.aclose()  # the other reader goes away
+    (timer,) = timers.tasks
+    await asyncio.wait_for(asyncio.shield(timer), 5)
+    assert cancelled == []
+    await caller.aclose()  # the caller goes away too: its relay starts the timer
+    await timers.start("r", "r")
+    await until(lambda: cancelled == ["r"], 5, "the detach timer to cancel the request nobody reads")
+    await timers.close()
+
+
+async def test_an_offset_past_a_sample_that_ended_in_an_earlier_attempt_is_out_of_range() -> None:
+    """n = 2: sample 0 ended in the first attempt after 3 tokens, sample 1 in the second. An Attach
+    asking for sample 0 from token 9 is refused before anything is sent, as for sample 1."""
+    q = MemoryQueue()
+    await q.begin("r", Attempt("r", 0, "cpu", "tiny", 1, bases=(0, 0)), first=True)
+    await q.end("r", JobEvent(sample=0, token_ids=(1, 2, 3), sample_end=FinishReason.LENGTH))
+    await q.end("r", JobEvent(sample=1, token_ids=(4,)))
+    await q.begin("r", Attempt("r~1", 4, "cpu", "tiny", 1, bases=(3, 1), ended=(0,)), first=False)
+    await q.end("r~1", JobEvent(sample=1, token_ids=(5, 6), finished=Finished(FinishReason.LENGTH, Usage(3, 2))))
+    live = Liveness(q, GatewaySettings())
+    for offsets, field in (
+        ((9, 0), r"sample_offsets\[0\] 9 .* ended after 3 tokens"),
+        ((0, 9), r"sample_offsets\[1\]"),
+    ):
+        with pytest.raises(errors.OutOfRange, match=field):
+            await read_all(Attachment(q, live, DetachTimers(q, 1), "r", sample_offsets=offsets))
+    whole = await read_all(Attachment(q, live, DetachTimers(q, 1), "r", sample_offsets=(3, 3)))
+    assert [e.token_ids for e in whole if e.token_ids] == [] and whole[-1].terminal

@@ -33,3 +33,8 @@ class MemoryAttempts(MemoryState):
 
     async def attach_count(self, caller_id: str) -> int:
         return self._attaches.get(caller_id, 0)
+
+    async def reading(self, caller_id: str, delta: int) -> int:
+        self._check()
+        self._readers[caller_id] = self._readers.get(caller_id, 0) + delta
+        return self._readers[caller_id]

@@ -40,6 +40,7 @@ class MemoryState:
         self._attempts: dict[str, list[Attempt]] = {}
         self._adapters: dict[str, dict[str, str]] = {}  # pool -> run-time LoRA adapters
         self._attaches: dict[str, int] = {}
+        self._readers: dict[str, int] = {}
         self._changed = asyncio.Condition()
         self._ids = itertools.count(1)
         # pool -> worker -> (monotonic expiry, status)
