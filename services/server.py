@@ -46,7 +46,9 @@ async def serve(settings: Settings, share_port: bool = False) -> None:
         loop.add_signal_handler(sig, signalled)
     g = settings.gateway
     queue = RedisQueue.from_settings(settings.redis)
-    batches = RedisBatches.from_settings(queue.client, queue.keys, settings.batch, replicas=queue.replicas)
+    batches = RedisBatches.from_settings(
+        queue.client, queue.keys, settings.batch, replicas=queue.replicas, outage_grace_s=settings.redis.outage_grace_s
+    )
     try:
         metrics.serve(g.metrics_port, g.host, "gateway", prometheus_multiproc_dir())
         gateway = await start_gateway(

@@ -7,13 +7,14 @@ deleted once none of its items waits for a result.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
 
-from llamamesh.errors import InvalidRequest
+from llamamesh.errors import InvalidRequest, QueueUnavailable
 from llamamesh.queue import batch_record, codec, groups
 from llamamesh.queue.keys import JOB_FIELD, PREFIX_HOLD_MS, Keys, Retention
 from llamamesh.queue.lanes import BatchLanes, Entry
@@ -151,6 +152,9 @@ class BatchItems:
             await self.look_again_soon(req.batch_id)
         elif done == 3:
             await self.lanes.close_ended(await batch_record.read(self._r, self.keys, req.batch_id))
+            # Ended: no sweep needs to look at it again (else the sweep drops it at its deadline).
+            with contextlib.suppress(QueueUnavailable), unreachable():
+                await self._r.zrem(self.keys.batches_open(), req.batch_id)
         return done >= 1
 
     async def write(self, batch_id: str, result: ItemResult) -> int:

@@ -58,13 +58,14 @@ def waits(info: BatchInfo) -> bool:
 
 def item_keys(keys: Keys, batch_id: str) -> list[str]:
     """The keys an item's result touches (record_result.lua, skip_unstarted.lua): meta, done,
-    results, ids, started."""
+    results, ids, started, and the HTTP door's link (given the batch's retention when it ends)."""
     return [
         keys.batch(batch_id),
         keys.batch_done(batch_id),
         keys.batch_results(batch_id),
         keys.batch_ids(batch_id),
         keys.batch_started(batch_id),
+        keys.batch_link(batch_id),
     ]
 
 

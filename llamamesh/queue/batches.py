@@ -57,6 +57,7 @@ class RedisBatches:
         follow_block_ms: int = 2000,
         replicas: Replicas | None = None,
         prefix_hold_ms: int = PREFIX_HOLD_MS,
+        outage_grace_s: float = 0.0,
     ) -> None:
         self._r = client
         self.keys = keys
@@ -73,11 +74,18 @@ class RedisBatches:
         # Made by the first waiting ``results``; every caller waiting on any batch shares its one
         # blocking XREAD, which blocks this long at a time.
         self._follow_block_ms = follow_block_ms
+        # How long a Redis outage may last before the waiting callers hear of it (they wait meanwhile).
+        self._outage_grace_s = outage_grace_s
         self._follower: EventFollower | None = None
 
     @classmethod
     def from_settings(
-        cls, client: aioredis.Redis, keys: Keys, settings: BatchSettings, replicas: Replicas | None = None
+        cls,
+        client: aioredis.Redis,
+        keys: Keys,
+        settings: BatchSettings,
+        replicas: Replicas | None = None,
+        outage_grace_s: float = 0.0,
     ) -> RedisBatches:
         return cls(
             client,
@@ -86,6 +94,7 @@ class RedisBatches:
             settings.fail_after,
             claim_idle_s=settings.claim_idle_s,
             replicas=replicas,
+            outage_grace_s=outage_grace_s,
         )
 
     # ---- the gateway's side --------------------------------------------------
@@ -155,7 +164,9 @@ class RedisBatches:
                 reply: Any = await self._r.xread({key: after}, count=PAGE)
             return [_result(eid.decode(), fields) for _stream, entries in reply or () for eid, fields in entries]
         if self._follower is None:
-            self._follower = EventFollower(self._r, self.keys, self._follow_block_ms, self.retention.event_idle_s)
+            self._follower = EventFollower(
+                self._r, self.keys, self._follow_block_ms, self.retention.event_idle_s, self._outage_grace_s
+            )
         follower = self._follower
         sub = await follower.follow(key, after)
         items: list[Item] = []

@@ -1,10 +1,11 @@
 """Uploaded files on Redis (``gateway_stores.FileStore``): one hash per file (``Keys.file``: its record's
 fields and its ``content``), kept until deleted; and the HTTP door's facts about the batches it
-created (``Keys.batch_link``), kept for the batch's life. A file is at most
+created (``Keys.batch_link``), kept for the batch's life and retention. A file is at most
 ``LLAMAMESH_BATCH_MAX_BYTES`` (the door refuses a larger one), so one hash holds it."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,6 +25,7 @@ class RedisFiles:
         self.keys = keys
         self._put = register(client, "put_file")
         self._delete = register(client, "delete_file")
+        self._link = register(client, "link_batch")
 
     async def put(self, file: StoredFile, content: bytes, max_total: int = 0) -> int | None:
         fields: list[Any] = ["filename", file.filename, "purpose", file.purpose, "size", file.size]
@@ -74,13 +76,13 @@ class RedisFiles:
         return [f for f in found if f is not None]
 
     async def link(self, batch_id: str, fields: Mapping[str, str], ttl_s: float) -> None:
-        key = self.keys.batch_link(batch_id)
-        mapping: Any = dict(fields)  # (redis-py's Mapping type is invariant in its keys)
+        """Kept ``ttl_s``, or for what is left of the batch's retention once it ended (link_batch.lua)."""
+        keys = [self.keys.batch_link(batch_id), self.keys.batch(batch_id)]
+        args: list[Any] = [max(1, int(ttl_s)), time.time()]
+        for name, value in fields.items():
+            args += [name, value]
         with unreachable():
-            async with self._r.pipeline(transaction=True) as pipe:
-                pipe.hset(key, mapping=mapping)
-                pipe.expire(key, max(1, int(ttl_s)))
-                await pipe.execute()
+            await self._link(keys=keys, args=args)
 
     async def linked(self, batch_id: str) -> dict[str, str]:
         with unreachable():

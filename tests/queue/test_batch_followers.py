@@ -7,9 +7,11 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
+from structlog.testing import capture_logs
 
 from llamamesh.errors import InvalidRequest
 from llamamesh.queue.batches import RedisBatches
@@ -18,6 +20,7 @@ from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import RedisSettings
 from llamamesh.types import BatchInfo, BatchState, GenerationRequest, ItemResult, ItemStatus
 from tests.queue.conftest import raw_client
+from tests.redisproc import RedisProcess
 from tests.waiting import blocked_in, until
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
@@ -190,3 +193,37 @@ async def test_close_stops_the_follower(stores: Stores) -> None:
     assert store._follower is None
     assert await asyncio.wait_for(waiting, 5) == []  # the block's end
     await store.close()  # twice: nothing left to do
+
+
+async def test_a_waiting_reader_rides_out_a_redis_restart_within_the_outage_grace(tmp_path: Path) -> None:
+    """StreamBatchResults' waiting callers wait through a Redis restart shorter than the outage
+    grace (LLAMAMESH_REDIS_OUTAGE_GRACE_S), as Generate streams do, and get the result that comes
+    after it, instead of failing UNAVAILABLE at the first refused read."""
+    server = RedisProcess("redis", tmp_path / "redis", appendonly=True, appendfsync="always")
+    server.start()
+    settings = RedisSettings(url=server.url)
+    q = RedisQueue.from_settings(settings)
+    reader = RedisBatches(q.client, q.keys, retention_s=60, follow_block_ms=200, outage_grace_s=30)
+    writer = RedisBatches(q.client, q.keys, retention_s=60)
+    observer = raw_client(settings, socket_timeout=5)
+    try:
+        (lease,) = await Stores(reader, writer, observer, "").batches(1)
+        waiting = asyncio.create_task(reader.results("b0", "0-0", 0))
+        await until(lambda: blocked_in(observer, "xread"), 10, "the reader's XREAD to block")
+        with capture_logs() as logs:
+            server.stop()  # a clean stop: the AOF keeps the batch
+
+            def read_failed() -> bool:
+                return any(e["event"] in ("event_read_retrying", "event_read_failed") for e in logs)
+
+            await until(read_failed, 20, "the shared read to find Redis gone")
+        server.start()
+        assert not waiting.done()
+        assert await writer.record(lease, ItemResult(lease.request.custom_id, ItemStatus.SUCCEEDED, "t"))
+        got = await asyncio.wait_for(waiting, 20)
+        assert [r.custom_id for _c, r in got] == ["b0-c"]
+    finally:
+        await reader.close()
+        await observer.aclose()
+        await q.close()
+        server.stop()

@@ -13,6 +13,7 @@ import redis
 from llamamesh.errors import AlreadyExists, QueueUnavailable
 from llamamesh.queue import groups
 from llamamesh.queue.batches import RedisBatches
+from llamamesh.queue.files import RedisFiles
 from llamamesh.queue.memory import MemoryBatches
 from llamamesh.queue.protocol import BatchStore, Lease
 from llamamesh.queue.streams import RedisQueue
@@ -135,6 +136,32 @@ async def test_a_batch_whose_first_results_all_errored_fails(redis_settings: Red
         assert end is not None and end.state is BatchState.FAILED and counts(end) == (0, 1, 2, 2, 0)
         assert end.results_expire_at > 0
     await q.close()
+
+
+async def test_an_ended_batch_leaves_the_open_set_and_its_http_link_keeps_only_its_retention(
+    redis_settings: RedisSettings,
+) -> None:
+    """Nothing of a batch outlives its retention once it ended: the sweep's set of open batches
+    drops it at once (not at its deadline, which a caller may set years away), and the HTTP door's
+    link gets the batch's retention, whether written before the batch ended or after."""
+    q = RedisQueue.from_settings(redis_settings)
+    store, files = RedisBatches(q.client, q.keys, retention_s=60), RedisFiles(q.client, q.keys)
+    try:
+        await store.join("cpu")
+        for bid in ("linked-first", "ended-first"):
+            info, items = batch(bid, 2, window_s=10**9)
+            await store.create(info, "fp", items)
+            if bid == "linked-first":
+                await files.link(bid, {"endpoint": "/v1/chat/completions"}, 10**9)
+            for lease in await store.lease_items("cpu", "w", 2, 100):
+                assert await store.record(lease, ok(lease.request.custom_id))
+            if bid == "ended-first":
+                await files.link(bid, {"endpoint": "/v1/chat/completions"}, 10**9)
+            assert await q.client.zscore(q.keys.batches_open(), bid) is None
+            assert 0 < await q.client.ttl(q.keys.batch_link(bid)) <= 60
+            assert await files.linked(bid) == {"endpoint": "/v1/chat/completions"}
+    finally:
+        await q.close()
 
 
 async def test_the_sweep_ends_what_a_dead_worker_left_leased(redis_settings: RedisSettings) -> None:

@@ -1,6 +1,7 @@
 -- Included by record_result.lua and skip_unstarted.lua (KEYS: meta, done, results, ids,
--- started): once every item has a result, end the batch (in_progress -> completed or expired,
--- cancelling -> cancelled; failed stays) and start its retention. Returns true then.
+-- started, the HTTP door's link): once every item has a result, end the batch (in_progress ->
+-- completed or expired, cancelling -> cancelled; failed stays) and start its retention (of every
+-- key). Returns true then.
 local function finish(now, retention)
   local f = redis.call('HMGET', KEYS[1], 'total', 'succeeded', 'errored', 'cancelled', 'expired', 'state')
   local n = (tonumber(f[2]) or 0) + (tonumber(f[3]) or 0) + (tonumber(f[4]) or 0) + (tonumber(f[5]) or 0)
@@ -15,6 +16,6 @@ local function finish(now, retention)
     redis.call('HSET', KEYS[1], 't:finalizing', now, 'state', final, 't:' .. final, now)
   end
   redis.call('HSET', KEYS[1], 'results_expire_at', tonumber(now) + tonumber(retention))
-  for i = 1, 5 do redis.call('EXPIRE', KEYS[i], retention) end
+  for i = 1, 6 do redis.call('EXPIRE', KEYS[i], retention) end
   return true
 end

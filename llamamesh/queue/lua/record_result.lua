@@ -1,4 +1,4 @@
--- KEYS: meta, done, results, ids, started. ARGV: custom_id, status, encoded result, now,
+-- KEYS: meta, done, results, ids, started, link. ARGV: custom_id, status, encoded result, now,
 -- retention (s), fail_after, prompt, completion and cached tokens (added to the batch's usage).
 -- Returns 1 (recorded), 2 (recorded, and it failed the batch: its first fail_after results all
 -- errored), 3 (recorded, the batch's last: every item has its result), 0 (the item had a result

@@ -1,5 +1,5 @@
 -- Ends the items no worker has started, without running them. KEYS: meta, done, results, ids,
--- started. ARGV: now, retention (s), status ('expired': only past the deadline, and from then on
+-- started, link. ARGV: now, retention (s), status ('expired': only past the deadline, and from then on
 -- no item starts; 'cancelled': a cancelling or failed batch), then custom_id, encoded result, ...
 -- Returns how many it ended, -1 (no such batch), -2 (nothing to do in this state).
 --! include batch_finish
