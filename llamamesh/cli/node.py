@@ -27,6 +27,7 @@ from grpc_health.v1 import health_pb2
 
 from llamamesh import metrics
 from llamamesh.cli.embedded import EmbeddedRedis
+from llamamesh.cli.progress import Progress
 from llamamesh.client import Client
 from llamamesh.errors import QueueUnavailable
 from llamamesh.ports import check_free, free_port
@@ -265,7 +266,7 @@ class Node:
         t0 = time.monotonic()
         limit = timeout_s if timeout_s is not None else self.settings.worker.start_timeout_s + 60
         # One line rewritten in place only when the children's logs do not share the terminal.
-        show = _Progress(out, t0, inline=self._log_file is not None, events=events)
+        show = Progress(out, t0, inline=self._log_file is not None, events=events)
         queue = RedisQueue.from_settings(self.settings.redis)
         async with self.client() as client:
             try:
@@ -273,7 +274,7 @@ class Node:
             finally:
                 await queue.close()
 
-    async def _watch_start(self, client: Client, queue: RedisQueue, show: _Progress, t0: float, limit: float) -> float:
+    async def _watch_start(self, client: Client, queue: RedisQueue, show: Progress, t0: float, limit: float) -> float:
         """wait_ready's loop: every 0.25 s, the children, the gateway's health, the workers' heartbeats."""
         serving = False
         answered = False  # Redis answered once: later silences are waited out up to ``limit``
@@ -349,53 +350,3 @@ def _doing(views: list[WorkerView] | None, took: bool = True) -> str:
         since = f" ({now - v.since_unix_s:.0f} s)" if took and v.since_unix_s else ""
         parts.append(f"{v.name}: {v.detail or v.state or 'starting its process'}{since}")
     return "; ".join(parts)
-
-
-class _Progress:
-    """What the node is doing, on a terminal as one line rewritten in place, elsewhere a line per change."""
-
-    def __init__(self, out: IO[str] | None, t0: float, inline: bool = True, events: bool = False) -> None:
-        self._out = out
-        self._t0 = t0
-        self._tty = inline and bool(out is not None and out.isatty()) and not events
-        self._events = events  # log events (JSON logs) rather than lines of text
-        self._last = ""
-        self._width = 0
-
-    def update(self, what: str, step: str) -> None:
-        """Show ``what``; off a terminal only when ``step`` (``what`` without its timings) changed."""
-        if self._events:
-            if step != self._last:
-                log.info("node_starting", step=step, elapsed_s=round(time.monotonic() - self._t0, 1))
-            self._last = step
-            return
-        if self._out is None:
-            return
-        elapsed = f"[{time.monotonic() - self._t0:5.1f} s] "
-        if self._tty:
-            line = (elapsed + what)[: max(20, _columns() - 1)]
-            self._out.write("\r" + line.ljust(self._width))
-            self._width = len(line)
-        elif step != self._last:
-            self._out.write(elapsed + what + "\n")
-        self._last = step
-        self._out.flush()
-
-    def done(self, what: str) -> None:
-        if self._events:
-            if what:
-                log.info("node_status", message=what, elapsed_s=round(time.monotonic() - self._t0, 1))
-            return
-        if self._out is None:
-            return
-        if self._tty and self._width:
-            self._out.write("\r" + " " * self._width + "\r")
-        if what:
-            self._out.write(f"[{time.monotonic() - self._t0:5.1f} s] {what}\n")
-        self._out.flush()
-
-
-def _columns() -> int:
-    with contextlib.suppress(OSError):
-        return os.get_terminal_size(sys.stderr.fileno()).columns
-    return 100
