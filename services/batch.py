@@ -20,6 +20,7 @@ import structlog
 
 from llamamesh import errors, tracing
 from llamamesh.errors import FieldViolation, InvalidRequest, NotFound, QueueUnavailable
+from llamamesh.queue.gateway_stores import Quotas
 from llamamesh.queue.protocol import BatchStore
 from llamamesh.settings import BatchSettings, GatewaySettings
 from llamamesh.tenants import Identity
@@ -184,18 +185,26 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
         size: int,
     ) -> tuple[BatchInfo, bool]:
         """Store the batch and queue its items, within the tenant's budgets: (the batch as stored,
-        whether it is new). A batch that was not stored holds nothing of the budgets."""
+        whether it is new). A batch that was not stored holds nothing of the budgets; one stored
+        though its call failed (after its seal, or cancelled then) keeps its hold, which the sweep
+        gives back when it ends, like any other's."""
         quotas = self._admission.quotas
         held = False
         if quotas is not None:
-            held = await quotas.reserve_batch(who.tenant, who.limits, info.batch_id, len(queued), size)
+            held = await quotas.reserve_batch(who.tenant, who.limits, info.batch_id, len(queued), size, fingerprint)
         try:
             return await self._store.create(info, fingerprint, queued)
         except BaseException:
-            if held and quotas is not None:  # not stored: what it reserved is free again
-                with contextlib.suppress(QueueUnavailable):
-                    await asyncio.shield(quotas.unreserve_batch(who.tenant, info.batch_id))
+            if held and quotas is not None:
+                await asyncio.shield(self._unreserve_unstored(quotas, who.tenant, info.batch_id))
             raise
+
+    async def _unreserve_unstored(self, quotas: Quotas, tenant: str, batch_id: str) -> None:
+        """Give back what a batch whose call failed reserved, unless it is stored after all (Redis
+        out: kept, for the sweep to give back once it finds no record)."""
+        with contextlib.suppress(QueueUnavailable):
+            if await self._store.get(batch_id) is None:
+                await quotas.unreserve_batch(tenant, batch_id)
 
     @rpc("GetBatch")
     async def GetBatch(self, request: bpb.GetBatchRequest, context: grpc.aio.ServicerContext) -> bpb.Batch:

@@ -31,9 +31,12 @@ class Quotas(Protocol):
     async def renew_streams(self, held: Mapping[str, str]) -> None:
         """Extend the leases of the streams this gateway holds (stream id -> tenant)."""
 
-    async def reserve_batch(self, tenant: str, limits: LimitsSettings, batch_id: str, items: int, size: int) -> bool:
-        """Hold a new batch's items and bytes; False when this batch holds them already. Raises
-        RateLimited when the tenant's items or bytes would go over."""
+    async def reserve_batch(
+        self, tenant: str, limits: LimitsSettings, batch_id: str, items: int, size: int, fingerprint: str = "-"
+    ) -> bool:
+        """Hold a new batch's items and bytes; False when this batch (``fingerprint``: its items)
+        holds them already. Raises RateLimited when the tenant's items or bytes would go over, and
+        AlreadyExists when other items hold them under this id."""
         ...
 
     async def unreserve_batch(self, tenant: str, batch_id: str) -> None:

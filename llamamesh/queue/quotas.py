@@ -13,12 +13,13 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from llamamesh.errors import RateLimited
+from llamamesh.errors import AlreadyExists, RateLimited
 from llamamesh.queue.gateway_stores import Quotas
 from llamamesh.queue.keys import STREAM_LEASE_MS, UNSTORED_GRACE_S, Keys, Retention
 from llamamesh.queue.redisio import call_scripts, unreachable
 from llamamesh.queue.scripts import register
 from llamamesh.settings import LimitsSettings
+from llamamesh.types import public_id
 
 # Also importable from here (the protocol and the constants are gateway_stores.py's and keys.py's).
 __all__ = ["STREAM_LEASE_MS", "UNSTORED_GRACE_S", "Quotas", "RedisQuotas"]
@@ -120,15 +121,26 @@ class RedisQuotas:
                 ],
             )
 
-    async def reserve_batch(self, tenant: str, limits: LimitsSettings, batch_id: str, items: int, size: int) -> bool:
+    async def reserve_batch(
+        self, tenant: str, limits: LimitsSettings, batch_id: str, items: int, size: int, fingerprint: str = "-"
+    ) -> bool:
         """Batches: items not finished and bytes kept, reserved whole when a batch is accepted (once
-        per batch id: a resubmission reserves nothing); ``give_back`` returns them."""
+        per batch id: a resubmission reserves nothing; the first of two different batches under one
+        id holds it, the other is AlreadyExists); ``give_back`` returns them."""
         k = self.keys
         with unreachable():
-            await self._r.sadd(k.tenants_holding(), tenant)  # first: the sweep must find what is held
+            # Listed before and after the hold is written: a sweep that found the tenant holding
+            # nothing in between and unlisted it (``give_back``) cannot hide this hold from the next.
+            await self._r.sadd(k.tenants_holding(), tenant)
             got: Any = await self._reserve(
                 keys=[k.tenant_batch_quota(tenant), k.tenant_batches_held(tenant)],
-                args=[batch_id, items, size, limits.max_batch_items, limits.max_batch_bytes],
+                args=[batch_id, items, size, limits.max_batch_items, limits.max_batch_bytes, fingerprint or "-"],
+            )
+            await self._r.sadd(k.tenants_holding(), tenant)
+        if got == -2:
+            raise AlreadyExists(
+                f"batch id {public_id(batch_id)!r} names another batch (other items) being submitted; resubmit it "
+                "unchanged, or use a new id"
             )
         if got == -1:
             return False
@@ -171,6 +183,8 @@ class RedisQuotas:
                 held: Any = await self._r.hgetall(k.tenant_batches_held(tenant))
                 if not held:
                     await self._r.srem(k.tenants_holding(), tenant)
+                    if await self._r.exists(k.tenant_batches_held(tenant)):  # a hold written meanwhile
+                        await self._r.sadd(k.tenants_holding(), tenant)
                     continue
                 ids = [(bid.decode(), v.decode()) for bid, v in held.items()]
                 secs, micros = await self._r.time()

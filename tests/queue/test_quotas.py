@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from llamamesh.errors import RateLimited
+from llamamesh.errors import AlreadyExists, RateLimited
 from llamamesh.queue.quotas import RedisQuotas
 from llamamesh.queue.redisio import connect
 from llamamesh.queue.streams import RedisQueue
@@ -153,3 +153,47 @@ async def test_a_hold_without_a_batch_record_waits_out_the_grace(quotas: RedisQu
         await quotas.reserve_batch("t", limits, "t/more", 1, 1)
     await quotas.unreserve_batch("t", "t/new")  # its BatchGenerate failed: all of it comes back
     assert await quotas.reserve_batch("t", limits, "t/more", 5, 1)
+
+
+async def test_of_two_batches_under_one_id_the_first_to_reserve_holds_it_and_the_other_is_refused(
+    quotas: RedisQuotas,
+) -> None:
+    """Racing submissions of different items under one id: the second is AlreadyExists at once (had
+    it gone on, its batch could be the one stored, under the first one's smaller hold, which that
+    one's AlreadyExists then gave back); the first one's resubmission holds nothing more."""
+    limits = LimitsSettings(max_batch_items=100)
+    assert await quotas.reserve_batch("t", limits, "t/x", 1, 10, fingerprint="small") is True
+    with pytest.raises(AlreadyExists, match="names another batch"):
+        await quotas.reserve_batch("t", limits, "t/x", 100, 1000, fingerprint="large")
+    assert await quotas.reserve_batch("t", limits, "t/x", 1, 10, fingerprint="small") is False
+    quota = await quotas._r.hgetall(quotas.keys.tenant_batch_quota("t"))
+    assert {f.decode(): int(v) for f, v in quota.items()} == {"items": 1, "bytes": 10}
+
+
+async def test_a_hold_written_while_the_sweep_unlists_its_tenant_is_found_by_the_next_sweep(
+    quotas: RedisQuotas, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sweep unlists a tenant that holds nothing; a reservation landing between its look and
+    its unlisting must not leave a hold no sweep will ever give back."""
+    limits = LimitsSettings(max_batch_items=5)
+    k = quotas.keys
+    await quotas._r.sadd(k.tenants_holding(), "t")  # listed, holding nothing yet
+    srem = quotas._r.srem
+
+    async def reserved_meanwhile(*args: object) -> object:
+        monkeypatch.setattr(quotas._r, "srem", srem)
+        got = await srem(*args)  # type: ignore[arg-type]
+        assert (
+            await quotas._reserve(
+                keys=[k.tenant_batch_quota("t"), k.tenant_batches_held("t")], args=["t/b", 5, 1, 5, 0, "fp"]
+            )
+            == 0
+        )
+        return got
+
+    monkeypatch.setattr(quotas._r, "srem", reserved_meanwhile)
+    assert await quotas.give_back() == 0
+    assert await quotas._r.sismember(k.tenants_holding(), "t")
+    await quotas._r.hset(k.batch("t/b"), "state", "completed")
+    assert await quotas.give_back() == 1  # its items are free again
+    assert await quotas.reserve_batch("t", limits, "t/c", 5, 1)
