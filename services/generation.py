@@ -120,7 +120,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         for msg in calls.feed(convert.generate_response(req, ev, request_id=public)):
                             yield msg
         finally:
-            await self._admission.spent(who, progress.tokens, reserved)
+            # A resumable request its caller left goes on generating (for an Attach): it keeps all
+            # it reserved, what it may still generate, rather than what this stream delivered.
+            await self._admission.spent(who, reserved if progress.detached else progress.tokens, reserved)
             note(
                 pool=progress.pool or None,
                 route=progress.route,

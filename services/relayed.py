@@ -54,6 +54,7 @@ class Progress:
     finish: str = ""
     tokens: int = 0
     ttft_ms: float | None = None
+    detached: bool = False  # its caller left a resumable request, which goes on generating
 
 
 @dataclass(frozen=True)
@@ -393,4 +394,5 @@ class RelayedRequest:
     async def _stop_attempt(self, job_id: str) -> None:
         """The stream ended before the attempt did: detached or cancelled (``DetachTimers.stop``)."""
         gone = self.failure is None or isinstance(self.failure, asyncio.CancelledError | GeneratorExit)
+        self.progress.detached = gone and self.resumable
         await self._p.timers.stop(self.req.request_id, job_id, gone, self.resumable)

@@ -30,7 +30,8 @@ class LimitsSettings(Section, section="limits"):
 
     tokens_per_min: int = setting(0, Range(0))
     """Tokens generated per minute. A request is admitted while the budget is above zero and holds its most
-    (max_tokens x n) from then until it ends, when what it did not generate is given back."""
+    (max_tokens x n) from then until it ends, when what it did not generate is given back (a resumable request whose
+    caller left keeps all of it: it goes on generating for an Attach)."""
 
     max_streams: int = setting(0, Range(0))
     """Generate, Attach and StreamBatchResults streams open at once. A resumable request whose caller left runs on

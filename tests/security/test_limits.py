@@ -36,6 +36,7 @@ def limited(
         {
             "rps": {"limits": {"requests_per_s": 2, "burst": 2}},
             "tokens": {"limits": {"tokens_per_min": 120}},
+            "detached": {"limits": {"tokens_per_min": 120}},
             "streams": {"limits": {"max_streams": 2}},
             "items": {"limits": {"max_batch_items": 5}},
             "bytes": {"limits": {"max_batch_bytes": 3000}},
@@ -131,6 +132,28 @@ async def test_tokens_per_minute(limited: tuple[SecuredNode, Tenants], security_
         assert not queued_ever(node, security_redis, "tokens", "refused-tokens")
         await asyncio.sleep(wait)  # time passing on purpose: what RetryInfo says, then it passes
         await generate(c, max_tokens=1)
+
+
+async def test_a_resumable_request_its_caller_left_keeps_its_tokens(limited: tuple[SecuredNode, Tenants]) -> None:
+    """It goes on generating for an Attach after its caller left: what it may still generate stays
+    charged to the tenant (not only the tokens its first stream delivered), so leaving at once and
+    reading the answer through Attach is no way round the budget."""
+    node, tenants = limited
+    async with node.client(tenants.keys["detached"]) as c:
+        rid = uuid.uuid4().hex
+        call = c.stub.Generate(pb.GenerateRequest(request_id=rid, prompt="p", max_tokens=130, resumable=True))
+        await call.read()
+        call.cancel()
+
+        def detached() -> bool:
+            return any("request_detached" in line and rid in line for line in node.log("gateway").splitlines())
+
+        await until(detached, 10, "the request to be detached")
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await generate(c, "over-budget", max_tokens=1)
+        assert "LLAMAMESH_LIMITS_TOKENS_PER_MIN" in (exc.value.details() or ""), exc.value
+        attached = [m async for m in c.stub.Attach(pb.AttachRequest(request_id=rid, offset=0))]
+        assert sum(len(m.token_ids) for m in attached) == 130  # the answer is whole, read after all
 
 
 async def test_concurrent_streams(limited: tuple[SecuredNode, Tenants], security_redis: RedisProcess) -> None:
