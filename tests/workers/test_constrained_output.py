@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -16,7 +17,7 @@ import pytest_asyncio
 
 from llamamesh.errors import InvalidRequest
 from llamamesh.types import ConstraintKind, FinishReason, ResponseConstraint
-from tests.workers.test_transformers_engine import chat, run, started
+from tests.workers.test_transformers_engine import chat, collect, run, started
 from workers.engines.transformers import TransformersEngine
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
@@ -123,3 +124,28 @@ async def test_a_resume_continues_the_grammar_from_the_tokens_already_sent(engin
             ),
         )
     assert err.value.violations[0].field == "resume_token_ids"
+
+
+async def test_a_request_aborted_while_its_grammar_compiles_never_runs(
+    engine: TransformersEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancel (or a deadline) can reach the engine while a large schema still compiles, before the
+    request is entered: it ends CANCELLED without running, instead of generating its whole budget."""
+    assert engine._batch is not None
+    grammars = engine._batch.grammars
+    compile_now, entered, go_on = grammars.matcher, threading.Event(), threading.Event()
+
+    def slow(constraint: ResponseConstraint) -> object:
+        entered.set()
+        go_on.wait(10)
+        return compile_now(constraint)
+
+    monkeypatch.setattr(grammars, "matcher", slow)
+    req = chat("Describe a person as JSON.", temperature=0, max_tokens=80, constraint=schema(PERSON))
+    got: list = []
+    reading = asyncio.create_task(collect(engine.stream(req), got))
+    await asyncio.to_thread(entered.wait, 10)
+    await engine.abort(req.request_id)
+    go_on.set()
+    await asyncio.wait_for(reading, 30)
+    assert [(d.token_ids, d.finish_reason) for d in got] == [((), FinishReason.CANCELLED)]

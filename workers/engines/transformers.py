@@ -63,6 +63,8 @@ class TransformersEngine:
         self._scheduler: asyncio.Task[None] | None = None
         self._wakeup = asyncio.Event()
         self._requests: dict[str, _Request] = {}
+        # Requests whose grammar compiles (before they are entered): an abort meanwhile is kept here.
+        self._compiling: dict[str, bool] = {}
         self._waiting: deque[_Request] = deque()
         self._abort_running: set[str] = set()
         self._running_ids: set[str] = set()
@@ -215,11 +217,18 @@ class TransformersEngine:
         if params.constraint is not None:
             # Compiled here, off the torch thread: a large schema's compilation never stalls a step,
             # and one that does not compile fails before the request waits.
-            matcher = await asyncio.to_thread(batch.grammars.matcher, params.constraint)
+            self._compiling[rid] = False
+            try:
+                matcher = await asyncio.to_thread(batch.grammars.matcher, params.constraint)
+            finally:
+                aborted = self._compiling.pop(rid, False)
             if self._dead is not None:
                 raise EngineDead(self._dead)
             if rid in self._requests:
                 raise InvalidRequest.field("request_id", f"request {rid!r} is already in flight")
+            if aborted:  # while it compiled: it never runs
+                yield TokenDelta(finish_reason=FinishReason.CANCELLED, prompt_tokens=0)
+                return
         entry = _Request(request, params, matcher)
         self._requests[rid] = entry
         self._enqueue(entry)
@@ -254,6 +263,11 @@ class TransformersEngine:
 
     def _abort_now(self, request_id: str) -> None:
         entry = self._requests.get(request_id)
+        if entry is None and request_id in self._compiling:
+            self._compiling[request_id] = True  # stream() ends it once its grammar compiled
+            remember(self.aborted, request_id)
+            log.info("engine_aborted", request_id=request_id, state="compiling")
+            return
         if entry is None or entry.state == "done":
             return
         remember(self.aborted, request_id)
