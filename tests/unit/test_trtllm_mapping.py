@@ -35,6 +35,7 @@ from workers.engines import registry
 from workers.engines.adapter import lora_id
 from workers.engines.base import EngineStats
 from workers.engines.constraints import trtllm_guided
+from workers.engines.detokenizer import StopStrings
 from workers.engines.trtllm import TrtllmEngine
 from workers.engines.trtllm_args import NOT_INSTALLED, kv_cache_kwargs, llm_kwargs, lora_kwargs, setting_of
 from workers.engines.trtllm_outputs import Sent, delta_of
@@ -275,6 +276,31 @@ def test_cumulative_outputs_become_deltas_without_repeats() -> None:
     out.outputs[0] = Completion(" a b", [5, 6], finish_reason="stop", stop_reason="###")
     assert delta_of(out, sent, None) == TokenDelta(finish_reason=FinishReason.STOP_SEQUENCE)
     assert delta_of(SimpleNamespace(outputs=[]), Sent(), None) == TokenDelta()
+
+
+def test_the_start_of_a_stop_string_is_held_back_and_never_sent() -> None:
+    """TensorRT-LLM streams " E" of the stop string " END" before its token check sees the stop,
+    then trims only the token ids: the caller's text has neither the stop string nor its start, and
+    text held back that no stop string followed comes out at the end."""
+
+    def deltas(*outputs: Completion) -> list[TokenDelta]:
+        sent = Sent(stops=StopStrings((" END",)))
+        return [delta_of(SimpleNamespace(outputs=[c]), sent, None) for c in outputs]
+
+    got = deltas(
+        Completion(" Hi", [10]),
+        Completion(" Hi E", [10, 11]),
+        Completion(" Hi E", [10], finish_reason="stop", stop_reason=" END"),
+    )
+    assert "".join(d.text for d in got) == " Hi" and got[-1].finish_reason is FinishReason.STOP_SEQUENCE
+    # spelled by other tokens than the stop word's: found in the text, the request ends here
+    (ended,) = deltas(Completion(" Hi ENDless", [10, 12, 13]))
+    assert (ended.text, ended.finish_reason) == (" Hi", FinishReason.STOP_SEQUENCE)
+    # a held " E" that turned out " Eh" is sent on; what is held at the end of the output too
+    got = deltas(
+        Completion(" E", [11]), Completion(" Eh", [11, 14]), Completion(" Eh E", [11, 14, 11], finish_reason="length")
+    )
+    assert [d.text for d in got] == ["", " Eh", " E"] and got[-1].finish_reason is FinishReason.LENGTH
 
 
 def test_logprobs_come_with_the_delta_they_belong_to() -> None:
@@ -676,6 +702,23 @@ async def test_a_stream_yields_deltas_and_a_final_one_with_the_prompt_tokens(trt
     assert result.abort_calls == 0 and engine.aborted == [] and not engine._streams
     await engine.abort("r1")  # finished: nothing to abort
     assert result.abort_calls == 0 and engine.aborted == []
+    await engine.shutdown()
+
+
+async def test_a_stop_string_other_tokens_spell_ends_the_request_here_and_aborts_it(trt: SimpleNamespace) -> None:
+    """TensorRT-LLM checks stop strings as token ids: text that spells one with other tokens goes on
+    generating there. The adapter finds it in the text, ends the stream at it and aborts the rest."""
+    engine, llm = await started()
+    got: list[TokenDelta] = []
+    task = asyncio.create_task(collect(engine, request(prompt="x", sampling=SamplingParams(stop=(" END",))), got))
+    await until(lambda: bool(llm.results), 5, "TensorRT-LLM to have the request")
+    result = llm.results[0]
+    result.respond(" Hi", (10,))
+    result.respond(" E", (12,))
+    result.respond("NDless", (13,))
+    await asyncio.wait_for(task, 5)
+    assert [(d.text, d.finish_reason) for d in got] == [(" Hi", None), ("", None), ("", FinishReason.STOP_SEQUENCE)]
+    assert result.abort_calls == 1
     await engine.shutdown()
 
 

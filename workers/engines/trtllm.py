@@ -23,6 +23,7 @@ from llamamesh.types import GenerationRequest, ResponseConstraint, TokenDelta
 from workers.engines.adapter import LibraryEngine, cancel_task, lora_id
 from workers.engines.base import EngineStats
 from workers.engines.constraints import library_constraint
+from workers.engines.detokenizer import StopStrings
 from workers.engines.prompts import use_chat_template
 from workers.engines.trtllm_args import Api, kv_cache_kwargs, llm_kwargs, lora_kwargs, setting_of
 from workers.engines.trtllm_outputs import Sent, delta_of
@@ -288,7 +289,8 @@ class TrtllmEngine(LibraryEngine):
         # TensorRT-LLM's outputs hold only what it generates (SamplingParams.exclude_input_from_output
         # defaults to True); its detokenizer starts at the output, without resumed tokens as context.
         state.result = self._submit(llm, api, ids, params, input_field, request)
-        sent = Sent()
+        stops = request.sampling.stop
+        sent = Sent(stops=StopStrings(stops) if stops else None, min_tokens=request.sampling.min_tokens or 0)
         while True:
             try:
                 output = await state.result.__anext__()
@@ -303,6 +305,8 @@ class TrtllmEngine(LibraryEngine):
             delta = delta_of(output, sent, request.sampling.logprobs)
             if delta.finish_reason is None and output.finished:
                 raise InternalError("TensorRT-LLM finished the request without a finish_reason")
+            if delta.finish_reason is not None and not output.finished:
+                self._abort_result(state)  # a stop string found in the text (trtllm_outputs.delta_of)
             yield delta
             if delta.finish_reason is not None:
                 return

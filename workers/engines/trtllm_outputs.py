@@ -12,6 +12,7 @@ from typing import Any
 from llamamesh.types import FinishReason, TokenDelta, TokenLogprob
 from workers.engines import adapter
 from workers.engines.adapter import token_logprobs
+from workers.engines.detokenizer import StopStrings
 
 
 def finish_reason_of(reason: str | None, stop_reason: int | str | None) -> FinishReason | None:
@@ -23,18 +24,27 @@ def finish_reason_of(reason: str | None, stop_reason: int | str | None) -> Finis
 
 @dataclasses.dataclass
 class Sent:
-    """How much of a request's cumulative output has been yielded already."""
+    """How much of a request's cumulative output has been read already, and with stop strings, the
+    text held back while it could be the start of one (``stops``; checked past ``min_tokens``)."""
 
     text: int = 0
     tokens: int = 0
+    stops: StopStrings | None = None
+    min_tokens: int = 0
 
 
 def delta_of(output: Any, sent: Sent, n_logprobs: int | None) -> TokenDelta:
-    """What one cumulative TensorRT-LLM output adds to what was ``sent`` (advanced in place). At a stop
-    TensorRT-LLM trims the stop string (text) and stop-word tokens off the cumulative fields; what was
-    already sent stays sent (TensorRT-LLM does not hold back a possible stop-string prefix as vLLM does).
-    Cut from the cumulative fields rather than with ``text_diff`` / ``token_ids_diff`` (which exist:
-    tensorrt_llm/executor/result.py), which do not account for that trimming."""
+    """What one cumulative TensorRT-LLM output adds to what was ``sent`` (advanced in place).
+
+    TensorRT-LLM streams a token at a time and checks stop strings as token ids: the first tokens of a
+    stop string of several are streamed before it is seen, and at the stop it trims only the token
+    ids (result.py ``_handle_sequence``; its streamed text is not cut back). So the text is held back
+    here while it could begin a stop string (``Sent.stops``, as the CPU engine does): the caller
+    never sees a stop string or its start, and a stop string TensorRT-LLM's token check misses (other
+    tokens spelling it) ends the request here, STOP_SEQUENCE. The token ids go as they come, with the
+    stop string's (as vLLM's do). Cut from the cumulative fields rather than with ``text_diff`` /
+    ``token_ids_diff`` (which exist: tensorrt_llm/executor/result.py), which do not account for that
+    trimming."""
     if not output.outputs:
         return TokenDelta()
     completion = output.outputs[0]
@@ -44,12 +54,15 @@ def delta_of(output: Any, sent: Sent, n_logprobs: int | None) -> TokenDelta:
     logprobs: tuple[TokenLogprob, ...] = ()
     if n_logprobs is not None and completion.logprobs:
         logprobs = token_logprobs(new_ids, completion.logprobs[sent.tokens : len(ids)], n_logprobs)
-    delta = TokenDelta(
-        text=text[sent.text :],
-        token_ids=new_ids,
-        logprobs=logprobs,
-        finish_reason=finish_reason_of(completion.finish_reason, completion.stop_reason),
-    )
+    finish = finish_reason_of(completion.finish_reason, completion.stop_reason)
+    new_text = text[sent.text :]
+    if sent.stops is not None:
+        new_text, found = sent.stops.feed(new_text, check=len(ids) > sent.min_tokens)
+        if found:
+            finish = FinishReason.STOP_SEQUENCE
+        elif finish is not None and finish is not FinishReason.STOP_SEQUENCE:
+            new_text += sent.stops.flush()  # what was held, no stop string followed
+    delta = TokenDelta(text=new_text, token_ids=new_ids, logprobs=logprobs, finish_reason=finish)
     sent.text = max(sent.text, len(text))
     sent.tokens = max(sent.tokens, len(ids))
     return delta
