@@ -195,7 +195,8 @@ async def test_a_job_taken_over_from_a_live_worker_stops_there_and_stays_with_th
     nothing more, and the job stays with the worker that took it."""
     queue = RedisQueue.from_settings(redis_settings)
     ws = settings("w-paused", fake_step_s=0.05)
-    worker, task = running(ws, queue, FakeEngine(ws))
+    stop = asyncio.Event()
+    worker, task = running(ws, queue, FakeEngine(ws), stop)
     try:
         await asyncio.wait_for(worker.ready.wait(), 5)
         await queue.submit("cpu", GenerationRequest("long", "m", prompt="x", sampling=SamplingParams(max_tokens=400)))
@@ -212,8 +213,8 @@ async def test_a_job_taken_over_from_a_live_worker_stops_there_and_stays_with_th
         assert await _owner(queue) == "w-heir" and await queue.read_events("long") == held  # nothing more
         assert "long" not in worker.jobs and not task.done()  # the worker serves on
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        stop.set()
+        await asyncio.wait_for(task, 10)
         await queue.close()
 
 
@@ -251,19 +252,24 @@ async def test_a_worker_that_saw_redis_out_only_in_its_heartbeat_reclaims_nothin
     reclaims anything, or it takes a live worker's job."""
     queue = _Outage(RedisQueue.from_settings(redis_settings))
     ws = settings("w-full", fake_step_s=0.05, claim_idle_s=2.0, max_inflight=1, tenant_headroom=0)
-    worker, task = running(ws, queue, FakeEngine(ws))  # type: ignore[arg-type]
+    stop = asyncio.Event()
+    worker, task = running(ws, queue, FakeEngine(ws), stop)  # type: ignore[arg-type]
     try:
         await asyncio.wait_for(worker.ready.wait(), 5)
         await queue.submit("cpu", GenerationRequest("busy", "m", prompt="x", sampling=SamplingParams(max_tokens=40)))
-        async for _i, ev in queue.events("busy"):
-            if ev.index >= 32:  # its job ends within claim_idle_s / 2 of the outage
-                break
+
+        async def near_its_end() -> None:  # its job ends within claim_idle_s / 2 of the outage
+            async for _i, ev in queue.events("busy"):
+                if ev.index >= 32 or ev.terminal:
+                    return
+
+        await asyncio.wait_for(near_its_end(), 10)
         queue.out = True
         await until(lambda: len(queue.failed_at) >= 2, 5, "its heartbeat to find Redis out")
         queue.out = False
         await until(lambda: "busy" not in worker.jobs and queue.reclaimed_at, 15, "a reclaim after the job ended")
         assert queue.reclaimed_at[0] >= queue.failed_at[-1] + ws.claim_idle_s / 2, (queue.reclaimed_at, queue.failed_at)
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        stop.set()
+        await asyncio.wait_for(task, 10)
         await queue.close()
