@@ -95,9 +95,9 @@ class Attachment:
                 sample_offsets=list(self._sample_offsets),
             )
         reader = records[-1].resumable  # one of its readers while this reads (a detach timer waits for none)
-        if reader:
-            await self._timers.came(self.request_id)
         try:
+            if reader:  # (whole even if cancelled meanwhile: ``went`` below always balances it)
+                await asyncio.shield(self._timers.came(self.request_id))
             while True:
                 try:
                     async for item in self._through(records):
