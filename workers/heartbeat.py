@@ -98,18 +98,19 @@ class Heartbeat:
 
     async def _beat(self) -> None:
         running = {x.ref: rid for rid, x in self._jobs.running.items()}
-        items = {x.item_ref: rid for rid, x in self._jobs.batch_running.items()}
+        items = {x.item_ref: rid for rid, x in self._jobs.batch_running.items()}  # (refs of other streams)
+        ttl = self._s.heartbeat_ttl_s
         try:
-            lost = await self._queue.heartbeat(self.status(), self._s.heartbeat_ttl_s, touch=list(running))
+            lost = [running[ref] for ref in await self._queue.heartbeat(self.status(), ttl, touch=list(running))]
             if self._batches is not None and items:
-                lost += await self._batches.touch(self._s.pool, self._name, list(items))
+                lost += [items[ref] for ref in await self._batches.touch(self._s.pool, self._name, list(items))]
             epoch = await self._queue.epoch()
         except QueueUnavailable:
             self._life.unreachable()
             log.warning("heartbeat_failed")
             return
         if lost:
-            await self._taken_over([running.get(ref) or items[ref] for ref in lost])
+            await self._taken_over(lost)
         if self._epoch and epoch != self._epoch and not await self._data_lost():
             return  # (looked at again next beat)
         self._epoch = epoch

@@ -172,7 +172,7 @@ class MemoryBatches:
         return []
 
     async def touch(self, pool: str, consumer: str, refs: Sequence[str]) -> list[str]:
-        return []  # nothing here is taken over from a live worker
+        return []  # nothing is taken over in memory (reclaim returns none)
 
     async def discard(self, lease: Lease) -> None:
         self.lanes.ack(lease.pool, lease.entry_id)
