@@ -318,7 +318,9 @@ def one_run(
             asyncio.run(_run(fleet.address, warm, args.concurrency, args.max_tokens, []))
         before = fleet.settled()
         if workload == "multiturn":
-            out = asyncio.run(run_conversations(fleet.address, main, args.turns, args.max_tokens))
+            out = asyncio.run(
+                run_conversations(fleet.address, main, args.turns, args.max_tokens, args.answer_spread, args.seed)
+            )
         else:
             out = asyncio.run(_run(fleet.address, main, args.concurrency, args.max_tokens, []))
         after = fleet.settled()
@@ -387,7 +389,8 @@ def report(rows: list[dict], args: argparse.Namespace) -> dict:
             else f"{args.docs} documents x {args.questions} questions, concurrency {args.concurrency}"
         )
         print(
-            f"\n{workload}: {shape}, ~{a[0]['prompt_tokens_mean']:.0f} prompt tokens, {args.max_tokens} out, "
+            f"\n{workload}: {shape}, ~{a[0]['prompt_tokens_mean']:.0f} prompt tokens, {args.max_tokens} out"
+            f"{f' +-{args.answer_spread:.0%}' if workload == 'multiturn' and args.answer_spread else ''}, "
             f"{args.engine} engine, {min(len(a), len(b))} pair(s), medians"
         )
         print(f"{'':24}{side_a:>18}{side_b:>18}{'B/A':>8}   target")
@@ -441,6 +444,12 @@ def main() -> None:
     ap.add_argument("--doc-tokens", type=int, default=2000)
     ap.add_argument("--questions", type=int, default=8)
     ap.add_argument("--turns", type=int, default=8, help="multiturn: turns per conversation (--docs conversations)")
+    ap.add_argument(
+        "--answer-spread",
+        type=float,
+        default=0.0,
+        help="multiturn: each answer's length drawn from --max-tokens * [1 - s, 1 + s] (0: all --max-tokens)",
+    )
     ap.add_argument("--html-rows", type=int, default=16, help="rows of two id-carrying cells each")
     ap.add_argument(
         "--html-at",
