@@ -44,7 +44,7 @@ outer time limit cuts between pairs, not inside a run; ``--json`` is rewritten a
   python bench/prefix_affinity.py --engine vllm --workload shared --pairs 2 --model-path MODEL_DIR \\
       --json bench/results/prefix_affinity_shared.json                       # docs/benchmarks.md
   LLAMAMESH_VLLM_ENFORCE_EAGER=true python bench/prefix_affinity.py --engine vllm --workload multiturn \\
-      --pairs 1 --doc-tokens 1000 --max-tokens 128 --kv-blocks 6000 --model-path MODEL_DIR
+      --pairs 1 --doc-tokens 2500 --max-tokens 64 --answer-spread 0.5 --kv-blocks 7500 --model-path MODEL_DIR
 """
 
 from __future__ import annotations
