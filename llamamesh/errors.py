@@ -61,6 +61,12 @@ class NotFound(ClientError):
     code = "not_found"
 
 
+class ModelNotFound(NotFound):
+    """A model (or model:adapter) that no pool here serves: OpenAI's ``model_not_found``."""
+
+    code = "model_not_found"
+
+
 class OutOfRange(ClientError):
     """A position past the end: an Attach offset beyond the tokens the request produced."""
 

@@ -16,7 +16,7 @@ from types import MappingProxyType
 from google.protobuf.duration_pb2 import Duration
 
 from llamamesh import sampling
-from llamamesh.errors import FieldViolation, InvalidRequest, NotFound
+from llamamesh.errors import FieldViolation, InvalidRequest, ModelNotFound
 from llamamesh.queue import codec
 from llamamesh.settings import GatewaySettings
 from llamamesh.types import (
@@ -52,19 +52,19 @@ FINISH_TO_PB = {
 
 
 def resolve_model(name: str, models: Sequence[ModelInfo]) -> ModelInfo:
-    """The model a request names (empty: the default). Unknown -> NotFound."""
+    """The model a request names (empty: the default). Unknown -> ModelNotFound."""
     if not name:
         return next(m for m in models if m.default)
     for m in models:
         if m.id == name:
             return m
-    raise NotFound(f"model {name!r} is not served here; ListModels lists the models")
+    raise ModelNotFound(f"model {name!r} is not served here; ListModels lists the models")
 
 
 def resolve_adapter(name: str, adapter: str, models: Sequence[ModelInfo]) -> tuple[ModelInfo, str]:
     """The base model and the LoRA adapter a request names: ``adapter`` with ``name``, or ``name`` as
     "<model>:<adapter>" when no model is called that. InvalidRequest for a malformed adapter name,
-    NotFound for an unknown model."""
+    ModelNotFound for an unknown model."""
     if not adapter and name and ":" in name and all(m.id != name for m in models):
         name, _, adapter = name.rpartition(":")
     if adapter and not ADAPTER_NAME.match(adapter):
@@ -298,11 +298,11 @@ def model_list(models: Sequence[ModelInfo]) -> pb.ListModelsResponse:
 
 
 def check_adapter(adapter: str, model: ModelInfo, adapters_of: Callable[[str], frozenset[str] | None]) -> None:
-    """NotFound for an adapter no ready worker of the model's pool serves (``adapters_of(pool)``; while
+    """ModelNotFound for an adapter no ready worker of the model's pool serves (``adapters_of(pool)``; while
     none is ready, None: the request waits like any other, and its worker refuses an adapter it lacks)."""
     served = adapters_of(model.pool)
     if adapter and served is not None and adapter not in served:
-        raise NotFound(
+        raise ModelNotFound(
             f"adapter {adapter!r} of model {model.id!r} is not served (ListModels lists the adapters; "
             "AdminService LoadAdapter loads one)"
         )

@@ -15,7 +15,7 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
-from llamamesh.client import field_violations
+from llamamesh.client import error_reason, field_violations
 from llamamesh.settings import GatewaySettings
 from llamamesh.types import JobEvent
 from llamamesh.v1 import generation_pb2 as pb
@@ -119,6 +119,7 @@ async def test_unknown_model_is_not_found(stack: Stack) -> None:
         await collect(stack, pb.GenerateRequest(prompt="x", model="nope"))
     assert ei.value.code() == grpc.StatusCode.NOT_FOUND
     assert "nope" in (ei.value.details() or "")
+    assert error_reason(ei.value) == "MODEL_NOT_FOUND"
 
 
 async def test_engine_rejection_crosses_redis_as_invalid_argument(stack: Stack) -> None:

@@ -137,8 +137,9 @@ async def test_the_models_listed(client: openai.AsyncOpenAI) -> None:
     models = [m.id async for m in client.models.list()]
     assert models == ["tiny", "other"]
     assert (await client.models.retrieve("other")).id == "other"
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError) as missing:
         await client.models.retrieve("no-such-model")
+    assert missing.value.code == "model_not_found"
 
 
 async def test_bad_requests_are_400_naming_the_callers_field(client: openai.AsyncOpenAI) -> None:
@@ -173,7 +174,7 @@ async def test_bad_requests_are_400_naming_the_callers_field(client: openai.Asyn
     assert exc.value.param == "user", exc.value.body  # (it becomes the request's label)
     with pytest.raises(openai.NotFoundError) as missing:
         await client.chat.completions.create(model="no-such-model", messages=CHAT)
-    assert missing.value.status_code == 404
+    assert missing.value.status_code == 404 and missing.value.code == "model_not_found", missing.value.body
     with pytest.raises(openai.BadRequestError) as exc:  # an error answer carries the request's id too
         await client.chat.completions.create(model="tiny", messages=CHAT, n=0, extra_headers={"x-request-id": "bad-1"})
     assert exc.value.response.headers["x-request-id"] == "bad-1"
