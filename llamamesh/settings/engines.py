@@ -117,6 +117,11 @@ class TrtllmSettings(Section, section="trtllm"):
     max_num_tokens: int = setting(0, Range(0))
     """Tokens in one engine step. 0: TensorRT-LLM's default (8192)."""
 
+    enable_chunked_prefill: bool | None = None
+    """Prefill long prompts in chunks of at most max_num_tokens (without it TensorRT-LLM refuses a longer prompt): true
+    or false; empty: on for the pytorch backend, the engine's own for tensorrt (it must be built with paged context
+    attention)."""
+
     free_gpu_memory_fraction: float = setting(0.0, FRACTION)
     """KvCacheConfig: fraction of free GPU memory (after the weights) for the KV cache, in (0, 1]. 0: TensorRT-LLM's
     default (0.9)."""
@@ -142,5 +147,5 @@ class TrtllmSettings(Section, section="trtllm"):
     """LoRA: the highest adapter rank. 0: TensorRT-LLM's default."""
 
     lora_target_modules: str = ""
-    """LoRA: the modules run-time adapters may target, comma-separated (e.g. attn_q,attn_k,attn_v). Empty: what the
-    worker's own adapters target."""
+    """LoRA: the modules adapters may target, comma-separated (e.g. attn_q,attn_k,attn_v). Empty: what the worker's own
+    adapter targets, which needs exactly one in LLAMAMESH_WORKER_ADAPTERS (else the worker refuses to start)."""

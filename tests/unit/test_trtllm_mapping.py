@@ -60,6 +60,7 @@ def test_minimal_llm_kwargs_pass_the_model_the_gpus_and_iteration_stats() -> Non
         "tensor_parallel_size": 1,
         "enable_iter_perf_stats": True,
         "guided_decoding_backend": "xgrammar",
+        "enable_chunked_prefill": True,  # else TensorRT-LLM refuses prompts over max_num_tokens
     }
     assert kv_cache_kwargs(TrtllmSettings()) == {}
 
@@ -73,6 +74,8 @@ def test_tensor_parallel_size_defaults_to_every_visible_gpu(setting: int, device
 def test_an_engine_directory_keeps_its_own_parallelism_and_has_no_iteration_stats_flag() -> None:
     kwargs = llm_kwargs(WORKER, TrtllmSettings(backend="tensorrt"), device_count=8)
     assert kwargs == {"model": "/models/llama"}  # TrtLlmArgs has no enable_iter_perf_stats
+    chunked = llm_kwargs(WORKER, TrtllmSettings(backend="tensorrt", enable_chunked_prefill=True), 1)
+    assert chunked["enable_chunked_prefill"] is True  # only when asked: the engine must be built for it
     assert (
         llm_kwargs(WORKER, TrtllmSettings(backend="tensorrt", tensor_parallel_size=2), 8)["tensor_parallel_size"] == 2
     )
@@ -86,6 +89,7 @@ def test_every_setting_is_forwarded_verbatim() -> None:
         max_seq_len=8192,
         max_batch_size=256,
         max_num_tokens=16384,
+        enable_chunked_prefill=False,
         free_gpu_memory_fraction=0.85,
         enable_block_reuse=False,
         trust_remote_code=True,
@@ -106,6 +110,7 @@ def test_every_setting_is_forwarded_verbatim() -> None:
         "trust_remote_code": True,
         "enable_iter_perf_stats": True,
         "guided_decoding_backend": "xgrammar",
+        "enable_chunked_prefill": False,
     }
     assert kv_cache_kwargs(settings) == {"free_gpu_memory_fraction": 0.85, "enable_block_reuse": False}
     lora = lora_kwargs(WORKER, settings) or {}
@@ -191,17 +196,18 @@ def test_every_sampling_field_is_mapped() -> None:
         "presence_penalty": 0.5,
         "frequency_penalty": -0.5,
         "repetition_penalty": 1.1,
-        "stop": ["###", "\n\n"],
         "stop_token_ids": [2, 7],
         "seed": 0,
         "ignore_eos": False,
         "min_tokens": 3,
         "logprobs": 5,
     }
+    # TensorRT-LLM would end at a stop string before min_tokens: with min_tokens the engine matches them itself.
+    assert sampling_kwargs(dataclasses.replace(params, min_tokens=0))["stop"] == ["###", "\n\n"]
     # Same names on both sides (TensorRT-LLM's SamplingParams calls the seed `seed`), none forgotten.
     # (constraint: stream() adds it as the library's own parameter object; tests/unit/test_constraints.py;
     # n: workers/samples.py runs each sample as its own request on this adapter)
-    assert set(kwargs) | {"constraint", "n"} == {f.name for f in dataclasses.fields(SamplingParams)}
+    assert set(kwargs) | {"constraint", "n", "stop"} == {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 @pytest.mark.parametrize(("top_k", "expected"), [(-1, 0), (0, 0), (1, 1), (50, 50)])
@@ -577,6 +583,7 @@ async def test_start_builds_the_llm_from_the_settings(trt: SimpleNamespace) -> N
         "max_num_tokens": 4096,
         "enable_iter_perf_stats": True,
         "guided_decoding_backend": "xgrammar",
+        "enable_chunked_prefill": True,
     }
     assert type(llm) is FakeLLM
     # Prompts are rendered with the HF tokenizer inside TensorRT-LLM's wrapper (chat_template lives there).
@@ -619,8 +626,18 @@ async def test_llm_construction_errors_become_ours(trt: SimpleNamespace) -> None
 
 def test_lora_kwargs_come_from_the_workers_adapters_and_the_settings() -> None:
     assert lora_kwargs(WORKER, TrtllmSettings()) is None  # off
+    one = dataclasses.replace(WORKER, adapters="sql=/a/sql")
+    assert lora_kwargs(one, TrtllmSettings()) == {"lora_dir": ["/a/sql"]}  # TensorRT-LLM reads its modules
     own = dataclasses.replace(WORKER, adapters="sql=/a/sql,fr=/a/fr")
-    assert lora_kwargs(own, TrtllmSettings()) == {"lora_dir": ["/a/sql", "/a/fr"]}
+    assert lora_kwargs(own, TrtllmSettings(lora_target_modules="attn_q")) == {
+        "lora_dir": ["/a/sql", "/a/fr"],
+        "lora_target_modules": ["attn_q"],
+    }
+    # Of none or several adapters TensorRT-LLM cannot infer the modules (it asserts): refused at start.
+    for worker, settings in ((own, TrtllmSettings()), (WORKER, TrtllmSettings(enable_lora=True))):
+        with pytest.raises(InvalidRequest) as modules:
+            lora_kwargs(worker, settings)
+        assert field_of(modules) == "trtllm.lora_target_modules"
     s = TrtllmSettings(
         enable_lora=True, max_loras=2, max_cpu_loras=8, max_lora_rank=16, lora_target_modules="attn_q, attn_k,attn_v"
     )
@@ -640,6 +657,7 @@ async def test_adapters_go_with_their_lora_request_and_load_at_run_time(trt: Sim
     config = llm.kwargs["lora_config"]
     assert isinstance(config, FakeLoraConfig) and config.kwargs == {"lora_dir": ["/a/sql"], "max_loras": 2}
     assert engine.adapters == ("sql",)
+    assert llm.kwargs["tokenizer"] == "/m"  # the model's, not the one adapter's (TensorRT-LLM's first pick)
     task = asyncio.create_task(collect(engine, request(prompt="x", adapter="sql"), []))
     await until(lambda: bool(llm.results), 5, "TensorRT-LLM to have the request")
     assert llm.results[0].lora_request == FakeLoRARequest("sql", lora_id("sql"), "/a/sql")
@@ -656,6 +674,14 @@ async def test_adapters_go_with_their_lora_request_and_load_at_run_time(trt: Sim
     assert field_of(no_folder) == "adapter"
     await engine.unload_adapter("fr")
     assert engine.adapters == ("sql",)
+
+    def gone(name: str, int_id: int, path: str) -> None:
+        raise ValueError(f"lora_path ({path}) does not exist.")  # LoRARequest.__post_init__
+
+    engine._lora_request_type = gone
+    with pytest.raises(InvalidRequest) as removed:
+        await collect(engine, request(request_id="r3", prompt="x", adapter="sql"), [])
+    assert field_of(removed) == "adapter" and "does not exist" in removed.value.violations[0].description
     await engine.shutdown()
 
 
@@ -718,6 +744,26 @@ async def test_a_stop_string_other_tokens_spell_ends_the_request_here_and_aborts
     result.respond("NDless", (13,))
     await asyncio.wait_for(task, 5)
     assert [(d.text, d.finish_reason) for d in got] == [(" Hi", None), ("", None), ("", FinishReason.STOP_SEQUENCE)]
+    assert result.abort_calls == 1
+    await engine.shutdown()
+
+
+async def test_with_min_tokens_stop_strings_are_found_here_only_past_them(trt: SimpleNamespace) -> None:
+    """TensorRT-LLM ends at a stop string in its text whatever min_tokens says (result.py): with
+    min_tokens the stop strings are not given to it, and the adapter ends the stream at the first one
+    past min_tokens."""
+    engine, llm = await started()
+    got: list[TokenDelta] = []
+    params = SamplingParams(stop=(" END",), min_tokens=3)
+    task = asyncio.create_task(collect(engine, request(prompt="x", sampling=params), got))
+    await until(lambda: bool(llm.results), 5, "TensorRT-LLM to have the request")
+    result = llm.results[0]
+    assert "stop" not in result.sampling_params.kwargs and result.sampling_params.kwargs["min_tokens"] == 3
+    result.respond(" END", (10,))  # before min_tokens: text like any other
+    result.respond(" a", (11,))
+    result.respond(" END", (12,))
+    await asyncio.wait_for(task, 5)
+    assert "".join(d.text for d in got) == " END a" and got[-1].finish_reason is FinishReason.STOP_SEQUENCE
     assert result.abort_calls == 1
     await engine.shutdown()
 
@@ -901,6 +947,17 @@ async def test_a_response_format_goes_as_guided_decoding_and_a_resume_of_one_is_
     resumed = request(request_id="r2", prompt="x", resume_token_ids=(5,), sampling=SamplingParams(constraint=choice))
     with pytest.raises(Unavailable, match="cannot resume"):
         await anext_of(engine.stream(resumed))
+    # TensorRT-LLM compiles a constraint only in its executor loop: one that cannot compile is refused first.
+    for kind, text, field in (
+        (ConstraintKind.JSON_SCHEMA, '{"type": 5}', "response_format.json_schema"),
+        (ConstraintKind.REGEX, "a(b", "response_format.regex"),
+        (ConstraintKind.GRAMMAR, "root ::= ", "response_format.grammar"),
+    ):
+        bad = SamplingParams(constraint=ResponseConstraint(kind, text=text))
+        with pytest.raises(InvalidRequest) as refused:
+            await anext_of(engine.stream(request(request_id="r3", prompt="x", sampling=bad)))
+        assert field_of(refused) == field, refused.value
+    assert len(llm.results) == 1
     await engine.shutdown()
 
 

@@ -63,6 +63,27 @@ def library_constraint(request: GenerationRequest, engine: str) -> ResponseConst
     return c
 
 
+def check_grammar(c: ResponseConstraint) -> None:
+    """Parse ``c`` with xgrammar, without a tokenizer (milliseconds), for a library that compiles it only
+    inside its engine loop, where a failure is no bad request: InvalidRequest naming its field. Without
+    xgrammar nothing is checked here."""
+    try:
+        import xgrammar as xgr
+    except ImportError:
+        return
+    try:
+        if c.kind is ConstraintKind.JSON_SCHEMA:
+            xgr.Grammar.from_json_schema(c.text)
+        elif c.kind is ConstraintKind.REGEX:
+            xgr.Grammar.from_regex(c.text)
+        elif c.kind is ConstraintKind.CHOICE:
+            xgr.Grammar.from_ebnf(choice_grammar(c.options))
+        elif c.kind is ConstraintKind.GRAMMAR:
+            xgr.Grammar.from_ebnf(c.text)
+    except (RuntimeError, ValueError) as exc:
+        raise InvalidRequest.field(c.field, f"the engine cannot compile it: {_reason(exc)}") from exc
+
+
 def constraint_error(message: str, c: ResponseConstraint | None) -> InvalidRequest | None:
     """A library's validation error about the constraint, naming its field; None if it is not one."""
     if c is not None and _CONSTRAINT_ERROR.search(message):

@@ -22,7 +22,7 @@ from llamamesh.settings import TrtllmSettings, WorkerSettings
 from llamamesh.types import GenerationRequest, ResponseConstraint, TokenDelta
 from workers.engines.adapter import LibraryEngine, cancel_task, lora_id
 from workers.engines.base import EngineStats
-from workers.engines.constraints import library_constraint
+from workers.engines.constraints import check_grammar, library_constraint
 from workers.engines.detokenizer import StopStrings
 from workers.engines.prompts import use_chat_template
 from workers.engines.trtllm_args import Api, kv_cache_kwargs, llm_kwargs, lora_kwargs, setting_of
@@ -139,6 +139,9 @@ class TrtllmEngine(LibraryEngine):
             if lora is not None:
                 lora_config, self._lora_request_type = api.lora()
                 kwargs["lora_config"] = lora_config(**lora)
+                # With one lora_dir and no tokenizer, TensorRT-LLM loads the adapter's tokenizer first
+                # (llm.py ``_try_load_tokenizer``): prompts are the model's.
+                kwargs.setdefault("tokenizer", self._settings.model_path)
             llm = api.LLM(**kwargs)
             tokenizer = llm.tokenizer
         except (TypeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
@@ -234,7 +237,10 @@ class TrtllmEngine(LibraryEngine):
             extra["cache_salt"] = request.cache_salt
         path = self._adapter_path(request)
         if path is not None:
-            extra["lora_request"] = self._lora_request_type(request.adapter, lora_id(request.adapter), path)
+            try:  # LoRARequest checks that the folder is there (tensorrt_llm/executor/request.py)
+                extra["lora_request"] = self._lora_request_type(request.adapter, lora_id(request.adapter), path)
+            except ValueError as exc:
+                raise InvalidRequest.field("adapter", f"adapter {request.adapter!r}: {exc}") from exc
         self._submitted = True
         try:
             return llm.generate_async({"prompt_token_ids": ids}, sampling_params=params, streaming=True, **extra)
@@ -259,6 +265,8 @@ class TrtllmEngine(LibraryEngine):
         try:
             kwargs = sampling_kwargs(request.sampling)
             if constraint is not None:
+                # TensorRT-LLM compiles it in its executor loop, where a failure is no bad request: parse it first.
+                check_grammar(constraint)
                 kwargs["guided_decoding"] = api.GuidedDecodingParams(**self._constraints(constraint))
             return api.SamplingParams(**kwargs)
         except (TypeError, ValueError) as exc:

@@ -30,8 +30,8 @@ def llm_kwargs(worker: WorkerSettings, settings: TrtllmSettings, device_count: i
     is 0 on the pytorch backend; an engine directory keeps the parallelism it was built with.
     Raises InvalidRequest naming the settings field for what can be checked without TensorRT-LLM.
 
-    ``LLM(model=, tokenizer=, tensor_parallel_size=, dtype=, trust_remote_code=, max_seq_len=,
-    max_batch_size=, max_num_tokens=, kv_cache_config=, enable_iter_perf_stats=)``: the explicit
+    ``LLM(model=, tokenizer=, tensor_parallel_size=, dtype=, trust_remote_code=, max_seq_len=, max_batch_size=,
+    max_num_tokens=, enable_chunked_prefill=, kv_cache_config=, enable_iter_perf_stats=)``: the explicit
     arguments of ``BaseLLM.__init__`` and ``BaseLlmArgs`` / ``TorchLlmArgs`` fields; an unknown keyword
     raises ValueError ("got invalid argument"), which :func:`setting_of` names
     (tensorrt_llm/llmapi/llm.py, tensorrt_llm/llmapi/llm_args.py;
@@ -59,6 +59,11 @@ def llm_kwargs(worker: WorkerSettings, settings: TrtllmSettings, device_count: i
         # response_format: guided decoding needs its backend chosen when the LLM is built (the LLM API
         # docs' guided decoding example); unverified here, like the rest of this adapter.
         kwargs["guided_decoding_backend"] = "xgrammar"
+    # Without chunked prefill (TensorRT-LLM's default: off) a prompt longer than max_num_tokens (8192)
+    # is refused (llm.py ``_check_arguments``); an engine directory needs it built in, so it is asked
+    # there only when set.
+    if settings.enable_chunked_prefill is not None or settings.backend == "pytorch":
+        kwargs["enable_chunked_prefill"] = settings.enable_chunked_prefill is not False
     return kwargs
 
 
@@ -81,6 +86,14 @@ def lora_kwargs(worker: WorkerSettings, settings: TrtllmSettings) -> dict[str, A
     modules = [m.strip() for m in settings.lora_target_modules.split(",") if m.strip()]
     if modules:
         kwargs["lora_target_modules"] = modules
+    elif len(own) != 1:
+        # TensorRT-LLM infers the target modules from exactly one lora_dir and asserts that they are
+        # given otherwise (tensorrt_llm/_torch/pyexecutor/_util.py, its LoRA set-up): say so at start.
+        raise InvalidRequest.field(
+            "trtllm.lora_target_modules",
+            f"set it (e.g. attn_q,attn_k,attn_v): TensorRT-LLM infers the modules from one adapter of "
+            f"LLAMAMESH_WORKER_ADAPTERS only, and this worker lists {len(own)}",
+        )
     return kwargs
 
 

@@ -36,13 +36,14 @@ class Sent:
 def delta_of(output: Any, sent: Sent, n_logprobs: int | None) -> TokenDelta:
     """What one cumulative TensorRT-LLM output adds to what was ``sent`` (advanced in place).
 
-    TensorRT-LLM streams a token at a time and checks stop strings as token ids: the first tokens of a
-    stop string of several are streamed before it is seen, and at the stop it trims only the token
-    ids (result.py ``_handle_sequence``; its streamed text is not cut back). So the text is held back
-    here while it could begin a stop string (``Sent.stops``, as the CPU engine does): the caller
-    never sees a stop string or its start, and a stop string TensorRT-LLM's token check misses (other
-    tokens spelling it) ends the request here, STOP_SEQUENCE. The token ids go as they come, with the
-    stop string's (as vLLM's do). Cut from the cumulative fields rather than with ``text_diff`` /
+    TensorRT-LLM streams a token at a time and finds a stop string once its text holds it whole
+    (result.py ``_handle_response`` cuts the text there and aborts; ``_handle_sequence`` trims token
+    ids): the first tokens of a stop string of several are streamed before it is seen. So the text
+    is held back here while it could begin a stop string (``Sent.stops``, as the CPU engine does):
+    the caller never sees a stop string or its start. With min_tokens the stop strings are not given
+    to TensorRT-LLM (it would stop before min_tokens: trtllm_requests.sampling_kwargs) and end the
+    request here, STOP_SEQUENCE, once found past min_tokens. The token ids go as they come, with
+    the stop string's (as vLLM's do). Cut from the cumulative fields rather than with ``text_diff`` /
     ``token_ids_diff`` (which exist: tensorrt_llm/executor/result.py), which do not account for that
     trimming."""
     if not output.outputs:
@@ -57,7 +58,7 @@ def delta_of(output: Any, sent: Sent, n_logprobs: int | None) -> TokenDelta:
     finish = finish_reason_of(completion.finish_reason, completion.stop_reason)
     new_text = text[sent.text :]
     if sent.stops is not None:
-        new_text, found = sent.stops.feed(new_text, check=len(ids) > sent.min_tokens)
+        new_text, found = sent.stops.feed(new_text, check=len(ids) >= sent.min_tokens)
         if found:
             finish = FinishReason.STOP_SEQUENCE
         elif finish is not None and finish is not FinishReason.STOP_SEQUENCE:

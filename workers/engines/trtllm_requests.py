@@ -26,11 +26,15 @@ def sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
     Its fields used: ``max_tokens, temperature, top_p, top_k, min_p, presence_penalty,
     frequency_penalty, repetition_penalty, stop, stop_token_ids, seed, ignore_eos, min_tokens,
     logprobs, guided_decoding``; it raises ValueError from its ``_validate``
-    (tensorrt_llm/sampling_params.py)."""
+    (tensorrt_llm/sampling_params.py). Stop strings go only without min_tokens."""
     # min_p: SamplingParams documents it ("None means using C++ runtime default 0.0"); whether the
     # PyTorch backend's sampler applies it is not stated in what we read. A release whose SamplingParams
     # lacks a field refuses it with TypeError, which stream() reports naming the field.
     kwargs = library_sampling_kwargs(params, PASSED_WHEN_SET)
+    if params.min_tokens and params.stop:
+        # TensorRT-LLM ends at a stop string in its text whatever min_tokens says (result.py
+        # ``_handle_response``); the engine matches them itself then, past min_tokens (trtllm_outputs.Sent).
+        kwargs.pop("stop", None)
     if params.logprobs is not None:
         # Ours: the sampled token's logprob plus the top n (0: none). TensorRT-LLM's: n per token, and
         # 0 means no logprobs at all; so ask for at least 1 and keep n alternatives (token_logprobs).
