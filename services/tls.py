@@ -28,7 +28,8 @@ Stamp = tuple[tuple[int, int, int], ...]
 
 
 class CertificateFiles:
-    """The gateway's PEM files and the configuration last loaded from them. The files are looked at
+    """The gateway's PEM files and the configuration last loaded from them, for gRPC (``fetch``) or
+    as an ``ssl.SSLContext`` (``context``, the HTTP door's: ``door_context``). The files are looked at
     (mtime, size, inode) before every new connection's handshake; when they changed, they are read
     again and new connections get the new certificate, key and client CA. Connections already open
     keep theirs. A change that does not load (a key not matching its certificate: the pair is being
@@ -42,6 +43,7 @@ class CertificateFiles:
         self._lock = threading.Lock()
         self._stamp: Stamp = ()
         self._failed: object = None
+        self.context: ssl.SSLContext | None = None  # the files last loaded, as ssl's
 
     def _stamps(self) -> Stamp:
         out = []
@@ -59,7 +61,8 @@ class CertificateFiles:
             ca = self._client_ca.read_bytes() if self._client_ca is not None else None
         except OSError as exc:
             raise ValueError(f"gateway TLS: cannot read {exc.filename}: {exc.strerror}") from exc
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)  # trusting no system CA for client certificates
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
         try:
             context.load_cert_chain(self._cert, self._key)
         except (ssl.SSLError, OSError) as exc:
@@ -71,10 +74,29 @@ class CertificateFiles:
                 context.load_verify_locations(cafile=self._client_ca)
             except (ssl.SSLError, OSError) as exc:
                 raise ValueError(f"gateway TLS: {self._client_ca} holds no CA certificate ({exc})") from exc
+            context.verify_mode = ssl.CERT_REQUIRED
         if self._stamps() != stamp:  # what was checked may not be what was read
             raise ValueError("gateway TLS: the files changed while they were read")
         self._stamp = stamp
+        self.context = context
         return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+    def door_context(self) -> ssl.SSLContext:
+        """The context last loaded, which before each handshake (its SNI callback, called with or
+        without a server name) looks at the files and hands the handshake the context last loaded:
+        the HTTP door follows the files as the gRPC port does. Raises ValueError as ``load``."""
+        if self.context is None:
+            self.load()
+        first = self.context
+        assert first is not None
+
+        def pick(conn: ssl.SSLObject | ssl.SSLSocket, _server_name: str | None, _ctx: ssl.SSLContext) -> None:
+            self.fetch()
+            if self.context is not None and self.context is not first:
+                conn.context = self.context
+
+        first.sni_callback = pick
+        return first
 
     def fetch(self) -> grpc.ServerCertificateConfiguration | None:
         """gRPC's fetcher, called before each new connection's handshake (in one of its threads): a
@@ -180,13 +202,9 @@ def peer_names(cert: dict[str, Any] | None) -> tuple[str, ...]:
 
 def ssl_context(settings: GatewaySettings) -> ssl.SSLContext | None:
     """The HTTP door's TLS (None: plaintext): the gRPC port's certificate and key, and with
-    ``tls_client_ca`` a client certificate required, as on gRPC. Read once, at start."""
+    ``tls_client_ca`` a client certificate signed by it required, as on gRPC; following the files
+    as they change, as on gRPC (``CertificateFiles``)."""
     if not (settings.tls_cert or settings.tls_key or settings.tls_client_ca):
         return None
     server_credentials(settings)  # the same checks, the same one-line errors
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(settings.tls_cert, settings.tls_key)
-    if settings.tls_client_ca:
-        context.load_verify_locations(settings.tls_client_ca)
-        context.verify_mode = ssl.CERT_REQUIRED
-    return context
+    return CertificateFiles(settings.tls_cert, settings.tls_key, settings.tls_client_ca).door_context()

@@ -145,3 +145,43 @@ async def test_tls_and_client_certificates_as_on_grpc(pki: PKI, tmp_path: Path) 
                         await r.read()
         decided = [e for e in logs if e["event"] == "auth_decided"]
         assert decided[0]["tenant"] == "alpha" and decided[0]["via"] == "certificate"
+
+
+async def fetch_models(port: int, trust: ssl.SSLContext) -> int:
+    """GET /v1/models over a new connection (a new handshake)."""
+    async with aiohttp.ClientSession() as s, s.get(f"https://127.0.0.1:{port}/v1/models", ssl=trust) as r:
+        return r.status
+
+
+def trusting(ca: Path, client: tuple[Path, Path] | None = None) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=str(ca))
+    if client is not None:
+        context.load_cert_chain(str(client[0]), str(client[1]))
+    return context
+
+
+async def test_renewed_files_serve_the_doors_new_connections_without_a_restart(pki: PKI, tmp_path: Path) -> None:
+    """As on gRPC (tests/security/test_tls.py): a renewed certificate and key, and a new client CA,
+    take effect at the next handshake (a Kubernetes Secret is updated in place)."""
+    cert, key, ca = tmp_path / "gw.crt", tmp_path / "gw.key", tmp_path / "clients.crt"
+    for src, dst in ((pki.server.cert, cert), (pki.server.key, key), (pki.ca.cert, ca)):
+        dst.write_bytes(src.read_bytes())
+    port = free_port()
+    settings = GatewaySettings(port=0, http_port=port, tls_cert=str(cert), tls_key=str(key), tls_client_ca=str(ca))
+    old = trusting(pki.ca.cert, (pki.client.cert, pki.client.key))
+    new = trusting(pki.other_ca.cert, (pki.other_client.cert, pki.other_client.key))
+    async with gateway_in_process(settings):
+        assert await fetch_models(port, old) == 200
+        with pytest.raises(aiohttp.ClientError):
+            await fetch_models(port, new)
+        with structlog.testing.capture_logs() as logs:
+            cert.write_bytes(pki.other_server.cert.read_bytes())  # half-written: the old pair goes on
+            assert await fetch_models(port, old) == 200
+            key.write_bytes(pki.other_server.key.read_bytes())
+            ca.write_bytes(pki.other_ca.cert.read_bytes())
+            assert await fetch_models(port, new) == 200
+        events = [e["event"] for e in logs if e["event"].startswith("gateway_tls")]
+        assert events[0] == "gateway_tls_reload_failed" and events[-1] == "gateway_tls_reloaded", events
+        for stale in (old, trusting(pki.other_ca.cert, (pki.client.cert, pki.client.key))):
+            with pytest.raises(aiohttp.ClientError):  # the old certificate, or a client of the old CA
+                await fetch_models(port, stale)
