@@ -628,6 +628,11 @@ def test_every_install_but_the_demo_needs_tls_and_api_keys(objs: tuple[dict[str,
         assert path, f"{secret}: not set"
         (volume,) = [name for mount, name in mounts.items() if path.startswith(mount + "/")]
         assert secret_of[volume]["secretName"] == secret and not secret_of[volume].get("optional"), secret
+    # What reads appProtocol must not speak cleartext to these TLS ports.
+    for svc in of_kind(objs, "Service"):
+        if svc["metadata"]["name"].startswith("llamamesh-gateway"):
+            protocols = {p["port"]: p.get("appProtocol") for p in svc["spec"]["ports"]}
+            assert protocols == {50051: "tls", 8000: "https"}, svc["metadata"]["name"]
 
 
 def test_tls_overlay_mounts_its_certificates() -> None:
