@@ -43,7 +43,13 @@ NOTE = " · "
 
 
 class StartFailed(Exception):
-    """The node did not come up; the message is one line saying why."""
+    """The node did not come up; the message is one line saying why. ``said``: the process that ended
+    wrote its own ``error:`` line on the node's terminal (it exited 1, as each does at a setting or
+    a resource it cannot use)."""
+
+    def __init__(self, message: str, said: bool = False) -> None:
+        super().__init__(message)
+        self.said = said
 
 
 @dataclass(frozen=True)
@@ -281,7 +287,8 @@ class Node:
         while True:
             code = self.poll()
             if code is not None:
-                raise StartFailed(f"the node's {self._ended()} ended (exit code {code}) while starting")
+                said = code == 1 and self._log_file is None
+                raise StartFailed(f"the node's {self._ended()} ended (exit code {code}) while starting", said)
             serving = serving or await self.gateway_serving(client)
             heard = await self.workers(queue)  # None: Redis does not answer
             views = heard if serving else None

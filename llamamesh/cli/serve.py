@@ -21,6 +21,10 @@ from llamamesh.cli.generate import stream_answer
 from llamamesh.cli.node import Node, StartFailed
 from llamamesh.ports import free_port
 
+# A node that never served has nothing to drain: its processes get this long after SIGTERM (a worker
+# converting a model ignores it until killed).
+START_FAILED_STOP_S = 3.0
+
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="run a whole node")
@@ -51,17 +55,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     events = logs.configure(settings.log, "node")
     say = _say(events)
     node = Node(settings, workers=args.workers)
+    served = False
     try:
         node.start()
         say("node_starting", f"llamamesh starting on {node.address} with {args.workers} worker(s) ...")
         took = asyncio.run(node.wait_ready(sys.stderr, events=events))
         say("node_serving", f"llamamesh serving on {node.address} (ready in {took:.1f} s; Ctrl-C stops)")
+        served = True
         return node.wait()
     except (StartFailed, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        # One error line: where the process that ended wrote its own, the node only adds what it does.
+        print(f"the node stops: {exc}" if getattr(exc, "said", False) else f"error: {exc}", file=sys.stderr)
         return 1
     finally:
-        node.stop()
+        if served:
+            node.stop()
+        else:
+            node.stop(START_FAILED_STOP_S)
 
 
 def _say(events: bool) -> Callable[[str, str], None]:
@@ -74,10 +84,12 @@ def _say(events: bool) -> Callable[[str, str], None]:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     settings = flags.settings(args)
-    if args.port is None:  # a free port, so a demo never collides with a running node
-        settings = settings.with_overrides(gateway={"port": free_port()})
+    if args.port is None and "LLAMAMESH_GATEWAY_PORT" not in os.environ:
+        settings = settings.with_overrides(gateway={"port": free_port()})  # never collides with a running node
     logs.configure(replace(settings.log, level="warning", format="console"), "demo")
-    log_file = Path(tempfile.gettempdir()) / "llamamesh-demo.log"
+    fd, name = tempfile.mkstemp(prefix="llamamesh-demo-", suffix=".log")  # this run's own: any user's
+    os.close(fd)
+    log_file = Path(name)
     node = Node(settings, workers=1, log_file=log_file)
     t0 = time.monotonic()
     print(f"starting a node on {settings.gateway.host}:{settings.gateway.port} (logs: {log_file})", file=sys.stderr)
@@ -91,6 +103,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return code
     except (StartFailed, OSError) as exc:
         print(f"error: {exc} (logs: {log_file})", file=sys.stderr)
+        node.stop(START_FAILED_STOP_S)
         return 1
     finally:
         node.stop()

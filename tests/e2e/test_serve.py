@@ -232,6 +232,31 @@ def test_a_node_that_cannot_start_says_why_in_one_line_and_exits_non_zero(tmp_pa
     assert took < 60, took  # not a timeout: the worker said why
 
 
+def test_a_gateway_that_cannot_start_stops_the_node_at_once_with_one_error_line(tmp_path: Path) -> None:
+    """The gateway's own line names the setting; the node adds no second error, and does not wait for
+    a worker still converting its model (a fresh cache) to drain: it never served anything."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        http = taken.getsockname()[1]
+        args = [str(CLI), "serve", "--port", str(free_port())]
+        env = clean_env(
+            tmp_path,
+            LLAMAMESH_LOG_LEVEL="error",
+            LLAMAMESH_LOG_FORMAT="console",
+            LLAMAMESH_GATEWAY_HTTP_PORT=str(http),
+            LLAMAMESH_WORKER_CACHE_DIR=str(tmp_path / "cache"),
+        )
+        t0 = time.monotonic()
+        out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+        took = time.monotonic() - t0
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert out.returncode == 1 and len(errors) == 1, out.stderr[-3000:]
+    assert "LLAMAMESH_GATEWAY_HTTP_PORT" in errors[0] and "in use" in errors[0], errors
+    assert "the node stops: the node's gateway ended (exit code 1) while starting" in out.stderr
+    assert took < 15, took  # the model's conversion alone takes longer
+
+
 def test_a_node_whose_redis_never_answers_says_so_and_exits(tmp_path: Path) -> None:
     args = [str(CLI), "serve", "--redis-url", f"redis://127.0.0.1:{free_port()}", "--port", str(free_port())]
     t0 = time.monotonic()

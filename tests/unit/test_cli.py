@@ -288,3 +288,36 @@ def test_the_gateways_names_of_a_files_items_are_its_lines() -> None:
         "line 3 ('b'): model 'x' is not served here"
     )
     assert named("items[9].custom_id") == "items[9].custom_id"  # not an item of this file
+
+
+def test_demo_takes_the_port_setting_and_logs_to_a_file_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``llamamesh demo`` uses LLAMAMESH_GATEWAY_PORT as ``--port`` (else a free port), and each run
+    writes its logs to a new file of its own, so another user's leftover file stops no one."""
+    from llamamesh.cli import serve
+    from llamamesh.cli.node import StartFailed
+
+    made: list[tuple[int, Path]] = []
+
+    class Stub:
+        def __init__(self, settings: Settings, workers: int, log_file: Path) -> None:
+            made.append((settings.gateway.port, log_file))
+
+        def start(self) -> None:
+            raise StartFailed("stub")
+
+        def stop(self, timeout_s: float = 30.0) -> None:
+            pass
+
+    monkeypatch.setattr(serve, "Node", Stub)
+    for name in [n for n in os.environ if n.startswith("LLAMAMESH_")]:
+        monkeypatch.delenv(name)
+    args = parser().parse_args(["demo", "hello"])
+    assert serve.cmd_demo(args) == 1
+    monkeypatch.setenv("LLAMAMESH_GATEWAY_PORT", "40123")
+    assert serve.cmd_demo(parser().parse_args(["demo", "hello"])) == 1
+    assert serve.cmd_demo(parser().parse_args(["demo", "hello", "--port", "40124"])) == 1
+    assert made[0][0] != 40123 and [port for port, _ in made[1:]] == [40123, 40124]
+    logs = [log for _, log in made]
+    assert len(set(logs)) == 3 and all(log.is_file() and log.name.startswith("llamamesh-demo-") for log in logs)
+    for log in logs:
+        log.unlink()
