@@ -1,5 +1,5 @@
 """deploy/k8s: every overlay renders with kustomize, every object is valid Kubernetes, and the
-manifests agree with the code: settings, queue names, health services, grace periods, probes."""
+manifests agree with the code: settings, health services, grace periods, probes."""
 
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from llamamesh.queue.keys import WORKER_GROUP, Keys
-from llamamesh.settings import GatewaySettings, RedisSettings, Settings, env_name
+from llamamesh.settings import GatewaySettings, Settings, env_name
 from services.health import LIVENESS
 from services.routing import RoutingPolicy
 
@@ -503,53 +502,45 @@ def test_cpu_demo_runs_its_own_persistent_redis() -> None:
     assert "nvidia.com/gpu" not in str(worker)
 
 
-# KEDA's queue trigger for each Redis shape, and the TriggerAuthentication parameters it reads.
-REDIS_TRIGGERS = {
-    "redis-streams": {"address", "password"},
-    "redis-sentinel-streams": {"addresses", "sentinelMaster", "password", "sentinelPassword"},
-    "redis-cluster-streams": {"addresses", "password"},
-}
-# The overlays that choose a shape; every other KEDA overlay has a single Redis.
-SHAPES = {"vllm-sentinel": "redis-sentinel-streams", "vllm-cluster": "redis-cluster-streams"}
-
-
 def test_keda(objs: tuple[dict[str, Any], ...]) -> None:
-    """KEDA objects by hand (no KEDA CRD schema in kubernetes-validate): the queue trigger of the
-    overlay's Redis shape, the pool-wide queue depth, and a saturation trigger whose threshold is a
-    share of each worker's KV cache."""
-    auths = {o["metadata"]["name"]: o for o in of_kind(objs, "TriggerAuthentication")}
+    """KEDA objects by hand (no KEDA CRD schema in kubernetes-validate): two prometheus triggers, the
+    pool-wide queue depth (every tenant's streams) and a saturation trigger whose threshold is a share
+    of each worker's KV cache, and a fallback size for while Prometheus does not answer."""
+    assert not of_kind(objs, "TriggerAuthentication", "ClusterTriggerAuthentication")
     for so in of_kind(objs, "ScaledObject"):
         assert so["apiVersion"] == "keda.sh/v1alpha1"
-        target = so["spec"]["scaleTargetRef"]
+        spec = so["spec"]
+        target = spec["scaleTargetRef"]
         assert target.get("kind", "Deployment") == "Deployment"
         pool = worker_pool(objs, target["name"])
-        assert so["spec"]["minReplicaCount"] >= 1, "no scale-to-zero for a GPU pool: a cold start takes minutes"
-        assert so["spec"]["maxReplicaCount"] >= so["spec"]["minReplicaCount"]
-        triggers = so["spec"]["triggers"]
-        (streams,) = [t for t in triggers if t["type"] in REDIS_TRIGGERS]
-        assert streams["metadata"]["stream"] == Keys(RedisSettings().prefix).jobs(pool)
-        assert streams["metadata"]["consumerGroup"] == WORKER_GROUP
-        assert int(streams["metadata"]["lagCount"]) > 0
-        auth = auths[streams["authenticationRef"]["name"]]
-        assert auth["apiVersion"] == "keda.sh/v1alpha1"
-        assert {r["parameter"] for r in auth["spec"]["secretTargetRef"]} >= REDIS_TRIGGERS[streams["type"]]
-        queries = {
-            t["metadata"]["query"]: float(t["metadata"]["threshold"]) for t in triggers if t["type"] == "prometheus"
-        }
-        assert len(queries) == 2 and len(triggers) == 3, triggers
-        depth = [q for q in queries if "llamamesh_queue_depth" in q]
-        saturation = [q for q in queries if "llamamesh_engine_kv_cache_usage_ratio" in q]
-        assert depth and saturation and all(f'pool="{pool}"' in q for q in queries), queries
-        assert queries[depth[0]] > 0 and 0 < queries[saturation[0]] < 1
-        assert saturation[0].startswith("sum("), "KEDA divides by the replicas: the pool's total, not one worker's"
+        assert spec["minReplicaCount"] >= 1, "no scale-to-zero for a GPU pool: a cold start takes minutes"
+        assert spec["maxReplicaCount"] >= spec["minReplicaCount"]
+        triggers = spec["triggers"]
+        assert [t["type"] for t in triggers] == ["prometheus", "prometheus"], triggers
+        # KEDA's fallback applies only to AverageValue metrics, the prometheus trigger's default.
+        assert all(t.get("metricType", "AverageValue") == "AverageValue" for t in triggers), triggers
+        queries = {t["metadata"]["query"]: float(t["metadata"]["threshold"]) for t in triggers}
+        (depth,) = [q for q in queries if "llamamesh_queue_depth" in q]
+        (saturation,) = [q for q in queries if "llamamesh_engine_kv_cache_usage_ratio" in q]
+        assert all(f'pool="{pool}"' in q for q in queries), queries
+        assert queries[depth] > 0 and 0 < queries[saturation] < 1
+        assert depth.startswith("max("), "every gateway exports the pool-wide depth: a sum counts it per gateway"
+        assert saturation.startswith("sum("), "KEDA divides by the replicas: the pool's total, not one worker's"
+        fallback = spec.get("fallback")
+        assert fallback, "no fallback: while Prometheus does not answer the pool would keep whatever size it had"
+        assert fallback["failureThreshold"] >= 1
+        assert spec["minReplicaCount"] <= fallback["replicas"] <= spec["maxReplicaCount"]
 
 
-def test_each_redis_shape_has_its_keda_trigger() -> None:
-    for overlay in OVERLAYS:
-        want = SHAPES.get(overlay, "redis-streams")
-        types = {t["type"] for so in of_kind(render(overlay), "ScaledObject") for t in so["spec"]["triggers"]}
-        assert not types or types & set(REDIS_TRIGGERS) == {want}, (overlay, types)
-    assert set(SHAPES) <= set(OVERLAYS)
+def test_no_scaledobject_reads_a_redis_stream() -> None:
+    """With a tenants file each tenant's jobs wait in a stream of their own, and a trigger on one
+    stream sees one tenant's: queue depth comes from Prometheus (llamamesh_queue_depth, every stream)."""
+    scaled = [(overlay, so) for overlay in OVERLAYS for so in of_kind(render(overlay), "ScaledObject")]
+    assert scaled
+    for overlay, so in scaled:
+        for t in so["spec"]["triggers"]:
+            assert not t["type"].startswith("redis"), (overlay, so["metadata"]["name"], t["type"])
+            assert "stream" not in t["metadata"] and "authenticationRef" not in t, (overlay, t)
 
 
 def test_podmonitors_scrape_every_gateway_and_worker_on_its_metrics_port() -> None:
