@@ -125,16 +125,18 @@ def commands(line: str) -> list[list[str]]:
 
 
 def makefile_installs() -> list[list[str]]:
-    """The `pip install` argument lists of the Makefile's `install` recipe, its variables expanded."""
+    """The `pip install` argument lists of the Makefile's `install` recipe (its stamp's), its variables
+    expanded; TORCH_FROM as where PyTorch's index answers."""
     text = (ROOT / "Makefile").read_text()
     variables = dict(re.findall(r"^([A-Z_]+)\s*:?=\s*(.*)$", text, re.M))
+    variables["TORCH_FROM"] = "--extra-index-url $(TORCH_INDEX)"
 
     def expand(s: str) -> str:
         for _ in range(5):
             s = re.sub(r"\$\(([A-Z_]+)\)", lambda m: variables.get(m.group(1), m.group(0)), s)
         return s
 
-    recipe = re.search(r"^install:.*\n((?:\t.*\n)+)", text, re.M)
+    recipe = re.search(r"^\$\(VENV\)/\.installed:.*\n((?:\t.*\n)+)", text, re.M)
     assert recipe, "Makefile has no install recipe"
     out = []
     for line in recipe.group(1).splitlines():
