@@ -28,6 +28,8 @@ from llamamesh.queue.redisio import is_cluster, unreachable
 log = structlog.get_logger(__name__)
 
 Item = tuple[str, dict[bytes, bytes]] | BaseException
+# How long past its block time a lane's read may take before it counts as Redis not answering.
+READ_SLACK_S = 3.0
 
 
 class Inbox:
@@ -274,7 +276,10 @@ class _Lane:
             for key, subs in self._subs.items():
                 streams[key] = min((s.last for s in subs), key=entry_order)
             try:
-                reply: Any = await r.xread(streams, count=1024, block=self._o._block_ms)
+                # Bounded: a Redis that stopped answering without closing (a paused or hung host) would
+                # hold the read for the socket timeout at each of the client's retries, past the grace.
+                read = r.xread(streams, count=1024, block=self._o._block_ms)
+                reply: Any = await asyncio.wait_for(read, self._o._block_ms / 1000 + READ_SLACK_S)
                 delays.reset()
                 if down_since is not None:
                     down_s = round(time.monotonic() - down_since, 2)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
@@ -11,8 +13,10 @@ import redis.asyncio as aioredis
 from llamamesh.errors import QueueUnavailable
 from llamamesh.queue.follow import EventFollower
 from llamamesh.queue.keys import Keys
+from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import RedisSettings
 from tests.queue.conftest import raw_client
+from tests.redisproc import RedisProcess
 from tests.waiting import blocked_in, until
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(30)]
@@ -126,3 +130,28 @@ async def test_followers_of_one_stream_joining_while_it_is_read_each_get_all_of_
             assert got == list(range(3000))
     finally:
         await f.close()
+
+
+async def test_a_paused_server_reaches_followers_within_the_outage_grace(tmp_path: Path) -> None:
+    """A Redis that stops answering without closing its connections (SIGSTOP: a hung host) ends
+    the followers' wait once the outage grace has passed, not at the client's socket timeouts."""
+    server = RedisProcess("redis", tmp_path / "redis")
+    server.start()
+    settings = RedisSettings(url=server.url, block_ms=300, outage_grace_s=2.0)
+    q = RedisQueue.from_settings(settings)  # the product's client: 10.3 s socket timeout, a retry
+    f = EventFollower(q.client, Keys(settings.prefix), block_ms=settings.block_ms, outage_grace_s=2.0)
+    assert server.proc is not None
+    try:
+        sub = await f.follow("t:x")
+        await until(lambda: f.reads >= 1, 10, "a read to return")
+        server.proc.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        item = await asyncio.wait_for(sub.queue.get(), 20)
+        took = time.monotonic() - t0
+        assert isinstance(item, Exception), item
+        assert took < 2.0 + 2 * (0.3 + 3.0) + 1.0, took  # the grace, and at most two bounded reads past it
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+        await f.close()
+        await q.close()
+        server.stop()
