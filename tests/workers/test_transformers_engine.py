@@ -293,6 +293,22 @@ async def test_a_prompt_too_long_raises_before_any_delta(
     assert str(MAX_MODEL_LEN - 1) in info.value.message
 
 
+async def test_a_prompt_of_megabytes_is_refused_without_tokenising_it(
+    engine: TransformersEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tokenising 3 MB of text takes seconds on the engine's step thread, stalling every stream: a
+    prompt more characters long than the context's tokens can hold is refused before that."""
+    tok = engine.tokenizer
+    encoded: list[int] = []
+    real = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text, **kw: (encoded.append(len(text)), real(text, **kw))[1])
+    with pytest.raises(PromptTooLong) as info:
+        await collect(engine.stream(prompt("語" * 1_000_000, max_tokens=4)), [])
+    assert info.value.violations[0].field == "prompt" and "1000000 characters" in info.value.message
+    assert str(MAX_MODEL_LEN - 1) in info.value.message and encoded == []
+    assert (await run(engine, prompt("Hi", max_tokens=2))).deltas[-1].finish_reason is not None
+
+
 async def test_tokenize_matches_the_tokenizer(engine: TransformersEngine) -> None:
     tok = engine.tokenizer
     assert await engine.tokenize(prompt("Hello world, 日本語 🙂")) == tok.encode("Hello world, 日本語 🙂")

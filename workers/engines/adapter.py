@@ -136,7 +136,7 @@ class LibraryEngine(abc.ABC):
         # Chat templates and tokenization run here, off the event loop (one thread: HF tokenizers), for
         # every request that arrived together in one call of the tokenizer.
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamamesh-tok")
-        self._prompts = BatchTokenizer(lambda: self._tokenizer, self._executor)
+        self._prompts = BatchTokenizer(lambda: self._tokenizer, self._executor, limit=self._prompt_limit)
         self._dead: str | None = None
         self._starting = ""
         # Library outputs delivered to our streams (the watchdog's sign of progress).
@@ -209,6 +209,11 @@ class LibraryEngine(abc.ABC):
         stop strings out of the text); None where not known: a resumed request then gets no help at
         its failover point (resumed_text.py)."""
         return None
+
+    def _prompt_limit(self) -> int:
+        """The engine's context in tokens, output included, once known (0: not known): a prompt that
+        cannot fit is refused before it is tokenised (prompts.check_chars)."""
+        return 0
 
     def _left(self, state: Any) -> None:  # noqa: B027 - optional hook: vLLM's generate() stops by itself
         """A stream ended without its final delta (consumer gone, or an error): stop it where needed."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import json
 from collections import deque
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from typing import Any
 
 import structlog
 
-from llamamesh.errors import InvalidRequest
+from llamamesh.errors import InvalidRequest, PromptTooLong
 from llamamesh.types import GenerationRequest
 
 log = structlog.get_logger(__name__)
@@ -118,13 +119,36 @@ def chat_turns(request: GenerationRequest, template: Any) -> tuple[list[dict[str
     return [{"role": "system", "content": described}, *chat], {}
 
 
-def render_prompt_ids(request: GenerationRequest, tokenizer: Any) -> list[int]:
-    """The token ids for ``request`` (:func:`prompt_text`, encoded)."""
+@functools.lru_cache(maxsize=8)
+def token_chars(tokenizer: Any) -> int:
+    """The most characters one token of ``tokenizer`` stands for, from its vocabulary (a byte-level
+    token's raw form has a character per byte: at least as many as it decodes to); 0 if unknown."""
+    try:
+        return max((len(t) for t in tokenizer.get_vocab()), default=0)
+    except Exception:  # no get_vocab: no bound
+        return 0
+
+
+def check_chars(request: GenerationRequest, text: str, tokenizer: Any, limit: int) -> None:
+    """Refuse, without tokenising it, a prompt too long for ``limit`` tokens (the engine's context,
+    output included) whatever its tokens: more characters than twice ``limit - 1`` of the longest
+    tokens (twice: room for a normaliser that folds characters). Tokenising a prompt of megabytes
+    takes seconds on the engine's tokenizer thread, which on the CPU engine is its step thread."""
+    most = (limit - 1) * token_chars(tokenizer) * 2 if limit else 0
+    if most and len(text) > most:
+        field = "messages" if request.messages is not None else "prompt"
+        raise PromptTooLong.field(field, f"{len(text)} characters, more than {limit - 1} tokens can hold")
+
+
+def render_prompt_ids(request: GenerationRequest, tokenizer: Any, limit: int = 0) -> list[int]:
+    """The token ids for ``request`` (:func:`prompt_text`, encoded); with ``limit``, a prompt that
+    cannot fit refused first (:func:`check_chars`)."""
     text, special = prompt_text(request, tokenizer)
+    check_chars(request, text, tokenizer, limit)
     return list(tokenizer.encode(text, add_special_tokens=special))
 
 
-def render_batch(requests: list[GenerationRequest], tokenizer: Any) -> list[list[int] | Exception]:
+def render_batch(requests: list[GenerationRequest], tokenizer: Any, limit: int = 0) -> list[list[int] | Exception]:
     """:func:`render_prompt_ids` of each request, in order, or the exception it raised (one request's
     bad input fails only that request). The texts are encoded in one call of the tokenizer on a list
     per special-token setting where the tokenizer takes lists; one call per text where it does not (or
@@ -134,6 +158,7 @@ def render_batch(requests: list[GenerationRequest], tokenizer: Any) -> list[list
     for i, request in enumerate(requests):
         try:
             text, special = prompt_text(request, tokenizer)
+            check_chars(request, text, tokenizer, limit)
         except Exception as exc:
             out[i] = exc
             continue
@@ -173,9 +198,15 @@ class BatchTokenizer:
     encoded on its own, without padding or truncation."""
 
     def __init__(
-        self, tokenizer: Callable[[], Any], executor: concurrent.futures.Executor, max_batch: int = MAX_BATCH
+        self,
+        tokenizer: Callable[[], Any],
+        executor: concurrent.futures.Executor,
+        max_batch: int = MAX_BATCH,
+        limit: Callable[[], int] = lambda: 0,
     ) -> None:
+        """``limit``: the engine's context in tokens (0: not known), for :func:`check_chars`."""
         self._tokenizer = tokenizer
+        self._limit = limit
         self._executor = executor
         self._max_batch = max_batch
         self._waiting: list[tuple[GenerationRequest, asyncio.Future[list[int]]]] = []
@@ -204,7 +235,11 @@ class BatchTokenizer:
                 answers: list[list[int] | Exception]
                 try:
                     answers = await loop.run_in_executor(
-                        self._executor, render_batch, [request for request, _ in batch], self._tokenizer()
+                        self._executor,
+                        render_batch,
+                        [request for request, _ in batch],
+                        self._tokenizer(),
+                        self._limit(),
                     )
                 except Exception as exc:  # the executor was shut down
                     answers = [exc] * len(batch)

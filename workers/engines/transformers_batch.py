@@ -114,7 +114,7 @@ class Batch:
     def encode(self, request: GenerationRequest) -> list[int]:
         """Token ids for the request's prompt (as is) or messages (chat template); InvalidRequest if
         neither (the GPU adapters' rendering: the same request gives the same ids on every engine)."""
-        return render_prompt_ids(request, self.tokenizer)
+        return render_prompt_ids(request, self.tokenizer, self.max_model_len)
 
     def _admit(self, admission: Admission) -> Seq:
         """A sequence for ``admission``. A resumed request (mid-stream failover) replays the tokens an

@@ -275,6 +275,9 @@ class TrtllmEngine(LibraryEngine):
     def _check_length(self, n_tokens: int, input_field: str) -> None:
         check_prompt_tokens(n_tokens, self._trtllm_settings.max_seq_len, input_field)
 
+    def _prompt_limit(self) -> int:
+        return self._trtllm_settings.max_seq_len
+
     async def _deltas(
         self,
         llm: Any,

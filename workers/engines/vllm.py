@@ -261,6 +261,9 @@ class VllmEngine(LibraryEngine):
     def _check_length(self, n_tokens: int, input_field: str) -> None:
         check_prompt_len(n_tokens, self._max_model_len, input_field)
 
+    def _prompt_limit(self) -> int:
+        return self._max_model_len
+
     def _held_back(self, request: GenerationRequest) -> int:
         """vLLM streams a request's text its longest stop string's length less one character behind its
         tokens (``stop_buffer_length`` in vllm/v1/engine/detokenizer.py; we never set
