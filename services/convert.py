@@ -51,6 +51,12 @@ FINISH_TO_PB = {
 }
 
 
+def shown(name: str, most: int = 64) -> str:
+    """A caller's name quoted for an error message, cut at ``most`` characters: the message goes back
+    in a gRPC header, which clients cap at 8 KiB."""
+    return repr(name if len(name) <= most else name[:most] + "...")
+
+
 def resolve_model(name: str, models: Sequence[ModelInfo]) -> ModelInfo:
     """The model a request names (empty: the default). Unknown -> ModelNotFound."""
     if not name:
@@ -58,7 +64,7 @@ def resolve_model(name: str, models: Sequence[ModelInfo]) -> ModelInfo:
     for m in models:
         if m.id == name:
             return m
-    raise ModelNotFound(f"model {name!r} is not served here; ListModels lists the models")
+    raise ModelNotFound(f"model {shown(name)} is not served here; ListModels lists the models")
 
 
 def resolve_adapter(name: str, adapter: str, models: Sequence[ModelInfo]) -> tuple[ModelInfo, str]:
@@ -303,7 +309,7 @@ def check_adapter(adapter: str, model: ModelInfo, adapters_of: Callable[[str], f
     served = adapters_of(model.pool)
     if adapter and served is not None and adapter not in served:
         raise ModelNotFound(
-            f"adapter {adapter!r} of model {model.id!r} is not served (ListModels lists the adapters; "
+            f"adapter {shown(adapter)} of model {model.id!r} is not served (ListModels lists the adapters; "
             "AdminService LoadAdapter loads one)"
         )
 

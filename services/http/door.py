@@ -233,7 +233,7 @@ class HttpDoor:
     async def _get_model(self, request: web.Request, who: Identity) -> web.StreamResponse:
         wanted = request.match_info["id"]
         if not any(m.id == wanted for m in convert.with_adapters(self._models, self._adapters_of)):
-            raise errors.ModelNotFound(f"model {wanted!r} is not served here")
+            raise errors.ModelNotFound(f"model {convert.shown(wanted)} is not served here")
         return web.json_response(_model(wanted))
 
 

@@ -120,6 +120,10 @@ async def test_unknown_model_is_not_found(stack: Stack) -> None:
     assert ei.value.code() == grpc.StatusCode.NOT_FOUND
     assert "nope" in (ei.value.details() or "")
     assert error_reason(ei.value) == "MODEL_NOT_FOUND"
+    # A name of megabytes is not echoed whole: grpc-core clients refuse a status header past 8 KiB.
+    with pytest.raises(grpc.aio.AioRpcError) as long:
+        await collect(stack, pb.GenerateRequest(prompt="x", model="m" * 100_000))
+    assert long.value.code() == grpc.StatusCode.NOT_FOUND and len(long.value.details() or "") < 200
 
 
 async def test_engine_rejection_crosses_redis_as_invalid_argument(stack: Stack) -> None:
