@@ -63,11 +63,15 @@ def _other(exc: BaseException) -> str:
 
 @contextlib.asynccontextmanager
 async def call(
-    method: str, metadata: Iterable[tuple[str, str | bytes]] | None, system: str = "grpc"
+    method: str,
+    metadata: Iterable[tuple[str, str | bytes]] | None,
+    system: str = "grpc",
+    expired: Callable[[], bool] = lambda: False,
 ) -> AsyncIterator[None]:
     """One call's bookkeeping, whichever door it came through: its fields for ``note``, its status,
     its span (continuing the ``traceparent`` in ``metadata``) and its ``rpc_finished`` line. A
-    domain error is recorded with its gRPC code name and propagates."""
+    domain error is recorded with its gRPC code name and propagates; a call cancelled once
+    ``expired()`` (its deadline passed) is DEADLINE_EXCEEDED, else CANCELLED."""
     t0, fields = time.perf_counter(), dict[str, Any]()
     token = _fields.set(fields)
     outcome = "ok"  # a success's status in the log line; failures carry the gRPC code name
@@ -83,6 +87,8 @@ async def call(
             raise
         except BaseException as exc:  # logged with its status, then re-raised
             outcome = _other(exc)
+            if outcome == "CANCELLED" and expired():
+                outcome = "DEADLINE_EXCEEDED"
             raise
         finally:
             outcome = fields.pop(_OUTCOME, outcome)
@@ -96,8 +102,12 @@ async def call(
 @contextlib.asynccontextmanager
 async def _call(method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
     """One RPC: ``call``, and a domain error ends the RPC with its status."""
+    def expired() -> bool:
+        left = context.time_remaining()
+        return left is not None and left <= 0
+
     try:
-        async with call(method, context.invocation_metadata()):
+        async with call(method, context.invocation_metadata(), expired=expired):
             yield
     except errors.LlamameshError as exc:
         await status.abort(context, exc)  # raises

@@ -167,7 +167,7 @@ async def test_queue_down_is_unavailable(stack: Stack) -> None:
 
 @pytest.mark.fake_step_s(0.05)
 async def test_deadline_ends_the_call_and_aborts_the_job(stack: Stack) -> None:
-    with pytest.raises(grpc.aio.AioRpcError) as ei:
+    with structlog.testing.capture_logs() as logs, pytest.raises(grpc.aio.AioRpcError) as ei:
         [
             m
             async for m in stack.stub.Generate(
@@ -175,6 +175,10 @@ async def test_deadline_ends_the_call_and_aborts_the_job(stack: Stack) -> None:
             )
         ]
     assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # The call's own line and its count say so too (not CANCELLED: the caller did not leave).
+    await until(lambda: any(e["event"] == "rpc_finished" for e in logs), 5, "the call's rpc_finished line")
+    (finished,) = [e for e in logs if e["event"] == "rpc_finished"]
+    assert finished["status"] == "DEADLINE_EXCEEDED", finished
     await aborted_and_acked(stack, "d-1")
     assert "d-1" in stack.engine.aborted
     assert stack.queue.pending("cpu") == {}
