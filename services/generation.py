@@ -105,7 +105,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         req = cache_scoped(req, who.tenant) if self._tenant_cache else req
         caller = Caller(_fingerprint(request), access_of(who), who.limits.weight)
         structlog.contextvars.bind_contextvars(request_id=public)
-        note(tenant=who.tenant, labels=dict(req.metadata) or None)  # the request's labels, in its line
+        # The model's pool until the call runs on one (a call refused or cancelled before is counted there).
+        note(tenant=who.tenant, pool=model.pool, labels=dict(req.metadata) or None)
         # The most it may generate is held from the tenant's tokens per minute until it ends.
         reserved = (req.sampling.max_tokens or 0) * (req.sampling.n or 1) if who.limits.tokens_per_min else 0
         await self._admission.request(who, reserved)
@@ -124,7 +125,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             # it reserved, what it may still generate, rather than what this stream delivered.
             await self._admission.spent(who, reserved if progress.detached else progress.tokens, reserved)
             note(
-                pool=progress.pool or None,
+                pool=progress.pool or model.pool,
                 route=progress.route,
                 failovers=progress.failovers or None,
                 finish_reason=progress.finish or None,

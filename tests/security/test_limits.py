@@ -4,6 +4,7 @@ RESOURCE_EXHAUSTED and RetryInfo, queues nothing, and recovers."""
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import Iterator
 
@@ -85,6 +86,14 @@ async def test_requests_per_second(limited: tuple[SecuredNode, Tenants], securit
         wait = retry_after(exc.value)
         assert 0 < wait <= 0.5 and "LLAMAMESH_LIMITS_REQUESTS_PER_S" in (exc.value.details() or "")
         assert not queued_ever(node, security_redis, "rps", "refused-rps")
+
+        def refused_line() -> dict | None:  # its rpc_finished line counts it on its model's pool
+            lines = [json.loads(x) for x in node.log("gateway").splitlines() if '"refused-rps"' in x]
+            return next((x for x in lines if x.get("event") == "rpc_finished"), None)
+
+        await until(lambda: refused_line() is not None, 10, "the refused call's rpc_finished line")
+        line = refused_line()
+        assert line is not None and line["status"] == "RESOURCE_EXHAUSTED" and line["pool"], line
         await asyncio.sleep(wait)  # time passing on purpose: what RetryInfo says, then it passes
         await generate(c, max_tokens=1)
     async with node.client(tenants.keys["free"]) as other:  # another tenant's budget is its own
