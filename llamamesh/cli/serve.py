@@ -20,6 +20,7 @@ from llamamesh.cli import flags
 from llamamesh.cli.generate import stream_answer
 from llamamesh.cli.node import Node, StartFailed
 from llamamesh.ports import free_port
+from llamamesh.settings import is_set
 
 # A node that never served has nothing to drain: its processes get this long after SIGTERM (a worker
 # converting a model ignores it until killed).
@@ -84,7 +85,7 @@ def _say(events: bool) -> Callable[[str, str], None]:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     settings = flags.settings(args)
-    if args.port is None and "LLAMAMESH_GATEWAY_PORT" not in os.environ:
+    if args.port is None and not is_set("gateway", "port"):
         settings = settings.with_overrides(gateway={"port": free_port()})  # never collides with a running node
     logs.configure(replace(settings.log, level="warning", format="console"), "demo")
     fd, name = tempfile.mkstemp(prefix="llamamesh-demo-", suffix=".log")  # this run's own: any user's

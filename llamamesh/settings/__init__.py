@@ -14,6 +14,7 @@ from llamamesh.settings.engines import TrtllmSettings, VllmSettings
 from llamamesh.settings.environment import (
     SECRETS,
     Settings,
+    is_set,
     otel_service_named,
     otlp_endpoint,
     prometheus_multiproc_dir,
@@ -56,6 +57,7 @@ __all__ = [
     "WorkerSettings",
     "adapter_table",
     "env_name",
+    "is_set",
     "otel_service_named",
     "otlp_endpoint",
     "parse_sentinel_url",

@@ -20,7 +20,7 @@ from llamamesh.settings.engines import TrtllmSettings, VllmSettings
 from llamamesh.settings.gateway import BreakerSettings, GatewaySettings
 from llamamesh.settings.log import LogSettings
 from llamamesh.settings.redis import RedisSettings
-from llamamesh.settings.schema import PREFIX, Section, Spec, section_from_env, specs
+from llamamesh.settings.schema import PREFIX, Section, Spec, env_name, section_from_env, specs
 from llamamesh.settings.tenants import AuthSettings, LimitsSettings
 from llamamesh.settings.worker import WorkerSettings
 
@@ -138,6 +138,12 @@ def refuse_unknown(env: Mapping[str, str]) -> None:
     close = difflib.get_close_matches(strays[0].removeprefix(PREFIX), tails, n=1)
     hint = f"; did you mean {tails[close[0]]}?" if close else " (docs/configuration.md lists the settings)"
     raise ValueError(f"{strays[0]} is not a setting{hint}")
+
+
+def is_set(section: str, name: str, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the environment sets that setting (``LLAMAMESH_<SECTION>_<NAME>``, not empty)."""
+    env = os.environ if environ is None else environ
+    return bool(env.get(env_name(section, name), "").strip())
 
 
 def prometheus_multiproc_dir(environ: Mapping[str, str] | None = None) -> str:

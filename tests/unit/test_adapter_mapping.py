@@ -136,7 +136,7 @@ def test_every_engine_renders_the_same_request_to_the_same_ids() -> None:
     messages go through the chat template without extra ones."""
     tok = StubTokenizer()
     batch = Batch.__new__(Batch)  # only its tokenizer: encode() renders as the GPU adapters do
-    batch.tokenizer = tok
+    batch.tokenizer, batch.max_model_len = tok, 4096
     for req, ids in [
         (request(prompt="hi there"), [1, 102, 105]),
         (request(messages=(ChatMessage("user", "hi"),)), [106, 102, 111]),

@@ -309,6 +309,7 @@ def test_demo_takes_the_port_setting_and_logs_to_a_file_of_its_own(monkeypatch: 
             pass
 
     monkeypatch.setattr(serve, "Node", Stub)
+    monkeypatch.setattr(serve.logs, "configure", lambda *a, **k: False)  # the test process's logging stays
     for name in [n for n in os.environ if n.startswith("LLAMAMESH_")]:
         monkeypatch.delenv(name)
     args = parser().parse_args(["demo", "hello"])
