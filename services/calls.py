@@ -102,6 +102,7 @@ async def call(
 @contextlib.asynccontextmanager
 async def _call(method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
     """One RPC: ``call``, and a domain error ends the RPC with its status."""
+
     def expired() -> bool:
         left = context.time_remaining()
         return left is not None and left <= 0
