@@ -167,16 +167,18 @@ async def test_queue_down_is_unavailable(stack: Stack) -> None:
 
 @pytest.mark.fake_step_s(0.05)
 async def test_deadline_ends_the_call_and_aborts_the_job(stack: Stack) -> None:
-    with structlog.testing.capture_logs() as logs, pytest.raises(grpc.aio.AioRpcError) as ei:
-        [
-            m
-            async for m in stack.stub.Generate(
-                pb.GenerateRequest(request_id="d-1", prompt="x", max_tokens=500), timeout=0.5
-            )
-        ]
-    assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    # The call's own line and its count say so too (not CANCELLED: the caller did not leave).
-    await until(lambda: any(e["event"] == "rpc_finished" for e in logs), 5, "the call's rpc_finished line")
+    with structlog.testing.capture_logs() as logs:
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            [
+                m
+                async for m in stack.stub.Generate(
+                    pb.GenerateRequest(request_id="d-1", prompt="x", max_tokens=500), timeout=0.5
+                )
+            ]
+        assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        # The call's own line says so too (not CANCELLED: the caller did not leave); the gateway
+        # may end the call after the caller's own clock did.
+        await until(lambda: any(e["event"] == "rpc_finished" for e in logs), 5, "the call's rpc_finished line")
     (finished,) = [e for e in logs if e["event"] == "rpc_finished"]
     assert finished["status"] == "DEADLINE_EXCEEDED", finished
     await aborted_and_acked(stack, "d-1")
