@@ -44,6 +44,8 @@ ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
 BATCH_SERVICE = batch_pb2.DESCRIPTOR.services_by_name["BatchService"].full_name
 # A gRPC connection's TLS and HTTP/2 handshake, at most (seconds; gRPC's own default is 120).
 HANDSHAKE_S = 10.0
+# gRPC's "never" for a duration in milliseconds.
+NEVER_MS = 2**31 - 1
 
 
 @dataclass
@@ -85,13 +87,37 @@ class Gateway:
             await self.health_server.stop(0)
 
 
+def transport_options(settings: GatewaySettings, share_port: bool) -> list[tuple[str, int]]:
+    """The gRPC ports' connection options: the port shared or not, keepalive pings both ways, connection age."""
+    ms = lambda s: min(int(s * 1000), NEVER_MS)  # noqa: E731
+    options = [
+        ("grpc.so_reuseport", 1 if share_port else 0),
+        ("grpc.keepalive_time_ms", ms(settings.keepalive_s) if settings.keepalive_s else NEVER_MS),
+        ("grpc.keepalive_timeout_ms", ms(settings.keepalive_timeout_s)),
+        # (gRPC core waits this long for a ping's answer, the keepalive's too: one minute unless set)
+        ("grpc.http2.ping_timeout_ms", ms(settings.keepalive_timeout_s)),
+        # Pings on connections without calls, the gateway's and a client's (gRPC's default refuses a client's).
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_ping_interval_without_data_ms", ms(settings.min_client_ping_s)),
+        ("grpc.http2.max_ping_strikes", 2 if settings.min_client_ping_s else 0),
+    ]
+    if settings.max_connection_age_s:
+        options += [
+            ("grpc.max_connection_age_ms", ms(settings.max_connection_age_s)),
+            ("grpc.max_connection_age_grace_ms", ms(settings.max_connection_age_grace_s)),
+        ]
+    return options
+
+
 async def health_only_server(
-    reporter: HealthReporter, host: str, port: int, share_port: bool
+    reporter: HealthReporter, settings: GatewaySettings, share_port: bool
 ) -> tuple[grpc.aio.Server, int]:
     """A plaintext server of grpc.health.v1 alone (the same statuses as the main port): Kubernetes'
     native gRPC probes cannot speak TLS, so with TLS on the main port they probe this one."""
+    host, port = settings.host, settings.health_port
     check_free(host, port, "LLAMAMESH_GATEWAY_HEALTH_PORT", reuse_port=share_port)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 1 if share_port else 0)])
+    server = grpc.aio.server(options=transport_options(settings, share_port))
     health_pb2_grpc.add_HealthServicer_to_server(reporter.servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if not bound:
@@ -207,7 +233,7 @@ def _grpc_server(
     server = grpc.aio.server(
         interceptors=[gatekeeper],
         options=[
-            ("grpc.so_reuseport", 1 if share_port else 0),
+            *transport_options(settings, share_port),
             ("grpc.max_receive_message_length", max(batch_bytes, settings.max_request_bytes)),
             # A connection that has not finished its TLS and HTTP/2 handshake by then is closed.
             ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_S * 1000)),
@@ -285,9 +311,7 @@ async def _start(gateway: Gateway, settings: GatewaySettings, port: int | None, 
     """Listen (and on the health-only port), then start serving and every background task."""
     gateway.port = tls.bind(gateway.server, settings, port, share_port)
     if settings.health_port:
-        gateway.health_server, gateway.health_port = await health_only_server(
-            gateway.health, settings.host, settings.health_port, share_port
-        )
+        gateway.health_server, gateway.health_port = await health_only_server(gateway.health, settings, share_port)
     if gateway.http is not None:
         gateway.http_port = await gateway.http.start(settings.http_port, tls.ssl_context(settings), share_port)
     await gateway.server.start()

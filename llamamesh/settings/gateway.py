@@ -169,6 +169,28 @@ class GatewaySettings(Section, section="gateway"):
     max_prompt_chars: int = setting(1_000_000, Range(1))
     """Longest prompt (or all chat messages together), in characters, checked before anything tokenises it."""
 
+    keepalive_s: float = setting(30.0, Range(0))
+    """Seconds a gRPC connection may stay silent before the gateway pings it (HTTP/2 PING); a client that does not
+    answer within keepalive_timeout_s is dropped and its calls cancelled, so a client that vanished (a dead host, a
+    NAT or load balancer that forgot the flow) stops its generations. 0: no pings."""
+
+    keepalive_timeout_s: float = setting(20.0, Range(above=0))
+    """Seconds the gateway waits for the answer to its keepalive ping before closing the connection."""
+
+    min_client_ping_s: float = setting(5.0, Range(0))
+    """Shortest interval between a client's keepalive pings that the gRPC ports accept, with or without calls open
+    (Go and Java clients ping every 10 s at the most; gRPC's own default policy refuses pings closer than 5 minutes
+    on a connection that receives nothing, which would close a queued or quiet stream); a client pinging more often
+    is sent GOAWAY "too_many_pings" after its third such ping. 0: any interval."""
+
+    max_connection_age_s: float = setting(0.0, Range(0))
+    """Seconds after which the gateway asks a gRPC client to reconnect (GOAWAY; its open calls go on for
+    max_connection_age_grace_s): spreads long-lived HTTP/2 connections over gateways added since (a Kubernetes
+    Service balances connections, not calls) and makes round_robin clients resolve the name again. 0: never."""
+
+    max_connection_age_grace_s: float = setting(600.0, Range(0))
+    """Seconds the calls open on a connection past max_connection_age_s get to finish before it is closed."""
+
     max_concurrent_rpcs: int = setting(10_000, Range(1))
     """RPCs one gateway process serves at once (health checks aside); past it: RESOURCE_EXHAUSTED."""
 
