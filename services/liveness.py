@@ -124,8 +124,12 @@ class Liveness:
             why = f"has been starting for over {s.start_wait_s:g} s"
         else:
             return  # the common case, checked every interval while a request waits: no strings built
-        wrong = b.what_is_wrong(pool)
-        raise errors.NoWorkers(f"pool {pool!r} {why}" + (f" ({wrong})" if wrong else ""))
+        wrong, fallback = b.what_is_wrong(pool), b.fallback.get(pool)
+        raise errors.NoWorkers(
+            f"the backend pool {pool!r} {why}"
+            + (f" ({wrong})" if wrong else "")
+            + (f" and its fallback {fallback!r} cannot take requests" if fallback else "")
+        )
 
     def check_reachable(self, pool: str, deadline_unix_ns: int) -> None:
         """Raise DeadlineUnreachable for a request that would wait in the queue past its deadline."""

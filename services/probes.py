@@ -78,7 +78,7 @@ class Probes:
         get. While Redis is out the workers known before are kept; after it, a worker whose heartbeat
         expired during the outage gets ``liveness_grace_s`` to heartbeat again before it counts as
         lost."""
-        was_live, was_present, was_starting = p.live, p.present, p.starting
+        was_live, was_present, was_starting, before = p.live, p.present, p.starting, p.workers
         # Unknown is not dead: while Redis is out the workers are kept (probes and submits fail
         # meanwhile); and right after it, their heartbeats (expired while it was out) get one round
         # to come back before a worker counts as lost.
@@ -99,6 +99,8 @@ class Probes:
             metrics.workers_seen(p.name, (w.state for w in p.workers), (s.value for s in WorkerState))
         if was_present and not p.present:
             p.empty_since = self._clock()
+        if was_live and not p.live:
+            p.vanished = frozenset(w.worker for w in before if w.ready)
         if p.starting and not was_starting:
             p.starting_since = self._clock()
         p.ever_live = p.ever_live or p.live
@@ -106,7 +108,11 @@ class Probes:
             # It opened for want of workers; they are coming up now: requests wait, not refused.
             p.breaker.revive(f"{len(p.workers)} worker(s) starting", close=True)
         elif p.live and not was_live:
-            p.breaker.revive(f"{len(p.workers)} live worker(s) again", close=p.opened_empty)
+            back = sorted(w.worker for w in p.workers if w.ready and w.worker in p.vanished)
+            if back:  # a worker whose heartbeat stopped, back without a restart: tried before it is trusted
+                p.breaker.revive(f"worker {back[0]} is back after its heartbeat stopped")
+            else:
+                p.breaker.revive(f"{len(p.workers)} live worker(s) again", close=p.opened_empty)
         await self._publish(p)
 
     async def probe(self, p: Pool) -> None:

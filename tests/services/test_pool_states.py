@@ -73,7 +73,7 @@ async def test_a_pool_starting_for_longer_than_start_wait_is_unavailable_saying_
             await stub.Generate(pb.GenerateRequest(prompt="x", max_tokens=3), timeout=20).read()
         assert ei.value.code() is grpc.StatusCode.UNAVAILABLE
         assert ei.value.details() == (
-            "pool 'gpu' has been starting for over 0.5 s (worker w1 is starting: loading the model)"
+            "the backend pool 'gpu' has been starting for over 0.5 s (worker w1 is starting: loading the model)"
         )
         assert time.monotonic() - t0 < 5
 

@@ -101,6 +101,31 @@ async def test_a_worker_coming_back_revives_the_pool() -> None:
     assert trt.breaker.state is State.CLOSED and trt.starting and not trt.live
 
 
+async def test_a_worker_back_from_a_hang_is_tried_half_open_and_a_new_one_closes_the_breaker() -> None:
+    b, q, _h = await backends("vllm", "trtllm")
+    trt = b.pools["trtllm"]
+    await q.leave("trtllm", "w-trtllm")  # its heartbeat stops (a hung process: SIGSTOP, a long GC)
+    await b.refresh(trt)
+    for _ in range(3):
+        await b.probes.result(trt, "no live worker")
+    assert trt.breaker.state is State.OPEN and trt.opened_empty
+    await q.heartbeat(WorkerStatus(worker="w-trtllm", pool="trtllm"), ttl_s=60)  # it goes on, never restarted
+    await b.refresh(trt)
+    assert trt.breaker.state is State.HALF_OPEN
+    assert "w-trtllm is back" in trt.breaker.transitions[-1].reason
+    for _ in range(2):
+        assert trt.breaker.allow()
+        trt.breaker.record(True, probe=True)
+    assert trt.breaker.state is State.CLOSED
+    await q.leave("trtllm", "w-trtllm")  # gone again; this time another worker replaces it
+    await b.refresh(trt)
+    for _ in range(3):
+        await b.probes.result(trt, "no live worker")
+    await q.heartbeat(WorkerStatus(worker="w-new", pool="trtllm"), ttl_s=60)
+    await b.refresh(trt)
+    assert trt.breaker.state is State.CLOSED  # nothing failed and nothing came back: a new worker serves at once
+
+
 async def test_a_starting_pool_is_coming_up_not_failing() -> None:
     b, q, health = await backends("vllm")
     trt = b.pools["trtllm"]
