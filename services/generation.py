@@ -28,6 +28,9 @@ from services.relayed import Caller, Progress
 
 log = structlog.get_logger(__name__)
 
+# Seconds past which a caller's deadline is taken as none (a year; gRPC's largest is about 11 400 years).
+FAR_DEADLINE_S = 365 * 24 * 3600.0
+
 
 def _fingerprint(request: pb.GenerateRequest) -> str:
     """What makes two Generates the same request (an idempotent retry), whatever their deadlines."""
@@ -93,7 +96,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         req = self._normalized(req)
         check_priority(who, req.priority)
         public = req.request_id
-        deadline = time.time_ns() + int(remaining_s * 1e9) if remaining_s is not None else 0
+        # A deadline beyond any run (a Java client's "none" is about 292 years, past an int64 of ns) is none.
+        near = remaining_s is not None and remaining_s <= FAR_DEADLINE_S
+        deadline = time.time_ns() + int(remaining_s * 1e9) if near and remaining_s is not None else 0
         # The caller's deadline is the job's: workers drop or abort it then.
         req = replace(
             req,

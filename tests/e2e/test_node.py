@@ -329,7 +329,10 @@ def test_grpcurl_reflection_lists_describes_and_streams(node: ProcessNode) -> No
             "temperature": 0,
         }
     )
-    out = run_grpcurl("-d", body, node.address, "llamamesh.v1.GenerationService/Generate")
+    # A deadline 285 years away, whose nanoseconds since 1970 fit no int64, is no deadline (Java's
+    # Deadline.after(Long.MAX_VALUE, NANOSECONDS) is 292 years).
+    far = ("-max-time", "9000000000")
+    out = run_grpcurl(*far, "-d", body, node.address, "llamamesh.v1.GenerationService/Generate")
     assert out.returncode == 0, out.stderr
     msgs = _json_objects(out.stdout)
     assert len(msgs) > 1
