@@ -99,7 +99,10 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
     async def _unknown(self, batch_id: str) -> str:
         """Why a batch is not found: unknown, its retention ended, or lost with Redis's data (said
         when the data began within a retention: a batch created before then is gone)."""
-        why = f"no batch {batch_id!r}: unknown, or its results expired (LLAMAMESH_BATCH_RETENTION_S after it ended)"
+        why = (
+            f"no batch {batch_id!r}: unknown, not accepted (a BatchGenerate that did not return it: send it again, "
+            "the same batch_id and items), or its results expired (LLAMAMESH_BATCH_RETENTION_S after it ended)"
+        )
         since = await self._store.data_since()
         if since and time.time() - since < self._s.retention_s:
             began = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(since))

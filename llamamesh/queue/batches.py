@@ -39,6 +39,10 @@ PAGE = 500
 STREAM_ID = re.compile(r"^(\d{1,20})(?:-(\d{1,20}))?$")
 
 
+# Batches read past a page's size, so that a page with unsealed ones among its batches still fills in one read.
+UNSEALED_SLACK = 4
+
+
 class RedisBatches:
     """The batch store, both faces: the gateway's (create, get, owned, cancel, results, the sweep)
     and the worker's (lease_items, record, touch, reclaim). Redis errors become QueueUnavailable.
@@ -112,7 +116,17 @@ class RedisBatches:
         return got, created
 
     async def get(self, batch_id: str) -> BatchInfo | None:
-        return await batch_record.read(self._r, self.keys, batch_id)
+        """The batch if it was accepted (sealed: stored whole, every item queued); None when unknown, purged, or
+        its submission did not complete (unsealed: for a retry to finish, or the sweep to drop)."""
+        info, sealed = await self._read(batch_id)
+        return info if sealed else None
+
+    async def _read(self, batch_id: str) -> tuple[BatchInfo | None, bool]:
+        """The batch's record (None: unknown, or purged) and whether it is sealed."""
+        with unreachable():
+            raw: Any = await self._r.hgetall(self.keys.batch(batch_id))
+        info = batch_record.info_of(raw) if raw and b"state" in raw else None
+        return info, info is not None and b"enqueued" in raw
 
     async def data_since(self) -> float:
         with unreachable():
@@ -122,18 +136,24 @@ class RedisBatches:
 
     async def owned(self, owner: str, limit: int, before: float | None) -> list[BatchInfo]:
         """The owner's batches created before ``before`` (None: all), newest first, at most ``limit``."""
-        key = self.keys.batches(owner)
-        with unreachable():
-            ids: Any = await self._r.zrevrangebyscore(
-                key, f"({before}" if before is not None else "+inf", "-inf", start=0, num=limit
-            )
-            out = []
+        key, passed = self.keys.batches(owner), 0
+        out: list[BatchInfo] = []
+        top = f"({before}" if before is not None else "+inf"
+        while len(out) < limit:
+            want = limit - len(out) + UNSEALED_SLACK
+            with unreachable():
+                ids: Any = await self._r.zrevrangebyscore(key, top, "-inf", start=passed, num=want)
             for raw_id in ids:
-                info = await self.get(raw_id.decode())
+                info, sealed = await self._read(raw_id.decode())
                 if info is None:  # purged after its retention
-                    await self._r.zrem(key, raw_id)
-                else:
+                    with unreachable():
+                        await self._r.zrem(key, raw_id)
+                    continue
+                passed += 1
+                if sealed and len(out) < limit:  # (an unsealed one is not reported: a retry may still seal it)
                     out.append(info)
+            if len(ids) < want:
+                break
         return out
 
     async def cancel(self, batch_id: str) -> BatchInfo | None:

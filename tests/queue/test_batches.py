@@ -369,6 +369,29 @@ async def test_a_submission_that_could_not_drop_what_it_wrote_is_completed_by_it
         await q.close()
 
 
+async def test_a_batch_whose_submission_was_cut_off_is_not_reported_until_sealed(
+    redis_settings: RedisSettings,
+) -> None:
+    """A gateway killed while it queued a batch's items leaves it unsealed, on its owner's list: neither Get nor
+    List reports it (it was not accepted; without its retry the sweep drops it), and pages still fill."""
+    q = RedisQueue.from_settings(redis_settings)
+    store = RedisBatches(q.client, q.keys, retention_s=60)
+    try:
+        await store.join("cpu")
+        for i, bid in enumerate(["s0", "cut1", "s2", "cut3", "s4", "s5"]):
+            info, items = batch(bid, 1)
+            await store.create(dataclasses.replace(info, created_at=1000.0 + i), "fp", items)
+            if bid.startswith("cut"):  # as its record stands while the submission queues the items
+                await q.client.hdel(q.keys.batch(bid), "enqueued")
+        assert await store.get("cut3") is None and await store.get("s2") is not None
+        assert [b.batch_id for b in await store.owned("t", 10, None)] == ["s5", "s4", "s2", "s0"]
+        assert [b.batch_id for b in await store.owned("t", 3, None)] == ["s5", "s4", "s2"]
+        assert [b.batch_id for b in await store.owned("t", 1, 1004.0)] == ["s2"]
+        assert await q.client.zcard(q.keys.batches("t")) == 6  # kept listed for the retry that seals them
+    finally:
+        await q.close()
+
+
 async def test_an_unsealed_batch_nobody_retries_is_dropped_by_the_sweep(
     redis_settings: RedisSettings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
