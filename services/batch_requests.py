@@ -129,7 +129,7 @@ def _items(
             bad.extend(v for v in (_item_violation(path, v) for v in exc.violations) if v not in bad)
             continue
         except NotFound as exc:  # an unknown model or adapter: which item names it
-            raise NotFound(f"{path} ({custom_id!r}): {exc.message}") from None
+            raise type(exc)(f"{path} ({custom_id!r}): {exc.message}") from None
         if out and model.id != out[0][0].id:
             bad.append(FieldViolation(f"{path}.request.model", f"every item must use one model ({out[0][0].id})"))
             continue

@@ -168,6 +168,7 @@ async def test_bad_files_and_bad_batches_are_400_naming_the_line(openai_door: tu
     with pytest.raises(openai.NotFoundError) as missing:
         await client.batches.create(input_file_id=nope.id, endpoint="/v1/chat/completions", completion_window="24h")
     assert "line 3 ('doc-1'): model 'nope' is not served here" in missing.value.message, missing.value.body
+    assert missing.value.code == "model_not_found", missing.value.body  # as OpenAI's, and as a completion's
     with pytest.raises(openai.BadRequestError) as exc:
         await client.batches.create(input_file_id=dup.id, endpoint="/v1/embeddings", completion_window="24h")  # type: ignore[arg-type]
     assert exc.value.param == "endpoint"
