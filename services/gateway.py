@@ -44,6 +44,8 @@ ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
 BATCH_SERVICE = batch_pb2.DESCRIPTOR.services_by_name["BatchService"].full_name
 # A gRPC connection's TLS and HTTP/2 handshake, at most (seconds; gRPC's own default is 120).
 HANDSHAKE_S = 10.0
+# A call's metadata (its headers), at most (gRPC's hard limit; an API key, a long token, trace headers fit).
+MAX_METADATA_BYTES = 16 * 1024
 # gRPC's "never" for a duration in milliseconds.
 NEVER_MS = 2**31 - 1
 
@@ -101,6 +103,10 @@ def transport_options(settings: GatewaySettings, share_port: bool) -> list[tuple
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.http2.min_ping_interval_without_data_ms", ms(settings.min_client_ping_s)),
         ("grpc.http2.max_ping_strikes", 2 if settings.min_client_ping_s else 0),
+        # Request headers up to this size pass, larger are refused: gRPC's default refuses at random
+        # between a soft limit (8 KiB) and this one.
+        ("grpc.max_metadata_size", MAX_METADATA_BYTES),
+        ("grpc.absolute_max_metadata_size", MAX_METADATA_BYTES),
     ]
     if settings.max_connection_age_s:
         options += [
