@@ -123,6 +123,12 @@ BATCH_PROJECTED_FINISH = Gauge(
 PROMPT_REWRITES = Counter(
     "llamamesh_prompt_rewrites", "Requests whose prompt or messages a normalisation rule changed, by rule", ["rule"]
 )
+QUEUE_EVICTING = Gauge(
+    "llamamesh_queue_evicting",
+    "1 while Redis would evict keys at its maxmemory (maxmemory-policy other than noeviction): jobs, token streams "
+    "and batch results could be lost",
+    multiprocess_mode="livemax",
+)
 QUEUE_FULL = Gauge(
     "llamamesh_queue_full",
     "1 while Redis refuses writes at its maxmemory (full), as this gateway's health check finds",

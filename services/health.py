@@ -26,6 +26,8 @@ LIVENESS = "llamamesh.liveness"
 QUEUE_WRITES = "llamamesh.queue"
 # Seconds between checks of a queue that did not answer the last one.
 OUTAGE_CHECK_S = 0.2
+# Seconds between checks of Redis's eviction policy (a managed Redis's may change under it).
+EVICTION_CHECK_S = 60.0
 
 
 class HealthReporter:
@@ -78,6 +80,9 @@ class HealthReporter:
         self._watchers: list[Callable[[bool], None]] = []
         self._write_watchers: list[Callable[[bool], None]] = []
         self.writable: bool | None = None
+        # The eviction policy Redis was last found to have ("": it evicts nothing), and when (monotonic).
+        self.evicts = ""
+        self._eviction_checked = -EVICTION_CHECK_S
 
     @classmethod
     def for_gateway(cls, queue: QueueState, services: Sequence[str], settings: GatewaySettings) -> HealthReporter:
@@ -135,6 +140,28 @@ class HealthReporter:
         self._epoch = epoch
         await self._set(time.monotonic() >= self._held_until)
         await self._check_writes()
+        await self._check_eviction()
+
+    async def _check_eviction(self) -> None:
+        """Every EVICTION_CHECK_S: whether Redis would evict keys at its maxmemory (jobs, events and results would
+        be lost): the gauge, and an error logged once per policy found."""
+        now = time.monotonic()
+        if now - self._eviction_checked < EVICTION_CHECK_S:
+            return
+        try:
+            policy = await asyncio.wait_for(self._queue.eviction(), timeout=self._interval_s)
+        except (QueueUnavailable, asyncio.TimeoutError):
+            return
+        self._eviction_checked = now
+        metrics.QUEUE_EVICTING.set(1 if policy else 0)
+        if policy and policy != self.evicts:
+            log.error(
+                "redis_may_evict",
+                policy=policy,
+                detail="at its maxmemory Redis would evict the queue's keys (jobs, token streams, batch results): "
+                "set maxmemory-policy noeviction",
+            )
+        self.evicts = policy
 
     async def _check_writes(self) -> None:
         full, why = False, ""

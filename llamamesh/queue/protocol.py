@@ -222,6 +222,12 @@ class QueueState(Protocol):
         """Raise QueueOutOfMemory while Redis refuses writes for want of memory (at its maxmemory),
         QueueUnavailable while it refuses them otherwise (a read-only replica) or does not answer."""
 
+    async def eviction(self) -> str:
+        """What Redis would evict at its maxmemory ("allkeys-lru", ...: a queue loses jobs, events and results
+        then), or "" when it evicts nothing (noeviction, or no maxmemory) or does not say. Raises
+        QueueUnavailable."""
+        ...
+
     async def close(self) -> None: ...
 
 

@@ -103,3 +103,13 @@ async def call_scripts(client: aioredis.Redis, calls: Sequence[tuple[Any, Sequen
         for script, k, a in calls:
             await script(keys=list(k), args=list(a), client=pipe)  # queued: the replies come below
         return list(await pipe.execute())
+
+
+def evicting(info: Any) -> str:
+    """The policy ``INFO memory`` names when Redis would evict keys at its maxmemory ("allkeys-lru", ...), or ""
+    when it evicts nothing (``noeviction``, or no maxmemory); a cluster's INFO (one per node) by its first node that
+    would."""
+    if isinstance(info, dict) and "maxmemory_policy" not in info:
+        return next((p for p in (evicting(v) for v in info.values() if isinstance(v, dict)) if p), "")
+    policy = str(info.get("maxmemory_policy", "noeviction"))
+    return policy if policy != "noeviction" and int(info.get("maxmemory", 0) or 0) > 0 else ""

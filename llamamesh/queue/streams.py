@@ -15,6 +15,7 @@ from collections.abc import AsyncGenerator, Callable, Collection, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from llamamesh.queue.adapters import AdapterTable
 from llamamesh.queue.attempts import AttemptsLog
@@ -25,7 +26,7 @@ from llamamesh.queue.keys import Keys, Retention
 from llamamesh.queue.lease import Leasing
 from llamamesh.queue.protocol import Lease, QueueDepth
 from llamamesh.queue.reclaim import Reclaimer
-from llamamesh.queue.redisio import connect, unreachable
+from llamamesh.queue.redisio import connect, evicting, unreachable
 from llamamesh.queue.registry import WorkerRegistry
 from llamamesh.queue.replicas import Replicas
 from llamamesh.queue.slots import shard_tags
@@ -96,6 +97,14 @@ class RedisQueue:
     async def check_writes(self) -> None:
         with unreachable():
             await self._r.set(self.keys.write_probe(), b"1", ex=self.retention.write_probe_s)
+
+    async def eviction(self) -> str:
+        with unreachable():
+            try:
+                info: Any = await self._r.info("memory")
+            except ResponseError:  # INFO renamed or refused (a managed Redis's ACL): it does not say
+                return ""
+        return evicting(info)
 
     async def close(self) -> None:
         await self._events.close()

@@ -62,6 +62,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "llamamesh_batches_projected_late": ("gauge", ()),
     "llamamesh_batch_projected_finish_ratio": ("gauge", ()),
     "llamamesh_queue_full": ("gauge", ()),
+    "llamamesh_queue_evicting": ("gauge", ()),
     # worker
     "llamamesh_affinity_leases_total": ("counter", ("pool", "kind")),
     "llamamesh_jobs_started_total": ("counter", ("pool",)),

@@ -1,5 +1,6 @@
 """A Redis at its maxmemory (noeviction) refuses writes while it answers reads: the queue says so
-(QueueOutOfMemory), and a batch refused half-way is stored whole or not at all."""
+(QueueOutOfMemory), and a batch refused half-way is stored whole or not at all; a Redis that would evict
+keys instead is named by its policy."""
 
 from __future__ import annotations
 
@@ -110,3 +111,16 @@ async def test_a_batch_refused_before_its_record_stores_nothing(queue: RedisQueu
     await queue.client.config_set("maxmemory", 0)
     assert await store.get("early") is None
     assert not await queue.client.exists(queue.keys.batch_lane("cpu", "early"))
+
+
+async def test_the_queue_names_a_policy_that_would_evict_its_keys(queue: RedisQueue) -> None:
+    assert await queue.eviction() == ""  # no maxmemory: nothing is ever evicted
+    await queue.client.config_set("maxmemory", "100mb")
+    try:
+        assert await queue.eviction() == ""  # noeviction, the servers' default
+        for policy in ("volatile-lru", "allkeys-lfu"):
+            await queue.client.config_set("maxmemory-policy", policy)
+            assert await queue.eviction() == policy
+    finally:
+        await queue.client.config_set("maxmemory-policy", "noeviction")
+        await queue.client.config_set("maxmemory", "0")

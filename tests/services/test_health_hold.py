@@ -1,10 +1,13 @@
 """Readiness through a Redis blip (services/health.py): it stays SERVING for ``unreachable_hold_s``
-while the queue does not answer, then turns NOT_SERVING until it answers again."""
+while the queue does not answer, then turns NOT_SERVING until it answers again; and a Redis that would
+evict keys is said."""
 
 from __future__ import annotations
 
 import pytest
+import structlog
 from grpc_health.v1 import health_pb2
+from prometheus_client import REGISTRY
 
 from llamamesh.errors import QueueUnavailable
 from services.health import HealthReporter
@@ -20,6 +23,7 @@ class Flaky:
 
     def __init__(self, up: bool = True) -> None:
         self.up = up
+        self.evicts = ""
 
     def _check(self) -> None:
         if not self.up:
@@ -34,6 +38,10 @@ class Flaky:
 
     async def check_writes(self) -> None:
         self._check()
+
+    async def eviction(self) -> str:
+        self._check()
+        return self.evicts
 
     async def close(self) -> None:
         pass
@@ -87,3 +95,24 @@ async def test_a_gateway_that_never_reached_redis_is_not_ready() -> None:
         assert await status(reporter) == NOT_SERVING
     finally:
         await reporter.shutdown()
+
+
+async def test_a_redis_that_would_evict_keys_is_said_once_and_gauged() -> None:
+    queue = Flaky()
+    queue.evicts = "volatile-lru"  # a managed Redis's default: event streams and results have TTLs
+    reporter = HealthReporter(queue, [], interval_s=10)
+    with structlog.testing.capture_logs() as logs:
+        await reporter.start()
+        await reporter.check_now()  # (checked again only after EVICTION_CHECK_S)
+    try:
+        said = [e for e in logs if e["event"] == "redis_may_evict"]
+        assert len(said) == 1 and said[0]["policy"] == "volatile-lru" and "noeviction" in said[0]["detail"]
+        assert REGISTRY.get_sample_value("llamamesh_queue_evicting") == 1
+        assert await status(reporter) == SERVING  # said, not refused: the queue still works
+    finally:
+        await reporter.shutdown()
+    queue.evicts = ""
+    fixed = HealthReporter(queue, [], interval_s=10)
+    await fixed.start()
+    await fixed.shutdown()
+    assert REGISTRY.get_sample_value("llamamesh_queue_evicting") == 0

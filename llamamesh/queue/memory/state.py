@@ -48,6 +48,8 @@ class MemoryState:
         # pool -> tenant -> the weight its latest submission gave (inspection only)
         self.weights: dict[str, dict[str, float]] = {}
         self.down = False
+        # Tests: the policy a Redis at its maxmemory would evict keys by ("": none, as noeviction).
+        self.evicts = ""
         self.full = False
 
     def _check(self) -> None:
@@ -88,6 +90,10 @@ class MemoryState:
 
     async def check_writes(self) -> None:
         self._check_write()
+
+    async def eviction(self) -> str:
+        self._check()
+        return self.evicts
 
     async def close(self) -> None:
         return None
