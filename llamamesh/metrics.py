@@ -142,11 +142,17 @@ DISCONNECT_CANCEL = Histogram(
 
 # --- worker
 
-JOBS_STARTED = Counter("llamamesh_jobs_started", "Jobs a worker started", ["pool"])
-JOBS_FINISHED = Counter(
-    "llamamesh_jobs_finished", "Jobs a worker finished, by status (ok or the failure code)", ["pool", "status"]
+JOBS_STARTED = Counter(
+    "llamamesh_jobs_started", "Requests (jobs) a worker started; batch items: llamamesh_batch_items", ["pool"]
 )
-WORKER_TOKENS = Counter("llamamesh_worker_generated_tokens", "Tokens the worker's engine generated", ["pool"])
+JOBS_FINISHED = Counter(
+    "llamamesh_jobs_finished",
+    "Requests (jobs) a worker finished, by status (ok or the failure code); batch items: llamamesh_batch_items",
+    ["pool", "status"],
+)
+WORKER_TOKENS = Counter(
+    "llamamesh_worker_generated_tokens", "Tokens the worker's engine generated, for requests and batch items", ["pool"]
+)
 AFFINITY_LEASES = Counter(
     "llamamesh_affinity_leases",
     "Jobs a worker leased with prefix affinity on, by kind: own "

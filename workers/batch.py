@@ -57,8 +57,9 @@ class _Gathered:
     """What an item's stream produced: each sample's text and end, the tokens, the first token's
     time and the engine's own timings."""
 
-    def __init__(self, req: GenerationRequest) -> None:
+    def __init__(self, req: GenerationRequest, pool: str) -> None:
         self.req = req
+        self._counted = metrics.WORKER_TOKENS.labels(pool)  # (the worker's throughput, batch items too)
         self.n = req.sampling.samples
         self.texts: dict[int, list[str]] = {k: [] for k in range(self.n)}
         self.ends: dict[int, FinishReason] = {}
@@ -70,6 +71,7 @@ class _Gathered:
         """Take one delta; the item's result once every sample has ended."""
         self.texts[delta.sample].append(delta.text)
         self.tokens += len(delta.token_ids)
+        self._counted.inc(len(delta.token_ids))
         if delta.token_ids and not self.first_token:
             self.first_token = time.time_ns()
         if delta.engine_timings_ms:
@@ -100,7 +102,7 @@ async def run_batch_item(lease: Lease, engine: Samples, batches: BatchStore) -> 
     """Generate the item (every sample of it, n > 1) and record its result (under ``shield``). Raises
     EngineDead without recording, so the worker stops and the item goes to another worker."""
     req = lease.request
-    gathered = _Gathered(req)
+    gathered = _Gathered(req, lease.pool)
     result: ItemResult | None = None
     outcome = "cancelled"  # (for the span) unless it records a result or the engine dies
     # A span under the BatchGenerate RPC's: queue_wait from the batch's acceptance, then the item.

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from llamamesh.cli.batchfile import result_line
 from llamamesh.client import field_violations
@@ -45,6 +46,8 @@ def items(n: int, max_tokens: int = 3) -> list[bpb.BatchItem]:
 
 async def test_a_batch_runs_to_completion_with_one_result_each(stack: Stack) -> None:
     stub = stack.batch
+    tokens = lambda: REGISTRY.get_sample_value("llamamesh_worker_generated_tokens_total", {"pool": "cpu"}) or 0  # noqa: E731
+    before = tokens()
     named = items(9)
     named[0].request.request_id = "not an id!"  # ignored, as the proto says: the server names each job
     b = await stub.BatchGenerate(bpb.BatchGenerateRequest(batch_id="b", items=named))
@@ -52,6 +55,7 @@ async def test_a_batch_runs_to_completion_with_one_result_each(stack: Stack) -> 
     got = [r async for r in stub.StreamBatchResults(bpb.StreamBatchResultsRequest(batch_id="b"))]
     assert sorted(r.custom_id for r in got) == sorted(f"c{i}" for i in range(9))
     assert all(r.usage.completion_tokens == 3 and r.status == bpb.BATCH_ITEM_STATUS_SUCCEEDED for r in got)
+    assert tokens() - before == 9 * 3  # the worker's throughput counts batch items too
     done = await stub.GetBatch(bpb.GetBatchRequest(batch_id="b"))
     assert done.state == bpb.BATCH_STATE_COMPLETED and done.counts.succeeded == 9 and done.counts.processing == 0
     with pytest.raises(grpc.aio.AioRpcError) as bad:
