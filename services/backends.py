@@ -70,6 +70,9 @@ class Backends:
         }
         for p in names:
             metrics.BREAKER_STATE.labels(p).set(0)
+            # Counted from 0 before their first event, so that increase() over a window sees the first one.
+            metrics.FAILOVERS.labels(p)
+            metrics.DEAD_LETTERS.labels(p)
         self._on_health = on_health
         self._serving: dict[str, bool] = {}
         self.outage = QueueOutage(settings.liveness_grace_s, clock)

@@ -7,6 +7,7 @@ import asyncio
 from dataclasses import replace
 
 import pytest
+from prometheus_client import REGISTRY
 
 from llamamesh import errors
 from llamamesh.queue.memory import MemoryQueue
@@ -35,6 +36,8 @@ async def backends(*live: str) -> tuple[Backends, MemoryQueue, list[tuple[str, b
 
 async def test_a_live_pool_takes_its_own_requests() -> None:
     b, _q, health = await backends("trtllm", "vllm")
+    for counter in ("llamamesh_failovers_total", "llamamesh_dead_letters_total"):  # at 0 before the first event
+        assert REGISTRY.get_sample_value(counter, {"pool": "vllm"}) is not None
     assert b.route("trtllm") == "trtllm"
     assert sorted(health) == [("trtllm", True), ("vllm", True)]
     assert backend_service("trtllm") == "llamamesh.backend.trtllm"
