@@ -35,6 +35,10 @@ def note(**fields: Any) -> None:
 
 
 _OUTCOME = "_outcome"  # (a field of no log line: the status a door answered with itself)
+_DELIVERED = "_delivered"  # (nor this: the stream's last message went out)
+# A call cancelled this close to its deadline ran out of time: the caller's own deadline fires first and
+# cancels it, the gateway's (counted from when the call arrived) a little later.
+DEADLINE_SLACK_S = 1.0
 
 
 def answered_with(exc: errors.LlamameshError) -> None:
@@ -44,6 +48,14 @@ def answered_with(exc: errors.LlamameshError) -> None:
     if current is not None:
         current[_OUTCOME] = status.code_for(exc).name
         current["error"] = exc.message
+
+
+def delivered() -> None:
+    """The current call's last message went out: a cancel after it (the caller leaving before the trailers came)
+    ends nothing, and the call counts as what it was, a success."""
+    current = _fields.get()
+    if current is not None:
+        current[_DELIVERED] = True
 
 
 def _finished(method: str, outcome: str, t0: float, fields: dict[str, Any]) -> None:
@@ -71,7 +83,8 @@ async def call(
     """One call's bookkeeping, whichever door it came through: its fields for ``note``, its status,
     its span (continuing the ``traceparent`` in ``metadata``) and its ``rpc_finished`` line. A
     domain error is recorded with its gRPC code name and propagates; a call cancelled once
-    ``expired()`` (its deadline passed) is DEADLINE_EXCEEDED, else CANCELLED."""
+    ``expired()`` (its deadline passed, or is at most DEADLINE_SLACK_S away) is DEADLINE_EXCEEDED, one
+    cancelled after its last message was ``delivered`` ok, else CANCELLED."""
     t0, fields = time.perf_counter(), dict[str, Any]()
     token = _fields.set(fields)
     outcome = "ok"  # a success's status in the log line; failures carry the gRPC code name
@@ -87,10 +100,13 @@ async def call(
             raise
         except BaseException as exc:  # logged with its status, then re-raised
             outcome = _other(exc)
-            if outcome == "CANCELLED" and expired():
+            if outcome == "CANCELLED" and fields.get(_DELIVERED):
+                outcome = "ok"
+            elif outcome == "CANCELLED" and expired():
                 outcome = "DEADLINE_EXCEEDED"
             raise
         finally:
+            fields.pop(_DELIVERED, None)
             outcome = fields.pop(_OUTCOME, outcome)
             metrics.INFLIGHT.dec()
             tracing.ended(span, outcome)
@@ -105,7 +121,7 @@ async def _call(method: str, context: grpc.aio.ServicerContext) -> AsyncIterator
 
     def expired() -> bool:
         left = context.time_remaining()
-        return left is not None and left <= 0
+        return left is not None and left <= DEADLINE_SLACK_S
 
     try:
         async with call(method, context.invocation_metadata(), expired=expired):

@@ -21,7 +21,7 @@ from llamamesh.v1 import generation_pb2_grpc
 from services import convert, tools
 from services.admission import Admission, access_of, cache_scoped, check_priority
 from services.auth import identity
-from services.calls import note, rpc
+from services.calls import delivered, note, rpc
 from services.normalize import Normalizer
 from services.relay import Relay
 from services.relayed import Caller, Progress
@@ -78,6 +78,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         async with aclosing(streamed) as responses:
             async for msg in responses:
                 yield msg
+                if msg.HasField("usage"):  # the last one
+                    delivered()
 
     async def stream(
         self,
@@ -158,7 +160,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         )
         async with self._admission.stream(who), aclosing(attached) as events:
             async for head, ev in events:
-                yield convert.generate_response(head, ev, request_id=public)
+                msg = convert.generate_response(head, ev, request_id=public)
+                yield msg
+                if msg.HasField("usage"):
+                    delivered()
 
     @rpc("Cancel")
     async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext) -> pb.CancelResponse:

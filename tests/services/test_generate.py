@@ -7,6 +7,7 @@ import asyncio
 import logging
 import sys
 import time
+from typing import Any
 
 import grpc
 import pytest
@@ -184,6 +185,41 @@ async def test_deadline_ends_the_call_and_aborts_the_job(stack: Stack) -> None:
     await aborted_and_acked(stack, "d-1")
     assert "d-1" in stack.engine.aborted
     assert stack.queue.pending("cpu") == {}
+
+
+@pytest.mark.fake_step_s(0.05)
+async def test_a_call_cancelled_in_its_deadlines_last_second_ran_out_of_time(stack: Stack) -> None:
+    # The caller's deadline fires first and cancels the call; the gateway's, counted from when the call came,
+    # is a little later: the call is DEADLINE_EXCEEDED there too, not a caller's cancel.
+    with structlog.testing.capture_logs() as logs:
+        call = stack.stub.Generate(pb.GenerateRequest(request_id="d-2", prompt="x", max_tokens=500), timeout=1.8)
+        await call.read()
+        await asyncio.sleep(1.2)  # (standing in for a clock that fires 0.6 s before the gateway's)
+        call.cancel()
+        await until(lambda: any(e["event"] == "rpc_finished" for e in logs), 5, "the call's rpc_finished line")
+    (finished,) = [e for e in logs if e["event"] == "rpc_finished"]
+    assert finished["status"] == "DEADLINE_EXCEEDED", finished
+
+
+async def test_a_stream_read_to_its_last_message_then_dropped_is_a_success(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backends = stack.gateway.backends
+    record = backends.record
+
+    async def slow_record(*args: Any) -> None:  # the gateway's bookkeeping after the last message, on a busy Redis
+        await asyncio.sleep(0.5)
+        await record(*args)
+
+    monkeypatch.setattr(backends, "record", slow_record)
+    with structlog.testing.capture_logs() as logs:
+        call = stack.stub.Generate(pb.GenerateRequest(request_id="e-1", prompt="x", max_tokens=4))
+        while not (msg := await call.read()).HasField("usage"):
+            pass
+        call.cancel()  # before the trailers (a client that stops at the last message)
+        await until(lambda: any(e["event"] == "rpc_finished" for e in logs), 5, "the call's rpc_finished line")
+    (finished,) = [e for e in logs if e["event"] == "rpc_finished"]
+    assert finished["status"] == "ok" and msg.finish_reason == pb.FINISH_REASON_LENGTH, finished
 
 
 @pytest.mark.fake_step_s(0.05)
