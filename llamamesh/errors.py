@@ -134,6 +134,26 @@ class QueueUnavailable(Unavailable):
     code = "queue_unavailable"
     retry_after_s = 1.0
 
+    @property
+    def detail(self) -> str:
+        """What Redis, or the connection to it, said (for logs; callers get the message alone)."""
+        cause = self.__cause__
+        return f"{type(cause).__name__}: {cause}" if cause is not None else self.message
+
+
+class QueueRefused(QueueUnavailable):
+    """Redis answers but refuses this client: a password, an ACL permission, the database index, TLS's
+    certificate, the protocol. Retrying does not mend it: a process refused at its start stops, naming
+    ``reason`` (callers are told no more than that the queue is unreachable)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    @property
+    def detail(self) -> str:
+        return self.reason
+
 
 class QueueOutOfMemory(QueueUnavailable):
     """Redis answers but refuses writes: it reached its ``maxmemory`` (with the ``noeviction``

@@ -50,8 +50,8 @@ class BatchSweeper:
                 self._watch(await self._store.open_batches(), time.time())
                 if self._quotas is not None:  # what ended batches held of their tenants' budgets
                     await self._quotas.give_back(self._grace_s)
-            except QueueUnavailable:
-                log.warning("batch_sweep_failed", retry_in_s=self._interval_s)
+            except QueueUnavailable as exc:
+                log.warning("batch_sweep_failed", error=exc.detail, retry_in_s=self._interval_s)
             except Exception:  # a sweep must never kill the gateway
                 log.exception("batch_sweep_crashed")
             await asyncio.sleep(self._interval_s)

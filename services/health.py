@@ -115,11 +115,13 @@ class HealthReporter:
     async def check_now(self) -> None:
         try:
             epoch = await asyncio.wait_for(self._queue.epoch(), timeout=self._interval_s)
-        except (QueueUnavailable, asyncio.TimeoutError):
+        except (QueueUnavailable, asyncio.TimeoutError) as exc:
             now = time.monotonic()
             if self._down_since is None:
                 self._down_since = now
-                log.warning("queue_unreachable", readiness_hold_s=self._unreachable_hold_s if self._serving else 0)
+                hold_s = self._unreachable_hold_s if self._serving else 0
+                why = exc.detail if isinstance(exc, QueueUnavailable) else "no answer"
+                log.warning("queue_unreachable", error=why, readiness_hold_s=hold_s)
             self._saw(False)
             if not (self._serving and now - self._down_since < self._unreachable_hold_s):
                 await self._set(False)

@@ -13,6 +13,7 @@ import sys
 import structlog
 
 from llamamesh import logs, metrics, tracing
+from llamamesh.errors import QueueRefused, QueueUnavailable
 from llamamesh.loop import EVENT_LOOPS, run_main, serving_heap
 from llamamesh.queue.batches import RedisBatches
 from llamamesh.queue.files import RedisFiles
@@ -27,6 +28,9 @@ from services.normalize import Normalizer
 __all__ = ["Gateway", "main", "serve", "start_gateway", "supervise"]
 
 log = structlog.get_logger(__name__)
+
+# Seconds the start gives Redis to say whether it takes this process (it may come up later: then it is waited for).
+PREFLIGHT_S = 5.0
 
 
 class StartFailed(Exception):
@@ -50,6 +54,7 @@ async def serve(settings: Settings, share_port: bool = False) -> None:
         queue.client, queue.keys, settings.batch, replicas=queue.replicas, outage_grace_s=settings.redis.outage_grace_s
     )
     try:
+        await preflight(queue)
         metrics.serve(g.metrics_port, g.host, "gateway", prometheus_multiproc_dir())
         gateway = await start_gateway(
             queue,
@@ -63,9 +68,11 @@ async def serve(settings: Settings, share_port: bool = False) -> None:
             quotas=RedisQuotas(queue.client, queue.keys, queue.retention),
             files=RedisFiles(queue.client, queue.keys),
         )
-    except (ValueError, OSError, RuntimeError) as exc:  # a bad rule or file, a port taken (grpc's RuntimeError)
+    except (ValueError, OSError, RuntimeError, StartFailed) as exc:  # a bad rule or file, a port taken, Redis
         await batches.close()
         await queue.close()
+        if isinstance(exc, StartFailed):
+            raise
         raise StartFailed(str(exc)) from exc
     log.info("heap_frozen", objects=serving_heap())
     try:
@@ -82,6 +89,17 @@ async def serve(settings: Settings, share_port: bool = False) -> None:
         await batches.close()
         await queue.close()
         log.info("gateway_stopped")
+
+
+async def preflight(queue: RedisQueue) -> None:
+    """Raise StartFailed, naming why, when Redis refuses this process what the queue needs (a password, a
+    permission, the database, TLS); a Redis that does not answer yet is waited for (NOT_SERVING meanwhile)."""
+    try:
+        await asyncio.wait_for(queue.preflight(), PREFLIGHT_S)
+    except QueueRefused as exc:
+        raise StartFailed(f"{exc.reason} (LLAMAMESH_REDIS_URL)") from exc
+    except (QueueUnavailable, asyncio.TimeoutError):
+        return
 
 
 def supervise(settings: Settings) -> int:

@@ -76,9 +76,9 @@ class Leasing:
             try:
                 leases = await self._lease(free)
                 delays.reset()
-            except QueueUnavailable:
+            except QueueUnavailable as exc:
                 self._life.unreachable()
-                log.warning("lease_failed", retry_in_s=round(await delays.wait(stop), 3))
+                log.warning("lease_failed", error=exc.detail, retry_in_s=round(await delays.wait(stop), 3))
                 continue
             if self._life.engine_died is not None and leases:
                 await self._hand_back(leases)  # its engine died while it was waiting for them

@@ -14,7 +14,7 @@ import time
 import structlog
 
 from llamamesh.backoff import Delays
-from llamamesh.errors import EngineDead, InvalidRequest, QueueUnavailable
+from llamamesh.errors import EngineDead, InvalidRequest, QueueRefused, QueueUnavailable
 from llamamesh.loop import serving_heap
 from llamamesh.queue.protocol import BatchStore, WorkQueue
 from llamamesh.settings import BatchSettings, WorkerSettings
@@ -129,17 +129,21 @@ class Worker:
 
     async def _join(self, stop: asyncio.Event) -> bool:
         """Join the pool's consumer groups, waiting for Redis (it may come up after the worker) rather
-        than exit; False if ``stop`` came first."""
+        than exit; False if ``stop`` came first. Raises QueueRefused when Redis refuses what the queue needs."""
         delays = Delays(first_s=0.1, cap_s=2.0)
         while True:
             try:
+                await self._queue.preflight()
                 await self._queue.join(self._s.pool)
                 if self._batches is not None:
                     await self._batches.join(self._s.pool)
                 return True
-            except QueueUnavailable:
+            except QueueRefused:
+                raise
+            except QueueUnavailable as exc:
                 self.join_failures += 1
-                log.warning("join_failed", pool=self._s.pool, retry_in_s=round(await delays.wait(stop), 3))
+                wait_s = round(await delays.wait(stop), 3)
+                log.warning("join_failed", pool=self._s.pool, error=exc.detail, retry_in_s=wait_s)
                 if stop.is_set():
                     return False
 

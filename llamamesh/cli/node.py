@@ -11,6 +11,7 @@ core never imports either side.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import socket
@@ -29,10 +30,11 @@ from llamamesh import metrics
 from llamamesh.cli.embedded import EmbeddedRedis
 from llamamesh.cli.progress import Progress
 from llamamesh.client import Client
-from llamamesh.errors import QueueUnavailable
+from llamamesh.errors import QueueRefused, QueueUnavailable
 from llamamesh.ports import check_free, free_port
 from llamamesh.queue.streams import RedisQueue
-from llamamesh.settings import Settings, prometheus_multiproc_dir
+from llamamesh.settings import RedisSettings, Settings, prometheus_multiproc_dir
+from llamamesh.settings.environment import redacted_url
 from llamamesh.supervisor import Child, ChildState, Supervisor
 from llamamesh.types import WorkerState, WorkerStatus
 
@@ -68,6 +70,8 @@ UNTRUSTED = ("CERTIFICATE_VERIFY_FAILED", "not in peer certificate", "Peer name"
 METRICS_HOST = "LLAMAMESH_WORKER_METRICS_HOST"
 # The HTTP door of an embedded node, where it is free (the port OpenAI-compatible servers use).
 HTTP_PORT = 8000
+# Seconds the start gives Redis to say whether it takes the node (it may come up later: then it is waited for).
+PREFLIGHT_S = 3.0
 
 
 class Node:
@@ -126,6 +130,8 @@ class Node:
                 self.settings.redis.check_tls()
             except ValueError as exc:
                 raise StartFailed(str(exc)) from None
+            with concurrent.futures.ThreadPoolExecutor(1) as one:  # (start may be called in an event loop)
+                one.submit(asyncio.run, _preflight(self.settings.redis)).result()
         g = self.settings.gateway
         for setting, port in (("LLAMAMESH_GATEWAY_PORT", g.port), ("LLAMAMESH_GATEWAY_HEALTH_PORT", g.health_port)):
             check_free(g.host, port, setting, reuse_port=g.share_port)
@@ -164,7 +170,7 @@ class Node:
             "node_started",
             address=self.address,
             http=self.http_url,
-            redis=self.settings.redis.url,
+            redis=redacted_url(self.settings.redis.url),
             workers=self._n_workers,
             metrics=self.metrics_urls,
         )
@@ -233,9 +239,12 @@ class Node:
         return self.supervisor.run()
 
     async def workers(self, queue: RedisQueue) -> list[WorkerView] | None:
-        """The node's workers as their heartbeats say; None while Redis does not answer."""
+        """The node's workers as their heartbeats say; None while Redis does not answer. Raises StartFailed when
+        Redis refuses what the queue needs."""
         try:
             seen = {w.worker: w for w in await asyncio.wait_for(queue.workers(self.settings.worker.pool), 2)}
+        except QueueRefused as exc:  # at once: a password, a permission, the database, TLS
+            raise StartFailed(f"{exc.reason} (LLAMAMESH_REDIS_URL)") from exc
         except (QueueUnavailable, asyncio.TimeoutError):
             return None
         out = []
@@ -345,6 +354,20 @@ class Node:
             self._log_handle = None
         if started:
             log.info("node_stopped")
+
+
+async def _preflight(settings: RedisSettings) -> None:
+    """Raise StartFailed, naming why, when Redis answers and refuses what the queue needs (a password, a
+    permission, the database, TLS): before any process starts. One that does not answer yet is waited for."""
+    queue = RedisQueue.from_settings(settings)
+    try:
+        await asyncio.wait_for(queue.preflight(), PREFLIGHT_S)
+    except QueueRefused as exc:
+        raise StartFailed(f"{exc.reason} (LLAMAMESH_REDIS_URL)") from None
+    except (QueueUnavailable, asyncio.TimeoutError):
+        return
+    finally:
+        await queue.close()
 
 
 def _doing(views: list[WorkerView] | None, took: bool = True) -> str:

@@ -222,6 +222,10 @@ class QueueState(Protocol):
         """Raise QueueOutOfMemory while Redis refuses writes for want of memory (at its maxmemory),
         QueueUnavailable while it refuses them otherwise (a read-only replica) or does not answer."""
 
+    async def preflight(self) -> None:
+        """Raise QueueRefused, naming what, when Redis answers but refuses this client what the queue needs (its
+        password, its database, scripts, XAUTOCLAIM); QueueUnavailable while it does not answer."""
+
     async def eviction(self) -> str:
         """What Redis would evict at its maxmemory ("allkeys-lru", ...: a queue loses jobs, events and results
         then), or "" when it evicts nothing (noeviction, or no maxmemory) or does not say. Raises
@@ -253,6 +257,9 @@ class WorkQueue(AdapterRegistry, Protocol):
     async def queued(self, pool: str, request_id: str) -> bool:
         """As ``Jobs.queued``: which of its jobs were queued to the data Redis holds now."""
         ...
+
+    async def preflight(self) -> None:
+        """As ``QueueState.preflight``: a worker refused what the queue needs stops, saying why."""
 
     async def join(self, pool: str) -> None:
         """Create the pool's work stream and consumer group if missing."""

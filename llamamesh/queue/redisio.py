@@ -13,9 +13,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
-from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
+from redis.exceptions import AuthenticationError, NoPermissionError, OutOfMemoryError, RedisError, ResponseError
 
-from llamamesh.errors import QueueOutOfMemory, QueueUnavailable
+from llamamesh.errors import QueueOutOfMemory, QueueRefused, QueueUnavailable
 from llamamesh.queue.cluster import RESHARD_WAIT_S, cluster_client, is_cluster
 from llamamesh.queue.connection import hiredis_packed, options, tls_options
 from llamamesh.queue.replicas import Replicas
@@ -52,11 +52,36 @@ OUT_OF_MEMORY = (
 OUT_OF_MEMORY_RETRY_S = 5.0
 
 
+# What Redis (or its TLS) says when it refuses this client for good: the settings, not the moment, are at fault.
+REFUSALS = (
+    "NOAUTH",
+    "WRONGPASS",
+    "NOPERM",
+    "DB index is out of range",
+    "unknown command 'HELLO'",
+    "unknown command `HELLO`",
+    "CERTIFICATE_VERIFY_FAILED",
+    "WRONG_VERSION_NUMBER",
+)
+
+
+def refusal(exc: BaseException) -> str:
+    """Why Redis refused this client, when ``exc`` says it answered and refused it (a password, an ACL
+    permission, the database index, the protocol, TLS's certificate), which no retry mends; else ""."""
+    if isinstance(exc, AuthenticationError | NoPermissionError):
+        return str(exc)
+    text = str(exc)
+    return text if isinstance(exc, RedisError) and any(r in text for r in REFUSALS) else ""
+
+
 def raised(exc: RedisError, refused: str = "") -> QueueUnavailable:
-    """The domain error for a Redis error: QueueOutOfMemory for a full Redis's refusal; with
-    ``refused`` (what failed), another error reply as that; anything else "the queue is unreachable"."""
+    """The domain error for a Redis error: QueueOutOfMemory for a full Redis's refusal; QueueRefused when
+    it refuses this client (``refusal``); with ``refused`` (what failed), another error reply as that;
+    anything else "the queue is unreachable"."""
     if isinstance(exc, OutOfMemoryError):
         return QueueOutOfMemory(OUT_OF_MEMORY, retry_after_s=OUT_OF_MEMORY_RETRY_S)
+    if why := refusal(exc):
+        return QueueRefused(UNREACHABLE, reason=f"Redis refuses this client: {why}")
     if isinstance(exc, ResponseError) and refused:
         return QueueUnavailable(f"{refused}: {exc}")
     return QueueUnavailable(UNREACHABLE)

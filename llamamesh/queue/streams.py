@@ -26,7 +26,7 @@ from llamamesh.queue.keys import Keys, Retention
 from llamamesh.queue.lease import Leasing
 from llamamesh.queue.protocol import Lease, QueueDepth
 from llamamesh.queue.reclaim import Reclaimer
-from llamamesh.queue.redisio import connect, evicting, unreachable
+from llamamesh.queue.redisio import connect, evicting, refusal, unreachable
 from llamamesh.queue.registry import WorkerRegistry
 from llamamesh.queue.replicas import Replicas
 from llamamesh.queue.slots import shard_tags
@@ -97,6 +97,16 @@ class RedisQueue:
     async def check_writes(self) -> None:
         with unreachable():
             await self._r.set(self.keys.write_probe(), b"1", ex=self.retention.write_probe_s)
+
+    async def preflight(self) -> None:
+        with unreachable():
+            await self._r.eval("return 1", 0)
+            try:  # (an ACL may allow scripts and streams but not this: claiming a dead worker's jobs)
+                await self._r.xautoclaim(self.keys.write_probe(), "preflight", "preflight", 0)
+            except ResponseError as exc:
+                if refusal(exc):
+                    raise
+                # NOGROUP or WRONGTYPE: the command is allowed
 
     async def eviction(self) -> str:
         with unreachable():

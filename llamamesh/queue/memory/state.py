@@ -91,6 +91,9 @@ class MemoryState:
     async def check_writes(self) -> None:
         self._check_write()
 
+    async def preflight(self) -> None:
+        self._check()
+
     async def eviction(self) -> str:
         self._check()
         return self.evicts
