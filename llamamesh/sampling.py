@@ -14,6 +14,7 @@ import re
 from dataclasses import replace
 
 from llamamesh.errors import FieldViolation
+from llamamesh.schemas import dropped, unknown_type
 from llamamesh.types import ConstraintKind, ResponseConstraint, SamplingParams
 
 # A temperature below this (0, -0.0 and subnormals included) is greedy.
@@ -135,6 +136,8 @@ def constraint_violations(c: ResponseConstraint) -> list[FieldViolation]:
             return [FieldViolation(name, f"nests objects and lists at most {MAX_SCHEMA_DEPTH} deep")]
         if not isinstance(schema, (dict, bool)):
             return [FieldViolation(name, f"a JSON schema is an object (or a boolean), got {type(schema).__name__}")]
+        if why := unknown_type(schema) or dropped(schema):
+            return [FieldViolation(name, why)]
     elif c.kind is ConstraintKind.REGEX:
         try:
             re.compile(c.text)

@@ -25,6 +25,7 @@ from typing import Any
 
 from llamamesh.errors import FieldViolation
 from llamamesh.sampling import MAX_SCHEMA_DEPTH, json_depth
+from llamamesh.schemas import dropped, unknown_type
 from llamamesh.types import ConstraintKind, ResponseConstraint
 from llamamesh.v1 import generation_pb2 as pb
 
@@ -92,6 +93,10 @@ def checked(r: pb.GenerateRequest, bad: list[FieldViolation], parser: str = "lla
         {"name": t.name, "description": t.description, "parameters": schema}
         for t, (_, schema) in zip(r.tools, schemas, strict=True)
     ]
+    for i, (name, schema) in enumerate(schemas):  # (compiled into the grammar when a call is forced)
+        forced = mode == "required" or (mode == "function" and name == function)
+        if why := unknown_type(schema) or (forced and dropped(schema)):
+            bad.append(FieldViolation(f"tools[{i}].parameters", why))
     parallel = r.parallel_tool_calls if r.HasField("parallel_tool_calls") else True
     return Tools(
         frozenset(name for name, _ in schemas),

@@ -170,6 +170,20 @@ async def test_bad_tools_are_invalid_argument_naming_the_field(openai_door: tupl
             asked("x", response_format=pb.ResponseFormat(json_schema='{"a": ' * 900 + "1" + "}" * 900)),
             "response_format.json_schema",
         ),
+        (  # a keyword the grammar would drop: refused, not answered unchecked
+            pb.GenerateRequest(
+                prompt="x", response_format=pb.ResponseFormat(json_schema='{"type": "array", "uniqueItems": true}')
+            ),
+            "response_format.json_schema",
+        ),
+        (  # the same in a tool whose call is forced
+            pb.GenerateRequest(
+                messages=[pb.ChatMessage(role="user", content="x")],
+                tools=[pb.Tool(name="f", parameters='{"type": "object", "not": {"required": ["a"]}}')],
+                tool_choice=pb.ToolChoice(mode="required"),
+            ),
+            "tools[0].parameters",
+        ),
         (
             asked("x", tool_choice=pb.ToolChoice(mode="required"), response_format=pb.ResponseFormat(json_object=True)),
             "tool_choice",
@@ -204,6 +218,20 @@ async def test_bad_tools_are_invalid_argument_naming_the_field(openai_door: tupl
             tools=[{"type": "function", "function": {"name": "a b"}}],
         )
     assert bad.value.param == "tools[0].function.name", bad.value.body
+    for choice in ("required", "auto"):  # a type JSON Schema does not have, whether its call is forced or not
+        with pytest.raises(openai.BadRequestError) as bad:
+            await client.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "x"}],
+                tools=[
+                    {
+                        "type": "function",
+                        "function": {"name": "a", "parameters": {"properties": {"x": {"type": "foo"}}}},
+                    }
+                ],
+                tool_choice=choice,  # type: ignore[arg-type]
+            )
+        assert bad.value.param == "tools[0].function.parameters" and "'foo'" in bad.value.message, bad.value.body
     called = {
         "role": "assistant",
         "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{no"}}],
