@@ -13,7 +13,6 @@ import sys
 import structlog
 
 from llamamesh import logs, metrics, tracing
-from llamamesh.errors import QueueRefused, QueueUnavailable
 from llamamesh.loop import EVENT_LOOPS, run_main, serving_heap
 from llamamesh.queue.batches import RedisBatches
 from llamamesh.queue.files import RedisFiles
@@ -28,9 +27,6 @@ from services.normalize import Normalizer
 __all__ = ["Gateway", "main", "serve", "start_gateway", "supervise"]
 
 log = structlog.get_logger(__name__)
-
-# Seconds the start gives Redis to say whether it takes this process (it may come up later: then it is waited for).
-PREFLIGHT_S = 5.0
 
 
 class StartFailed(Exception):
@@ -54,7 +50,8 @@ async def serve(settings: Settings, share_port: bool = False) -> None:
         queue.client, queue.keys, settings.batch, replicas=queue.replicas, outage_grace_s=settings.redis.outage_grace_s
     )
     try:
-        await preflight(queue)
+        if why := await queue.refused():  # a password, a permission, the database, TLS: no retry mends it
+            raise StartFailed(why)
         metrics.serve(g.metrics_port, g.host, "gateway", prometheus_multiproc_dir())
         gateway = await start_gateway(
             queue,
@@ -89,17 +86,6 @@ async def serve(settings: Settings, share_port: bool = False) -> None:
         await batches.close()
         await queue.close()
         log.info("gateway_stopped")
-
-
-async def preflight(queue: RedisQueue) -> None:
-    """Raise StartFailed, naming why, when Redis refuses this process what the queue needs (a password, a
-    permission, the database, TLS); a Redis that does not answer yet is waited for (NOT_SERVING meanwhile)."""
-    try:
-        await asyncio.wait_for(queue.preflight(), PREFLIGHT_S)
-    except QueueRefused as exc:
-        raise StartFailed(f"{exc.reason} (LLAMAMESH_REDIS_URL)") from exc
-    except (QueueUnavailable, asyncio.TimeoutError):
-        return
 
 
 def supervise(settings: Settings) -> int:

@@ -17,6 +17,7 @@ import structlog
 from llamamesh import metrics
 from llamamesh.errors import EngineDead, InvalidRequest, QueueRefused, QueueUnavailable
 from llamamesh.queue.batches import RedisBatches
+from llamamesh.queue.redisio import UNREACHABLE
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import Settings, prometheus_multiproc_dir
 from llamamesh.types import WorkerState, WorkerStatus
@@ -26,9 +27,6 @@ from workers.health import HealthServer
 from workers.worker import FAILED_TTL_S, Worker
 
 log = structlog.get_logger(__name__)
-
-# Seconds the start gives Redis to say whether it takes this worker (it may come up later: then it is waited for).
-PREFLIGHT_S = 5.0
 
 
 async def serve(settings: Settings, engine: Engine | None = None) -> int:
@@ -56,7 +54,8 @@ async def serve(settings: Settings, engine: Engine | None = None) -> int:
 
     health = HealthServer(ws.health_port, ws.metrics_host, probe).start() if ws.health_port else None
     try:
-        await _preflight(queue)
+        if why := await queue.refused():  # before the engine is built
+            raise QueueRefused(UNREACHABLE, reason=why)
         if engine is None:
             engine = await _create_engine(settings, queue)
         batches = RedisBatches.from_settings(queue.client, queue.keys, settings.batch, replicas=queue.replicas)
@@ -66,7 +65,7 @@ async def serve(settings: Settings, engine: Engine | None = None) -> int:
         log.error("worker_exiting_engine_dead", error=str(exc))
         code = 1
     except QueueRefused as exc:  # one line naming why, as a bad setting's
-        print(f"error: the worker could not start: {exc.reason} (LLAMAMESH_REDIS_URL)", file=sys.stderr)
+        print(f"error: the worker could not start: {exc.reason}", file=sys.stderr)
         code = 1
     finally:
         if engine is not None:
@@ -83,17 +82,6 @@ async def serve(settings: Settings, engine: Engine | None = None) -> int:
             health.close()
     log.info("worker_stopped", exit_code=code)
     return code
-
-
-async def _preflight(queue: RedisQueue) -> None:
-    """Raise QueueRefused before the engine is built when Redis refuses what the queue needs; a Redis that does
-    not answer yet is waited for later (Worker.run joins its pool)."""
-    try:
-        await asyncio.wait_for(queue.preflight(), PREFLIGHT_S)
-    except QueueRefused:
-        raise
-    except (QueueUnavailable, asyncio.TimeoutError):
-        return
 
 
 async def _create_engine(settings: Settings, queue: RedisQueue) -> Engine:

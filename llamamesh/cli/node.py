@@ -131,7 +131,7 @@ class Node:
             except ValueError as exc:
                 raise StartFailed(str(exc)) from None
             with concurrent.futures.ThreadPoolExecutor(1) as one:  # (start may be called in an event loop)
-                one.submit(asyncio.run, _preflight(self.settings.redis)).result()
+                one.submit(asyncio.run, _refused(self.settings.redis)).result()
         g = self.settings.gateway
         for setting, port in (("LLAMAMESH_GATEWAY_PORT", g.port), ("LLAMAMESH_GATEWAY_HEALTH_PORT", g.health_port)):
             check_free(g.host, port, setting, reuse_port=g.share_port)
@@ -244,7 +244,7 @@ class Node:
         try:
             seen = {w.worker: w for w in await asyncio.wait_for(queue.workers(self.settings.worker.pool), 2)}
         except QueueRefused as exc:  # at once: a password, a permission, the database, TLS
-            raise StartFailed(f"{exc.reason} (LLAMAMESH_REDIS_URL)") from exc
+            raise StartFailed(exc.reason) from exc
         except (QueueUnavailable, asyncio.TimeoutError):
             return None
         out = []
@@ -356,16 +356,12 @@ class Node:
             log.info("node_stopped")
 
 
-async def _preflight(settings: RedisSettings) -> None:
-    """Raise StartFailed, naming why, when Redis answers and refuses what the queue needs (a password, a
-    permission, the database, TLS): before any process starts. One that does not answer yet is waited for."""
+async def _refused(settings: RedisSettings) -> None:
+    """Raise StartFailed when Redis refuses what the queue needs (before any process starts)."""
     queue = RedisQueue.from_settings(settings)
     try:
-        await asyncio.wait_for(queue.preflight(), PREFLIGHT_S)
-    except QueueRefused as exc:
-        raise StartFailed(f"{exc.reason} (LLAMAMESH_REDIS_URL)") from None
-    except (QueueUnavailable, asyncio.TimeoutError):
-        return
+        if why := await queue.refused(PREFLIGHT_S):
+            raise StartFailed(why)
     finally:
         await queue.close()
 

@@ -81,7 +81,7 @@ def raised(exc: RedisError, refused: str = "") -> QueueUnavailable:
     if isinstance(exc, OutOfMemoryError):
         return QueueOutOfMemory(OUT_OF_MEMORY, retry_after_s=OUT_OF_MEMORY_RETRY_S)
     if why := refusal(exc):
-        return QueueRefused(UNREACHABLE, reason=f"Redis refuses this client: {why}")
+        return QueueRefused(UNREACHABLE, reason=f"Redis refuses this client: {why} (LLAMAMESH_REDIS_URL)")
     if isinstance(exc, ResponseError) and refused:
         return QueueUnavailable(f"{refused}: {exc}")
     return QueueUnavailable(UNREACHABLE)

@@ -9,6 +9,7 @@ ownership), adapters.py (run-time LoRA adapters). Keys come from keys.py, lifeti
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Collection, Sequence
@@ -17,6 +18,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from llamamesh.errors import QueueRefused, QueueUnavailable
 from llamamesh.queue.adapters import AdapterTable
 from llamamesh.queue.attempts import AttemptsLog
 from llamamesh.queue.cancels import CancelFlags
@@ -36,6 +38,9 @@ from llamamesh.types import Attempt, GenerationRequest, JobEvent, WorkerStatus
 
 # Also importable from here, where callers outside the queue's roles look for them.
 __all__ = ["RedisQueue", "create_group", "prune_consumers", "touch_owned"]
+
+# Seconds a process's start gives Redis to say whether it takes it (``RedisQueue.refused``).
+PREFLIGHT_S = 5.0
 
 
 class RedisQueue:
@@ -107,6 +112,17 @@ class RedisQueue:
                 if refusal(exc):
                     raise
                 # NOGROUP or WRONGTYPE: the command is allowed
+
+    async def refused(self, timeout_s: float = PREFLIGHT_S) -> str:
+        """Why Redis refuses this client what the queue needs (``preflight``'s reason), for a process's start; ""
+        when it takes it, or does not answer within ``timeout_s`` (it may come up later: then it is waited for)."""
+        try:
+            await asyncio.wait_for(self.preflight(), timeout_s)
+        except QueueRefused as exc:
+            return exc.reason
+        except (QueueUnavailable, asyncio.TimeoutError):
+            pass
+        return ""
 
     async def eviction(self) -> str:
         with unreachable():
