@@ -47,7 +47,7 @@ def unknown_type(schema: Any) -> str:
     for path, node in _schemas(schema, ""):
         kinds = node.get("type", [])
         for kind in kinds if isinstance(kinds, list) else [kinds]:
-            if kind not in TYPES:
+            if not isinstance(kind, str) or kind not in TYPES:
                 return f"type {str(kind)[:40]!r}{f' at {path}' if path else ''} is no JSON Schema type"
     return ""
 
@@ -74,11 +74,17 @@ def unenforced(schema: Any) -> str:
             return f"$ref{where} to {ref[:80]!r} (only references into the schema itself, '#/...')"
         if ref is not None and constraints:
             return f"{sorted(constraints)[0]} beside $ref{where}"
-        if "multipleOf" in node and node.get("type") != "integer":
+        if "multipleOf" in node and not _integers(node.get("type")):
             return f"multipleOf{where} (enforced for integers only)"
         if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
             return f"minLength/maxLength beside a pattern or format{where}"
     return ""
+
+
+def _integers(kind: Any) -> bool:
+    """Whether a ``type`` admits integers and no other numbers ("integer", or a list with it and without "number")."""
+    kinds = kind if isinstance(kind, list) else [kind]
+    return "integer" in kinds and "number" not in kinds
 
 
 def _schemas(node: Any, path: str) -> Iterator[tuple[str, dict[str, Any]]]:

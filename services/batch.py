@@ -206,7 +206,7 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
         """Give back what a batch whose call failed reserved, unless it is stored after all (Redis
         out: kept, for the sweep to give back once it finds no record)."""
         with contextlib.suppress(QueueUnavailable):
-            if await self._store.get(batch_id) is None:
+            if not await self._store.stored(batch_id):  # (a cut-off one's retry may yet seal it: held)
                 await quotas.unreserve_batch(tenant, batch_id)
 
     @rpc("GetBatch")

@@ -121,6 +121,10 @@ class RedisBatches:
         info, sealed = await self._read(batch_id)
         return info if sealed else None
 
+    async def stored(self, batch_id: str) -> bool:
+        info, _sealed = await self._read(batch_id)
+        return info is not None
+
     async def _read(self, batch_id: str) -> tuple[BatchInfo | None, bool]:
         """The batch's record (None: unknown, or purged) and whether it is sealed."""
         with unreachable():
@@ -136,23 +140,22 @@ class RedisBatches:
 
     async def owned(self, owner: str, limit: int, before: float | None) -> list[BatchInfo]:
         """The owner's batches created before ``before`` (None: all), newest first, at most ``limit``."""
-        key, passed = self.keys.batches(owner), 0
+        key = self.keys.batches(owner)
         out: list[BatchInfo] = []
         top = f"({before}" if before is not None else "+inf"
         while len(out) < limit:
             want = limit - len(out) + UNSEALED_SLACK
             with unreachable():
-                ids: Any = await self._r.zrevrangebyscore(key, top, "-inf", start=passed, num=want)
-            for raw_id in ids:
+                got: Any = await self._r.zrevrangebyscore(key, top, "-inf", start=0, num=want, withscores=True)
+            for raw_id, score in got:
                 info, sealed = await self._read(raw_id.decode())
                 if info is None:  # purged after its retention
                     with unreachable():
                         await self._r.zrem(key, raw_id)
-                    continue
-                passed += 1
-                if sealed and len(out) < limit:  # (an unsealed one is not reported: a retry may still seal it)
+                elif sealed and len(out) < limit:  # (an unsealed one is not reported: a retry may still seal it)
                     out.append(info)
-            if len(ids) < want:
+                top = f"({score}"  # the next read goes on below it, whatever was added or removed meanwhile
+            if len(got) < want:
                 break
         return out
 

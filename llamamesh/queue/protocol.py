@@ -330,7 +330,14 @@ class BatchStore(Protocol):
         The same id with the same fingerprint returns the stored one; with another, InvalidRequest."""
         ...
 
-    async def get(self, batch_id: str) -> BatchInfo | None: ...
+    async def get(self, batch_id: str) -> BatchInfo | None:
+        """The batch if it was accepted (stored whole, every item queued); None otherwise."""
+        ...
+
+    async def stored(self, batch_id: str) -> bool:
+        """Whether anything of the batch is stored: accepted, or its submission cut off (for a retry to finish
+        or the sweep to drop)."""
+        ...
 
     async def data_since(self) -> float:
         """When (Unix s) the queue's data began: the first gateway's start, or Redis's coming back

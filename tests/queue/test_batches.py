@@ -384,6 +384,7 @@ async def test_a_batch_whose_submission_was_cut_off_is_not_reported_until_sealed
             if bid.startswith("cut"):  # as its record stands while the submission queues the items
                 await q.client.hdel(q.keys.batch(bid), "enqueued")
         assert await store.get("cut3") is None and await store.get("s2") is not None
+        assert await store.stored("cut3") and not await store.stored("nothing")  # (its tenant's hold is kept)
         assert [b.batch_id for b in await store.owned("t", 10, None)] == ["s5", "s4", "s2", "s0"]
         assert [b.batch_id for b in await store.owned("t", 3, None)] == ["s5", "s4", "s2"]
         assert [b.batch_id for b in await store.owned("t", 1, 1004.0)] == ["s2"]

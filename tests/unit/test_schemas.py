@@ -45,6 +45,7 @@ def test_a_keyword_the_grammar_drops_is_found_where_it_is(schema: dict[str, Any]
         {**DEFS, "type": "object", "properties": {"f": {"$ref": "#/$defs/x", "title": "F", "description": "d"}}},
         {"anyOf": [{"$ref": "#/$defs/x"}, {"type": "null"}], "default": None, **DEFS},
         {"type": "integer", "multipleOf": 5, "minimum": 0},
+        {"type": ["integer", "null"], "multipleOf": 5},
         {"type": "string", "format": "date", "enum": ["2026-01-01"]},
         {"type": "array", "prefixItems": [INT], "minItems": 1, "maxItems": 3},
         True,
@@ -58,3 +59,5 @@ def test_a_type_json_schema_does_not_have_is_named() -> None:
     assert unknown_type({"type": "object", "properties": {"x": {"type": ["integer", "foo"]}}}) == (
         "type 'foo' at properties.x is no JSON Schema type"
     )
+    assert unknown_type({"type": {"bad": 1}}) == "type \"{'bad': 1}\" is no JSON Schema type"
+    assert unknown_type({"type": [["string"]]}).startswith("type \"['string']\"")

@@ -86,6 +86,9 @@ class MemoryBatches:
         b = self._batches.get(batch_id)
         return b.info if b is not None else None
 
+    async def stored(self, batch_id: str) -> bool:
+        return batch_id in self._batches  # (created whole at once: never cut off)
+
     async def data_since(self) -> float:
         return self.since
 
