@@ -98,9 +98,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         req = self._normalized(req)
         check_priority(who, req.priority)
         public = req.request_id
-        # A deadline beyond any run (a Java client's "none" is about 292 years, past an int64 of ns) is none.
-        near = remaining_s is not None and remaining_s <= FAR_DEADLINE_S
-        deadline = time.time_ns() + int(remaining_s * 1e9) if near and remaining_s is not None else 0
+        deadline = 0  # (none; nor one beyond any run: Java's "none" is about 292 years, past an int64 of ns)
+        if remaining_s is not None and remaining_s <= FAR_DEADLINE_S:
+            deadline = time.time_ns() + int(remaining_s * 1e9)
         # The caller's deadline is the job's: workers drop or abort it then.
         req = replace(
             req,

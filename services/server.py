@@ -50,8 +50,8 @@ async def serve(settings: Settings, share_port: bool = False) -> None:
         queue.client, queue.keys, settings.batch, replicas=queue.replicas, outage_grace_s=settings.redis.outage_grace_s
     )
     try:
-        if why := await queue.refused():  # a password, a permission, the database, TLS: no retry mends it
-            raise StartFailed(why)
+        if refusal := await queue.refused():  # a password, a permission, the database, TLS: no retry mends it
+            raise StartFailed(refusal.reason)
         metrics.serve(g.metrics_port, g.host, "gateway", prometheus_multiproc_dir())
         gateway = await start_gateway(
             queue,

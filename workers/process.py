@@ -17,7 +17,6 @@ import structlog
 from llamamesh import metrics
 from llamamesh.errors import EngineDead, InvalidRequest, QueueRefused, QueueUnavailable
 from llamamesh.queue.batches import RedisBatches
-from llamamesh.queue.redisio import UNREACHABLE
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import Settings, prometheus_multiproc_dir
 from llamamesh.types import WorkerState, WorkerStatus
@@ -54,8 +53,8 @@ async def serve(settings: Settings, engine: Engine | None = None) -> int:
 
     health = HealthServer(ws.health_port, ws.metrics_host, probe).start() if ws.health_port else None
     try:
-        if why := await queue.refused():  # before the engine is built
-            raise QueueRefused(UNREACHABLE, reason=why)
+        if refusal := await queue.refused():  # before the engine is built
+            raise refusal
         if engine is None:
             engine = await _create_engine(settings, queue)
         batches = RedisBatches.from_settings(queue.client, queue.keys, settings.batch, replicas=queue.replicas)

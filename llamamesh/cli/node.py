@@ -70,8 +70,6 @@ UNTRUSTED = ("CERTIFICATE_VERIFY_FAILED", "not in peer certificate", "Peer name"
 METRICS_HOST = "LLAMAMESH_WORKER_METRICS_HOST"
 # The HTTP door of an embedded node, where it is free (the port OpenAI-compatible servers use).
 HTTP_PORT = 8000
-# Seconds the start gives Redis to say whether it takes the node (it may come up later: then it is waited for).
-PREFLIGHT_S = 3.0
 
 
 class Node:
@@ -360,8 +358,8 @@ async def _refused(settings: RedisSettings) -> None:
     """Raise StartFailed when Redis refuses what the queue needs (before any process starts)."""
     queue = RedisQueue.from_settings(settings)
     try:
-        if why := await queue.refused(PREFLIGHT_S):
-            raise StartFailed(why)
+        if refusal := await queue.refused():
+            raise StartFailed(refusal.reason)
     finally:
         await queue.close()
 

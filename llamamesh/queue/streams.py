@@ -113,16 +113,16 @@ class RedisQueue:
                     raise
                 # NOGROUP or WRONGTYPE: the command is allowed
 
-    async def refused(self, timeout_s: float = PREFLIGHT_S) -> str:
-        """Why Redis refuses this client what the queue needs (``preflight``'s reason), for a process's start; ""
+    async def refused(self, timeout_s: float = PREFLIGHT_S) -> QueueRefused | None:
+        """How Redis refuses this client what the queue needs (``preflight``'s error), for a process's start; None
         when it takes it, or does not answer within ``timeout_s`` (it may come up later: then it is waited for)."""
         try:
             await asyncio.wait_for(self.preflight(), timeout_s)
         except QueueRefused as exc:
-            return exc.reason
+            return exc
         except (QueueUnavailable, asyncio.TimeoutError):
             pass
-        return ""
+        return None
 
     async def eviction(self) -> str:
         with unreachable():
