@@ -54,9 +54,10 @@ class Pool:
     # Its breaker opened only because it had no live worker (no probe of a worker failed): workers
     # that arrive close it outright, so a burst after a (re)start is served, not refused half-open.
     opened_empty: bool = False
-    # The ready workers it had when it last lost its last one (their heartbeats stopped: hung, cut off or killed):
-    # one of them back without a restart (never seen starting) is tried half-open, as after failures.
-    vanished: frozenset[str] = frozenset()
+    # The ready workers it had when it last lost its last one (their heartbeats stopped: hung, cut off or killed),
+    # by name and since when they were ready: one of them back without a restart (ready since the same time, where
+    # a restart keeping its name starts anew) is tried half-open, as after failures.
+    vanished: frozenset[tuple[str, float]] = frozenset()
     ever_live: bool = False
     # Recent queue wait (accepted -> a worker started it), an exponential average, its samples, and
     # when the last was taken (clock time).

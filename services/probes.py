@@ -100,7 +100,7 @@ class Probes:
         if was_present and not p.present:
             p.empty_since = self._clock()
         if was_live and not p.live:
-            p.vanished = frozenset(w.worker for w in before if w.ready)
+            p.vanished = frozenset((w.worker, w.since_unix_s) for w in before if w.ready)
         if p.starting and not was_starting:
             p.starting_since = self._clock()
         p.ever_live = p.ever_live or p.live
@@ -108,7 +108,7 @@ class Probes:
             # It opened for want of workers; they are coming up now: requests wait, not refused.
             p.breaker.revive(f"{len(p.workers)} worker(s) starting", close=True)
         elif p.live and not was_live:
-            back = sorted(w.worker for w in p.workers if w.ready and w.worker in p.vanished)
+            back = sorted(w.worker for w in p.workers if w.ready and (w.worker, w.since_unix_s) in p.vanished)
             if back:  # a worker whose heartbeat stopped, back without a restart: tried before it is trusted
                 p.breaker.revive(f"worker {back[0]} is back after its heartbeat stopped")
             else:

@@ -127,6 +127,13 @@ async def test_a_worker_back_from_a_hang_is_tried_half_open_and_a_new_one_closes
     await q.heartbeat(WorkerStatus(worker="w-new", pool="trtllm"), ttl_s=60)
     await b.refresh(trt)
     assert trt.breaker.state is State.CLOSED  # nothing failed and nothing came back: a new worker serves at once
+    await q.leave("trtllm", "w-new")  # and a restart keeping its name (a container's), ready anew
+    await b.refresh(trt)
+    for _ in range(3):
+        await b.probes.result(trt, "no live worker")
+    await q.heartbeat(WorkerStatus(worker="w-new", pool="trtllm", since_unix_s=1.0), ttl_s=60)
+    await b.refresh(trt)
+    assert trt.breaker.state is State.CLOSED
 
 
 async def test_a_starting_pool_is_coming_up_not_failing() -> None:
