@@ -30,8 +30,9 @@ CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
 
 
 def asked(say: str, **fields: object) -> pb.GenerateRequest:
+    fields = {"max_tokens": 64, **fields}
     return pb.GenerateRequest(
-        messages=[pb.ChatMessage(role="user", content=f"__say__ {say}")], max_tokens=64, tools=[WEATHER, TIME], **fields
+        messages=[pb.ChatMessage(role="user", content=f"__say__ {say}")], tools=[WEATHER, TIME], **fields
     )
 
 
@@ -75,6 +76,23 @@ async def test_anything_else_is_the_answers_text(openai_door: tuple[Stack, opena
     got = await grpc_answer(openai_door[0], asked(said))
     assert "".join(m.text for m in got) == said
     assert got[-1].finish_reason == pb.FINISH_REASON_STOP and not got[-1].tool_calls
+
+
+async def test_a_call_cut_short_by_max_tokens_is_text_that_ends_length(
+    openai_door: tuple[Stack, openai.AsyncOpenAI],
+) -> None:
+    got = await grpc_answer(openai_door[0], asked(CALL, max_tokens=3))  # (the fake says 4 characters a token)
+    assert "".join(m.text for m in got) == CALL[:12]
+    assert got[-1].finish_reason == pb.FINISH_REASON_LENGTH and not got[-1].tool_calls
+    _, client = openai_door
+    chat = await client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": f"__say__ {CALL}"}],
+        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+        max_tokens=3,
+    )
+    assert chat.choices[0].finish_reason == "length" and chat.choices[0].message.content == CALL[:12]
+    assert not chat.choices[0].message.tool_calls
 
 
 def test_the_hermes_form_is_read_when_the_gateway_is_set_for_it() -> None:

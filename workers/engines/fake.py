@@ -250,8 +250,15 @@ class FakeEngine:
                 if tok in s.stop_token_ids and i + 1 >= s.min_tokens:  # a stop token's own text is left out
                     yield TokenDelta(stops.flush(), (tok,), lps, FinishReason.STOP, prompt_tokens=n_prompt)
                     return
-                if said is not None:  # a script: its pieces, the last one ending it
-                    yield TokenDelta(said[i], (tok,), lps, FinishReason.STOP if i == len(said) - 1 else None, n_prompt)
+                if said is not None:  # a script: its pieces, the last one ending it (or the budget, cut short)
+                    end = (
+                        FinishReason.STOP
+                        if i == len(said) - 1
+                        else FinishReason.LENGTH
+                        if i == max_tokens - 1
+                        else None
+                    )
+                    yield TokenDelta(said[i], (tok,), lps, end, n_prompt)
                     continue
                 text, hit = stops.feed(_word(tok), check=i + 1 >= s.min_tokens)
                 if hit:
