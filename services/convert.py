@@ -35,7 +35,8 @@ from llamamesh.types import (
 from llamamesh.v1 import generation_pb2 as pb
 from services import tools
 
-REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+MAX_REQUEST_ID = 128
+REQUEST_ID = re.compile(rf"^[A-Za-z0-9._:\-]{{1,{MAX_REQUEST_ID}}}$")
 ID_RULE = "1-128 characters of A-Z a-z 0-9 . _ : -"  # what REQUEST_ID takes, as errors say it
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256

@@ -167,6 +167,10 @@ class HttpDoor:
             if given and not convert.REQUEST_ID.match(given):  # (it may not even be text to put in a message)
                 raise errors.InvalidRequest.field("x-request-id", convert.ID_RULE)
             parsed = parse(body, given)
+            if given and (n := len(parsed.prompts)) > 1:  # each prompt's id is <x-request-id>:<i>
+                most = convert.MAX_REQUEST_ID - len(f":{n - 1}")
+                if len(given) > most:
+                    raise errors.InvalidRequest.field("x-request-id", f"at most {most} characters with {n} prompts")
             try:
                 return await self._answer(request, parsed, who)
             except errors.InvalidRequest as exc:  # the fields as the caller named them (same class: its code)

@@ -62,8 +62,8 @@ class Lines:
     def rename(self, field: str) -> str:
         """The batch service's field names (``items[3].request.temperature``) as the file's lines
         (``line 4: body.temperature``), and the batch's own as OpenAI's."""
-        if field == "completion_window_s":
-            return "completion_window"
+        if field in BATCH_FIELDS:
+            return BATCH_FIELDS[field]
         match = ITEM_FIELD.match(field)
         i = int(match.group(1)) if match else -1
         if match is None or i >= len(self.numbers):
@@ -72,6 +72,10 @@ class Lines:
         if rest.startswith("request."):
             rest = _in_body(self.parsed[i].caller_field(rest.removeprefix("request.")))
         return f"line {self.numbers[i]}: {rest}"
+
+
+# The batch service's own fields as OpenAI's Batch API names them (its items are the input file's lines).
+BATCH_FIELDS = {"completion_window_s": "completion_window", "items": "input_file_id"}
 
 
 def _in_body(field: str) -> str:
@@ -207,7 +211,10 @@ def error_line(r: bpb.BatchResult, endpoint: str) -> str:
     param = (
         openai_requests.CHAT_FIELDS.get(r.error_field, r.error_field) if endpoint == CHAT else r.error_field
     ) or None
-    error = {"message": r.error_message, "type": kind, "param": param, "code": (r.error_reason or r.error_code).lower()}
+    message = r.error_message
+    if param and param != r.error_field and message.startswith(f"{r.error_field}:"):  # the field as the line names it
+        message = param + message[len(r.error_field) :]
+    error = {"message": message, "type": kind, "param": param, "code": (r.error_reason or r.error_code).lower()}
     response = {"status_code": http, "request_id": f"{r.batch_id}-{r.custom_id}", "body": {"error": error}}
     return _line({**base, "response": response, "error": None})
 

@@ -190,7 +190,7 @@ def _message(m: object, i: int, req: pb.GenerateRequest, b: _Body) -> None:
     content = m.get("content")
     if content is None and m.get("tool_calls"):  # an assistant turn of calls only
         content = ""
-    if isinstance(content, list):  # content parts: the text ones, joined
+    if isinstance(content, list):  # content parts: the text ones, a line each (as vLLM's server joins them)
         texts = [p.get("text") if isinstance(p, dict) and p.get("type") == "text" else None for p in content]
         wrong = next((k for k, t in enumerate(texts) if not isinstance(t, str)), None)
         if wrong is not None:
@@ -198,7 +198,7 @@ def _message(m: object, i: int, req: pb.GenerateRequest, b: _Body) -> None:
             why = "text must be a string" if isinstance(part, dict) and part.get("type") == "text" else ""
             b.bad.append(FieldViolation(f"{field}.content[{wrong}]", why or "only text parts are supported"))
             return
-        content = "".join(t for t in texts if isinstance(t, str))
+        content = "\n".join(t for t in texts if isinstance(t, str))
     if not isinstance(content, str):
         b.bad.append(FieldViolation(f"{field}.content", "must be a string or a list of text parts"))
         return

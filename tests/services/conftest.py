@@ -48,6 +48,7 @@ class Config:
     queue: Callable[[], MemoryQueue] = MemoryQueue
     batches: bool = False  # a batch store: the batch service runs and the workers take its items
     worker_batch: BatchSettings | None = None
+    gateway_batch: BatchSettings | None = None  # the batch service's (default: the settings' defaults)
     breaker: BreakerSettings | None = None
     auth: AuthSettings | None = None
     limits: LimitsSettings | None = None  # every tenant's (no quotas: only the static bounds apply)
@@ -160,6 +161,7 @@ async def running(config: Config | None = None) -> AsyncIterator[Stack]:
                     port=0,
                     breaker=c.breaker,
                     batches=batches,
+                    batch=c.gateway_batch,
                     auth=c.auth,
                     files=files,
                     limits=c.limits,

@@ -13,7 +13,7 @@ import aiohttp
 import openai
 import pytest
 
-from llamamesh.settings import AuthSettings
+from llamamesh.settings import AuthSettings, BatchSettings
 from llamamesh.v1 import batch_pb2 as bpb
 from llamamesh.v1 import batch_pb2_grpc
 from llamamesh.v1 import generation_pb2 as pb
@@ -295,6 +295,24 @@ async def test_a_tenants_uploads_hold_at_most_its_batch_bytes(tmp_path: Path) ->
         await client.files.create(file=("b.jsonl", b"x" * 600), purpose="batch")
 
 
+async def test_a_file_of_more_lines_than_a_batch_takes_is_400_naming_the_file() -> None:
+    """The batch service's own limits name OpenAI's fields: its items are the input file's lines."""
+    port = free_port()
+    config = Config(gateway=replace(GATEWAY, http_port=port), batches=True, gateway_batch=BatchSettings(max_items=2))
+    async with (
+        running(config),
+        openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0) as client,
+    ):
+        uploaded = await client.files.create(
+            file=("in.jsonl", jsonl([chat_line(i) for i in range(3)])), purpose="batch"
+        )
+        with pytest.raises(openai.BadRequestError) as exc:
+            await client.batches.create(
+                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+        assert exc.value.param == "input_file_id" and "3 items; at most 2" in exc.value.message, exc.value.body
+
+
 async def test_a_failed_items_error_line_names_its_field_as_a_request_would(
     openai_door: tuple[Stack, openai.AsyncOpenAI],
 ) -> None:
@@ -313,3 +331,4 @@ async def test_a_failed_items_error_line_names_its_field_as_a_request_would(
     error = line["response"]["body"]["error"]
     assert line["custom_id"] == "doc-1" and line["response"]["status_code"] == 400, line
     assert error["param"] == "messages" and error["code"] == "prompt_too_long", error
+    assert error["message"].startswith("messages: "), error  # the field as the request names it, there too

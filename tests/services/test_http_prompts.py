@@ -91,6 +91,46 @@ async def test_a_bad_list_of_prompts_is_400_naming_it(door: tuple[Stack, str], c
     await until(lambda: door[0].queue.pending("cpu") == {}, 10, "no job left leased")
 
 
+async def test_a_long_request_id_fits_each_prompts_id_or_is_400_saying_how_long(
+    door: tuple[Stack, str],  # noqa: F811
+    client: openai.AsyncOpenAI,  # noqa: F811
+) -> None:
+    """Prompt i's id is <x-request-id>:<i>: a 128-character id serves one prompt; with several, the
+    400 names x-request-id and the length that fits, and one that fits is served."""
+    one = await client.completions.create(
+        model="tiny", prompt="hi", max_tokens=2, extra_headers={"x-request-id": "a" * 128}
+    )
+    assert one.id == "cmpl-" + "a" * 128
+    for n, most in ((2, 126), (11, 125)):
+        with pytest.raises(openai.BadRequestError) as exc:
+            await client.completions.create(
+                model="tiny", prompt=["hi"] * n, max_tokens=2, extra_headers={"x-request-id": "b" * (most + 1)}
+            )
+        assert exc.value.param == "x-request-id" and f"at most {most} characters" in exc.value.message
+        got = await client.completions.create(
+            model="tiny", prompt=["hi"] * n, max_tokens=2, extra_headers={"x-request-id": "c" * most}
+        )
+        assert len(got.choices) == n
+    served = {r.partition("~")[0] for r in door[0].engine.served}
+    assert "c" * 125 + ":10" in served, served
+
+
+async def test_chat_text_parts_are_one_line_each(door: tuple[Stack, str], client: openai.AsyncOpenAI) -> None:  # noqa: F811
+    """As vLLM's server joins them: parts ["hi", "there"] are the prompt "hi\nthere", not "hithere"."""
+    parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]
+
+    async def prompt_tokens(content: object) -> int:
+        got = await client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": content}],  # type: ignore[misc,list-item]
+            max_tokens=1,
+        )
+        assert got.usage is not None
+        return got.usage.prompt_tokens
+
+    assert await prompt_tokens(parts) == await prompt_tokens("hi\nthere") != await prompt_tokens("hithere")
+
+
 @pytest.mark.fake_step_s(0.05)
 async def test_a_caller_that_goes_away_cancels_every_prompt(door: tuple[Stack, str]) -> None:  # noqa: F811
     stack = door[0]
