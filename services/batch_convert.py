@@ -6,6 +6,7 @@ from __future__ import annotations
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from llamamesh import errors
+from llamamesh.queue import codec
 from llamamesh.types import BatchInfo, BatchState, ItemResult, ItemStatus, public_id
 from llamamesh.v1 import batch_pb2 as bpb
 from llamamesh.v1 import generation_pb2 as pb
@@ -92,6 +93,10 @@ def result_pb(batch_id: str, cursor: str, r: ItemResult) -> bpb.BatchResult:
     if r.finish_reason is not None:
         msg.finish_reason = convert.FINISH_TO_PB[r.finish_reason]
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=r.usage.prompt_tokens, completion_tokens=r.usage.completion_tokens))
-    for text, finish in r.samples:
-        msg.samples.add(text=text, finish_reason=convert.FINISH_TO_PB[finish] if finish is not None else 0)
+    lps = [codec.logprobs_to_pb(x, pb.TokenLogprob, pb.TopLogprob) for x in r.logprobs]
+    for k, (text, finish) in enumerate(r.samples):
+        end = convert.FINISH_TO_PB[finish] if finish is not None else 0
+        msg.samples.add(text=text, finish_reason=end, logprobs=lps[k] if k < len(lps) else [])
+    if lps:
+        msg.logprobs.extend(lps[0])
     return msg

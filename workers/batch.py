@@ -17,7 +17,7 @@ from llamamesh import metrics, tracing
 from llamamesh.backoff import Delays
 from llamamesh.errors import EngineDead, InvalidRequest, LlamameshError, QueueUnavailable
 from llamamesh.queue.protocol import BatchStore, Lease
-from llamamesh.types import FinishReason, GenerationRequest, ItemResult, ItemStatus, TokenDelta, Usage
+from llamamesh.types import FinishReason, GenerationRequest, ItemResult, ItemStatus, TokenDelta, TokenLogprob, Usage
 from workers.samples import Samples
 
 log = structlog.get_logger(__name__)
@@ -62,6 +62,9 @@ class _Gathered:
         self._counted = metrics.WORKER_TOKENS.labels(pool)  # (the worker's throughput, batch items too)
         self.n = req.sampling.samples
         self.texts: dict[int, list[str]] = {k: [] for k in range(self.n)}
+        self.logprobs: dict[int, list[TokenLogprob]] | None = (
+            {k: [] for k in range(self.n)} if req.sampling.logprobs is not None else None
+        )
         self.ends: dict[int, FinishReason] = {}
         self.tokens = 0
         self.first_token = 0
@@ -70,6 +73,8 @@ class _Gathered:
     def add(self, delta: TokenDelta) -> ItemResult | None:
         """Take one delta; the item's result once every sample has ended."""
         self.texts[delta.sample].append(delta.text)
+        if self.logprobs is not None:
+            self.logprobs[delta.sample].extend(delta.logprobs)
         self.tokens += len(delta.token_ids)
         self._counted.inc(len(delta.token_ids))
         if delta.token_ids and not self.first_token:
@@ -84,7 +89,9 @@ class _Gathered:
         texts = ["".join(self.texts[k]) for k in range(self.n)]
         samples = tuple((texts[k], self.ends.get(k)) for k in range(self.n)) if self.n > 1 else ()
         usage = Usage(delta.prompt_tokens or 0, self.tokens, delta.cached_tokens or 0)
-        return ItemResult(self.req.custom_id, ItemStatus.SUCCEEDED, texts[0], self.ends.get(0), usage, samples=samples)
+        lps = tuple(tuple(self.logprobs[k]) for k in range(self.n)) if self.logprobs is not None else ()
+        ok = ItemStatus.SUCCEEDED
+        return ItemResult(self.req.custom_id, ok, texts[0], self.ends.get(0), usage, samples=samples, logprobs=lps)
 
     def timings(self, started: int) -> dict[str, float | None]:
         """When the item started after the batch was accepted, how long it ran, its first token, and

@@ -94,7 +94,7 @@ def items(lines: Iterable[str]) -> list[bpb.BatchItem]:
 def result_line(r: bpb.BatchResult) -> str:
     """One line of ``batch results`` (BatchResult's fields): ``{"custom_id", "status" (succeeded |
     errored | cancelled | expired), "text", "finish_reason", "usage": {"prompt_tokens",
-    "completion_tokens"}, "samples" (n > 1), "error": {"code" (a gRPC status name), "reason",
+    "completion_tokens"}, "logprobs" (asked for), "samples" (n > 1), "error": {"code" (a gRPC status name), "reason",
     "message", "field" (a client error's)} (if any), "cursor"}``."""
     obj: dict[str, Any] = {
         "custom_id": r.custom_id,
@@ -104,14 +104,30 @@ def result_line(r: bpb.BatchResult) -> str:
     if r.finish_reason:
         obj["finish_reason"] = _finish(r.finish_reason)
         obj["usage"] = {"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens}
+    if r.logprobs:
+        obj["logprobs"] = _logprobs(r.logprobs)
     if r.samples:
         obj["samples"] = [{"text": x.text, "finish_reason": _finish(x.finish_reason)} for x in r.samples]
+        for x, line in zip(r.samples, obj["samples"], strict=True):
+            if x.logprobs:
+                line["logprobs"] = _logprobs(x.logprobs)
     if r.error_code:
         obj["error"] = {"code": r.error_code, "reason": r.error_reason, "message": r.error_message}
         if r.error_field:
             obj["error"]["field"] = r.error_field
     obj["cursor"] = r.cursor
     return json.dumps(obj, ensure_ascii=False)
+
+
+def _logprobs(items: Iterable[pb.TokenLogprob]) -> list[dict[str, Any]]:
+    return [
+        {
+            "token_id": x.token_id,
+            "logprob": x.logprob,
+            "top": [{"token_id": t.token_id, "logprob": t.logprob} for t in x.top],
+        }
+        for x in items
+    ]
 
 
 def _finish(value: int) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import MappingProxyType
 from typing import Any, TypeVar
 
@@ -144,6 +144,16 @@ def decode_job(data: bytes) -> GenerationRequest:
     )
 
 
+def logprobs_from_pb(items: Iterable[Any]) -> tuple[TokenLogprob, ...]:
+    """Logprobs from protobuf messages (the internal ones or the public ones)."""
+    return tuple(
+        TokenLogprob(
+            token_id=lp.token_id, logprob=lp.logprob, top=tuple(TopLogprob(t.token_id, t.logprob) for t in lp.top)
+        )
+        for lp in items
+    )
+
+
 def logprobs_to_pb(
     items: Sequence[TokenLogprob], token_cls: Callable[..., _M], top_cls: Callable[..., Any]
 ) -> list[_M]:
@@ -211,14 +221,7 @@ def decode_event(data: bytes) -> JobEvent:
         text=msg.text,
         token_ids=tuple(msg.token_ids),
         index=msg.index,
-        logprobs=tuple(
-            TokenLogprob(
-                token_id=lp.token_id,
-                logprob=lp.logprob,
-                top=tuple(TopLogprob(t.token_id, t.logprob) for t in lp.top),
-            )
-            for lp in msg.logprobs
-        ),
+        logprobs=logprobs_from_pb(msg.logprobs),
         finished=finished,
         failed=failed,
         tokenized=msg.tokenized,
@@ -245,6 +248,7 @@ def decode_status(raw: bytes) -> WorkerStatus:
 
 
 def encode_result(r: ItemResult) -> bytes:
+    lps = [logprobs_to_pb(x, pb.TokenLogprob, pb.TopLogprob) for x in r.logprobs]
     return pb.ItemResult(
         custom_id=r.custom_id,
         status=r.status.value,
@@ -256,7 +260,13 @@ def encode_result(r: ItemResult) -> bytes:
         error_code=r.error_code,
         error_message=r.error_message,
         error_field=r.error_field,
-        samples=[pb.SampleResult(text=t, finish_reason=f.value if f is not None else "") for t, f in r.samples],
+        samples=[
+            pb.SampleResult(
+                text=t, finish_reason=f.value if f is not None else "", logprobs=lps[k] if k < len(lps) else []
+            )
+            for k, (t, f) in enumerate(r.samples)
+        ],
+        logprobs=lps[0] if lps and not r.samples else [],  # (n > 1: each sample's in its own)
     ).SerializeToString()
 
 
@@ -273,4 +283,14 @@ def decode_result(data: bytes) -> ItemResult:
         error_message=m.error_message,
         error_field=m.error_field,
         samples=tuple((x.text, FinishReason(x.finish_reason) if x.finish_reason else None) for x in m.samples),
+        logprobs=_result_logprobs(m),
     )
+
+
+def _result_logprobs(m: pb.ItemResult) -> tuple[tuple[TokenLogprob, ...], ...]:
+    """Each sample's logprobs (empty: none were asked for; sample 0's are the item's own)."""
+    if not m.logprobs and not any(s.logprobs for s in m.samples):
+        return ()
+    if not m.samples:
+        return (logprobs_from_pb(m.logprobs),)
+    return tuple(logprobs_from_pb(s.logprobs) for s in m.samples)

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from llamamesh.types.events import FinishReason, Usage
+from llamamesh.types.events import FinishReason, TokenLogprob, Usage
 
 
 class BatchState(str, enum.Enum):
@@ -47,6 +47,8 @@ class ItemResult:
     # An item with n > 1 samples: each sample's (text, finish reason), in order; ``text`` and
     # ``finish_reason`` are sample 0's, ``usage`` counts them all. Empty for n = 1.
     samples: tuple[tuple[str, FinishReason | None], ...] = ()
+    # The request asked for logprobs: each sample's, a token each, in order (empty when not asked).
+    logprobs: tuple[tuple[TokenLogprob, ...], ...] = ()
 
     @classmethod
     def unrun(cls, custom_id: str, status: ItemStatus, why: str) -> ItemResult:

@@ -206,7 +206,7 @@ class StreamBatchResultsRequest(_message.Message):
     def __init__(self, batch_id: _Optional[str] = ..., cursor: _Optional[str] = ..., follow: _Optional[bool] = ...) -> None: ...
 
 class BatchResult(_message.Message):
-    __slots__ = ("batch_id", "custom_id", "status", "text", "finish_reason", "usage", "error_code", "error_message", "error_reason", "error_field", "cursor", "samples")
+    __slots__ = ("batch_id", "custom_id", "status", "text", "finish_reason", "usage", "error_code", "error_message", "error_reason", "error_field", "cursor", "samples", "logprobs")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     CUSTOM_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +219,7 @@ class BatchResult(_message.Message):
     ERROR_FIELD_FIELD_NUMBER: _ClassVar[int]
     CURSOR_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
     custom_id: str
     status: BatchItemStatus
@@ -231,12 +232,15 @@ class BatchResult(_message.Message):
     error_field: str
     cursor: str
     samples: _containers.RepeatedCompositeFieldContainer[BatchSample]
-    def __init__(self, batch_id: _Optional[str] = ..., custom_id: _Optional[str] = ..., status: _Optional[_Union[BatchItemStatus, str]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_generation_pb2.Usage, _Mapping]] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., error_reason: _Optional[str] = ..., error_field: _Optional[str] = ..., cursor: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[BatchSample, _Mapping]]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    def __init__(self, batch_id: _Optional[str] = ..., custom_id: _Optional[str] = ..., status: _Optional[_Union[BatchItemStatus, str]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_generation_pb2.Usage, _Mapping]] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., error_reason: _Optional[str] = ..., error_field: _Optional[str] = ..., cursor: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[BatchSample, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class BatchSample(_message.Message):
-    __slots__ = ("text", "finish_reason")
+    __slots__ = ("text", "finish_reason", "logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     finish_reason: _generation_pb2.FinishReason
-    def __init__(self, text: _Optional[str] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    def __init__(self, text: _Optional[str] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...

@@ -186,14 +186,15 @@ def output_line(r: bpb.BatchResult, endpoint: str, model: str) -> str:
     """A succeeded item as a line of the output file: the response a single request would get,
     created when the result was stored (its cursor is a Redis stream id: milliseconds first), so a
     file reads the same each time."""
-    answer = openai_responses.Completion(f"{r.batch_id}-{r.custom_id}", endpoint.endswith("chat/completions"), False)
+    samples = list(r.samples) or [bpb.BatchSample(text=r.text, finish_reason=r.finish_reason, logprobs=r.logprobs)]
+    logprobs = any(s.logprobs for s in samples)  # (asked for: one a token)
+    answer = openai_responses.Completion(f"{r.batch_id}-{r.custom_id}", endpoint.endswith("chat/completions"), logprobs)
     answer.model = model
     ms = r.cursor.partition("-")[0]
     if ms.isdigit():
         answer.created = int(ms) // 1000
-    samples = list(r.samples) or [bpb.BatchSample(text=r.text, finish_reason=r.finish_reason)]
     for i, s in enumerate(samples):
-        answer.add(pb.GenerateResponse(text=s.text, finish_reason=s.finish_reason, sample=i))
+        answer.add(pb.GenerateResponse(text=s.text, finish_reason=s.finish_reason, sample=i, logprobs=s.logprobs))
     answer.usages[0] = r.usage
     body = answer.body()
     response = {"status_code": 200, "request_id": answer.request_id, "body": body}

@@ -18,7 +18,16 @@ from llamamesh.queue.memory import MemoryBatches
 from llamamesh.queue.protocol import BatchStore, Lease
 from llamamesh.queue.streams import RedisQueue
 from llamamesh.settings import RedisSettings
-from llamamesh.types import BatchInfo, BatchState, ItemResult, ItemStatus, Usage
+from llamamesh.types import (
+    BatchInfo,
+    BatchState,
+    FinishReason,
+    ItemResult,
+    ItemStatus,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 from tests.queue.jobs import batch
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(30)]
@@ -60,6 +69,26 @@ async def test_one_result_per_custom_id_and_the_last_one_ends_the_batch(store: B
     got = await store.results("r", "0-0", None)
     assert [r.custom_id for _c, r in got] == [leases[0].request.custom_id, leases[1].request.custom_id]
     assert [r.custom_id for _c, r in await store.results("r", got[0][0], None)] == [leases[1].request.custom_id]
+
+
+async def test_a_result_keeps_each_samples_logprobs(store: BatchStore) -> None:
+    info, items = batch("lp", 2)
+    await store.join("cpu")
+    await store.create(info, "fp", items)
+    a, b = await store.lease_items("cpu", "w", 10, 100)
+    lp = (TokenLogprob(5, -0.25, (TopLogprob(5, -0.25), TopLogprob(9, -1.5))), TokenLogprob(6, -0.75))
+    one = ItemResult(a.request.custom_id, ItemStatus.SUCCEEDED, "ab", FinishReason.LENGTH, logprobs=(lp,))
+    two = ItemResult(
+        b.request.custom_id,
+        ItemStatus.SUCCEEDED,
+        "ab",
+        FinishReason.LENGTH,
+        samples=(("ab", FinishReason.LENGTH), ("c", FinishReason.STOP)),
+        logprobs=(lp, lp[1:]),
+    )
+    assert await store.record(a, one) and await store.record(b, two)
+    got = {r.custom_id: r for _c, r in await store.results("lp", "0-0", None)}
+    assert got[one.custom_id] == one and got[two.custom_id] == two
 
 
 def counts(b: BatchInfo | None) -> tuple[int, ...]:

@@ -146,6 +146,20 @@ def test_stored_item_errors_become_status_names() -> None:
         assert (r.error_code, r.error_reason) == (code, stored.upper())
 
 
+async def test_items_asking_for_logprobs_get_each_samples_as_generate_does(stack: Stack) -> None:
+    asked = pb.GenerateRequest(prompt="p", max_tokens=4, logprobs=2, seed=1)
+    two = pb.GenerateRequest(prompt="p", max_tokens=3, n=2, temperature=0.8, logprobs=0, seed=1)
+    items = [bpb.BatchItem(custom_id="lp", request=asked), bpb.BatchItem(custom_id="two", request=two)]
+    items.append(bpb.BatchItem(custom_id="none", request=pb.GenerateRequest(prompt="p", max_tokens=4)))
+    await stack.batch.BatchGenerate(bpb.BatchGenerateRequest(batch_id="lpb", items=items))
+    got = {r.custom_id: r async for r in stack.batch.StreamBatchResults(bpb.StreamBatchResultsRequest(batch_id="lpb"))}
+    alone = [lp for m in [m async for m in stack.stub.Generate(asked)] for lp in m.logprobs]
+    assert len(alone) == 4 and list(got["lp"].logprobs) == alone
+    assert [len(s.logprobs) for s in got["two"].samples] == [3, 3]
+    assert got["two"].logprobs == got["two"].samples[0].logprobs  # (sample 0's, as text is)
+    assert not got["none"].logprobs
+
+
 async def test_items_with_n_samples_return_every_sample(stack: Stack) -> None:
     stub = stack.batch
     reqs = [

@@ -295,6 +295,27 @@ async def test_a_tenants_uploads_hold_at_most_its_batch_bytes(tmp_path: Path) ->
         await client.files.create(file=("b.jsonl", b"x" * 600), purpose="batch")
 
 
+async def test_an_output_line_has_the_logprobs_a_single_request_gets(
+    openai_door: tuple[Stack, openai.AsyncOpenAI],
+) -> None:
+    _, client = openai_door
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "seed": 4}
+    text = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "seed": 4, "logprobs": 1}
+    asked = {**chat, "logprobs": True, "top_logprobs": 1}
+    for endpoint, body, alone in (
+        ("/v1/chat/completions", asked, (await client.chat.completions.create(**asked)).choices[0].logprobs),  # type: ignore[call-overload]
+        ("/v1/completions", text, (await client.completions.create(**text)).choices[0].logprobs),  # type: ignore[call-overload]
+        ("/v1/chat/completions", chat, None),
+    ):
+        line = {"custom_id": "x", "method": "POST", "url": endpoint, "body": body}
+        uploaded = await client.files.create(file=("in.jsonl", jsonl([line])), purpose="batch")
+        batch = await client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h")  # type: ignore[arg-type]
+        done = await finished(client, batch.id)
+        (out,) = [json.loads(x) for x in (await client.files.content(done.output_file_id)).content.splitlines()]  # type: ignore[arg-type]
+        got = out["response"]["body"]["choices"][0]["logprobs"]
+        assert (type(alone).model_validate(got) if alone is not None else got) == alone, (endpoint, got)
+
+
 async def test_a_file_of_more_lines_than_a_batch_takes_is_400_naming_the_file() -> None:
     """The batch service's own limits name OpenAI's fields: its items are the input file's lines."""
     port = free_port()

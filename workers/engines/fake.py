@@ -208,16 +208,20 @@ class FakeEngine:
                 delta = replace(delta, cached_tokens=delta.prompt_tokens if cached else 0)
             yield delta
 
-    async def _stream(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
-        if self.dead:
-            raise EngineDead("the fake engine is dead")
-        n_prompt, s = self._validate(request)
+    def _base(self, request: GenerationRequest, s: ResolvedSampling) -> int:
+        """Where the request's tokens start: by its seed (or input), adapter and resume point."""
         base = s.seed if s.seed is not None else zlib.crc32(_input_text(request).encode())
         if request.adapter:
             if request.adapter not in self._adapters:
                 raise NotFound(f"adapter {request.adapter!r} is not loaded on this worker")
             base += 1 + zlib.crc32(request.adapter.encode()) % 500
-        base += len(request.resume_token_ids)  # token i depends on its position only: a resume continues
+        return base + len(request.resume_token_ids)  # token i depends on its position only: a resume continues
+
+    async def _stream(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        if self.dead:
+            raise EngineDead("the fake engine is dead")
+        n_prompt, s = self._validate(request)
+        base = self._base(request, s)
         # Like the real engines: the budget ends where the model's length does.
         max_tokens = min(s.max_tokens, self._settings.max_model_len - n_prompt - len(request.resume_token_ids))
         stops = StopStrings(s.stop)
@@ -251,14 +255,8 @@ class FakeEngine:
                     yield TokenDelta(stops.flush(), (tok,), lps, FinishReason.STOP, prompt_tokens=n_prompt)
                     return
                 if said is not None:  # a script: its pieces, the last one ending it (or the budget, cut short)
-                    end = (
-                        FinishReason.STOP
-                        if i == len(said) - 1
-                        else FinishReason.LENGTH
-                        if i == max_tokens - 1
-                        else None
-                    )
-                    yield TokenDelta(said[i], (tok,), lps, end, n_prompt)
+                    last = i == max_tokens - 1
+                    yield TokenDelta(said[i], (tok,), lps, _script_end(last, i == len(said) - 1), n_prompt)
                     continue
                 text, hit = stops.feed(_word(tok), check=i + 1 >= s.min_tokens)
                 if hit:
@@ -311,3 +309,8 @@ class FakeEngine:
             self._ticker.cancel()
             await asyncio.gather(self._ticker, return_exceptions=True)
             self._ticker = None
+
+
+def _script_end(last: bool, said_all: bool) -> FinishReason | None:
+    """How a script's token ends it: its last piece with stop, the budget's last token with length."""
+    return FinishReason.STOP if said_all else FinishReason.LENGTH if last else None

@@ -147,7 +147,7 @@ class SampleTokens(_message.Message):
     def __init__(self, sample: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ItemResult(_message.Message):
-    __slots__ = ("custom_id", "status", "text", "finish_reason", "prompt_tokens", "completion_tokens", "error_code", "error_message", "samples", "cached_tokens", "error_field")
+    __slots__ = ("custom_id", "status", "text", "finish_reason", "prompt_tokens", "completion_tokens", "error_code", "error_message", "samples", "cached_tokens", "error_field", "logprobs")
     CUSTOM_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,7 @@ class ItemResult(_message.Message):
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     custom_id: str
     status: str
     text: str
@@ -170,15 +171,18 @@ class ItemResult(_message.Message):
     samples: _containers.RepeatedCompositeFieldContainer[SampleResult]
     cached_tokens: int
     error_field: str
-    def __init__(self, custom_id: _Optional[str] = ..., status: _Optional[str] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[SampleResult, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., error_field: _Optional[str] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, custom_id: _Optional[str] = ..., status: _Optional[str] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[SampleResult, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., error_field: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class SampleResult(_message.Message):
-    __slots__ = ("text", "finish_reason")
+    __slots__ = ("text", "finish_reason", "logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     finish_reason: str
-    def __init__(self, text: _Optional[str] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Messages(_message.Message):
     __slots__ = ("messages",)
