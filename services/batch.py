@@ -31,7 +31,7 @@ from services import convert
 from services.admission import Admission, access_of, cache_scoped, check_priority
 from services.auth import identity
 from services.batch_convert import batch_pb, result_pb
-from services.batch_requests import DEFAULT_TEMPLATE, batch_requests
+from services.batch_requests import DEFAULT_TEMPLATE, batch_requests, stored_size
 from services.batch_sweeper import BatchSweeper
 from services.calls import note, rpc
 from services.normalize import Normalizer
@@ -120,7 +120,7 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
         # other calls' streams would stall meanwhile.
         batch_id, info, fingerprint, queued = await asyncio.to_thread(self._prepared, request, who)
         await self._admission.request(who)
-        stored, new = await self._stored(who, info, fingerprint, queued, request.ByteSize())
+        stored, new = await self._stored(who, info, fingerprint, queued, stored_size(request))
         log.info("batch_submitted", batch_id=batch_id, items=len(queued), new=new, owner=info.owner)
         return batch_pb(stored)
 

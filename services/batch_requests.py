@@ -49,6 +49,32 @@ def _requests_of(r: bpb.BatchGenerateRequest, bad: list[FieldViolation]) -> list
     return [(f"items[{i}]", item.custom_id, _unnamed(item.request)) for i, item in enumerate(r.items)]
 
 
+def stored_size(r: bpb.BatchGenerateRequest) -> int:
+    """The bytes a batch keeps: its request, and a summarisation's template written out for each of
+    its documents (what its items hold), counted without writing them out."""
+    if not r.HasField("summarise"):
+        return r.ByteSize()
+    s = r.summarise
+    template = s.template or DEFAULT_TEMPLATE
+    k = template.count("{document}")
+    fixed = len(template.encode()) - k * len("{document}") + s.params.ByteSize()
+    return r.ByteSize() + sum(fixed + k * len(d.text.encode()) for d in s.documents)
+
+
+def _over_bounds(r: bpb.BatchGenerateRequest, b: BatchSettings) -> list[FieldViolation]:
+    """What is wrong with the batch's size: more bytes (written out) or items than a batch may have."""
+    over = []
+    field = "summarise.documents" if r.HasField("summarise") else "items"
+    count = len(r.summarise.documents) if r.HasField("summarise") else len(r.items)
+    if (size := stored_size(r)) > b.max_bytes:
+        what = " with the template written out for each document" if r.HasField("summarise") else ""
+        most = f"at most {b.max_bytes} (LLAMAMESH_BATCH_MAX_BYTES)"
+        over.append(FieldViolation(field, f"the batch is {size} bytes{what}; {most}"))
+    if count > b.max_items:
+        over.append(FieldViolation(field, f"{count} items; at most {b.max_items} (LLAMAMESH_BATCH_MAX_ITEMS)"))
+    return over
+
+
 def _unnamed(request: pb.GenerateRequest) -> pb.GenerateRequest:
     """An item's request without the request_id it may carry (ignored: the server names its job)."""
     if not request.request_id:
@@ -87,15 +113,11 @@ def batch_requests(
     if window < MIN_WINDOW_S:
         bad.append(FieldViolation("completion_window_s", f"at least {MIN_WINDOW_S} seconds"))
     convert.metadata(r.metadata.items(), bad)
-    size = r.ByteSize()
-    if size > b.max_bytes:
-        most = f"at most {b.max_bytes} (LLAMAMESH_BATCH_MAX_BYTES)"
-        bad.append(FieldViolation("items", f"the batch is {size} bytes; {most}"))
+    if over := _over_bounds(r, b):  # refused before its items are written out or converted: it costs no more
+        raise InvalidRequest(bad + over)
     raw = _requests_of(r, bad)
     if not raw and not bad:
         bad.append(FieldViolation("items", "a batch needs at least one item (items or summarise.documents)"))
-    if len(raw) > b.max_items:
-        bad.append(FieldViolation("items", f"{len(raw)} items; at most {b.max_items} (LLAMAMESH_BATCH_MAX_ITEMS)"))
     out = _items(raw, gw, models, scoped_id(tenant, batch_id), tenant, bad)
     if bad:
         raise InvalidRequest(bad)

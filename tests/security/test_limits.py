@@ -265,3 +265,10 @@ async def test_batch_bytes_kept(limited: tuple[SecuredNode, Tenants]) -> None:
         # Its bytes are held until its results expire (LLAMAMESH_BATCH_RETENTION_S, 2 s here).
         took = await until_accepted(c, refused, within_s=20)
         assert took.counts.total == 2
+        # a summarisation counts its template written out for each document (what its items hold)
+        docs = [bpb.Document(custom_id=f"d{i}", text="abc") for i in range(4)]
+        summary = bpb.BatchGenerateRequest(summarise=bpb.Summarise(template="z" * 800 + "{document}", documents=docs))
+        assert summary.ByteSize() < 1000
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await c.batches.BatchGenerate(summary)
+        assert "LLAMAMESH_LIMITS_MAX_BATCH_BYTES" in (exc.value.details() or ""), exc.value.details()

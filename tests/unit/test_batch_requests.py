@@ -9,6 +9,7 @@ from llamamesh.settings import BatchSettings, GatewaySettings
 from llamamesh.v1 import batch_pb2 as bpb
 from llamamesh.v1 import generation_pb2 as pb
 from services.batch import DEFAULT_TEMPLATE, batch_requests
+from services.batch_requests import stored_size
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -89,6 +90,29 @@ def test_every_bad_field_is_named_and_nothing_passes() -> None:
         with pytest.raises(InvalidRequest) as exc:
             batch_requests(many, GW, bound, MODELS)
         assert [(v.field, setting in v.description) for v in exc.value.violations] == [("items", True)]
+
+
+def test_a_summarisation_counts_its_template_written_out_for_each_document() -> None:
+    """A long template over many short documents is as many bytes as the items it makes: refused
+    over LLAMAMESH_BATCH_MAX_BYTES before they are written out (it costs the gateway no memory)."""
+    template = "x" * 100_000 + " {document}"
+    docs = [bpb.Document(custom_id=f"d{i}", text="abc") for i in range(2000)]
+    r = bpb.BatchGenerateRequest(
+        summarise=bpb.Summarise(template=template, params=pb.GenerateRequest(), documents=docs)
+    )
+    assert r.ByteSize() < 200_000 and stored_size(r) > 2000 * 100_000
+    with pytest.raises(InvalidRequest) as exc:
+        batch_requests(r, GW, BatchSettings(max_bytes=64 * 1024 * 1024), MODELS)
+    (v,) = exc.value.violations
+    assert v.field == "summarise.documents" and "template written out" in v.description
+    _, _, items = batch_requests(
+        bpb.BatchGenerateRequest(summarise=bpb.Summarise(template=template, documents=docs[:3])),
+        GW,
+        BatchSettings(),
+        MODELS,
+    )
+    made = sum(len(req.messages[0].content.encode()) for _m, req in items)
+    assert made <= stored_size(bpb.BatchGenerateRequest(summarise=bpb.Summarise(template=template, documents=docs[:3])))
 
 
 def test_an_unknown_model_is_not_found_naming_the_item() -> None:
