@@ -6,7 +6,9 @@ Handlers read the caller's identity with ``identity(context)``.
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -28,11 +30,13 @@ ADMIN_PREFIX = "/llamamesh.v1.AdminService/"
 _identity: contextvars.ContextVar[Identity | None] = contextvars.ContextVar("identity", default=None)
 
 
-class _Refused:
-    """What the size-checking deserializer hands the handler instead of a request it refused."""
+class _Unparsed:
+    """A request's bytes as received, parsed only once its caller is admitted (``_parsed``)."""
 
-    def __init__(self, why: errors.LlamameshError) -> None:
-        self.why = why
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
 
 
 Header = Callable[[str], str]
@@ -89,17 +93,18 @@ def _certificates(context: grpc.aio.ServicerContext) -> tuple[str, ...]:
 class Gatekeeper(grpc.aio.ServerInterceptor):
     """For each call, before its handler runs:
 
-    1. **Size**: the request's bytes are checked against its method's limit before they are parsed
-       (``LLAMAMESH_GATEWAY_MAX_REQUEST_BYTES``; BatchGenerate: ``LLAMAMESH_BATCH_MAX_BYTES``), and
-       bytes that do not parse are refused: INVALID_ARGUMENT, nothing parsed, nothing queued.
-    2. **Concurrency**: at most ``LLAMAMESH_GATEWAY_MAX_CONCURRENT_RPCS`` calls at once in this
+    1. **Concurrency**: at most ``LLAMAMESH_GATEWAY_MAX_CONCURRENT_RPCS`` calls at once in this
        process (RESOURCE_EXHAUSTED with RetryInfo past it).
-    3. **Identity**: with a tenants file (``LLAMAMESH_AUTH_FILE``), an API key
+    2. **Identity**: with a tenants file (``LLAMAMESH_AUTH_FILE``), an API key
        (``authorization: Bearer <key>``) or a client certificate that the file maps to a tenant;
        otherwise UNAUTHENTICATED. AdminService needs an admin identity (PERMISSION_DENIED). Each
        decision is one ``auth_decided`` log line (tenant, key id, method, outcome), never the key.
        Without a tenants file the tenant is the ``x-llamamesh-tenant`` header (else "default"), as
        for the embedded node on loopback.
+    3. **Size**: the request's bytes are checked against its method's limit
+       (``LLAMAMESH_GATEWAY_MAX_REQUEST_BYTES``; BatchGenerate: ``LLAMAMESH_BATCH_MAX_BYTES``), then
+       parsed; bytes over it or that do not parse are refused: INVALID_ARGUMENT, nothing queued.
+       A caller that is not admitted has nothing of its request parsed.
     """
 
     def __init__(
@@ -127,11 +132,14 @@ class Gatekeeper(grpc.aio.ServerInterceptor):
         if handler is None or method.startswith(HEALTH_PREFIX):
             return handler
         limit, setting = self._by_method.get(method, (self._max_bytes, "LLAMAMESH_GATEWAY_MAX_REQUEST_BYTES"))
-        changes: dict[str, Any] = {"request_deserializer": _checked(handler.request_deserializer, limit, setting)}
+        parse = _parser(handler.request_deserializer, limit, setting)
+        changes: dict[str, Any] = {"request_deserializer": _Unparsed}  # (parsed by the guard, once admitted)
         for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
             behavior = getattr(handler, kind)
             if behavior is not None:
-                changes[kind] = self._guarded(behavior, method, kind.endswith("_stream"), kind.startswith("stream"))
+                changes[kind] = self._guarded(
+                    behavior, method, parse, (kind.endswith("_stream"), kind.startswith("stream"))
+                )
         return handler._replace(**changes)  # type: ignore[attr-defined, no-any-return]  # a namedtuple
 
     def decide(self, method: str, header: Header, certificates: tuple[str, ...] = ()) -> Identity:
@@ -168,35 +176,40 @@ class Gatekeeper(grpc.aio.ServerInterceptor):
                 retry_after_s=0.5,
             )
 
-    def _admitted(self, context: grpc.aio.ServicerContext, method: str, request: Any) -> Identity:
-        if isinstance(request, _Refused):
-            raise request.why
+    def _admitted(self, context: grpc.aio.ServicerContext, method: str) -> Identity:
         self.check_concurrency()
         certificates = _certificates(context) if self._tenants is not None else ()
         return self.decide(method, _metadata(context), certificates)
 
-    def _guarded(self, behavior: Any, method: str, streaming: bool, request_streaming: bool) -> Any:
-        """``behavior`` run only for an admitted caller, its identity bound for the handler."""
+    def _guarded(self, behavior: Any, method: str, parse: Callable[[Any], Any], kind: tuple[bool, bool]) -> Any:
+        """``behavior`` run only for an admitted caller, its identity bound for the handler, and given
+        its request parsed only then (``kind``: whether the responses and the requests stream)."""
         gate = self
+        streaming, request_streaming = kind
 
-        async def enter(request: Any, context: grpc.aio.ServicerContext) -> None:
+        async def enter(request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
-                who = gate._admitted(context, method, None if request_streaming else request)
+                who = gate._admitted(context, method)
+                request = request if request_streaming else parse(request)
             except errors.LlamameshError as exc:
                 await status.abort(context, exc)  # raises
             # Each call runs in its own task (its own context): the identity ends with it.
             _identity.set(who)
+            return request
 
         async def screened(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             async for r in requests:
-                if isinstance(r, _Refused):
-                    await status.abort(context, r.why)  # raises
-                yield r
+                try:
+                    parsed = parse(r)
+                except errors.LlamameshError as exc:
+                    await status.abort(context, exc)  # raises
+                yield parsed
 
         if streaming:
 
+            @_letting_go
             async def stream(request: Any, context: grpc.aio.ServicerContext) -> None:
-                await enter(request, context)
+                request = await enter(request, context)
                 gate.active += 1
                 try:
                     result = behavior(screened(request, context) if request_streaming else request, context)
@@ -217,8 +230,9 @@ class Gatekeeper(grpc.aio.ServerInterceptor):
 
             return stream
 
+        @_letting_go
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await enter(request, context)
+            request = await enter(request, context)
             gate.active += 1
             try:
                 return await behavior(screened(request, context) if request_streaming else request, context)
@@ -228,20 +242,45 @@ class Gatekeeper(grpc.aio.ServerInterceptor):
         return unary
 
 
-def _checked(deserialize: Callable[[bytes], Any] | None, limit: int, setting: str) -> Callable[[bytes], Any]:
-    """A deserializer that refuses (instead of parsing) more than ``limit`` bytes or bytes that do
-    not parse: the handler gets a ``_Refused`` and the gatekeeper answers INVALID_ARGUMENT."""
+def _letting_go(call: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]) -> Any:
+    """``call``, whose failure lets go of what its frames hold (the request, up to
+    LLAMAMESH_BATCH_MAX_BYTES of it) at once. A raised error's traceback holds every frame it went
+    through, and the error is held by a frame of its own: a cycle, which only the garbage
+    collector's rare full pass would free, so a gateway refusing large requests grew by each one."""
 
-    def parse(data: bytes) -> Any:
-        if len(data) > limit:
-            return _Refused(
-                errors.InvalidRequest.field("request", f"the request is {len(data)} bytes; at most {limit} ({setting})")
-            )
-        if deserialize is None:
-            return data
+    @functools.wraps(call)
+    async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return deserialize(data)
-        except Exception:  # protobuf's DecodeError and friends: the bytes are not this message
-            return _Refused(errors.InvalidRequest.field("request", "the request message does not parse"))
+            return await call(request, context)
+        except BaseException as exc:
+            request = None
+            seen: set[int] = set()
+            error: BaseException | None = exc
+            while error is not None and id(error) not in seen:  # the error and those it was raised from
+                seen.add(id(error))
+                traceback.clear_frames(error.__traceback__)
+                error = error.__cause__ or error.__context__
+            raise
+
+    return guarded
+
+
+def _parser(deserialize: Callable[[bytes], Any] | None, limit: int, setting: str) -> Callable[[_Unparsed], Any]:
+    """The request of an admitted caller from its bytes, or InvalidRequest (raised) for more than
+    ``limit`` bytes (refused unparsed) or bytes that do not parse."""
+
+    def parse(raw: _Unparsed) -> Any:
+        data, raw.data = raw.data, b""  # (taken: the bytes go once parsed)
+        if len(data) > limit:
+            why = f"the request is {len(data)} bytes; at most {limit} ({setting})"
+        elif deserialize is None:
+            return data
+        else:
+            try:
+                return deserialize(data)
+            except Exception:  # protobuf's DecodeError and friends: the bytes are not this message
+                why = "the request message does not parse"
+        del data  # (not held by the error's frames)
+        raise errors.InvalidRequest.field("request", why)
 
     return parse

@@ -3,6 +3,7 @@ worker, redis-server): who may call, as whom, and what each tenant can see of th
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -340,6 +341,28 @@ async def test_priority_and_pools_come_from_the_tenant(secured: tuple[SecuredNod
 
 
 # --- bounded requests
+
+
+async def test_a_caller_without_a_key_has_nothing_of_its_request_parsed(secured: tuple[SecuredNode, Tenants]) -> None:
+    """UNAUTHENTICATED first, whatever the bytes: not a parse error, not the size limit (a setting)."""
+    node, tenants = secured
+    creds = grpc.ssl_channel_credentials(await asyncio.to_thread(Path(node.ca).read_bytes))
+    for key in ("", "wrong"):
+        metadata = (("authorization", f"Bearer {key}"),) if key else ()
+        async with grpc.aio.secure_channel(node.address, creds) as channel:
+            call = channel.unary_unary("/llamamesh.v1.BatchService/GetBatch")  # bytes as they are
+            for data in (b"\xff\xff\xff", b"\x0a\x05" + b"x" * 5, bytes(5 << 20)):
+                with pytest.raises(grpc.aio.AioRpcError) as exc:
+                    await call(data, metadata=metadata, timeout=30)
+                assert code_of(exc) == grpc.StatusCode.UNAUTHENTICATED, (key, len(data), exc.value.details())
+                assert "LLAMAMESH" not in (exc.value.details() or "")
+    async with grpc.aio.secure_channel(node.address, creds) as channel:  # with a key: the bytes' own error
+        call = channel.unary_unary("/llamamesh.v1.BatchService/GetBatch")
+        metadata = (("authorization", f"Bearer {tenants.keys['alpha']}"),)
+        for data, says in ((b"\xff\xff\xff", "does not parse"), (bytes(5 << 20), "MAX_REQUEST_BYTES")):
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await call(data, metadata=metadata, timeout=30)
+            assert code_of(exc) == grpc.StatusCode.INVALID_ARGUMENT and says in (exc.value.details() or "")
 
 
 async def test_an_oversized_generate_is_refused_before_it_reaches_redis(

@@ -3,7 +3,10 @@ unparseable bytes, and reflection turned off."""
 
 from __future__ import annotations
 
+import gc
+import types
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -11,9 +14,12 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from llamamesh.client import Client, field_violations
-from llamamesh.settings import GatewaySettings
+from llamamesh.queue.memory import MemoryBatches
+from llamamesh.settings import AuthSettings, BatchSettings, GatewaySettings
+from llamamesh.v1 import batch_pb2 as bpb
 from llamamesh.v1 import generation_pb2 as pb
 from services.server import Gateway
+from tests.security.secured import create_key
 from tests.stacks import gateway_in_process
 from tests.waiting import until
 
@@ -76,3 +82,45 @@ async def test_reflection_can_be_turned_off(gateway: Gateway) -> None:
             async for _r in stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])):
                 pass
         assert exc.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def frames_holding(request: bytes) -> list[str]:
+    """The live frames of the gateway's code with ``request`` (its bytes, or parsed) in a variable."""
+
+    def holds(value: object) -> bool:
+        if isinstance(value, bytes | bytearray):
+            return len(value) >= len(request)
+        return isinstance(value, bpb.BatchGenerateRequest) or len(getattr(value, "data", b"")) >= len(request)
+
+    frames = [o for o in gc.get_objects() if isinstance(o, types.FrameType) and "/services/" in o.f_code.co_filename]
+    return [f"{f.f_code.co_name} {name}" for f in frames for name, v in f.f_locals.items() if holds(v)]
+
+
+async def test_a_refused_requests_bytes_are_let_go_when_its_call_ends(tmp_path: Path) -> None:
+    """Refused without a key, with a wrong one, or as invalid: no frame of the gateway holds the
+    request once its call ended (an error's frames form a cycle with it, which only the garbage
+    collector's rare full pass, off here, would free: the gateway grew by each large request)."""
+    auth = tmp_path / "tenants.json"
+    key = create_key(auth, "alpha")
+    items = [bpb.BatchItem(custom_id=f"c{i}", request=pb.GenerateRequest(prompt="y" * 1000)) for i in range(1000)]
+    big = bpb.BatchGenerateRequest(items=items).SerializeToString()  # 1 MB, over max_items
+    options = {"auth": AuthSettings(file=str(auth)), "batches": MemoryBatches(), "batch": BatchSettings(max_items=10)}
+    async with (
+        gateway_in_process(GatewaySettings(), **options) as gw,
+        grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as channel,
+    ):
+        call = channel.unary_unary("/llamamesh.v1.BatchService/BatchGenerate")
+        gc.collect()
+        gc.disable()
+        try:
+            for metadata, code in [
+                ((), grpc.StatusCode.UNAUTHENTICATED),
+                ((("authorization", "Bearer nope"),), grpc.StatusCode.UNAUTHENTICATED),
+                ((("authorization", f"Bearer {key}"),), grpc.StatusCode.INVALID_ARGUMENT),
+            ]:
+                with pytest.raises(grpc.aio.AioRpcError) as exc:
+                    await call(big, metadata=metadata, timeout=20)
+                assert exc.value.code() == code
+                assert frames_holding(big) == [], code
+        finally:
+            gc.enable()
