@@ -113,8 +113,10 @@ class HttpDoor:
 
         async def handle(request: web.Request) -> web.StreamResponse:
             try:
+                # Admitted first, as the gRPC gatekeeper does: a refused caller's call is not one of
+                # llamamesh_requests_total (llamamesh_admission_rejected_total counts it).
+                who = self._who(request, method)
                 async with call(method, request.headers.items(), "http"):
-                    who = self._who(request, method)
                     self._gate.active += 1
                     try:
                         answer = await work(request, who)

@@ -54,6 +54,9 @@ async def test_keys_are_checked_as_on_grpc(tmp_path: Path) -> None:
         assert [d["outcome"] for d in decisions] == ["unauthenticated", "unauthenticated", "allowed", "unauthenticated"]
         assert decisions[2]["tenant"] == "alpha"
         assert key not in json.dumps([dict(e) for e in logs], default=str)
+        # as on gRPC, a refused caller's call is counted as refused only (llamamesh_admission_rejected_total),
+        # not as a call served (rpc_finished, counted in llamamesh_requests_total)
+        assert [e["status"] for e in logs if e["event"] == "rpc_finished"] == ["ok"]
 
 
 async def test_a_malformed_head_or_a_key_of_other_bytes_leaves_no_key_in_the_log(
