@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -176,6 +175,28 @@ class Gatekeeper(grpc.aio.ServerInterceptor):
                 retry_after_s=0.5,
             )
 
+    @staticmethod
+    def _letting_go(call: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]) -> Any:
+        """``call``, whose refusal (a domain error answered as its status: grpc's AbortError) lets go
+        of its request (up to LLAMAMESH_BATCH_MAX_BYTES) when it ends. grpc keeps the error with the
+        call's state, and the error's traceback (and the error it was raised from) holds every frame
+        it went through, each holding the request; those end up in reference cycles that only the
+        garbage collector's rare full pass frees, so a gateway refusing large requests grew by each.
+        The error goes on without them: its status and message are the call's answer, and the call
+        was logged with them. Frames are not cleared by hand: a traceback may hold another task's
+        suspended frames, which clearing would close."""
+
+        @functools.wraps(call)
+        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return await call(request, context)
+            except grpc.aio.AbortError as exc:  # a domain error, answered (and logged) as the call's status
+                request = None
+                exc.__traceback__ = exc.__context__ = exc.__cause__ = None
+                raise
+
+        return guarded
+
     def _admitted(self, context: grpc.aio.ServicerContext, method: str) -> Identity:
         self.check_concurrency()
         certificates = _certificates(context) if self._tenants is not None else ()
@@ -192,6 +213,8 @@ class Gatekeeper(grpc.aio.ServerInterceptor):
                 who = gate._admitted(context, method)
                 request = request if request_streaming else parse(request)
             except errors.LlamameshError as exc:
+                if isinstance(request, _Unparsed):
+                    request.data = b""  # (a refused caller's bytes go now, whatever holds this)
                 await status.abort(context, exc)  # raises
             # Each call runs in its own task (its own context): the identity ends with it.
             _identity.set(who)
@@ -207,7 +230,7 @@ class Gatekeeper(grpc.aio.ServerInterceptor):
 
         if streaming:
 
-            @_letting_go
+            @gate._letting_go
             async def stream(request: Any, context: grpc.aio.ServicerContext) -> None:
                 request = await enter(request, context)
                 gate.active += 1
@@ -230,7 +253,7 @@ class Gatekeeper(grpc.aio.ServerInterceptor):
 
             return stream
 
-        @_letting_go
+        @gate._letting_go
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             request = await enter(request, context)
             gate.active += 1
@@ -240,29 +263,6 @@ class Gatekeeper(grpc.aio.ServerInterceptor):
                 gate.active -= 1
 
         return unary
-
-
-def _letting_go(call: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]) -> Any:
-    """``call``, whose failure lets go of what its frames hold (the request, up to
-    LLAMAMESH_BATCH_MAX_BYTES of it) at once. A raised error's traceback holds every frame it went
-    through, and the error is held by a frame of its own: a cycle, which only the garbage
-    collector's rare full pass would free, so a gateway refusing large requests grew by each one."""
-
-    @functools.wraps(call)
-    async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            return await call(request, context)
-        except BaseException as exc:
-            request = None
-            seen: set[int] = set()
-            error: BaseException | None = exc
-            while error is not None and id(error) not in seen:  # the error and those it was raised from
-                seen.add(id(error))
-                traceback.clear_frames(error.__traceback__)
-                error = error.__cause__ or error.__context__
-            raise
-
-    return guarded
 
 
 def _parser(deserialize: Callable[[bytes], Any] | None, limit: int, setting: str) -> Callable[[_Unparsed], Any]:
