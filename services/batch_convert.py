@@ -97,6 +97,6 @@ def result_pb(batch_id: str, cursor: str, r: ItemResult) -> bpb.BatchResult:
     for k, (text, finish) in enumerate(r.samples):
         end = convert.FINISH_TO_PB[finish] if finish is not None else 0
         msg.samples.add(text=text, finish_reason=end, logprobs=lps[k] if k < len(lps) else [])
-    if lps:
+    if lps and not r.samples:  # (n > 1: each sample's in its own, not twice)
         msg.logprobs.extend(lps[0])
     return msg

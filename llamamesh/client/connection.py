@@ -16,6 +16,7 @@ from llamamesh.client.interceptors import SyncMetadata, aio_interceptors
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 LOAD_BALANCING = ("pick_first", "round_robin")
 MAX_RECONNECT_BACKOFF_MS = 1000
+MAX_RECEIVE_BYTES = 64 * 1024 * 1024
 RETRIED_SERVICES = ("llamamesh.v1.GenerationService", "llamamesh.v1.BatchService", "llamamesh.v1.AdminService")
 
 
@@ -69,6 +70,8 @@ class Connection:
             # A gateway that went away is tried again at least every second (gRPC's default backoff
             # grows to 2 minutes), so a stream resumes as soon as it is back.
             ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
+            # A batch result with logprobs can pass gRPC's default 4 MiB: take what a gateway may send.
+            ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
         ]
         if self.tls_server_name:
             opts.append(("grpc.ssl_target_name_override", self.tls_server_name))

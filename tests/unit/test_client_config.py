@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import pytest
 
 from llamamesh.client import RETRIED_SERVICES, Connection, service_config
@@ -92,3 +93,22 @@ async def test_connections_must_be_positive_and_not_given_with_a_channel() -> No
     with pytest.raises(ValueError, match="either a channel"):
         Client(channel=channel, connections=2)
     await channel.close()
+
+
+async def test_a_message_past_grpcs_default_4_mib_reaches_the_client() -> None:
+    """A batch result with logprobs can pass 4 MiB: the client's channel takes up to 64 MiB."""
+    big = b"x" * (5 << 20)
+
+    async def answer(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return big
+
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", -1)])
+    handler = grpc.method_handlers_generic_handler("t.T", {"Big": grpc.unary_unary_rpc_method_handler(answer)})
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with Connection(retries=0).aio_channel(f"127.0.0.1:{port}") as channel:
+            assert await channel.unary_unary("/t.T/Big")(b"", timeout=10) == big
+    finally:
+        await server.stop(0)
