@@ -220,14 +220,6 @@ class Gatekeeper(grpc.aio.ServerInterceptor):
             _identity.set(who)
             return request
 
-        async def screened(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            async for r in requests:
-                try:
-                    parsed = parse(r)
-                except errors.LlamameshError as exc:
-                    await status.abort(context, exc)  # raises
-                yield parsed
-
         if streaming:
 
             @gate._letting_go
@@ -235,7 +227,7 @@ class Gatekeeper(grpc.aio.ServerInterceptor):
                 request = await enter(request, context)
                 gate.active += 1
                 try:
-                    result = behavior(screened(request, context) if request_streaming else request, context)
+                    result = behavior(_screened(request, context, parse) if request_streaming else request, context)
                     if inspect.isasyncgen(result):
                         # Written here and closed here, in the call's task, on every way out. Given to
                         # grpc, a generator it stops iterating (its write failed: the caller went
@@ -258,11 +250,23 @@ class Gatekeeper(grpc.aio.ServerInterceptor):
             request = await enter(request, context)
             gate.active += 1
             try:
-                return await behavior(screened(request, context) if request_streaming else request, context)
+                return await behavior(_screened(request, context, parse) if request_streaming else request, context)
             finally:
                 gate.active -= 1
 
         return unary
+
+
+async def _screened(
+    requests: AsyncIterator[Any], context: grpc.aio.ServicerContext, parse: Callable[[Any], Any]
+) -> AsyncIterator[Any]:
+    """A client stream's requests, each parsed (INVALID_ARGUMENT ends the call at one that cannot be)."""
+    async for r in requests:
+        try:
+            parsed = parse(r)
+        except errors.LlamameshError as exc:
+            await status.abort(context, exc)  # raises
+        yield parsed
 
 
 def _parser(deserialize: Callable[[bytes], Any] | None, limit: int, setting: str) -> Callable[[_Unparsed], Any]:
