@@ -6,6 +6,7 @@ the gRPC layer. The RPC handlers only convert, call the relay and map errors to 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Protocol
@@ -121,11 +122,23 @@ class QueueRelay:
         log.info("request_cancel_requested", request_id=request_id)
 
     async def tokenize(self, request: GenerationRequest, pool: str) -> JobEvent:
+        """``Relay.tokenize``, watched as a Generate is: NoWorkers for a pool with no live worker
+        for LLAMAMESH_GATEWAY_NO_WORKER_WAIT_S (at once, or while it waits), WorkerLost for a worker
+        that stopped answering; a job left behind is called off."""
+        live = self._parts.liveness
+        live.check_pool(pool)
         await self._queue.submit(pool, request)
-        async for _eid, ev in self._queue.events(request.request_id):
-            raise_failure(ev)
-            if ev.handed_back:
-                raise handed_back(ev)
-            if ev.terminal:
-                return ev
-        raise errors.WorkerLost("the worker ended without an answer")
+        ended = False
+        try:
+            async for ev in live.watched(pool, request.request_id):
+                raise_failure(ev)
+                if ev.handed_back:
+                    raise handed_back(ev)
+                if ev.terminal:
+                    ended = True
+                    return ev
+            raise errors.WorkerLost("the worker ended without an answer")
+        finally:
+            if not ended:
+                with contextlib.suppress(errors.LlamameshError):
+                    await self._queue.call_off(request.request_id)

@@ -291,6 +291,18 @@ async def test_a_pool_without_workers_is_unavailable_soon_not_at_the_deadline(st
         assert again.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t1 < 1  # at once
 
 
+async def test_tokenize_for_a_pool_without_workers_is_unavailable_soon_not_at_the_deadline(stack: Stack) -> None:
+    settings = GatewaySettings(port=0, models="tiny=cpu,other=gpu", no_worker_wait_s=0.5)
+    async with stack.beside(settings) as stub:
+        for _ in range(2):  # waiting out the wait; then, the pool empty for longer, at once
+            t0 = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await stub.Tokenize(pb.TokenizeRequest(model="other", prompt="x"), timeout=60)
+            assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "no live worker" in (ei.value.details() or "")
+            assert time.monotonic() - t0 < 5
+        assert (await stub.Tokenize(pb.TokenizeRequest(model="tiny", prompt="a b"), timeout=10)).count == 2
+
+
 @pytest.mark.fake_step_s(0.05)
 async def test_a_deadline_shorter_than_the_queue_wait_is_refused_at_once(stack: Stack) -> None:
     """While every slot of the pool is taken, a job waits and the pool's recent requests waited 5 s, a
