@@ -238,8 +238,9 @@ def _editing(path: str) -> Iterator[dict[str, Any]]:
     with open(f"{path}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         doc: dict[str, Any] = json.loads(target.read_text()) if target.exists() else {}
-        doc.setdefault("tenants", {})
-        doc.setdefault("keys", {})
+        Tenants.parse(doc, LimitsSettings())  # (one as the gateways take it: ValueError naming what is wrong)
+        for part in ("tenants", "keys"):
+            doc[part] = doc.get(part) or {}  # (absent or null: none yet)
         yield doc
         Tenants.parse(doc, LimitsSettings())  # never write a file the gateways would refuse
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tenants-")

@@ -54,7 +54,9 @@ def _submit_flags(a: argparse.ArgumentParser) -> None:
     a.add_argument("--max-tokens", type=flags.between(1, flags.INT32_MAX), help="with --summarise (default 128)")
     a.add_argument("--temperature", type=float, help="with --summarise (default 0)")
     a.add_argument("--batch-id", help="your id for it (submitting it again is harmless)")
-    a.add_argument("--window", type=flags.at_least(1), help="seconds in which items must start (default 24 h)")
+    a.add_argument(
+        "--window", type=flags.at_least(10), help="seconds in which items must start (at least 10; default 24 h)"
+    )
     a.add_argument("--no-wait", action="store_true", help="print the id and return")
 
 
@@ -67,7 +69,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
                 lines = f.readlines()
         out = open(args.output, "a", encoding="utf-8") if getattr(args, "output", None) else sys.stdout  # noqa: SIM115
     except (OSError, UnicodeDecodeError) as exc:
-        print(f"error: {getattr(args, 'file', '')}: {exc}", file=sys.stderr)
+        named = args.file if args.action == "submit" else f"-o {args.output}"
+        print(f"error: {named}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
         return 2
     try:
         return asyncio.run(_batch(args, lines, out))
@@ -119,26 +122,35 @@ async def _submit(stub: Any, meta: Metadata, args: argparse.Namespace, lines: li
     print(b.batch_id)
     if args.no_wait:
         return
+    shown = ""
     while b.state not in ENDED:
-        _progress(b, sys.stderr)
+        shown = _progress(b, sys.stderr, shown)
         await asyncio.sleep(0.5)  # the progress bar's refresh
         b = await stub.GetBatch(bpb.GetBatchRequest(batch_id=b.batch_id), metadata=meta)
-    _progress(b, sys.stderr)
-    print(file=sys.stderr)
+    _progress(b, sys.stderr, shown)
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
 
 
-def _progress(b: bpb.Batch, out: TextIO) -> None:
+def _progress(b: bpb.Batch, out: TextIO, shown: str) -> str:
+    """Show the batch's progress, unless it is ``shown`` already: on a terminal a bar redrawn in
+    place, elsewhere (a log file) a line per change. Returns what it shows."""
     c = b.counts
     done = c.total - c.processing
     width = 30
     bar = "#" * (width * done // max(c.total, 1))
     state = bpb.BatchState.Name(b.state).removeprefix("BATCH_STATE_").lower()
-    out.write(
-        f"\r[{bar:<{width}}] {done}/{c.total} {state}: {c.succeeded} ok, {c.errored} errored, "
+    line = (
+        f"[{bar:<{width}}] {done}/{c.total} {state}: {c.succeeded} ok, {c.errored} errored, "
         f"{c.cancelled} cancelled, {c.expired} expired; tokens {b.usage.prompt_tokens} in, "
         f"{b.usage.completion_tokens} out "
     )
+    if out.isatty():
+        out.write(f"\r{line}")
+    elif line != shown:
+        out.write(f"{line.rstrip()}\n")
     out.flush()
+    return line
 
 
 async def _status(stub: Any, meta: Metadata, args: argparse.Namespace, out: TextIO) -> None:
@@ -167,6 +179,7 @@ async def _results(stub: Any, meta: Metadata, args: argparse.Namespace, out: Tex
             continue
         seen.add(r.custom_id)
         out.write(batchfile.result_line(r) + "\n")
+        out.flush()  # (a line as it comes: a file followed, or cut short by a stop, holds every result so far)
         n += 1
     print(f"[{n} results]", file=sys.stderr)
 

@@ -39,7 +39,7 @@ def read_lines(lines: Iterable[str]) -> Iterator[tuple[int, dict[str, Any]]]:
         if line.strip():
             try:
                 obj = json.loads(line)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:  # (nested too deep: RecursionError)
                 raise ValueError(f"line {n}: not JSON: {exc}") from None
             if not isinstance(obj, dict):
                 raise ValueError(f"line {n}: expected a JSON object")
@@ -85,8 +85,8 @@ def items(lines: Iterable[str]) -> list[bpb.BatchItem]:
         request = pb.GenerateRequest()
         try:
             json_format.ParseDict(obj["request"], request)
-        except json_format.ParseError as exc:
-            raise ValueError(f"line {n}: bad request: {exc}") from None
+        except (json_format.ParseError, RecursionError) as exc:  # (its first line: protobuf lists the fields after)
+            raise ValueError(f"line {n}: bad request: {str(exc).splitlines()[0]}") from None
         out.append(bpb.BatchItem(custom_id=_custom_id(n, obj), request=request))
     return out
 

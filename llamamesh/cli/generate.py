@@ -25,6 +25,9 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.raw and args.system:
+        print("error: --system goes with a chat prompt, not --raw (a raw prompt has no messages)", file=sys.stderr)
+        return 2
     return asyncio.run(stream_answer(args.address, args, wait_s=args.wait))
 
 

@@ -425,6 +425,7 @@ def test_the_cli_submits_waits_and_writes_results(shared: ProcessNode, tmp_path:
     )
     assert sub.returncode == 0, sub.stderr
     assert sub.stdout.strip() == "cli" and "5/5 completed: 5 ok" in sub.stderr  # the progress bar's last state
+    assert "\r" not in sub.stderr and sub.stderr.count("5/5 completed") == 1  # not a terminal: a line per change
     out = tmp_path / "out.jsonl"
     res = subprocess.run([*cli, "results", "cli", "-o", str(out), *addr], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr

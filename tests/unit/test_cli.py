@@ -248,6 +248,9 @@ def test_flags_that_do_not_go_together_are_one_line(tmp_path: Path) -> None:
         (["generate", "x", "--seed", "99999999999999999999", "--address", nobody], 2, "argument --seed"),
         (["generate", "x", "--max-tokens", "9999999999", "--address", nobody], 2, "argument --max-tokens"),
         (["batch", "submit", str(items), "--max-tokens", "3", "--address", nobody], 2, "--max-tokens goes with"),
+        (["generate", "x", "--raw", "--system", "be brief", "--address", nobody], 2, "--system goes with a chat"),
+        (["batch", "submit", str(items), "--window", "5", "--address", nobody], 2, "argument --window"),
+        (["batch", "results", "b", "-o", str(tmp_path / "no" / "x.jsonl"), "--address", nobody], 2, "error: -o "),
     ]
     for args, code, says in cases:
         out = run(*args)
@@ -260,11 +263,13 @@ def test_a_batch_file_line_that_is_not_an_item_is_named() -> None:
         ('{"custom_id": null, "request": {"prompt": "x"}}', '"custom_id" must be a string'),
         ('{"custom_id": "x", "request": "hello"}', '"request" object'),
         ('{"custom_id": "x", "reqest": {"prompt": "x"}}', "unknown key 'reqest'"),
+        ('{"custom_id": "x", "request": {"maxtokens": 3}}', 'no field named "maxtokens"'),
+        ('{"custom_id": "x", "request": {"metadata": ' + "[" * 5000 + "]" * 5000 + "}}", "not JSON"),
     ]
     for line, says in bad:
         with pytest.raises(ValueError, match="line 2: ") as exc:
             batchfile.items(['{"custom_id": "ok", "request": {"prompt": "x"}}', line])
-        assert says in str(exc.value), (line, exc.value)
+        assert says in str(exc.value) and "\n" not in str(exc.value), (line, exc.value)
     with pytest.raises(ValueError, match='line 1: "custom_id" must be a string'):
         batchfile.summarise_request(['{"custom_id": 7, "text": "a document"}'], pb.GenerateRequest())
 

@@ -122,6 +122,20 @@ def test_create_key_refuses_a_bad_tenant_name(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "t.json").read_text() if (tmp_path / "t.json").exists() else "{}") == {}
 
 
+def test_keys_are_added_to_a_file_with_null_parts_and_a_bad_one_is_refused_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"tenants": {"acme": {"certificates": ["acme-client"]}}, "keys": None}))
+    key_id, _ = create_key(str(path), "acme")
+    revoke_key(str(path), key_id)
+    assert [k["revoked"] for k in list_keys(str(path))] == [True]
+    for bad, says in (({"tenants": ["acme"]}, "'tenants' must be an object"), ([1], "expected a JSON object")):
+        path.write_text(json.dumps(bad))
+        for edit in (lambda: create_key(str(path), "acme"), lambda: revoke_key(str(path), "x")):
+            with pytest.raises(ValueError, match=says):
+                edit()
+        assert json.loads(path.read_text()) == bad  # left as it was
+
+
 @pytest.mark.parametrize(
     ("limits", "named"),
     [
