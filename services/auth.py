@@ -30,7 +30,7 @@ _identity: contextvars.ContextVar[Identity | None] = contextvars.ContextVar("ide
 
 
 class _Unparsed:
-    """A request's bytes as received, parsed only once its caller is admitted (``_parsed``)."""
+    """A request's bytes as received, parsed only once its caller is admitted (``_parser``)."""
 
     __slots__ = ("data",)
 
