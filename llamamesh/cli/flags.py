@@ -4,6 +4,7 @@ the settings and client they make."""
 from __future__ import annotations
 
 import argparse
+import ssl
 from collections.abc import Callable
 from pathlib import Path
 
@@ -165,7 +166,29 @@ def client(address: str, args: argparse.Namespace) -> Client:
         except OSError as exc:
             flag = f"--{name.replace('_', '-')}"
             raise BadSetting(f"LLAMAMESH_CLIENT_{name.upper()} ({flag}): cannot read {path}: {exc.strerror}") from None
+    _check_pem(settings)
     return Client.from_settings(address, settings, tls=bool(getattr(args, "tls", False)))
+
+
+def _check_pem(settings: ClientSettings) -> None:
+    """BadSetting for a TLS file that is not what its flag says: gRPC reads them only when it
+    connects, and then says no more than that the handshake failed (after its own log lines)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if settings.tls_ca:
+        try:
+            ctx.load_verify_locations(cafile=settings.tls_ca)
+        except ssl.SSLError as exc:
+            why = f"{settings.tls_ca} holds no PEM certificate ({exc.reason or exc})"
+            raise BadSetting(f"LLAMAMESH_CLIENT_TLS_CA (--tls-ca): {why}") from None
+    if settings.tls_cert and settings.tls_key:
+        try:  # (an encrypted key: gRPC cannot use one either, so no password is asked for)
+            ctx.load_cert_chain(settings.tls_cert, settings.tls_key, password=lambda: b"")
+        except ssl.SSLError as exc:
+            pair = f"{settings.tls_cert} and {settings.tls_key}"
+            why = f"{pair} are not a PEM certificate and its key ({exc.reason or exc})"
+            raise BadSetting(
+                f"LLAMAMESH_CLIENT_TLS_CERT, LLAMAMESH_CLIENT_TLS_KEY (--tls-cert, --tls-key): {why}"
+            ) from None
 
 
 def rpc_error(err: grpc.RpcError, named: Callable[[str], str] = str) -> str:

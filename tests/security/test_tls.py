@@ -375,6 +375,22 @@ async def test_cli_reaches_a_mutual_tls_gateway_with_flags_or_environment(pki: P
     assert no_cert[0] != 0 and "UNAVAILABLE" in no_cert[1], no_cert
 
 
+async def test_cli_names_a_tls_file_that_is_not_what_its_flag_says(pki: PKI) -> None:
+    """A key given as the CA, or a key that is not the certificate's: one line naming the flags, before any
+    connection (gRPC would say only that the handshake failed, after its own log lines)."""
+    nobody = f"127.0.0.1:{free_port()}"
+    cases = [
+        (["--tls-ca", str(pki.client.key)], "--tls-ca"),
+        (
+            ["--tls-ca", str(pki.ca.cert), "--tls-cert", str(pki.client.cert), "--tls-key", str(pki.server.key)],
+            "--tls-key",
+        ),
+    ]
+    for files, flag in cases:
+        code, out = await cli("models", "--address", nobody, *files)
+        assert code == 1 and flag in out and out.count("\n") == 1 and "UNAVAILABLE" not in out, out
+
+
 # --- the embedded node watches its TLS gateway start with the client settings
 
 
