@@ -196,7 +196,7 @@ class GatewaySettings(Section, section="gateway"):
 
     metrics_port: int = setting(0, PORT)
     """Prometheus /metrics on this port (host: ``host``); with ``processes`` > 1 the supervising process serves every
-    gateway process's metrics in one scrape (llamamesh/metrics.py). 0: off."""
+    gateway process's metrics in one scrape (llamamesh/metrics.py). 0: off (``llamamesh serve``: a free port)."""
 
     affinity_prefix_chars: int = setting(1024, Range(0))
     """Prefix affinity: a request without GenerateRequest.prefix_key gets a hash of its prompt's (or its rendered

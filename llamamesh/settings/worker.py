@@ -154,7 +154,7 @@ class WorkerSettings(Section, section="worker"):
 
     metrics_port: int = setting(0, PORT)
     """Prometheus /metrics on this port, on ``metrics_host``; the supervisor of several workers (a node, replicas)
-    serves them all in one scrape. 0: off."""
+    serves them all in one scrape. 0: off (``llamamesh serve``: a free port)."""
 
     metrics_host: str = "127.0.0.1"
     """The address the worker's metrics and health ports listen on."""
