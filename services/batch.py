@@ -118,9 +118,9 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
         from an OpenAI batch file); the same batch_id again returns the stored batch."""
         # The checks and conversion of up to 50 000 items take seconds: off the event loop, whose
         # other calls' streams would stall meanwhile.
-        batch_id, info, fingerprint, queued = await asyncio.to_thread(self._prepared, request, who)
+        batch_id, info, fingerprint, queued, size = await asyncio.to_thread(self._prepared, request, who)
         await self._admission.request(who)
-        stored, new = await self._stored(who, info, fingerprint, queued, stored_size(request))
+        stored, new = await self._stored(who, info, fingerprint, queued, size)
         log.info("batch_submitted", batch_id=batch_id, items=len(queued), new=new, owner=info.owner)
         return batch_pb(stored)
 
@@ -134,8 +134,10 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
             pass
         return []
 
-    def _prepared(self, request: bpb.BatchGenerateRequest, who: Identity) -> tuple[str, BatchInfo, str, Queued]:
-        """The batch's id, record, fingerprint and items as queued (each with its pool), checked."""
+    def _prepared(self, request: bpb.BatchGenerateRequest, who: Identity) -> tuple[str, BatchInfo, str, Queued, int]:
+        """The batch's id, record, fingerprint, items as queued (each with its pool), checked, and the
+        bytes it keeps (``stored_size``: a summarisation's documents written out, counted here, off
+        the event loop)."""
         batch_id, window, items = batch_requests(request, self._gw, self._s, self._models, who.tenant)
         items = self._admitted(who, items, "summarise.documents" if request.summarise.documents else "items")
         scoped = scoped_id(who.tenant, batch_id)
@@ -157,7 +159,7 @@ class BatchServicer(batch_pb2_grpc.BatchServiceServicer):
         if self._tenant_cache:
             items = [(model, cache_scoped(req, who.tenant)) for model, req in items]
         queued = [(self._policy.choose(req, model.pool, access)[0], replace(req, trace=trace)) for model, req in items]
-        return batch_id, info, fingerprint, queued
+        return batch_id, info, fingerprint, queued, stored_size(request)
 
     def _admitted(self, who: Identity, items: Items, named: str) -> Items:
         """The items normalised (services/normalize.py: before routing and storing; the fingerprint

@@ -37,7 +37,7 @@ from services import tools
 
 MAX_REQUEST_ID = 128
 REQUEST_ID = re.compile(rf"^[A-Za-z0-9._:\-]{{1,{MAX_REQUEST_ID}}}$")
-ID_RULE = "1-128 characters of A-Z a-z 0-9 . _ : -"  # what REQUEST_ID takes, as errors say it
+ID_RULE = f"1-{MAX_REQUEST_ID} characters of A-Z a-z 0-9 . _ : -"  # what REQUEST_ID takes, as errors say it
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_METADATA = 64

@@ -237,7 +237,7 @@ async def test_a_dead_workers_leased_jobs_are_reclaimed_once_and_poison_is_set_a
         assert len(dead) == 1 and dead[0][1][b"deliveries"] == b"3"
         evs = [e async for _i, e in q.events("a2")]
         assert evs[-1].failed is not None and "set aside" in evs[-1].failed.message
-        assert await q.queue_depth("cpu") == QueueDepth(0, 1)  # a1, running on w2
+        assert await q.queue_depth("cpu") == QueueDepth(0, 1)  # a1, running on its holder
         stream = keys.jobs_part("cpu", "t", partition_of(job("x", a), P))
         assert (await raw.xpending(stream, WORKER_GROUP))["pending"] == 1
     finally:
